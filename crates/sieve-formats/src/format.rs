@@ -1,0 +1,175 @@
+//! The one trait every weight format implements, and the pieces of its contract.
+
+use crate::blob;
+use crate::error::{FormatError, Result};
+use crate::matrix::DenseMatrix;
+use serde::Serialize;
+
+/// Which format a blob or a layer uses. The discriminant is the on-disk tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[repr(u16)]
+pub enum FormatKind {
+    Dense = 1,
+    RlcCsc = 2,
+    TiledCbc = 3,
+    IeBme = 4,
+    Slide = 5,
+}
+
+impl FormatKind {
+    pub const ALL: [FormatKind; 5] = [
+        FormatKind::Dense,
+        FormatKind::RlcCsc,
+        FormatKind::TiledCbc,
+        FormatKind::IeBme,
+        FormatKind::Slide,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FormatKind::Dense => "dense",
+            FormatKind::RlcCsc => "rlc-csc",
+            FormatKind::TiledCbc => "tiled-cbc",
+            FormatKind::IeBme => "ie-bme",
+            FormatKind::Slide => "slide",
+        }
+    }
+
+    pub fn from_tag(tag: u16) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|k| *k as u16 == tag)
+            .ok_or_else(|| FormatError::Corrupt(format!("unknown format tag {tag}")))
+    }
+
+    pub fn from_name(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| {
+                FormatError::Option(format!(
+                    "unknown format '{name}' (known: dense, rlc-csc, tiled-cbc, ie-bme, slide)"
+                ))
+            })
+    }
+}
+
+/// Bytes a format stores, split the way the papers account for them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Storage {
+    /// Weight values as stored (including zero padding the format needs).
+    pub payload_bytes: usize,
+    /// Everything else: indices, bitmaps, offsets, scales.
+    pub metadata_bytes: usize,
+}
+
+impl Storage {
+    pub fn total_bytes(&self) -> usize {
+        self.payload_bytes + self.metadata_bytes
+    }
+    /// Payload-to-metadata ratio (UnionSparse's PMR): payload bytes / metadata bytes.
+    /// Infinite when a format has no metadata.
+    pub fn pmr(&self) -> f64 {
+        if self.metadata_bytes == 0 {
+            f64::INFINITY
+        } else {
+            self.payload_bytes as f64 / self.metadata_bytes as f64
+        }
+    }
+}
+
+/// TEAL-style activation sparsity: an input element with `|x| <= t` is treated as exactly zero
+/// and its weight column is skipped. `None` uses every element (zeros still contribute nothing).
+pub type Threshold = Option<f32>;
+
+/// Validates a threshold: finite and non-negative.
+pub fn check_threshold(t: Threshold) -> Result<()> {
+    match t {
+        Some(v) if !(v.is_finite() && v >= 0.0) => Err(FormatError::Threshold(v)),
+        _ => Ok(()),
+    }
+}
+
+/// True when input element `x` is active (contributes) under threshold `t`.
+#[inline(always)]
+pub fn is_active(x: f32, t: Threshold) -> bool {
+    match t {
+        Some(t) => x.abs() > t,
+        None => true,
+    }
+}
+
+/// A packed weight matrix `W` (M x K) that can multiply activations on the CPU.
+///
+/// This trait is object safe: the model's `Linear` layer holds a `Box<dyn WeightFormat>`.
+/// Construction is per format (`Type::encode(&DenseMatrix, &Options)`), deserialization goes
+/// through [`crate::registry::from_bytes`].
+pub trait WeightFormat: Send + Sync + std::fmt::Debug {
+    fn kind(&self) -> FormatKind;
+    /// M, the number of outputs.
+    fn rows(&self) -> usize;
+    /// K, the number of inputs.
+    fn cols(&self) -> usize;
+    fn storage(&self) -> Storage;
+    /// The dense matrix this format holds (dequantized for quantized payloads).
+    fn decode(&self) -> DenseMatrix;
+    /// `y = W · x` for one activation vector (`x.len() == K`, `y.len() == M`), fp32 accumulation,
+    /// elements inactive under `threshold` skipped. `y` is overwritten.
+    fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<()>;
+    /// `Y = X · Wᵀ` for `n` activation rows: `x` is n x K row-major, `y` is n x M row-major.
+    /// The threshold applies element-wise, per token. `y` is overwritten.
+    fn matmul(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<()>;
+    /// Appends this format's payload (everything needed to rebuild it) to `out`.
+    fn write_payload(&self, out: &mut blob::ByteWriter);
+
+    /// The framed, checksummed serialization (see [`crate::blob`]).
+    fn to_bytes(&self) -> Vec<u8> {
+        let mut w = blob::ByteWriter::new();
+        self.write_payload(&mut w);
+        blob::frame(self.kind() as u16, &w.buf)
+    }
+}
+
+/// Checks the slice lengths and threshold of a `matvec`/`matmul` call.
+pub fn check_product_args(
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    threshold: Threshold,
+    y: &[f32],
+) -> Result<()> {
+    check_threshold(threshold)?;
+    if x.len() != n * cols {
+        return Err(FormatError::Shape {
+            what: "activation length (n * K)",
+            expected: n * cols,
+            actual: x.len(),
+        });
+    }
+    if y.len() != n * rows {
+        return Err(FormatError::Shape {
+            what: "output length (n * M)",
+            expected: n * rows,
+            actual: y.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Default batched product built from `matvec`, for formats without a specialised one.
+pub fn matmul_by_rows<F: WeightFormat + ?Sized>(
+    w: &F,
+    x: &[f32],
+    n: usize,
+    threshold: Threshold,
+    y: &mut [f32],
+) -> Result<()> {
+    use rayon::prelude::*;
+    check_product_args(w.rows(), w.cols(), x, n, threshold, y)?;
+    let (m, k) = (w.rows(), w.cols());
+    y.par_chunks_mut(m)
+        .zip(x.par_chunks(k))
+        .try_for_each(|(yr, xr)| w.matvec(xr, threshold, yr))
+}

@@ -1,0 +1,38 @@
+//! Dispatch by [`FormatKind`]: encode with default options, and deserialize any blob.
+//! Each format adds one arm to each function here.
+
+use crate::blob::{self, ByteReader};
+use crate::error::{FormatError, Result};
+use crate::format::{FormatKind, WeightFormat};
+use crate::matrix::DenseMatrix;
+
+/// Encodes `w` in `kind` with that format's default options.
+pub fn encode_default(kind: FormatKind, w: &DenseMatrix) -> Result<Box<dyn WeightFormat>> {
+    Ok(match kind {
+        FormatKind::Dense => Box::new(crate::dense::Dense::encode(w)?),
+        other => {
+            return Err(FormatError::Option(format!(
+                "format {} is not available in this build",
+                other.name()
+            )))
+        }
+    })
+}
+
+/// Reads a blob written by [`WeightFormat::to_bytes`], checking its frame and checksum.
+pub fn from_bytes(bytes: &[u8]) -> Result<Box<dyn WeightFormat>> {
+    let (tag, payload) = blob::unframe(bytes)?;
+    let kind = FormatKind::from_tag(tag)?;
+    let mut r = ByteReader::new(payload);
+    let w: Box<dyn WeightFormat> = match kind {
+        FormatKind::Dense => Box::new(crate::dense::Dense::read_payload(&mut r)?),
+        other => {
+            return Err(FormatError::Option(format!(
+                "format {} is not available in this build",
+                other.name()
+            )))
+        }
+    };
+    r.finish()?;
+    Ok(w)
+}

@@ -1,0 +1,1 @@
+//! Model files, tokenizer, Llama-family forward pass and sampling.

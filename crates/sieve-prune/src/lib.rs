@@ -1,0 +1,1 @@
+//! Pruning, activation thresholds, calibration and packing.

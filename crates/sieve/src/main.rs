@@ -1,0 +1,28 @@
+//! `sieve`: sparse LLM inference from the command line. Each subcommand lives in `commands/`.
+
+use clap::{Parser, Subcommand};
+
+mod commands;
+
+#[derive(Parser)]
+#[command(name = "sieve", version, about = "Sparse LLM inference: skip the zeros")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Inspect the sparse weight formats.
+    Formats {
+        #[command(subcommand)]
+        command: commands::formats::FormatsCommand,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Formats { command } => commands::formats::run(command),
+    }
+}
