@@ -1,1 +1,28 @@
 //! Model files, tokenizer, Llama-family forward pass and sampling.
+//!
+//! | module | job |
+//! |---|---|
+//! | [`config`] | `ModelConfig`: the architecture hyper-parameters the forward pass needs |
+//! | [`weights`] | `TensorSource`: named f32 tensors from any model file |
+//! | [`gguf`] | GGUF v2/v3 reader (memory-mapped) and its metadata -> `ModelConfig` |
+//! | [`quant`] | dequantization of GGUF block formats |
+//! | [`safetensors_dir`] | Hugging Face model directories (`config.json` + safetensors shards) |
+//! | [`tokenizer`] | BPE tokenizer from `tokenizer.json` or GGUF metadata, special tokens |
+//! | [`chat`] | chat templates (ChatML) |
+//! | [`linear`] | `Linear`: the seam where any weight format plugs into the model |
+//! | [`llama`] | the Llama-family forward pass with a KV cache |
+//! | [`sampling`] | greedy, temperature, top-k, top-p, repetition penalty |
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod linear;
+pub mod llama;
+pub mod quant;
+pub mod safetensors_dir;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{ModelError, Result};
