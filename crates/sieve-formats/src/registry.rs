@@ -10,6 +10,10 @@ use crate::matrix::DenseMatrix;
 pub fn encode_default(kind: FormatKind, w: &DenseMatrix) -> Result<Box<dyn WeightFormat>> {
     Ok(match kind {
         FormatKind::Dense => Box::new(crate::dense::Dense::encode(w)?),
+        FormatKind::Slide => Box::new(crate::slide::Slide::encode(
+            w,
+            &crate::slide::SlideOptions::default(),
+        )?),
         FormatKind::IeBme => Box::new(crate::ie_bme::IeBme::encode(
             w,
             &crate::ie_bme::IeBmeOptions::default(),
@@ -30,6 +34,7 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Box<dyn WeightFormat>> {
     let mut r = ByteReader::new(payload);
     let w: Box<dyn WeightFormat> = match kind {
         FormatKind::Dense => Box::new(crate::dense::Dense::read_payload(&mut r)?),
+        FormatKind::Slide => Box::new(crate::slide::Slide::read_payload(&mut r)?),
         FormatKind::IeBme => Box::new(crate::ie_bme::IeBme::read_payload(&mut r)?),
         other => {
             return Err(FormatError::Option(format!(
