@@ -2,7 +2,7 @@
 //! Each format adds one arm to each function here.
 
 use crate::blob::{self, ByteReader};
-use crate::error::{FormatError, Result};
+use crate::error::Result;
 use crate::format::{FormatKind, WeightFormat};
 use crate::matrix::DenseMatrix;
 
@@ -10,20 +10,19 @@ use crate::matrix::DenseMatrix;
 pub fn encode_default(kind: FormatKind, w: &DenseMatrix) -> Result<Box<dyn WeightFormat>> {
     Ok(match kind {
         FormatKind::Dense => Box::new(crate::dense::Dense::encode(w)?),
-        FormatKind::Slide => Box::new(crate::slide::Slide::encode(
-            w,
-            &crate::slide::SlideOptions::default(),
-        )?),
         FormatKind::IeBme => Box::new(crate::ie_bme::IeBme::encode(
             w,
             &crate::ie_bme::IeBmeOptions::default(),
         )?),
-        other => {
-            return Err(FormatError::Option(format!(
-                "format {} is not available in this build",
-                other.name()
-            )))
-        }
+        FormatKind::RlcCsc => Box::new(crate::rlc_csc::RlcCsc::encode(
+            w,
+            &crate::rlc_csc::RlcCscOptions::default(),
+        )?),
+        FormatKind::TiledCbc => Box::new(crate::tiled_cbc::TiledCbc::encode(w)?),
+        FormatKind::Slide => Box::new(crate::slide::Slide::encode(
+            w,
+            &crate::slide::SlideOptions::default(),
+        )?),
     })
 }
 
@@ -34,14 +33,10 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Box<dyn WeightFormat>> {
     let mut r = ByteReader::new(payload);
     let w: Box<dyn WeightFormat> = match kind {
         FormatKind::Dense => Box::new(crate::dense::Dense::read_payload(&mut r)?),
-        FormatKind::Slide => Box::new(crate::slide::Slide::read_payload(&mut r)?),
         FormatKind::IeBme => Box::new(crate::ie_bme::IeBme::read_payload(&mut r)?),
-        other => {
-            return Err(FormatError::Option(format!(
-                "format {} is not available in this build",
-                other.name()
-            )))
-        }
+        FormatKind::RlcCsc => Box::new(crate::rlc_csc::RlcCsc::read_payload(&mut r)?),
+        FormatKind::TiledCbc => Box::new(crate::tiled_cbc::TiledCbc::read_payload(&mut r)?),
+        FormatKind::Slide => Box::new(crate::slide::Slide::read_payload(&mut r)?),
     };
     r.finish()?;
     Ok(w)
