@@ -194,3 +194,82 @@ fn real_model_config_and_tensor_table() {
         other => panic!("expected a GGUF tokenizer, got {other:?}"),
     }
 }
+
+/// Relative mean |norm(row i) - norm(row i + head_dim/2)| within each head. Under HF rotate-half
+/// RoPE, rows i and i + head_dim/2 form one rotation pair at one frequency, and trained weights
+/// give the two rows of a pair similar norms; a wrong row order breaks the pairing.
+fn pair_norm_gap(data: &[f32], rows: usize, n_head: usize) -> f64 {
+    let cols = data.len() / rows;
+    let norms: Vec<f64> = data
+        .chunks_exact(cols)
+        .map(|r| r.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt())
+        .collect();
+    let head_dim = rows / n_head;
+    let half = head_dim / 2;
+    let mut gap = 0.0;
+    for h in 0..n_head {
+        for i in 0..half {
+            gap += (norms[h * head_dim + i] - norms[h * head_dim + half + i]).abs();
+        }
+    }
+    let mean_norm = norms.iter().sum::<f64>() / rows as f64;
+    gap / (rows / 2) as f64 / mean_norm
+}
+
+/// The converter's own direction (HF row h*hd + j*half + i -> GGUF row h*hd + 2i + j), applied
+/// once more: what a reader that permuted the wrong way would produce.
+fn permute_again(data: &[f32], rows: usize, n_head: usize) -> Vec<f32> {
+    let cols = data.len() / rows;
+    let head_dim = rows / n_head;
+    let half = head_dim / 2;
+    let mut out = vec![0f32; data.len()];
+    for h in 0..n_head {
+        for j in 0..2 {
+            for i in 0..half {
+                let src = h * head_dim + j * half + i;
+                let dst = h * head_dim + 2 * i + j;
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// An independent, semantic check of the Q/K un-permutation (the golden fixture checks it
+/// against the same math in numpy): the HF row order must pair RoPE rows far better than the
+/// file's order or the opposite permutation.
+#[test]
+fn real_model_qk_rows_pair_up_under_rotate_half() {
+    let Some(path) = default_model() else { return };
+    let model = GgufModel::open(&path).unwrap();
+    let c = model.config().clone();
+    for (proj, gguf_part, n_head) in [
+        ("q_proj", "attn_q", c.num_heads),
+        ("k_proj", "attn_k", c.num_kv_heads),
+    ] {
+        let (mut hf, mut raw, mut wrong) = (0.0, 0.0, 0.0);
+        for layer in 0..c.num_layers {
+            let t = model
+                .tensor(&format!("model.layers.{layer}.self_attn.{proj}.weight"))
+                .unwrap();
+            let rows = t.shape[0];
+            let file_order = model
+                .file()
+                .tensor_f32(&format!("blk.{layer}.{gguf_part}.weight"))
+                .unwrap();
+            hf += pair_norm_gap(&t.data, rows, n_head);
+            raw += pair_norm_gap(&file_order, rows, n_head);
+            wrong += pair_norm_gap(&permute_again(&file_order, rows, n_head), rows, n_head);
+        }
+        let n = c.num_layers as f64;
+        let (hf, raw, wrong) = (hf / n, raw / n, wrong / n);
+        eprintln!(
+            "{proj}: pair norm gap HF order {hf:.3}, file order {raw:.3}, wrong way {wrong:.3}"
+        );
+        assert!(
+            hf < 0.75 * wrong && hf < 0.5 * raw,
+            "{proj}: {hf} vs {raw} / {wrong}"
+        );
+    }
+}
