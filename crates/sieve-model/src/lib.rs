@@ -11,14 +11,17 @@
 //! | [`chat`] | chat templates (ChatML) |
 //! | [`linear`] | `Linear`: the seam where any weight format plugs into the model |
 //! | [`llama`] | the Llama-family forward pass with a KV cache |
+//! | [`packfile`] | the `.sieve` container: named, checksummed sections |
 //! | [`sampling`] | greedy, temperature, top-k, top-p, repetition penalty |
 
 pub mod chat;
 pub mod config;
 pub mod error;
+pub mod generate;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+pub mod packfile;
 pub mod quant;
 pub mod safetensors_dir;
 pub mod sampling;

@@ -1,1 +1,616 @@
-//! (being written)
+//! `Linear`: the seam where any weight format plugs into the model.
+//!
+//! A `Linear` is `y = W · x (+ b)` with `W` (M outputs x K inputs) held as a
+//! `Box<dyn WeightFormat>`, so a dense layer, a pruned layer in any sparse format, or a layer
+//! loaded from a packed blob all look the same to the forward pass. An optional TEAL threshold
+//! `t` makes the format skip inputs with `|x| <= t`.
+//!
+//! Dense layers built here use [`FastDense`]: the same f16 row-major matrix and the same blob
+//! payload as `sieve_formats::dense::Dense` (so a blob written by one reads back as the other),
+//! but with explicit AVX2/F16C kernels. Decoding one token is bound by memory bandwidth, and f16
+//! halves the bytes per token against an f32 copy; converting with `vcvtph2ps` in the kernel
+//! costs nothing measurable, while `half`'s per-element `to_f32` (a runtime CPU check per value)
+//! blocks vectorisation and was several times slower.
+
+use crate::error::{ModelError, Result};
+use crate::weights::Tensor;
+use rayon::prelude::*;
+use sieve_formats::blob::ByteWriter;
+use sieve_formats::format::{check_product_args, check_threshold, is_active};
+use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
+
+/// One linear layer: a packed weight matrix, an optional bias and an optional activation threshold.
+#[derive(Debug)]
+pub struct Linear {
+    weight: Box<dyn WeightFormat>,
+    bias: Option<Vec<f32>>,
+    threshold: Threshold,
+}
+
+impl Linear {
+    /// Wraps any packed weight matrix (M x K).
+    pub fn from_format(weight: Box<dyn WeightFormat>) -> Self {
+        Self {
+            weight,
+            bias: None,
+            threshold: None,
+        }
+    }
+
+    /// Builds a dense f16 layer from a row-major f32 matrix of `rows` x `cols`.
+    pub fn from_dense_f32(rows: usize, cols: usize, data: &[f32]) -> Result<Self> {
+        let matrix = DenseMatrix::from_f32(rows, cols, data)?;
+        Ok(Self::from_format(Box::new(FastDense::new(matrix))))
+    }
+
+    /// Builds a dense f16 layer from a 2-D tensor of shape `[out_features, in_features]`.
+    pub fn from_tensor(name: &str, tensor: &Tensor) -> Result<Self> {
+        match tensor.shape.as_slice() {
+            [rows, cols] => Self::from_dense_f32(*rows, *cols, &tensor.data),
+            _ => Err(ModelError::InvalidArgument(format!(
+                "tensor '{name}' has shape {:?}, a linear layer needs 2 dimensions",
+                tensor.shape
+            ))),
+        }
+    }
+
+    /// Adds (or replaces) the bias; its length must be M.
+    pub fn with_bias(mut self, bias: Vec<f32>) -> Result<Self> {
+        if bias.len() != self.rows() {
+            return Err(ModelError::InvalidArgument(format!(
+                "bias has {} elements, the layer has {} outputs",
+                bias.len(),
+                self.rows()
+            )));
+        }
+        if bias.iter().any(|b| !b.is_finite()) {
+            return Err(ModelError::InvalidArgument(
+                "bias has a non-finite value".into(),
+            ));
+        }
+        self.bias = Some(bias);
+        Ok(self)
+    }
+
+    /// Sets the TEAL activation threshold (`None` uses every input).
+    pub fn set_threshold(&mut self, threshold: Threshold) -> Result<()> {
+        check_threshold(threshold)?;
+        self.threshold = threshold;
+        Ok(())
+    }
+
+    pub fn threshold(&self) -> Threshold {
+        self.threshold
+    }
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
+    pub fn format(&self) -> &dyn WeightFormat {
+        self.weight.as_ref()
+    }
+    /// Replaces the weight matrix, keeping bias and threshold; the shape must not change.
+    pub fn replace_format(&mut self, weight: Box<dyn WeightFormat>) -> Result<()> {
+        if weight.rows() != self.rows() || weight.cols() != self.cols() {
+            return Err(ModelError::InvalidArgument(format!(
+                "replacement weight is {}x{}, the layer is {}x{}",
+                weight.rows(),
+                weight.cols(),
+                self.rows(),
+                self.cols()
+            )));
+        }
+        self.weight = weight;
+        Ok(())
+    }
+    /// M, the number of outputs.
+    pub fn rows(&self) -> usize {
+        self.weight.rows()
+    }
+    /// K, the number of inputs.
+    pub fn cols(&self) -> usize {
+        self.weight.cols()
+    }
+
+    /// `Y = X · Wᵀ + b` for `n` rows of activations: `x` is n x K, `y` is n x M (row-major).
+    /// One row goes through the format's `matvec`, several through its `matmul`.
+    pub fn forward(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+        if n == 1 {
+            self.weight.matvec(x, self.threshold, y)?;
+        } else {
+            self.weight.matmul(x, n, self.threshold, y)?;
+        }
+        if let Some(bias) = &self.bias {
+            for row in y.chunks_exact_mut(bias.len()) {
+                for (o, b) in row.iter_mut().zip(bias) {
+                    *o += b;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Dense f16 weights with SIMD kernels; kind, storage and blob payload are those of
+/// `sieve_formats::dense::Dense`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FastDense {
+    matrix: DenseMatrix,
+}
+
+/// Weight rows per parallel task in the products: enough work per task to amortise rayon's
+/// scheduling, few enough tasks to balance two to a few dozen threads.
+const ROWS_PER_TASK: usize = 32;
+
+impl FastDense {
+    pub fn new(matrix: DenseMatrix) -> Self {
+        Self { matrix }
+    }
+    pub fn matrix(&self) -> &DenseMatrix {
+        &self.matrix
+    }
+}
+
+fn masked(x: &[f32], threshold: Threshold) -> Vec<f32> {
+    x.iter()
+        .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
+        .collect()
+}
+
+impl WeightFormat for FastDense {
+    fn kind(&self) -> FormatKind {
+        FormatKind::Dense
+    }
+    fn rows(&self) -> usize {
+        self.matrix.rows()
+    }
+    fn cols(&self) -> usize {
+        self.matrix.cols()
+    }
+    fn storage(&self) -> Storage {
+        Storage {
+            payload_bytes: self.matrix.dense_bytes(),
+            metadata_bytes: 0,
+        }
+    }
+    fn decode(&self) -> DenseMatrix {
+        self.matrix.clone()
+    }
+
+    fn matvec(
+        &self,
+        x: &[f32],
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), sieve_formats::FormatError> {
+        let (m, k) = (self.rows(), self.cols());
+        check_product_args(m, k, x, 1, threshold, y)?;
+        let xm;
+        let x = if threshold.is_some() {
+            xm = masked(x, threshold);
+            &xm[..]
+        } else {
+            x
+        };
+        let w = self.matrix.data();
+        y.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let r0 = chunk * ROWS_PER_TASK;
+                for (i, o) in out.iter_mut().enumerate() {
+                    let r = r0 + i;
+                    *o = kernels::dot_f16_f32(&w[r * k..(r + 1) * k], x);
+                }
+            });
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), sieve_formats::FormatError> {
+        let (m, k) = (self.rows(), self.cols());
+        check_product_args(m, k, x, n, threshold, y)?;
+        let xm;
+        let x = if threshold.is_some() {
+            xm = masked(x, threshold);
+            &xm[..]
+        } else {
+            x
+        };
+        let w = self.matrix.data();
+        // Each task converts its block of weight rows to f32 once and multiplies it with every
+        // token; results land transposed (row-major over weight rows) and are transposed back.
+        let mut yt = vec![0f32; m * n];
+        yt.par_chunks_mut(ROWS_PER_TASK * n)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let r0 = chunk * ROWS_PER_TASK;
+                let rows = out.len() / n;
+                let mut wf = vec![0f32; rows * k];
+                kernels::f16_to_f32(&w[r0 * k..(r0 + rows) * k], &mut wf);
+                kernels::block_product(&wf, rows, x, n, k, out);
+            });
+        for r in 0..m {
+            for t in 0..n {
+                y[t * m + r] = yt[r * n + t];
+            }
+        }
+        Ok(())
+    }
+
+    fn write_payload(&self, w: &mut ByteWriter) {
+        w.u64(self.rows() as u64);
+        w.u64(self.cols() as u64);
+        w.f16s(self.matrix.data());
+    }
+}
+
+/// Dot products and conversions with a runtime-selected AVX2/FMA/F16C path and a portable one.
+pub mod kernels {
+    use half::f16;
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx2() -> bool {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    /// `Σ w[i] · x[i]` with f16 weights; `w.len() == x.len()`.
+    pub fn dot_f16_f32(w: &[f16], x: &[f32]) -> f32 {
+        debug_assert_eq!(w.len(), x.len());
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features the function is compiled for.
+            return unsafe { x86::dot_f16_f32(w, x) };
+        }
+        w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+    }
+
+    /// `Σ a[i] · b[i]` in f32.
+    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        debug_assert_eq!(a.len(), b.len());
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: as above.
+            return unsafe { x86::dot_f32(a, b) };
+        }
+        let mut acc = [0f32; 8];
+        let chunks = a.len() / 8;
+        for c in 0..chunks {
+            for l in 0..8 {
+                acc[l] += a[c * 8 + l] * b[c * 8 + l];
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for i in chunks * 8..a.len() {
+            s += a[i] * b[i];
+        }
+        s
+    }
+
+    /// `y[i] += alpha · x[i]`.
+    pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+        for (o, v) in y.iter_mut().zip(x) {
+            *o += alpha * v;
+        }
+    }
+
+    /// Converts f16 to f32; `dst.len() == src.len()`.
+    pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len());
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: as above.
+            return unsafe { x86::f16_to_f32(src, dst) };
+        }
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+
+    /// `out[r * n + t] = w[r] · x[t]` for `rows` f32 weight rows and `n` token rows, all of length
+    /// `k`. Register-blocked 4 rows x 2 tokens so every load feeds more than one FMA.
+    pub fn block_product(w: &[f32], rows: usize, x: &[f32], n: usize, k: usize, out: &mut [f32]) {
+        let mut r = 0;
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            while r + 4 <= rows {
+                let mut t = 0;
+                while t + 2 <= n {
+                    // SAFETY: as above; every slice is k long.
+                    let tile = unsafe {
+                        x86::tile_4x2(
+                            [
+                                &w[r * k..(r + 1) * k],
+                                &w[(r + 1) * k..(r + 2) * k],
+                                &w[(r + 2) * k..(r + 3) * k],
+                                &w[(r + 3) * k..(r + 4) * k],
+                            ],
+                            [&x[t * k..(t + 1) * k], &x[(t + 1) * k..(t + 2) * k]],
+                        )
+                    };
+                    for i in 0..4 {
+                        out[(r + i) * n + t] = tile[i][0];
+                        out[(r + i) * n + t + 1] = tile[i][1];
+                    }
+                    t += 2;
+                }
+                for t in t..n {
+                    for i in 0..4 {
+                        out[(r + i) * n + t] =
+                            dot_f32(&w[(r + i) * k..(r + i + 1) * k], &x[t * k..(t + 1) * k]);
+                    }
+                }
+                r += 4;
+            }
+        }
+        for r in r..rows {
+            for t in 0..n {
+                out[r * n + t] = dot_f32(&w[r * k..(r + 1) * k], &x[t * k..(t + 1) * k]);
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod x86 {
+        use half::f16;
+        use std::arch::x86_64::*;
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn hsum(v: __m256) -> f32 {
+            let lo = _mm256_castps256_ps128(v);
+            let hi = _mm256_extractf128_ps(v, 1);
+            let s = _mm_add_ps(lo, hi);
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            _mm_cvtss_f32(s)
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_f16(p: *const f16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn dot_f16_f32(w: &[f16], x: &[f32]) -> f32 {
+            let len = w.len().min(x.len());
+            let (wp, xp) = (w.as_ptr(), x.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 32 <= len {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * j;
+                    *a = _mm256_fmadd_ps(load_f16(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
+                }
+                i += 32;
+            }
+            while i + 8 <= len {
+                acc[0] = _mm256_fmadd_ps(load_f16(wp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+                i += 8;
+            }
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let mut s = hsum(sum);
+            while i < len {
+                s += w[i].to_f32() * x[i];
+                i += 1;
+            }
+            s
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+            let len = a.len().min(b.len());
+            let (ap, bp) = (a.as_ptr(), b.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 32 <= len {
+                for (j, c) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * j;
+                    *c =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(o)), _mm256_loadu_ps(bp.add(o)), *c);
+                }
+                i += 32;
+            }
+            while i + 8 <= len {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(ap.add(i)),
+                    _mm256_loadu_ps(bp.add(i)),
+                    acc[0],
+                );
+                i += 8;
+            }
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let mut s = hsum(sum);
+            while i < len {
+                s += a[i] * b[i];
+                i += 1;
+            }
+            s
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+            let len = src.len().min(dst.len());
+            let mut i = 0;
+            while i + 8 <= len {
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), load_f16(src.as_ptr().add(i)));
+                i += 8;
+            }
+            while i < len {
+                dst[i] = src[i].to_f32();
+                i += 1;
+            }
+        }
+
+        /// Dot products of 4 weight rows with 2 token rows (all the same length).
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn tile_4x2(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 2]; 4] {
+            let len = w
+                .iter()
+                .map(|r| r.len())
+                .chain(x.iter().map(|r| r.len()))
+                .min()
+                .unwrap_or(0);
+            let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+            let mut i = 0;
+            while i + 8 <= len {
+                let x0 = _mm256_loadu_ps(x[0].as_ptr().add(i));
+                let x1 = _mm256_loadu_ps(x[1].as_ptr().add(i));
+                for r in 0..4 {
+                    let wv = _mm256_loadu_ps(w[r].as_ptr().add(i));
+                    acc[r][0] = _mm256_fmadd_ps(wv, x0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(wv, x1, acc[r][1]);
+                }
+                i += 8;
+            }
+            let mut out = [[0f32; 2]; 4];
+            for r in 0..4 {
+                for t in 0..2 {
+                    let mut s = hsum(acc[r][t]);
+                    for j in i..len {
+                        s += w[r][j] * x[t][j];
+                    }
+                    out[r][t] = s;
+                }
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sieve_formats::dense::Dense;
+    use sieve_formats::registry;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    }
+
+    fn random(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..len).map(|_| lcg(&mut s)).collect()
+    }
+
+    /// f64 reference of `Y = X · Wᵀ` with the f16-rounded weights.
+    fn reference(w: &DenseMatrix, x: &[f32], n: usize, t: Threshold) -> Vec<f32> {
+        let (m, k) = (w.rows(), w.cols());
+        let mut y = vec![0f32; n * m];
+        for tok in 0..n {
+            for r in 0..m {
+                let mut s = 0f64;
+                for c in 0..k {
+                    let xv = x[tok * k + c];
+                    if is_active(xv, t) {
+                        s += w.get(r, c).to_f32() as f64 * xv as f64;
+                    }
+                }
+                y[tok * m + r] = s as f32;
+            }
+        }
+        y
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "element {i}: {x} vs {y}"
+            );
+        }
+    }
+
+    #[test]
+    fn fast_dense_matches_reference_on_odd_shapes() {
+        // Shapes with remainders in every blocking dimension (rows % 4, tokens % 2, K % 8, K % 32).
+        for &(m, k, n) in &[(1, 1, 1), (7, 13, 3), (37, 70, 5), (64, 96, 2), (33, 41, 1)] {
+            let w = DenseMatrix::from_f32(m, k, &random(m * k, m as u64 * 31 + k as u64)).unwrap();
+            let x = random(n * k, 99 + n as u64);
+            let fast = FastDense::new(w.clone());
+            for t in [None, Some(0.2f32)] {
+                let mut y = vec![f32::NAN; n * m];
+                fast.matmul(&x, n, t, &mut y).unwrap();
+                close(&y, &reference(&w, &x, n, t), 1e-5);
+                let mut yv = vec![f32::NAN; m];
+                fast.matvec(&x[..k], t, &mut yv).unwrap();
+                close(&yv, &reference(&w, &x[..k], 1, t), 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn fast_dense_agrees_with_the_formats_dense_and_shares_its_blob() {
+        let (m, k) = (19, 45);
+        let w = DenseMatrix::from_f32(m, k, &random(m * k, 5)).unwrap();
+        let fast = FastDense::new(w.clone());
+        let plain = Dense::encode(&w).unwrap();
+        let x = random(3 * k, 6);
+        let (mut a, mut b) = (vec![0f32; 3 * m], vec![0f32; 3 * m]);
+        fast.matmul(&x, 3, None, &mut a).unwrap();
+        plain.matmul(&x, 3, None, &mut b).unwrap();
+        close(&a, &b, 1e-5);
+        let back = registry::from_bytes(&fast.to_bytes()).unwrap();
+        assert_eq!(back.decode(), w);
+        assert_eq!(fast.storage(), plain.storage());
+    }
+
+    #[test]
+    fn linear_adds_bias_and_routes_one_row_to_matvec() {
+        let w = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let lin = Linear::from_dense_f32(2, 3, &w)
+            .unwrap()
+            .with_bias(vec![0.5, -1.0])
+            .unwrap();
+        let mut y = [0f32; 2];
+        lin.forward(&[1.0, 0.0, -1.0], 1, &mut y).unwrap();
+        assert_eq!(y, [1.0 - 3.0 + 0.5, 4.0 - 6.0 - 1.0]);
+        let mut y2 = [0f32; 4];
+        lin.forward(&[1.0, 0.0, -1.0, 0.0, 1.0, 0.0], 2, &mut y2)
+            .unwrap();
+        assert_eq!(y2, [-1.5, -3.0, 2.5, 4.0]);
+    }
+
+    #[test]
+    fn linear_threshold_skips_small_inputs() {
+        let mut lin = Linear::from_dense_f32(1, 3, &[1.0, 10.0, 100.0]).unwrap();
+        lin.set_threshold(Some(0.5)).unwrap();
+        let mut y = [0f32; 1];
+        lin.forward(&[1.0, 0.25, -0.75], 1, &mut y).unwrap();
+        assert_eq!(y, [1.0 - 75.0]);
+        assert!(lin.set_threshold(Some(f32::NAN)).is_err());
+        assert!(lin.set_threshold(Some(-1.0)).is_err());
+    }
+
+    #[test]
+    fn linear_refuses_bad_shapes() {
+        let lin = Linear::from_dense_f32(2, 3, &[0.0; 6]).unwrap();
+        let mut y = [0f32; 2];
+        assert!(lin.forward(&[0.0; 4], 1, &mut y).is_err());
+        assert!(lin.forward(&[0.0; 6], 2, &mut y).is_err());
+        assert!(Linear::from_dense_f32(2, 3, &[0.0; 5]).is_err());
+        assert!(Linear::from_dense_f32(1, 1, &[f32::NAN]).is_err());
+        assert!(Linear::from_dense_f32(2, 3, &[0.0; 6])
+            .unwrap()
+            .with_bias(vec![0.0; 3])
+            .is_err());
+        let t = Tensor {
+            shape: vec![6],
+            data: vec![0.0; 6],
+        };
+        assert!(Linear::from_tensor("x", &t).is_err());
+        let mut lin = lin;
+        let other = FastDense::new(DenseMatrix::zeros(3, 2).unwrap());
+        assert!(lin.replace_format(Box::new(other)).is_err());
+    }
+}

@@ -1,1 +1,1274 @@
-//! (being written)
+//! The Llama-family forward pass (Llama 2/3, Mistral, Qwen2, SmolLM2) with a KV cache.
+//!
+//! Notation: `d` = hidden_size, `H` = num_heads, `Hkv` = num_kv_heads, `hd` = head_dim,
+//! `I` = intermediate_size, `V` = vocab_size, `n` = tokens in this call, `p0` = tokens already in
+//! the cache, `C` = cache capacity (the context). Every buffer is f32, row-major:
+//!
+//! | buffer | shape | notes |
+//! |---|---|---|
+//! | `x` (residual stream) | `[n][d]` | one row per token of this call |
+//! | `xn` (normed input) | `[n][d]` | RMSNorm(x) · weight |
+//! | `q` | `[n][H][hd]` | after RoPE |
+//! | `k`, `v` | `[n][Hkv][hd]` | copied into the cache after RoPE (k) |
+//! | cache `k`, `v` | `[layer][pos][Hkv][hd]` | `pos < C`; positions `< p0 + n` are valid |
+//! | `att` (attention output) | `[n][H][hd]` | input of `o_proj` |
+//! | `gate`, `up` | `[n][I]` | `silu(gate) * up` is written into `gate` |
+//! | `cos`, `sin` | `[n][hd/2]` | RoPE angles of the call's positions |
+//! | logits | `[V]` (last token) or `[n][V]` (every token) | |
+//!
+//! RoPE follows the Hugging Face "rotate-half" convention: dimension `i < hd/2` pairs with
+//! `i + hd/2`, with frequency `theta^(-2i/hd)` (Llama-3 `rope_scaling` rescales the low
+//! frequencies). Every [`TensorSource`] yields Q/K rows in the Hugging Face order.
+//!
+//! Query head `h` reads KV head `h / (H / Hkv)` (grouped-query attention). A call with `n > 1`
+//! (prefill) runs every projection as one `matmul` and causal attention over the cache; `n == 1`
+//! (decode) runs `matvec`s. Rayon parallelises over weight rows (inside `Linear`) and over heads.
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::error::{ModelError, Result};
+use crate::linear::{kernels, Linear};
+use crate::weights::{Tensor, TensorSource};
+use half::f16;
+use rayon::prelude::*;
+
+/// The projections of one decoder layer, by their Hugging Face names.
+const LAYER_LINEARS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+#[derive(Debug)]
+pub struct Layer {
+    pub input_norm: Vec<f32>,
+    pub post_attention_norm: Vec<f32>,
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl Layer {
+    /// The layer's linears with their short names (`self_attn.q_proj`, ..., `mlp.down_proj`).
+    pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+        [
+            (LAYER_LINEARS[0], &mut self.q_proj),
+            (LAYER_LINEARS[1], &mut self.k_proj),
+            (LAYER_LINEARS[2], &mut self.v_proj),
+            (LAYER_LINEARS[3], &mut self.o_proj),
+            (LAYER_LINEARS[4], &mut self.gate_proj),
+            (LAYER_LINEARS[5], &mut self.up_proj),
+            (LAYER_LINEARS[6], &mut self.down_proj),
+        ]
+    }
+}
+
+/// Where a projection reads its input, for calibration observers ([`Model::forward_layer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Site {
+    /// Normed input of q/k/v (`[n][d]`).
+    AttnIn,
+    /// Attention output, input of o_proj (`[n][H*hd]`).
+    OProjIn,
+    /// Normed input of gate/up (`[n][d]`).
+    MlpIn,
+    /// `silu(gate) * up`, input of down_proj (`[n][I]`).
+    DownProjIn,
+}
+
+impl Site {
+    pub const ALL: [Site; 4] = [Site::AttnIn, Site::OProjIn, Site::MlpIn, Site::DownProjIn];
+    /// The site a layer linear (`self_attn.q_proj`, ...) reads.
+    pub fn of_linear(short: &str) -> Option<Site> {
+        match short {
+            "self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj" => Some(Site::AttnIn),
+            "self_attn.o_proj" => Some(Site::OProjIn),
+            "mlp.gate_proj" | "mlp.up_proj" => Some(Site::MlpIn),
+            "mlp.down_proj" => Some(Site::DownProjIn),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Site::AttnIn => "attn_in",
+            Site::OProjIn => "o_proj_in",
+            Site::MlpIn => "mlp_in",
+            Site::DownProjIn => "down_proj_in",
+        }
+    }
+}
+
+/// A Llama-family decoder: embeddings, layers, final norm and LM head.
+#[derive(Debug)]
+pub struct Model {
+    config: ModelConfig,
+    /// `[V][d]`, f16 like the dense weights (a lookup reads one row per token).
+    embed_tokens: Vec<f16>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    lm_head: Linear,
+    /// Per-pair inverse frequencies, `hd/2` of them, after any `rope_scaling`.
+    inv_freq: Vec<f64>,
+}
+
+/// The keys and values of every position seen so far (see the module header for the layout).
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    capacity: usize,
+    len: usize,
+    /// `Hkv * hd`, floats per position per layer.
+    row: usize,
+}
+
+impl KvCache {
+    /// Positions already processed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Forgets every position (the memory is reused).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+    fn layer_offset(&self, layer: usize) -> usize {
+        layer * self.capacity * self.row
+    }
+}
+
+/// Which logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// `[V]`, for the last token of the call (generation).
+    Last,
+    /// `[n][V]`, for every token of the call (perplexity).
+    All,
+}
+
+fn shape_error(name: &str, expected: &[usize], actual: &[usize]) -> ModelError {
+    ModelError::TensorShape {
+        name: name.to_string(),
+        expected: expected.to_vec(),
+        actual: actual.to_vec(),
+    }
+}
+
+fn load(source: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<Tensor> {
+    let t = source.tensor(name)?;
+    if t.shape != expected || t.data.len() != t.numel() {
+        return Err(shape_error(name, expected, &t.shape));
+    }
+    if t.data.iter().any(|v| !v.is_finite()) {
+        return Err(ModelError::Malformed {
+            path: name.to_string(),
+            reason: "tensor has a non-finite value".into(),
+        });
+    }
+    Ok(t)
+}
+
+fn check_config(c: &ModelConfig) -> Result<()> {
+    let positive = [
+        ("vocab_size", c.vocab_size),
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("num_layers", c.num_layers),
+        ("num_heads", c.num_heads),
+        ("num_kv_heads", c.num_kv_heads),
+        ("head_dim", c.head_dim),
+    ];
+    for (key, v) in positive {
+        if v == 0 {
+            return Err(ModelError::Metadata {
+                key: key.into(),
+                reason: "must be positive".into(),
+            });
+        }
+    }
+    if !c.num_heads.is_multiple_of(c.num_kv_heads) {
+        return Err(ModelError::Metadata {
+            key: "num_kv_heads".into(),
+            reason: format!(
+                "{} does not divide num_heads {}",
+                c.num_kv_heads, c.num_heads
+            ),
+        });
+    }
+    if !c.head_dim.is_multiple_of(2) {
+        return Err(ModelError::Metadata {
+            key: "head_dim".into(),
+            reason: format!("{} is odd; RoPE rotates pairs", c.head_dim),
+        });
+    }
+    if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps > 0.0) {
+        return Err(ModelError::Metadata {
+            key: "rms_norm_eps".into(),
+            reason: format!("{} is not a positive number", c.rms_norm_eps),
+        });
+    }
+    if !(c.rope_theta.is_finite() && c.rope_theta > 1.0) {
+        return Err(ModelError::Metadata {
+            key: "rope_theta".into(),
+            reason: format!("{} is not a number above 1", c.rope_theta),
+        });
+    }
+    if let Some(s) = &c.rope_scaling {
+        let ok = s.factor.is_finite()
+            && s.factor >= 1.0
+            && s.low_freq_factor.is_finite()
+            && s.high_freq_factor.is_finite()
+            && s.high_freq_factor > s.low_freq_factor
+            && s.low_freq_factor > 0.0
+            && s.original_max_position_embeddings > 0;
+        if !ok {
+            return Err(ModelError::Metadata {
+                key: "rope_scaling".into(),
+                reason: format!("{s:?} is not a valid llama3 scaling"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Inverse RoPE frequencies per pair, with Llama-3 scaling applied when configured.
+pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>) -> Vec<f64> {
+    let half = head_dim / 2;
+    (0..half)
+        .map(|i| {
+            let f = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
+            match scaling {
+                None => f,
+                Some(s) => {
+                    let old = s.original_max_position_embeddings as f64;
+                    let low_wavelen = old / s.low_freq_factor as f64;
+                    let high_wavelen = old / s.high_freq_factor as f64;
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / s.factor as f64
+                    } else {
+                        let smooth = (old / wavelen - s.low_freq_factor as f64)
+                            / (s.high_freq_factor - s.low_freq_factor) as f64;
+                        (1.0 - smooth) * f / s.factor as f64 + smooth * f
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let scale = 1.0 / (ms + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// Rotates every head of every row in place (rotate-half convention).
+fn apply_rope(buf: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for (t, row) in buf.chunks_exact_mut(heads * head_dim).enumerate() {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for head in row.chunks_exact_mut(head_dim) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x0, x1) = (a[i], b[i]);
+                a[i] = x0 * c[i] - x1 * s[i];
+                b[i] = x1 * c[i] + x0 * s[i];
+            }
+        }
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+impl Model {
+    /// Loads a model with dense f16 linears.
+    pub fn from_source(source: &dyn TensorSource) -> Result<Self> {
+        Self::from_source_with(source, Linear::from_tensor)
+    }
+
+    /// Loads a model, building every linear (`name` is the full Hugging Face weight name, e.g.
+    /// `model.layers.3.mlp.up_proj.weight` or `lm_head.weight`) with `make_linear`. Biases are
+    /// attached afterwards, so `make_linear` only provides the weight matrix. With tied
+    /// embeddings the LM head is built from `model.embed_tokens.weight` under the name
+    /// `lm_head.weight`.
+    pub fn from_source_with<F>(source: &dyn TensorSource, mut make_linear: F) -> Result<Self>
+    where
+        F: FnMut(&str, &Tensor) -> Result<Linear>,
+    {
+        let c = source.config().clone();
+        check_config(&c)?;
+        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+
+        let mut build = |name: &str, t: &Tensor, shape: [usize; 2]| -> Result<Linear> {
+            let lin = make_linear(name, t)?;
+            if lin.rows() != shape[0] || lin.cols() != shape[1] {
+                return Err(shape_error(name, &shape, &[lin.rows(), lin.cols()]));
+            }
+            Ok(lin)
+        };
+
+        let embed = load(source, "model.embed_tokens.weight", &[c.vocab_size, d])?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let shapes = [
+                [q_out, d],
+                [kv_out, d],
+                [kv_out, d],
+                [d, q_out],
+                [inter, d],
+                [inter, d],
+                [d, inter],
+            ];
+            let mut lin = Vec::with_capacity(7);
+            for (short, shape) in LAYER_LINEARS.iter().zip(shapes) {
+                let name = format!("{p}.{short}.weight");
+                let mut linear = build(&name, &load(source, &name, &shape)?, shape)?;
+                let bias_name = format!("{p}.{short}.bias");
+                let wants_bias = c.attention_bias
+                    && short.starts_with("self_attn.")
+                    && !short.ends_with("o_proj");
+                if wants_bias || source.contains(&bias_name) {
+                    let b = load(source, &bias_name, &[shape[0]])?;
+                    linear = linear.with_bias(b.data)?;
+                }
+                lin.push(linear);
+            }
+            let mut it = lin.into_iter();
+            let mut next = || {
+                it.next()
+                    .ok_or_else(|| ModelError::InvalidArgument("layer linears".into()))
+            };
+            layers.push(Layer {
+                input_norm: load(source, &format!("{p}.input_layernorm.weight"), &[d])?.data,
+                post_attention_norm: load(
+                    source,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    &[d],
+                )?
+                .data,
+                q_proj: next()?,
+                k_proj: next()?,
+                v_proj: next()?,
+                o_proj: next()?,
+                gate_proj: next()?,
+                up_proj: next()?,
+                down_proj: next()?,
+            });
+        }
+        let final_norm = load(source, "model.norm.weight", &[d])?.data;
+        // A tied head reuses the embedding matrix; a file without `lm_head.weight` is tied too.
+        let head_shape = [c.vocab_size, d];
+        let lm_head = if !c.tie_word_embeddings && source.contains("lm_head.weight") {
+            let t = load(source, "lm_head.weight", &head_shape)?;
+            build("lm_head.weight", &t, head_shape)?
+        } else {
+            build("lm_head.weight", &embed, head_shape)?
+        };
+        let inv_freq = rope_inv_freq(hd, c.rope_theta, c.rope_scaling.as_ref());
+        Ok(Self {
+            embed_tokens: embed.data.iter().map(|&v| f16::from_f32(v)).collect(),
+            layers,
+            final_norm,
+            lm_head,
+            inv_freq,
+            config: c,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+    pub fn layers_mut(&mut self) -> &mut [Layer] {
+        &mut self.layers
+    }
+    pub fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+    pub fn lm_head_mut(&mut self) -> &mut Linear {
+        &mut self.lm_head
+    }
+
+    /// Every linear with its Hugging Face weight name, e.g. to set TEAL thresholds.
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for (short, lin) in layer.linears_mut() {
+                out.push((format!("model.layers.{l}.{short}.weight"), lin));
+            }
+        }
+        out.push(("lm_head.weight".to_string(), &mut self.lm_head));
+        out
+    }
+
+    /// An empty cache for `capacity` positions, capped at the model's `max_position_embeddings`
+    /// when that is known (non-zero).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        let c = &self.config;
+        let capacity = if c.max_position_embeddings > 0 {
+            capacity.min(c.max_position_embeddings)
+        } else {
+            capacity
+        };
+        let row = c.num_kv_heads * c.head_dim;
+        let size = c.num_layers * capacity * row;
+        KvCache {
+            k: vec![0.0; size],
+            v: vec![0.0; size],
+            capacity,
+            len: 0,
+            row,
+        }
+    }
+
+    /// Runs `tokens` at positions `cache.len()..`, appends their keys and values to the cache
+    /// and returns logits (see [`Logits`]).
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(ModelError::InvalidArgument("no tokens to run".into()));
+        }
+        if cache.row != c.num_kv_heads * c.head_dim
+            || cache.k.len() != c.num_layers * cache.capacity * cache.row
+        {
+            return Err(ModelError::InvalidArgument(
+                "KV cache was made for another model".into(),
+            ));
+        }
+        let p0 = cache.len;
+        if p0 + n > cache.capacity {
+            return Err(ModelError::ContextOverflow {
+                tokens: p0 + n,
+                context: cache.capacity,
+            });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ModelError::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
+        let half = hd / 2;
+
+        let mut x = vec![0f32; n * d];
+        for (t, &tok) in tokens.iter().enumerate() {
+            let row = &self.embed_tokens[tok as usize * d..(tok as usize + 1) * d];
+            kernels::f16_to_f32(row, &mut x[t * d..(t + 1) * d]);
+        }
+        let mut cos = vec![0f32; n * half];
+        let mut sin = vec![0f32; n * half];
+        for t in 0..n {
+            let pos = (p0 + t) as f64;
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (s, co) = (pos * f).sin_cos();
+                cos[t * half + i] = co as f32;
+                sin[t * half + i] = s as f32;
+            }
+        }
+
+        let mut xn = vec![0f32; n * d];
+        let mut q = vec![0f32; n * nh * hd];
+        let mut k = vec![0f32; n * nkv * hd];
+        let mut v = vec![0f32; n * nkv * hd];
+        let mut att = vec![0f32; n * nh * hd];
+        let mut proj = vec![0f32; n * d];
+        let mut gate = vec![0f32; n * inter];
+        let mut up = vec![0f32; n * inter];
+        let row = cache.row;
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            layer.q_proj.forward(&xn, n, &mut q)?;
+            layer.k_proj.forward(&xn, n, &mut k)?;
+            layer.v_proj.forward(&xn, n, &mut v)?;
+            apply_rope(&mut q, nh, hd, &cos, &sin);
+            apply_rope(&mut k, nkv, hd, &cos, &sin);
+            let base = cache.layer_offset(l);
+            let span = base + p0 * row..base + (p0 + n) * row;
+            cache.k[span.clone()].copy_from_slice(&k);
+            cache.v[span].copy_from_slice(&v);
+            let keys = &cache.k[base..base + (p0 + n) * row];
+            let values = &cache.v[base..base + (p0 + n) * row];
+            self.attention(&q, keys, values, p0, n, &mut att);
+            layer.o_proj.forward(&att, n, &mut proj)?;
+            for (a, b) in x.iter_mut().zip(&proj) {
+                *a += b;
+            }
+
+            rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
+            layer.gate_proj.forward(&xn, n, &mut gate)?;
+            layer.up_proj.forward(&xn, n, &mut up)?;
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
+            }
+            layer.down_proj.forward(&gate, n, &mut proj)?;
+            for (a, b) in x.iter_mut().zip(&proj) {
+                *a += b;
+            }
+        }
+        cache.len = p0 + n;
+
+        let rows = match which {
+            Logits::Last => &x[(n - 1) * d..],
+            Logits::All => &x[..],
+        };
+        let m = rows.len() / d;
+        let mut normed = vec![0f32; m * d];
+        rms_norm(rows, &self.final_norm, c.rms_norm_eps, &mut normed);
+        let mut logits = vec![0f32; m * c.vocab_size];
+        self.lm_head.forward(&normed, m, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// The input embeddings of `tokens`, `[n][d]` f32.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let d = self.config.hidden_size;
+        if let Some(&bad) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        let mut x = vec![0f32; tokens.len() * d];
+        for (t, &tok) in tokens.iter().enumerate() {
+            let row = &self.embed_tokens[tok as usize * d..(tok as usize + 1) * d];
+            kernels::f16_to_f32(row, &mut x[t * d..(t + 1) * d]);
+        }
+        Ok(x)
+    }
+
+    /// Runs decoder layer `layer` in place over the residual stream `x` (`[n][d]`) of one window
+    /// of `n` tokens at positions `0..n` (causal attention inside the window, no cache), calling
+    /// `observer` with the input of every projection site (`[n][K]` rows) before it is used.
+    /// Calibration feeds stored hidden states through one layer at a time with this.
+    pub fn forward_layer(
+        &self,
+        layer: usize,
+        x: &mut [f32],
+        n: usize,
+        observer: &mut dyn FnMut(Site, &[f32], usize),
+    ) -> Result<()> {
+        let c = &self.config;
+        let Some(lay) = self.layers.get(layer) else {
+            return Err(ModelError::InvalidArgument(format!(
+                "layer {layer} does not exist (the model has {})",
+                self.layers.len()
+            )));
+        };
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
+        if n == 0 || x.len() != n * d {
+            return Err(ModelError::InvalidArgument(format!(
+                "forward_layer: {} floats is not {n} rows of {d}",
+                x.len()
+            )));
+        }
+        let half = hd / 2;
+        let mut cos = vec![0f32; n * half];
+        let mut sin = vec![0f32; n * half];
+        for t in 0..n {
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (s, co) = (t as f64 * f).sin_cos();
+                cos[t * half + i] = co as f32;
+                sin[t * half + i] = s as f32;
+            }
+        }
+        let mut xn = vec![0f32; n * d];
+        let mut q = vec![0f32; n * nh * hd];
+        let mut k = vec![0f32; n * nkv * hd];
+        let mut v = vec![0f32; n * nkv * hd];
+        let mut att = vec![0f32; n * nh * hd];
+        let mut proj = vec![0f32; n * d];
+        rms_norm(x, &lay.input_norm, c.rms_norm_eps, &mut xn);
+        observer(Site::AttnIn, &xn, n);
+        lay.q_proj.forward(&xn, n, &mut q)?;
+        lay.k_proj.forward(&xn, n, &mut k)?;
+        lay.v_proj.forward(&xn, n, &mut v)?;
+        apply_rope(&mut q, nh, hd, &cos, &sin);
+        apply_rope(&mut k, nkv, hd, &cos, &sin);
+        // Without a cache the window's own keys and values are every visible position.
+        self.attention(&q, &k, &v, 0, n, &mut att);
+        observer(Site::OProjIn, &att, n);
+        lay.o_proj.forward(&att, n, &mut proj)?;
+        for (a, b) in x.iter_mut().zip(&proj) {
+            *a += b;
+        }
+        drop((q, k, v, att));
+        let mut gate = vec![0f32; n * inter];
+        let mut up = vec![0f32; n * inter];
+        rms_norm(x, &lay.post_attention_norm, c.rms_norm_eps, &mut xn);
+        observer(Site::MlpIn, &xn, n);
+        lay.gate_proj.forward(&xn, n, &mut gate)?;
+        lay.up_proj.forward(&xn, n, &mut up)?;
+        for (g, u) in gate.iter_mut().zip(&up) {
+            *g = silu(*g) * u;
+        }
+        observer(Site::DownProjIn, &gate, n);
+        lay.down_proj.forward(&gate, n, &mut proj)?;
+        for (a, b) in x.iter_mut().zip(&proj) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// Final norm and LM head over `n` rows of residual stream: `[n][V]` logits.
+    pub fn logits_from_hidden(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        let c = &self.config;
+        if x.len() != n * c.hidden_size {
+            return Err(ModelError::InvalidArgument(format!(
+                "logits_from_hidden: {} floats is not {n} rows of {}",
+                x.len(),
+                c.hidden_size
+            )));
+        }
+        let mut normed = vec![0f32; x.len()];
+        rms_norm(x, &self.final_norm, c.rms_norm_eps, &mut normed);
+        let mut logits = vec![0f32; n * c.vocab_size];
+        self.lm_head.forward(&normed, n, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// The token embeddings, `[V][d]` f16 (for writing a `.sieve` file).
+    pub fn embed_tokens(&self) -> &[f16] {
+        &self.embed_tokens
+    }
+    pub fn final_norm(&self) -> &[f32] {
+        &self.final_norm
+    }
+
+    /// Assembles a model from already-built parts (a `.sieve` file), checking every shape.
+    pub fn from_parts(
+        config: ModelConfig,
+        embed_tokens: Vec<f16>,
+        layers: Vec<Layer>,
+        final_norm: Vec<f32>,
+        lm_head: Linear,
+    ) -> Result<Self> {
+        check_config(&config)?;
+        let c = &config;
+        let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+        if embed_tokens.len() != c.vocab_size * d {
+            return Err(shape_error(
+                "model.embed_tokens.weight",
+                &[c.vocab_size, d],
+                &[embed_tokens.len()],
+            ));
+        }
+        if final_norm.len() != d {
+            return Err(shape_error("model.norm.weight", &[d], &[final_norm.len()]));
+        }
+        if layers.len() != c.num_layers {
+            return Err(ModelError::Metadata {
+                key: "num_layers".into(),
+                reason: format!("config says {}, found {} layers", c.num_layers, layers.len()),
+            });
+        }
+        let check = |name: String, lin: &Linear, shape: [usize; 2]| -> Result<()> {
+            if lin.rows() != shape[0] || lin.cols() != shape[1] {
+                return Err(shape_error(&name, &shape, &[lin.rows(), lin.cols()]));
+            }
+            Ok(())
+        };
+        check("lm_head.weight".into(), &lm_head, [c.vocab_size, d])?;
+        let shapes = [
+            [q_out, d],
+            [kv_out, d],
+            [kv_out, d],
+            [d, q_out],
+            [inter, d],
+            [inter, d],
+            [d, inter],
+        ];
+        let mut layers = layers;
+        for (l, layer) in layers.iter_mut().enumerate() {
+            for norm in [&layer.input_norm, &layer.post_attention_norm] {
+                if norm.len() != d {
+                    return Err(shape_error(
+                        &format!("model.layers.{l} norm"),
+                        &[d],
+                        &[norm.len()],
+                    ));
+                }
+            }
+            for ((short, lin), shape) in layer.linears_mut().into_iter().zip(shapes) {
+                check(format!("model.layers.{l}.{short}.weight"), lin, shape)?;
+            }
+        }
+        let inv_freq = rope_inv_freq(hd, c.rope_theta, c.rope_scaling.as_ref());
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            final_norm,
+            lm_head,
+            inv_freq,
+        })
+    }
+
+    /// Causal grouped-query attention of this call's `n` queries (positions `p0..p0+n`) over
+    /// keys/values `[0, p0+n)` of one layer. Parallel over query heads.
+    fn attention(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        p0: usize,
+        n: usize,
+        att: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let group = nh / nkv;
+        let row = nkv * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let per_head: Vec<Vec<f32>> = (0..nh)
+            .into_par_iter()
+            .map(|h| {
+                let kvh = h / group;
+                let mut out = vec![0f32; n * hd];
+                let mut scores = vec![0f32; p0 + n];
+                for t in 0..n {
+                    let visible = p0 + t + 1;
+                    let qv = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+                    let mut max = f32::NEG_INFINITY;
+                    for (p, s) in scores[..visible].iter_mut().enumerate() {
+                        let kv = &keys[p * row + kvh * hd..p * row + (kvh + 1) * hd];
+                        *s = kernels::dot_f32(qv, kv) * scale;
+                        max = max.max(*s);
+                    }
+                    let mut sum = 0f32;
+                    for s in scores[..visible].iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    let o = &mut out[t * hd..(t + 1) * hd];
+                    for (p, s) in scores[..visible].iter().enumerate() {
+                        let vv = &values[p * row + kvh * hd..p * row + (kvh + 1) * hd];
+                        kernels::axpy(s / sum, vv, o);
+                    }
+                }
+                out
+            })
+            .collect();
+        for (h, out) in per_head.iter().enumerate() {
+            for t in 0..n {
+                att[(t * nh + h) * hd..(t * nh + h + 1) * hd]
+                    .copy_from_slice(&out[t * hd..(t + 1) * hd]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// An in-memory tensor source for tests.
+    pub struct MemorySource {
+        pub config: ModelConfig,
+        pub tensors: HashMap<String, Tensor>,
+    }
+
+    impl TensorSource for MemorySource {
+        fn config(&self) -> &ModelConfig {
+            &self.config
+        }
+        fn tensor_names(&self) -> Vec<String> {
+            self.tensors.keys().cloned().collect()
+        }
+        fn contains(&self, name: &str) -> bool {
+            self.tensors.contains_key(name)
+        }
+        fn tensor(&self, name: &str) -> Result<Tensor> {
+            self.tensors
+                .get(name)
+                .cloned()
+                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        }
+    }
+
+    pub fn tiny_config() -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            vocab_size: 37,
+            hidden_size: 24,
+            intermediate_size: 40,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 6,
+            max_position_embeddings: 64,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            attention_bias: false,
+            tie_word_embeddings: true,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+        }
+    }
+
+    /// Random weights, already f16-representable so the f16 storage is exact and the reference
+    /// below can be compared tightly.
+    pub fn random_source(config: ModelConfig, seed: u64) -> MemorySource {
+        let mut s = seed;
+        let mut rand = |len: usize, scale: f32| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let u = ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5;
+                    f16::from_f32(u * scale).to_f32()
+                })
+                .collect()
+        };
+        let c = &config;
+        let (d, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let mut t = HashMap::new();
+        let mut put = |name: String, shape: Vec<usize>, scale: f32| {
+            let n = shape.iter().product();
+            t.insert(
+                name,
+                Tensor {
+                    shape,
+                    data: rand(n, scale),
+                },
+            );
+        };
+        put(
+            "model.embed_tokens.weight".into(),
+            vec![c.vocab_size, d],
+            2.0,
+        );
+        put("model.norm.weight".into(), vec![d], 2.0);
+        if !c.tie_word_embeddings {
+            put("lm_head.weight".into(), vec![c.vocab_size, d], 1.0);
+        }
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            put(format!("{p}.input_layernorm.weight"), vec![d], 2.0);
+            put(format!("{p}.post_attention_layernorm.weight"), vec![d], 2.0);
+            put(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![c.num_heads * hd, d],
+                1.0,
+            );
+            put(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![c.num_kv_heads * hd, d],
+                1.0,
+            );
+            put(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![c.num_kv_heads * hd, d],
+                1.0,
+            );
+            put(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![d, c.num_heads * hd],
+                0.5,
+            );
+            put(format!("{p}.mlp.gate_proj.weight"), vec![i, d], 1.0);
+            put(format!("{p}.mlp.up_proj.weight"), vec![i, d], 1.0);
+            put(format!("{p}.mlp.down_proj.weight"), vec![d, i], 0.5);
+            if c.attention_bias {
+                put(
+                    format!("{p}.self_attn.q_proj.bias"),
+                    vec![c.num_heads * hd],
+                    0.5,
+                );
+                put(
+                    format!("{p}.self_attn.k_proj.bias"),
+                    vec![c.num_kv_heads * hd],
+                    0.5,
+                );
+                put(
+                    format!("{p}.self_attn.v_proj.bias"),
+                    vec![c.num_kv_heads * hd],
+                    0.5,
+                );
+            }
+        }
+        MemorySource { config, tensors: t }
+    }
+
+    /// A straightforward f64 re-statement of the architecture: whole sequence at once, no cache,
+    /// RoPE by explicit pair rotation, attention by explicit softmax. Returns `[n][V]` logits.
+    fn reference_logits(src: &MemorySource, tokens: &[u32]) -> Vec<f64> {
+        let c = &src.config;
+        let get = |name: &str| {
+            src.tensors[name]
+                .data
+                .iter()
+                .map(|&v| v as f64)
+                .collect::<Vec<f64>>()
+        };
+        let (d, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let n = tokens.len();
+        let matmul = |x: &[f64], w: &[f64], out_f: usize, in_f: usize| -> Vec<f64> {
+            let mut y = vec![0.0; n * out_f];
+            for t in 0..n {
+                for o in 0..out_f {
+                    y[t * out_f + o] = (0..in_f).map(|i| w[o * in_f + i] * x[t * in_f + i]).sum();
+                }
+            }
+            y
+        };
+        let norm = |x: &[f64], w: &[f64]| -> Vec<f64> {
+            let mut y = x.to_vec();
+            for t in 0..n {
+                let r = &x[t * d..(t + 1) * d];
+                let ms = r.iter().map(|v| v * v).sum::<f64>() / d as f64;
+                for j in 0..d {
+                    y[t * d + j] = r[j] / (ms + c.rms_norm_eps as f64).sqrt() * w[j];
+                }
+            }
+            y
+        };
+        let rope = |x: &mut [f64], heads: usize| {
+            for t in 0..n {
+                for h in 0..heads {
+                    for i in 0..hd / 2 {
+                        let f = (c.rope_theta as f64).powf(-2.0 * i as f64 / hd as f64);
+                        let a = t as f64 * f;
+                        let base = (t * heads + h) * hd;
+                        let (x0, x1) = (x[base + i], x[base + i + hd / 2]);
+                        x[base + i] = x0 * a.cos() - x1 * a.sin();
+                        x[base + i + hd / 2] = x0 * a.sin() + x1 * a.cos();
+                    }
+                }
+            }
+        };
+        let emb = get("model.embed_tokens.weight");
+        let mut x: Vec<f64> = tokens
+            .iter()
+            .flat_map(|&t| emb[t as usize * d..(t as usize + 1) * d].to_vec())
+            .collect();
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let bias = |y: &mut Vec<f64>, name: &str, width: usize| {
+                if let Some(b) = src.tensors.get(name) {
+                    for t in 0..n {
+                        for j in 0..width {
+                            y[t * width + j] += b.data[j] as f64;
+                        }
+                    }
+                }
+            };
+            let xn = norm(&x, &get(&format!("{p}.input_layernorm.weight")));
+            let mut q = matmul(
+                &xn,
+                &get(&format!("{p}.self_attn.q_proj.weight")),
+                nh * hd,
+                d,
+            );
+            let mut k = matmul(
+                &xn,
+                &get(&format!("{p}.self_attn.k_proj.weight")),
+                nkv * hd,
+                d,
+            );
+            let mut v = matmul(
+                &xn,
+                &get(&format!("{p}.self_attn.v_proj.weight")),
+                nkv * hd,
+                d,
+            );
+            bias(&mut q, &format!("{p}.self_attn.q_proj.bias"), nh * hd);
+            bias(&mut k, &format!("{p}.self_attn.k_proj.bias"), nkv * hd);
+            bias(&mut v, &format!("{p}.self_attn.v_proj.bias"), nkv * hd);
+            rope(&mut q, nh);
+            rope(&mut k, nkv);
+            let mut att = vec![0.0; n * nh * hd];
+            for h in 0..nh {
+                let g = h / (nh / nkv);
+                for t in 0..n {
+                    let s: Vec<f64> = (0..=t)
+                        .map(|u| {
+                            (0..hd)
+                                .map(|j| q[(t * nh + h) * hd + j] * k[(u * nkv + g) * hd + j])
+                                .sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
+                    for u in 0..=t {
+                        let pr = (s[u] - m).exp() / z;
+                        for j in 0..hd {
+                            att[(t * nh + h) * hd + j] += pr * v[(u * nkv + g) * hd + j];
+                        }
+                    }
+                }
+            }
+            let o = matmul(
+                &att,
+                &get(&format!("{p}.self_attn.o_proj.weight")),
+                d,
+                nh * hd,
+            );
+            for j in 0..x.len() {
+                x[j] += o[j];
+            }
+            let xn = norm(&x, &get(&format!("{p}.post_attention_layernorm.weight")));
+            let i = c.intermediate_size;
+            let g = matmul(&xn, &get(&format!("{p}.mlp.gate_proj.weight")), i, d);
+            let u = matmul(&xn, &get(&format!("{p}.mlp.up_proj.weight")), i, d);
+            let h: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let dn = matmul(&h, &get(&format!("{p}.mlp.down_proj.weight")), d, i);
+            for j in 0..x.len() {
+                x[j] += dn[j];
+            }
+        }
+        let xn = norm(&x, &get("model.norm.weight"));
+        let head = if c.tie_word_embeddings {
+            emb
+        } else {
+            get("lm_head.weight")
+        };
+        matmul(&xn, &head, c.vocab_size, d)
+    }
+
+    fn assert_close(ours: &[f32], reference: &[f64]) {
+        assert_eq!(ours.len(), reference.len());
+        let scale = reference.iter().map(|v| v.abs()).fold(0.0, f64::max);
+        for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
+            // f32 arithmetic against f64 over a few hundred accumulations: 1e-4 of the logit scale.
+            assert!(
+                ((*a as f64) - b).abs() <= 1e-4 * scale.max(1.0),
+                "logit {i}: {a} vs {b} (scale {scale})"
+            );
+        }
+    }
+
+    const PROMPT: [u32; 9] = [1, 5, 9, 33, 7, 7, 20, 0, 36];
+
+    fn check_against_reference(config: ModelConfig) {
+        let src = random_source(config, 42);
+        let model = Model::from_source(&src).unwrap();
+        let reference = reference_logits(&src, &PROMPT);
+        let v = src.config.vocab_size;
+
+        // Prefill, every position.
+        let mut cache = model.new_cache(32);
+        let all = model.forward(&PROMPT, &mut cache, Logits::All).unwrap();
+        assert_close(&all, &reference);
+        assert_eq!(cache.len(), PROMPT.len());
+
+        // Prefill part, then decode the rest token by token through the cache.
+        let mut cache = model.new_cache(32);
+        let first = model
+            .forward(&PROMPT[..4], &mut cache, Logits::Last)
+            .unwrap();
+        assert_close(&first, &reference[3 * v..4 * v]);
+        for t in 4..PROMPT.len() {
+            let step = model
+                .forward(&PROMPT[t..t + 1], &mut cache, Logits::Last)
+                .unwrap();
+            assert_close(&step, &reference[t * v..(t + 1) * v]);
+        }
+    }
+
+    #[test]
+    fn per_layer_forward_matches_forward() {
+        let src = random_source(tiny_config(), 11);
+        let model = Model::from_source(&src).unwrap();
+        let n = PROMPT.len();
+        let mut x = model.embed(&PROMPT).unwrap();
+        let mut seen = Vec::new();
+        for l in 0..model.layers().len() {
+            model
+                .forward_layer(l, &mut x, n, &mut |site, a, rows| {
+                    assert_eq!(a.len() % rows, 0);
+                    seen.push((site, a.len() / rows));
+                })
+                .unwrap();
+        }
+        let ours = model.logits_from_hidden(&x, n).unwrap();
+        let full = model
+            .forward(&PROMPT, &mut model.new_cache(16), Logits::All)
+            .unwrap();
+        for (a, b) in ours.iter().zip(&full) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+        }
+        let c = tiny_config();
+        assert_eq!(
+            &seen[..4],
+            &[
+                (Site::AttnIn, c.hidden_size),
+                (Site::OProjIn, c.num_heads * c.head_dim),
+                (Site::MlpIn, c.hidden_size),
+                (Site::DownProjIn, c.intermediate_size)
+            ]
+        );
+        assert!(model.forward_layer(5, &mut x, n, &mut |_, _, _| {}).is_err());
+        assert!(model.forward_layer(0, &mut x, n + 1, &mut |_, _, _| {}).is_err());
+    }
+
+    #[test]
+    fn forward_matches_reference_tied_gqa() {
+        check_against_reference(tiny_config());
+    }
+
+    #[test]
+    fn forward_matches_reference_with_qkv_bias_and_separate_head() {
+        let mut c = tiny_config();
+        c.architecture = "qwen2".into();
+        c.attention_bias = true;
+        c.tie_word_embeddings = false;
+        c.num_kv_heads = 1;
+        check_against_reference(c);
+    }
+
+    #[test]
+    fn forward_matches_reference_multi_head_attention() {
+        let mut c = tiny_config();
+        c.num_kv_heads = c.num_heads;
+        check_against_reference(c);
+    }
+
+    #[test]
+    fn context_overflow_is_refused() {
+        let model = Model::from_source(&random_source(tiny_config(), 1)).unwrap();
+        let mut cache = model.new_cache(8);
+        let err = model
+            .forward(&PROMPT, &mut cache, Logits::Last)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ModelError::ContextOverflow {
+                    tokens: 9,
+                    context: 8
+                }
+            ),
+            "{err}"
+        );
+        model
+            .forward(&PROMPT[..8], &mut cache, Logits::Last)
+            .unwrap();
+        let err = model.forward(&[3], &mut cache, Logits::Last).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ModelError::ContextOverflow {
+                    tokens: 9,
+                    context: 8
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_tokens_and_bad_tensors_are_refused() {
+        let model = Model::from_source(&random_source(tiny_config(), 1)).unwrap();
+        let mut cache = model.new_cache(8);
+        assert!(model.forward(&[37], &mut cache, Logits::Last).is_err());
+        assert!(model.forward(&[], &mut cache, Logits::Last).is_err());
+
+        let mut src = random_source(tiny_config(), 1);
+        src.tensors
+            .get_mut("model.layers.1.mlp.up_proj.weight")
+            .unwrap()
+            .shape = vec![24, 40];
+        assert!(matches!(
+            Model::from_source(&src).unwrap_err(),
+            ModelError::TensorShape { .. }
+        ));
+        let mut src = random_source(tiny_config(), 1);
+        src.tensors.remove("model.layers.0.input_layernorm.weight");
+        assert!(matches!(
+            Model::from_source(&src).unwrap_err(),
+            ModelError::MissingTensor(_)
+        ));
+        let mut src = random_source(tiny_config(), 1);
+        src.tensors.get_mut("model.norm.weight").unwrap().data[3] = f32::NAN;
+        assert!(Model::from_source(&src).is_err());
+        let mut src = random_source(tiny_config(), 1);
+        src.config.num_kv_heads = 3;
+        assert!(Model::from_source(&src).is_err());
+    }
+
+    #[test]
+    fn custom_linears_are_used() {
+        // Zeroing every layer's down projection through the builder must change the logits.
+        let src = random_source(tiny_config(), 3);
+        let dense = Model::from_source(&src).unwrap();
+        let zeroed = Model::from_source_with(&src, |name, t| {
+            if name.ends_with("mlp.down_proj.weight") {
+                Linear::from_dense_f32(t.shape[0], t.shape[1], &vec![0.0; t.data.len()])
+            } else {
+                Linear::from_tensor(name, t)
+            }
+        })
+        .unwrap();
+        let a = dense
+            .forward(&PROMPT, &mut dense.new_cache(16), Logits::Last)
+            .unwrap();
+        let b = zeroed
+            .forward(&PROMPT, &mut zeroed.new_cache(16), Logits::Last)
+            .unwrap();
+        assert!(a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-3));
+        let bad = Model::from_source_with(&src, |_, _| Linear::from_dense_f32(2, 2, &[0.0; 4]));
+        assert!(matches!(bad.unwrap_err(), ModelError::TensorShape { .. }));
+    }
+
+    #[test]
+    fn llama3_rope_scaling_keeps_high_and_scales_low_frequencies() {
+        let s = RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let plain = rope_inv_freq(128, 500000.0, None);
+        let scaled = rope_inv_freq(128, 500000.0, Some(&s));
+        assert_eq!(plain[0], scaled[0]);
+        assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-15);
+        for (a, b) in plain.iter().zip(&scaled) {
+            assert!(b <= a && *b >= a / 8.0 - 1e-18);
+        }
+    }
+}
