@@ -25,6 +25,9 @@ fn cpu_seconds() -> f64 {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("stats") {
+        return stats_line();
+    }
     let rows: usize = args.get(1).map_or(Ok(4096), |s| s.parse())?;
     let cols: usize = args.get(2).map_or(Ok(11008), |s| s.parse())?;
     let sparsity: f64 = args.get(3).map_or(Ok(0.5), |s| s.parse())?;
@@ -105,5 +108,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
+    Ok(())
+}
+
+/// The `ie-bme` line of `sieve formats stats --rows 4096 --cols 4096 --sparsity 0.5` (seed 0),
+/// computed the same way (default encoding, `Storage`), for machines where the CLI is not built.
+fn stats_line() -> Result<(), Box<dyn std::error::Error>> {
+    use sieve_formats::{registry, FormatKind};
+    let (rows, cols) = (4096, 4096);
+    let w = random::sparse_matrix(rows, cols, 0.5, Pattern::Unstructured, 0)?;
+    let packed = registry::encode_default(FormatKind::IeBme, &w)?;
+    let s = packed.storage();
+    println!(
+        "{{\"format\":\"ie-bme\",\"rows\":{rows},\"cols\":{cols},\"sparsity\":{},\"payload_bytes\":{},\"metadata_bytes\":{},\"total_bytes\":{},\"dense_bytes\":{},\"ratio_to_dense\":{},\"pmr\":{}}}",
+        w.sparsity(),
+        s.payload_bytes,
+        s.metadata_bytes,
+        s.total_bytes(),
+        w.dense_bytes(),
+        s.total_bytes() as f64 / w.dense_bytes() as f64,
+        s.pmr()
+    );
     Ok(())
 }

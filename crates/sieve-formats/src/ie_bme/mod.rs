@@ -488,7 +488,21 @@ struct I4Src<'a>(&'a [u8]);
 impl ValueSource for F16Src<'_> {
     #[inline(always)]
     fn code(&self, idx: usize) -> f32 {
-        self.0[idx].to_f32()
+        f16_to_f32(self.0[idx])
+    }
+}
+
+/// f16 -> f32 with an inlinable fast path for normal numbers (exact: rebias the exponent,
+/// widen the mantissa); zeros, subnormals and non-finite values take `half`'s conversion,
+/// whose hardware path is an out-of-line call per value.
+#[inline(always)]
+fn f16_to_f32(v: f16) -> f32 {
+    let bits = v.to_bits() as u32;
+    let exp = bits & 0x7c00;
+    if exp != 0 && exp != 0x7c00 {
+        f32::from_bits(((bits & 0x8000) << 16) | (((bits & 0x7fff) + 0x1_c000) << 13))
+    } else {
+        v.to_f32()
     }
 }
 impl ValueSource for I8Src<'_> {
@@ -1161,7 +1175,7 @@ impl IeBme {
         self.for_each_stored(t, |p, col, idx| {
             let r = self.perm_row(t, p);
             let v = match &self.values {
-                Values::F16(v) => v[idx].to_f32(),
+                Values::F16(v) => f16_to_f32(v[idx]),
                 Values::Int8(v) => v[idx] as f32,
                 Values::Int4(pk, _) => nibble(pk, idx) as f32,
             };

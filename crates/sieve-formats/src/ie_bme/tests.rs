@@ -261,6 +261,7 @@ fn extreme_values_round_trip_with_f16_payload() {
                 .zip(w.data())
                 .all(|(a, b)| a.to_bits() == b.to_bits()));
             assert_blob_round_trip(&enc);
+            check_products(&enc, 5);
         }
     }
 }
@@ -324,6 +325,16 @@ fn scales_make_every_product_exact() {
                 let exact = q as f64 * s.to_f64();
                 assert_eq!(f16::from_f64(exact).to_f64(), exact, "{q} * {s}");
             }
+        }
+    }
+}
+
+#[test]
+fn fast_f16_conversion_is_exact() {
+    for bits in 0..=u16::MAX {
+        let v = f16::from_bits(bits);
+        if v.is_finite() {
+            assert_eq!(f16_to_f32(v).to_bits(), v.to_f32().to_bits(), "{bits:#06x}");
         }
     }
 }
