@@ -8,7 +8,8 @@ Command (from the repository root):
     pip install llama-cpp-python      # optional third reference (the llama.cpp tokenizer itself)
     python3 scripts/make-tokenizer-fixture.py \
         ~/.cache/sieve/models/SmolLM2-135M-Instruct.Q4_1.gguf \
-        crates/sieve-model/tests/fixtures/smollm2-tokens.json
+        crates/sieve-model/tests/fixtures/smollm2-tokens.json \
+        ../shared/data/wikitext-2/test.txt
 
 The primary reference is a from-scratch Python byte-level BPE written here (nothing shared with
 the Rust code under test): the vocabulary and merges come from the GGUF file, the text is split
@@ -18,6 +19,10 @@ regex, applied one after the other, unmatched spans kept as their own pieces), s
 When the Python `tokenizers` package and/or `llama_cpp` are importable, every string is also
 encoded by them and the script refuses to write the fixture on any disagreement; the names of
 the references that agreed go into the fixture's `references` field.
+
+With the optional third argument, the first 200,000 bytes of that text (cut back to a character
+boundary) are encoded too; their token count and FNV-1a-64 hash of the ids (as little-endian u32)
+go into `long_text`, so the fixture checks ~50k ids without storing them.
 """
 
 import json
@@ -206,10 +211,31 @@ def llama_cpp_reference(path):
     return lambda text: model.tokenize(text.encode("utf-8"), add_bos=False, special=True) if text else []
 
 
+LONG_TEXT_BYTES = 200_000
+
+
+def fnv1a64_ids(ids):
+    value = 0xCBF29CE484222325
+    for token in ids:
+        for byte in int(token).to_bytes(4, "little"):
+            value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+def long_text_prefix(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    cut = min(len(data), LONG_TEXT_BYTES)
+    while 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return data[:cut].decode("utf-8")
+
+
 def main():
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         sys.exit(__doc__)
     model_path, out_path = sys.argv[1], sys.argv[2]
+    long_path = sys.argv[3] if len(sys.argv) == 4 else None
     vocab = read_vocab(model_path)
     if vocab["model"] != "gpt2" or vocab["pre"] != "smollm":
         sys.exit(f"expected a gpt2/smollm tokenizer, found {vocab['model']}/{vocab['pre']}")
@@ -229,6 +255,19 @@ def main():
             if theirs != ids:
                 sys.exit(f"{name} disagrees on {text!r}: {theirs} vs {ids}")
         cases.append({"text": text, "ids": ids})
+    long_text = None
+    if long_path:
+        text = long_text_prefix(long_path)
+        ids = primary.encode(text)
+        for name, encode in others.items():
+            if encode is not None and list(encode(text)) != ids:
+                sys.exit(f"{name} disagrees on the long text")
+        long_text = {
+            "source": long_path.rsplit("/", 2)[-2] + "/" + long_path.rsplit("/", 1)[-1],
+            "prefix_bytes": LONG_TEXT_BYTES,
+            "token_count": len(ids),
+            "ids_fnv1a64": f"{fnv1a64_ids(ids):016x}",
+        }
     agreed += [name for name, encode in others.items() if encode is not None]
     fixture = {
         "model_file": model_path.rsplit("/", 1)[-1],
@@ -236,6 +275,7 @@ def main():
         "vocab_size": len(vocab["tokens"]),
         "references": agreed,
         "made_by": "scripts/make-tokenizer-fixture.py",
+        "long_text": long_text,
         "cases": cases,
     }
     # One case per line keeps diffs of the fixture readable.

@@ -340,7 +340,31 @@ fn smollm2() -> Option<&'static Tokenizer> {
 struct Fixture {
     vocab_size: usize,
     references: Vec<String>,
+    long_text: Option<LongText>,
     cases: Vec<FixtureCase>,
+}
+
+/// Ids of a long text, kept as a count and a hash.
+#[derive(serde::Deserialize)]
+struct LongText {
+    prefix_bytes: usize,
+    token_count: usize,
+    ids_fnv1a64: String,
+}
+
+fn fixture() -> Fixture {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2-tokens.json");
+    let raw = ok(std::fs::read_to_string(&path).map_err(|e| ModelError::Tokenizer(e.to_string())));
+    ok(serde_json::from_str(&raw).map_err(|e| ModelError::Tokenizer(e.to_string())))
+}
+
+/// FNV-1a 64 over the ids as little-endian u32, as the fixture script computes it.
+fn fnv1a64_ids(ids: &[u32]) -> u64 {
+    ids.iter()
+        .flat_map(|id| id.to_le_bytes())
+        .fold(0xCBF2_9CE4_8422_2325, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01B3)
+        })
 }
 
 #[derive(serde::Deserialize)]
@@ -352,10 +376,7 @@ struct FixtureCase {
 #[test]
 fn smollm2_ids_match_the_independent_reference() {
     let Some(tok) = smollm2() else { return };
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2-tokens.json");
-    let raw = ok(std::fs::read_to_string(&path).map_err(|e| ModelError::Tokenizer(e.to_string())));
-    let fixture: Fixture =
-        ok(serde_json::from_str(&raw).map_err(|e| ModelError::Tokenizer(e.to_string())));
+    let fixture = fixture();
     assert!(!fixture.references.is_empty());
     assert_eq!(tok.vocab_size(), fixture.vocab_size);
     assert!(fixture.cases.len() >= 10);
@@ -427,18 +448,27 @@ fn smollm2_round_trips_wikitext() {
         eprintln!("skipped: {} is absent", path.display());
         return;
     };
-    let mut end = raw.len().min(200_000);
+    let long = fixture().long_text;
+    let mut end = raw
+        .len()
+        .min(long.as_ref().map_or(200_000, |l| l.prefix_bytes));
     while !raw.is_char_boundary(end) {
         end -= 1;
     }
     let text = &raw[..end];
     let ids = ok(tok.encode(text, false));
-    assert!(
-        ids.len() > text.len() / 8 && ids.len() < text.len(),
-        "{} tokens for {} bytes",
-        ids.len(),
-        text.len()
-    );
+    if let Some(long) = long {
+        assert_eq!(
+            ids.len(),
+            long.token_count,
+            "token count of the wikitext prefix"
+        );
+        assert_eq!(
+            format!("{:016x}", fnv1a64_ids(&ids)),
+            long.ids_fnv1a64,
+            "ids of the wikitext prefix"
+        );
+    }
     assert_eq!(ok(tok.decode(&ids, false)), text);
 }
 
