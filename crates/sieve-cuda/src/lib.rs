@@ -1,1 +1,27 @@
-//! CUDA backend for sieve kernels.
+//! CUDA backend for sieve: the spMspV / GEMV kernels over the sieve weight formats, cuBLAS
+//! baselines, and the timing helpers of `sieve bench kernels`.
+//!
+//! Kernels are CUDA C++ in `kernels/*.cu` (one file per family, each with a header comment on
+//! its data layout and thread mapping), embedded with `include_str!`, compiled by NVRTC to an
+//! `sm_90a` CUBIN (or the device's own `sm_XY`) at first use and cached on disk (see [`gpu`]).
+//! CUDA libraries are loaded at run time: everything builds, and CPU tests run, on machines
+//! without CUDA; GPU entry points then return [`CudaError::NoDriver`] or
+//! [`CudaError::NoDevice`].
+//!
+//! | module | weights on the device | kernel |
+//! |---|---|---|
+//! | [`dense`] | row-major f16; column-major f16 | GEMV (warp per row); column-skipping TEAL kernel; cuBLAS GemmEx |
+//! | [`rlc_csc`] | Celty RLC-CSC | warp-per-256-row-tile spMspV, prefix-sum row reconstruction |
+//! | [`tiled_cbc`] | SPDP Tiled-CBC | ColInfo-driven column selection, bitmap popcount decode |
+
+pub mod dense;
+pub mod error;
+pub mod gpu;
+pub mod product;
+pub mod rlc_csc;
+pub mod tiled_cbc;
+pub mod timing;
+
+pub use error::{CudaError, Result};
+pub use gpu::{gpu_or_skip, DeviceInfo, Gpu};
+pub use product::{matvec_host, GpuMatVec};

@@ -18,11 +18,17 @@ enum Command {
         #[command(subcommand)]
         command: commands::formats::FormatsCommand,
     },
+    /// Benchmarks (GPU kernels against cuBLAS).
+    Bench {
+        #[command(subcommand)]
+        command: commands::bench::BenchCommand,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Formats { command } => commands::formats::run(command),
+        Command::Bench { command } => commands::bench::run(command),
     }
 }

@@ -1,0 +1,92 @@
+// Shared device helpers, prepended to every kernel family before NVRTC compiles it.
+// No CUDA headers are included: f16 values travel as raw 16-bit patterns and are converted
+// with PTX `cvt`, so the kernels compile with a bare NVRTC (no toolkit include path needed).
+
+typedef unsigned short f16_bits;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// The two f16 halves of a 32-bit word, low half first (little-endian element order).
+__device__ __forceinline__ void unpack2(u32 w, float& lo, float& hi) {
+    lo = h2f((unsigned short)(w & 0xffffu));
+    hi = h2f((unsigned short)(w >> 16));
+}
+
+// 8 f16 in a 16-byte vector to 8 floats, element i of the vector to out[i].
+__device__ __forceinline__ void unpack8(const uint4& v, float out[8]) {
+    unpack2(v.x, out[0], out[1]);
+    unpack2(v.y, out[2], out[3]);
+    unpack2(v.z, out[4], out[5]);
+    unpack2(v.w, out[6], out[7]);
+}
+
+// Streaming 16-byte load for data read exactly once (weights): read-only path, and no L1
+// allocation so that activations and metadata keep the L1.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Like ld_stream16, also asking L2 to evict the line first (weights are never reused within
+// one product; activations and the output are).
+__device__ __forceinline__ uint4 ld_stream16_evict_first(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::evict_first.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// TEAL activation mask: an input is active when |x| > t. t < 0 makes every input active.
+__device__ __forceinline__ bool active(float x, float t) { return fabsf(x) > t; }
+
+// Asynchronous global->shared copies (Ampere+), 16 bytes each; src_bytes < 16 zero-fills.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    u32 s = smem_addr(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    u32 s = smem_addr(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Inclusive prefix sum over the 32 lanes of a warp.
+__device__ __forceinline__ u32 warp_inclusive_scan(u32 v, int lane) {
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        u32 n = __shfl_up_sync(FULL_MASK, v, d);
+        if (lane >= d) v += n;
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
+    return v;
+}

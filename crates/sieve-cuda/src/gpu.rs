@@ -1,0 +1,431 @@
+//! The GPU handle: one CUDA context and stream, device properties, and the kernel modules,
+//! compiled by NVRTC to a CUBIN for the exact GPU at first use and cached on disk.
+//!
+//! Cache: `$SIEVE_HOME/kernels` or else `~/.cache/sieve/kernels`, one file per
+//! (kernel family, source, options, GPU name, compute capability, NVRTC version), named
+//! `<family>-<fnv64 hash>.cubin`. A cache that cannot be written is not an error: the kernel is
+//! compiled again next time.
+
+use crate::error::{CudaError, DriverContext, Result};
+use cudarc::driver::sys::CUdevice_attribute as Attr;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// Helpers shared by every kernel family (f16 conversion, cp.async, warp scans). Prepended to
+/// each family's source before compilation.
+const COMMON_SOURCE: &str = include_str!("../kernels/common.cuh");
+
+/// One `.cu` file: a family of kernels compiled together.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelFamily {
+    pub name: &'static str,
+    pub source: &'static str,
+}
+
+/// What the kernels and the benchmark need to know about the device.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: u32,
+    pub l2_bytes: usize,
+    pub total_memory_bytes: usize,
+    pub max_shared_per_block_optin: usize,
+}
+
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Looked-up kernels, so that a launch costs no driver lookup on the host.
+    functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
+    cublas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu").field("info", &self.info).finish()
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`. Fails with [`CudaError::NoDriver`] / [`CudaError::NoDevice`] where
+    /// there is no usable GPU, so callers can fall back or skip.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // With dynamic loading, cudarc panics on the first call into a missing library; probe
+        // for it first so that a machine without CUDA gets a typed error.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count().map_err(|e| CudaError::NoDevice(e.to_string()))?;
+        if count <= 0 || ordinal >= count as usize {
+            return Err(CudaError::NoDevice(format!(
+                "{count} device(s), asked for ordinal {ordinal}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        // One stream, used in order: cudarc's per-buffer event tracking would add two event
+        // records to every launch and distort microsecond timings.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().during("creating the stream")?;
+        let attr = |a: Attr| ctx.attribute(a).during("reading a device attribute");
+        let info = DeviceInfo {
+            name: ctx.name().during("reading the device name")?,
+            compute_capability: ctx
+                .compute_capability()
+                .during("reading the compute capability")?,
+            multiprocessors: attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+            l2_bytes: attr(Attr::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize,
+            total_memory_bytes: ctx.total_mem().during("reading the memory size")?,
+            max_shared_per_block_optin: attr(
+                Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )? as usize,
+        };
+        Ok(Self {
+            ctx,
+            stream,
+            info,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            cublas: Mutex::new(None),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().during("synchronizing the stream")
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            // A zero-length allocation is refused by the driver; one element keeps the pointer
+            // valid for kernels that never read it.
+            return unsafe { self.stream.alloc::<T>(1) }.during("allocating a buffer");
+        }
+        self.stream.clone_htod(host).during("copying to the device")
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(dev).during("copying to the host")
+    }
+
+    /// A device buffer of `len` f32 set to NaN, so that an element a kernel forgets to write
+    /// shows up in the comparison.
+    pub fn poisoned_f32(&self, len: usize) -> Result<CudaSlice<f32>> {
+        self.upload(&vec![f32::NAN; len.max(1)])
+    }
+
+    pub fn zero_f32(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
+        self.stream.memset_zeros(buf).during("zeroing a buffer")
+    }
+
+    /// The compiled module of `family`, compiling (or loading from the disk cache) on first use.
+    pub fn module(&self, family: &KernelFamily) -> Result<Arc<CudaModule>> {
+        let mut modules = self
+            .modules
+            .lock()
+            .map_err(|_| CudaError::Option("module cache lock poisoned".into()))?;
+        if let Some(m) = modules.get(family.name) {
+            return Ok(m.clone());
+        }
+        let cubin = self.cubin(family)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .during("loading a CUBIN module")?;
+        modules.insert(family.name, module.clone());
+        Ok(module)
+    }
+
+    pub fn function(&self, family: &KernelFamily, name: &str) -> Result<CudaFunction> {
+        let key = (family.name, name.to_string());
+        if let Ok(f) = self.functions.lock() {
+            if let Some(f) = f.get(&key) {
+                return Ok(f.clone());
+            }
+        }
+        let f = self
+            .module(family)?
+            .load_function(name)
+            .during("looking up a kernel in its module")?;
+        if let Ok(mut fs) = self.functions.lock() {
+            fs.insert(key, f.clone());
+        }
+        Ok(f)
+    }
+
+    pub fn cublas(&self) -> Result<Arc<cudarc::cublas::CudaBlas>> {
+        let mut slot = self
+            .cublas
+            .lock()
+            .map_err(|_| CudaError::Option("cuBLAS handle lock poisoned".into()))?;
+        if let Some(b) = slot.as_ref() {
+            return Ok(b.clone());
+        }
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::NoCublas);
+        }
+        let b = Arc::new(cudarc::cublas::CudaBlas::new(self.stream.clone())?);
+        *slot = Some(b.clone());
+        Ok(b)
+    }
+
+    /// NVRTC target: `sm_90a` on Hopper (the arch-specific target, so that nothing falls back
+    /// to PTX JIT), otherwise the device's own real architecture.
+    pub fn arch_option(&self) -> String {
+        let (maj, min) = self.info.compute_capability;
+        if (maj, min) == (9, 0) {
+            "--gpu-architecture=sm_90a".to_string()
+        } else {
+            format!("--gpu-architecture=sm_{maj}{min}")
+        }
+    }
+
+    fn cubin(&self, family: &KernelFamily) -> Result<Vec<u8>> {
+        let source = format!("{COMMON_SOURCE}\n{}", family.source);
+        let options = vec![
+            self.arch_option(),
+            "--std=c++17".to_string(),
+            "--use_fast_math".to_string(),
+            "-lineinfo".to_string(),
+        ];
+        let nvrtc_version = nvrtc_version()?;
+        let mut key = Fnv64::new();
+        key.write(source.as_bytes());
+        for o in &options {
+            key.write(o.as_bytes());
+        }
+        key.write(self.info.name.as_bytes());
+        key.write(&self.info.compute_capability.0.to_le_bytes());
+        key.write(&self.info.compute_capability.1.to_le_bytes());
+        key.write(&nvrtc_version.0.to_le_bytes());
+        key.write(&nvrtc_version.1.to_le_bytes());
+        let file = format!("{}-{:016x}.cubin", family.name, key.finish());
+        let dir = cache_dir();
+        if let Some(dir) = &dir {
+            if let Ok(bytes) = std::fs::read(dir.join(&file)) {
+                if !bytes.is_empty() {
+                    return Ok(bytes);
+                }
+            }
+        }
+        let cubin = compile_cubin(family.name, &source, &options)?;
+        if let Some(dir) = &dir {
+            // Best effort: write to a temporary name and rename, so that a concurrent reader
+            // never sees half a file.
+            let _ = std::fs::create_dir_all(dir);
+            let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
+            if std::fs::write(&tmp, &cubin).is_ok() {
+                let _ = std::fs::rename(&tmp, dir.join(&file));
+            }
+        }
+        Ok(cubin)
+    }
+}
+
+/// Compiles `family` for `arch` (e.g. `sm_90a`) without a GPU and returns the CUBIN size and
+/// NVRTC's log; needs only libnvrtc. Lets machines without a GPU catch kernel compile errors.
+pub fn compile_check(family: &KernelFamily, arch: &str) -> Result<(usize, String)> {
+    nvrtc_version()?;
+    let source = format!("{COMMON_SOURCE}\n{}", family.source);
+    let options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--use_fast_math".to_string(),
+        "-Xptxas=-v".to_string(),
+    ];
+    let cubin = compile_cubin(family.name, &source, &options)?;
+    let log = compile_log(&source, &options).unwrap_or_default();
+    Ok((cubin.len(), log))
+}
+
+fn compile_log(source: &str, options: &[String]) -> Option<String> {
+    use cudarc::nvrtc::result;
+    let src = std::ffi::CString::new(source).ok()?;
+    let prog = result::create_program(&src, None).ok()?;
+    let _ = unsafe { result::compile_program(prog, options) };
+    let log = unsafe { result::get_program_log(prog) }.ok().map(|l| {
+        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    });
+    let _ = unsafe { result::destroy_program(prog) };
+    log
+}
+
+/// All kernel families of this crate.
+pub fn families() -> [KernelFamily; 3] {
+    [
+        crate::dense::FAMILY,
+        crate::rlc_csc::FAMILY,
+        crate::tiled_cbc::FAMILY,
+    ]
+}
+
+/// Where compiled kernels are cached, or `None` when no home is known.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(h) = std::env::var_os("SIEVE_HOME") {
+        return Some(PathBuf::from(h).join("kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/sieve/kernels"))
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    use cudarc::nvrtc::sys;
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut maj, mut min) = (0i32, 0i32);
+    let r = unsafe { sys::nvrtcVersion(&mut maj, &mut min) };
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(CudaError::NoNvrtc);
+    }
+    Ok((maj, min))
+}
+
+/// Compiles `source` to a CUBIN. On failure the error carries NVRTC's log.
+fn compile_cubin(family: &'static str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let compile_err = |log: String| CudaError::Compile {
+        family,
+        options: options.to_vec(),
+        log,
+    };
+    let src = std::ffi::CString::new(source)
+        .map_err(|_| compile_err("kernel source contains a NUL byte".into()))?;
+    let name = std::ffi::CString::new(format!("{family}.cu"))
+        .map_err(|_| compile_err("kernel name contains a NUL byte".into()))?;
+    let prog = result::create_program(&src, Some(&name))
+        .map_err(|e| compile_err(format!("nvrtcCreateProgram: {e:?}")))?;
+    let compiled = unsafe { result::compile_program(prog, options) };
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    let out = match compiled {
+        Err(e) => Err(compile_err(format!("{e:?}\n{log}"))),
+        Ok(()) => {
+            let mut size = 0usize;
+            let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
+            if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                Err(compile_err(format!(
+                    "nvrtcGetCUBINSize: {r:?} (size {size}); was a real sm_ target given?\n{log}"
+                )))
+            } else {
+                let mut buf = vec![0u8; size];
+                let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) };
+                if r != sys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(compile_err(format!("nvrtcGetCUBIN: {r:?}\n{log}")))
+                } else {
+                    Ok(buf)
+                }
+            }
+        }
+    };
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// FNV-1a, 64 bit: a stable content hash for cache keys without a hashing dependency.
+struct Fnv64(u64);
+impl Fnv64 {
+    fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // A separator so that ("ab","c") and ("a","bc") hash differently.
+        self.0 ^= 0xff;
+        self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// For tests: the GPU, or `None` with the skip reason printed. With `SIEVE_REQUIRE_GPU=1` a
+/// missing GPU is a failure instead (the GPU machine runs the tests that way).
+pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("SIEVE_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: SIEVE_REQUIRE_GPU=1 but no GPU: {e}");
+            }
+            eprintln!("{test}: skipped, no GPU: {e}");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv_separates_fields() {
+        let mut a = Fnv64::new();
+        a.write(b"ab");
+        a.write(b"c");
+        let mut b = Fnv64::new();
+        b.write(b"a");
+        b.write(b"bc");
+        assert_ne!(a.finish(), b.finish());
+    }
+
+    #[test]
+    fn cache_dir_prefers_sieve_home() {
+        // Only reads the environment; SIEVE_HOME is not set by the test harness.
+        if std::env::var_os("SIEVE_HOME").is_none() {
+            if let Some(d) = cache_dir() {
+                assert!(d.ends_with(".cache/sieve/kernels"));
+            }
+        }
+    }
+
+    /// Compiles every kernel family with NVRTC where the library is present (no GPU needed),
+    /// printing ptxas's register/spill report.
+    #[test]
+    fn kernels_compile_for_sm90a() {
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("kernels_compile_for_sm90a: skipped, no libnvrtc");
+            return;
+        }
+        for fam in families() {
+            match compile_check(&fam, "sm_90a") {
+                Ok((size, log)) => {
+                    assert!(size > 0);
+                    eprintln!("{}: {size} bytes\n{log}", fam.name);
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn no_gpu_is_a_typed_error_or_a_gpu() {
+        match Gpu::new(0) {
+            Ok(g) => assert!(g.info().multiprocessors > 0),
+            Err(e) => assert!(matches!(
+                e,
+                CudaError::NoDriver | CudaError::NoDevice(_) | CudaError::Driver { .. }
+            )),
+        }
+    }
+}

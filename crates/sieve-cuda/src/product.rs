@@ -1,0 +1,71 @@
+//! The interface every GPU weight format implements: `y = W · mask_t(x)` for one token.
+
+use crate::dense::check_len;
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use cudarc::driver::CudaSlice;
+use sieve_formats::format::check_threshold;
+use sieve_formats::Threshold;
+
+/// A weight matrix resident on the GPU with its spMspV (or GEMV) kernel.
+pub trait GpuMatVec {
+    /// Format and kernel variant, for tables (e.g. `rlc-csc/c64`).
+    fn label(&self) -> String;
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Bytes the product must read from device memory when the columns marked in `active`
+    /// (length K) are the active ones: the weight data of those columns with their metadata,
+    /// the activations, and the output.
+    fn bytes_for(&self, active: &[bool]) -> usize;
+    /// Enqueues the product on the GPU's stream, zeroing `y` first where the kernel
+    /// accumulates with atomics. `x` has K entries, `y` M.
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        threshold: Threshold,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()>;
+}
+
+/// The kernels' threshold argument: `None` is -1, which makes `|x| > t` true everywhere.
+pub fn threshold_arg(t: Threshold) -> f32 {
+    t.unwrap_or(-1.0)
+}
+
+/// Runs the product on host data: uploads `x`, poisons the output with NaN, launches,
+/// synchronizes and downloads `y`. For tests and one-off products, not for timing.
+pub fn matvec_host<F: GpuMatVec + ?Sized>(
+    gpu: &Gpu,
+    w: &F,
+    x: &[f32],
+    threshold: Threshold,
+) -> Result<Vec<f32>> {
+    check_threshold(threshold)?;
+    check_len("activation length (K)", w.cols(), x.len())?;
+    if x.iter().any(|v| !v.is_finite()) {
+        return Err(CudaError::Option("activations must be finite".into()));
+    }
+    let xd = gpu.upload(x)?;
+    let mut y = gpu.poisoned_f32(w.rows())?;
+    w.launch(gpu, &xd, threshold, &mut y)?;
+    gpu.synchronize()?;
+    gpu.download(&y)
+}
+
+/// The active mask of `x` under `threshold`, for [`GpuMatVec::bytes_for`].
+pub fn active_mask(x: &[f32], threshold: Threshold) -> Vec<bool> {
+    x.iter()
+        .map(|&v| sieve_formats::format::is_active(v, threshold))
+        .collect()
+}
+
+/// Checks the device buffers of a launch against the matrix shape.
+pub fn check_io<F: GpuMatVec + ?Sized>(
+    w: &F,
+    x: &CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+) -> Result<()> {
+    check_len("activation length (K)", w.cols(), x.len())?;
+    check_len("output length (M)", w.rows(), y.len())
+}

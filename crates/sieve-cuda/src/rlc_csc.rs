@@ -1,0 +1,251 @@
+//! Celty spMspV over RLC-CSC (`kernels/rlc_csc_spmspv.cu`). The device arrays are the format's
+//! own arrays, uploaded as they are (layout: `sieve_formats::rlc_csc`).
+
+use crate::dense::check_len;
+use crate::error::{CudaError, DriverContext, Result};
+use crate::gpu::{Gpu, KernelFamily};
+use crate::product::{check_io, threshold_arg, GpuMatVec};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use sieve_formats::rlc_csc::RlcCsc;
+use sieve_formats::{Threshold, WeightFormat};
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "rlc_csc_spmspv",
+    source: include_str!("../kernels/rlc_csc_spmspv.cu"),
+};
+
+/// Which stages of the kernel run: the full product, or a variant with one stage left out, for
+/// measuring where the time goes (Celty Fig. 5). Only `Full` computes the right result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stages {
+    Full,
+    NoReconstruction,
+    NoAccumulation,
+    LoadsOnly,
+}
+
+impl Stages {
+    fn kernel(self) -> &'static str {
+        match self {
+            Stages::Full => "rlc_spmspv",
+            Stages::NoReconstruction => "rlc_spmspv_norecon",
+            Stages::NoAccumulation => "rlc_spmspv_noaccum",
+            Stages::LoadsOnly => "rlc_spmspv_loadonly",
+        }
+    }
+}
+
+pub struct GpuRlcCsc {
+    values: CudaSlice<u16>,
+    indices: CudaSlice<u32>,
+    seg_start: CudaSlice<u32>,
+    seg_len: CudaSlice<u32>,
+    slab_start: CudaSlice<u32>,
+    slab_row: CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+    block_rows: usize,
+    index_bits: u32,
+    /// Bytes of each column's segments (values + runs + per-segment metadata), for
+    /// [`GpuMatVec::bytes_for`].
+    col_bytes: Vec<usize>,
+    /// Columns per block (Celty's inner-loop size).
+    pub cols_per_warp: usize,
+    /// Warps per block sharing one shared-memory accumulator.
+    pub warps: usize,
+    pub stages: Stages,
+}
+
+impl GpuRlcCsc {
+    pub fn upload(gpu: &Gpu, f: &RlcCsc) -> Result<Self> {
+        let (rows, cols) = (f.rows(), f.cols());
+        if rows > i32::MAX as usize || cols > i32::MAX as usize {
+            return Err(CudaError::Option("matrix exceeds 32-bit dimensions".into()));
+        }
+        let shared = f.block_rows() * 4;
+        if shared > gpu.info().max_shared_per_block_optin {
+            return Err(CudaError::Option(format!(
+                "rlc-csc block_rows {} needs {shared} bytes of shared memory, the GPU allows {}",
+                f.block_rows(),
+                gpu.info().max_shared_per_block_optin
+            )));
+        }
+        let n = f.index_bits() as usize;
+        let mut col_bytes = vec![0usize; cols];
+        let (ss, sl) = (f.seg_start(), f.slab_start());
+        for seg in 0..f.segments() {
+            let entries = (ss[seg + 1] - ss[seg]) as usize;
+            let slabs = (sl[seg + 1] - sl[seg]) as usize;
+            col_bytes[seg % cols] += entries * 2 + (entries * n).div_ceil(8) + 16 + slabs * 2;
+        }
+        // Slab cursors and segment lengths are read once per slab; the rest per column.
+        let mut g = Self {
+            values: gpu.upload(f.value_bits())?,
+            indices: gpu.upload(f.packed_indices())?,
+            seg_start: gpu.upload(f.seg_start())?,
+            seg_len: gpu.upload(f.seg_len())?,
+            slab_start: gpu.upload(f.slab_start())?,
+            slab_row: gpu.upload(f.slab_row())?,
+            rows,
+            cols,
+            block_rows: f.block_rows(),
+            index_bits: f.index_bits(),
+            col_bytes,
+            cols_per_warp: 64,
+            warps: 8,
+            stages: Stages::Full,
+        };
+        g.warps = g.default_warps(f);
+        Ok(g)
+    }
+
+    /// Enough warps to give every slab of an average segment its own warp, 4..16.
+    fn default_warps(&self, f: &RlcCsc) -> usize {
+        let segs = f.segments().max(1);
+        let slabs = *f.slab_start().last().unwrap_or(&0) as usize;
+        slabs.div_ceil(segs).clamp(4, 16)
+    }
+
+    fn check_tuning(&self) -> Result<()> {
+        if self.cols_per_warp == 0 || !(1..=16).contains(&self.warps) {
+            return Err(CudaError::Option(format!(
+                "rlc-csc tuning: cols_per_warp {} (> 0), warps {} (1..=16)",
+                self.cols_per_warp, self.warps
+            )));
+        }
+        Ok(())
+    }
+
+    fn config(
+        &self,
+        ncols: usize,
+        gpu: &Gpu,
+        kernel: &cudarc::driver::CudaFunction,
+    ) -> Result<LaunchConfig> {
+        let shared = (self.block_rows.min(self.rows) * 4) as u32;
+        if shared > 48 * 1024 {
+            kernel
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .during("raising the shared-memory limit")?;
+        }
+        let _ = gpu;
+        Ok(LaunchConfig {
+            grid_dim: (
+                (ncols.div_ceil(self.cols_per_warp) as u32).max(1),
+                self.rows.div_ceil(self.block_rows) as u32,
+                1,
+            ),
+            block_dim: (32 * self.warps as u32, 1, 1),
+            shared_mem_bytes: shared,
+        })
+    }
+
+    /// The product over an already compacted list of active columns (see
+    /// [`crate::dense::compact_active`]); `x` is still the full activation vector.
+    pub fn launch_list(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        list: &CudaSlice<i32>,
+        ncols: &CudaSlice<i32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.check_tuning()?;
+        check_io(self, x, y)?;
+        check_len("active column list", self.cols, list.len())?;
+        gpu.zero_f32(y)?;
+        let f = gpu.function(&FAMILY, "rlc_spmspv_list")?;
+        let cfg = self.config(self.cols, gpu, &f)?;
+        let (m, k, br) = (self.rows as i32, self.cols as i32, self.block_rows as i32);
+        let (nb, cpw) = (self.index_bits as i32, self.cols_per_warp as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.values)
+            .arg(&self.indices)
+            .arg(&self.seg_start)
+            .arg(&self.seg_len)
+            .arg(&self.slab_start)
+            .arg(&self.slab_row)
+            .arg(x)
+            .arg(list)
+            .arg(ncols)
+            .arg(y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&br)
+            .arg(&nb)
+            .arg(&cpw);
+        unsafe { b.launch(cfg) }.during("launching rlc_spmspv_list")?;
+        Ok(())
+    }
+}
+
+impl GpuMatVec for GpuRlcCsc {
+    fn label(&self) -> String {
+        let stage = match self.stages {
+            Stages::Full => "",
+            Stages::NoReconstruction => "/no-recon",
+            Stages::NoAccumulation => "/no-accum",
+            Stages::LoadsOnly => "/loads-only",
+        };
+        format!(
+            "rlc-csc/b{}/c{}/w{}{stage}",
+            self.block_rows, self.cols_per_warp, self.warps
+        )
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn bytes_for(&self, active: &[bool]) -> usize {
+        let w: usize = self
+            .col_bytes
+            .iter()
+            .zip(active)
+            .filter(|(_, a)| **a)
+            .map(|(b, _)| *b)
+            .sum();
+        w + self.cols * 4 + self.rows * 4
+    }
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        threshold: Threshold,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.check_tuning()?;
+        check_io(self, x, y)?;
+        gpu.zero_f32(y)?;
+        let f = gpu.function(&FAMILY, self.stages.kernel())?;
+        let cfg = self.config(self.cols, gpu, &f)?;
+        let (m, k, br) = (self.rows as i32, self.cols as i32, self.block_rows as i32);
+        let (nb, t, cpw) = (
+            self.index_bits as i32,
+            threshold_arg(threshold),
+            self.cols_per_warp as i32,
+        );
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.values)
+            .arg(&self.indices)
+            .arg(&self.seg_start)
+            .arg(&self.seg_len)
+            .arg(&self.slab_start)
+            .arg(&self.slab_row)
+            .arg(x)
+            .arg(y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&br)
+            .arg(&nb)
+            .arg(&t)
+            .arg(&cpw);
+        unsafe { b.launch(cfg) }.during("launching rlc_spmspv")?;
+        Ok(())
+    }
+}

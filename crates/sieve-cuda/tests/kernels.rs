@@ -1,0 +1,291 @@
+//! GPU kernels against the f64 CPU reference, on fresh random inputs, with NaN-poisoned
+//! outputs. Without a GPU each test prints a skip reason and passes, unless
+//! `SIEVE_REQUIRE_GPU=1` (then it fails).
+
+use sieve_cuda::dense::{compact_active, GpuDense, GpuDenseColMajor};
+use sieve_cuda::rlc_csc::GpuRlcCsc;
+use sieve_cuda::tiled_cbc::GpuTiledCbc;
+use sieve_cuda::{gpu_or_skip, matvec_host, Gpu, GpuMatVec};
+use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
+use sieve_formats::reference::{matvec_f64, max_rel_error};
+use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
+use sieve_formats::tiled_cbc::TiledCbc;
+use sieve_formats::{DenseMatrix, Threshold};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const TOL: f64 = 1e-3;
+
+/// Odd shapes (not multiples of any tile, K < 64, M = 1) and a LLaMA shape.
+const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (1, 300),
+    (7, 5),
+    (33, 63),
+    (257, 129),
+    (300, 1000),
+    (1000, 72),
+    (513, 4104),
+    (4096, 4096),
+];
+const SPARSITIES: &[f64] = &[0.0, 0.3, 0.5, 0.7, 0.95];
+const ACT_SPARSITIES: &[f64] = &[0.0, 0.5, 0.9, 0.99];
+
+/// A fresh seed per call, so that reruns and tests never reuse inputs.
+fn seed() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ COUNTER
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Every (shape, weight sparsity, activation sparsity) case; big shapes only at a few points
+/// to keep the suite short.
+fn cases() -> Vec<(DenseMatrix, Vec<f32>, Threshold, String)> {
+    // Under compute-sanitizer kernels run 10-100x slower: small shapes only.
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
+    let mut out = Vec::new();
+    for &(m, k) in SHAPES {
+        let big = m * k > 1_000_000;
+        if big && small_only {
+            continue;
+        }
+        for &sp in SPARSITIES {
+            if big && sp != 0.5 {
+                continue;
+            }
+            let s = seed();
+            let w = sparse_matrix(m, k, sp, Pattern::Unstructured, s).expect("valid shape");
+            for &dp in ACT_SPARSITIES {
+                let x = activations(k, s ^ 0x55);
+                let t = threshold_for_sparsity(&x, dp).expect("valid dp");
+                out.push((w.clone(), x, t, format!("{m}x{k} sp={sp} dp={dp} seed={s}")));
+            }
+        }
+    }
+    // Everything inactive: the output must be exactly zero, not garbage.
+    let w = sparse_matrix(70, 90, 0.3, Pattern::Unstructured, seed()).expect("valid");
+    let x = activations(90, seed());
+    out.push((w, x, Some(f32::MAX), "70x90 all inactive".into()));
+    out
+}
+
+fn check<F: GpuMatVec + ?Sized>(
+    gpu: &Gpu,
+    w: &F,
+    m: &DenseMatrix,
+    x: &[f32],
+    t: Threshold,
+    what: &str,
+) {
+    let got = matvec_host(gpu, w, x, t).unwrap_or_else(|e| panic!("{what} {}: {e}", w.label()));
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{what} {}: unwritten (NaN) output",
+        w.label()
+    );
+    let want = matvec_f64(m, x, t);
+    let err = max_rel_error(&got, &want);
+    assert!(err < TOL, "{what} {}: rel error {err}", w.label());
+}
+
+#[test]
+fn dense_gemv_matches_reference() {
+    let Some(gpu) = gpu_or_skip("dense_gemv_matches_reference") else {
+        return;
+    };
+    for (m, x, t, what) in cases() {
+        let d = GpuDense::upload(&gpu, &m).expect("upload");
+        check(&gpu, &d, &m, &x, t, &what);
+    }
+}
+
+#[test]
+fn dense_colmajor_matches_reference() {
+    let Some(gpu) = gpu_or_skip("dense_colmajor_matches_reference") else {
+        return;
+    };
+    for (m, x, t, what) in cases() {
+        let mut d = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
+        for cpw in [32, 64, 256] {
+            d.cols_per_warp = cpw;
+            check(&gpu, &d, &m, &x, t, &what);
+        }
+    }
+}
+
+#[test]
+fn compacted_list_matches_reference() {
+    let Some(gpu) = gpu_or_skip("compacted_list_matches_reference") else {
+        return;
+    };
+    for (m, x, t, what) in cases() {
+        let d = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
+        let xd = gpu.upload(&x).expect("x");
+        let mut cols = gpu.upload(&vec![0i32; x.len()]).expect("cols");
+        let mut n = gpu.upload(&[0i32]).expect("n");
+        compact_active(&gpu, &xd, t, &mut cols, &mut n).expect("compact");
+        let mut y = gpu.poisoned_f32(m.rows()).expect("y");
+        d.launch_list(&gpu, &xd, &cols, &n, &mut y).expect("launch");
+        let got = gpu.download(&y).expect("download");
+        let want = matvec_f64(&m, &x, t);
+        let err = max_rel_error(&got, &want);
+        assert!(err < TOL, "{what} list: rel error {err}");
+        let count = gpu.download(&n).expect("n")[0] as usize;
+        let expect = x
+            .iter()
+            .filter(|v| sieve_formats::format::is_active(**v, t))
+            .count();
+        assert_eq!(count, expect, "{what}: active count");
+    }
+}
+
+#[test]
+fn cublas_matches_reference() {
+    let Some(gpu) = gpu_or_skip("cublas_matches_reference") else {
+        return;
+    };
+    for &(m, k) in &[(1usize, 8usize), (33, 63), (4096, 4096)] {
+        for n in [1usize, 3, 16] {
+            let w = sparse_matrix(m, k, 0.5, Pattern::Unstructured, seed()).expect("w");
+            let x: Vec<f32> = (0..n)
+                .flat_map(|i| activations(k, seed() + i as u64))
+                .collect();
+            // cuBLAS takes f16 activations: compare against the reference on rounded inputs.
+            let xr: Vec<f32> = x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+            let d = GpuDense::upload(&gpu, &w).expect("upload");
+            let blas = sieve_cuda::dense::Cublas::new(&gpu, &d).expect("cublas");
+            let xd = gpu.upload(&x).expect("x");
+            let mut x16 = gpu.upload(&vec![half::f16::ZERO; n * k]).expect("x16");
+            sieve_cuda::dense::to_f16(&gpu, &xd, &mut x16).expect("to_f16");
+            let mut y = gpu.poisoned_f32(n * m).expect("y");
+            blas.gemm(&gpu, &d, &x16, n, &mut y).expect("gemm");
+            let got = gpu.download(&y).expect("y");
+            let want = sieve_formats::reference::matmul_f64(&w, &xr, n, None);
+            let err = max_rel_error(&got, &want);
+            assert!(err < TOL, "cublas {m}x{k} n={n}: rel error {err}");
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let Some(gpu) = gpu_or_skip("bad_inputs_are_typed_errors") else {
+        return;
+    };
+    let w = sparse_matrix(16, 16, 0.5, Pattern::Unstructured, 1).expect("w");
+    let d = GpuDense::upload(&gpu, &w).expect("upload");
+    assert!(matvec_host(&gpu, &d, &[1.0; 15], None).is_err());
+    assert!(matvec_host(&gpu, &d, &[1.0; 16], Some(f32::NAN)).is_err());
+    assert!(matvec_host(&gpu, &d, &[f32::NAN; 16], None).is_err());
+}
+
+#[test]
+fn rlc_csc_matches_reference() {
+    let Some(gpu) = gpu_or_skip("rlc_csc_matches_reference") else {
+        return;
+    };
+    for (m, x, t, what) in cases() {
+        // Default 4-bit runs (the fast path) at two block heights, plus 2- and 7-bit runs (the
+        // generic decode path, runs straddling words).
+        for (bits, block_rows) in [(4u32, 256usize), (4, 4096), (2, 512), (7, 1024)] {
+            let opts = RlcCscOptions {
+                index_bits: bits,
+                block_rows,
+            };
+            let f = RlcCsc::encode(&m, &opts).expect("encode");
+            let mut g = GpuRlcCsc::upload(&gpu, &f).expect("upload");
+            for (cols, warps) in [(64usize, g.warps), (32, 4), (200, 16)] {
+                g.cols_per_warp = cols;
+                g.warps = warps;
+                check(
+                    &gpu,
+                    &g,
+                    &m,
+                    &x,
+                    t,
+                    &format!("{what} bits={bits} B={block_rows}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn rlc_csc_list_matches_reference() {
+    let Some(gpu) = gpu_or_skip("rlc_csc_list_matches_reference") else {
+        return;
+    };
+    for (m, x, t, what) in cases() {
+        let f = RlcCsc::encode(&m, &RlcCscOptions::default()).expect("encode");
+        let g = GpuRlcCsc::upload(&gpu, &f).expect("upload");
+        let xd = gpu.upload(&x).expect("x");
+        let mut cols = gpu.upload(&vec![0i32; x.len()]).expect("cols");
+        let mut n = gpu.upload(&[0i32]).expect("n");
+        compact_active(&gpu, &xd, t, &mut cols, &mut n).expect("compact");
+        let mut y = gpu.poisoned_f32(m.rows()).expect("y");
+        g.launch_list(&gpu, &xd, &cols, &n, &mut y).expect("launch");
+        let got = gpu.download(&y).expect("download");
+        let err = max_rel_error(&got, &matvec_f64(&m, &x, t));
+        assert!(err < TOL, "{what} rlc list: rel error {err}");
+    }
+}
+
+#[test]
+fn tiled_cbc_matches_reference() {
+    let Some(gpu) = gpu_or_skip("tiled_cbc_matches_reference") else {
+        return;
+    };
+    for (m, x, t, what) in cases() {
+        let f = TiledCbc::encode(&m).expect("encode");
+        let mut g = GpuTiledCbc::upload(&gpu, &f).expect("upload");
+        for gpb in [0usize, 1, 3, 64] {
+            g.gtiles_per_block = gpb;
+            check(&gpu, &g, &m, &x, t, &what);
+        }
+    }
+}
+
+/// Prints where RLC-CSC goes wrong on tiny single-column cases (diagnostic; asserts nothing
+/// beyond what `rlc_csc_matches_reference` asserts).
+#[test]
+fn rlc_csc_diagnose_single_column() {
+    let Some(gpu) = gpu_or_skip("rlc_csc_diagnose_single_column") else {
+        return;
+    };
+    for (m, br) in [
+        (32usize, 256usize),
+        (64, 256),
+        (255, 256),
+        (256, 256),
+        (257, 4096),
+        (512, 4096),
+        (300, 256),
+    ] {
+        let w = sparse_matrix(m, 1, 0.0, Pattern::Unstructured, 3).expect("w");
+        let x = vec![1.0f32];
+        let f = RlcCsc::encode(
+            &w,
+            &RlcCscOptions {
+                index_bits: 4,
+                block_rows: br,
+            },
+        )
+        .expect("enc");
+        let g = GpuRlcCsc::upload(&gpu, &f).expect("upload");
+        let got = matvec_host(&gpu, &g, &x, None).expect("run");
+        let want = matvec_f64(&w, &x, None);
+        let bad: Vec<String> = got
+            .iter()
+            .zip(&want)
+            .enumerate()
+            .filter(|(_, (g, w))| (**g as f64 - **w).abs() > 1e-3 * w.abs().max(1e-3))
+            .take(12)
+            .map(|(i, (g, w))| format!("row {i}: got {g} want {w}"))
+            .collect();
+        eprintln!("DIAG m={m} B={br} warps={} bad: {:?}", g.warps, bad);
+    }
+}
