@@ -56,7 +56,7 @@ impl GpuMatVec for GpuDense {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_io(self, x, y)?;
-        let name = if self.cols % 8 == 0 {
+        let name = if self.cols.is_multiple_of(8) {
             "dense_gemv_rowmajor"
         } else {
             "dense_gemv_rowmajor_scalar"
@@ -169,7 +169,7 @@ impl GpuMatVec for GpuDenseColMajor {
         threshold: Threshold,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if self.cols_per_warp == 0 || self.cols_per_warp % 32 != 0 {
+        if self.cols_per_warp == 0 || !self.cols_per_warp.is_multiple_of(32) {
             return Err(CudaError::Option(format!(
                 "cols_per_warp must be a positive multiple of 32, got {}",
                 self.cols_per_warp
@@ -307,7 +307,7 @@ pub fn to_f16(gpu: &Gpu, x: &CudaSlice<f32>, out: &mut CudaSlice<f16>) -> Result
 
 /// A device-to-device copy of `src` into `dst` with 16-byte accesses (the bandwidth ceiling).
 pub fn copy(gpu: &Gpu, src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>) -> Result<()> {
-    if src.len() != dst.len() || src.len() % 16 != 0 {
+    if src.len() != dst.len() || !src.len().is_multiple_of(16) {
         return Err(CudaError::Option(
             "copy: buffers must have equal lengths, a multiple of 16".into(),
         ));

@@ -127,6 +127,10 @@ fn shapes_of(name: &str) -> Result<Vec<(String, usize, usize)>> {
     })
 }
 
+/// One kernel variant: the copy it is checked on, and the further copies timed launches rotate
+/// over.
+type Rotation = (Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>);
+
 /// Copies of a buffer of `bytes` needed so that one pass over them exceeds 4x the L2.
 fn copies_for(bytes: usize, l2: usize) -> usize {
     (4 * l2).div_ceil(bytes.max(1)).clamp(1, 64)
@@ -284,7 +288,7 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
                 break;
             }
             let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
-            let mut variants: Vec<(Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>)> = Vec::new();
+            let mut variants: Vec<Rotation> = Vec::new();
             if has("rlc-csc") {
                 let mut configs = vec![(a.rlc_block_rows, a.rlc_cols)];
                 if a.tune {
