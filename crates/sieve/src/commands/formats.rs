@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 use serde::Serialize;
 use sieve_formats::random::{self, Pattern};
-use sieve_formats::{registry, FormatKind};
+use sieve_formats::{registry, slide, FormatKind, WeightFormat};
 
 #[derive(Subcommand)]
 pub enum FormatsCommand {
@@ -38,6 +38,9 @@ struct StatsLine {
     /// Total bytes as a fraction of dense f16 (Celty's "compression efficiency").
     ratio_to_dense: f64,
     pmr: Option<f64>,
+    /// Set when this format was measured on a different matrix than the others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
 }
 
 pub fn run(cmd: FormatsCommand) -> Result<()> {
@@ -53,7 +56,26 @@ pub fn run(cmd: FormatsCommand) -> Result<()> {
             let w = random::sparse_matrix(rows, cols, sparsity, pattern, seed)
                 .context("generating the random matrix")?;
             for kind in FormatKind::ALL {
-                let packed = match registry::encode_default(kind, &w) {
+                // Slide takes only (2N-2):2N matrices: it uses the N a (2N-2):2N pattern implies,
+                // and any other input is first pruned to 6:8 by magnitude (said in `note`).
+                let encoded = if kind == FormatKind::Slide {
+                    slide::encode_or_prune(&w, pattern).map(|(s, pruned)| {
+                        let note = pruned.as_ref().map(|p| {
+                            format!(
+                                "input is not {}:{}; measured on it pruned to that pattern by \
+                                 magnitude (sparsity {:.4})",
+                                2 * s.n() - 2,
+                                2 * s.n(),
+                                p.sparsity()
+                            )
+                        });
+                        let sparsity = pruned.map_or(w.sparsity(), |p| p.sparsity());
+                        (Box::new(s) as Box<dyn WeightFormat>, sparsity, note)
+                    })
+                } else {
+                    registry::encode_default(kind, &w).map(|p| (p, w.sparsity(), None))
+                };
+                let (packed, sparsity, note) = match encoded {
                     Ok(p) => p,
                     Err(e) => {
                         eprintln!("{}: skipped: {e}", kind.name());
@@ -66,13 +88,14 @@ pub fn run(cmd: FormatsCommand) -> Result<()> {
                     format: kind.name(),
                     rows,
                     cols,
-                    sparsity: w.sparsity(),
+                    sparsity,
                     payload_bytes: s.payload_bytes,
                     metadata_bytes: s.metadata_bytes,
                     total_bytes: s.total_bytes(),
                     dense_bytes: w.dense_bytes(),
                     ratio_to_dense: s.total_bytes() as f64 / w.dense_bytes() as f64,
                     pmr: pmr.is_finite().then_some(pmr),
+                    note,
                 };
                 println!("{}", serde_json::to_string(&line)?);
             }
