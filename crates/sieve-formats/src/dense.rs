@@ -69,6 +69,9 @@ impl WeightFormat for Dense {
     fn matmul(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<()> {
         let (m, k) = (self.rows(), self.cols());
         check_product_args(m, k, x, n, threshold, y)?;
+        if n == 0 {
+            return Ok(());
+        }
         let xm: Vec<f32> = x
             .iter()
             .map(|&v| if is_active(v, threshold) { v } else { 0.0 })

@@ -11,6 +11,7 @@
 //! | [`chat`] | chat templates (ChatML) |
 //! | [`linear`] | `Linear`: the seam where any weight format plugs into the model |
 //! | [`llama`] | the Llama-family forward pass with a KV cache |
+//! | [`packed`] | a whole model (weights, tokenizer, thresholds) in a `.sieve` file |
 //! | [`packfile`] | the `.sieve` container: named, checksummed sections |
 //! | [`sampling`] | greedy, temperature, top-k, top-p, repetition penalty |
 
@@ -21,6 +22,7 @@ pub mod generate;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+pub mod packed;
 pub mod packfile;
 pub mod quant;
 pub mod safetensors_dir;

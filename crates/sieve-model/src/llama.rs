@@ -32,7 +32,7 @@ use half::f16;
 use rayon::prelude::*;
 
 /// The projections of one decoder layer, by their Hugging Face names.
-const LAYER_LINEARS: [&str; 7] = [
+pub(crate) const LAYER_LINEARS: [&str; 7] = [
     "self_attn.q_proj",
     "self_attn.k_proj",
     "self_attn.v_proj",
@@ -56,6 +56,19 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// The layer's linears with their short names, read-only.
+    pub fn linears(&self) -> [(&'static str, &Linear); 7] {
+        [
+            (LAYER_LINEARS[0], &self.q_proj),
+            (LAYER_LINEARS[1], &self.k_proj),
+            (LAYER_LINEARS[2], &self.v_proj),
+            (LAYER_LINEARS[3], &self.o_proj),
+            (LAYER_LINEARS[4], &self.gate_proj),
+            (LAYER_LINEARS[5], &self.up_proj),
+            (LAYER_LINEARS[6], &self.down_proj),
+        ]
+    }
+
     /// The layer's linears with their short names (`self_attn.q_proj`, ..., `mlp.down_proj`).
     pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
         [

@@ -11,6 +11,7 @@
 //! | [`teal`] | streaming |x| histograms and TEAL thresholds from the ECDF |
 //! | [`dual`] | static x dynamic sparsity report (SPDP's overlap analysis) |
 //! | [`quant`] | INT4 per-group weight and INT8 per-token activation quantization |
+//! | [`pipeline`] | whole-model pruning layer by layer on calibration windows (`sieve pack`) |
 //! | [`calib`] | calibration windows from a token stream |
 
 pub mod calib;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod mask;
 pub mod methods;
 pub mod pattern;
+pub mod pipeline;
 pub mod quant;
 pub mod sparsegpt;
 pub mod teal;

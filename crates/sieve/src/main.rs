@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 mod commands;
 
 #[derive(Parser)]
-#[command(name = "sieve", version, about = "Sparse LLM inference: skip the zeros")]
+#[command(
+    name = "sieve",
+    version,
+    about = "Sparse LLM inference: skip the zeros"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -18,6 +22,15 @@ enum Command {
         #[command(subcommand)]
         command: commands::formats::FormatsCommand,
     },
+    /// Generate text from a prompt, streaming it as it is produced.
+    Generate(commands::generate::GenerateArgs),
+    /// Evaluate a model (perplexity).
+    Eval {
+        #[command(subcommand)]
+        command: commands::eval::EvalCommand,
+    },
+    /// Prune a model on calibration text, set activation thresholds and write a `.sieve` file.
+    Pack(commands::pack::PackArgs),
     /// Benchmarks (GPU kernels against cuBLAS).
     Bench {
         #[command(subcommand)]
@@ -30,5 +43,8 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Formats { command } => commands::formats::run(command),
         Command::Bench { command } => commands::bench::run(command),
+        Command::Generate(args) => commands::generate::run(args),
+        Command::Eval { command } => commands::eval::run(command),
+        Command::Pack(args) => commands::pack::run(args),
     }
 }

@@ -1,2 +1,6 @@
 pub mod bench;
+pub mod eval;
 pub mod formats;
+pub mod generate;
+pub mod model_path;
+pub mod pack;

@@ -1,0 +1,388 @@
+//! A whole model in a `.sieve` container: which sections `sieve pack` writes and how a
+//! [`Model`] and its [`Tokenizer`] are rebuilt from them.
+//!
+//! | section | kind | content |
+//! |---|---|---|
+//! | `config` | Json | [`ModelConfig`] |
+//! | `tokenizer.gguf` | Json | the GGUF tokenizer description ([`GgufTokenizerSpec`] fields) |
+//! | `tokenizer.json`, `tokenizer_config.json` | Bytes | or: the Hugging Face tokenizer files |
+//! | `model.embed_tokens.weight` | Weight | dense f16 blob `[V][d]` |
+//! | `model.norm.weight`, `model.layers.{l}.{input,post_attention}_layernorm.weight` | F32 | |
+//! | `model.layers.{l}.{proj}.weight` | Weight | a `sieve_formats` blob in any format |
+//! | `model.layers.{l}.{proj}.bias` | F32 | when the layer has one |
+//! | `lm_head.weight` | Weight | only when the head is not tied to the embeddings |
+//! | `thresholds` | Json | `{linear weight name: threshold or null}` (TEAL) |
+//! | `manifest` | Json | how the file was made (free-form, written by `sieve pack`) |
+//!
+//! The container checks every section's checksum on open, so a truncated or tampered file is
+//! refused before any of it reaches the model.
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::linear::{FastDense, Linear};
+use crate::llama::{Layer, Model};
+use crate::packfile::{PackFile, PackWriter, SectionKind};
+use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
+use crate::weights::{TensorSource, TokenizerSource};
+use serde::{Deserialize, Serialize};
+use sieve_formats::{FormatKind, WeightFormat};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Serializable mirror of [`GgufTokenizerSpec`] (which the tokenizer module keeps serde-free).
+#[derive(Serialize, Deserialize)]
+struct SpecJson {
+    model: String,
+    pre: String,
+    tokens: Vec<String>,
+    merges: Vec<String>,
+    token_types: Vec<i32>,
+    scores: Vec<f32>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<u32>,
+    unknown_token_id: Option<u32>,
+    padding_token_id: Option<u32>,
+    add_bos_token: Option<bool>,
+    add_eos_token: Option<bool>,
+    chat_template: Option<String>,
+}
+
+impl From<&GgufTokenizerSpec> for SpecJson {
+    fn from(s: &GgufTokenizerSpec) -> Self {
+        Self {
+            model: s.model.clone(),
+            pre: s.pre.clone(),
+            tokens: s.tokens.clone(),
+            merges: s.merges.clone(),
+            token_types: s.token_types.clone(),
+            scores: s.scores.clone(),
+            bos_token_id: s.bos_token_id,
+            eos_token_id: s.eos_token_id,
+            unknown_token_id: s.unknown_token_id,
+            padding_token_id: s.padding_token_id,
+            add_bos_token: s.add_bos_token,
+            add_eos_token: s.add_eos_token,
+            chat_template: s.chat_template.clone(),
+        }
+    }
+}
+
+impl From<SpecJson> for GgufTokenizerSpec {
+    fn from(s: SpecJson) -> Self {
+        Self {
+            model: s.model,
+            pre: s.pre,
+            tokens: s.tokens,
+            merges: s.merges,
+            token_types: s.token_types,
+            scores: s.scores,
+            bos_token_id: s.bos_token_id,
+            eos_token_id: s.eos_token_id,
+            unknown_token_id: s.unknown_token_id,
+            padding_token_id: s.padding_token_id,
+            add_bos_token: s.add_bos_token,
+            add_eos_token: s.add_eos_token,
+            chat_template: s.chat_template,
+        }
+    }
+}
+
+/// Adds the tokenizer sections for whatever tokenizer `source` describes.
+pub fn add_tokenizer_sections(w: &mut PackWriter, source: &dyn TensorSource) -> Result<()> {
+    match source.tokenizer_source()? {
+        Some(TokenizerSource::Gguf(spec)) => w.add_json("tokenizer.gguf", &SpecJson::from(&*spec)),
+        Some(TokenizerSource::TokenizerJson {
+            tokenizer_json,
+            tokenizer_config,
+        }) => {
+            let read = |p: &Path| {
+                std::fs::read(p).map_err(|source| ModelError::Io {
+                    path: p.display().to_string(),
+                    source,
+                })
+            };
+            w.add("tokenizer.json", SectionKind::Bytes, read(&tokenizer_json)?)?;
+            if let Some(cfg) = tokenizer_config {
+                w.add("tokenizer_config.json", SectionKind::Bytes, read(&cfg)?)?;
+            }
+            Ok(())
+        }
+        None => Err(ModelError::Tokenizer(
+            "the source model does not say where its tokenizer is".into(),
+        )),
+    }
+}
+
+/// Adds the sections of `model` (config, embeddings, norms, every linear as a blob of its
+/// current format, biases, the LM head when untied, thresholds).
+pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
+    let c = model.config();
+    w.add_json("config", c)?;
+    let embed = sieve_formats::DenseMatrix::new(
+        c.vocab_size,
+        c.hidden_size,
+        model.embed_tokens().to_vec(),
+    )?;
+    w.add(
+        "model.embed_tokens.weight",
+        SectionKind::Weight,
+        FastDense::new(embed).to_bytes(),
+    )?;
+    w.add_f32("model.norm.weight", model.final_norm())?;
+    let mut thresholds = BTreeMap::new();
+    for (l, layer) in model.layers().iter().enumerate() {
+        let p = format!("model.layers.{l}");
+        w.add_f32(&format!("{p}.input_layernorm.weight"), &layer.input_norm)?;
+        w.add_f32(
+            &format!("{p}.post_attention_layernorm.weight"),
+            &layer.post_attention_norm,
+        )?;
+        for (short, lin) in layer.linears() {
+            let name = format!("{p}.{short}.weight");
+            w.add(&name, SectionKind::Weight, lin.format().to_bytes())?;
+            if let Some(b) = lin.bias() {
+                w.add_f32(&format!("{p}.{short}.bias"), b)?;
+            }
+            thresholds.insert(name, lin.threshold());
+        }
+    }
+    if !c.tie_word_embeddings {
+        w.add(
+            "lm_head.weight",
+            SectionKind::Weight,
+            model.lm_head().format().to_bytes(),
+        )?;
+    }
+    thresholds.insert("lm_head.weight".into(), model.lm_head().threshold());
+    w.add_json("thresholds", &thresholds)
+}
+
+/// Reads a weight blob; dense ones get the SIMD kernels of [`FastDense`].
+fn read_linear(pack: &PackFile, name: &str) -> Result<Linear> {
+    let bytes = pack.section(name, SectionKind::Weight)?;
+    let format = sieve_formats::registry::from_bytes(bytes).map_err(|e| ModelError::Malformed {
+        path: pack.path().display().to_string(),
+        reason: format!("section '{name}': {e}"),
+    })?;
+    Ok(if format.kind() == FormatKind::Dense {
+        Linear::from_format(Box::new(FastDense::new(format.decode())))
+    } else {
+        Linear::from_format(format)
+    })
+}
+
+impl Model {
+    /// Rebuilds a model written by [`add_model_sections`].
+    pub fn from_pack(pack: &PackFile) -> Result<Self> {
+        let config: ModelConfig = pack.json("config")?;
+        let malformed = |reason: String| ModelError::Malformed {
+            path: pack.path().display().to_string(),
+            reason,
+        };
+        let thresholds: BTreeMap<String, Option<f32>> = pack.json("thresholds")?;
+        let embed_lin = read_linear(pack, "model.embed_tokens.weight")?;
+        let embed = embed_lin.format().decode();
+        if embed.rows() != config.vocab_size || embed.cols() != config.hidden_size {
+            return Err(malformed(format!(
+                "embeddings are {}x{}, the config says {}x{}",
+                embed.rows(),
+                embed.cols(),
+                config.vocab_size,
+                config.hidden_size
+            )));
+        }
+        let with_threshold = |name: &str, mut lin: Linear| -> Result<Linear> {
+            if let Some(t) = thresholds.get(name) {
+                lin.set_threshold(*t)
+                    .map_err(|e| malformed(format!("threshold of '{name}': {e}")))?;
+            }
+            Ok(lin)
+        };
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let p = format!("model.layers.{l}");
+            let mut lin = Vec::with_capacity(7);
+            for short in crate::llama::LAYER_LINEARS {
+                let name = format!("{p}.{short}.weight");
+                let mut linear = with_threshold(&name, read_linear(pack, &name)?)?;
+                let bias_name = format!("{p}.{short}.bias");
+                if pack.contains(&bias_name) {
+                    linear = linear.with_bias(pack.f32s(&bias_name)?)?;
+                }
+                lin.push(linear);
+            }
+            let mut it = lin.into_iter();
+            let mut next = || {
+                it.next()
+                    .ok_or_else(|| ModelError::InvalidArgument("layer linears".into()))
+            };
+            layers.push(Layer {
+                input_norm: pack.f32s(&format!("{p}.input_layernorm.weight"))?,
+                post_attention_norm: pack.f32s(&format!("{p}.post_attention_layernorm.weight"))?,
+                q_proj: next()?,
+                k_proj: next()?,
+                v_proj: next()?,
+                o_proj: next()?,
+                gate_proj: next()?,
+                up_proj: next()?,
+                down_proj: next()?,
+            });
+        }
+        let lm_head = if pack.contains("lm_head.weight") {
+            read_linear(pack, "lm_head.weight")?
+        } else {
+            Linear::from_format(Box::new(FastDense::new(embed.clone())))
+        };
+        let lm_head = with_threshold("lm_head.weight", lm_head)?;
+        let final_norm = pack.f32s("model.norm.weight")?;
+        Model::from_parts(config, embed.into_data(), layers, final_norm, lm_head)
+    }
+}
+
+/// The tokenizer stored in a `.sieve` file.
+pub fn tokenizer_from_pack(pack: &PackFile) -> Result<Tokenizer> {
+    if pack.contains("tokenizer.gguf") {
+        let spec: SpecJson = pack.json("tokenizer.gguf")?;
+        return Tokenizer::from_gguf_spec(&spec.into());
+    }
+    if pack.contains("tokenizer.json") {
+        // `Tokenizer::from_file` also reads `tokenizer_config.json` beside the file, so both are
+        // written to a private temporary folder.
+        let dir = std::env::temp_dir().join(format!(
+            "sieve-tokenizer-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        ));
+        let io = |path: &Path| {
+            let shown = path.display().to_string();
+            move |source| ModelError::Io {
+                path: shown,
+                source,
+            }
+        };
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let result = (|| {
+            let file = dir.join("tokenizer.json");
+            std::fs::write(&file, pack.section("tokenizer.json", SectionKind::Bytes)?)
+                .map_err(io(&file))?;
+            if pack.contains("tokenizer_config.json") {
+                let cfg = dir.join("tokenizer_config.json");
+                std::fs::write(
+                    &cfg,
+                    pack.section("tokenizer_config.json", SectionKind::Bytes)?,
+                )
+                .map_err(io(&cfg))?;
+            }
+            Tokenizer::from_file(&file)
+        })();
+        let _ = std::fs::remove_dir_all(&dir);
+        return result;
+    }
+    Err(ModelError::Malformed {
+        path: pack.path().display().to_string(),
+        reason: "no tokenizer section".into(),
+    })
+}
+
+/// Whether `path` is a `.sieve` file (by its magic, whatever its name).
+pub fn is_pack_file(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == crate::packfile::MAGIC
+}
+
+/// Opens any supported model (a `.sieve` file, GGUF, safetensors) with its tokenizer.
+pub fn load_model_and_tokenizer(path: &Path) -> Result<(Model, Tokenizer)> {
+    if is_pack_file(path) {
+        let pack = PackFile::open(path)?;
+        let tokenizer = tokenizer_from_pack(&pack)?;
+        return Ok((Model::from_pack(&pack)?, tokenizer));
+    }
+    let source = crate::weights::open_model(path)?;
+    let tokenizer = crate::generate::load_tokenizer(source.as_ref())?;
+    let model = Model::from_source(source.as_ref())?;
+    Ok((model, tokenizer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llama::tests::{random_source, tiny_config};
+    use crate::llama::Logits;
+
+    fn packed_bytes() -> (Model, Vec<u8>) {
+        let src = random_source(tiny_config(), 5);
+        let mut model = Model::from_source(&src).unwrap();
+        // A sparse layer in another format and a threshold must survive the round trip.
+        let lin = &mut model.layers_mut()[1].down_proj;
+        let mut m = lin.format().decode().into_data();
+        for (i, v) in m.iter_mut().enumerate() {
+            if i % 3 != 0 {
+                *v = half::f16::ZERO;
+            }
+        }
+        let dm = sieve_formats::DenseMatrix::new(lin.rows(), lin.cols(), m).unwrap();
+        lin.replace_format(
+            sieve_formats::registry::encode_default(FormatKind::RlcCsc, &dm).unwrap(),
+        )
+        .unwrap();
+        lin.set_threshold(Some(0.05)).unwrap();
+        let mut w = PackWriter::new();
+        add_model_sections(&mut w, &model).unwrap();
+        w.add_json("tokenizer.gguf", &SpecJson::from(&GgufTokenizerSpec::default()))
+            .unwrap();
+        (model, w.to_bytes())
+    }
+
+    #[test]
+    fn model_round_trips_through_a_pack() {
+        let (model, bytes) = packed_bytes();
+        let pack = PackFile::from_bytes(bytes).unwrap();
+        let loaded = Model::from_pack(&pack).unwrap();
+        let tokens = [1u32, 4, 9, 30, 2];
+        let a = model
+            .forward(&tokens, &mut model.new_cache(8), Logits::All)
+            .unwrap();
+        let b = loaded
+            .forward(&tokens, &mut loaded.new_cache(8), Logits::All)
+            .unwrap();
+        assert_eq!(a, b);
+        assert_eq!(loaded.layers()[1].down_proj.threshold(), Some(0.05));
+        assert_eq!(
+            loaded.layers()[1].down_proj.format().kind(),
+            FormatKind::RlcCsc
+        );
+    }
+
+    #[test]
+    fn truncated_or_tampered_pack_is_refused() {
+        let (_, bytes) = packed_bytes();
+        for cut in [bytes.len() - 1, bytes.len() / 2, 40, 7] {
+            let err = PackFile::from_bytes(bytes[..cut].to_vec()).unwrap_err();
+            assert!(matches!(err, ModelError::Malformed { .. }), "{err}");
+        }
+        // Flip one byte inside a weight section.
+        let pack = PackFile::from_bytes(bytes.clone()).unwrap();
+        let sec = pack
+            .section("model.layers.0.mlp.up_proj.weight", SectionKind::Weight)
+            .unwrap()
+            .to_vec();
+        let start = bytes.windows(sec.len()).position(|w| w == sec).unwrap();
+        let mut bad = bytes.clone();
+        bad[start + sec.len() / 2] ^= 0x5a;
+        let err = PackFile::from_bytes(bad).unwrap_err();
+        assert!(err.to_string().contains("checksum"), "{err}");
+        // A pack without a required section is refused at the model level.
+        let mut w = PackWriter::new();
+        w.add_json("config", &tiny_config()).unwrap();
+        let pack = PackFile::from_bytes(w.to_bytes()).unwrap();
+        let err = Model::from_pack(&pack).unwrap_err();
+        assert!(err.to_string().contains("missing section"), "{err}");
+    }
+}

@@ -1,0 +1,104 @@
+//! `sieve eval ppl`: perplexity over a text file.
+
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use sieve_model::generate::{init_threads, perplexity};
+use std::path::PathBuf;
+
+/// Evaluation text used when `--data` is not given, relative to the repository root.
+const DEFAULT_DATA: &str = "../shared/data/wikitext-2/test.txt";
+
+#[derive(Subcommand)]
+pub enum EvalCommand {
+    /// Perplexity over non-overlapping windows of --ctx tokens; each window is scored on every
+    /// position after its first token. Prints one JSON line.
+    Ppl {
+        /// Model file or directory (default: $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Text file (default: ../shared/data/wikitext-2/test.txt next to the repository).
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Window length in tokens.
+        #[arg(long, default_value_t = 1024)]
+        ctx: usize,
+        /// Use only the first N tokens of the text (default: all).
+        #[arg(long)]
+        max_tokens: Option<usize>,
+        /// Worker threads (default: one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+}
+
+#[derive(Serialize)]
+struct PplLine {
+    model: String,
+    data: String,
+    /// Tokens scored (predictions), i.e. the text's tokens minus one per window.
+    tokens: usize,
+    ctx: usize,
+    ppl: f64,
+    /// Mean negative log-likelihood per scored token, in nats.
+    nll: f64,
+}
+
+pub fn run(command: EvalCommand) -> Result<()> {
+    match command {
+        EvalCommand::Ppl {
+            model,
+            data,
+            ctx,
+            max_tokens,
+            threads,
+        } => {
+            if let Some(n) = threads {
+                init_threads(n)?;
+            }
+            let data = match data {
+                Some(d) => d,
+                None => match super::model_path::find_near_repo(DEFAULT_DATA) {
+                    Some(p) => p,
+                    None => bail!(
+                        "no --data given and {DEFAULT_DATA} was not found next to the repository \
+                         root (looked from the current directory and the executable)"
+                    ),
+                },
+            };
+            let text = std::fs::read_to_string(&data)
+                .with_context(|| format!("reading {}", data.display()))?;
+            let path = super::model_path::resolve_model(model.as_deref())?;
+            // `.sieve` files (by magic) and every other model layout.
+            let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let mut tokens = tokenizer.encode(&text, tokenizer.add_bos_by_default())?;
+            if let Some(max) = max_tokens {
+                tokens.truncate(max);
+            }
+            let bar = ProgressBar::new(tokens.len() as u64);
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} tokens [{elapsed_precise} < {eta_precise}] {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            let result = perplexity(&model, &tokens, ctx, |done, running_ppl| {
+                bar.set_position(done as u64);
+                bar.set_message(format!("ppl {running_ppl:.3}"));
+            })?;
+            bar.finish_and_clear();
+            let line = PplLine {
+                model: path.display().to_string(),
+                data: data.display().to_string(),
+                tokens: result.scored_tokens,
+                ctx,
+                ppl: result.perplexity(),
+                nll: result.mean_nll(),
+            };
+            println!("{}", serde_json::to_string(&line)?);
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! `sieve generate`: stream text from a model.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use sieve_model::chat::{render_chat, ChatMessage};
+use sieve_model::generate::{generate, init_threads, GenerateOptions};
+use sieve_model::sampling::SamplingParams;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Model file or directory (default: $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Render the prompt as a user turn with the model's chat template (ChatML).
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Stop before this string (repeatable).
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+    prompt: String,
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        init_threads(n)?;
+    }
+    let path = super::model_path::resolve_model(args.model.as_deref())?;
+    // `.sieve` files (by magic) and every other model layout.
+    let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+
+    let (text, add_bos) = if args.chat {
+        let rendered = render_chat(
+            tokenizer.chat_template(),
+            &[ChatMessage::user(args.prompt.clone())],
+            true,
+        )?;
+        if let Some(w) = rendered.warning {
+            eprintln!("warning: {w}");
+        }
+        // The template writes any BOS it wants itself.
+        (rendered.text, false)
+    } else {
+        (args.prompt.clone(), tokenizer.add_bos_by_default())
+    };
+    let prompt = tokenizer.encode(&text, add_bos)?;
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            repetition_penalty: args.repetition_penalty,
+            seed: args.seed,
+        },
+        stop_strings: args.stop,
+        extra_eos_ids: Vec::new(),
+    };
+    let mut stdout = std::io::stdout();
+    let result = generate(&model, &tokenizer, &prompt, &options, |piece| {
+        stdout
+            .write_all(piece.as_bytes())
+            .and_then(|_| stdout.flush())
+            .map_err(|e| sieve_model::ModelError::Io {
+                path: "stdout".into(),
+                source: e,
+            })
+    })?;
+    println!();
+    eprintln!("{}", result.stats.summary());
+    Ok(())
+}

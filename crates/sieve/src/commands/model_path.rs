@@ -1,0 +1,61 @@
+//! Where the default model and the evaluation data live.
+
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+
+/// The default model's file name under `$SIEVE_HOME/models/`.
+pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `$SIEVE_HOME`, else `~/.cache/sieve`.
+pub fn sieve_home() -> Option<PathBuf> {
+    if let Some(home) = std::env::var_os("SIEVE_HOME").filter(|h| !h.is_empty()) {
+        return Some(PathBuf::from(home));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("sieve"))
+}
+
+/// The model to use: `explicit` when given, else the default model, which must exist.
+pub fn resolve_model(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(path) = explicit {
+        return Ok(path.to_path_buf());
+    }
+    let Some(home) = sieve_home() else {
+        bail!("neither SIEVE_HOME nor HOME is set; pass --model PATH");
+    };
+    let path = home.join("models").join(DEFAULT_MODEL);
+    if !path.is_file() {
+        bail!(
+            "the default model {} is missing; run `bash scripts/fetch-model.sh` from the \
+             repository root (or pass --model PATH)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Directories that may be the repository root: the current directory and its ancestors, the
+/// executable's ancestors (`target/release/sieve`), and the source tree this binary was built from.
+fn root_candidates() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(cwd) = std::env::current_dir() {
+        out.extend(cwd.ancestors().map(Path::to_path_buf));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        out.extend(exe.ancestors().skip(1).map(Path::to_path_buf));
+    }
+    out.extend(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .ancestors()
+            .map(Path::to_path_buf),
+    );
+    out
+}
+
+/// Finds `relative` (e.g. `../shared/data/wikitext-2/test.txt`) next to the repository root.
+pub fn find_near_repo(relative: &str) -> Option<PathBuf> {
+    root_candidates()
+        .into_iter()
+        .filter(|dir| dir.join("Cargo.toml").is_file())
+        .map(|dir| dir.join(relative))
+        .find(|p| p.is_file())
+}

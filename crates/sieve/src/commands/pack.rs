@@ -1,0 +1,192 @@
+//! `sieve pack`: prune a model on calibration text, set TEAL thresholds, write a `.sieve` file.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use sieve_model::generate::{init_threads, load_tokenizer};
+use sieve_model::llama::Model;
+use sieve_model::packed::{add_model_sections, add_tokenizer_sections};
+use sieve_model::packfile::PackWriter;
+use sieve_model::weights::open_model;
+use sieve_prune::pipeline::{
+    calibration_windows_from_text, prune_model, FormatChoice, PipelineOptions, PipelineReport,
+};
+use sieve_prune::{Method, Pattern, SparseGptOptions};
+use std::path::PathBuf;
+
+/// Calibration text used when `--calib` is not given (never the test split).
+const DEFAULT_CALIB: &str = "../shared/data/wikitext-2/valid.txt";
+
+#[derive(Args)]
+pub struct PackArgs {
+    /// Model file or directory (default: $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Output `.sieve` file.
+    #[arg(long)]
+    out: PathBuf,
+    /// magnitude | wanda | sparsegpt
+    #[arg(long, default_value = "wanda")]
+    method: String,
+    /// Weight sparsity per linear in [0, 1) (unstructured; N:M patterns fix their own).
+    #[arg(long, default_value_t = 0.5)]
+    sp: f64,
+    /// unstructured | N:M (2:4, 6:8, 14:16, ...)
+    #[arg(long, default_value = "unstructured")]
+    pattern: String,
+    /// Target activation sparsity per linear input in [0, 1) (TEAL thresholds; 0 = none).
+    #[arg(long, default_value_t = 0.0)]
+    dp: f64,
+    /// auto | dense | rlc-csc | tiled-cbc | ie-bme | slide
+    #[arg(long, default_value = "auto")]
+    format: String,
+    /// Calibration text (default: ../shared/data/wikitext-2/valid.txt next to the repository).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Calibration windows.
+    #[arg(long, default_value_t = 32)]
+    calib_samples: usize,
+    /// Tokens per calibration window.
+    #[arg(long, default_value_t = 1024)]
+    calib_len: usize,
+    /// Activation rows per input site kept for the dual-sparsity report.
+    #[arg(long, default_value_t = 2048)]
+    report_tokens: usize,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Also print the per-linear report as JSON lines.
+    #[arg(long)]
+    verbose: bool,
+}
+
+#[derive(Serialize)]
+struct Manifest<'a> {
+    source_model: String,
+    method: Method,
+    pattern: String,
+    sp: f64,
+    dp: f64,
+    format: String,
+    calibration: CalibrationManifest,
+    sieve_version: &'static str,
+    report: &'a PipelineReport,
+}
+
+#[derive(Serialize)]
+struct CalibrationManifest {
+    text: String,
+    samples: usize,
+    len: usize,
+    placement: &'static str,
+    report_tokens: usize,
+}
+
+pub fn run(args: PackArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        init_threads(n)?;
+    }
+    let method: Method = args.method.parse()?;
+    let pattern: Pattern = args.pattern.parse()?;
+    let format: FormatChoice = args.format.parse()?;
+    for (what, v) in [("--sp", args.sp), ("--dp", args.dp)] {
+        if !(0.0..1.0).contains(&v) {
+            bail!("{what} {v} is outside [0, 1)");
+        }
+    }
+    if args.out.is_dir() {
+        bail!("--out {} is a directory", args.out.display());
+    }
+    let calib = match args.calib {
+        Some(c) => c,
+        None => match super::model_path::find_near_repo(DEFAULT_CALIB) {
+            Some(p) => p,
+            None => bail!(
+                "no --calib given and {DEFAULT_CALIB} was not found next to the repository root"
+            ),
+        },
+    };
+    let path = super::model_path::resolve_model(args.model.as_deref())?;
+    let source = open_model(&path).with_context(|| format!("opening {}", path.display()))?;
+    let tokenizer = load_tokenizer(source.as_ref())?;
+    let mut model = Model::from_source(source.as_ref())?;
+    let text = std::fs::read_to_string(&calib)
+        .with_context(|| format!("reading {}", calib.display()))?;
+    let windows =
+        calibration_windows_from_text(&tokenizer, &text, args.calib_samples, args.calib_len)
+            .with_context(|| format!("calibration windows from {}", calib.display()))?;
+    eprintln!(
+        "pack: {} {} sp={} dp={} format={} on {} x {} tokens of {}",
+        method,
+        pattern,
+        args.sp,
+        args.dp,
+        format,
+        windows.len(),
+        args.calib_len,
+        calib.display()
+    );
+    let options = PipelineOptions {
+        method,
+        pattern,
+        sp: args.sp,
+        dp: args.dp,
+        format,
+        sparsegpt: SparseGptOptions::default(),
+        report_tokens: args.report_tokens,
+    };
+    let bar = ProgressBar::new(1);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let report = prune_model(&mut model, &windows, &options, &mut |p| {
+        bar.set_length(p.total);
+        bar.set_position(p.done);
+        bar.set_message(format!("layer {} {}", p.layer, p.stage));
+    })?;
+    bar.finish_and_clear();
+
+    let mut writer = PackWriter::new();
+    add_model_sections(&mut writer, &model)?;
+    add_tokenizer_sections(&mut writer, source.as_ref())?;
+    drop(source);
+    let manifest = Manifest {
+        source_model: path.display().to_string(),
+        method,
+        pattern: pattern.to_string(),
+        sp: args.sp,
+        dp: args.dp,
+        format: format.to_string(),
+        calibration: CalibrationManifest {
+            text: calib.display().to_string(),
+            samples: args.calib_samples,
+            len: args.calib_len,
+            placement: "spread",
+            report_tokens: args.report_tokens,
+        },
+        sieve_version: env!("CARGO_PKG_VERSION"),
+        report: &report,
+    };
+    writer.add_json("manifest", &manifest)?;
+    writer
+        .write(&args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    if args.verbose {
+        for l in &report.linears {
+            println!("{}", serde_json::to_string(l)?);
+        }
+    }
+    print!("{}", report.summary());
+    let size = std::fs::metadata(&args.out).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "wrote {} ({:.1} MB) in {:.1} s of pruning",
+        args.out.display(),
+        size as f64 / 1e6,
+        report.seconds
+    );
+    Ok(())
+}
