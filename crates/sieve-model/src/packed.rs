@@ -335,8 +335,11 @@ mod tests {
         lin.set_threshold(Some(0.05)).unwrap();
         let mut w = PackWriter::new();
         add_model_sections(&mut w, &model).unwrap();
-        w.add_json("tokenizer.gguf", &SpecJson::from(&GgufTokenizerSpec::default()))
-            .unwrap();
+        w.add_json(
+            "tokenizer.gguf",
+            &SpecJson::from(&GgufTokenizerSpec::default()),
+        )
+        .unwrap();
         (model, w.to_bytes())
     }
 

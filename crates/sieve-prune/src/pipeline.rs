@@ -44,6 +44,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
 use sieve_model::llama::{Model, Site};
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
@@ -304,16 +305,18 @@ pub fn prune_model(
                     }
                     let k = a.len() / n.max(1);
                     let r = match method {
-                        Method::SparseGpt => stats
-                            .hessians
-                            .entry(site)
-                            .or_insert_with(|| HessianAccumulator::new(k).expect("k > 0"))
-                            .add_rows(a, n),
-                        _ => stats
-                            .norms
-                            .entry(site)
-                            .or_insert_with(|| ColumnNorms::new(k).expect("k > 0"))
-                            .add_rows(a, n),
+                        Method::SparseGpt => match stats.hessians.entry(site) {
+                            Entry::Occupied(e) => e.into_mut().add_rows(a, n),
+                            Entry::Vacant(e) => {
+                                HessianAccumulator::new(k).and_then(|h| e.insert(h).add_rows(a, n))
+                            }
+                        },
+                        _ => match stats.norms.entry(site) {
+                            Entry::Occupied(e) => e.into_mut().add_rows(a, n),
+                            Entry::Vacant(e) => {
+                                ColumnNorms::new(k).and_then(|c| e.insert(c).add_rows(a, n))
+                            }
+                        },
                     };
                     if let Err(e) = r {
                         failure = Some(e);
@@ -353,7 +356,9 @@ pub fn prune_model(
                 .map(|v| v.to_f32())
                 .collect();
             let pruned_weights = match options.method {
-                Method::Magnitude => prune_magnitude(&weights, rows, cols, pattern, options.sp)?.weights,
+                Method::Magnitude => {
+                    prune_magnitude(&weights, rows, cols, pattern, options.sp)?.weights
+                }
                 Method::Wanda => {
                     let norms = stats.norms.get(&site).ok_or(PruneError::NoCalibration(
                         "no activations reached a Wanda site",
@@ -364,8 +369,15 @@ pub fn prune_model(
                     let h = prepared.get(&site).ok_or(PruneError::NoCalibration(
                         "no activations reached a SparseGPT site",
                     ))?;
-                    h.prune(&weights, rows, cols, pattern, options.sp, &options.sparsegpt)?
-                        .weights
+                    h.prune(
+                        &weights,
+                        rows,
+                        cols,
+                        pattern,
+                        options.sp,
+                        &options.sparsegpt,
+                    )?
+                    .weights
                 }
             };
             let matrix = DenseMatrix::from_f32(rows, cols, &pruned_weights)?;
@@ -463,7 +475,8 @@ pub fn prune_model(
         }
     }
 
-    let (static_ratio, dynamic_ratio, overlap, total, independent_total) = aggregate(reports.iter());
+    let (static_ratio, dynamic_ratio, overlap, total, independent_total) =
+        aggregate(reports.iter());
     Ok(PipelineReport {
         static_ratio,
         dynamic_ratio,
@@ -490,10 +503,12 @@ pub fn calibration_windows_from_text(
     let tokens = tokenizer
         .encode(text, false)
         .map_err(|e| PruneError::Option(format!("tokenizing the calibration text: {e}")))?;
-    Ok(crate::calib::calibration_windows(&tokens, count, len, crate::calib::Placement::Spread)?
-        .into_iter()
-        .map(<[u32]>::to_vec)
-        .collect())
+    Ok(
+        crate::calib::calibration_windows(&tokens, count, len, crate::calib::Placement::Spread)?
+            .into_iter()
+            .map(<[u32]>::to_vec)
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -568,12 +583,20 @@ mod tests {
             tensors.insert(name, Tensor { shape, data });
         };
         let (d, i, q, kv) = (c.hidden_size, c.intermediate_size, 32, 16);
-        put("model.embed_tokens.weight".into(), vec![c.vocab_size, d], false);
+        put(
+            "model.embed_tokens.weight".into(),
+            vec![c.vocab_size, d],
+            false,
+        );
         put("model.norm.weight".into(), vec![d], true);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
             put(format!("{p}.input_layernorm.weight"), vec![d], true);
-            put(format!("{p}.post_attention_layernorm.weight"), vec![d], true);
+            put(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![d],
+                true,
+            );
             put(format!("{p}.self_attn.q_proj.weight"), vec![q, d], false);
             put(format!("{p}.self_attn.k_proj.weight"), vec![kv, d], false);
             put(format!("{p}.self_attn.v_proj.weight"), vec![kv, d], false);
@@ -608,7 +631,10 @@ mod tests {
         let m = lin.format().decode();
         (0..m.rows())
             .map(|r| {
-                m.row(r).iter().filter(|v| sieve_formats::matrix::is_zero(**v)).count() as f64
+                m.row(r)
+                    .iter()
+                    .filter(|v| sieve_formats::matrix::is_zero(**v))
+                    .count() as f64
                     / m.cols() as f64
             })
             .collect()
@@ -636,7 +662,12 @@ mod tests {
                 }
             }
             for r in &report.linears {
-                assert!((r.calib_dp - 0.4).abs() < 0.01, "{}: {}", r.name, r.calib_dp);
+                assert!(
+                    (r.calib_dp - 0.4).abs() < 0.01,
+                    "{}: {}",
+                    r.name,
+                    r.calib_dp
+                );
                 assert!(r.threshold.is_some());
             }
             assert!((report.static_ratio - 0.5).abs() < 0.01);
@@ -699,7 +730,9 @@ mod tests {
                     let mask = Mask::new(m.rows(), m.cols(), keep).unwrap();
                     // The pattern's bound holds (f16 underflows only add zeros).
                     for r in 0..m.rows() {
-                        let Pattern::NM { n, m: group } = p else { unreachable!() };
+                        let Pattern::NM { n, m: group } = p else {
+                            unreachable!()
+                        };
                         for g in mask.row(r).chunks(group) {
                             assert!(g.iter().filter(|k| **k).count() <= n, "{group}");
                         }

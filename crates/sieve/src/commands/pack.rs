@@ -111,8 +111,8 @@ pub fn run(args: PackArgs) -> Result<()> {
     let source = open_model(&path).with_context(|| format!("opening {}", path.display()))?;
     let tokenizer = load_tokenizer(source.as_ref())?;
     let mut model = Model::from_source(source.as_ref())?;
-    let text = std::fs::read_to_string(&calib)
-        .with_context(|| format!("reading {}", calib.display()))?;
+    let text =
+        std::fs::read_to_string(&calib).with_context(|| format!("reading {}", calib.display()))?;
     let windows =
         calibration_windows_from_text(&tokenizer, &text, args.calib_samples, args.calib_len)
             .with_context(|| format!("calibration windows from {}", calib.display()))?;

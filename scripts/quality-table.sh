@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Builds the quality table of docs/QUALITY.md: perplexity on wikitext-2 test (same token budget per
+# row) of the dense model and of `sieve pack` outputs:
+#   - dense;
+#   - magnitude / Wanda / SparseGPT at 50% unstructured, 2:4 and 6:8;
+#   - TEAL alone (dp 0.3, 0.4, 0.5);
+#   - the dual grid (sp, dp) in {0, 0.2, 0.3, 0.4, 0.5}^2 with Wanda, unstructured.
+# Calibration is on wikitext-2 *valid* (never test). Prints one Markdown row per model as it goes.
+#
+# Environment: SIEVE (binary, default target/release/sieve), MODEL (default model when empty),
+# TOKENS (ppl token budget, default 16384), CALIB_SAMPLES (default 32), CALIB_LEN (default 1024),
+# FORMAT (default auto), OUT (folder for the .sieve files, default /tmp/sieve-quality).
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+sieve=${SIEVE:-target/release/sieve}
+tokens=${TOKENS:-16384}
+samples=${CALIB_SAMPLES:-32}
+len=${CALIB_LEN:-1024}
+format=${FORMAT:-auto}
+out=${OUT:-/tmp/sieve-quality}
+mkdir -p "$out"
+model_args=()
+[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
+
+ppl() { # ppl FILE|"" -> prints the perplexity
+  local m=()
+  if [ -n "$1" ]; then m=(--model "$1"); else m=("${model_args[@]}"); fi
+  "$sieve" eval ppl "${m[@]}" --max-tokens "$tokens" | python3 -c 'import json,sys; print("%.3f" % json.loads(sys.stdin.read())["ppl"])'
+}
+
+row() { # row METHOD PATTERN SP DP
+  local method=$1 pattern=$2 sp=$3 dp=$4
+  local file="$out/${method}-${pattern/:/-}-sp${sp}-dp${dp}.sieve"
+  local t0 t1 stats
+  t0=$(date +%s)
+  stats=$("$sieve" pack "${model_args[@]}" --out "$file" --method "$method" --pattern "$pattern" \
+    --sp "$sp" --dp "$dp" --format "$format" --calib-samples "$samples" --calib-len "$len" 2>/dev/null \
+    | awk '$1 == "all" {print $2, $3, $5}')
+  t1=$(date +%s)
+  read -r msp mdp mtotal <<<"$stats"
+  echo "| $method | $pattern | $sp | $dp | $msp | $mdp | $mtotal | $(ppl "$file") | $((t1 - t0)) s |"
+}
+
+echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid"
+echo
+echo "| method | pattern | sp | dp | measured sp | measured dp | total sparsity | ppl | pack time |"
+echo "|---|---|---|---|---|---|---|---|---|"
+echo "| dense | - | 0 | 0 | 0 | 0 | 0 | $(ppl "") | - |"
+for method in magnitude wanda sparsegpt; do
+  row "$method" unstructured 0.5 0
+  row "$method" 2:4 0.5 0
+  row "$method" 6:8 0.25 0
+done
+for dp in 0.3 0.4 0.5; do
+  row magnitude unstructured 0 "$dp"
+done
+for sp in 0 0.2 0.3 0.4 0.5; do
+  for dp in 0 0.2 0.3 0.4 0.5; do
+    [ "$sp" = 0 ] && [ "$dp" = 0 ] && continue
+    row wanda unstructured "$sp" "$dp"
+  done
+done
