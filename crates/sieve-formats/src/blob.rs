@@ -48,7 +48,9 @@ pub fn unframe(blob: &[u8]) -> Result<(u16, &[u8])> {
     let mut r = ByteReader::new(blob);
     let magic = r.bytes(8)?;
     if magic != MAGIC {
-        return Err(FormatError::Corrupt("bad magic, not a sieve format blob".into()));
+        return Err(FormatError::Corrupt(
+            "bad magic, not a sieve format blob".into(),
+        ));
     }
     let version = r.u32()?;
     if version != BLOB_VERSION {

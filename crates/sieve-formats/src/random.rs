@@ -58,7 +58,8 @@ impl std::str::FromStr for Pattern {
         if s == "unstructured" {
             return Ok(Pattern::Unstructured);
         }
-        let bad = || FormatError::Pattern(format!("'{s}': expected 'unstructured' or N:M such as 2:4"));
+        let bad =
+            || FormatError::Pattern(format!("'{s}': expected 'unstructured' or N:M such as 2:4"));
         let (n, m) = s.split_once(':').ok_or_else(bad)?;
         let n: usize = n.trim().parse().map_err(|_| bad())?;
         let m: usize = m.trim().parse().map_err(|_| bad())?;

@@ -708,7 +708,11 @@ impl Model {
         if layers.len() != c.num_layers {
             return Err(ModelError::Metadata {
                 key: "num_layers".into(),
-                reason: format!("config says {}, found {} layers", c.num_layers, layers.len()),
+                reason: format!(
+                    "config says {}, found {} layers",
+                    c.num_layers,
+                    layers.len()
+                ),
             });
         }
         let check = |name: String, lin: &Linear, shape: [usize; 2]| -> Result<()> {
@@ -1155,8 +1159,12 @@ pub(crate) mod tests {
                 (Site::DownProjIn, c.intermediate_size)
             ]
         );
-        assert!(model.forward_layer(5, &mut x, n, &mut |_, _, _| {}).is_err());
-        assert!(model.forward_layer(0, &mut x, n + 1, &mut |_, _, _| {}).is_err());
+        assert!(model
+            .forward_layer(5, &mut x, n, &mut |_, _, _| {})
+            .is_err());
+        assert!(model
+            .forward_layer(0, &mut x, n + 1, &mut |_, _, _| {})
+            .is_err());
     }
 
     #[test]

@@ -236,7 +236,9 @@ impl PackFile {
             .bytes(table_len)
             .map_err(|e| bad(format!("section table truncated: {e}")))?;
         if fnv1a64(table) != table_sum {
-            return Err(bad("section table checksum mismatch (file corrupted)".into()));
+            return Err(bad(
+                "section table checksum mismatch (file corrupted)".into()
+            ));
         }
         let mut t = ByteReader::new(table);
         let mut names = Vec::with_capacity(count.min(table_len / 28 + 1));
@@ -299,10 +301,13 @@ impl PackFile {
 
     /// The bytes of section `name`, which must be of `kind`.
     pub fn section(&self, name: &str, kind: SectionKind) -> Result<&[u8]> {
-        let e = self.sections.get(name).ok_or_else(|| ModelError::Malformed {
-            path: self.path.display().to_string(),
-            reason: format!("missing section '{name}'"),
-        })?;
+        let e = self
+            .sections
+            .get(name)
+            .ok_or_else(|| ModelError::Malformed {
+                path: self.path.display().to_string(),
+                reason: format!("missing section '{name}'"),
+            })?;
         if e.kind != kind {
             return Err(ModelError::Malformed {
                 path: self.path.display().to_string(),
@@ -342,7 +347,8 @@ mod tests {
 
     fn sample() -> Vec<u8> {
         let mut w = PackWriter::new();
-        w.add_json("config", &serde_json::json!({"layers": 2})).unwrap();
+        w.add_json("config", &serde_json::json!({"layers": 2}))
+            .unwrap();
         w.add_f32("norm", &[1.0, -2.5, 3.25]).unwrap();
         w.add("blob", SectionKind::Bytes, vec![7u8; 100]).unwrap();
         w.to_bytes()
@@ -355,7 +361,10 @@ mod tests {
         assert_eq!(p.f32s("norm").unwrap(), vec![1.0, -2.5, 3.25]);
         let v: serde_json::Value = p.json("config").unwrap();
         assert_eq!(v["layers"], 2);
-        assert_eq!(p.section("blob", SectionKind::Bytes).unwrap(), &[7u8; 100][..]);
+        assert_eq!(
+            p.section("blob", SectionKind::Bytes).unwrap(),
+            &[7u8; 100][..]
+        );
         let e = p.sections.values().map(|e| e.offset % ALIGN).max().unwrap();
         assert_eq!(e, 0, "every section starts aligned");
     }
