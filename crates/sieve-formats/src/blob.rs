@@ -60,7 +60,12 @@ pub fn unframe(blob: &[u8]) -> Result<(u16, &[u8])> {
         });
     }
     let tag = r.u16()?;
-    let _reserved = r.u16()?;
+    let reserved = r.u16()?;
+    if reserved != 0 {
+        return Err(FormatError::Corrupt(format!(
+            "reserved header field is {reserved}, expected 0"
+        )));
+    }
     let len = r.u64()?;
     let stored = r.u64()?;
     let len = usize::try_from(len)
