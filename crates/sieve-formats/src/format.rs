@@ -173,3 +173,34 @@ pub fn matmul_by_rows<F: WeightFormat + ?Sized>(
         .zip(x.par_chunks(k))
         .try_for_each(|(yr, xr)| w.matvec(xr, threshold, yr))
 }
+
+/// Column formats' first step: the columns with at least one active element among the `n`
+/// tokens of `x` (n x K), and for each such column its `n` masked values (inactive -> 0),
+/// column-major: `active_x[i * n + t]` is token `t` of `active_cols[i]`.
+pub fn compact_active_columns(
+    x: &[f32],
+    n: usize,
+    k: usize,
+    threshold: Threshold,
+) -> (Vec<usize>, Vec<f32>) {
+    let mut active_cols = Vec::new();
+    let mut active_x = Vec::new();
+    let mut xs = vec![0f32; n];
+    for col in 0..k {
+        let mut any = false;
+        for (t, xv) in xs.iter_mut().enumerate() {
+            let v = x[t * k + col];
+            *xv = if is_active(v, threshold) && v != 0.0 {
+                any = true;
+                v
+            } else {
+                0.0
+            };
+        }
+        if any {
+            active_cols.push(col);
+            active_x.extend_from_slice(&xs);
+        }
+    }
+    (active_cols, active_x)
+}

@@ -92,7 +92,9 @@
 
 use crate::blob::{ByteReader, ByteWriter};
 use crate::error::{FormatError, Result};
-use crate::format::{check_product_args, is_active, FormatKind, Storage, Threshold, WeightFormat};
+use crate::format::{
+    check_product_args, compact_active_columns, FormatKind, Storage, Threshold, WeightFormat,
+};
 use crate::matrix::{is_zero, DenseMatrix};
 use half::f16;
 use rayon::prelude::*;
@@ -548,25 +550,7 @@ impl RlcCsc {
         if n == 0 {
             return Ok(());
         }
-        let mut active_cols: Vec<usize> = Vec::new();
-        let mut active_x: Vec<f32> = Vec::new();
-        let mut xs = vec![0f32; n];
-        for col in 0..k {
-            let mut any = false;
-            for (t, xv) in xs.iter_mut().enumerate() {
-                let v = x[t * k + col];
-                *xv = if is_active(v, threshold) && v != 0.0 {
-                    any = true;
-                    v
-                } else {
-                    0.0
-                };
-            }
-            if any {
-                active_cols.push(col);
-                active_x.extend_from_slice(&xs);
-            }
-        }
+        let (active_cols, active_x) = compact_active_columns(x, n, k, threshold);
         let b_rows = self.options.block_rows;
         let blocks = self.row_blocks();
         let workers = rayon::current_num_threads().max(1);
