@@ -22,14 +22,19 @@
 //
 //     The warp reads the CPW activations of its K slice 32 at a time (one per lane), forms
 //     the active mask with a ballot, and walks the set bits: every lane sees the same column,
-//     so skipping an inactive column costs no divergence and issues no weight load. Four
-//     active columns are loaded before any is used. The 4 warps of a block share a row tile
-//     and take consecutive K slices; they reduce in shared memory and add to y with one
-//     atomic per row (split-K), so y must be zeroed first.
+//     so skipping an inactive column costs no divergence and issues no weight load. Eight
+//     active columns are loaded before any is used (4 KB in flight per warp). The 8 warps of a
+//     block share a row tile and take consecutive K slices; they reduce in shared memory and
+//     add to y with one atomic per row (split-K).
+//     Fused zeroing (`dense_colmajor`): the blocks of K slice 0 (blockIdx.y = 0, the lowest
+//     linear indices, so dispatched first) zero their row tile of y and publish the launch's
+//     epoch in flags[row tile]; every other block waits for that flag before its atomics. No
+//     separate memset launch, and the flags never need resetting (a new epoch per launch).
 //     `dense_colmajor_list` takes an already compacted list of active columns instead of x's
 //     mask: warp slices are slices of that list.
 
-#define WARPS_PER_BLOCK_CM 4
+#define WARPS_PER_BLOCK_CM 8
+#define CM_UNROLL 8
 
 template <int UNROLL>
 __device__ __forceinline__ void gemv_row(const uint4* __restrict__ row, const float* __restrict__ x,
@@ -109,11 +114,11 @@ __device__ __forceinline__ void colmajor_slice(const f16_bits* __restrict__ w, c
         bool on = idx < end && (LIST || active(xv, t));
         u32 mask = __ballot_sync(FULL_MASK, on);
         while (mask) {
-            // Up to four active columns per round, all loads issued before the math.
-            int src[4];
+            // Up to CM_UNROLL active columns per round, all loads issued before the math.
+            int src[CM_UNROLL];
             int n = 0;
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
+            for (int u = 0; u < CM_UNROLL; ++u) {
                 if (mask) {
                     src[u] = __ffs(mask) - 1;
                     mask &= mask - 1;
@@ -122,10 +127,10 @@ __device__ __forceinline__ void colmajor_slice(const f16_bits* __restrict__ w, c
                     src[u] = src[0];
                 }
             }
-            uint4 wv[4];
-            float xs[4];
+            uint4 wv[CM_UNROLL];
+            float xs[CM_UNROLL];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
+            for (int u = 0; u < CM_UNROLL; ++u) {
                 int c = __shfl_sync(FULL_MASK, col, src[u]);
                 xs[u] = __shfl_sync(FULL_MASK, xv, src[u]);
                 if (u < n && lane_rows)
@@ -134,7 +139,7 @@ __device__ __forceinline__ void colmajor_slice(const f16_bits* __restrict__ w, c
                     wv[u] = make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
+            for (int u = 0; u < CM_UNROLL; ++u) {
                 if (u < n) {
                     float wf[8];
                     unpack8(wv[u], wf);
@@ -146,15 +151,31 @@ __device__ __forceinline__ void colmajor_slice(const f16_bits* __restrict__ w, c
     }
 }
 
+__device__ __forceinline__ void store_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 template <bool LIST>
 __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, const float* __restrict__ x,
                                                 const int* __restrict__ cols, int ncols,
                                                 float* __restrict__ y, int M, int ldm, float t,
-                                                int cols_per_warp) {
+                                                int cols_per_warp, u32* flags, u32 epoch) {
     __shared__ float part[WARPS_PER_BLOCK_CM][256];
     int lane = threadIdx.x & 31;
     int wib = threadIdx.x >> 5;
     int r0 = blockIdx.x * 256;
+    if (flags && blockIdx.y == 0) {
+        for (int r = threadIdx.x; r < 256; r += blockDim.x)
+            if (r0 + r < M) y[r0 + r] = 0.f;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) store_release(flags + blockIdx.x, epoch);
+    }
     int row_off = r0 + lane * 8;
     bool lane_rows = row_off < ldm;
     int slice = blockIdx.y * WARPS_PER_BLOCK_CM + wib;
@@ -165,6 +186,12 @@ __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, 
 #pragma unroll
     for (int i = 0; i < 8; ++i) part[wib][lane * 8 + i] = acc[i];
     __syncthreads();
+    if (flags && blockIdx.y != 0) {
+        if (threadIdx.x == 0)
+            while (load_acquire(flags + blockIdx.x) != epoch) {
+            }
+        __syncthreads();
+    }
     for (int r = threadIdx.x; r < 256; r += blockDim.x) {
         float s = 0.f;
 #pragma unroll
@@ -173,17 +200,17 @@ __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(256)
 dense_colmajor(const f16_bits* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
-               int M, int K, int ldm, float t, int cols_per_warp) {
-    colmajor_kernel<false>(w, x, nullptr, K, y, M, ldm, t, cols_per_warp);
+               int M, int K, int ldm, float t, int cols_per_warp, u32* flags, u32 epoch) {
+    colmajor_kernel<false>(w, x, nullptr, K, y, M, ldm, t, cols_per_warp, flags, epoch);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(256)
 dense_colmajor_list(const f16_bits* __restrict__ w, const float* __restrict__ x, const int* __restrict__ cols,
                     const int* __restrict__ ncols, float* __restrict__ y, int M, int ldm,
                     int cols_per_warp) {
-    colmajor_kernel<true>(w, x, cols, *ncols, y, M, ldm, -1.f, cols_per_warp);
+    colmajor_kernel<true>(w, x, cols, *ncols, y, M, ldm, -1.f, cols_per_warp, nullptr, 0);
 }
 
 // Compacts the active columns of x into `cols` (order not preserved; products are sums, so

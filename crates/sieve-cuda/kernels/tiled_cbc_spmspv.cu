@@ -146,3 +146,235 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
     int row = rt * TCBC_TILE_M + tid;
     if (row < M && acc != 0.f) atomicAdd(y + row, acc);
 }
+
+// ---------------------------------------------------------------------------------------------
+// tcbc_spmspv_lane8: the same product, with sieve's own mapping for Hopper (beyond SPDP).
+//
+// SPDP's thread-per-row decode above pays a popcount and a shared load per *element* of every
+// active column, and its pipeline holds one 16-column GTile per block: run 2 measured it
+// latency bound at 5-18% of the copy bandwidth. This kernel:
+//
+//  1. Compacts first. Block (kx, rt) owns row tile rt and columns [k0, k0 + C), C =
+//     cols_per_block (<= 512). It reads x, ColInfo and TileOffset of its range once, all
+//     three loads issued together (one memory latency on the block's critical path, at the
+//     price of reading the 4-byte ColInfo of inactive columns too), and keeps the active,
+//     nonempty columns (|x| > t, nnz > 0) in a shared list, in column order:
+//         list[i] = (value offset, 16-byte chunks, column tile index 16 g + c, x_k)
+//  2. Streams the list in batches of 16 columns through L8_STAGES = 3 shared buffers with
+//     cp.async, one commit group per batch, two batches in flight:
+//         stage:  vals[16][256] f16 | bits[16][8] u32 | rank[16][8] u8      (8.6 KB)
+//     thread t copies for column slot t / 16 the 16-byte chunks (t % 16) + 16 q; threads
+//     t % 16 = 0, 1 also copy the slot's 32-byte bitmap, t % 16 = 2 its 8-byte rank table.
+//     At ~35 KB of shared memory per block, six blocks (48 warps) fit on a multiprocessor,
+//     so the memory latencies of one block's prologue and first batch hide behind the others.
+//  3. Decodes with a lane owning 8 consecutive rows. Lane j of every warp owns rows
+//     8 j .. 8 j + 7 of the 256-row tile, which is one byte of the column's bitmap:
+//
+//         bits (u32 words):  | w0 | w1 | ... | w7 |      lane j: word q = j / 4, byte j % 4
+//         first value index of lane j = rank[q] + popc(w_q & bits below byte j % 4)
+//         rank[q] = set bits in rows < 32 q   (a table built at upload, 8 bytes per column tile)
+//         then one shared load per set bit of the byte, in row order
+//
+//     so a column costs one popcount per lane, not one per element, and no atomics: warp w
+//     takes slots w and w + 8 of each batch, decodes the two side by side (their shared loads
+//     overlap) and keeps 8 float sums per lane in registers.
+//  4. Reduces the 8 warps' sums through shared memory and adds each row's total to y with one
+//     atomic (split-K over column ranges).
+//  Fused zeroing: y is not zeroed by a separate launch. Block kx = 0 of each row tile zeroes
+//  the tile's rows of y first and then publishes `epoch` in flags[rt]; every other block of
+//  the row tile waits for that flag before its atomics (by then block 0, which has a lower
+//  linear index and so was dispatched earlier, has long finished zeroing). The launcher passes
+//  a new epoch per launch, so the flags never need resetting.
+
+#define L8_BATCH 16
+#define L8_STAGES 3
+#define L8_THREADS_PER_SLOT (256 / L8_BATCH)
+#define L8_WARPS 8
+#define L8_SLOTS_PER_WARP (L8_BATCH / L8_WARPS)
+
+// Byte offsets inside one stage (a `struct` would make the compiler rebuild 64-bit generic
+// addresses for every shared access; the kernel works on 32-bit shared addresses instead).
+#define L8_VALS_BYTES (L8_BATCH * TCBC_TILE_M * 2)        // vals[16][256] f16: 8 KB
+#define L8_BITS_OFF L8_VALS_BYTES                          // bits[16][8] u32: 512 B
+#define L8_RANK_OFF (L8_BITS_OFF + L8_BATCH * 32)          // rank[16][8] u8: 128 B
+#define L8_STAGE_BYTES (L8_RANK_OFF + L8_BATCH * 8)
+
+__device__ __forceinline__ void store_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 lds_u16(u32 addr) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ u32 lds_u8(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ u32 lds_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem));
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+tcbc_spmspv_lane8(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
+                  const u64* __restrict__ bitmaps, const unsigned char* __restrict__ rank,
+                  const f16_bits* __restrict__ values, const float* __restrict__ x,
+                  float* __restrict__ y, u32* __restrict__ flags, u32 epoch, int M, int K, int KT,
+                  float t, int cols_per_block) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    // list[i] = (value offset in f16, column tile index 16 g + c, 16-byte chunks, x_k bits)
+    uint4* list = reinterpret_cast<uint4*>(smem + L8_STAGES * L8_STAGE_BYTES);
+    __shared__ int s_warp_count[L8_WARPS];
+    const u32 sbase = smem_addr(smem);
+
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int rt = blockIdx.y;
+    int row = rt * TCBC_TILE_M + tid;
+    if (blockIdx.x == 0) {
+        if (row < M) y[row] = 0.f;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) store_release(flags + rt, epoch);
+    }
+
+    // 1. Compaction of the block's column range into the shared list.
+    int k0 = blockIdx.x * cols_per_block;
+    int k1 = min(k0 + cols_per_block, K);
+    int n = 0;
+    for (int base = k0; base < k1; base += 256) {
+        int k = base + tid;
+        bool on = false;
+        u32 info = 0, off = 0, gc = 0;
+        float xv = 0.f;
+        if (k < k1) {
+            // The three loads are independent (issued together: one memory latency, not
+            // three); ColInfo and TileOffset of inactive columns are read but not used.
+            u32 g = (u32)rt * (u32)KT + (u32)(k >> 4);
+            gc = g * TCBC_TILE_K + (u32)(k & 15);
+            xv = __ldg(x + k);
+            info = __ldg(col_info + gc);
+            off = __ldg(tile_offset + g) + (info >> 16);
+            on = active(xv, t) && (info & 0xffffu) != 0;
+        }
+        u32 ballot = __ballot_sync(FULL_MASK, on);
+        if (lane == 0) s_warp_count[warp] = __popc(ballot);
+        __syncthreads();
+        int before = n, total = n;
+#pragma unroll
+        for (int w = 0; w < L8_WARPS; ++w) {
+            int c = s_warp_count[w];
+            before += w < warp ? c : 0;
+            total += c;
+        }
+        if (on) {
+            int i = before + __popc(ballot & ((1u << lane) - 1u));
+            list[i] = make_uint4(off, gc, ((info & 0xffffu) + 7u) >> 3, __float_as_uint(xv));
+        }
+        n = total;
+        __syncthreads();  // s_warp_count is rewritten next round; the list is read below
+    }
+
+    float acc[8];
+#pragma unroll
+    for (int s = 0; s < 8; ++s) acc[s] = 0.f;
+
+    if (n > 0) {
+        // 2. Pipeline over batches of 16 listed columns.
+        int nb = (n + L8_BATCH - 1) / L8_BATCH;
+        int my_slot = tid / L8_THREADS_PER_SLOT, part = tid % L8_THREADS_PER_SLOT;
+        auto load = [&](int b, u32 stage) {
+            int i = b * L8_BATCH + my_slot;
+            if (b < nb && i < n) {
+                uint4 e = list[i];
+                const f16_bits* src = values + e.x;
+                u32 dst = stage + (u32)my_slot * (TCBC_TILE_M * 2) + (u32)part * 16u;
+                // A column tile holds at most 32 chunks: two rounds of 16 threads.
+                if ((u32)part < e.z) cp_async16_s(dst, src + part * 8);
+                if ((u32)part + 16u < e.z) cp_async16_s(dst + 256u, src + (part + 16) * 8);
+                if (part < 2)
+                    cp_async16_s(stage + L8_BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
+                                 bitmaps + (size_t)e.y * 4 + part * 2);
+                else if (part == 2)
+                    cp_async8_s(stage + L8_RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
+            }
+            cp_async_commit();
+        };
+        const u32 stage_bytes = L8_STAGE_BYTES;
+#pragma unroll
+        for (int s = 0; s < L8_STAGES - 1; ++s) load(s, sbase + (u32)s * stage_bytes);
+
+        int q = lane >> 2, sh = (lane & 3) * 8;
+        u32 below = (1u << sh) - 1u;
+        u32 cur = sbase;                                                 // stage of batch b
+        u32 next = sbase + (u32)(L8_STAGES - 1) * stage_bytes;           // stage of b + 2
+        const u32 last = sbase + (u32)(L8_STAGES - 1) * stage_bytes;
+        for (int b = 0; b < nb; ++b) {
+            cp_async_wait<L8_STAGES - 2>();  // batch b has landed (this thread's copies)
+            __syncthreads();                 // ... everyone's; and batch b - 1 is consumed
+            load(b + L8_STAGES - 1, next);
+            int cnt = min(L8_BATCH, n - b * L8_BATCH);
+            // 3. Lane j: rows 8 j .. 8 j + 7 of the warp's column slots, decoded side by side
+            //    so that their shared-memory latencies overlap (slots past the batch's end get
+            //    an empty byte and read nothing).
+            u32 byte[L8_SLOTS_PER_WARP], p[L8_SLOTS_PER_WARP];
+            float xk[L8_SLOTS_PER_WARP];
+#pragma unroll
+            for (int u = 0; u < L8_SLOTS_PER_WARP; ++u) {
+                int slot = warp + u * L8_WARPS;
+                bool valid = slot < cnt;
+                slot = valid ? slot : 0;
+                u32 word = lds_u32(cur + L8_BITS_OFF + (u32)slot * 32u + (u32)q * 4u);
+                u32 r = lds_u8(cur + L8_RANK_OFF + (u32)slot * 8u + (u32)q) + __popc(word & below);
+                byte[u] = valid ? (word >> sh) & 0xffu : 0u;
+                p[u] = cur + (u32)slot * (TCBC_TILE_M * 2) + 2u * r;
+                xk[u] = __uint_as_float(list[b * L8_BATCH + slot].w);
+            }
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+#pragma unroll
+                for (int u = 0; u < L8_SLOTS_PER_WARP; ++u) {
+                    if (byte[u] & (1u << s)) {
+                        acc[s] = fmaf(h2f((unsigned short)lds_u16(p[u])), xk[u], acc[s]);
+                        p[u] += 2u;
+                    }
+                }
+            }
+            cur = cur == last ? sbase : cur + stage_bytes;
+            next = next == last ? sbase : next + stage_bytes;
+        }
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // every warp is done with the stages: reuse them for the reduction
+
+    // 4. Cross-warp reduction, then one atomic per row.
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) red[warp * TCBC_TILE_M + lane * 8 + s] = acc[s];
+    __syncthreads();
+    if (n == 0) return;  // uniform: nothing to add (block 0 has already zeroed its rows)
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < L8_WARPS; ++w) sum += red[w * TCBC_TILE_M + tid];
+    if (blockIdx.x != 0) {
+        if (tid == 0) {
+            while (load_acquire(flags + rt) != epoch) {
+            }
+        }
+        __syncthreads();
+    }
+    if (row < M && sum != 0.f) atomicAdd(y + row, sum);
+}

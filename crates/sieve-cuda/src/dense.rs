@@ -3,7 +3,7 @@
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
-use crate::product::{check_io, threshold_arg, GpuMatVec};
+use crate::product::{check_io, threshold_arg, GpuMatVec, LaunchEpoch};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::f16;
 use sieve_formats::{DenseMatrix, Threshold};
@@ -77,12 +77,20 @@ impl GpuMatVec for GpuDense {
 
 /// Column-major f16 weights (K x ldm, ldm = M rounded up to 8): dense weights whose columns
 /// are skipped when their activation is inactive.
+/// Warps per block of the column-major kernel (`WARPS_PER_BLOCK_CM` in the kernel).
+const COLMAJOR_WARPS: u32 = 8;
+
 pub struct GpuDenseColMajor {
     w: CudaSlice<f16>,
     rows: usize,
     cols: usize,
     ldm: usize,
-    /// Inner-loop size: columns one warp walks before its partial sums are merged.
+    /// One per 256-row tile: the epoch of the launch whose zeroing of that tile of y is done
+    /// (fused zeroing, see the kernel's header).
+    flags: CudaSlice<u32>,
+    epoch: LaunchEpoch,
+    /// Inner-loop size: columns one warp walks before its partial sums are merged (a multiple
+    /// of 32); 0 picks one from the shape so that the grid has ~24 warps per multiprocessor.
     pub cols_per_warp: usize,
 }
 
@@ -102,8 +110,23 @@ impl GpuDenseColMajor {
             rows,
             cols,
             ldm,
-            cols_per_warp: 64,
+            flags: gpu.upload(&vec![0u32; ldm.div_ceil(256).max(1)])?,
+            epoch: LaunchEpoch::default(),
+            cols_per_warp: 0,
         })
+    }
+
+    fn effective_cols_per_warp(&self, gpu: &Gpu) -> usize {
+        if self.cols_per_warp > 0 {
+            return self.cols_per_warp;
+        }
+        let target_warps = gpu.info().multiprocessors as usize * 24;
+        let row_tiles = self.ldm.div_ceil(256);
+        (self.cols * row_tiles)
+            .div_ceil(target_warps)
+            .div_ceil(32)
+            .max(1)
+            * 32
     }
 
     /// The product over an already compacted device list of active columns (`ncols` holds the
@@ -119,8 +142,9 @@ impl GpuDenseColMajor {
         check_len("y", self.rows, y.len())?;
         gpu.zero_f32(y)?;
         let f = gpu.function(&FAMILY, "dense_colmajor_list")?;
-        let (m, ldm, cpw) = (self.rows as i32, self.ldm as i32, self.cols_per_warp as i32);
-        let cfg = self.config(self.cols);
+        let cpw = self.effective_cols_per_warp(gpu);
+        let cfg = self.config(self.cols, cpw);
+        let (m, ldm, cpw) = (self.rows as i32, self.ldm as i32, cpw as i32);
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&self.w)
             .arg(x)
@@ -134,15 +158,15 @@ impl GpuDenseColMajor {
         Ok(())
     }
 
-    fn config(&self, ncols: usize) -> LaunchConfig {
-        let slices = ncols.div_ceil(self.cols_per_warp.max(1));
+    fn config(&self, ncols: usize, cols_per_warp: usize) -> LaunchConfig {
+        let slices = ncols.div_ceil(cols_per_warp.max(1));
         LaunchConfig {
             grid_dim: (
                 (self.ldm as u32).div_ceil(256),
-                (slices as u32).div_ceil(4).max(1),
+                (slices as u32).div_ceil(COLMAJOR_WARPS).max(1),
                 1,
             ),
-            block_dim: (128, 1, 1),
+            block_dim: (32 * COLMAJOR_WARPS, 1, 1),
             shared_mem_bytes: 0,
         }
     }
@@ -150,7 +174,11 @@ impl GpuDenseColMajor {
 
 impl GpuMatVec for GpuDenseColMajor {
     fn label(&self) -> String {
-        format!("dense-colmajor/c{}", self.cols_per_warp)
+        if self.cols_per_warp == 0 {
+            "dense-colmajor".into()
+        } else {
+            format!("dense-colmajor/c{}", self.cols_per_warp)
+        }
     }
     fn rows(&self) -> usize {
         self.rows
@@ -169,18 +197,19 @@ impl GpuMatVec for GpuDenseColMajor {
         threshold: Threshold,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if self.cols_per_warp == 0 || !self.cols_per_warp.is_multiple_of(32) {
+        if !self.cols_per_warp.is_multiple_of(32) {
             return Err(CudaError::Option(format!(
-                "cols_per_warp must be a positive multiple of 32, got {}",
+                "cols_per_warp must be a multiple of 32 (0 = auto), got {}",
                 self.cols_per_warp
             )));
         }
         check_io(self, x, y)?;
-        gpu.zero_f32(y)?;
         let f = gpu.function(&FAMILY, "dense_colmajor")?;
+        let cpw = self.effective_cols_per_warp(gpu);
+        let cfg = self.config(self.cols, cpw);
         let (m, k, ldm) = (self.rows as i32, self.cols as i32, self.ldm as i32);
-        let (t, cpw) = (threshold_arg(threshold), self.cols_per_warp as i32);
-        let cfg = self.config(self.cols);
+        let (t, cpw) = (threshold_arg(threshold), cpw as i32);
+        let epoch = self.epoch.next();
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&self.w)
             .arg(x)
@@ -189,7 +218,9 @@ impl GpuMatVec for GpuDenseColMajor {
             .arg(&k)
             .arg(&ldm)
             .arg(&t)
-            .arg(&cpw);
+            .arg(&cpw)
+            .arg(&self.flags)
+            .arg(&epoch);
         unsafe { b.launch(cfg) }.during("launching dense_colmajor")?;
         Ok(())
     }

@@ -69,3 +69,22 @@ pub fn check_io<F: GpuMatVec + ?Sized>(
     check_len("activation length (K)", w.cols(), x.len())?;
     check_len("output length (M)", w.rows(), y.len())
 }
+
+/// Launch counter for kernels that zero their output themselves (fused zeroing): the
+/// first blocks of a row tile publish the launch's epoch in a per-tile flag once they have
+/// zeroed it, and the other blocks wait for that value. Flags start at 0, which `next` never
+/// returns, and a flag always holds the previous launch's epoch, which differs from the next.
+#[derive(Debug, Default)]
+pub struct LaunchEpoch(std::sync::atomic::AtomicU32);
+
+impl LaunchEpoch {
+    pub fn next(&self) -> u32 {
+        use std::sync::atomic::Ordering::Relaxed;
+        loop {
+            let e = self.0.fetch_add(1, Relaxed).wrapping_add(1);
+            if e != 0 {
+                return e;
+            }
+        }
+    }
+}

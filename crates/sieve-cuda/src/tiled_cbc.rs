@@ -1,9 +1,12 @@
-//! SPDP spMspV over Tiled-CBC (`kernels/tiled_cbc_spmspv.cu`). The device arrays are the
-//! format's own arrays (layout: `sieve_formats::tiled_cbc`).
+//! spMspV over Tiled-CBC (`kernels/tiled_cbc_spmspv.cu`): SPDP's kernel and sieve's lane-per-8-rows
+//! kernel. The device arrays are the format's own arrays (layout: `sieve_formats::tiled_cbc`),
+//! plus, for the lane-per-8-rows kernel, a rank table built here (8 bytes per column tile) and
+//! one flag per row tile for the fused zeroing of the output.
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
-use crate::product::{check_io, threshold_arg, GpuMatVec};
+use crate::product::{check_io, threshold_arg, GpuMatVec, LaunchEpoch};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::tiled_cbc::{TiledCbc, TILE_K};
 use sieve_formats::{Threshold, WeightFormat};
@@ -13,11 +16,34 @@ pub const FAMILY: KernelFamily = KernelFamily {
     source: include_str!("../kernels/tiled_cbc_spmspv.cu"),
 };
 
+/// Which kernel runs the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcbcKernel {
+    /// SPDP Algorithm 1: thread per row, one 16-column GTile per pipeline stage.
+    Spdp,
+    /// Sieve's mapping: compacted active columns, batches of 32 through a 3-stage cp.async
+    /// pipeline, a lane per 8 rows, fused output zeroing.
+    Lane8,
+}
+
+/// Shared memory of one lane8 pipeline stage (`struct Lane8Stage` in the kernel) and the
+/// stage count; the column list adds 16 bytes per column of the block's range.
+const LANE8_STAGE_BYTES: usize = 16 * 256 * 2 + 16 * 8 * 4 + 16 * 8;
+const LANE8_STAGES: usize = 3;
+const LANE8_MAX_COLS_PER_BLOCK: usize = 512;
+/// Blocks of the lane8 kernel resident per multiprocessor (~35 KB of shared memory each).
+const LANE8_BLOCKS_PER_SM: usize = 6;
+
 pub struct GpuTiledCbc {
     tile_offset: CudaSlice<u32>,
     col_info: CudaSlice<u32>,
     bitmaps: CudaSlice<u64>,
     values: CudaSlice<u16>,
+    /// rank[8 (16 g + c) + q] = set bits of column tile (g, c) in rows < 32 q.
+    rank: CudaSlice<u8>,
+    /// One per row tile: the epoch of the launch whose zeroing of that tile is done.
+    flags: CudaSlice<u32>,
+    epoch: LaunchEpoch,
     rows: usize,
     cols: usize,
     row_tiles: usize,
@@ -26,6 +52,10 @@ pub struct GpuTiledCbc {
     col_bytes: Vec<usize>,
     /// GTiles one block walks along K (the split-K granularity); 0 picks one from the shape.
     pub gtiles_per_block: usize,
+    pub kernel: TcbcKernel,
+    /// Lane8: waves of resident blocks the grid should fill (split-K heuristic), used when
+    /// `gtiles_per_block` is 0.
+    pub lane8_waves: usize,
 }
 
 impl GpuTiledCbc {
@@ -51,13 +81,77 @@ impl GpuTiledCbc {
             col_info: gpu.upload(f.col_info())?,
             bitmaps: gpu.upload(f.bitmaps())?,
             values: gpu.upload(f.value_bits())?,
+            rank: gpu.upload(&rank_table(f.bitmaps()))?,
+            flags: gpu.upload(&vec![0u32; rt.max(1)])?,
+            epoch: LaunchEpoch::default(),
             rows,
             cols,
             row_tiles: rt,
             col_tiles: kt,
             col_bytes,
             gtiles_per_block: 0,
+            kernel: TcbcKernel::Lane8,
+            lane8_waves: 1,
         })
+    }
+
+    /// Lane8 split-K: columns per block (a multiple of 16, at most 512), from
+    /// `gtiles_per_block` or else so that the grid fills at most `lane8_waves` waves of
+    /// resident blocks (a block's fixed latency is paid once per wave).
+    fn lane8_cols_per_block(&self, gpu: &Gpu) -> usize {
+        let gtiles = if self.gtiles_per_block > 0 {
+            self.gtiles_per_block
+        } else {
+            let target =
+                gpu.info().multiprocessors as usize * LANE8_BLOCKS_PER_SM * self.lane8_waves.max(1);
+            let splits = (target / self.row_tiles.max(1)).max(1);
+            self.col_tiles.div_ceil(splits)
+        };
+        (gtiles * TILE_K).clamp(TILE_K, LANE8_MAX_COLS_PER_BLOCK)
+    }
+
+    fn launch_lane8(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        threshold: Threshold,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let cpb = self.lane8_cols_per_block(gpu);
+        let shared = LANE8_STAGES * LANE8_STAGE_BYTES + 16 * cpb;
+        let f = gpu.function(&FAMILY, "tcbc_spmspv_lane8")?;
+        if shared > 48 * 1024 {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .during("raising the shared-memory limit")?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (self.cols.div_ceil(cpb) as u32, self.row_tiles as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        let epoch = self.epoch.next();
+        let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
+        let (t, c) = (threshold_arg(threshold), cpb as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.tile_offset)
+            .arg(&self.col_info)
+            .arg(&self.bitmaps)
+            .arg(&self.rank)
+            .arg(&self.values)
+            .arg(x)
+            .arg(y)
+            .arg(&self.flags)
+            .arg(&epoch)
+            .arg(&m)
+            .arg(&k)
+            .arg(&kt)
+            .arg(&t)
+            .arg(&c);
+        unsafe { b.launch(cfg) }.during("launching tcbc_spmspv_lane8")?;
+        Ok(())
     }
 
     /// Split-K so that the grid has about four blocks per multiprocessor.
@@ -73,10 +167,17 @@ impl GpuTiledCbc {
 
 impl GpuMatVec for GpuTiledCbc {
     fn label(&self) -> String {
+        let kernel = match self.kernel {
+            TcbcKernel::Spdp => "tiled-cbc/spdp".to_string(),
+            TcbcKernel::Lane8 if self.lane8_waves != 1 && self.gtiles_per_block == 0 => {
+                format!("tiled-cbc/lane8/waves{}", self.lane8_waves)
+            }
+            TcbcKernel::Lane8 => "tiled-cbc/lane8".to_string(),
+        };
         if self.gtiles_per_block == 0 {
-            "tiled-cbc".into()
+            kernel
         } else {
-            format!("tiled-cbc/g{}", self.gtiles_per_block)
+            format!("{kernel}/g{}", self.gtiles_per_block)
         }
     }
     fn rows(&self) -> usize {
@@ -93,8 +194,24 @@ impl GpuMatVec for GpuTiledCbc {
             .filter(|(_, a)| **a)
             .map(|(b, _)| *b)
             .sum();
-        // ColInfo of every column and TileOffsets are read whatever the activations.
-        w + self.row_tiles * self.col_tiles * (TILE_K * 4 + 4) + self.cols * 4 + self.rows * 4
+        match self.kernel {
+            // ColInfo of every column and TileOffsets are read whatever the activations.
+            TcbcKernel::Spdp => {
+                w + self.row_tiles * self.col_tiles * (TILE_K * 4 + 4)
+                    + self.cols * 4
+                    + self.rows * 4
+            }
+            // ColInfo and TileOffset of every column (read together with x), plus the rank
+            // tables of active columns.
+            TcbcKernel::Lane8 => {
+                let active_cols = active.iter().filter(|a| **a).count();
+                w - active_cols * self.row_tiles * 4
+                    + active_cols * self.row_tiles * 8
+                    + self.row_tiles * self.col_tiles * (TILE_K * 4 + 4)
+                    + self.cols * 4
+                    + self.rows * 4
+            }
+        }
     }
     fn launch(
         &self,
@@ -104,6 +221,9 @@ impl GpuMatVec for GpuTiledCbc {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_io(self, x, y)?;
+        if self.kernel == TcbcKernel::Lane8 {
+            return self.launch_lane8(gpu, x, threshold, y);
+        }
         gpu.zero_f32(y)?;
         let gpb = self.effective_gtiles_per_block(gpu);
         let f = gpu.function(&FAMILY, "tcbc_spmspv")?;
@@ -132,5 +252,41 @@ impl GpuMatVec for GpuTiledCbc {
             .arg(&g);
         unsafe { b.launch(cfg) }.during("launching tcbc_spmspv")?;
         Ok(())
+    }
+}
+
+/// The lane8 kernel's rank table: for every column tile, the set bits of its bitmap in rows
+/// below 32 q, q = 0..8 (so a lane finds its first value with one popcount).
+pub fn rank_table(bitmaps: &[u64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bitmaps.len() * 2);
+    for tile in bitmaps.chunks_exact(4) {
+        let mut below = 0u32;
+        for &word in tile {
+            for half in [word as u32, (word >> 32) as u32] {
+                // At most 224 bits lie below the last 32-row word, so the count fits a byte.
+                out.push(below as u8);
+                below += half.count_ones();
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_table;
+
+    #[test]
+    fn rank_table_counts_bits_below_each_32_row_word() {
+        let tile = [u64::MAX, 0x0000_0001_0000_0003, 0, 1u64 << 63];
+        assert_eq!(rank_table(&tile), vec![0, 32, 64, 66, 67, 67, 67, 67]);
+        let two = [0u64, 0, 0, 0, 1, 1, 1, 1];
+        assert_eq!(
+            rank_table(&two),
+            vec![0; 8]
+                .into_iter()
+                .chain([0, 1, 1, 2, 2, 3, 3, 4])
+                .collect::<Vec<u8>>()
+        );
     }
 }

@@ -4,7 +4,7 @@
 
 use sieve_cuda::dense::{compact_active, GpuDense, GpuDenseColMajor};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
-use sieve_cuda::tiled_cbc::GpuTiledCbc;
+use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::{gpu_or_skip, matvec_host, Gpu, GpuMatVec};
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::{matvec_f64, max_rel_error};
@@ -110,7 +110,7 @@ fn dense_colmajor_matches_reference() {
     };
     for (m, x, t, what) in cases() {
         let mut d = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
-        for cpw in [32, 64, 256] {
+        for cpw in [0, 32, 64, 256] {
             d.cols_per_warp = cpw;
             check(&gpu, &d, &m, &x, t, &what);
         }
@@ -242,9 +242,52 @@ fn tiled_cbc_matches_reference() {
     for (m, x, t, what) in cases() {
         let f = TiledCbc::encode(&m).expect("encode");
         let mut g = GpuTiledCbc::upload(&gpu, &f).expect("upload");
-        for gpb in [0usize, 1, 3, 64] {
-            g.gtiles_per_block = gpb;
-            check(&gpu, &g, &m, &x, t, &what);
+        for kernel in [TcbcKernel::Spdp, TcbcKernel::Lane8] {
+            g.kernel = kernel;
+            for gpb in [0usize, 1, 3, 64] {
+                g.gtiles_per_block = gpb;
+                check(&gpu, &g, &m, &x, t, &format!("{what} {kernel:?}"));
+            }
+        }
+    }
+}
+
+/// Kernels that zero their output themselves (fused zeroing with per-tile epoch flags) must
+/// give the same result when launched again into the same, already written output.
+#[test]
+fn fused_zeroing_survives_relaunch_into_the_same_output() {
+    let Some(gpu) = gpu_or_skip("fused_zeroing_survives_relaunch_into_the_same_output") else {
+        return;
+    };
+    for &(rows, cols, sp, dp) in &[
+        (4096usize, 4096usize, 0.5, 0.5),
+        (1000, 300, 0.3, 0.0),
+        (257, 129, 0.7, 0.9),
+    ] {
+        let s = seed();
+        let m = sparse_matrix(rows, cols, sp, Pattern::Unstructured, s).expect("matrix");
+        let x = activations(cols, s ^ 1);
+        let t = threshold_for_sparsity(&x, dp).expect("threshold");
+        let want = matvec_f64(&m, &x, t);
+        let xd = gpu.upload(&x).expect("x");
+        let f = TiledCbc::encode(&m).expect("encode");
+        let tcbc = GpuTiledCbc::upload(&gpu, &f).expect("upload");
+        let mut cm = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
+        cm.cols_per_warp = 32;
+        let kernels: [&dyn GpuMatVec; 2] = [&tcbc, &cm];
+        for k in kernels {
+            let mut y = gpu.poisoned_f32(rows).expect("y");
+            for launch in 0..3 {
+                k.launch(&gpu, &xd, t, &mut y).expect("launch");
+                gpu.synchronize().expect("sync");
+                let got = gpu.download(&y).expect("download");
+                let err = max_rel_error(&got, &want);
+                assert!(
+                    err < TOL,
+                    "{} {rows}x{cols} sp {sp} dp {dp}, launch {launch}: rel error {err:.3e}",
+                    k.label()
+                );
+            }
         }
     }
 }

@@ -15,7 +15,7 @@ use serde::Serialize;
 use sieve_cuda::dense::{to_f16, zeroed_f16, Cublas, GpuDense, GpuDenseColMajor};
 use sieve_cuda::product::{active_mask, GpuMatVec};
 use sieve_cuda::rlc_csc::{GpuRlcCsc, Stages};
-use sieve_cuda::tiled_cbc::GpuTiledCbc;
+use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::timing::{copy_bandwidth_gbs, time_launches};
 use sieve_cuda::{DeviceInfo, Gpu};
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
@@ -47,11 +47,12 @@ pub struct KernelsArgs {
     /// Activation sparsities (fractions of inactive inputs), each in [0, 1).
     #[arg(long, value_delimiter = ',', default_value = "0,0.3,0.5,0.7")]
     dp: Vec<f64>,
-    /// Kernels: dense (our GEMV), dense-colmajor (TEAL alone), rlc-csc, tiled-cbc.
+    /// Kernels: dense (our GEMV), dense-colmajor (TEAL alone), rlc-csc (Celty), tiled-cbc
+    /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "dense,dense-colmajor,rlc-csc,tiled-cbc"
+        default_value = "dense,dense-colmajor,rlc-csc,tiled-cbc,tiled-cbc-spdp"
     )]
     formats: Vec<String>,
     /// Timed launches per measurement (median reported).
@@ -146,7 +147,15 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
         bail!("--reps must be positive");
     }
     for f in &a.formats {
-        if !["dense", "dense-colmajor", "rlc-csc", "tiled-cbc"].contains(&f.as_str()) {
+        if ![
+            "dense",
+            "dense-colmajor",
+            "rlc-csc",
+            "tiled-cbc",
+            "tiled-cbc-spdp",
+        ]
+        .contains(&f.as_str())
+        {
             bail!("unknown kernel format '{f}'");
         }
     }
@@ -266,25 +275,31 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
                 for _ in 1..copies_for(bytes, l2) {
                     cms.push(GpuDenseColMajor::upload(&gpu, &w0)?);
                 }
-                let err = check(&gpu, &cms[0], &w0, &x, t)?;
                 let n = cms.len();
-                let tm = time_launches(&gpu, warmup, a.reps, |i| {
-                    cms[i % n].launch(&gpu, &xd, t, &mut y)
-                })?;
-                push(
-                    &mut rows,
-                    cms[0].label(),
-                    0.0,
-                    dp,
-                    tm,
-                    cms[0].bytes_for(&mask),
-                    Some(err),
-                );
+                let cpws: &[usize] = if a.tune { &[0, 64, 128] } else { &[0] };
+                for &cpw in cpws {
+                    for c in cms.iter_mut() {
+                        c.cols_per_warp = cpw;
+                    }
+                    let err = check(&gpu, &cms[0], &w0, &x, t)?;
+                    let tm = time_launches(&gpu, warmup, a.reps, |i| {
+                        cms[i % n].launch(&gpu, &xd, t, &mut y)
+                    })?;
+                    push(
+                        &mut rows,
+                        cms[0].label(),
+                        0.0,
+                        dp,
+                        tm,
+                        cms[0].bytes_for(&mask),
+                        Some(err),
+                    );
+                }
             }
         }
 
         for (pi, &sp) in a.sp.iter().enumerate() {
-            if !(has("rlc-csc") || has("tiled-cbc")) {
+            if !(has("rlc-csc") || has("tiled-cbc") || has("tiled-cbc-spdp")) {
                 break;
             }
             let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
@@ -340,18 +355,30 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
                     }
                 }
             }
-            if has("tiled-cbc") {
+            if has("tiled-cbc") || has("tiled-cbc-spdp") {
                 let f = TiledCbc::encode(&w)?;
                 let bytes = sieve_formats::WeightFormat::storage(&f).total_bytes();
-                let mut gpbs = vec![0usize];
-                if a.tune {
-                    gpbs.extend([4usize, 16]);
+                // (kernel, gtiles per block (0 = auto), lane8 waves)
+                let mut configs = Vec::new();
+                if has("tiled-cbc") {
+                    configs.push((TcbcKernel::Lane8, 0usize, 1usize));
+                    if a.tune {
+                        configs.extend([(TcbcKernel::Lane8, 0, 2), (TcbcKernel::Lane8, 0, 4)]);
+                    }
                 }
-                for gpb in gpbs {
+                if has("tiled-cbc-spdp") {
+                    configs.push((TcbcKernel::Spdp, 0, 1));
+                    if a.tune {
+                        configs.extend([(TcbcKernel::Spdp, 4, 1), (TcbcKernel::Spdp, 16, 1)]);
+                    }
+                }
+                for (kernel, gpb, waves) in configs {
                     let mut copies: Vec<Box<dyn GpuMatVec>> = Vec::new();
                     for _ in 0..copies_for(bytes, l2) {
                         let mut g = GpuTiledCbc::upload(&gpu, &f)?;
+                        g.kernel = kernel;
                         g.gtiles_per_block = gpb;
+                        g.lane8_waves = waves;
                         copies.push(Box::new(g));
                     }
                     let first = copies.remove(0);
