@@ -19,6 +19,8 @@ use sieve_formats::blob::ByteWriter;
 use sieve_formats::format::{check_product_args, check_threshold, is_active};
 use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
 
+pub mod gemm;
+
 /// One linear layer: a packed weight matrix, an optional bias and an optional activation threshold.
 #[derive(Debug)]
 pub struct Linear {
@@ -220,24 +222,21 @@ impl WeightFormat for FastDense {
         } else {
             x
         };
+        // Y (n x M) = X (n x K) · Wᵀ: the GEMM reads W (M x K row-major) as its transpose and
+        // converts it to f32 once while packing.
         let w = self.matrix.data();
-        // Each task converts its block of weight rows to f32 once and multiplies it with every
-        // token; results land transposed (row-major over weight rows) and are transposed back.
-        let mut yt = vec![0f32; m * n];
-        yt.par_chunks_mut(ROWS_PER_TASK * n)
-            .enumerate()
-            .for_each(|(chunk, out)| {
-                let r0 = chunk * ROWS_PER_TASK;
-                let rows = out.len() / n;
-                let mut wf = vec![0f32; rows * k];
-                kernels::f16_to_f32(&w[r0 * k..(r0 + rows) * k], &mut wf);
-                kernels::block_product(&wf, rows, x, n, k, out);
-            });
-        for r in 0..m {
-            for t in 0..n {
-                y[t * m + r] = yt[r * n + t];
-            }
-        }
+        gemm::gemm(
+            n,
+            m,
+            k,
+            gemm::View::row_major(x, k),
+            gemm::View::transposed(w, k),
+            y,
+            m,
+            false,
+            true,
+        )
+        .map_err(|e| sieve_formats::FormatError::Option(e.to_string()))?;
         Ok(())
     }
 
@@ -312,47 +311,48 @@ pub mod kernels {
         }
     }
 
-    /// `out[r * n + t] = w[r] · x[t]` for `rows` f32 weight rows and `n` token rows, all of length
-    /// `k`. Register-blocked 4 rows x 2 tokens so every load feeds more than one FMA.
-    pub fn block_product(w: &[f32], rows: usize, x: &[f32], n: usize, k: usize, out: &mut [f32]) {
-        let mut r = 0;
+    /// `gate[i] = silu(gate[i]) · up[i]`, the SwiGLU product (`silu(g) = g / (1 + e^-g)`);
+    /// `gate.len() == up.len()`. Vectorised like [`softmax_scaled`]: a scalar `exp` per element
+    /// was a visible share of prefill and calibration.
+    pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        debug_assert_eq!(gate.len(), up.len());
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
-            while r + 4 <= rows {
-                let mut t = 0;
-                while t + 2 <= n {
-                    // SAFETY: as above; every slice is k long.
-                    let tile = unsafe {
-                        x86::tile_4x2(
-                            [
-                                &w[r * k..(r + 1) * k],
-                                &w[(r + 1) * k..(r + 2) * k],
-                                &w[(r + 2) * k..(r + 3) * k],
-                                &w[(r + 3) * k..(r + 4) * k],
-                            ],
-                            [&x[t * k..(t + 1) * k], &x[(t + 1) * k..(t + 2) * k]],
-                        )
-                    };
-                    for i in 0..4 {
-                        out[(r + i) * n + t] = tile[i][0];
-                        out[(r + i) * n + t + 1] = tile[i][1];
-                    }
-                    t += 2;
-                }
-                for t in t..n {
-                    for i in 0..4 {
-                        out[(r + i) * n + t] =
-                            dot_f32(&w[(r + i) * k..(r + i + 1) * k], &x[t * k..(t + 1) * k]);
-                    }
-                }
-                r += 4;
-            }
+            // SAFETY: as above.
+            return unsafe { x86::silu_mul(gate, up) };
         }
-        for r in r..rows {
-            for t in 0..n {
-                out[r * n + t] = dot_f32(&w[r * k..(r + 1) * k], &x[t * k..(t + 1) * k]);
-            }
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
         }
+    }
+
+    /// Softmax of `scale · row` in place: `row[i] = exp(scale · (row[i] - max)) / Σ`.
+    /// `scale` must be positive (it is `1/sqrt(head_dim)`), so the maximum of the scaled row is
+    /// `scale · max`. The exponential is a polynomial approximation within a few ulp of `expf`
+    /// on AVX2 machines: a scalar `exp` per score was a large share of long-window attention.
+    pub fn softmax_scaled(row: &mut [f32], scale: f32) {
+        if row.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: as above.
+            unsafe {
+                let max = x86::max(row);
+                x86::exp_scaled_shifted(row, scale, max);
+            }
+        } else {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            row.iter_mut().for_each(|v| *v = (scale * (*v - max)).exp());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            row.iter_mut().for_each(|v| *v = (scale * (*v - max)).exp());
+        }
+        let sum: f32 = row.iter().sum();
+        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|v| *v *= inv);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -434,6 +434,111 @@ pub mod kernels {
             s
         }
 
+        /// `exp(x)` for `x` in [-87, 88] (clamped): Cephes-style range reduction
+        /// `x = n·ln2 + r`, a degree-5 polynomial for `exp(r)` on |r| <= ln2/2, and `2^n` built
+        /// in the exponent bits; within a few ulp of `expf`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn exp256(x: __m256) -> __m256 {
+            let x = _mm256_min_ps(
+                _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+                _mm256_set1_ps(88.0),
+            );
+            let n = _mm256_round_ps(
+                _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            );
+            let r = _mm256_fnmadd_ps(
+                n,
+                _mm256_set1_ps(-2.121_944_4e-4),
+                _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x),
+            );
+            let mut y = _mm256_set1_ps(1.987_569_1e-4);
+            for c in [
+                1.398_199_9e-3f32,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                1.666_666_5e-1,
+                0.5,
+            ] {
+                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+            }
+            y = _mm256_fmadd_ps(
+                y,
+                _mm256_mul_ps(r, r),
+                _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+            );
+            let bits = _mm256_slli_epi32(
+                _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                23,
+            );
+            _mm256_mul_ps(y, _mm256_castsi256_ps(bits))
+        }
+
+        /// `row[i] = exp(scale · (row[i] - max))`, flushed to 0 below `exp(-87)`.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn exp_scaled_shifted(row: &mut [f32], scale: f32, max: f32) {
+            let len = row.len();
+            let p = row.as_mut_ptr();
+            let (vs, vm, lo) = (
+                _mm256_set1_ps(scale),
+                _mm256_set1_ps(max),
+                _mm256_set1_ps(-87.0),
+            );
+            let mut i = 0;
+            while i + 8 <= len {
+                let x = _mm256_mul_ps(vs, _mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+                let underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+                _mm256_storeu_ps(p.add(i), _mm256_andnot_ps(underflow, exp256(x)));
+                i += 8;
+            }
+            while i < len {
+                *p.add(i) = (scale * (*p.add(i) - max)).exp();
+                i += 1;
+            }
+        }
+
+        /// The largest element (`-inf` for an empty slice; NaN-free inputs).
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn max(row: &[f32]) -> f32 {
+            let len = row.len();
+            let p = row.as_ptr();
+            let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut i = 0;
+            while i + 8 <= len {
+                acc = _mm256_max_ps(acc, _mm256_loadu_ps(p.add(i)));
+                i += 8;
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+            let mut m = lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            for v in &row[i..] {
+                m = m.max(*v);
+            }
+            m
+        }
+
+        /// `gate[i] = silu(gate[i]) · up[i]` with `silu(g) = g / (1 + exp(-g))`.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+            let len = gate.len().min(up.len());
+            let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+            let one = _mm256_set1_ps(1.0);
+            let mut i = 0;
+            while i + 8 <= len {
+                let gv = _mm256_loadu_ps(g.add(i));
+                let e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(g.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.add(i))));
+                i += 8;
+            }
+            while i < len {
+                let gv = *g.add(i);
+                *g.add(i) = gv / (1.0 + (-gv).exp()) * *u.add(i);
+                i += 1;
+            }
+        }
+
         #[target_feature(enable = "avx2,fma,f16c")]
         pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
             let len = src.len().min(dst.len());
@@ -446,40 +551,6 @@ pub mod kernels {
                 dst[i] = src[i].to_f32();
                 i += 1;
             }
-        }
-
-        /// Dot products of 4 weight rows with 2 token rows (all the same length).
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn tile_4x2(w: [&[f32]; 4], x: [&[f32]; 2]) -> [[f32; 2]; 4] {
-            let len = w
-                .iter()
-                .map(|r| r.len())
-                .chain(x.iter().map(|r| r.len()))
-                .min()
-                .unwrap_or(0);
-            let mut acc = [[_mm256_setzero_ps(); 2]; 4];
-            let mut i = 0;
-            while i + 8 <= len {
-                let x0 = _mm256_loadu_ps(x[0].as_ptr().add(i));
-                let x1 = _mm256_loadu_ps(x[1].as_ptr().add(i));
-                for r in 0..4 {
-                    let wv = _mm256_loadu_ps(w[r].as_ptr().add(i));
-                    acc[r][0] = _mm256_fmadd_ps(wv, x0, acc[r][0]);
-                    acc[r][1] = _mm256_fmadd_ps(wv, x1, acc[r][1]);
-                }
-                i += 8;
-            }
-            let mut out = [[0f32; 2]; 4];
-            for r in 0..4 {
-                for t in 0..2 {
-                    let mut s = hsum(acc[r][t]);
-                    for j in i..len {
-                        s += w[r][j] * x[t][j];
-                    }
-                    out[r][t] = s;
-                }
-            }
-            out
         }
     }
 }
@@ -547,6 +618,54 @@ mod tests {
                 close(&yv, &reference(&w, &x[..k], 1, t), 1e-5);
             }
         }
+    }
+
+    #[test]
+    fn softmax_matches_f64_exp() {
+        for len in [1usize, 7, 8, 9, 40, 1000] {
+            let mut row: Vec<f32> = random(len, len as u64).iter().map(|v| 60.0 * v).collect();
+            let scale = 0.125f32;
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
+            let e: Vec<f64> = row
+                .iter()
+                .map(|v| (0.125 * (*v as f64 - max)).exp())
+                .collect();
+            let sum: f64 = e.iter().sum();
+            kernels::softmax_scaled(&mut row, scale);
+            for (got, want) in row.iter().zip(&e) {
+                let want = want / sum;
+                assert!(
+                    (*got as f64 - want).abs() <= 1e-6 * want + 1e-30,
+                    "{got} vs {want}"
+                );
+            }
+        }
+        // Far below the maximum the weights underflow to exactly 0.
+        let mut row = vec![
+            0.0f32, -2000.0, -2000.0, -2000.0, -2000.0, -2000.0, -2000.0, -2000.0,
+        ];
+        kernels::softmax_scaled(&mut row, 1.0);
+        assert_eq!(row, [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn silu_mul_matches_f64() {
+        let gate: Vec<f32> = random(203, 4).iter().map(|v| 40.0 * v).collect();
+        let up = random(203, 5);
+        let mut got = gate.clone();
+        kernels::silu_mul(&mut got, &up);
+        for ((g, u), o) in gate.iter().zip(&up).zip(&got) {
+            let (g, u) = (*g as f64, *u as f64);
+            let want = g / (1.0 + (-g).exp()) * u;
+            assert!(
+                (*o as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{o} vs {want}"
+            );
+        }
+        let mut extreme = vec![-200.0f32, 200.0, 0.0, -90.0, 90.0, 1.0, -1.0, 3.0];
+        kernels::silu_mul(&mut extreme, &[1.0; 8]);
+        assert!(extreme[0].abs() < 1e-30 && extreme[1] == 200.0 && extreme[2] == 0.0);
+        assert!(extreme.iter().all(|v| v.is_finite()));
     }
 
     #[test]

@@ -26,10 +26,16 @@
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::linear::{kernels, Linear};
+use crate::linear::{gemm, kernels, Linear};
 use crate::weights::{Tensor, TensorSource};
 use half::f16;
 use rayon::prelude::*;
+
+/// Query rows per task of the GEMM attention path: a 64 x 1024 score block is 256 KiB.
+const ATTENTION_BLOCK: usize = 64;
+/// From this many queries per call, attention runs as blocked GEMMs (packing pays for itself);
+/// fewer (decode, short prompts) take the per-query loop.
+const ATTENTION_GEMM_MIN: usize = 16;
 
 /// The projections of one decoder layer, by their Hugging Face names.
 pub(crate) const LAYER_LINEARS: [&str; 7] = [
@@ -595,6 +601,31 @@ impl Model {
         n: usize,
         observer: &mut dyn FnMut(Site, &[f32], usize),
     ) -> Result<()> {
+        self.run_layer(layer, x, n, observer, true)
+    }
+
+    /// Like [`Self::forward_layer`] but stops once `observer` has seen the down_proj input: for
+    /// statistics passes, which need every site's input but not the layer's output (down_proj
+    /// is a quarter of a Llama layer's products). `x` is left holding the residual stream after
+    /// attention, not the layer output.
+    pub fn observe_layer(
+        &self,
+        layer: usize,
+        x: &mut [f32],
+        n: usize,
+        observer: &mut dyn FnMut(Site, &[f32], usize),
+    ) -> Result<()> {
+        self.run_layer(layer, x, n, observer, false)
+    }
+
+    fn run_layer(
+        &self,
+        layer: usize,
+        x: &mut [f32],
+        n: usize,
+        observer: &mut dyn FnMut(Site, &[f32], usize),
+        through_down_proj: bool,
+    ) -> Result<()> {
         let c = &self.config;
         let Some(lay) = self.layers.get(layer) else {
             return Err(ModelError::InvalidArgument(format!(
@@ -647,10 +678,11 @@ impl Model {
         observer(Site::MlpIn, &xn, n);
         lay.gate_proj.forward(&xn, n, &mut gate)?;
         lay.up_proj.forward(&xn, n, &mut up)?;
-        for (g, u) in gate.iter_mut().zip(&up) {
-            *g = silu(*g) * u;
-        }
+        kernels::silu_mul(&mut gate, &up);
         observer(Site::DownProjIn, &gate, n);
+        if !through_down_proj {
+            return Ok(());
+        }
         lay.down_proj.forward(&gate, n, &mut proj)?;
         for (a, b) in x.iter_mut().zip(&proj) {
             *a += b;
@@ -768,6 +800,9 @@ impl Model {
         n: usize,
         att: &mut [f32],
     ) {
+        if n >= ATTENTION_GEMM_MIN {
+            return self.attention_blocked(q, keys, values, p0, n, att);
+        }
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let group = nh / nkv;
@@ -806,6 +841,100 @@ impl Model {
             for t in 0..n {
                 att[(t * nh + h) * hd..(t * nh + h + 1) * hd]
                     .copy_from_slice(&out[t * hd..(t + 1) * hd]);
+            }
+        }
+    }
+
+    /// [`Self::attention`] for many queries: per (query head, block of [`ATTENTION_BLOCK`]
+    /// queries) one GEMM for the scores against every key the block's last query sees, a
+    /// causal softmax per row (keys past a query's position get weight 0), and one GEMM for
+    /// the weighted values. Parallel over the (head, block) tasks.
+    fn attention_blocked(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        p0: usize,
+        n: usize,
+        att: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let group = nh / nkv;
+        let row = nkv * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let blocks = n.div_ceil(ATTENTION_BLOCK);
+        let outputs: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
+            .into_par_iter()
+            .map(|task| {
+                // Larger (later) blocks first would balance better, but rayon's work stealing
+                // already evens out the causal triangle across 2 to a few dozen threads.
+                let (h, b) = (task / blocks, task % blocks);
+                let kvh = h / group;
+                let t0 = b * ATTENTION_BLOCK;
+                let rows = (n - t0).min(ATTENTION_BLOCK);
+                let visible = p0 + t0 + rows;
+                let q_block = gemm::View {
+                    data: q,
+                    offset: t0 * nh * hd + h * hd,
+                    row_stride: nh * hd,
+                    col_stride: 1,
+                };
+                // Kᵀ: element (dim, key) = keys[key · row + kvh · hd + dim].
+                let k_t = gemm::View {
+                    data: keys,
+                    offset: kvh * hd,
+                    row_stride: 1,
+                    col_stride: row,
+                };
+                let v = gemm::View {
+                    data: values,
+                    offset: kvh * hd,
+                    row_stride: row,
+                    col_stride: 1,
+                };
+                let mut scores = vec![0f32; rows * visible];
+                let mut out = vec![0f32; rows * hd];
+                // The views are in bounds by construction (q is [n][H][hd], keys/values are
+                // [p0 + n][Hkv][hd]); a failure would be a bug, and leaves zeros.
+                let ok = gemm::gemm(
+                    rows,
+                    visible,
+                    hd,
+                    q_block,
+                    k_t,
+                    &mut scores,
+                    visible,
+                    false,
+                    false,
+                )
+                .is_ok();
+                debug_assert!(ok);
+                for (i, s) in scores.chunks_exact_mut(visible).enumerate() {
+                    let seen = p0 + t0 + i + 1;
+                    kernels::softmax_scaled(&mut s[..seen], scale);
+                    s[seen..].fill(0.0);
+                }
+                let ok = gemm::gemm(
+                    rows,
+                    hd,
+                    visible,
+                    gemm::View::row_major(&scores, visible),
+                    v,
+                    &mut out,
+                    hd,
+                    false,
+                    false,
+                )
+                .is_ok();
+                debug_assert!(ok);
+                (h, t0, out)
+            })
+            .collect();
+        for (h, t0, out) in outputs {
+            for (i, o) in out.chunks_exact(hd).enumerate() {
+                let t = t0 + i;
+                att[(t * nh + h) * hd..(t * nh + h + 1) * hd].copy_from_slice(o);
             }
         }
     }
@@ -1125,6 +1254,32 @@ pub(crate) mod tests {
                 .unwrap();
             assert_close(&step, &reference[t * v..(t + 1) * v]);
         }
+    }
+
+    /// Long calls take the blocked GEMM attention (several query blocks, with and without
+    /// cached positions before them); it must match the reference like the per-query loop.
+    #[test]
+    fn blocked_attention_matches_reference() {
+        let config = ModelConfig {
+            max_position_embeddings: 160,
+            ..tiny_config()
+        };
+        let src = random_source(config, 5);
+        let model = Model::from_source(&src).unwrap();
+        let prompt: Vec<u32> = (0..150u32).map(|i| (i * 7 + 3) % 37).collect();
+        let reference = reference_logits(&src, &prompt);
+        let v = src.config.vocab_size;
+        let mut cache = model.new_cache(160);
+        let all = model.forward(&prompt, &mut cache, Logits::All).unwrap();
+        assert_close(&all, &reference);
+        let mut cache = model.new_cache(160);
+        model
+            .forward(&prompt[..10], &mut cache, Logits::Last)
+            .unwrap();
+        let rest = model
+            .forward(&prompt[10..], &mut cache, Logits::All)
+            .unwrap();
+        assert_close(&rest, &reference[10 * v..]);
     }
 
     #[test]

@@ -43,6 +43,7 @@ use crate::teal::ActivationHistogram;
 use rayon::prelude::*;
 use serde::Serialize;
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
+use sieve_model::linear::FastDense;
 use sieve_model::llama::{Model, Site};
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -162,6 +163,23 @@ pub struct PipelineReport {
     pub bytes_per_token: f64,
     pub calibration_tokens: usize,
     pub seconds: f64,
+    /// Where the time went, summed over layers.
+    pub stage_seconds: StageSeconds,
+}
+
+/// Wall-clock seconds per pipeline stage (module docs), summed over layers.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct StageSeconds {
+    /// Embedding the windows.
+    pub embed: f64,
+    /// 1. Statistics passes (Wanda norms / SparseGPT Hessians).
+    pub statistics: f64,
+    /// 2. Factorising Hessians, pruning, encoding.
+    pub prune: f64,
+    /// 3. Recompute passes (with histograms and kept rows).
+    pub recompute: f64,
+    /// 4. Thresholds and the dual-sparsity report.
+    pub report: f64,
 }
 
 impl PipelineReport {
@@ -217,6 +235,11 @@ impl PipelineReport {
             self.dense_bytes as f64 / 1e6,
             self.calibration_tokens,
             self.seconds
+        ));
+        let t = &self.stage_seconds;
+        out.push_str(&format!(
+            "stages: embed {:.1} s, statistics {:.1} s, prune {:.1} s, recompute {:.1} s, report {:.1} s\n",
+            t.embed, t.statistics, t.prune, t.recompute, t.report
         ));
         out
     }
@@ -289,17 +312,26 @@ pub fn prune_model(
         .map(|w| model.embed(w))
         .collect::<std::result::Result<_, _>>()?;
     let calibration_tokens: usize = windows.iter().map(Vec::len).sum();
+    let mut stages = StageSeconds {
+        embed: start.elapsed().as_secs_f64(),
+        ..StageSeconds::default()
+    };
     let mut reports = Vec::with_capacity(layers * 7);
 
     for l in 0..layers {
         // 1. Statistics of the unpruned layer.
+        let mut clock = std::time::Instant::now();
+        let mut lap = |acc: &mut f64| {
+            *acc += clock.elapsed().as_secs_f64();
+            clock = std::time::Instant::now();
+        };
         let mut stats = SiteStats::default();
         if options.method.needs_calibration() {
             for (w, h) in windows.iter().zip(&hidden) {
                 let mut x = h.clone();
                 let mut failure = None;
                 let method = options.method;
-                model.forward_layer(l, &mut x, w.len(), &mut |site, a, n| {
+                model.observe_layer(l, &mut x, w.len(), &mut |site, a, n| {
                     if failure.is_some() {
                         return;
                     }
@@ -337,6 +369,8 @@ pub fn prune_model(
             done += windows.len() as u64;
         }
 
+        lap(&mut stages.statistics);
+
         // 2. Prune and re-encode.
         let prepared: HashMap<Site, PreparedHessian> = stats
             .hessians
@@ -344,6 +378,7 @@ pub fn prune_model(
             .map(|(site, h)| Ok((*site, PreparedHessian::new(h, &options.sparsegpt)?)))
             .collect::<Result<_>>()?;
         let mut masks: Vec<(String, Site, Mask)> = Vec::with_capacity(7);
+        let mut encoded: Vec<Box<dyn WeightFormat>> = Vec::with_capacity(7);
         for (short, lin) in model.layers_mut()[l].linears_mut() {
             let site = Site::of_linear(short)
                 .ok_or_else(|| PruneError::Option(format!("unknown projection {short}")))?;
@@ -389,7 +424,12 @@ pub fn prune_model(
                 .map(|v| !sieve_formats::matrix::is_zero(*v))
                 .collect();
             let format = encode_choice(&matrix, options.format, options.dp)?;
-            lin.replace_format(format)?;
+            // The recompute pass runs the values the format stores (decode is exact, and for
+            // quantized payloads it is what the kernels multiply by) through the fast dense
+            // GEMM: the formats' own batched products are reference loops, far too slow for
+            // thousands of calibration tokens. The format goes in after the pass.
+            lin.replace_format(Box::new(FastDense::new(format.decode())))?;
+            encoded.push(format);
             masks.push((
                 format!("model.layers.{l}.{short}.weight"),
                 site,
@@ -405,6 +445,8 @@ pub fn prune_model(
         }
         drop(prepared);
         drop(stats);
+
+        lap(&mut stages.prune);
 
         // 3. Recompute the layer's outputs with the pruned weights.
         let mut histograms: HashMap<Site, ActivationHistogram> = HashMap::new();
@@ -437,6 +479,8 @@ pub fn prune_model(
             });
         }
 
+        lap(&mut stages.recompute);
+
         // 4. Thresholds and the dual-sparsity report.
         let mut thresholds: HashMap<Site, (Option<f32>, f64)> = HashMap::new();
         for site in Site::ALL {
@@ -450,8 +494,11 @@ pub fn prune_model(
             thresholds.insert(site, t);
         }
         let layer = &mut model.layers_mut()[l];
-        for ((short, lin), (name, site, mask)) in layer.linears_mut().into_iter().zip(masks) {
+        for (((short, lin), (name, site, mask)), format) in
+            layer.linears_mut().into_iter().zip(masks).zip(encoded)
+        {
             debug_assert_eq!(Site::of_linear(short), Some(site));
+            lin.replace_format(format)?;
             let (threshold, calib_dp) = thresholds.get(&site).copied().unwrap_or((None, 0.0));
             lin.set_threshold(threshold)?;
             let (acts, n) = kept
@@ -473,6 +520,7 @@ pub fn prune_model(
                 dual,
             });
         }
+        lap(&mut stages.report);
     }
 
     let (static_ratio, dynamic_ratio, overlap, total, independent_total) =
@@ -488,6 +536,7 @@ pub fn prune_model(
         bytes_per_token: reports.iter().map(|r| r.bytes_per_token).sum(),
         calibration_tokens,
         seconds: start.elapsed().as_secs_f64(),
+        stage_seconds: stages,
         linears: reports,
     })
 }

@@ -40,20 +40,25 @@ use crate::mask::{prune_lowest, Mask};
 use crate::methods::ColumnNorms;
 use crate::pattern::{unstructured_prune_count, Pattern};
 use faer::linalg::solvers::DenseSolveCore;
-use faer::{Accum, Mat, MatRef, Par, Side};
+use faer::{Mat, Side};
 use rayon::prelude::*;
 use serde::Serialize;
+use sieve_model::linear::gemm::{self, gemm, View};
 
 /// Rows of activations folded into one f32 Gram product before it is added to the f64 sum;
 /// bounds the f32 rounding error of each partial sum.
 const GRAM_CHUNK_ROWS: usize = 1024;
+
+/// Gram-matrix rows per parallel task (one GEMM row block).
+const HESSIAN_BAND: usize = gemm::MC;
 
 /// Streams calibration activations into `Σ xᵀx` (K x K, f64).
 #[derive(Clone, Debug)]
 pub struct HessianAccumulator {
     cols: usize,
     rows_seen: usize,
-    /// Row-major K x K sum of outer products; symmetric.
+    /// Row-major K x K sum of outer products; symmetric, but `add_rows` only maintains the
+    /// upper triangle (`j >= i`), which is all that is read.
     gram: Vec<f64>,
 }
 
@@ -125,27 +130,33 @@ impl HessianAccumulator {
             });
         }
         check_finite("activations", x)?;
-        let mut partial = Mat::<f32>::zeros(k, k);
+        // Only the upper triangle (j >= i) is accumulated: each task owns a band of
+        // HESSIAN_BAND rows of the Gram matrix and computes its part right of the diagonal,
+        // Xᵀ[band, :] · X[:, i0..], with the blocked GEMM; `hessian()` mirrors it.
         for chunk in x.chunks(GRAM_CHUNK_ROWS * k) {
             let rows = chunk.len() / k;
-            let xm = MatRef::from_row_major_slice(chunk, rows, k);
-            faer::linalg::matmul::matmul(
-                partial.as_mut(),
-                Accum::Replace,
-                xm.transpose(),
-                xm,
-                1.0f32,
-                Par::rayon(0),
-            );
-            // faer's Mat is column-major; the sum is symmetric, so reading (j, i) for the
-            // row-major entry (i, j) walks the partial product contiguously.
             self.gram
-                .par_chunks_mut(k)
+                .par_chunks_mut(HESSIAN_BAND * k)
                 .enumerate()
-                .for_each(|(i, row)| {
-                    let col = partial.col(i);
-                    for (j, g) in row.iter_mut().enumerate() {
-                        *g += f64::from(col[j]);
+                .for_each(|(band, gram_rows)| {
+                    let i0 = band * HESSIAN_BAND;
+                    let height = gram_rows.len() / k;
+                    let width = k - i0;
+                    let mut c = vec![0f32; height * width];
+                    let xt = View::transposed(chunk, k).at(i0, 0);
+                    let xs = View::row_major(chunk, k).at(0, i0);
+                    // The views cover `chunk` by construction; an error would be a bug.
+                    let ok = gemm(height, width, rows, xt, xs, &mut c, width, false, false).is_ok();
+                    debug_assert!(ok);
+                    for (i, (g, cr)) in gram_rows
+                        .chunks_exact_mut(k)
+                        .zip(c.chunks_exact(width))
+                        .enumerate()
+                    {
+                        // Row i0 + i: columns from the diagonal on.
+                        for (gv, cv) in g[i0 + i..].iter_mut().zip(&cr[i..]) {
+                            *gv += f64::from(*cv);
+                        }
                     }
                 });
         }
@@ -169,15 +180,24 @@ impl HessianAccumulator {
         Ok(())
     }
 
-    /// `H = 2 Σ xᵀx / n` (row-major K x K).
+    /// `H = 2 Σ xᵀx / n` (row-major K x K), mirrored from the accumulated upper triangle.
     pub fn hessian(&self) -> Result<Vec<f64>> {
         if self.rows_seen == 0 {
             return Err(PruneError::NoCalibration(
                 "the Hessian has seen no activation rows",
             ));
         }
+        let k = self.cols;
         let scale = 2.0 / self.rows_seen as f64;
-        Ok(self.gram.iter().map(|g| g * scale).collect())
+        let mut h = vec![0f64; k * k];
+        for i in 0..k {
+            for j in i..k {
+                let v = self.gram[i * k + j] * scale;
+                h[i * k + j] = v;
+                h[j * k + i] = v;
+            }
+        }
+        Ok(h)
     }
 
     /// `||X_j||_2` from the diagonal, for Wanda on the same statistics.
@@ -785,6 +805,37 @@ mod tests {
             .zip(whole.column_norms().unwrap().norms())
         {
             assert!((p - q).abs() <= 1e-4 * p);
+        }
+    }
+
+    /// The banded upper-triangle accumulation against a plain f64 `2 XᵀX / n`, with K spanning
+    /// several bands (and not a multiple of one) and n spanning several f32 chunks.
+    #[test]
+    fn triangular_accumulation_matches_full_product() {
+        let (k, n) = (HESSIAN_BAND * 2 + 13, GRAM_CHUNK_ROWS + 77);
+        let x = correlated_activations(n, k, 6, 21);
+        let h = hessian_of(&x, n, k).hessian().unwrap();
+        let mut want = vec![0f64; k * k];
+        for row in x.chunks(k) {
+            for i in 0..k {
+                let xi = f64::from(row[i]);
+                for j in 0..k {
+                    want[i * k + j] += xi * f64::from(row[j]);
+                }
+            }
+        }
+        let diag_max = (0..k).map(|i| want[i * k + i]).fold(0.0, f64::max);
+        for i in 0..k {
+            for j in 0..k {
+                let w = want[i * k + j] * 2.0 / n as f64;
+                let got = h[i * k + j];
+                assert_eq!(got, h[j * k + i], "symmetric at ({i}, {j})");
+                // f32 partial sums over 1024 rows: relative to the largest entry.
+                assert!(
+                    (got - w).abs() <= 1e-5 * diag_max * 2.0 / n as f64,
+                    "({i}, {j}): {got} vs {w}"
+                );
+            }
         }
     }
 
