@@ -160,13 +160,14 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 //     price of reading the 4-byte ColInfo of inactive columns too), and keeps the active,
 //     nonempty columns (|x| > t, nnz > 0) in a shared list, in column order:
 //         list[i] = (value offset, 16-byte chunks, column tile index 16 g + c, x_k)
-//  2. Streams the list in batches of 16 columns through L8_STAGES = 3 shared buffers with
-//     cp.async, one commit group per batch, two batches in flight:
-//         stage:  vals[16][256] f16 | bits[16][8] u32 | rank[16][8] u8      (8.6 KB)
-//     thread t copies for column slot t / 16 the 16-byte chunks (t % 16) + 16 q; threads
-//     t % 16 = 0, 1 also copy the slot's 32-byte bitmap, t % 16 = 2 its 8-byte rank table.
-//     At ~35 KB of shared memory per block, six blocks (48 warps) fit on a multiprocessor,
-//     so the memory latencies of one block's prologue and first batch hide behind the others.
+//  2. Streams the list in batches of B = 32 columns through S = 2 shared buffers (B and S
+//     are template parameters; other shapes are compiled for tuning) with cp.async, one
+//     commit group per batch, S - 1 batches in flight:
+//         stage:  vals[B][256] f16 | bits[B][8] u32 | rank[B][8] u8      (17.3 KB at B = 32)
+//     thread t copies for column slot t / (256 / B) the 16-byte chunks (t % (256 / B)) +
+//     (256 / B) q; the first two threads of a slot also copy its 32-byte bitmap, the third its
+//     8-byte rank table. At ~43 KB of shared memory per block, five blocks (40 warps) fit on a
+//     multiprocessor, so one block's prologue and first-batch latencies hide behind the others.
 //  3. Decodes with a lane owning 8 consecutive rows. Lane j of every warp owns rows
 //     8 j .. 8 j + 7 of the 256-row tile, which is one byte of the column's bitmap:
 //
@@ -176,8 +177,10 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 //         then one shared load per set bit of the byte, in row order
 //
 //     so a column costs one popcount per lane, not one per element, and no atomics: warp w
-//     takes slots w and w + 8 of each batch, decodes the two side by side (their shared loads
-//     overlap) and keeps 8 float sums per lane in registers.
+//     takes slots w, w + 8, ... of each batch, decodes them side by side (their shared loads
+//     overlap) and keeps 8 float sums per lane in registers. Per element that is five
+//     instructions (bit test, predicated 16-bit shared load, pointer step, f16 -> f32, FMA):
+//     the kernel is bound by instruction issue and shared-memory loads, not by DRAM (ncu, run 3).
 //  4. Reduces the 8 warps' sums through shared memory and adds each row's total to y with one
 //     atomic (split-K over column ranges).
 //  Fused zeroing: y is not zeroed by a separate launch. Block kx = 0 of each row tile zeroes
@@ -186,18 +189,8 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 //  linear index and so was dispatched earlier, has long finished zeroing). The launcher passes
 //  a new epoch per launch, so the flags never need resetting.
 
-#define L8_BATCH 16
-#define L8_STAGES 3
-#define L8_THREADS_PER_SLOT (256 / L8_BATCH)
 #define L8_WARPS 8
-#define L8_SLOTS_PER_WARP (L8_BATCH / L8_WARPS)
 
-// Byte offsets inside one stage (a `struct` would make the compiler rebuild 64-bit generic
-// addresses for every shared access; the kernel works on 32-bit shared addresses instead).
-#define L8_VALS_BYTES (L8_BATCH * TCBC_TILE_M * 2)        // vals[16][256] f16: 8 KB
-#define L8_BITS_OFF L8_VALS_BYTES                          // bits[16][8] u32: 512 B
-#define L8_RANK_OFF (L8_BITS_OFF + L8_BATCH * 32)          // rank[16][8] u8: 128 B
-#define L8_STAGE_BYTES (L8_RANK_OFF + L8_BATCH * 8)
 
 __device__ __forceinline__ void store_release(u32* p, u32 v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -229,15 +222,23 @@ __device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem));
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-tcbc_spmspv_lane8(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
+// BATCH columns per stage, STAGES stage buffers (the instantiations are at the end).
+template <int BATCH, int STAGES>
+__device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
                   const u64* __restrict__ bitmaps, const unsigned char* __restrict__ rank,
                   const f16_bits* __restrict__ values, const float* __restrict__ x,
                   float* __restrict__ y, u32* __restrict__ flags, u32 epoch, int M, int K, int KT,
                   float t, int cols_per_block) {
+    constexpr int THREADS_PER_SLOT = 256 / BATCH;
+    constexpr int SLOTS_PER_WARP = BATCH / L8_WARPS;
+    // Byte offsets inside one stage (a `struct` would make the compiler rebuild 64-bit generic
+    // addresses for every shared access; the kernel works on 32-bit shared addresses instead).
+    constexpr u32 BITS_OFF = BATCH * TCBC_TILE_M * 2;  // vals[BATCH][256] f16
+    constexpr u32 RANK_OFF = BITS_OFF + BATCH * 32;     // bits[BATCH][8] u32
+    constexpr u32 STAGE_BYTES = RANK_OFF + BATCH * 8;   // rank[BATCH][8] u8
     extern __shared__ __align__(16) unsigned char smem[];
     // list[i] = (value offset in f16, column tile index 16 g + c, 16-byte chunks, x_k bits)
-    uint4* list = reinterpret_cast<uint4*>(smem + L8_STAGES * L8_STAGE_BYTES);
+    uint4* list = reinterpret_cast<uint4*>(smem + STAGES * STAGE_BYTES);
     __shared__ int s_warp_count[L8_WARPS];
     const u32 sbase = smem_addr(smem);
 
@@ -294,59 +295,62 @@ tcbc_spmspv_lane8(const u32* __restrict__ tile_offset, const u32* __restrict__ c
 
     if (n > 0) {
         // 2. Pipeline over batches of 16 listed columns.
-        int nb = (n + L8_BATCH - 1) / L8_BATCH;
-        int my_slot = tid / L8_THREADS_PER_SLOT, part = tid % L8_THREADS_PER_SLOT;
+        int nb = (n + BATCH - 1) / BATCH;
+        int my_slot = tid / THREADS_PER_SLOT, part = tid % THREADS_PER_SLOT;
         auto load = [&](int b, u32 stage) {
-            int i = b * L8_BATCH + my_slot;
+            int i = b * BATCH + my_slot;
             if (b < nb && i < n) {
                 uint4 e = list[i];
                 const f16_bits* src = values + e.x;
                 u32 dst = stage + (u32)my_slot * (TCBC_TILE_M * 2) + (u32)part * 16u;
-                // A column tile holds at most 32 chunks: two rounds of 16 threads.
-                if ((u32)part < e.z) cp_async16_s(dst, src + part * 8);
-                if ((u32)part + 16u < e.z) cp_async16_s(dst + 256u, src + (part + 16) * 8);
+                // A column tile holds at most 32 chunks: 32 / THREADS_PER_SLOT rounds.
+#pragma unroll
+                for (int rr = 0; rr < 32 / THREADS_PER_SLOT; ++rr) {
+                    u32 c = (u32)(part + rr * THREADS_PER_SLOT);
+                    if (c < e.z) cp_async16_s(dst + (u32)(rr * THREADS_PER_SLOT * 16), src + c * 8);
+                }
                 if (part < 2)
-                    cp_async16_s(stage + L8_BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
+                    cp_async16_s(stage + BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
                                  bitmaps + (size_t)e.y * 4 + part * 2);
                 else if (part == 2)
-                    cp_async8_s(stage + L8_RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
+                    cp_async8_s(stage + RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
             }
             cp_async_commit();
         };
-        const u32 stage_bytes = L8_STAGE_BYTES;
+        const u32 stage_bytes = STAGE_BYTES;
 #pragma unroll
-        for (int s = 0; s < L8_STAGES - 1; ++s) load(s, sbase + (u32)s * stage_bytes);
+        for (int s = 0; s < STAGES - 1; ++s) load(s, sbase + (u32)s * stage_bytes);
 
         int q = lane >> 2, sh = (lane & 3) * 8;
         u32 below = (1u << sh) - 1u;
         u32 cur = sbase;                                                 // stage of batch b
-        u32 next = sbase + (u32)(L8_STAGES - 1) * stage_bytes;           // stage of b + 2
-        const u32 last = sbase + (u32)(L8_STAGES - 1) * stage_bytes;
+        u32 next = sbase + (u32)(STAGES - 1) * stage_bytes;  // stage of b + STAGES - 1
+        const u32 last = sbase + (u32)(STAGES - 1) * stage_bytes;
         for (int b = 0; b < nb; ++b) {
-            cp_async_wait<L8_STAGES - 2>();  // batch b has landed (this thread's copies)
+            cp_async_wait<STAGES - 2>();  // batch b has landed (this thread's copies)
             __syncthreads();                 // ... everyone's; and batch b - 1 is consumed
-            load(b + L8_STAGES - 1, next);
-            int cnt = min(L8_BATCH, n - b * L8_BATCH);
+            load(b + STAGES - 1, next);
+            int cnt = min(BATCH, n - b * BATCH);
             // 3. Lane j: rows 8 j .. 8 j + 7 of the warp's column slots, decoded side by side
             //    so that their shared-memory latencies overlap (slots past the batch's end get
             //    an empty byte and read nothing).
-            u32 byte[L8_SLOTS_PER_WARP], p[L8_SLOTS_PER_WARP];
-            float xk[L8_SLOTS_PER_WARP];
+            u32 byte[SLOTS_PER_WARP], p[SLOTS_PER_WARP];
+            float xk[SLOTS_PER_WARP];
 #pragma unroll
-            for (int u = 0; u < L8_SLOTS_PER_WARP; ++u) {
+            for (int u = 0; u < SLOTS_PER_WARP; ++u) {
                 int slot = warp + u * L8_WARPS;
                 bool valid = slot < cnt;
                 slot = valid ? slot : 0;
-                u32 word = lds_u32(cur + L8_BITS_OFF + (u32)slot * 32u + (u32)q * 4u);
-                u32 r = lds_u8(cur + L8_RANK_OFF + (u32)slot * 8u + (u32)q) + __popc(word & below);
+                u32 word = lds_u32(cur + BITS_OFF + (u32)slot * 32u + (u32)q * 4u);
+                u32 r = lds_u8(cur + RANK_OFF + (u32)slot * 8u + (u32)q) + __popc(word & below);
                 byte[u] = valid ? (word >> sh) & 0xffu : 0u;
                 p[u] = cur + (u32)slot * (TCBC_TILE_M * 2) + 2u * r;
-                xk[u] = __uint_as_float(list[b * L8_BATCH + slot].w);
+                xk[u] = __uint_as_float(list[b * BATCH + slot].w);
             }
 #pragma unroll
             for (int s = 0; s < 8; ++s) {
 #pragma unroll
-                for (int u = 0; u < L8_SLOTS_PER_WARP; ++u) {
+                for (int u = 0; u < SLOTS_PER_WARP; ++u) {
                     if (byte[u] & (1u << s)) {
                         acc[s] = fmaf(h2f((unsigned short)lds_u16(p[u])), xk[u], acc[s]);
                         p[u] += 2u;
@@ -377,4 +381,27 @@ tcbc_spmspv_lane8(const u32* __restrict__ tile_offset, const u32* __restrict__ c
         __syncthreads();
     }
     if (row < M && sum != 0.f) atomicAdd(y + row, sum);
+}
+
+#define LANE8_ARGS                                                                                 \
+    const u32 *__restrict__ tile_offset, const u32 *__restrict__ col_info,                         \
+        const u64 *__restrict__ bitmaps, const unsigned char *__restrict__ rank,                   \
+        const f16_bits *__restrict__ values, const float *__restrict__ x, float *__restrict__ y,   \
+        u32 *__restrict__ flags, u32 epoch, int M, int K, int KT, float t, int cols_per_block
+#define LANE8_PASS tile_offset, col_info, bitmaps, rank, values, x, y, flags, epoch, M, K, KT, t, cols_per_block
+
+// One kernel per pipeline shape, named tcbc_spmspv_lane8_b<B>s<S> (Lane8Shape in
+// src/tiled_cbc.rs). Default: 32-column batches, 2 stages (~43 KB of shared memory: 5 blocks
+// per SM); the others were within 5% of it on the LLaMA-2-7B shapes (docs/BENCHMARKS.md).
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s2(LANE8_ARGS) {
+    lane8_kernel<32, 2>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s3(LANE8_ARGS) {
+    lane8_kernel<16, 3>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s4(LANE8_ARGS) {
+    lane8_kernel<16, 4>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s3(LANE8_ARGS) {
+    lane8_kernel<32, 3>(LANE8_PASS);
 }

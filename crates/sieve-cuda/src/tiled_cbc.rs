@@ -26,13 +26,54 @@ pub enum TcbcKernel {
     Lane8,
 }
 
-/// Shared memory of one lane8 pipeline stage (`struct Lane8Stage` in the kernel) and the
-/// stage count; the column list adds 16 bytes per column of the block's range.
-const LANE8_STAGE_BYTES: usize = 16 * 256 * 2 + 16 * 8 * 4 + 16 * 8;
-const LANE8_STAGES: usize = 3;
+/// The lane8 kernel's pipeline shape: columns per batch and stage buffers. Each shape is its
+/// own kernel instantiation (see the end of the `.cu` file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lane8Shape {
+    pub batch: usize,
+    pub stages: usize,
+}
+
+impl Lane8Shape {
+    pub const DEFAULT: Lane8Shape = Lane8Shape::new(32, 2);
+    /// Every compiled shape (`tcbc_spmspv_lane8_b{batch}s{stages}`), default first.
+    pub const ALL: [Lane8Shape; 4] = [
+        Lane8Shape::DEFAULT,
+        Lane8Shape::new(16, 3),
+        Lane8Shape::new(16, 4),
+        Lane8Shape::new(32, 3),
+    ];
+
+    pub const fn new(batch: usize, stages: usize) -> Self {
+        Lane8Shape { batch, stages }
+    }
+
+    fn kernel(self) -> Result<String> {
+        if !Lane8Shape::ALL.contains(&self) {
+            return Err(CudaError::Option(format!(
+                "no lane8 kernel for batch {} x {} stages (compiled: {:?})",
+                self.batch,
+                self.stages,
+                Lane8Shape::ALL
+            )));
+        }
+        Ok(format!("tcbc_spmspv_lane8_b{}s{}", self.batch, self.stages))
+    }
+
+    /// Shared memory of the stages: vals[batch][256] f16, bits[batch][8] u32, rank[batch][8] u8.
+    fn stage_bytes(self) -> usize {
+        self.batch * (256 * 2 + 32 + 8) * self.stages
+    }
+
+    /// Resident blocks per multiprocessor: 228 KB of shared memory (1 KB reserved per block),
+    /// and registers for at most six 256-thread blocks.
+    fn blocks_per_sm(self, cols_per_block: usize) -> usize {
+        let per_block = self.stage_bytes() + 16 * cols_per_block + 1024 + 64;
+        (228 * 1024 / per_block).clamp(1, 6)
+    }
+}
+
 const LANE8_MAX_COLS_PER_BLOCK: usize = 512;
-/// Blocks of the lane8 kernel resident per multiprocessor (~35 KB of shared memory each).
-const LANE8_BLOCKS_PER_SM: usize = 6;
 
 pub struct GpuTiledCbc {
     tile_offset: CudaSlice<u32>,
@@ -56,6 +97,7 @@ pub struct GpuTiledCbc {
     /// Lane8: waves of resident blocks the grid should fill (split-K heuristic), used when
     /// `gtiles_per_block` is 0.
     pub lane8_waves: usize,
+    pub lane8_shape: Lane8Shape,
 }
 
 impl GpuTiledCbc {
@@ -92,6 +134,7 @@ impl GpuTiledCbc {
             gtiles_per_block: 0,
             kernel: TcbcKernel::Lane8,
             lane8_waves: 1,
+            lane8_shape: Lane8Shape::DEFAULT,
         })
     }
 
@@ -102,8 +145,8 @@ impl GpuTiledCbc {
         let gtiles = if self.gtiles_per_block > 0 {
             self.gtiles_per_block
         } else {
-            let target =
-                gpu.info().multiprocessors as usize * LANE8_BLOCKS_PER_SM * self.lane8_waves.max(1);
+            let per_sm = self.lane8_shape.blocks_per_sm(LANE8_MAX_COLS_PER_BLOCK);
+            let target = gpu.info().multiprocessors as usize * per_sm * self.lane8_waves.max(1);
             let splits = (target / self.row_tiles.max(1)).max(1);
             self.col_tiles.div_ceil(splits)
         };
@@ -118,8 +161,8 @@ impl GpuTiledCbc {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let cpb = self.lane8_cols_per_block(gpu);
-        let shared = LANE8_STAGES * LANE8_STAGE_BYTES + 16 * cpb;
-        let f = gpu.function(&FAMILY, "tcbc_spmspv_lane8")?;
+        let shared = self.lane8_shape.stage_bytes() + 16 * cpb;
+        let f = gpu.function(&FAMILY, &self.lane8_shape.kernel()?)?;
         if shared > 48 * 1024 {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -133,6 +176,12 @@ impl GpuTiledCbc {
             shared_mem_bytes: shared as u32,
         };
         let epoch = self.epoch.next();
+        if std::env::var_os("SIEVE_DEBUG_LAUNCH").is_some() {
+            eprintln!(
+                "tcbc lane8 {:?}: grid {:?}, {shared} B shared, {cpb} columns per block",
+                self.lane8_shape, cfg.grid_dim
+            );
+        }
         let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
         let (t, c) = (threshold_arg(threshold), cpb as i32);
         let mut b = gpu.stream().launch_builder(&f);
@@ -169,10 +218,16 @@ impl GpuMatVec for GpuTiledCbc {
     fn label(&self) -> String {
         let kernel = match self.kernel {
             TcbcKernel::Spdp => "tiled-cbc/spdp".to_string(),
-            TcbcKernel::Lane8 if self.lane8_waves != 1 && self.gtiles_per_block == 0 => {
-                format!("tiled-cbc/lane8/waves{}", self.lane8_waves)
+            TcbcKernel::Lane8 => {
+                let mut l = "tiled-cbc/lane8".to_string();
+                if self.lane8_shape != Lane8Shape::DEFAULT {
+                    l += &format!("/b{}s{}", self.lane8_shape.batch, self.lane8_shape.stages);
+                }
+                if self.lane8_waves != 1 && self.gtiles_per_block == 0 {
+                    l += &format!("/waves{}", self.lane8_waves);
+                }
+                l
             }
-            TcbcKernel::Lane8 => "tiled-cbc/lane8".to_string(),
         };
         if self.gtiles_per_block == 0 {
             kernel
@@ -274,7 +329,31 @@ pub fn rank_table(bitmaps: &[u64]) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::rank_table;
+    use super::{rank_table, Lane8Shape, FAMILY};
+
+    /// Every shape the launcher can pick has its kernel in the source (a missing or misnamed
+    /// instantiation would otherwise only show on a GPU), and the launcher's shared-memory size
+    /// matches the kernel's stage layout.
+    #[test]
+    fn every_lane8_shape_has_a_kernel() {
+        for shape in Lane8Shape::ALL {
+            let name = shape.kernel().expect("compiled shape");
+            let wrapper = format!("{name}(LANE8_ARGS)");
+            let inst = format!("lane8_kernel<{}, {}>", shape.batch, shape.stages);
+            let at = FAMILY
+                .source
+                .find(&wrapper)
+                .unwrap_or_else(|| panic!("{name} missing"));
+            assert!(FAMILY.source[at..]
+                .trim_start_matches(&wrapper)
+                .contains(&inst));
+            assert_eq!(
+                shape.stage_bytes(),
+                shape.stages * (shape.batch * 512 + shape.batch * 40)
+            );
+        }
+        assert!(Lane8Shape::new(8, 1).kernel().is_err());
+    }
 
     #[test]
     fn rank_table_counts_bits_below_each_32_row_word() {

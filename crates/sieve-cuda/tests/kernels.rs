@@ -4,7 +4,7 @@
 
 use sieve_cuda::dense::{compact_active, GpuDense, GpuDenseColMajor};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
-use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
+use sieve_cuda::tiled_cbc::{GpuTiledCbc, Lane8Shape, TcbcKernel};
 use sieve_cuda::{gpu_or_skip, matvec_host, Gpu, GpuMatVec};
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::{matvec_f64, max_rel_error};
@@ -242,11 +242,24 @@ fn tiled_cbc_matches_reference() {
     for (m, x, t, what) in cases() {
         let f = TiledCbc::encode(&m).expect("encode");
         let mut g = GpuTiledCbc::upload(&gpu, &f).expect("upload");
-        for kernel in [TcbcKernel::Spdp, TcbcKernel::Lane8] {
-            g.kernel = kernel;
-            for gpb in [0usize, 1, 3, 64] {
+        g.kernel = TcbcKernel::Spdp;
+        for gpb in [0usize, 1, 3, 64] {
+            g.gtiles_per_block = gpb;
+            check(&gpu, &g, &m, &x, t, &format!("{what} spdp g{gpb}"));
+        }
+        g.kernel = TcbcKernel::Lane8;
+        for shape in Lane8Shape::ALL {
+            g.lane8_shape = shape;
+            for gpb in [0usize, 1, 3, 32] {
                 g.gtiles_per_block = gpb;
-                check(&gpu, &g, &m, &x, t, &format!("{what} {kernel:?}"));
+                check(
+                    &gpu,
+                    &g,
+                    &m,
+                    &x,
+                    t,
+                    &format!("{what} lane8 {shape:?} g{gpb}"),
+                );
             }
         }
     }
@@ -330,5 +343,36 @@ fn rlc_csc_diagnose_single_column() {
             .map(|(i, (g, w))| format!("row {i}: got {g} want {w}"))
             .collect();
         eprintln!("DIAG m={m} B={br} warps={} bad: {:?}", g.warps, bad);
+    }
+}
+
+/// Dense (sp = 0) LLaMA-sized matrices with every column active: the fullest column tiles
+/// (256 nonzeros, 32 chunks) and the longest active lists, for every sparse kernel.
+#[test]
+fn sparse_kernels_on_unpruned_llama_shape() {
+    let Some(gpu) = gpu_or_skip("sparse_kernels_on_unpruned_llama_shape") else {
+        return;
+    };
+    let s = seed();
+    let m = sparse_matrix(4096, 4096, 0.0, Pattern::Unstructured, s).expect("matrix");
+    let x = activations(4096, s ^ 3);
+    for dp in [0.0, 0.5] {
+        let t = threshold_for_sparsity(&x, dp).expect("threshold");
+        let what = format!("4096x4096 sp 0 dp {dp}");
+        let f = TiledCbc::encode(&m).expect("encode");
+        let mut g = GpuTiledCbc::upload(&gpu, &f).expect("upload");
+        for shape in Lane8Shape::ALL {
+            g.lane8_shape = shape;
+            check(&gpu, &g, &m, &x, t, &format!("{what} lane8 {shape:?}"));
+        }
+        g.kernel = TcbcKernel::Spdp;
+        check(&gpu, &g, &m, &x, t, &format!("{what} spdp"));
+        let opts = RlcCscOptions {
+            index_bits: 4,
+            block_rows: 1024,
+        };
+        let r = RlcCsc::encode(&m, &opts).expect("encode");
+        let gr = GpuRlcCsc::upload(&gpu, &r).expect("upload");
+        check(&gpu, &gr, &m, &x, t, &format!("{what} rlc-csc"));
     }
 }

@@ -15,7 +15,7 @@ use serde::Serialize;
 use sieve_cuda::dense::{to_f16, zeroed_f16, Cublas, GpuDense, GpuDenseColMajor};
 use sieve_cuda::product::{active_mask, GpuMatVec};
 use sieve_cuda::rlc_csc::{GpuRlcCsc, Stages};
-use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
+use sieve_cuda::tiled_cbc::{GpuTiledCbc, Lane8Shape, TcbcKernel};
 use sieve_cuda::timing::{copy_bandwidth_gbs, time_launches};
 use sieve_cuda::{DeviceInfo, Gpu};
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
@@ -358,27 +358,32 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
             if has("tiled-cbc") || has("tiled-cbc-spdp") {
                 let f = TiledCbc::encode(&w)?;
                 let bytes = sieve_formats::WeightFormat::storage(&f).total_bytes();
-                // (kernel, gtiles per block (0 = auto), lane8 waves)
+                // (kernel, gtiles per block (0 = auto), lane8 waves, lane8 pipeline shape)
+                let lane8 = Lane8Shape::DEFAULT;
                 let mut configs = Vec::new();
                 if has("tiled-cbc") {
-                    configs.push((TcbcKernel::Lane8, 0usize, 1usize));
+                    configs.push((TcbcKernel::Lane8, 0usize, 1usize, lane8));
                     if a.tune {
-                        configs.extend([(TcbcKernel::Lane8, 0, 2), (TcbcKernel::Lane8, 0, 4)]);
+                        configs.push((TcbcKernel::Lane8, 0, 2, lane8));
+                        for shape in &Lane8Shape::ALL[1..] {
+                            configs.push((TcbcKernel::Lane8, 0, 1, *shape));
+                        }
                     }
                 }
                 if has("tiled-cbc-spdp") {
-                    configs.push((TcbcKernel::Spdp, 0, 1));
+                    configs.push((TcbcKernel::Spdp, 0, 1, lane8));
                     if a.tune {
-                        configs.extend([(TcbcKernel::Spdp, 4, 1), (TcbcKernel::Spdp, 16, 1)]);
+                        configs.push((TcbcKernel::Spdp, 16, 1, lane8));
                     }
                 }
-                for (kernel, gpb, waves) in configs {
+                for (kernel, gpb, waves, shape) in configs {
                     let mut copies: Vec<Box<dyn GpuMatVec>> = Vec::new();
                     for _ in 0..copies_for(bytes, l2) {
                         let mut g = GpuTiledCbc::upload(&gpu, &f)?;
                         g.kernel = kernel;
                         g.gtiles_per_block = gpb;
                         g.lane8_waves = waves;
+                        g.lane8_shape = shape;
                         copies.push(Box::new(g));
                     }
                     let first = copies.remove(0);

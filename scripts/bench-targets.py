@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Summarizes `sieve bench kernels --json` files against issue 5's targets: for each target
+(sp, dp), the median over shapes of the speedup over cuBLAS (same run), per kernel and for the
+best sieve kernel per shape, plus the slowest shape.
+
+  scripts/bench-targets.py docs/bench/gpu-run3-7b-13b-l3.json docs/bench/gpu-run3-70b.json
+
+Kernels measured at sp = 0 (dense-gemv, dense-colmajor) are listed for the sp = 0 targets; for
+sp > 0 targets the best-kernel column also considers `dense-colmajor*`: the pruned matrix
+stored dense (zeros kept) under the column-skipping kernel, whose time does not depend on the
+weight values, i.e. what an automatic per-layer kernel choice could pick.
+"""
+import json, statistics, sys
+from collections import defaultdict
+
+TARGETS = [((0.5, 0.5), 2.5), ((0.7, 0.7), 4.0), ((0.5, 0.0), 1.4), ((0.0, 0.5), 1.7), ((0.3, 0.3), 1.3)]
+
+def family(fmt):
+    return fmt.split("/")[0] + ("/" + fmt.split("/")[1] if fmt.startswith("tiled-cbc/") else "")
+
+rows = []
+for path in sys.argv[1:]:
+    rows += json.load(open(path))["rows"]
+shapes = sorted({(r["model"], r["m"], r["k"]) for r in rows}, key=lambda s: (s[0], s[1] * s[2]))
+print(f"{len(shapes)} shapes: " + ", ".join(f"{m}x{k}" for _, m, k in shapes))
+print()
+print("| sp / dp | target | best sieve kernel: median | min (shape) | per kernel: median |")
+print("|---|---|---|---|---|")
+for (sp, dp), target in TARGETS:
+    per_kernel = defaultdict(dict)
+    for r in rows:
+        if r["format"] == "cublas" or "/no-" in r["format"] or "loads-only" in r["format"]:
+            continue
+        if abs(r["dp"] - dp) > 1e-9:
+            continue
+        shape = (r["model"], r["m"], r["k"])
+        if abs(r["sp"] - sp) < 1e-9:
+            per_kernel[family(r["format"])][shape] = r["speedup_vs_cublas"]
+        elif sp > 0 and r["sp"] == 0 and r["format"].startswith("dense-colmajor"):
+            per_kernel["dense-colmajor*"][shape] = r["speedup_vs_cublas"]
+    best = {}
+    for k, by_shape in per_kernel.items():
+        for s, v in by_shape.items():
+            if v > best.get(s, (0, ""))[0]:
+                best[s] = (v, k)
+    if not best:
+        continue
+    med = statistics.median(v for v, _ in best.values())
+    worst_shape, (worst, wk) = min(best.items(), key=lambda kv: kv[1][0])
+    kernels = ", ".join(
+        f"{k} {statistics.median(v.values()):.2f}x ({len(v)})" for k, v in sorted(per_kernel.items())
+    )
+    ok = "met" if med >= target else "missed"
+    print(f"| {sp} / {dp} | >= {target}x | **{med:.2f}x** ({ok}) | {worst:.2f}x ({worst_shape[1]}x{worst_shape[2]}, {wk}) | {kernels} |")
