@@ -79,6 +79,31 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// Fused output zeroing (dense_colmajor, tcbc_spmspv_lane8): the first block of a row tile
+// zeroes its rows of y and publishes the launch's epoch in flags[tile] with a release store;
+// the tile's other blocks spin on an acquire load of that flag before adding to y.
+__device__ __forceinline__ void store_release(u32* p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 load_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// Called by every thread of the zeroing block after its zero stores.
+__device__ __forceinline__ void publish_zeroed_tile(u32* flag, u32 epoch) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) store_release(flag, epoch);
+}
+// Called by every thread of the other blocks before their atomics.
+__device__ __forceinline__ void wait_zeroed_tile(const u32* flag, u32 epoch) {
+    if (threadIdx.x == 0)
+        while (load_acquire(flag) != epoch) {
+        }
+    __syncthreads();
+}
+
 // Inclusive prefix sum over the 32 lanes of a warp.
 __device__ __forceinline__ u32 warp_inclusive_scan(u32 v, int lane) {
 #pragma unroll

@@ -151,15 +151,6 @@ __device__ __forceinline__ void colmajor_slice(const f16_bits* __restrict__ w, c
     }
 }
 
-__device__ __forceinline__ void store_release(u32* p, u32 v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ u32 load_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 template <bool LIST>
 __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, const float* __restrict__ x,
                                                 const int* __restrict__ cols, int ncols,
@@ -172,9 +163,7 @@ __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, 
     if (flags && blockIdx.y == 0) {
         for (int r = threadIdx.x; r < 256; r += blockDim.x)
             if (r0 + r < M) y[r0 + r] = 0.f;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) store_release(flags + blockIdx.x, epoch);
+        publish_zeroed_tile(flags + blockIdx.x, epoch);
     }
     int row_off = r0 + lane * 8;
     bool lane_rows = row_off < ldm;
@@ -186,12 +175,7 @@ __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, 
 #pragma unroll
     for (int i = 0; i < 8; ++i) part[wib][lane * 8 + i] = acc[i];
     __syncthreads();
-    if (flags && blockIdx.y != 0) {
-        if (threadIdx.x == 0)
-            while (load_acquire(flags + blockIdx.x) != epoch) {
-            }
-        __syncthreads();
-    }
+    if (flags && blockIdx.y != 0) wait_zeroed_tile(flags + blockIdx.x, epoch);
     for (int r = threadIdx.x; r < 256; r += blockDim.x) {
         float s = 0.f;
 #pragma unroll

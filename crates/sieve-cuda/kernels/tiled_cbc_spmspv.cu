@@ -192,14 +192,6 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 #define L8_WARPS 8
 
 
-__device__ __forceinline__ void store_release(u32* p, u32 v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ u32 load_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ u32 lds_u16(u32 addr) {
     unsigned short v;
     asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
@@ -247,9 +239,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     int row = rt * TCBC_TILE_M + tid;
     if (blockIdx.x == 0) {
         if (row < M) y[row] = 0.f;
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) store_release(flags + rt, epoch);
+        publish_zeroed_tile(flags + rt, epoch);
     }
 
     // 1. Compaction of the block's column range into the shared list.
@@ -373,13 +363,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < L8_WARPS; ++w) sum += red[w * TCBC_TILE_M + tid];
-    if (blockIdx.x != 0) {
-        if (tid == 0) {
-            while (load_acquire(flags + rt) != epoch) {
-            }
-        }
-        __syncthreads();
-    }
+    if (blockIdx.x != 0) wait_zeroed_tile(flags + rt, epoch);
     if (row < M && sum != 0.f) atomicAdd(y + row, sum);
 }
 

@@ -166,6 +166,25 @@ impl Gpu {
         Ok(f)
     }
 
+    /// Lets `f` launch with `bytes` of dynamic shared memory (above 48 KB a kernel must opt in),
+    /// or says how much the GPU allows.
+    pub fn allow_dynamic_shared(&self, f: &CudaFunction, bytes: usize) -> Result<()> {
+        if bytes > self.info.max_shared_per_block_optin {
+            return Err(CudaError::Option(format!(
+                "a launch needs {bytes} bytes of shared memory, the GPU allows {}",
+                self.info.max_shared_per_block_optin
+            )));
+        }
+        if bytes > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .during("raising the shared-memory limit")?;
+        }
+        Ok(())
+    }
+
     pub fn cublas(&self) -> Result<Arc<cudarc::cublas::CudaBlas>> {
         let mut slot = self
             .cublas

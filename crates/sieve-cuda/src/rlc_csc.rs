@@ -5,7 +5,6 @@ use crate::dense::check_len;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
 use crate::product::{check_io, threshold_arg, GpuMatVec};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::rlc_csc::RlcCsc;
 use sieve_formats::{Threshold, WeightFormat};
@@ -124,15 +123,7 @@ impl GpuRlcCsc {
         kernel: &cudarc::driver::CudaFunction,
     ) -> Result<LaunchConfig> {
         let shared = (self.block_rows.min(self.rows) * 4) as u32;
-        if shared > 48 * 1024 {
-            kernel
-                .set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared as i32,
-                )
-                .during("raising the shared-memory limit")?;
-        }
-        let _ = gpu;
+        gpu.allow_dynamic_shared(kernel, shared as usize)?;
         Ok(LaunchConfig {
             grid_dim: (
                 (ncols.div_ceil(self.cols_per_warp) as u32).max(1),

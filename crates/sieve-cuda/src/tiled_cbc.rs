@@ -6,7 +6,6 @@
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
 use crate::product::{check_io, threshold_arg, GpuMatVec, LaunchEpoch};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::tiled_cbc::{TiledCbc, TILE_K};
 use sieve_formats::{Threshold, WeightFormat};
@@ -163,25 +162,13 @@ impl GpuTiledCbc {
         let cpb = self.lane8_cols_per_block(gpu);
         let shared = self.lane8_shape.stage_bytes() + 16 * cpb;
         let f = gpu.function(&FAMILY, &self.lane8_shape.kernel()?)?;
-        if shared > 48 * 1024 {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .during("raising the shared-memory limit")?;
-        }
+        gpu.allow_dynamic_shared(&f, shared)?;
         let cfg = LaunchConfig {
             grid_dim: (self.cols.div_ceil(cpb) as u32, self.row_tiles as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: shared as u32,
         };
         let epoch = self.epoch.next();
-        if std::env::var_os("SIEVE_DEBUG_LAUNCH").is_some() {
-            eprintln!(
-                "tcbc lane8 {:?}: grid {:?}, {shared} B shared, {cpb} columns per block",
-                self.lane8_shape, cfg.grid_dim
-            );
-        }
         let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
         let (t, c) = (threshold_arg(threshold), cpb as i32);
         let mut b = gpu.stream().launch_builder(&f);
