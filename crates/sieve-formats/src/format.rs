@@ -3,6 +3,8 @@
 use crate::blob;
 use crate::error::{FormatError, Result};
 use crate::matrix::DenseMatrix;
+use half::f16;
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// Which format a blob or a layer uses. The discriminant is the on-disk tag.
@@ -203,4 +205,82 @@ pub fn compact_active_columns(
         }
     }
     (active_cols, active_x)
+}
+
+/// A column-compressed layout cut into row blocks: the walk the shared CPU product needs.
+pub(crate) trait ColumnBlocks: Sync {
+    /// Rows per block (the last block may be shorter).
+    fn block_rows(&self) -> usize;
+    /// Calls `f(row_in_block, value)` for every stored entry of column `col` in row block
+    /// `block` (stored zeros included), in any order.
+    fn walk<F: FnMut(usize, f16)>(&self, block: usize, col: usize, f: F);
+}
+
+/// The CPU product of the column-compressed formats (RLC-CSC, Tiled-CBC):
+/// `y (n x M) = mask(x) (n x K) · Wᵀ`. Active columns are compacted first; row blocks run in
+/// parallel, and when there are fewer blocks than threads the active columns are also split
+/// (split-K), each chunk accumulating into its own buffer that is then summed.
+pub(crate) fn column_block_product<W: ColumnBlocks>(
+    w: &W,
+    (m, k): (usize, usize),
+    x: &[f32],
+    n: usize,
+    threshold: Threshold,
+    y: &mut [f32],
+) -> Result<()> {
+    check_product_args(m, k, x, n, threshold, y)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (active_cols, active_x) = compact_active_columns(x, n, k, threshold);
+    let b_rows = w.block_rows();
+    let blocks = m.div_ceil(b_rows);
+    let workers = rayon::current_num_threads().max(1);
+    let chunks_per_block = (4 * workers).div_ceil(blocks).max(1);
+    let chunk = active_cols.len().div_ceil(chunks_per_block).max(32);
+    // Accumulators are laid out row-major by weight row (n contiguous tokens per row).
+    let block_sums: Vec<Vec<f32>> = (0..blocks)
+        .into_par_iter()
+        .map(|b| {
+            let height = b_rows.min(m - b * b_rows);
+            active_cols
+                .par_chunks(chunk)
+                .zip(active_x.par_chunks(chunk * n))
+                .map(|(cols, xv)| {
+                    let mut acc = vec![0f32; height * n];
+                    for (ci, &col) in cols.iter().enumerate() {
+                        if n == 1 {
+                            let xk = xv[ci];
+                            w.walk(b, col, |row, v| acc[row] += v.to_f32() * xk);
+                        } else {
+                            let xk = &xv[ci * n..(ci + 1) * n];
+                            w.walk(b, col, |row, v| {
+                                let wv = v.to_f32();
+                                for (a, &xt) in acc[row * n..(row + 1) * n].iter_mut().zip(xk) {
+                                    *a += wv * xt;
+                                }
+                            });
+                        }
+                    }
+                    acc
+                })
+                .reduce(
+                    || vec![0f32; height * n],
+                    |mut a, b| {
+                        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                        a
+                    },
+                )
+        })
+        .collect();
+    for (b, sums) in block_sums.iter().enumerate() {
+        let r0 = b * b_rows;
+        let height = b_rows.min(m - r0);
+        for t in 0..n {
+            for (r, yv) in y[t * m + r0..t * m + r0 + height].iter_mut().enumerate() {
+                *yv = sums[r * n + t];
+            }
+        }
+    }
+    Ok(())
 }

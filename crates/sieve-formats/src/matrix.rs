@@ -55,6 +55,10 @@ impl DenseMatrix {
     pub fn cols(&self) -> usize {
         self.cols
     }
+    /// The raw f16 bit patterns, row-major (for bit-exact comparisons: -0 != +0).
+    pub fn bit_patterns(&self) -> Vec<u16> {
+        self.data.iter().map(|v| v.to_bits()).collect()
+    }
     pub fn data(&self) -> &[f16] {
         &self.data
     }

@@ -143,3 +143,35 @@ pub fn threshold_for_sparsity(x: &[f32], dp: f64) -> Result<Option<f32>> {
     let k = ((dp * x.len() as f64).round() as usize).clamp(1, x.len());
     Ok(Some(mags[k - 1]))
 }
+
+/// A matrix for bit-exactness tests: a fraction `zero_fraction` of +0, the rest half special
+/// values (-0, subnormals, ±65504, ±min normal) and half random finite f16 bit patterns.
+pub fn extreme_matrix(
+    rows: usize,
+    cols: usize,
+    zero_fraction: f64,
+    seed: u64,
+) -> Result<DenseMatrix> {
+    const SPECIAL: [u16; 9] = [
+        0x8000, 0x0001, 0x8001, 0x03ff, 0x83ff, 0x7bff, 0xfbff, 0x0400, 0x8400,
+    ];
+    let mut rng = SplitMix64::new(seed);
+    let data = (0..rows * cols)
+        .map(|_| {
+            if rng.next_f64() < zero_fraction {
+                f16::ZERO
+            } else if rng.next_f64() < 0.5 {
+                f16::from_bits(SPECIAL[rng.below(SPECIAL.len())])
+            } else {
+                // Any finite bit pattern: exponent field 0x1f (inf/NaN) is remapped.
+                let bits = rng.next_u64() as u16;
+                f16::from_bits(if bits & 0x7c00 == 0x7c00 {
+                    bits & !0x4000
+                } else {
+                    bits
+                })
+            }
+        })
+        .collect();
+    DenseMatrix::new(rows, cols, data)
+}

@@ -93,7 +93,7 @@
 use crate::blob::{ByteReader, ByteWriter};
 use crate::error::{FormatError, Result};
 use crate::format::{
-    check_product_args, compact_active_columns, FormatKind, Storage, Threshold, WeightFormat,
+    column_block_product, ColumnBlocks, FormatKind, Storage, Threshold, WeightFormat,
 };
 use crate::matrix::{is_zero, DenseMatrix};
 use half::f16;
@@ -541,67 +541,19 @@ impl RlcCsc {
         })
     }
 
-    /// The shared product: `y (n x M) = mask(x) (n x K) · Wᵀ`. Active columns are compacted first;
-    /// work is split over row blocks and chunks of active columns (split-K), each chunk
-    /// accumulating into its own buffer that is then summed.
+    /// The shared column-compressed product (see [`crate::format::column_block_product`]).
     fn product(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<()> {
-        let (m, k) = (self.rows, self.cols);
-        check_product_args(m, k, x, n, threshold, y)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (active_cols, active_x) = compact_active_columns(x, n, k, threshold);
-        let b_rows = self.options.block_rows;
-        let blocks = self.row_blocks();
-        let workers = rayon::current_num_threads().max(1);
-        let chunks_per_block = (4 * workers).div_ceil(blocks).max(1);
-        let chunk = active_cols.len().div_ceil(chunks_per_block).max(16);
-        // Accumulators are laid out row-major by weight row (n contiguous tokens per row).
-        let block_sums: Vec<Vec<f32>> = (0..blocks)
-            .into_par_iter()
-            .map(|b| {
-                let height = self.block_height(b);
-                active_cols
-                    .par_chunks(chunk)
-                    .zip(active_x.par_chunks(chunk * n))
-                    .map(|(cols, xv)| {
-                        let mut acc = vec![0f32; height * n];
-                        for (ci, &col) in cols.iter().enumerate() {
-                            let seg = b * k + col;
-                            if n == 1 {
-                                let xk = xv[ci];
-                                self.walk_segment(seg, |row, v| acc[row] += v.to_f32() * xk);
-                            } else {
-                                let xk = &xv[ci * n..(ci + 1) * n];
-                                self.walk_segment(seg, |row, v| {
-                                    let w = v.to_f32();
-                                    for (a, &xt) in acc[row * n..(row + 1) * n].iter_mut().zip(xk) {
-                                        *a += w * xt;
-                                    }
-                                });
-                            }
-                        }
-                        acc
-                    })
-                    .reduce(
-                        || vec![0f32; height * n],
-                        |mut a, b| {
-                            a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                            a
-                        },
-                    )
-            })
-            .collect();
-        for (b, sums) in block_sums.iter().enumerate() {
-            let height = self.block_height(b);
-            for t in 0..n {
-                let yt = &mut y[t * m + b * b_rows..t * m + b * b_rows + height];
-                for (r, yv) in yt.iter_mut().enumerate() {
-                    *yv = sums[r * n + t];
-                }
-            }
-        }
-        Ok(())
+        column_block_product(self, (self.rows, self.cols), x, n, threshold, y)
+    }
+}
+
+impl ColumnBlocks for RlcCsc {
+    fn block_rows(&self) -> usize {
+        self.options.block_rows
+    }
+    #[inline(always)]
+    fn walk<F: FnMut(usize, f16)>(&self, block: usize, col: usize, f: F) {
+        self.walk_segment(block * self.cols + col, f);
     }
 }
 

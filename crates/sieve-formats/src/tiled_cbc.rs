@@ -56,7 +56,7 @@
 use crate::blob::{ByteReader, ByteWriter};
 use crate::error::{FormatError, Result};
 use crate::format::{
-    check_product_args, compact_active_columns, FormatKind, Storage, Threshold, WeightFormat,
+    column_block_product, ColumnBlocks, FormatKind, Storage, Threshold, WeightFormat,
 };
 use crate::matrix::{is_zero, DenseMatrix};
 use half::f16;
@@ -315,67 +315,20 @@ impl TiledCbc {
         })
     }
 
-    /// The shared product `y (n x M) = mask(x) (n x K) · Wᵀ`: active columns are compacted
-    /// first, then each row tile walks only those columns; when there are fewer row tiles than
-    /// threads the active columns are also split (split-K) with per-chunk accumulators.
+    /// The shared column-compressed product (see [`crate::format::column_block_product`]).
     fn product(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<()> {
-        let (m, k) = (self.rows, self.cols);
-        check_product_args(m, k, x, n, threshold, y)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (active_cols, active_x) = compact_active_columns(x, n, k, threshold);
-        let rt_count = self.row_tiles();
-        let kt_count = self.col_tiles();
-        let workers = rayon::current_num_threads().max(1);
-        let chunks_per_tile = (2 * workers).div_ceil(rt_count).max(1);
-        let chunk = active_cols.len().div_ceil(chunks_per_tile).max(64);
-        let tile_sums: Vec<Vec<f32>> = (0..rt_count)
-            .into_par_iter()
-            .map(|rt| {
-                active_cols
-                    .par_chunks(chunk)
-                    .zip(active_x.par_chunks(chunk * n))
-                    .map(|(cols, xv)| {
-                        let mut acc = vec![0f32; TILE_M * n];
-                        for (ci, &col) in cols.iter().enumerate() {
-                            let g = rt * kt_count + col / TILE_K;
-                            let ct = g * TILE_K + col % TILE_K;
-                            let base = self.tile_offset[g] as usize;
-                            if n == 1 {
-                                let xk = xv[ci];
-                                self.walk_column(ct, base, |row, v| acc[row] += v.to_f32() * xk);
-                            } else {
-                                let xk = &xv[ci * n..(ci + 1) * n];
-                                self.walk_column(ct, base, |row, v| {
-                                    let w = v.to_f32();
-                                    for (a, &xt) in acc[row * n..(row + 1) * n].iter_mut().zip(xk) {
-                                        *a += w * xt;
-                                    }
-                                });
-                            }
-                        }
-                        acc
-                    })
-                    .reduce(
-                        || vec![0f32; TILE_M * n],
-                        |mut a, b| {
-                            a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                            a
-                        },
-                    )
-            })
-            .collect();
-        for (rt, sums) in tile_sums.iter().enumerate() {
-            let r0 = rt * TILE_M;
-            let height = TILE_M.min(m - r0);
-            for t in 0..n {
-                for (r, yv) in y[t * m + r0..t * m + r0 + height].iter_mut().enumerate() {
-                    *yv = sums[r * n + t];
-                }
-            }
-        }
-        Ok(())
+        column_block_product(self, (self.rows, self.cols), x, n, threshold, y)
+    }
+}
+
+impl ColumnBlocks for TiledCbc {
+    fn block_rows(&self) -> usize {
+        TILE_M
+    }
+    #[inline(always)]
+    fn walk<F: FnMut(usize, f16)>(&self, block: usize, col: usize, f: F) {
+        let g = block * self.col_tiles() + col / TILE_K;
+        self.walk_column(g * TILE_K + col % TILE_K, self.tile_offset[g] as usize, f);
     }
 }
 
