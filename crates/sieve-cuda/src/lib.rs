@@ -12,8 +12,12 @@
 //! |---|---|---|
 //! | [`dense`] | row-major f16; column-major f16 | GEMV (warp per row); column-skipping TEAL kernel; cuBLAS GemmEx |
 //! | [`rlc_csc`] | Celty RLC-CSC | warp-per-256-row-tile spMspV, prefix-sum row reconstruction |
-//! | [`tiled_cbc`] | SPDP Tiled-CBC | ColInfo-driven column selection, bitmap popcount decode |
+//! | [`tiled_cbc`] | SPDP Tiled-CBC | SPDP's kernel; sieve's lane-per-8-rows kernel (default) |
+//!
+//! [`choice`] picks, per layer, between the dense column-major and the Tiled-CBC kernel from
+//! time models fitted to measured runs.
 
+pub mod choice;
 pub mod dense;
 pub mod error;
 pub mod gpu;

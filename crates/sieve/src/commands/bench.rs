@@ -12,6 +12,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde::Serialize;
+use sieve_cuda::choice::upload_chosen;
 use sieve_cuda::dense::{to_f16, zeroed_f16, Cublas, GpuDense, GpuDenseColMajor};
 use sieve_cuda::product::{active_mask, GpuMatVec};
 use sieve_cuda::rlc_csc::{GpuRlcCsc, Stages};
@@ -48,7 +49,8 @@ pub struct KernelsArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,0.3,0.5,0.7")]
     dp: Vec<f64>,
     /// Kernels: dense (our GEMV), dense-colmajor (TEAL alone), rlc-csc (Celty), tiled-cbc
-    /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel).
+    /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel), auto
+    /// (the per-layer choice of sieve_cuda::choice between dense-colmajor and tiled-cbc).
     #[arg(
         long,
         value_delimiter = ',',
@@ -299,7 +301,7 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
         }
 
         for (pi, &sp) in a.sp.iter().enumerate() {
-            if !(has("rlc-csc") || has("tiled-cbc") || has("tiled-cbc-spdp")) {
+            if !(has("rlc-csc") || has("tiled-cbc") || has("tiled-cbc-spdp") || has("auto")) {
                 break;
             }
             let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
@@ -414,6 +416,31 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
                         f.launch(&gpu, &xd, t, &mut y)
                     })?;
                     push(&mut rows, label, sp, dp, tm, first.bytes_for(&mask), err);
+                }
+                if has("auto") {
+                    // The per-layer choice (sieve_cuda::choice) for this sp and dp, rotated
+                    // over enough copies like every other kernel.
+                    let first = upload_chosen(&gpu, &w, dp)?;
+                    let bytes = first.bytes_for(&vec![true; k]);
+                    let mut copies = vec![first];
+                    for _ in 1..copies_for(bytes, l2) {
+                        copies.push(upload_chosen(&gpu, &w, dp)?);
+                    }
+                    let err = check(&gpu, copies[0].as_ref(), &w, &x, t)?;
+                    let n = copies.len();
+                    let tm = time_launches(&gpu, warmup, a.reps, |i| {
+                        copies[i % n].launch(&gpu, &xd, t, &mut y)
+                    })?;
+                    let label = format!("auto:{}", copies[0].label());
+                    push(
+                        &mut rows,
+                        label,
+                        sp,
+                        dp,
+                        tm,
+                        copies[0].bytes_for(&mask),
+                        Some(err),
+                    );
                 }
             }
         }
