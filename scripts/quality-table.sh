@@ -9,7 +9,8 @@
 #
 # Environment: SIEVE (binary, default target/release/sieve), MODEL (default model when empty),
 # TOKENS (ppl token budget, default 16384), CALIB_SAMPLES (default 32), CALIB_LEN (default 1024),
-# FORMAT (default auto), OUT (folder for the .sieve files, default /tmp/sieve-quality).
+# FORMAT (default dense: every format stores the same values except ie-bme's INT4 payload, and
+# dense evaluates fastest), OUT (folder for the .sieve files, default /tmp/sieve-quality).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -17,7 +18,7 @@ sieve=${SIEVE:-target/release/sieve}
 tokens=${TOKENS:-16384}
 samples=${CALIB_SAMPLES:-32}
 len=${CALIB_LEN:-1024}
-format=${FORMAT:-auto}
+format=${FORMAT:-dense}
 out=${OUT:-/tmp/sieve-quality}
 mkdir -p "$out"
 model_args=()
@@ -42,7 +43,8 @@ row() { # row METHOD PATTERN SP DP
   echo "| $method | $pattern | $sp | $dp | $msp | $mdp | $mtotal | $(ppl "$file") | $((t1 - t0)) s |"
 }
 
-echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid"
+echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid; format $format"
+echo "started $(date -u '+%Y-%m-%d %H:%M UTC') on $(nproc) cores, $(uptime | sed 's/.*load/load/')"
 echo
 echo "| method | pattern | sp | dp | measured sp | measured dp | total sparsity | ppl | pack time |"
 echo "|---|---|---|---|---|---|---|---|---|"
@@ -61,3 +63,5 @@ for sp in 0 0.2 0.3 0.4 0.5; do
     row wanda unstructured "$sp" "$dp"
   done
 done
+echo
+echo "finished $(date -u '+%Y-%m-%d %H:%M UTC'), $(uptime | sed 's/.*load/load/')"

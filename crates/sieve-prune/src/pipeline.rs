@@ -11,7 +11,8 @@
 //!    re-encode each in the chosen format ([`FormatChoice`]).
 //! 3. **Recompute** layer `l` with the pruned weights over every window, in place: these are
 //!    the inputs of layer `l + 1`, so later layers are calibrated on the outputs of the
-//!    already-pruned ones (as SparseGPT and Wanda do). The same pass fills one `|x|` histogram
+//!    already-pruned ones (as SparseGPT and Wanda do). Skipped for magnitude pruning without
+//!    thresholds, which reads no activations. The same pass fills one `|x|` histogram
 //!    per site and keeps the first `report_tokens` activation rows per site.
 //! 4. **TEAL**: per site, the threshold whose calibration fraction of `|x| <= t` is closest to
 //!    `dp` is set on the linears reading that site; the dual-sparsity report of every linear
@@ -451,7 +452,12 @@ pub fn prune_model(
         // 3. Recompute the layer's outputs with the pruned weights.
         let mut histograms: HashMap<Site, ActivationHistogram> = HashMap::new();
         let mut kept: HashMap<Site, (Vec<f32>, usize)> = HashMap::new();
-        for (w, h) in windows.iter().zip(hidden.iter_mut()) {
+        // Magnitude pruning without thresholds reads no activations: the pass would only feed
+        // the dual-sparsity report, which without a threshold depends on the mask alone.
+        let needs_activations = options.method.needs_calibration() || options.dp > 0.0;
+        let recompute = if needs_activations { windows.len() } else { 0 };
+        done += (windows.len() - recompute) as u64;
+        for (w, h) in windows.iter().zip(hidden.iter_mut()).take(recompute) {
             let mut failure = None;
             let want_hist = options.dp > 0.0;
             let report_tokens = options.report_tokens;
@@ -505,7 +511,14 @@ pub fn prune_model(
                 .get(&site)
                 .map(|(a, n)| (a.as_slice(), *n))
                 .unwrap_or((&[], 0));
-            let dual = dual_sparsity(&mask, acts, n, threshold)?;
+            let dual = if n == 0 && threshold.is_none() {
+                DualSparsityReport {
+                    tokens: 0,
+                    ..dual_sparsity(&mask, &vec![0.0; mask.cols()], 1, None)?
+                }
+            } else {
+                dual_sparsity(&mask, acts, n, threshold)?
+            };
             let storage = lin.format().storage();
             reports.push(LinearReport {
                 name,
@@ -818,6 +831,27 @@ mod tests {
         assert!(a.iter().all(|v| v.is_finite()));
         let truncated = PackFile::from_bytes(bytes[..bytes.len() - 3].to_vec());
         assert!(truncated.is_err());
+    }
+
+    /// Magnitude without thresholds skips the recompute pass; its report still gives the
+    /// static ratio and no dynamic sparsity, and its weights equal those of a run with the pass.
+    #[test]
+    fn magnitude_without_thresholds_needs_no_activations() {
+        let src = source();
+        let mut model = Model::from_source(&src).unwrap();
+        let opts = options(Method::Magnitude, "unstructured", 0.5, 0.0, "dense");
+        let report = prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+        assert!((report.static_ratio - 0.5).abs() < 1e-9);
+        assert_eq!(report.dynamic_ratio, 0.0);
+        assert!(report.linears.iter().all(|r| r.dual.tokens == 0));
+        let mut with_pass = Model::from_source(&src).unwrap();
+        let opts = options(Method::Magnitude, "unstructured", 0.5, 0.3, "dense");
+        prune_model(&mut with_pass, &windows(), &opts, &mut |_| {}).unwrap();
+        for (a, b) in model.layers().iter().zip(with_pass.layers()) {
+            for ((_, la), (_, lb)) in a.linears().iter().zip(b.linears()) {
+                assert_eq!(la.format().decode(), lb.format().decode());
+            }
+        }
     }
 
     #[test]
