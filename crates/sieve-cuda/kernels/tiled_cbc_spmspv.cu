@@ -159,7 +159,7 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 //     three loads issued together (one memory latency on the block's critical path, at the
 //     price of reading the 4-byte ColInfo of inactive columns too), and keeps the active,
 //     nonempty columns (|x| > t, nnz > 0) in a shared list, in column order:
-//         list[i] = (value offset, 16-byte chunks, column tile index 16 g + c, x_k)
+//         list[i] = (value offset, column tile index 16 g + c, 16-byte chunks, x_k bits)
 //  2. Streams the list in batches of B = 32 columns through S = 2 shared buffers (B and S
 //     are template parameters; other shapes are compiled for tuning) with cp.async, one
 //     commit group per batch, S - 1 batches in flight:
@@ -190,7 +190,6 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 //  a new epoch per launch, so the flags never need resetting.
 
 #define L8_WARPS 8
-
 
 __device__ __forceinline__ u32 lds_u16(u32 addr) {
     unsigned short v;
