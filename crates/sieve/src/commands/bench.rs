@@ -135,6 +135,16 @@ fn shapes_of(name: &str) -> Result<Vec<(String, usize, usize)>> {
 type Rotation = (Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>);
 
 /// Copies of a buffer of `bytes` needed so that one pass over them exceeds 4x the L2.
+/// Every value `--formats` accepts.
+const KERNEL_FORMATS: [&str; 6] = [
+    "dense",
+    "dense-colmajor",
+    "rlc-csc",
+    "tiled-cbc",
+    "tiled-cbc-spdp",
+    "auto",
+];
+
 fn copies_for(bytes: usize, l2: usize) -> usize {
     (4 * l2).div_ceil(bytes.max(1)).clamp(1, 64)
 }
@@ -149,16 +159,11 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
         bail!("--reps must be positive");
     }
     for f in &a.formats {
-        if ![
-            "dense",
-            "dense-colmajor",
-            "rlc-csc",
-            "tiled-cbc",
-            "tiled-cbc-spdp",
-        ]
-        .contains(&f.as_str())
-        {
-            bail!("unknown kernel format '{f}'");
+        if !KERNEL_FORMATS.contains(&f.as_str()) {
+            bail!(
+                "unknown kernel format '{f}' (known: {})",
+                KERNEL_FORMATS.join(", ")
+            );
         }
     }
     let has = |f: &str| a.formats.iter().any(|x| x == f);
