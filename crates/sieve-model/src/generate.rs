@@ -214,6 +214,27 @@ pub fn generate(
     })
 }
 
+/// Runs `work` inside a rayon pool of `threads` workers (default: one per core). Starting from
+/// a pool worker matters for decode: every matvec and attention step is its own parallel
+/// region (~240 per token), and regions started from an outside thread are each injected into
+/// the pool and joined with sleeping/waking hand-offs (28% of decode CPU time in `perf`, see
+/// docs/BENCHMARKS.md); started from a worker, the caller works on the region itself.
+pub fn run_in_pool<R: Send>(threads: Option<usize>, work: impl FnOnce() -> R + Send) -> Result<R> {
+    if threads == Some(0) {
+        return Err(ModelError::InvalidArgument(
+            "--threads must be at least 1".into(),
+        ));
+    }
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = threads {
+        builder = builder.num_threads(n);
+    }
+    let pool = builder
+        .build()
+        .map_err(|e| ModelError::InvalidArgument(format!("thread pool: {e}")))?;
+    Ok(pool.install(work))
+}
+
 /// Sizes rayon's global pool; call before any model work. Fails if the pool already exists.
 pub fn init_threads(threads: usize) -> Result<()> {
     if threads == 0 {

@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use sieve_model::chat::{render_chat, ChatMessage};
-use sieve_model::generate::{generate, init_threads, GenerateOptions};
+use sieve_model::generate::{generate, run_in_pool, GenerateOptions};
 use sieve_model::sampling::SamplingParams;
 use std::io::Write;
 use std::path::PathBuf;
@@ -40,9 +40,11 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    if let Some(n) = args.threads {
-        init_threads(n)?;
-    }
+    // Everything runs on a pool worker (see `run_in_pool`).
+    run_in_pool(args.threads, move || run_on_pool(args))?
+}
+
+fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     // `.sieve` files (by magic) and every other model layout.
     let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(&path)
