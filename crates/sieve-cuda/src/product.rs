@@ -60,6 +60,16 @@ pub fn active_mask(x: &[f32], threshold: Threshold) -> Vec<bool> {
         .collect()
 }
 
+/// The sum of `col_bytes[k]` over the active columns `k` (for [`GpuMatVec::bytes_for`]).
+pub fn active_column_bytes(col_bytes: &[usize], active: &[bool]) -> usize {
+    col_bytes
+        .iter()
+        .zip(active)
+        .filter(|(_, a)| **a)
+        .map(|(b, _)| *b)
+        .sum()
+}
+
 /// Checks the device buffers of a launch against the matrix shape.
 pub fn check_io<F: GpuMatVec + ?Sized>(
     w: &F,

@@ -4,7 +4,7 @@
 use crate::dense::check_len;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
-use crate::product::{check_io, threshold_arg, GpuMatVec};
+use crate::product::{active_column_bytes, check_io, threshold_arg, GpuMatVec};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::rlc_csc::RlcCsc;
 use sieve_formats::{Threshold, WeightFormat};
@@ -194,13 +194,7 @@ impl GpuMatVec for GpuRlcCsc {
         self.cols
     }
     fn bytes_for(&self, active: &[bool]) -> usize {
-        let w: usize = self
-            .col_bytes
-            .iter()
-            .zip(active)
-            .filter(|(_, a)| **a)
-            .map(|(b, _)| *b)
-            .sum();
+        let w = active_column_bytes(&self.col_bytes, active);
         w + self.cols * 4 + self.rows * 4
     }
     fn launch(

@@ -5,7 +5,7 @@
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
-use crate::product::{check_io, threshold_arg, GpuMatVec, LaunchEpoch};
+use crate::product::{active_column_bytes, check_io, threshold_arg, GpuMatVec, LaunchEpoch};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::tiled_cbc::{TiledCbc, TILE_K};
 use sieve_formats::{Threshold, WeightFormat};
@@ -229,13 +229,7 @@ impl GpuMatVec for GpuTiledCbc {
         self.cols
     }
     fn bytes_for(&self, active: &[bool]) -> usize {
-        let w: usize = self
-            .col_bytes
-            .iter()
-            .zip(active)
-            .filter(|(_, a)| **a)
-            .map(|(b, _)| *b)
-            .sum();
+        let w = active_column_bytes(&self.col_bytes, active);
         match self.kernel {
             // ColInfo of every column and TileOffsets are read whatever the activations.
             TcbcKernel::Spdp => {
