@@ -499,23 +499,13 @@ impl Model {
         }
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
-        let half = hd / 2;
 
         let mut x = vec![0f32; n * d];
         for (t, &tok) in tokens.iter().enumerate() {
             let row = &self.embed_tokens[tok as usize * d..(tok as usize + 1) * d];
             kernels::f16_to_f32(row, &mut x[t * d..(t + 1) * d]);
         }
-        let mut cos = vec![0f32; n * half];
-        let mut sin = vec![0f32; n * half];
-        for t in 0..n {
-            let pos = (p0 + t) as f64;
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let (s, co) = (pos * f).sin_cos();
-                cos[t * half + i] = co as f32;
-                sin[t * half + i] = s as f32;
-            }
-        }
+        let (cos, sin) = self.rope_tables(p0, n);
 
         let mut xn = vec![0f32; n * d];
         let mut q = vec![0f32; n * nh * hd];
@@ -641,16 +631,7 @@ impl Model {
                 x.len()
             )));
         }
-        let half = hd / 2;
-        let mut cos = vec![0f32; n * half];
-        let mut sin = vec![0f32; n * half];
-        for t in 0..n {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let (s, co) = (t as f64 * f).sin_cos();
-                cos[t * half + i] = co as f32;
-                sin[t * half + i] = s as f32;
-            }
-        }
+        let (cos, sin) = self.rope_tables(0, n);
         let mut xn = vec![0f32; n * d];
         let mut q = vec![0f32; n * nh * hd];
         let mut k = vec![0f32; n * nkv * hd];
@@ -787,6 +768,22 @@ impl Model {
             lm_head,
             inv_freq,
         })
+    }
+
+    /// RoPE cos/sin tables for positions `p0..p0 + n`, `head_dim / 2` frequencies per position.
+    fn rope_tables(&self, p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let mut cos = vec![0f32; n * half];
+        let mut sin = vec![0f32; n * half];
+        for t in 0..n {
+            let pos = (p0 + t) as f64;
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let (s, co) = (pos * f).sin_cos();
+                cos[t * half + i] = co as f32;
+                sin[t * half + i] = s as f32;
+            }
+        }
+        (cos, sin)
     }
 
     /// Causal grouped-query attention of this call's `n` queries (positions `p0..p0+n`) over
