@@ -290,6 +290,17 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>)
         .collect()
 }
 
+/// Refuses a buffer that is not `n >= 1` rows of `width` floats.
+fn check_rows(what: &str, buf: &[f32], n: usize, width: usize) -> Result<()> {
+    if n == 0 || buf.len() != n.saturating_mul(width) {
+        return Err(ModelError::InvalidArgument(format!(
+            "{what}: {} floats is not {n} rows of {width}",
+            buf.len()
+        )));
+    }
+    Ok(())
+}
+
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
@@ -616,50 +627,24 @@ impl Model {
         observer: &mut dyn FnMut(Site, &[f32], usize),
         through_down_proj: bool,
     ) -> Result<()> {
+        let lay = self.checked_layer(layer, x, n)?;
         let c = &self.config;
-        let Some(lay) = self.layers.get(layer) else {
-            return Err(ModelError::InvalidArgument(format!(
-                "layer {layer} does not exist (the model has {})",
-                self.layers.len()
-            )));
-        };
-        let (d, hd) = (c.hidden_size, c.head_dim);
-        let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
-        if n == 0 || x.len() != n * d {
-            return Err(ModelError::InvalidArgument(format!(
-                "forward_layer: {} floats is not {n} rows of {d}",
-                x.len()
-            )));
-        }
-        let (cos, sin) = self.rope_tables(0, n);
-        let mut xn = vec![0f32; n * d];
-        let mut q = vec![0f32; n * nh * hd];
-        let mut k = vec![0f32; n * nkv * hd];
-        let mut v = vec![0f32; n * nkv * hd];
-        let mut att = vec![0f32; n * nh * hd];
-        let mut proj = vec![0f32; n * d];
-        rms_norm(x, &lay.input_norm, c.rms_norm_eps, &mut xn);
+        let mut xn = vec![0f32; n * c.hidden_size];
+        let mut att = vec![0f32; n * c.num_heads * c.head_dim];
+        let mut proj = vec![0f32; n * c.hidden_size];
+        self.attention_input(layer, x, n, &mut xn)?;
         observer(Site::AttnIn, &xn, n);
-        lay.q_proj.forward(&xn, n, &mut q)?;
-        lay.k_proj.forward(&xn, n, &mut k)?;
-        lay.v_proj.forward(&xn, n, &mut v)?;
-        apply_rope(&mut q, nh, hd, &cos, &sin);
-        apply_rope(&mut k, nkv, hd, &cos, &sin);
-        // Without a cache the window's own keys and values are every visible position.
-        self.attention(&q, &k, &v, 0, n, &mut att);
+        self.attention_mix(layer, &xn, n, &mut att)?;
         observer(Site::OProjIn, &att, n);
         lay.o_proj.forward(&att, n, &mut proj)?;
         for (a, b) in x.iter_mut().zip(&proj) {
             *a += b;
         }
-        drop((q, k, v, att));
-        let mut gate = vec![0f32; n * inter];
-        let mut up = vec![0f32; n * inter];
-        rms_norm(x, &lay.post_attention_norm, c.rms_norm_eps, &mut xn);
+        drop(att);
+        let mut gate = vec![0f32; n * c.intermediate_size];
+        self.mlp_input(layer, x, n, &mut xn)?;
         observer(Site::MlpIn, &xn, n);
-        lay.gate_proj.forward(&xn, n, &mut gate)?;
-        lay.up_proj.forward(&xn, n, &mut up)?;
-        kernels::silu_mul(&mut gate, &up);
+        self.mlp_mix(layer, &xn, n, &mut gate)?;
         observer(Site::DownProjIn, &gate, n);
         if !through_down_proj {
             return Ok(());
@@ -668,6 +653,75 @@ impl Model {
         for (a, b) in x.iter_mut().zip(&proj) {
             *a += b;
         }
+        Ok(())
+    }
+
+    /// Layer `layer`, after checking that `x` holds `n >= 1` rows of `width` floats.
+    fn checked_layer(&self, layer: usize, x: &[f32], n: usize) -> Result<&Layer> {
+        let Some(lay) = self.layers.get(layer) else {
+            return Err(ModelError::InvalidArgument(format!(
+                "layer {layer} does not exist (the model has {})",
+                self.layers.len()
+            )));
+        };
+        check_rows("residual stream", x, n, self.config.hidden_size)?;
+        Ok(lay)
+    }
+
+    // The four steps below are one decoder layer ([`Self::forward_layer`] is them in order, with
+    // o_proj and down_proj and their residual additions in between), exposed for calibration
+    // that prunes a layer one input site at a time and needs each site's input computed with
+    // the already-pruned projections before it. Every window is at positions `0..n`, no cache.
+
+    /// The normed attention input (q/k/v's input, [`Site::AttnIn`]) of residual stream `x`
+    /// (`[n][d]`) into `xn` (`[n][d]`).
+    pub fn attention_input(&self, layer: usize, x: &[f32], n: usize, xn: &mut [f32]) -> Result<()> {
+        let lay = self.checked_layer(layer, x, n)?;
+        check_rows("normed input", xn, n, self.config.hidden_size)?;
+        rms_norm(x, &lay.input_norm, self.config.rms_norm_eps, xn);
+        Ok(())
+    }
+
+    /// q/k/v, RoPE and causal attention over the normed input `xn` (`[n][d]`): o_proj's input
+    /// ([`Site::OProjIn`]) into `att` (`[n][H*hd]`).
+    pub fn attention_mix(&self, layer: usize, xn: &[f32], n: usize, att: &mut [f32]) -> Result<()> {
+        let lay = self.checked_layer(layer, xn, n)?;
+        let c = &self.config;
+        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+        check_rows("attention output", att, n, nh * hd)?;
+        let (cos, sin) = self.rope_tables(0, n);
+        let mut q = vec![0f32; n * nh * hd];
+        let mut k = vec![0f32; n * nkv * hd];
+        let mut v = vec![0f32; n * nkv * hd];
+        lay.q_proj.forward(xn, n, &mut q)?;
+        lay.k_proj.forward(xn, n, &mut k)?;
+        lay.v_proj.forward(xn, n, &mut v)?;
+        apply_rope(&mut q, nh, hd, &cos, &sin);
+        apply_rope(&mut k, nkv, hd, &cos, &sin);
+        // Without a cache the window's own keys and values are every visible position.
+        self.attention(&q, &k, &v, 0, n, att);
+        Ok(())
+    }
+
+    /// The normed MLP input (gate/up's input, [`Site::MlpIn`]) of the residual stream `x` after
+    /// attention (`[n][d]`) into `xn` (`[n][d]`).
+    pub fn mlp_input(&self, layer: usize, x: &[f32], n: usize, xn: &mut [f32]) -> Result<()> {
+        let lay = self.checked_layer(layer, x, n)?;
+        check_rows("normed input", xn, n, self.config.hidden_size)?;
+        rms_norm(x, &lay.post_attention_norm, self.config.rms_norm_eps, xn);
+        Ok(())
+    }
+
+    /// gate/up and SwiGLU over the normed MLP input `xn` (`[n][d]`): down_proj's input
+    /// ([`Site::DownProjIn`], `silu(gate) * up`) into `h` (`[n][I]`).
+    pub fn mlp_mix(&self, layer: usize, xn: &[f32], n: usize, h: &mut [f32]) -> Result<()> {
+        let lay = self.checked_layer(layer, xn, n)?;
+        let inter = self.config.intermediate_size;
+        check_rows("MLP hidden", h, n, inter)?;
+        let mut up = vec![0f32; n * inter];
+        lay.gate_proj.forward(xn, n, h)?;
+        lay.up_proj.forward(xn, n, &mut up)?;
+        kernels::silu_mul(h, &up);
         Ok(())
     }
 
@@ -1317,6 +1371,45 @@ pub(crate) mod tests {
         assert!(model
             .forward_layer(0, &mut x, n + 1, &mut |_, _, _| {})
             .is_err());
+    }
+
+    /// The public steps, with o_proj/down_proj and the residual additions in between, are
+    /// exactly `forward_layer`; bad shapes are refused.
+    #[test]
+    fn layer_steps_compose_to_forward_layer() {
+        let c = tiny_config();
+        let src = random_source(c.clone(), 12);
+        let model = Model::from_source(&src).unwrap();
+        let n = PROMPT.len();
+        let mut expected = model.embed(&PROMPT).unwrap();
+        let mut x = expected.clone();
+        let (d, inter) = (c.hidden_size, c.intermediate_size);
+        for l in 0..model.layers().len() {
+            model
+                .forward_layer(l, &mut expected, n, &mut |_, _, _| {})
+                .unwrap();
+            let lay = &model.layers()[l];
+            let mut xn = vec![0f32; n * d];
+            let mut att = vec![0f32; n * c.num_heads * c.head_dim];
+            let mut proj = vec![0f32; n * d];
+            let mut h = vec![0f32; n * inter];
+            model.attention_input(l, &x, n, &mut xn).unwrap();
+            model.attention_mix(l, &xn, n, &mut att).unwrap();
+            lay.o_proj.forward(&att, n, &mut proj).unwrap();
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            model.mlp_input(l, &x, n, &mut xn).unwrap();
+            model.mlp_mix(l, &xn, n, &mut h).unwrap();
+            lay.down_proj.forward(&h, n, &mut proj).unwrap();
+            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            assert_eq!(x, expected, "layer {l}");
+        }
+        let mut xn = vec![0f32; n * d];
+        assert!(model.attention_input(9, &x, n, &mut xn).is_err());
+        assert!(model.attention_input(0, &x[1..], n, &mut xn).is_err());
+        assert!(model.mlp_input(0, &x, n, &mut xn[1..]).is_err());
+        assert!(model.attention_mix(0, &xn, n, &mut [0.0; 3]).is_err());
+        assert!(model.mlp_mix(0, &xn, n, &mut vec![0.0; n * d]).is_err());
+        assert!(model.mlp_mix(0, &[], 0, &mut []).is_err());
     }
 
     #[test]
