@@ -155,9 +155,10 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 // latency bound at 5-18% of the copy bandwidth. This kernel:
 //
 //  1. Compacts first. Block (kx, rt) owns row tile rt and columns [k0, k0 + C), C =
-//     cols_per_block (<= 512). It reads x, ColInfo and TileOffset of its range once, all
-//     three loads issued together (one memory latency on the block's critical path, at the
-//     price of reading the 4-byte ColInfo of inactive columns too), and keeps the active,
+//     cols_per_block (<= 512). It reads x, ColInfo and TileOffset of its range once, a
+//     thread's two columns and their six loads issued together (one memory latency on the
+//     block's critical path, at the price of reading the 4-byte ColInfo of inactive columns
+//     too), and keeps the active,
 //     nonempty columns (|x| > t, nnz > 0) in a shared list, in column order:
 //         list[i] = (value offset, column tile index 16 g + c, 16-byte chunks, x_k bits)
 //  2. Streams the list in batches of B = 32 columns through S = 2 shared buffers (B and S
@@ -230,7 +231,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     extern __shared__ __align__(16) unsigned char smem[];
     // list[i] = (value offset in f16, column tile index 16 g + c, 16-byte chunks, x_k bits)
     uint4* list = reinterpret_cast<uint4*>(smem + STAGES * STAGE_BYTES);
-    __shared__ int s_warp_count[L8_WARPS];
+    __shared__ int s_warp_count[2][L8_WARPS];
     const u32 sbase = smem_addr(smem);
 
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -241,42 +242,54 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
         publish_zeroed_tile(flags + rt, epoch);
     }
 
-    // 1. Compaction of the block's column range into the shared list.
+    // 1. Compaction of the block's column range (at most 512 columns: two per thread) into
+    //    the shared list. All six loads of a thread are issued before any is used, so the
+    //    range costs one memory latency however many columns it has (run 4: a second round
+    //    of loads after a barrier cost a full extra latency on 9 of the 12 LLaMA shapes).
     int k0 = blockIdx.x * cols_per_block;
     int k1 = min(k0 + cols_per_block, K);
-    int n = 0;
-    for (int base = k0; base < k1; base += 256) {
-        int k = base + tid;
-        bool on = false;
-        u32 info = 0, off = 0, gc = 0;
-        float xv = 0.f;
+    u32 info[2], off[2], gc[2];
+    float xv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int k = k0 + tid + 256 * r;
+        info[r] = 0;
+        off[r] = 0;
+        gc[r] = 0;
+        xv[r] = 0.f;
         if (k < k1) {
-            // The three loads are independent (issued together: one memory latency, not
-            // three); ColInfo and TileOffset of inactive columns are read but not used.
+            // ColInfo and TileOffset of inactive columns are read too: they travel with x.
             u32 g = (u32)rt * (u32)KT + (u32)(k >> 4);
-            gc = g * TCBC_TILE_K + (u32)(k & 15);
-            xv = __ldg(x + k);
-            info = __ldg(col_info + gc);
-            off = __ldg(tile_offset + g) + (info >> 16);
-            on = active(xv, t) && (info & 0xffffu) != 0;
+            gc[r] = g * TCBC_TILE_K + (u32)(k & 15);
+            xv[r] = __ldg(x + k);
+            info[r] = __ldg(col_info + gc[r]);
+            off[r] = __ldg(tile_offset + g) + (info[r] >> 16);
         }
-        u32 ballot = __ballot_sync(FULL_MASK, on);
-        if (lane == 0) s_warp_count[warp] = __popc(ballot);
-        __syncthreads();
-        int before = n, total = n;
+    }
+    bool on[2];
+    u32 ballot[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        on[r] = k0 + tid + 256 * r < k1 && active(xv[r], t) && (info[r] & 0xffffu) != 0;
+        ballot[r] = __ballot_sync(FULL_MASK, on[r]);
+        if (lane == 0) s_warp_count[r][warp] = __popc(ballot[r]);
+    }
+    __syncthreads();
+    int n = 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int before = n;
 #pragma unroll
         for (int w = 0; w < L8_WARPS; ++w) {
-            int c = s_warp_count[w];
-            before += w < warp ? c : 0;
-            total += c;
+            before += w < warp ? s_warp_count[r][w] : 0;
+            n += s_warp_count[r][w];
         }
-        if (on) {
-            int i = before + __popc(ballot & ((1u << lane) - 1u));
-            list[i] = make_uint4(off, gc, ((info & 0xffffu) + 7u) >> 3, __float_as_uint(xv));
+        if (on[r]) {
+            int i = before + __popc(ballot[r] & ((1u << lane) - 1u));
+            list[i] = make_uint4(off[r], gc[r], ((info[r] & 0xffffu) + 7u) >> 3, __float_as_uint(xv[r]));
         }
-        n = total;
-        __syncthreads();  // s_warp_count is rewritten next round; the list is read below
     }
+    __syncthreads();  // the list is read below
 
     float acc[8];
 #pragma unroll

@@ -105,6 +105,9 @@ struct Row {
 struct Report {
     device: DeviceInfo,
     copy_gbs: f64,
+    /// Median time of an empty kernel under the same event bracketing: the floor every row's
+    /// µs includes.
+    empty_launch_us: f64,
     reps: usize,
     cublas: Vec<(String, usize, usize, f64)>,
     rows: Vec<Row>,
@@ -134,7 +137,6 @@ fn shapes_of(name: &str) -> Result<Vec<(String, usize, usize)>> {
 /// over.
 type Rotation = (Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>);
 
-/// Copies of a buffer of `bytes` needed so that one pass over them exceeds 4x the L2.
 /// Every value `--formats` accepts.
 const KERNEL_FORMATS: [&str; 6] = [
     "dense",
@@ -145,6 +147,7 @@ const KERNEL_FORMATS: [&str; 6] = [
     "auto",
 ];
 
+/// Copies of a buffer of `bytes` needed so that one pass over them exceeds 4x the L2.
 fn copies_for(bytes: usize, l2: usize) -> usize {
     (4 * l2).div_ceil(bytes.max(1)).clamp(1, 64)
 }
@@ -180,6 +183,9 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
     );
     let copy_gbs = copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
     eprintln!("copy bandwidth (read + write): {copy_gbs:.0} GB/s");
+    let empty_launch_us =
+        time_launches(&gpu, 10, 200, |_| sieve_cuda::timing::spin(&gpu, 0))?.median_us;
+    eprintln!("empty kernel launch (event-bracketed median): {empty_launch_us:.2} µs");
 
     let mut shapes = Vec::new();
     for s in &a.shapes {
@@ -456,6 +462,7 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
         let report = Report {
             device: info.clone(),
             copy_gbs,
+            empty_launch_us,
             reps: a.reps,
             cublas: cublas_times,
             rows: rows.clone(),
