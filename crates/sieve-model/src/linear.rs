@@ -20,6 +20,7 @@ use sieve_formats::format::{check_product_args, check_threshold, is_active};
 use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
 
 pub mod gemm;
+pub mod quantized;
 
 /// One linear layer: a packed weight matrix, an optional bias and an optional activation threshold.
 #[derive(Debug)]

@@ -141,7 +141,64 @@ pub fn gemm<B: Element>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    if ldc < n || !a.covers(m, k) || !b.covers(k, n) {
+    if !b.covers(k, n) {
+        return Err(GemmShapeError(format!(
+            "gemm {m}x{n}x{k}: the B view is out of bounds"
+        )));
+    }
+    let pack_b = |j0: usize, out: &mut [f32]| pack_b_panel(&b, k, n, j0, out);
+    gemm_packing_b(m, n, k, a, &pack_b, c, ldc, accumulate, parallel)
+}
+
+/// [`gemm`] with `B` given by a function that writes column `j` of `B` (`k` values) into its
+/// second argument: for weights stored in blocks that no strided view can address (quantized
+/// rows of `W` with `B = Wᵀ`), decoded one column at a time while packing.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_b_columns<F: Fn(usize, &mut [f32]) + Sync>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: View<'_, f32>,
+    b_column: F,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<(), GemmShapeError> {
+    let pack_b = |j0: usize, out: &mut [f32]| {
+        let width = (n - j0).min(NR);
+        if width < NR {
+            out.fill(0.0);
+        }
+        let mut col = vec![0f32; k];
+        for jj in 0..width {
+            b_column(j0 + jj, &mut col);
+            for (p, v) in col.iter().enumerate() {
+                out[p * NR + jj] = *v;
+            }
+        }
+    };
+    gemm_packing_b(m, n, k, a, &pack_b, c, ldc, accumulate, parallel)
+}
+
+/// The body of [`gemm`] once `B` has a packer: `pack_b(j0, out)` fills the panel of columns
+/// `j0..j0 + NR` (see [`pack_b_panel`]).
+#[allow(clippy::too_many_arguments)]
+fn gemm_packing_b(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: View<'_, f32>,
+    pack_b: &(dyn Fn(usize, &mut [f32]) + Sync),
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<(), GemmShapeError> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if ldc < n || !a.covers(m, k) {
         return Err(GemmShapeError(format!(
             "gemm {m}x{n}x{k}: an operand view is out of bounds or ldc {ldc} < n"
         )));
@@ -163,7 +220,7 @@ pub fn gemm<B: Element>(
     }
     with_scratch(&SCRATCH_B, n.div_ceil(NR) * k * NR, |packed_b| {
         with_scratch(&SCRATCH_A, m.div_ceil(MR) * k * MR, |packed_a| {
-            let pack_b = |(p, out): (usize, &mut [f32])| pack_b_panel(&b, k, n, p * NR, out);
+            let pack_b = |(p, out): (usize, &mut [f32])| pack_b(p * NR, out);
             let pack_a = |(p, out): (usize, &mut [f32])| pack_a_panel(&a, k, m, p * MR, out);
             if parallel {
                 packed_b.par_chunks_mut(k * NR).enumerate().for_each(pack_b);

@@ -1,0 +1,626 @@
+//! [`QuantMatrix`]: weights kept in their GGUF quantized blocks (Q4_0, Q4_1, Q8_0) and multiplied
+//! without dequantizing them to f16 first.
+//!
+//! Decoding one token is bound by the bytes of weights it streams. The f16 copy of SmolLM2-135M's
+//! Q4_1/Q8_0 file reads 268.9 MB per token; the blocks themselves are 96.4 MB (0.625 B per Q4_1
+//! weight, 1.0625 B per Q8_0 weight). So a matrix-vector product here:
+//!
+//! 1. quantizes the activation vector once to 8-bit blocks of 32 ([`Q8Activations`]): one f32
+//!    scale `dx = max|x| / 127` per block, `qx = round(x / dx)` (ties to even), and the block sum
+//!    `dx · Σ qx` that Q4_1's offset term needs;
+//! 2. takes integer dot products of each weight block with the matching activation block
+//!    (`_mm256_maddubs_epi16` + `_mm256_madd_epi16` on AVX2, exact `i32` sums in the portable
+//!    path) and scales them in f32:
+//!    Q8_0 and Q4_0 `dw · dx · Σ qw qx` (Q4_0's `qw` shifted by -8), Q4_1
+//!    `dw · dx · Σ qw qx + mw · dx · Σ qx`;
+//! 3. splits the rows over the rayon pool.
+//!
+//! The 8-bit activations are the only approximation beyond the weights' own: each `x` moves by at
+//! most `dx / 2 = max|x_block| / 254`, the scheme llama.cpp uses (its Q8_0/Q8_1 activation
+//! blocks, there with an f16 scale).
+//!
+//! Batched products (prefill, perplexity windows) use the same arithmetic so that a token gives
+//! the same logits whether it is decoded alone or inside a prompt: each activation row is
+//! quantized and dequantized again (exact in f32: `dx · qx`), and the blocked f32 GEMM unpacks
+//! weight rows straight from the blocks while packing (`gemm::gemm_b_columns`). The products
+//! are then those of the integer path up to f32 summation order.
+//!
+//! The blocks are copied out of the file at load (not mapped): Q and K rows are reordered from
+//! llama.cpp's RoPE layout, so those matrices differ from the file anyway, the copy costs about
+//! 30 ms for the default model, and owning the bytes keeps a layer independent of the file's
+//! lifetime like every other format.
+//!
+//! Serialization: there is no quantized-block format among the `.sieve` blob kinds, so
+//! [`WeightFormat::write_payload`] writes the f16 dense payload of [`WeightFormat::decode`] and
+//! the layer reads back as dense f16 (what loading with dequantization gives).
+
+use super::gemm;
+use crate::error::{ModelError, Result};
+use crate::quant::GgmlType;
+use half::f16;
+use rayon::prelude::*;
+use sieve_formats::blob::ByteWriter;
+use sieve_formats::format::{check_product_args, is_active};
+use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
+
+/// Elements per quantized block, for weights and activations alike.
+pub const BLOCK: usize = 32;
+
+/// The GGUF block types kept quantized.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockType {
+    /// f16 `d`, 16 bytes of nibbles; `w = (q - 8) · d`.
+    Q4_0,
+    /// f16 `d`, f16 `m`, 16 bytes of nibbles; `w = q · d + m`.
+    Q4_1,
+    /// f16 `d`, 32 × i8; `w = q · d`.
+    Q8_0,
+}
+
+impl BlockType {
+    /// The block type of a GGML tensor type, when it is one this module multiplies directly.
+    pub fn from_ggml(ty: GgmlType) -> Option<Self> {
+        match ty {
+            GgmlType::Q4_0 => Some(Self::Q4_0),
+            GgmlType::Q4_1 => Some(Self::Q4_1),
+            GgmlType::Q8_0 => Some(Self::Q8_0),
+            _ => None,
+        }
+    }
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            Self::Q4_0 => GgmlType::Q4_0,
+            Self::Q4_1 => GgmlType::Q4_1,
+            Self::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+    pub fn block_bytes(self) -> usize {
+        self.ggml().block_geometry().1
+    }
+    /// Bytes of scales (and offsets) at the start of each block.
+    fn header_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 | Self::Q8_0 => 2,
+            Self::Q4_1 => 4,
+        }
+    }
+}
+
+/// An M x K weight matrix as rows of GGUF quantized blocks (`K / 32` blocks per row, in file
+/// order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantMatrix {
+    ty: BlockType,
+    rows: usize,
+    cols: usize,
+    blocks: Vec<u8>,
+}
+
+fn read_f16(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+impl QuantMatrix {
+    /// Wraps `blocks` (row-major, `cols / 32` blocks of `ty` per row). Refuses shapes that are
+    /// not whole blocks, a byte count that does not match, and scales that are not finite or
+    /// would dequantize beyond the f16 range (so [`WeightFormat::decode`] is always valid).
+    pub fn new(ty: BlockType, rows: usize, cols: usize, blocks: Vec<u8>) -> Result<Self> {
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(BLOCK) {
+            return Err(ModelError::InvalidArgument(format!(
+                "a {rows} x {cols} matrix of {ty:?} blocks needs rows > 0 and a positive \
+                 multiple of {BLOCK} columns"
+            )));
+        }
+        let expected = rows
+            .checked_mul(cols / BLOCK)
+            .and_then(|b| b.checked_mul(ty.block_bytes()));
+        if expected != Some(blocks.len()) {
+            return Err(ModelError::InvalidArgument(format!(
+                "a {rows} x {cols} matrix of {ty:?} needs {expected:?} bytes, got {}",
+                blocks.len()
+            )));
+        }
+        let limit = f16::MAX.to_f32();
+        for (i, b) in blocks.chunks_exact(ty.block_bytes()).enumerate() {
+            let d = read_f16(b, 0);
+            let bound = match ty {
+                BlockType::Q4_0 => 8.0 * d.abs(),
+                BlockType::Q4_1 => 15.0 * d.abs() + read_f16(b, 2).abs(),
+                BlockType::Q8_0 => 128.0 * d.abs(),
+            };
+            if !bound.is_finite() || bound > limit {
+                let per_row = cols / BLOCK;
+                return Err(ModelError::InvalidArgument(format!(
+                    "{ty:?} block {} of row {}: scale {d} gives weights outside the f16 range",
+                    i % per_row,
+                    i / per_row
+                )));
+            }
+        }
+        Ok(Self {
+            ty,
+            rows,
+            cols,
+            blocks,
+        })
+    }
+
+    pub fn block_type(&self) -> BlockType {
+        self.ty
+    }
+    pub fn blocks(&self) -> &[u8] {
+        &self.blocks
+    }
+    fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.ty.block_bytes()
+    }
+    fn row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.blocks[r * n..(r + 1) * n]
+    }
+
+    /// Row `r` dequantized to f32 (`out.len() == cols`), with the arithmetic of
+    /// `crate::quant::dequantize`.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let bb = self.ty.block_bytes();
+        for (b, o) in self
+            .row(r)
+            .chunks_exact(bb)
+            .zip(out.chunks_exact_mut(BLOCK))
+        {
+            let d = read_f16(b, 0);
+            match self.ty {
+                BlockType::Q4_0 => {
+                    for j in 0..16 {
+                        o[j] = ((b[2 + j] & 0x0F) as i32 - 8) as f32 * d;
+                        o[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+                    }
+                }
+                BlockType::Q4_1 => {
+                    let m = read_f16(b, 2);
+                    for j in 0..16 {
+                        o[j] = (b[4 + j] & 0x0F) as f32 * d + m;
+                        o[j + 16] = (b[4 + j] >> 4) as f32 * d + m;
+                    }
+                }
+                BlockType::Q8_0 => {
+                    for j in 0..32 {
+                        o[j] = (b[2 + j] as i8) as f32 * d;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `y[r] = W[r] · x` for rows `r0..r0 + y.len()` with `x` already quantized.
+    fn rows_dot(&self, r0: usize, xq: &Q8Activations, y: &mut [f32]) {
+        for (i, o) in y.iter_mut().enumerate() {
+            *o = dot_row(self.ty, self.row(r0 + i), xq);
+        }
+    }
+}
+
+/// An activation vector quantized to 8-bit blocks of [`BLOCK`]: `x ≈ scales[b] · quants[i]`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Q8Activations {
+    /// `max|x| / 127` of each block (0 for an all-zero block, NaN when the block holds a
+    /// non-finite value, so that it propagates into every product as it would in f32).
+    pub scales: Vec<f32>,
+    /// `scales[b] · Σ quants` of each block (Q4_1's offset term).
+    pub sums: Vec<f32>,
+    /// One value in [-127, 127] per element.
+    pub quants: Vec<i8>,
+}
+
+impl Q8Activations {
+    /// Quantizes `x` (`x.len()` a multiple of [`BLOCK`]), reusing this buffer.
+    pub fn quantize(&mut self, x: &[f32]) {
+        debug_assert!(x.len().is_multiple_of(BLOCK));
+        let nb = x.len() / BLOCK;
+        self.scales.resize(nb, 0.0);
+        self.sums.resize(nb, 0.0);
+        self.quants.resize(x.len(), 0);
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            for b in 0..nb {
+                // SAFETY: the CPU has the features; each slice holds one whole block.
+                let (d, s) = unsafe {
+                    x86::quantize_block(
+                        &x[b * BLOCK..(b + 1) * BLOCK],
+                        &mut self.quants[b * BLOCK..(b + 1) * BLOCK],
+                    )
+                };
+                self.scales[b] = d;
+                self.sums[b] = s;
+            }
+            return;
+        }
+        for b in 0..nb {
+            let (d, s) = quantize_block_portable(
+                &x[b * BLOCK..(b + 1) * BLOCK],
+                &mut self.quants[b * BLOCK..(b + 1) * BLOCK],
+            );
+            self.scales[b] = d;
+            self.sums[b] = s;
+        }
+    }
+
+    /// The values the quantized vector stands for, `scales[b] · quants[i]`.
+    pub fn dequantize_into(&self, out: &mut [f32]) {
+        for ((o, q), d) in out
+            .chunks_exact_mut(BLOCK)
+            .zip(self.quants.chunks_exact(BLOCK))
+            .zip(&self.scales)
+        {
+            for (v, &qi) in o.iter_mut().zip(q) {
+                *v = *d * qi as f32;
+            }
+        }
+    }
+}
+
+/// `1 / d`, or 0 for a block whose values are all below `127 · f32::MIN_POSITIVE` (about
+/// 1.5e-36; such a block quantizes to zeros, where `1 / d` could overflow to infinity).
+fn inverse_scale(d: f32) -> f32 {
+    if d >= f32::MIN_POSITIVE {
+        1.0 / d
+    } else {
+        0.0
+    }
+}
+
+/// One block: returns (scale, scale · Σ q). Rounds ties to even, like `vroundps`.
+fn quantize_block_portable(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let finite = x.iter().all(|v| v.is_finite());
+    if !finite {
+        q.fill(0);
+        return (f32::NAN, f32::NAN);
+    }
+    let d = amax / 127.0;
+    let id = inverse_scale(d);
+    let mut sum = 0i32;
+    for (qi, v) in q.iter_mut().zip(x) {
+        let r = (v * id).round_ties_even() as i32;
+        *qi = r as i8;
+        sum += r;
+    }
+    (d, d * sum as f32)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// `W[r] · x` for one row of blocks against quantized activations.
+pub fn dot_row(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU has the features; `row` holds `xq.scales.len()` blocks of `ty`
+        // (callers pass a whole row of a matrix whose K matches `xq`).
+        return unsafe {
+            match ty {
+                BlockType::Q4_0 => x86::dot_q4_0(row, xq),
+                BlockType::Q4_1 => x86::dot_q4_1(row, xq),
+                BlockType::Q8_0 => x86::dot_q8_0(row, xq),
+            }
+        };
+    }
+    dot_row_portable(ty, row, xq)
+}
+
+/// The portable dot product: exact integer block sums, then the same f32 scaling as the AVX2
+/// path (which differs only in the order of the f32 additions).
+pub fn dot_row_portable(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
+    let bb = ty.block_bytes();
+    let mut acc = 0f32;
+    for (b, blk) in row.chunks_exact(bb).enumerate() {
+        let xs = &xq.quants[b * BLOCK..(b + 1) * BLOCK];
+        let d = read_f16(blk, 0) * xq.scales[b];
+        let qs = &blk[ty.header_bytes()..];
+        let mut isum = 0i32;
+        match ty {
+            BlockType::Q4_0 | BlockType::Q4_1 => {
+                let shift = if ty == BlockType::Q4_0 { 8 } else { 0 };
+                for j in 0..16 {
+                    isum += ((qs[j] & 0x0F) as i32 - shift) * xs[j] as i32;
+                    isum += ((qs[j] >> 4) as i32 - shift) * xs[j + 16] as i32;
+                }
+            }
+            BlockType::Q8_0 => {
+                for j in 0..32 {
+                    isum += (qs[j] as i8) as i32 * xs[j] as i32;
+                }
+            }
+        }
+        acc += d * isum as f32;
+        if ty == BlockType::Q4_1 {
+            acc += read_f16(blk, 2) * xq.sums[b];
+        }
+    }
+    acc
+}
+
+/// Rows per parallel task: about four tasks per thread balance the pool without paying rayon's
+/// scheduling per handful of rows; never fewer than 16 rows (a few KB of blocks).
+fn rows_per_task(rows: usize) -> usize {
+    let tasks = 4 * rayon::current_num_threads().max(1);
+    rows.div_ceil(tasks).max(16)
+}
+
+thread_local! {
+    static ACTIVATIONS: std::cell::RefCell<Q8Activations> =
+        std::cell::RefCell::new(Q8Activations::default());
+}
+
+fn masked_copy(x: &[f32], threshold: Threshold) -> Option<Vec<f32>> {
+    threshold.map(|_| {
+        x.iter()
+            .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
+            .collect()
+    })
+}
+
+impl QuantMatrix {
+    /// `y = W · x` with `x` quantized once; `x` and `y` already checked.
+    fn product(&self, x: &[f32], y: &mut [f32]) {
+        let run = |xq: &Q8Activations, y: &mut [f32]| {
+            let chunk = rows_per_task(self.rows);
+            y.par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(c, out)| self.rows_dot(c * chunk, xq, out));
+        };
+        ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut xq) => {
+                xq.quantize(x);
+                run(&xq, y)
+            }
+            // A pool thread that steals this product while waiting inside another one.
+            Err(_) => {
+                let mut xq = Q8Activations::default();
+                xq.quantize(x);
+                run(&xq, y)
+            }
+        });
+    }
+}
+
+impl WeightFormat for QuantMatrix {
+    /// Serialized as dense f16 (see the module notes).
+    fn kind(&self) -> FormatKind {
+        FormatKind::Dense
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The bytes held: quantized values as payload, per-block scales and offsets as metadata.
+    fn storage(&self) -> Storage {
+        let blocks = self.rows * self.cols / BLOCK;
+        let meta = blocks * self.ty.header_bytes();
+        Storage {
+            payload_bytes: self.blocks.len() - meta,
+            metadata_bytes: meta,
+        }
+    }
+    fn decode(&self) -> DenseMatrix {
+        let mut data = vec![f16::ZERO; self.rows * self.cols];
+        data.par_chunks_mut(self.cols)
+            .enumerate()
+            .for_each(|(r, out)| {
+                let mut row = vec![0f32; self.cols];
+                self.dequantize_row(r, &mut row);
+                for (o, v) in out.iter_mut().zip(&row) {
+                    *o = f16::from_f32(*v);
+                }
+            });
+        DenseMatrix::new(self.rows, self.cols, data)
+            .expect("QuantMatrix::new bounds every weight inside the f16 range")
+    }
+
+    fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+        check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
+        let xm = masked_copy(x, threshold);
+        self.product(xm.as_deref().unwrap_or(x), y);
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        let (m, k) = (self.rows, self.cols);
+        check_product_args(m, k, x, n, threshold, y)?;
+        // Each row goes through the 8-bit activation blocks the matvec uses, so batched and
+        // single-token products agree.
+        let mut xq = masked_copy(x, threshold).unwrap_or_else(|| x.to_vec());
+        xq.par_chunks_mut(k).for_each(|row| {
+            let mut q = Q8Activations::default();
+            q.quantize(row);
+            q.dequantize_into(row);
+        });
+        gemm::gemm_b_columns(
+            n,
+            m,
+            k,
+            gemm::View::row_major(&xq, k),
+            |j, col| self.dequantize_row(j, col),
+            y,
+            m,
+            false,
+            true,
+        )
+        .map_err(|e| FormatError::Option(e.to_string()))
+    }
+
+    fn write_payload(&self, w: &mut ByteWriter) {
+        w.u64(self.rows as u64);
+        w.u64(self.cols as u64);
+        w.f16s(self.decode().data());
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Q8Activations, BLOCK};
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        let bits = (p as *const u16).read_unaligned();
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Quantizes one block of 32; see `quantize_block_portable` (same rounding, same results).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+        debug_assert!(x.len() == BLOCK && q.len() == BLOCK);
+        let p = x.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let sign = _mm256_set1_ps(-0.0);
+        let zero = _mm256_setzero_ps();
+        let mut amax = zero;
+        // x · 0 is NaN exactly for the non-finite values.
+        let mut nonfinite = zero;
+        for vi in v {
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, vi));
+            nonfinite = _mm256_add_ps(nonfinite, _mm256_mul_ps(vi, zero));
+        }
+        if _mm256_movemask_ps(_mm256_cmp_ps(nonfinite, nonfinite, _CMP_UNORD_Q)) != 0 {
+            q.fill(0);
+            return (f32::NAN, f32::NAN);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        let d = _mm_cvtss_f32(m) / 127.0;
+        let id = _mm256_set1_ps(super::inverse_scale(d));
+        let r = v.map(|vi| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(vi, id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        });
+        let sum = hsum_i32(_mm256_add_epi32(
+            _mm256_add_epi32(r[0], r[1]),
+            _mm256_add_epi32(r[2], r[3]),
+        ));
+        // packs interleave the 128-bit lanes: (0 1 | 2 3)(4 5 | 6 7) per pair; a final
+        // permutation of 32-bit groups restores element order.
+        let w01 = _mm256_packs_epi32(r[0], r[1]);
+        let w23 = _mm256_packs_epi32(r[2], r[3]);
+        let b = _mm256_packs_epi16(w01, w23);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, b);
+        (d, d * sum as f32)
+    }
+
+    /// 32 unsigned 4-bit values of a block in element order (low nibbles then high nibbles).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let raw = _mm_loadu_si128(p as *const __m128i);
+        let mask = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(raw, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// Σ w · x over 32 signed bytes each, as 8 partial i32 sums.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot_i8(w: __m256i, x: __m256i) -> __m256i {
+        // maddubs multiplies unsigned by signed: move w's sign onto x.
+        let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        _mm256_madd_epi16(prod, _mm256_set1_epi16(1))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(row: &[u8], xq: &Q8Activations) -> f32 {
+        let nb = xq.scales.len().min(row.len() / 34);
+        let (wp, xp) = (row.as_ptr(), xq.quants.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for b in 0..nb {
+            let blk = wp.add(b * 34);
+            let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            let x = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
+            let d = _mm256_set1_ps(f16_at(blk) * *xq.scales.get_unchecked(b));
+            let s = _mm256_cvtepi32_ps(dot_i8(w, x));
+            acc[b & 1] = _mm256_fmadd_ps(s, d, acc[b & 1]);
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0(row: &[u8], xq: &Q8Activations) -> f32 {
+        let nb = xq.scales.len().min(row.len() / 18);
+        let (wp, xp) = (row.as_ptr(), xq.quants.as_ptr());
+        let eight = _mm256_set1_epi8(8);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for b in 0..nb {
+            let blk = wp.add(b * 18);
+            let w = _mm256_sub_epi8(nibbles(blk.add(2)), eight);
+            let x = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
+            let d = _mm256_set1_ps(f16_at(blk) * *xq.scales.get_unchecked(b));
+            let s = _mm256_cvtepi32_ps(dot_i8(w, x));
+            acc[b & 1] = _mm256_fmadd_ps(s, d, acc[b & 1]);
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(row: &[u8], xq: &Q8Activations) -> f32 {
+        let nb = xq.scales.len().min(row.len() / 20);
+        let (wp, xp) = (row.as_ptr(), xq.quants.as_ptr());
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut offsets = 0f32;
+        for b in 0..nb {
+            let blk = wp.add(b * 20);
+            // Weights are unsigned nibbles: maddubs takes them as they are.
+            let w = nibbles(blk.add(4));
+            let x = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+            let d = _mm256_set1_ps(f16_at(blk) * *xq.scales.get_unchecked(b));
+            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[b & 1]);
+            offsets += f16_at(blk.add(2)) * *xq.sums.get_unchecked(b);
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1])) + offsets
+    }
+}
+
+#[cfg(test)]
+mod tests;

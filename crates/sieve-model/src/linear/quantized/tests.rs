@@ -1,0 +1,322 @@
+use super::*;
+use crate::quant::dequantize;
+use proptest::prelude::*;
+use sieve_formats::registry;
+
+const TYPES: [BlockType; 3] = [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0];
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn next_u32(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    /// Uniform in [-0.5, 0.5).
+    fn unit(&mut self) -> f32 {
+        self.next_u32() as f32 / (1u64 << 31) as f32 - 0.5
+    }
+}
+
+/// Random blocks of `ty` with scales of a real model's size (|d| up to ~0.02, |m| up to ~0.15)
+/// and uniformly random quants.
+fn random_blocks(ty: BlockType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Lcg(seed);
+    let mut out = Vec::new();
+    for _ in 0..rows * cols / BLOCK {
+        let d = f16::from_f32(0.04 * rng.unit());
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        if ty == BlockType::Q4_1 {
+            let m = f16::from_f32(0.3 * rng.unit());
+            out.extend_from_slice(&m.to_bits().to_le_bytes());
+        }
+        for _ in 0..ty.block_bytes() - ty.header_bytes() {
+            out.push(rng.next_u32() as u8);
+        }
+    }
+    out
+}
+
+fn random_matrix(ty: BlockType, rows: usize, cols: usize, seed: u64) -> QuantMatrix {
+    QuantMatrix::new(ty, rows, cols, random_blocks(ty, rows, cols, seed)).unwrap()
+}
+
+/// Activations like a normed hidden state: mostly of order 1, with a few outliers.
+fn random_x(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Lcg(seed);
+    (0..len)
+        .map(|i| {
+            let v = 2.0 * rng.unit();
+            if i % 37 == 5 {
+                20.0 * v
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn reference_weights(w: &QuantMatrix) -> Vec<f32> {
+    dequantize(w.block_type().ggml(), w.blocks(), w.rows * w.cols).unwrap()
+}
+
+/// f64 `W · x` over the f32 dequantized weights, and the bound on how far the 8-bit activations
+/// may move it: rounding moves each x by at most half its block's step `dx / 2`, so output r
+/// moves by at most `Σ_b (dx_b / 2) Σ_{i in b} |w_ri|`. Plus f32 summation slack relative to
+/// `Σ |w x|`.
+fn reference_with_bound(w: &QuantMatrix, x: &[f32]) -> (Vec<f64>, Vec<f64>) {
+    let wf = reference_weights(w);
+    let k = w.cols;
+    let steps: Vec<f64> = x
+        .chunks_exact(BLOCK)
+        .map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0)
+        .collect();
+    let mut y = Vec::new();
+    let mut bound = Vec::new();
+    for r in 0..w.rows {
+        let row = &wf[r * k..(r + 1) * k];
+        let (mut s, mut quant, mut mag) = (0f64, 0f64, 0f64);
+        for (i, (&wi, &xi)) in row.iter().zip(x).enumerate() {
+            s += wi as f64 * xi as f64;
+            quant += steps[i / BLOCK] / 2.0 * (wi as f64).abs();
+            mag += (wi as f64 * xi as f64).abs();
+        }
+        y.push(s);
+        bound.push(quant * (1.0 + 1e-5) + 1e-5 * mag + 1e-30);
+    }
+    (y, bound)
+}
+
+#[test]
+fn rows_dequantize_exactly_like_the_gguf_reader() {
+    for ty in TYPES {
+        let w = random_matrix(ty, 5, 96, 3);
+        let want = reference_weights(&w);
+        let mut row = vec![0f32; 96];
+        for r in 0..5 {
+            w.dequantize_row(r, &mut row);
+            assert_eq!(row, want[r * 96..(r + 1) * 96], "{ty:?} row {r}");
+        }
+        let decoded = w.decode();
+        let want16: Vec<f16> = want.iter().map(|&v| f16::from_f32(v)).collect();
+        assert_eq!(decoded.data(), &want16[..]);
+    }
+}
+
+#[test]
+fn matvec_is_within_the_activation_quantization_bound() {
+    for ty in TYPES {
+        for &(m, k) in &[(1, 32), (7, 64), (70, 576), (33, 1536)] {
+            let w = random_matrix(ty, m, k, (m * k) as u64);
+            let x = random_x(k, m as u64 + 7);
+            let mut y = vec![f32::NAN; m];
+            w.matvec(&x, None, &mut y).unwrap();
+            let (want, bound) = reference_with_bound(&w, &x);
+            for r in 0..m {
+                let err = (y[r] as f64 - want[r]).abs();
+                assert!(
+                    err <= bound[r],
+                    "{ty:?} {m}x{k} row {r}: {} vs {} (err {err}, bound {})",
+                    y[r],
+                    want[r],
+                    bound[r]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_equals_f32_products_with_the_quantized_activations() {
+    // With x replaced by exactly the values its 8-bit blocks stand for, only f32 rounding
+    // separates the integer path from an f64 product.
+    for ty in TYPES {
+        let (m, k) = (40, 320);
+        let w = random_matrix(ty, m, k, 11);
+        let x = random_x(k, 12);
+        let mut q = Q8Activations::default();
+        q.quantize(&x);
+        let mut xhat = vec![0f32; k];
+        q.dequantize_into(&mut xhat);
+        let wf = reference_weights(&w);
+        let mut y = vec![0f32; m];
+        w.matvec(&x, None, &mut y).unwrap();
+        for r in 0..m {
+            let row = &wf[r * k..(r + 1) * k];
+            let want: f64 = row
+                .iter()
+                .zip(&xhat)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum();
+            let mag: f64 = row
+                .iter()
+                .zip(&xhat)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            assert!(
+                (y[r] as f64 - want).abs() <= 2e-6 * mag + 1e-30,
+                "{ty:?} row {r}: {} vs {want}",
+                y[r]
+            );
+            // The portable path gives the same up to f32 summation order.
+            let portable = dot_row_portable(ty, w.row(r), &q);
+            assert!((portable as f64 - want).abs() <= 2e-6 * mag + 1e-30);
+        }
+    }
+}
+
+#[test]
+fn the_simd_quantizer_matches_the_portable_one_bit_for_bit() {
+    let mut x = random_x(32 * 40, 5);
+    // Exact ties (x / d = k + 0.5) round to even in both.
+    x[0] = 127.0;
+    x[1] = 0.5;
+    x[2] = 1.5;
+    x[3] = -2.5;
+    // An all-zero block and a block of values too small to invert the scale of.
+    x[32..64].fill(0.0);
+    x[64..96].fill(1e-38);
+    let mut q = Q8Activations::default();
+    q.quantize(&x);
+    let mut quants = vec![0i8; 32];
+    for b in 0..40 {
+        let (d, s) = quantize_block_portable(&x[b * 32..(b + 1) * 32], &mut quants);
+        assert_eq!(q.scales[b].to_bits(), d.to_bits(), "block {b}");
+        assert_eq!(q.sums[b].to_bits(), s.to_bits(), "block {b}");
+        assert_eq!(&q.quants[b * 32..(b + 1) * 32], &quants[..], "block {b}");
+    }
+    assert_eq!(&q.quants[..4], &[127, 0, 2, -2]);
+    assert!(q.quants[32..96].iter().all(|&v| v == 0));
+}
+
+#[test]
+fn non_finite_activations_propagate() {
+    let w = random_matrix(BlockType::Q4_1, 3, 64, 1);
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x = random_x(64, 2);
+        x[40] = bad;
+        let mut y = [0f32; 3];
+        w.matvec(&x, None, &mut y).unwrap();
+        assert!(y.iter().all(|v| v.is_nan()), "{y:?}");
+    }
+}
+
+#[test]
+fn matmul_rows_agree_with_matvec_and_thresholds_apply() {
+    for ty in TYPES {
+        let (m, k, n) = (37, 96, 5);
+        let w = random_matrix(ty, m, k, 21);
+        let x = random_x(n * k, 22);
+        for t in [None, Some(0.3f32)] {
+            let mut y = vec![f32::NAN; n * m];
+            w.matmul(&x, n, t, &mut y).unwrap();
+            for tok in 0..n {
+                let mut yv = vec![0f32; m];
+                w.matvec(&x[tok * k..(tok + 1) * k], t, &mut yv).unwrap();
+                for r in 0..m {
+                    let (a, b) = (y[tok * m + r], yv[r]);
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{ty:?} {a} vs {b}");
+                }
+            }
+        }
+        // The threshold is the same as zeroing the inactive inputs.
+        let mut masked = x[..k].to_vec();
+        masked.iter_mut().for_each(|v| {
+            if v.abs() <= 0.3 {
+                *v = 0.0
+            }
+        });
+        let (mut a, mut b) = (vec![0f32; m], vec![0f32; m]);
+        w.matvec(&x[..k], Some(0.3), &mut a).unwrap();
+        w.matvec(&masked, None, &mut b).unwrap();
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn bad_blocks_and_shapes_are_refused() {
+    let good = random_blocks(BlockType::Q4_1, 2, 64, 1);
+    assert!(QuantMatrix::new(BlockType::Q4_1, 2, 64, good.clone()).is_ok());
+    assert!(QuantMatrix::new(BlockType::Q4_1, 2, 60, good.clone()).is_err());
+    assert!(QuantMatrix::new(BlockType::Q4_1, 0, 64, vec![]).is_err());
+    assert!(QuantMatrix::new(BlockType::Q4_1, 2, 64, good[..79].to_vec()).is_err());
+    assert!(QuantMatrix::new(BlockType::Q8_0, 2, 64, good.clone()).is_err());
+    for bad_scale in [f16::NAN, f16::INFINITY, f16::from_f32(60000.0)] {
+        let mut b = good.clone();
+        b[20..22].copy_from_slice(&bad_scale.to_bits().to_le_bytes());
+        assert!(QuantMatrix::new(BlockType::Q4_1, 2, 64, b).is_err());
+    }
+    // An offset alone can push Q4_1 weights out of the f16 range.
+    let mut b = good;
+    b[0..2].copy_from_slice(&f16::from_f32(0.01).to_bits().to_le_bytes());
+    b[2..4].copy_from_slice(&f16::from_f32(-65504.0).to_bits().to_le_bytes());
+    assert!(QuantMatrix::new(BlockType::Q4_1, 2, 64, b).is_err());
+    let w = random_matrix(BlockType::Q8_0, 2, 64, 3);
+    let mut y = [0f32; 2];
+    assert!(w.matvec(&[0.0; 63], None, &mut y).is_err());
+    assert!(w.matvec(&[0.0; 64], Some(f32::NAN), &mut y).is_err());
+    assert!(w.matmul(&[0.0; 64], 2, None, &mut [0f32; 4]).is_err());
+}
+
+#[test]
+fn storage_counts_the_blocks() {
+    let w = random_matrix(BlockType::Q4_1, 3, 64, 1);
+    let s = w.storage();
+    assert_eq!(s.total_bytes(), 3 * 2 * 20);
+    assert_eq!(s.metadata_bytes, 3 * 2 * 4);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The activation blocks: each value within half a step of the original, quants in range,
+    /// sums consistent, the largest magnitude of each block kept exactly (up to f32 rounding).
+    #[test]
+    fn activation_blocks_round_trip(
+        x in proptest::collection::vec(-1e4f32..1e4, 1..6usize)
+            .prop_flat_map(|v| proptest::collection::vec(-1e4f32..1e4, v.len() * BLOCK))
+    ) {
+        let mut q = Q8Activations::default();
+        q.quantize(&x);
+        let mut back = vec![0f32; x.len()];
+        q.dequantize_into(&mut back);
+        for (b, block) in x.chunks_exact(BLOCK).enumerate() {
+            let d = q.scales[b];
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            prop_assert!((d - amax / 127.0).abs() <= f32::EPSILON * d);
+            let qs = &q.quants[b * BLOCK..(b + 1) * BLOCK];
+            prop_assert!(qs.iter().all(|&v| v != i8::MIN));
+            let sum: i32 = qs.iter().map(|&v| v as i32).sum();
+            prop_assert_eq!(q.sums[b], d * sum as f32);
+            for i in 0..BLOCK {
+                let (orig, got) = (block[i], back[b * BLOCK + i]);
+                prop_assert!((orig - got).abs() <= d * 0.5 * (1.0 + 1e-5), "{} vs {}", orig, got);
+            }
+        }
+    }
+
+    /// Random blocks of any type survive the `.sieve` blob as their f16 decode, and the
+    /// matrix-vector product stays within the quantization bound.
+    #[test]
+    fn random_blocks_serialize_and_multiply(
+        ty in prop::sample::select(TYPES.to_vec()),
+        rows in 1usize..9,
+        blocks_per_row in 1usize..5,
+        seed in any::<u64>(),
+    ) {
+        let cols = blocks_per_row * BLOCK;
+        let w = random_matrix(ty, rows, cols, seed);
+        let back = registry::from_bytes(&w.to_bytes()).unwrap();
+        prop_assert_eq!(back.decode(), w.decode());
+        let x = random_x(cols, seed ^ 0x5eed);
+        let mut y = vec![0f32; rows];
+        w.matvec(&x, None, &mut y).unwrap();
+        let (want, bound) = reference_with_bound(&w, &x);
+        for r in 0..rows {
+            prop_assert!((y[r] as f64 - want[r]).abs() <= bound[r]);
+        }
+    }
+}
