@@ -1,22 +1,35 @@
 //! Whole-model pruning, layer by layer, on calibration windows (what `sieve pack` runs).
 //!
-//! For each decoder layer `l`, with the residual stream of every calibration window at the
-//! input of `l` in memory (one layer boundary, `windows x len x d` floats):
+//! One pass per decoder layer `l`, with the residual stream of every calibration window at the
+//! input of `l` in memory (one layer boundary, `windows x len x d` floats). The layer's four
+//! input sites ([`Site`]) are calibrated in the order the layer computes them, each on inputs
+//! produced by the projections before it **already pruned** (the sublayer order GPTQ calls
+//! "true sequential"), so every product of the layer is computed once per window:
 //!
-//! 1. **Statistics** (Wanda, SparseGPT only): run layer `l` as it is over every window and
-//!    accumulate, per input site ([`Site`]: q/k/v input, o_proj input, gate/up input, down_proj
-//!    input), Wanda's column norms or SparseGPT's Hessian `XᵀX`. The outputs are thrown away.
-//! 2. **Prune** the layer's 7 linears to ratio `sp` in `pattern` with the chosen method
-//!    (SparseGPT factorises each site's Hessian once for the matrices that share it), and
-//!    re-encode each in the chosen format ([`FormatChoice`]).
-//! 3. **Recompute** layer `l` with the pruned weights over every window, in place: these are
-//!    the inputs of layer `l + 1`, so later layers are calibrated on the outputs of the
-//!    already-pruned ones (as SparseGPT and Wanda do). Skipped for magnitude pruning without
-//!    thresholds, which reads no activations. The same pass fills one `|x|` histogram
-//!    per site and keeps the first `report_tokens` activation rows per site.
-//! 4. **TEAL**: per site, the threshold whose calibration fraction of `|x| <= t` is closest to
-//!    `dp` is set on the linears reading that site; the dual-sparsity report of every linear
-//!    (SPDP's static x dynamic overlap) is measured on the kept activation rows.
+//! 1. normed residual stream of every window -> statistics of q/k/v's input -> prune q/k/v;
+//! 2. attention with the pruned q/k/v -> statistics of o_proj's input (kept for every window)
+//!    -> prune o_proj;
+//! 3. residual stream += pruned o_proj -> statistics of gate/up's input -> prune gate/up;
+//! 4. SwiGLU with the pruned gate/up -> statistics of down_proj's input (kept for every window)
+//!    -> prune down_proj;
+//! 5. residual stream += pruned down_proj: the inputs of layer `l + 1`, so later layers are
+//!    calibrated on the outputs of the already-pruned ones (as SparseGPT and Wanda do).
+//!
+//! The statistics are Wanda's column norms or SparseGPT's `XᵀX` (one site at a time; SparseGPT
+//! factorises each site's Hessian once for the matrices that share it); magnitude reads none.
+//! Each pruned linear is re-encoded in the chosen format ([`FormatChoice`]). The same steps
+//! fill one `|x|` histogram per site and keep the first `report_tokens` activation rows per
+//! site. Memory: the residual streams plus one site's inputs of every window (the largest is
+//! down_proj's, `windows x len x I` floats) — one layer's activations, never all layers'.
+//! Magnitude pruning without thresholds reads no activations and skips the steps.
+//!
+//! Wanda's reference implementation instead takes every site's statistics from the layer
+//! before any of its projections is pruned, and then runs the pruned layer again for its
+//! output: two passes, and o_proj/gate/up/down statistics that the pruned model never sees.
+//!
+//! **TEAL**: per site, the threshold whose calibration fraction of `|x| <= t` is closest to
+//! `dp` is set on the linears reading that site; the dual-sparsity report of every linear
+//! (SPDP's static x dynamic overlap) is measured on the kept activation rows.
 //!
 //! The thresholds of layer `l` are calibrated on activations without any threshold applied
 //! and the stream passed on to layer `l + 1` is computed without them, as TEAL calibrates
@@ -46,7 +59,6 @@ use serde::Serialize;
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
 use sieve_model::linear::FastDense;
 use sieve_model::llama::{Model, Site};
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
@@ -173,13 +185,14 @@ pub struct PipelineReport {
 pub struct StageSeconds {
     /// Embedding the windows.
     pub embed: f64,
-    /// 1. Statistics passes (Wanda norms / SparseGPT Hessians).
+    /// The layer's own computation over every window (norms, projections, attention, SwiGLU).
+    pub forward: f64,
+    /// Accumulating what the method and TEAL read from each site's inputs: Wanda's column
+    /// norms or SparseGPT's `XᵀX`, `|x|` histograms, kept report rows.
     pub statistics: f64,
-    /// 2. Factorising Hessians, pruning, encoding.
+    /// Factorising Hessians, pruning, encoding.
     pub prune: f64,
-    /// 3. Recompute passes (with histograms and kept rows).
-    pub recompute: f64,
-    /// 4. Thresholds and the dual-sparsity report.
+    /// Thresholds and the dual-sparsity report.
     pub report: f64,
 }
 
@@ -239,8 +252,8 @@ impl PipelineReport {
         ));
         let t = &self.stage_seconds;
         out.push_str(&format!(
-            "stages: embed {:.1} s, statistics {:.1} s, prune {:.1} s, recompute {:.1} s, report {:.1} s\n",
-            t.embed, t.statistics, t.prune, t.recompute, t.report
+            "stages: embed {:.1} s, forward {:.1} s, statistics {:.1} s, prune {:.1} s, report {:.1} s\n",
+            t.embed, t.forward, t.statistics, t.prune, t.report
         ));
         out
     }
@@ -270,8 +283,11 @@ fn aggregate<'a>(rows: impl Iterator<Item = &'a LinearReport>) -> (f64, f64, f64
     (sp, dp, ov, sp + dp - ov, 1.0 - (1.0 - sp) * (1.0 - dp))
 }
 
-/// Progress of [`prune_model`], in units: per layer, one per window of each pass and one per
-/// pruned linear.
+/// Passes over the windows per layer (module docs, steps 1-5).
+const PASS_STEPS: u64 = 5;
+
+/// Progress of [`prune_model`], in units: per layer, one per window of each of the
+/// [`PASS_STEPS`] steps and one per pruned linear.
 #[derive(Clone, Copy, Debug)]
 pub struct Progress<'a> {
     pub done: u64,
@@ -280,11 +296,159 @@ pub struct Progress<'a> {
     pub stage: &'a str,
 }
 
-/// Per-site calibration statistics of one layer.
-#[derive(Default)]
-struct SiteStats {
-    norms: HashMap<Site, ColumnNorms>,
-    hessians: HashMap<Site, HessianAccumulator>,
+/// Calibration statistics of one input site, over every window.
+enum SiteStats {
+    None,
+    Norms(ColumnNorms),
+    Hessian(HessianAccumulator),
+}
+
+/// A pruned linear waiting for the end of its layer's pass.
+struct PrunedLinear {
+    name: String,
+    site: Site,
+    /// What is stored (f16 underflows count as pruned).
+    mask: Mask,
+    format: Box<dyn WeightFormat>,
+}
+
+/// The per-layer state of [`prune_model`]: statistics of the site being calibrated, the
+/// histograms and kept rows of every site, and the pruned linears waiting for their formats.
+struct LayerPass<'a> {
+    options: &'a PipelineOptions,
+    pattern: Pattern,
+    layer: usize,
+    stats: SiteStats,
+    histograms: HashMap<Site, ActivationHistogram>,
+    kept: HashMap<Site, (Vec<f32>, usize)>,
+    /// Per linear of the layer, in [`sieve_model::llama::Layer::linears_mut`] order.
+    pruned: Vec<Option<PrunedLinear>>,
+    statistics_seconds: f64,
+}
+
+impl<'a> LayerPass<'a> {
+    fn new(options: &'a PipelineOptions, pattern: Pattern, layer: usize) -> Self {
+        Self {
+            options,
+            pattern,
+            layer,
+            stats: SiteStats::None,
+            histograms: HashMap::new(),
+            kept: HashMap::new(),
+            pruned: (0..7).map(|_| None).collect(),
+            statistics_seconds: 0.0,
+        }
+    }
+
+    /// Feeds `n` input rows of `site` (of one window) to the method's statistics, the TEAL
+    /// histogram and the kept report rows.
+    fn observe(&mut self, site: Site, a: &[f32], n: usize) -> Result<()> {
+        let clock = std::time::Instant::now();
+        let k = a.len() / n.max(1);
+        match self.options.method {
+            Method::Magnitude => {}
+            Method::Wanda => {
+                if !matches!(self.stats, SiteStats::Norms(_)) {
+                    self.stats = SiteStats::Norms(ColumnNorms::new(k)?);
+                }
+                if let SiteStats::Norms(c) = &mut self.stats {
+                    c.add_rows(a, n)?;
+                }
+            }
+            Method::SparseGpt => {
+                if !matches!(self.stats, SiteStats::Hessian(_)) {
+                    self.stats = SiteStats::Hessian(HessianAccumulator::new(k)?);
+                }
+                if let SiteStats::Hessian(h) = &mut self.stats {
+                    h.add_rows(a, n)?;
+                }
+            }
+        }
+        if self.options.dp > 0.0 {
+            self.histograms.entry(site).or_default().add(a)?;
+        }
+        let entry = self.kept.entry(site).or_insert_with(|| (Vec::new(), 0));
+        let room = self.options.report_tokens.saturating_sub(entry.1).min(n);
+        entry.0.extend_from_slice(&a[..room * k]);
+        entry.1 += room;
+        self.statistics_seconds += clock.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Prunes the linears of layer `self.layer` that read `site` with the statistics observed
+    /// since the last call, encodes them, and leaves their decoded values in a [`FastDense`]
+    /// for the rest of the layer's pass. Returns how many linears were pruned.
+    fn prune_site(&mut self, model: &mut Model, site: Site) -> Result<u64> {
+        let options = self.options;
+        let stats = std::mem::replace(&mut self.stats, SiteStats::None);
+        let prepared = match &stats {
+            SiteStats::Hessian(h) => Some(PreparedHessian::new(h, &options.sparsegpt)?),
+            _ => None,
+        };
+        let mut count = 0;
+        let l = self.layer;
+        for (slot, (short, lin)) in model.layers_mut()[l].linears_mut().into_iter().enumerate() {
+            let lin_site = Site::of_linear(short)
+                .ok_or_else(|| PruneError::Option(format!("unknown projection {short}")))?;
+            if lin_site != site {
+                continue;
+            }
+            let (rows, cols) = (lin.rows(), lin.cols());
+            let weights: Vec<f32> = lin
+                .format()
+                .decode()
+                .data()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            let pruned_weights = match (options.method, &stats, &prepared) {
+                (Method::Magnitude, _, _) => {
+                    prune_magnitude(&weights, rows, cols, self.pattern, options.sp)?.weights
+                }
+                (Method::Wanda, SiteStats::Norms(norms), _) => {
+                    prune_wanda(&weights, rows, cols, norms, self.pattern, options.sp)?.weights
+                }
+                (Method::SparseGpt, _, Some(h)) => {
+                    h.prune(
+                        &weights,
+                        rows,
+                        cols,
+                        self.pattern,
+                        options.sp,
+                        &options.sparsegpt,
+                    )?
+                    .weights
+                }
+                _ => {
+                    return Err(PruneError::NoCalibration(
+                        "no activations reached a calibrated site",
+                    ))
+                }
+            };
+            let matrix = DenseMatrix::from_f32(rows, cols, &pruned_weights)?;
+            // The mask of what is stored: an f16 underflow after SparseGPT's update also
+            // counts as a zero the kernels skip.
+            let keep: Vec<bool> = matrix
+                .data()
+                .iter()
+                .map(|v| !sieve_formats::matrix::is_zero(*v))
+                .collect();
+            let format = encode_choice(&matrix, options.format, options.dp)?;
+            // The rest of the pass runs the values the format stores (decode is exact, and for
+            // quantized payloads it is what the kernels multiply by) through the fast dense
+            // GEMM: the formats' own batched products are reference loops, far too slow for
+            // thousands of calibration tokens. The format goes in when the layer is done.
+            lin.replace_format(Box::new(FastDense::new(format.decode())))?;
+            self.pruned[slot] = Some(PrunedLinear {
+                name: format!("model.layers.{l}.{short}.weight"),
+                site,
+                mask: Mask::new(rows, cols, keep)?,
+                format,
+            });
+            count += 1;
+        }
+        Ok(count)
+    }
 }
 
 /// Prunes every decoder layer of `model` in place (module docs) and sets TEAL thresholds.
@@ -305,7 +469,9 @@ pub fn prune_model(
         ));
     }
     let layers = model.layers().len();
-    let per_layer_units = 2 * windows.len() as u64 + 7;
+    let c = model.config();
+    let (d, att_width, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
+    let per_layer_units = PASS_STEPS * windows.len() as u64 + 7;
     let total_units = layers as u64 * per_layer_units;
     let mut done = 0u64;
     let mut hidden: Vec<Vec<f32>> = windows
@@ -318,179 +484,122 @@ pub fn prune_model(
         ..StageSeconds::default()
     };
     let mut reports = Vec::with_capacity(layers * 7);
+    // Magnitude pruning without thresholds reads no activations: the pass would only feed the
+    // dual-sparsity report, which without a threshold depends on the mask alone.
+    let needs_activations = options.method.needs_calibration() || options.dp > 0.0;
 
     for l in 0..layers {
-        // 1. Statistics of the unpruned layer.
+        let mut pass = LayerPass::new(options, pattern, l);
         let mut clock = std::time::Instant::now();
+        let mut forward_seconds = 0.0;
+        let mut prune_seconds = 0.0;
         let mut lap = |acc: &mut f64| {
             *acc += clock.elapsed().as_secs_f64();
             clock = std::time::Instant::now();
         };
-        let mut stats = SiteStats::default();
-        if options.method.needs_calibration() {
-            for (w, h) in windows.iter().zip(&hidden) {
-                let mut x = h.clone();
-                let mut failure = None;
-                let method = options.method;
-                model.observe_layer(l, &mut x, w.len(), &mut |site, a, n| {
-                    if failure.is_some() {
-                        return;
-                    }
-                    let k = a.len() / n.max(1);
-                    let r = match method {
-                        Method::SparseGpt => match stats.hessians.entry(site) {
-                            Entry::Occupied(e) => e.into_mut().add_rows(a, n),
-                            Entry::Vacant(e) => {
-                                HessianAccumulator::new(k).and_then(|h| e.insert(h).add_rows(a, n))
-                            }
-                        },
-                        _ => match stats.norms.entry(site) {
-                            Entry::Occupied(e) => e.into_mut().add_rows(a, n),
-                            Entry::Vacant(e) => {
-                                ColumnNorms::new(k).and_then(|c| e.insert(c).add_rows(a, n))
-                            }
-                        },
-                    };
-                    if let Err(e) = r {
-                        failure = Some(e);
-                    }
-                })?;
-                if let Some(e) = failure {
-                    return Err(e);
-                }
-                done += 1;
-                on_progress(Progress {
-                    done,
-                    total: total_units,
-                    layer: l,
-                    stage: "calibrate",
-                });
+        let mut step_done = |done: &mut u64, stage: &'static str, units: u64| {
+            *done += units;
+            on_progress(Progress {
+                done: *done,
+                total: total_units,
+                layer: l,
+                stage,
+            });
+        };
+
+        if !needs_activations {
+            for site in Site::ALL {
+                let pruned = pass.prune_site(model, site)?;
+                step_done(&mut done, "prune", pruned);
             }
+            step_done(&mut done, "prune", PASS_STEPS * windows.len() as u64);
+            lap(&mut prune_seconds);
         } else {
-            done += windows.len() as u64;
-        }
-
-        lap(&mut stages.statistics);
-
-        // 2. Prune and re-encode.
-        let prepared: HashMap<Site, PreparedHessian> = stats
-            .hessians
-            .iter()
-            .map(|(site, h)| Ok((*site, PreparedHessian::new(h, &options.sparsegpt)?)))
-            .collect::<Result<_>>()?;
-        let mut masks: Vec<(String, Site, Mask)> = Vec::with_capacity(7);
-        let mut encoded: Vec<Box<dyn WeightFormat>> = Vec::with_capacity(7);
-        for (short, lin) in model.layers_mut()[l].linears_mut() {
-            let site = Site::of_linear(short)
-                .ok_or_else(|| PruneError::Option(format!("unknown projection {short}")))?;
-            let (rows, cols) = (lin.rows(), lin.cols());
-            let weights: Vec<f32> = lin
-                .format()
-                .decode()
-                .data()
-                .iter()
-                .map(|v| v.to_f32())
-                .collect();
-            let pruned_weights = match options.method {
-                Method::Magnitude => {
-                    prune_magnitude(&weights, rows, cols, pattern, options.sp)?.weights
-                }
-                Method::Wanda => {
-                    let norms = stats.norms.get(&site).ok_or(PruneError::NoCalibration(
-                        "no activations reached a Wanda site",
-                    ))?;
-                    prune_wanda(&weights, rows, cols, norms, pattern, options.sp)?.weights
-                }
-                Method::SparseGpt => {
-                    let h = prepared.get(&site).ok_or(PruneError::NoCalibration(
-                        "no activations reached a SparseGPT site",
-                    ))?;
-                    h.prune(
-                        &weights,
-                        rows,
-                        cols,
-                        pattern,
-                        options.sp,
-                        &options.sparsegpt,
-                    )?
-                    .weights
-                }
-            };
-            let matrix = DenseMatrix::from_f32(rows, cols, &pruned_weights)?;
-            // The mask of what is stored: an f16 underflow after SparseGPT's update also
-            // counts as a zero the kernels skip.
-            let keep: Vec<bool> = matrix
-                .data()
-                .iter()
-                .map(|v| !sieve_formats::matrix::is_zero(*v))
-                .collect();
-            let format = encode_choice(&matrix, options.format, options.dp)?;
-            // The recompute pass runs the values the format stores (decode is exact, and for
-            // quantized payloads it is what the kernels multiply by) through the fast dense
-            // GEMM: the formats' own batched products are reference loops, far too slow for
-            // thousands of calibration tokens. The format goes in after the pass.
-            lin.replace_format(Box::new(FastDense::new(format.decode())))?;
-            encoded.push(format);
-            masks.push((
-                format!("model.layers.{l}.{short}.weight"),
-                site,
-                Mask::new(rows, cols, keep)?,
-            ));
-            done += 1;
-            on_progress(Progress {
-                done,
-                total: total_units,
-                layer: l,
-                stage: "prune",
-            });
-        }
-        drop(prepared);
-        drop(stats);
-
-        lap(&mut stages.prune);
-
-        // 3. Recompute the layer's outputs with the pruned weights.
-        let mut histograms: HashMap<Site, ActivationHistogram> = HashMap::new();
-        let mut kept: HashMap<Site, (Vec<f32>, usize)> = HashMap::new();
-        // Magnitude pruning without thresholds reads no activations: the pass would only feed
-        // the dual-sparsity report, which without a threshold depends on the mask alone.
-        let needs_activations = options.method.needs_calibration() || options.dp > 0.0;
-        let recompute = if needs_activations { windows.len() } else { 0 };
-        done += (windows.len() - recompute) as u64;
-        for (w, h) in windows.iter().zip(hidden.iter_mut()).take(recompute) {
-            let mut failure = None;
-            let want_hist = options.dp > 0.0;
-            let report_tokens = options.report_tokens;
-            model.forward_layer(l, h, w.len(), &mut |site, a, n| {
-                if want_hist {
-                    if let Err(e) = histograms.entry(site).or_default().add(a) {
-                        failure.get_or_insert(e);
-                    }
-                }
-                let k = a.len() / n.max(1);
-                let entry = kept.entry(site).or_insert_with(|| (Vec::new(), 0));
-                let room = report_tokens.saturating_sub(entry.1).min(n);
-                entry.0.extend_from_slice(&a[..room * k]);
-                entry.1 += room;
-            })?;
-            if let Some(e) = failure {
-                return Err(e);
+            // 1. q/k/v: their input is the normed residual stream.
+            let mut xn = Vec::new();
+            for (w, x) in windows.iter().zip(&hidden) {
+                let n = w.len();
+                xn.resize(n * d, 0.0);
+                model.attention_input(l, x, n, &mut xn)?;
+                pass.observe(Site::AttnIn, &xn, n)?;
+                step_done(&mut done, "attention input", 1);
             }
-            done += 1;
-            on_progress(Progress {
-                done,
-                total: total_units,
-                layer: l,
-                stage: "recompute",
-            });
+            lap(&mut forward_seconds);
+            let pruned = pass.prune_site(model, Site::AttnIn)?;
+            step_done(&mut done, "prune", pruned);
+            lap(&mut prune_seconds);
+
+            // 2. o_proj: attention with the pruned q/k/v; kept for every window.
+            let mut mixed: Vec<Vec<f32>> = Vec::with_capacity(windows.len());
+            for (w, x) in windows.iter().zip(&hidden) {
+                let n = w.len();
+                xn.resize(n * d, 0.0);
+                model.attention_input(l, x, n, &mut xn)?;
+                let mut att = vec![0f32; n * att_width];
+                model.attention_mix(l, &xn, n, &mut att)?;
+                pass.observe(Site::OProjIn, &att, n)?;
+                mixed.push(att);
+                step_done(&mut done, "attention", 1);
+            }
+            lap(&mut forward_seconds);
+            let pruned = pass.prune_site(model, Site::OProjIn)?;
+            step_done(&mut done, "prune", pruned);
+            lap(&mut prune_seconds);
+
+            // 3. gate/up: the residual stream after the pruned o_proj.
+            let mut proj = Vec::new();
+            for ((w, x), att) in windows.iter().zip(hidden.iter_mut()).zip(&mut mixed) {
+                let n = w.len();
+                proj.resize(n * d, 0.0);
+                model.layers()[l].o_proj.forward(att, n, &mut proj)?;
+                *att = Vec::new();
+                x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+                xn.resize(n * d, 0.0);
+                model.mlp_input(l, x, n, &mut xn)?;
+                pass.observe(Site::MlpIn, &xn, n)?;
+                step_done(&mut done, "o_proj", 1);
+            }
+            lap(&mut forward_seconds);
+            let pruned = pass.prune_site(model, Site::MlpIn)?;
+            step_done(&mut done, "prune", pruned);
+            lap(&mut prune_seconds);
+
+            // 4. down_proj: SwiGLU of the pruned gate/up; kept for every window.
+            mixed.clear();
+            for (w, x) in windows.iter().zip(&hidden) {
+                let n = w.len();
+                xn.resize(n * d, 0.0);
+                model.mlp_input(l, x, n, &mut xn)?;
+                let mut h = vec![0f32; n * inter];
+                model.mlp_mix(l, &xn, n, &mut h)?;
+                pass.observe(Site::DownProjIn, &h, n)?;
+                mixed.push(h);
+                step_done(&mut done, "mlp", 1);
+            }
+            lap(&mut forward_seconds);
+            let pruned = pass.prune_site(model, Site::DownProjIn)?;
+            step_done(&mut done, "prune", pruned);
+            lap(&mut prune_seconds);
+
+            // 5. The layer's output with the pruned down_proj: the next layer's input.
+            for ((w, x), h) in windows.iter().zip(hidden.iter_mut()).zip(&mut mixed) {
+                let n = w.len();
+                proj.resize(n * d, 0.0);
+                model.layers()[l].down_proj.forward(h, n, &mut proj)?;
+                *h = Vec::new();
+                x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+                step_done(&mut done, "down_proj", 1);
+            }
+            lap(&mut forward_seconds);
         }
+        stages.statistics += pass.statistics_seconds;
+        stages.forward += forward_seconds - pass.statistics_seconds;
+        stages.prune += prune_seconds;
 
-        lap(&mut stages.recompute);
-
-        // 4. Thresholds and the dual-sparsity report.
+        // Thresholds and the dual-sparsity report.
         let mut thresholds: HashMap<Site, (Option<f32>, f64)> = HashMap::new();
         for site in Site::ALL {
-            let t = match histograms.get(&site) {
+            let t = match pass.histograms.get(&site) {
                 Some(hist) if options.dp > 0.0 => {
                     let t = hist.threshold_for(options.dp)?;
                     (t.threshold, t.achieved)
@@ -500,14 +609,21 @@ pub fn prune_model(
             thresholds.insert(site, t);
         }
         let layer = &mut model.layers_mut()[l];
-        for (((short, lin), (name, site, mask)), format) in
-            layer.linears_mut().into_iter().zip(masks).zip(encoded)
-        {
+        for ((short, lin), slot) in layer.linears_mut().into_iter().zip(&mut pass.pruned) {
+            let PrunedLinear {
+                name,
+                site,
+                mask,
+                format,
+            } = slot
+                .take()
+                .ok_or_else(|| PruneError::Option(format!("layer {l} {short} was not pruned")))?;
             debug_assert_eq!(Site::of_linear(short), Some(site));
             lin.replace_format(format)?;
             let (threshold, calib_dp) = thresholds.get(&site).copied().unwrap_or((None, 0.0));
             lin.set_threshold(threshold)?;
-            let (acts, n) = kept
+            let (acts, n) = pass
+                .kept
                 .get(&site)
                 .map(|(a, n)| (a.as_slice(), *n))
                 .unwrap_or((&[], 0));
@@ -833,7 +949,97 @@ mod tests {
         assert!(truncated.is_err());
     }
 
-    /// Magnitude without thresholds skips the recompute pass; its report still gives the
+    /// The one-pass pipeline against a plain site-by-site reference built on `forward_layer`:
+    /// for each site in layer order, run the whole (partly pruned) layer over every window to
+    /// collect that site's statistics, prune the site's linears, and finally run the pruned
+    /// layer for the next layer's input. Same arithmetic in the same order, so the stored
+    /// weights must be identical.
+    #[test]
+    fn one_pass_matches_site_by_site_reference() {
+        let src = source();
+        let windows = windows();
+        for (method, pattern) in [(Method::Wanda, "unstructured"), (Method::SparseGpt, "2:4")] {
+            let opts = options(method, pattern, 0.5, 0.0, "dense");
+            let mut ours = Model::from_source(&src).unwrap();
+            prune_model(&mut ours, &windows, &opts, &mut |_| {}).unwrap();
+
+            let mut reference = Model::from_source(&src).unwrap();
+            let mut hidden: Vec<Vec<f32>> = windows
+                .iter()
+                .map(|w| reference.embed(w).unwrap())
+                .collect();
+            for l in 0..reference.layers().len() {
+                for site in Site::ALL {
+                    let mut norms: Option<ColumnNorms> = None;
+                    let mut gram: Option<HessianAccumulator> = None;
+                    for (w, h) in windows.iter().zip(&hidden) {
+                        let mut x = h.clone();
+                        reference
+                            .forward_layer(l, &mut x, w.len(), &mut |s, a, n| {
+                                if s != site {
+                                    return;
+                                }
+                                let k = a.len() / n;
+                                norms
+                                    .get_or_insert_with(|| ColumnNorms::new(k).unwrap())
+                                    .add_rows(a, n)
+                                    .unwrap();
+                                gram.get_or_insert_with(|| HessianAccumulator::new(k).unwrap())
+                                    .add_rows(a, n)
+                                    .unwrap();
+                            })
+                            .unwrap();
+                    }
+                    let (norms, gram) = (norms.unwrap(), gram.unwrap());
+                    let prepared = PreparedHessian::new(&gram, &opts.sparsegpt).unwrap();
+                    for (short, lin) in reference.layers_mut()[l].linears_mut() {
+                        if Site::of_linear(short) != Some(site) {
+                            continue;
+                        }
+                        let (rows, cols) = (lin.rows(), lin.cols());
+                        let w: Vec<f32> = lin
+                            .format()
+                            .decode()
+                            .data()
+                            .iter()
+                            .map(|v| v.to_f32())
+                            .collect();
+                        let pruned = match method {
+                            Method::Wanda => {
+                                prune_wanda(&w, rows, cols, &norms, opts.pattern, 0.5)
+                                    .unwrap()
+                                    .weights
+                            }
+                            _ => {
+                                prepared
+                                    .prune(&w, rows, cols, opts.pattern, 0.5, &opts.sparsegpt)
+                                    .unwrap()
+                                    .weights
+                            }
+                        };
+                        let m = DenseMatrix::from_f32(rows, cols, &pruned).unwrap();
+                        lin.replace_format(Box::new(FastDense::new(m))).unwrap();
+                    }
+                }
+                for (w, h) in windows.iter().zip(hidden.iter_mut()) {
+                    reference
+                        .forward_layer(l, h, w.len(), &mut |_, _, _| {})
+                        .unwrap();
+                }
+            }
+            for (a, b) in ours.layers().iter().zip(reference.layers()) {
+                for ((name, la), (_, lb)) in a.linears().iter().zip(b.linears()) {
+                    assert_eq!(
+                        la.format().decode(),
+                        lb.format().decode(),
+                        "{method} {name}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Magnitude without thresholds skips the pass over the windows; its report still gives the
     /// static ratio and no dynamic sparsity, and its weights equal those of a run with the pass.
     #[test]
     fn magnitude_without_thresholds_needs_no_activations() {
