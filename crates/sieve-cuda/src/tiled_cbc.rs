@@ -23,9 +23,6 @@ pub enum TcbcKernel {
     /// Sieve's mapping: compacted active columns, batches of 32 through a 3-stage cp.async
     /// pipeline, a lane per 8 rows, fused output zeroing.
     Lane8,
-    /// Lane8 with each column tile fetched by one Hopper bulk copy from a contiguous record
-    /// (`bulk_records`), 32-slot batches, `lane8_shape.stages` stages.
-    Lane8Bulk,
 }
 
 /// The lane8 kernel's pipeline shape: columns per batch and stage buffers. Each shape is its
@@ -73,66 +70,6 @@ impl Lane8Shape {
         let per_block = self.stage_bytes() + 16 * cols_per_block + 1024 + 64;
         (228 * 1024 / per_block).clamp(1, 6)
     }
-
-    /// The bulk-copy kernel for this shape: batches are always 32 slots (one per lane of the
-    /// issuing warp); 2 or 3 stages are compiled.
-    fn bulk_kernel(self) -> Result<String> {
-        if self.batch != 32 || !(2..=3).contains(&self.stages) {
-            return Err(CudaError::Option(format!(
-                "no lane8 bulk kernel for batch {} x {} stages (compiled: batch 32, 2-3 stages)",
-                self.batch, self.stages
-            )));
-        }
-        Ok(format!("tcbc_spmspv_lane8bulk_s{}", self.stages))
-    }
-
-    /// Shared memory of the bulk kernel's stages: 32 slots of one whole record (560 bytes).
-    fn bulk_stage_bytes(self) -> usize {
-        self.stages * 32 * BULK_SLOT_BYTES
-    }
-
-    fn bulk_blocks_per_sm(self, cols_per_block: usize) -> usize {
-        let per_block = self.bulk_stage_bytes() + 16 * cols_per_block + 1024 + 128;
-        (228 * 1024 / per_block).clamp(1, 6)
-    }
-}
-
-/// A column tile's record for the bulk kernel: bitmap 32 B, rank table 8 B, 8 B of padding,
-/// then its values (f16, padded to a multiple of 8 so that records stay 16-byte aligned).
-const BULK_HEADER_BYTES: usize = 48;
-const BULK_SLOT_BYTES: usize = BULK_HEADER_BYTES + 256 * 2;
-
-/// Lays every nonempty column tile of `f` out as one contiguous record (the bulk kernel copies
-/// a whole column tile with one instruction). Returns the records and, per column tile
-/// `16 g + c`, its record's offset in 16-byte units (0 for empty tiles, never read).
-pub fn bulk_records(f: &TiledCbc) -> Result<(Vec<u8>, Vec<u32>)> {
-    let info = f.col_info();
-    let (bitmaps, values, tile_offset) = (f.bitmaps(), f.value_bits(), f.tile_offset());
-    let ranks = rank_table(bitmaps);
-    let mut records = Vec::new();
-    let mut record_at = vec![0u32; info.len()];
-    for (gc, &ci) in info.iter().enumerate() {
-        let nnz = (ci & 0xffff) as usize;
-        if nnz == 0 {
-            continue;
-        }
-        record_at[gc] = u32::try_from(records.len() / 16)
-            .map_err(|_| CudaError::Option("Tiled-CBC records exceed 64 GB".into()))?;
-        for word in &bitmaps[gc * 4..gc * 4 + 4] {
-            records.extend_from_slice(&word.to_le_bytes());
-        }
-        records.extend_from_slice(&ranks[gc * 8..gc * 8 + 8]);
-        records.extend_from_slice(&[0u8; 8]);
-        let start = tile_offset[gc / TILE_K] as usize + (ci >> 16) as usize;
-        let column = values.get(start..start + nnz).ok_or_else(|| {
-            CudaError::Option(format!("Tiled-CBC column tile {gc} points past its values"))
-        })?;
-        for v in column {
-            records.extend_from_slice(&v.to_le_bytes());
-        }
-        records.resize(records.len() + (nnz.next_multiple_of(8) - nnz) * 2, 0);
-    }
-    Ok((records, record_at))
 }
 
 const LANE8_MAX_COLS_PER_BLOCK: usize = 512;
@@ -144,9 +81,6 @@ pub struct GpuTiledCbc {
     values: CudaSlice<u16>,
     /// rank[8 (16 g + c) + q] = set bits of column tile (g, c) in rows < 32 q.
     rank: CudaSlice<u8>,
-    /// The bulk kernel's contiguous column-tile records and their offsets (`bulk_records`).
-    records: CudaSlice<u8>,
-    record_at: CudaSlice<u32>,
     /// One per row tile: the epoch of the launch whose zeroing of that tile is done.
     flags: CudaSlice<u32>,
     epoch: LaunchEpoch,
@@ -173,7 +107,6 @@ impl GpuTiledCbc {
         }
         let (rt, kt) = (f.row_tiles(), f.col_tiles());
         let mut col_bytes = vec![0usize; cols];
-        let (records, record_at) = bulk_records(f)?;
         let info = f.col_info();
         for g in 0..rt * kt {
             for c in 0..TILE_K {
@@ -190,8 +123,6 @@ impl GpuTiledCbc {
             bitmaps: gpu.upload(f.bitmaps())?,
             values: gpu.upload(f.value_bits())?,
             rank: gpu.upload(&rank_table(f.bitmaps()))?,
-            records: gpu.upload(&records)?,
-            record_at: gpu.upload(&record_at)?,
             flags: gpu.upload(&vec![0u32; rt.max(1)])?,
             epoch: LaunchEpoch::default(),
             rows,
@@ -213,12 +144,7 @@ impl GpuTiledCbc {
         let gtiles = if self.gtiles_per_block > 0 {
             self.gtiles_per_block
         } else {
-            let per_sm = match self.kernel {
-                TcbcKernel::Lane8Bulk => self
-                    .lane8_shape
-                    .bulk_blocks_per_sm(LANE8_MAX_COLS_PER_BLOCK),
-                _ => self.lane8_shape.blocks_per_sm(LANE8_MAX_COLS_PER_BLOCK),
-            };
+            let per_sm = self.lane8_shape.blocks_per_sm(LANE8_MAX_COLS_PER_BLOCK);
             let target = gpu.info().multiprocessors as usize * per_sm * self.lane8_waves.max(1);
             let splits = (target / self.row_tiles.max(1)).max(1);
             self.col_tiles.div_ceil(splits)
@@ -234,9 +160,6 @@ impl GpuTiledCbc {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let cpb = self.lane8_cols_per_block(gpu);
-        if self.kernel == TcbcKernel::Lane8Bulk {
-            return self.launch_lane8_bulk(gpu, x, threshold, y, cpb);
-        }
         let shared = self.lane8_shape.stage_bytes() + 16 * cpb;
         let f = gpu.function(&FAMILY, &self.lane8_shape.kernel()?)?;
         gpu.allow_dynamic_shared(&f, shared)?;
@@ -267,42 +190,6 @@ impl GpuTiledCbc {
         Ok(())
     }
 
-    fn launch_lane8_bulk(
-        &self,
-        gpu: &Gpu,
-        x: &CudaSlice<f32>,
-        threshold: Threshold,
-        y: &mut CudaSlice<f32>,
-        cpb: usize,
-    ) -> Result<()> {
-        let shared = self.lane8_shape.bulk_stage_bytes() + 16 * cpb;
-        let f = gpu.function(&FAMILY, &self.lane8_shape.bulk_kernel()?)?;
-        gpu.allow_dynamic_shared(&f, shared)?;
-        let cfg = LaunchConfig {
-            grid_dim: (self.cols.div_ceil(cpb) as u32, self.row_tiles as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: shared as u32,
-        };
-        let epoch = self.epoch.next();
-        let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
-        let (t, c) = (threshold_arg(threshold), cpb as i32);
-        let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&self.col_info)
-            .arg(&self.record_at)
-            .arg(&self.records)
-            .arg(x)
-            .arg(y)
-            .arg(&self.flags)
-            .arg(&epoch)
-            .arg(&m)
-            .arg(&k)
-            .arg(&kt)
-            .arg(&t)
-            .arg(&c);
-        unsafe { b.launch(cfg) }.during("launching tcbc_spmspv_lane8bulk")?;
-        Ok(())
-    }
-
     /// Split-K so that the grid has about four blocks per multiprocessor.
     fn effective_gtiles_per_block(&self, gpu: &Gpu) -> usize {
         if self.gtiles_per_block > 0 {
@@ -328,13 +215,6 @@ impl GpuMatVec for GpuTiledCbc {
                 }
                 l
             }
-            TcbcKernel::Lane8Bulk => {
-                let mut l = "tiled-cbc/lane8-bulk".to_string();
-                if self.lane8_shape.stages != 2 {
-                    l += &format!("/s{}", self.lane8_shape.stages);
-                }
-                l
-            }
         };
         if self.gtiles_per_block == 0 {
             kernel
@@ -354,15 +234,6 @@ impl GpuMatVec for GpuTiledCbc {
             // ColInfo of every column and TileOffsets are read whatever the activations.
             TcbcKernel::Spdp => {
                 w + self.row_tiles * self.col_tiles * (TILE_K * 4 + 4)
-                    + self.cols * 4
-                    + self.rows * 4
-            }
-            // Records of active column tiles (16 bytes of header more than bitmap + ColInfo),
-            // plus ColInfo and record offsets of every column tile, read together with x.
-            TcbcKernel::Lane8Bulk => {
-                let active_cols = active.iter().filter(|a| **a).count();
-                w + active_cols * self.row_tiles * 12
-                    + self.row_tiles * self.col_tiles * TILE_K * 8
                     + self.cols * 4
                     + self.rows * 4
             }
@@ -386,7 +257,7 @@ impl GpuMatVec for GpuTiledCbc {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_io(self, x, y)?;
-        if matches!(self.kernel, TcbcKernel::Lane8 | TcbcKernel::Lane8Bulk) {
+        if self.kernel == TcbcKernel::Lane8 {
             return self.launch_lane8(gpu, x, threshold, y);
         }
         gpu.zero_f32(y)?;
@@ -439,9 +310,7 @@ pub fn rank_table(bitmaps: &[u64]) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{bulk_records, rank_table, Lane8Shape, BULK_HEADER_BYTES, FAMILY};
-    use sieve_formats::random::{sparse_matrix, Pattern};
-    use sieve_formats::tiled_cbc::TiledCbc;
+    use super::{rank_table, Lane8Shape, FAMILY};
 
     /// Every shape the launcher can pick has its kernel in the source (a missing or misnamed
     /// instantiation would otherwise only show on a GPU), and the launcher's shared-memory size
@@ -465,50 +334,6 @@ mod tests {
             );
         }
         assert!(Lane8Shape::new(8, 1).kernel().is_err());
-    }
-
-    /// Every nonempty column tile's record holds exactly its bitmap, rank table and values
-    /// (zero padded), 16-byte aligned, in the order the offsets say; bulk kernel names exist.
-    #[test]
-    fn bulk_records_hold_each_column_tile() {
-        for (rows, cols, sp) in [(300usize, 70usize, 0.6), (256, 16, 0.0), (1, 5, 0.9)] {
-            let m = sparse_matrix(rows, cols, sp, Pattern::Unstructured, 7).expect("matrix");
-            let f = TiledCbc::encode(&m).expect("encode");
-            let (records, at) = bulk_records(&f).expect("records");
-            assert_eq!(records.len() % 16, 0);
-            let ranks = rank_table(f.bitmaps());
-            let mut next = 0usize;
-            for (gc, &ci) in f.col_info().iter().enumerate() {
-                let nnz = (ci & 0xffff) as usize;
-                if nnz == 0 {
-                    continue;
-                }
-                let r = at[gc] as usize * 16;
-                assert_eq!(r, next, "records are contiguous, in column-tile order");
-                let bits: Vec<u8> = f.bitmaps()[gc * 4..gc * 4 + 4]
-                    .iter()
-                    .flat_map(|w| w.to_le_bytes())
-                    .collect();
-                assert_eq!(&records[r..r + 32], &bits[..]);
-                assert_eq!(&records[r + 32..r + 40], &ranks[gc * 8..gc * 8 + 8]);
-                let start = f.tile_offset()[gc / 16] as usize + (ci >> 16) as usize;
-                let vals = &records[r + BULK_HEADER_BYTES..];
-                for (j, v) in f.value_bits()[start..start + nnz].iter().enumerate() {
-                    assert_eq!(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]), *v);
-                }
-                let padded = nnz.next_multiple_of(8);
-                assert!(vals[2 * nnz..2 * padded].iter().all(|b| *b == 0));
-                next = r + BULK_HEADER_BYTES + 2 * padded;
-            }
-            assert_eq!(next, records.len());
-        }
-        for stages in [2, 3] {
-            let name = Lane8Shape::new(32, stages).bulk_kernel().expect("compiled");
-            let wrapper = format!("{name}(LANE8_BULK_ARGS)");
-            let at = FAMILY.source.find(&wrapper).expect("kernel in source");
-            assert!(FAMILY.source[at..].contains(&format!("lane8_bulk_kernel<{stages}>")));
-        }
-        assert!(Lane8Shape::new(16, 2).bulk_kernel().is_err());
     }
 
     #[test]

@@ -262,21 +262,6 @@ fn tiled_cbc_matches_reference() {
                 );
             }
         }
-        g.kernel = TcbcKernel::Lane8Bulk;
-        for stages in [2, 3] {
-            g.lane8_shape = Lane8Shape::new(32, stages);
-            for gpb in [0usize, 1, 3, 32] {
-                g.gtiles_per_block = gpb;
-                check(
-                    &gpu,
-                    &g,
-                    &m,
-                    &x,
-                    t,
-                    &format!("{what} lane8-bulk s{stages} g{gpb}"),
-                );
-            }
-        }
     }
 }
 
@@ -300,11 +285,9 @@ fn fused_zeroing_survives_relaunch_into_the_same_output() {
         let xd = gpu.upload(&x).expect("x");
         let f = TiledCbc::encode(&m).expect("encode");
         let tcbc = GpuTiledCbc::upload(&gpu, &f).expect("upload");
-        let mut bulk = GpuTiledCbc::upload(&gpu, &f).expect("upload");
-        bulk.kernel = TcbcKernel::Lane8Bulk;
         let mut cm = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
         cm.cols_per_warp = 32;
-        let kernels: [&dyn GpuMatVec; 3] = [&tcbc, &bulk, &cm];
+        let kernels: [&dyn GpuMatVec; 2] = [&tcbc, &cm];
         for k in kernels {
             let mut y = gpu.poisoned_f32(rows).expect("y");
             for launch in 0..3 {
@@ -381,11 +364,6 @@ fn sparse_kernels_on_unpruned_llama_shape() {
         for shape in Lane8Shape::ALL {
             g.lane8_shape = shape;
             check(&gpu, &g, &m, &x, t, &format!("{what} lane8 {shape:?}"));
-        }
-        g.kernel = TcbcKernel::Lane8Bulk;
-        for stages in [2, 3] {
-            g.lane8_shape = Lane8Shape::new(32, stages);
-            check(&gpu, &g, &m, &x, t, &format!("{what} lane8-bulk s{stages}"));
         }
         g.kernel = TcbcKernel::Spdp;
         check(&gpu, &g, &m, &x, t, &format!("{what} spdp"));

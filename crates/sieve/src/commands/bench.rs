@@ -49,8 +49,7 @@ pub struct KernelsArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,0.3,0.5,0.7")]
     dp: Vec<f64>,
     /// Kernels: dense (our GEMV), dense-colmajor (TEAL alone), rlc-csc (Celty), tiled-cbc
-    /// (sieve's lane-per-8-rows kernel), tiled-cbc-bulk (the same with Hopper bulk copies of
-    /// whole column-tile records), tiled-cbc-spdp (SPDP's thread-per-row kernel), auto
+    /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel), auto
     /// (the per-layer choice of sieve_cuda::choice between dense-colmajor and tiled-cbc).
     #[arg(
         long,
@@ -139,13 +138,12 @@ fn shapes_of(name: &str) -> Result<Vec<(String, usize, usize)>> {
 type Rotation = (Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>);
 
 /// Every value `--formats` accepts.
-const KERNEL_FORMATS: [&str; 7] = [
+const KERNEL_FORMATS: [&str; 6] = [
     "dense",
     "dense-colmajor",
     "rlc-csc",
     "tiled-cbc",
     "tiled-cbc-spdp",
-    "tiled-cbc-bulk",
     "auto",
 ];
 
@@ -314,12 +312,7 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
         }
 
         for (pi, &sp) in a.sp.iter().enumerate() {
-            if !(has("rlc-csc")
-                || has("tiled-cbc")
-                || has("tiled-cbc-spdp")
-                || has("tiled-cbc-bulk")
-                || has("auto"))
-            {
+            if !(has("rlc-csc") || has("tiled-cbc") || has("tiled-cbc-spdp") || has("auto")) {
                 break;
             }
             let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
@@ -375,7 +368,7 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
                     }
                 }
             }
-            if has("tiled-cbc") || has("tiled-cbc-spdp") || has("tiled-cbc-bulk") {
+            if has("tiled-cbc") || has("tiled-cbc-spdp") {
                 let f = TiledCbc::encode(&w)?;
                 let bytes = sieve_formats::WeightFormat::storage(&f).total_bytes();
                 // (kernel, gtiles per block (0 = auto), lane8 waves, lane8 pipeline shape)
@@ -388,12 +381,6 @@ pub fn run_kernels(a: KernelsArgs) -> Result<()> {
                         for shape in &Lane8Shape::ALL[1..] {
                             configs.push((TcbcKernel::Lane8, 0, 1, *shape));
                         }
-                    }
-                }
-                if has("tiled-cbc-bulk") {
-                    configs.push((TcbcKernel::Lane8Bulk, 0, 1, lane8));
-                    if a.tune {
-                        configs.push((TcbcKernel::Lane8Bulk, 0, 1, Lane8Shape::new(32, 3)));
                     }
                 }
                 if has("tiled-cbc-spdp") {
