@@ -108,6 +108,29 @@ pub struct PipelineOptions {
     pub sparsegpt: SparseGptOptions,
     /// Activation rows per site kept for the dual-sparsity report.
     pub report_tokens: usize,
+    /// How `dp` is spread over each layer's input sites.
+    pub teal_allocation: TealAllocation,
+}
+
+/// How the target dynamic sparsity `dp` is spread over a layer's four input sites.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum TealAllocation {
+    /// Every site at `dp`.
+    Uniform,
+    /// TEAL's block-wise greedy allocation ([`crate::teal::greedy_allocation`]), layer by
+    /// layer: the sites' sparsities are raised one at a time, each time the one that moves the
+    /// layer's output least, in block-level steps of `step`, until the sparsity weighted by the
+    /// weights each site feeds is `dp`. The layer output error is measured on the first
+    /// `tokens` tokens of the first calibration window, with the pruned weights.
+    Greedy { step: f64, tokens: usize },
+}
+
+impl TealAllocation {
+    /// `Greedy` with 10 steps to 50% and 256 tokens: ~40 layer runs of 256 tokens per layer.
+    pub const GREEDY_DEFAULT: Self = Self::Greedy {
+        step: 0.05,
+        tokens: 256,
+    };
 }
 
 /// Bytes a decode step moves for this weight at activation sparsity `dp` (module docs).
@@ -192,6 +215,8 @@ pub struct StageSeconds {
     pub statistics: f64,
     /// Factorising Hessians, pruning, encoding.
     pub prune: f64,
+    /// TEAL's greedy allocation (layer runs with trial thresholds).
+    pub allocation: f64,
     /// Thresholds and the dual-sparsity report.
     pub report: f64,
 }
@@ -252,8 +277,8 @@ impl PipelineReport {
         ));
         let t = &self.stage_seconds;
         out.push_str(&format!(
-            "stages: embed {:.1} s, forward {:.1} s, statistics {:.1} s, prune {:.1} s, report {:.1} s\n",
-            t.embed, t.forward, t.statistics, t.prune, t.report
+            "stages: embed {:.1} s, forward {:.1} s, statistics {:.1} s, prune {:.1} s, allocation {:.1} s, report {:.1} s\n",
+            t.embed, t.forward, t.statistics, t.prune, t.allocation, t.report
         ));
         out
     }
@@ -463,6 +488,13 @@ pub fn prune_model(
     check_ratio(options.sp)?;
     check_ratio(options.dp)?;
     let pattern = options.pattern.validate()?;
+    if let TealAllocation::Greedy { step, tokens } = options.teal_allocation {
+        if !(step > 0.0 && step <= 1.0) || tokens == 0 {
+            return Err(PruneError::Option(format!(
+                "greedy TEAL allocation needs a step in (0, 1] and at least one token (got {step}, {tokens})"
+            )));
+        }
+    }
     if windows.is_empty() || windows.iter().any(|w| w.is_empty()) {
         return Err(PruneError::NoCalibration(
             "the pipeline needs at least one non-empty calibration window",
@@ -489,6 +521,14 @@ pub fn prune_model(
     let needs_activations = options.method.needs_calibration() || options.dp > 0.0;
 
     for l in 0..layers {
+        // The greedy allocation replays the start of the first window through this layer.
+        let greedy = match options.teal_allocation {
+            TealAllocation::Greedy { step, tokens } if options.dp > 0.0 => {
+                let g = tokens.min(windows[0].len());
+                Some((step, hidden[0][..g * d].to_vec()))
+            }
+            _ => None,
+        };
         let mut pass = LayerPass::new(options, pattern, l);
         let mut clock = std::time::Instant::now();
         let mut forward_seconds = 0.0;
@@ -596,15 +636,24 @@ pub fn prune_model(
         stages.forward += forward_seconds - pass.statistics_seconds;
         stages.prune += prune_seconds;
 
+        let clock = std::time::Instant::now();
+        let targets = match greedy {
+            Some((step, input)) => {
+                greedy_site_targets(model, l, &input, &pass.histograms, options.dp, step)?
+            }
+            None => [options.dp; 4],
+        };
+        stages.allocation += clock.elapsed().as_secs_f64();
+
         // Thresholds and the dual-sparsity report.
-        let mut thresholds: HashMap<Site, (Option<f32>, f64)> = HashMap::new();
-        for site in Site::ALL {
+        let mut thresholds: HashMap<Site, (Option<f32>, f64, f64)> = HashMap::new();
+        for (site, target) in Site::ALL.into_iter().zip(targets) {
             let t = match pass.histograms.get(&site) {
-                Some(hist) if options.dp > 0.0 => {
-                    let t = hist.threshold_for(options.dp)?;
-                    (t.threshold, t.achieved)
+                Some(hist) if target > 0.0 => {
+                    let t = hist.threshold_for(target)?;
+                    (t.threshold, t.achieved, target)
                 }
-                _ => (None, 0.0),
+                _ => (None, 0.0, 0.0),
             };
             thresholds.insert(site, t);
         }
@@ -620,7 +669,8 @@ pub fn prune_model(
                 .ok_or_else(|| PruneError::Option(format!("layer {l} {short} was not pruned")))?;
             debug_assert_eq!(Site::of_linear(short), Some(site));
             lin.replace_format(format)?;
-            let (threshold, calib_dp) = thresholds.get(&site).copied().unwrap_or((None, 0.0));
+            let (threshold, calib_dp, target) =
+                thresholds.get(&site).copied().unwrap_or((None, 0.0, 0.0));
             lin.set_threshold(threshold)?;
             let (acts, n) = pass
                 .kept
@@ -645,7 +695,7 @@ pub fn prune_model(
                 threshold,
                 calib_dp,
                 stored_bytes: storage.total_bytes(),
-                bytes_per_token: bytes_per_token(lin.format().kind(), storage, options.dp),
+                bytes_per_token: bytes_per_token(lin.format().kind(), storage, target),
                 dual,
             });
         }
@@ -668,6 +718,60 @@ pub fn prune_model(
         stage_seconds: stages,
         linears: reports,
     })
+}
+
+/// Per site (in [`Site::ALL`] order), the dynamic sparsity TEAL's greedy allocation gives
+/// layer `l` for the layer-level target `dp` ([`TealAllocation::Greedy`]); `input` is the
+/// layer's input for a prefix of one window. Leaves the layer's thresholds unset.
+fn greedy_site_targets(
+    model: &mut Model,
+    l: usize,
+    input: &[f32],
+    histograms: &HashMap<Site, ActivationHistogram>,
+    dp: f64,
+    step: f64,
+) -> Result<[f64; 4]> {
+    let d = model.config().hidden_size;
+    let n = input.len() / d;
+    let site_index = |short: &str| {
+        Site::of_linear(short)
+            .and_then(|site| Site::ALL.iter().position(|s| *s == site))
+            .ok_or_else(|| PruneError::Option(format!("unknown projection {short}")))
+    };
+    let mut sizes = [0usize; 4];
+    for (short, lin) in model.layers()[l].linears() {
+        sizes[site_index(short)?] += lin.rows() * lin.cols();
+    }
+    let mut reference = input.to_vec();
+    model.forward_layer(l, &mut reference, n, &mut |_, _, _| {})?;
+    let mut output_error = |s: &[f64]| -> Result<f64> {
+        let mut thresholds = [None; 4];
+        for ((t, site), &target) in thresholds.iter_mut().zip(Site::ALL).zip(s) {
+            let hist = histograms.get(&site).ok_or(PruneError::NoCalibration(
+                "no activations reached a thresholded site",
+            ))?;
+            *t = hist.threshold_for(target)?.threshold;
+        }
+        for (short, lin) in model.layers_mut()[l].linears_mut() {
+            lin.set_threshold(thresholds[site_index(short)?])?;
+        }
+        let mut y = input.to_vec();
+        model.forward_layer(l, &mut y, n, &mut |_, _, _| {})?;
+        Ok(y.iter()
+            .zip(&reference)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum::<f64>()
+            .sqrt())
+    };
+    let steps = crate::teal::greedy_allocation(&sizes, dp, step, &mut output_error)?;
+    for (_, lin) in model.layers_mut()[l].linears_mut() {
+        lin.set_threshold(None)?;
+    }
+    let mut targets = [0.0; 4];
+    if let Some(last) = steps.last() {
+        targets.copy_from_slice(&last.sparsities);
+    }
+    Ok(targets)
 }
 
 /// Tokenizes `text` and cuts `count` non-overlapping windows of `len` tokens spread evenly over
@@ -802,6 +906,7 @@ mod tests {
             format: format.parse().unwrap(),
             sparsegpt: SparseGptOptions::default(),
             report_tokens: 64,
+            teal_allocation: TealAllocation::Uniform,
         }
     }
 
@@ -1057,6 +1162,46 @@ mod tests {
             for ((_, la), (_, lb)) in a.linears().iter().zip(b.linears()) {
                 assert_eq!(la.format().decode(), lb.format().decode());
             }
+        }
+    }
+
+    /// Greedy TEAL allocation: per layer the sites get different sparsities whose weighted
+    /// mean (by the weights each site feeds) is `dp`, each threshold giving its own target on
+    /// the calibration data.
+    #[test]
+    fn greedy_allocation_spreads_dp_over_sites() {
+        let src = source();
+        let mut model = Model::from_source(&src).unwrap();
+        let opts = PipelineOptions {
+            teal_allocation: TealAllocation::Greedy {
+                step: 0.05,
+                tokens: 24,
+            },
+            ..options(Method::Wanda, "unstructured", 0.5, 0.4, "dense")
+        };
+        let report = prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+        for layer in report.linears.chunks(7) {
+            let weights: Vec<f64> = layer.iter().map(|r| (r.rows * r.cols) as f64).collect();
+            let mean = layer
+                .iter()
+                .zip(&weights)
+                .map(|(r, w)| r.calib_dp * w)
+                .sum::<f64>()
+                / weights.iter().sum::<f64>();
+            assert!((mean - 0.4).abs() < 0.02, "{}: {mean}", layer[0].name);
+            let spread = layer.iter().map(|r| r.calib_dp).fold(0.0, f64::max)
+                - layer.iter().map(|r| r.calib_dp).fold(1.0, f64::min);
+            assert!(spread > 0.05, "{}: uniform allocation", layer[0].name);
+            for r in layer {
+                assert_eq!(r.threshold.is_some(), r.calib_dp > 0.0, "{}", r.name);
+            }
+        }
+        for (step, tokens) in [(0.0, 8), (1.5, 8), (0.1, 0)] {
+            let bad = PipelineOptions {
+                teal_allocation: TealAllocation::Greedy { step, tokens },
+                ..opts.clone()
+            };
+            assert!(prune_model(&mut model, &windows(), &bad, &mut |_| {}).is_err());
         }
     }
 

@@ -168,6 +168,109 @@ pub fn inactive_fraction(x: &[f32], threshold: Option<f32>) -> f64 {
     }
 }
 
+/// Largest sparsity [`greedy_allocation`] gives one group: its thresholds come from an ECDF
+/// quantile, which must stay below 1.
+pub const GREEDY_MAX_GROUP_SPARSITY: f64 = 0.99;
+
+/// One step of [`greedy_allocation`]: every group's sparsity after it, the block-level
+/// (size-weighted) sparsity, and the block output error that made the step win.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GreedyStep {
+    pub sparsities: Vec<f64>,
+    pub block_sparsity: f64,
+    pub error: f64,
+}
+
+/// TEAL's block-wise greedy sparsity allocation (Liu et al., "Training-Free Activation Sparsity
+/// in Large Language Models", Algorithm 1), over `sizes.len()` groups of weights that each read
+/// one thresholded input (`sizes[i]` = weights of group `i`, `F` = their sum).
+///
+/// Starting from no sparsity, every step tries raising each group `i` alone by
+/// `δ_i = α · F / sizes[i]`, so that any choice raises the block-level sparsity
+/// `Σ s_i · sizes[i] / F` by the same `α`, asks `block_error` for the block's output error
+/// with that allocation, and keeps the raise with the smallest error. It stops at the block
+/// level `target` (the last step is shortened to land on it). Big groups move in small steps,
+/// small groups in large ones; a raise that would take a group past
+/// [`GREEDY_MAX_GROUP_SPARSITY`] is not tried, and when no group can take a step, the step
+/// is halved.
+///
+/// Returns every step (TEAL records the whole path; the last step is the allocation for
+/// `target`). `block_error` must return a finite, non-negative error.
+pub fn greedy_allocation(
+    sizes: &[usize],
+    target: f64,
+    step: f64,
+    block_error: &mut dyn FnMut(&[f64]) -> Result<f64>,
+) -> Result<Vec<GreedyStep>> {
+    check_ratio(target)?;
+    if !(step > 0.0 && step <= 1.0) {
+        return Err(PruneError::Option(format!(
+            "greedy step {step} is outside (0, 1]"
+        )));
+    }
+    if sizes.is_empty() || sizes.contains(&0) {
+        return Err(PruneError::Option(
+            "greedy allocation needs at least one group, each with weights".into(),
+        ));
+    }
+    let total: f64 = sizes.iter().map(|&f| f as f64).sum();
+    let block =
+        |s: &[f64]| -> f64 { s.iter().zip(sizes).map(|(s, &f)| s * f as f64).sum::<f64>() / total };
+    let max_block = block(&vec![GREEDY_MAX_GROUP_SPARSITY; sizes.len()]);
+    if target > max_block {
+        return Err(PruneError::Option(format!(
+            "greedy allocation cannot reach {target}: each group stops at {GREEDY_MAX_GROUP_SPARSITY}"
+        )));
+    }
+    // Steps shorter than this would only chase rounding.
+    const MIN_STEP: f64 = 1e-9;
+    let mut sparsities = vec![0.0; sizes.len()];
+    let mut steps = Vec::new();
+    let mut reached = 0.0;
+    while target - reached > MIN_STEP {
+        let mut raise = step.min(target - reached);
+        let mut best: Option<(usize, f64, f64)> = None;
+        while best.is_none() {
+            for (i, &f) in sizes.iter().enumerate() {
+                let s = sparsities[i] + raise * total / f as f64;
+                if s > GREEDY_MAX_GROUP_SPARSITY {
+                    continue;
+                }
+                let mut trial = sparsities.clone();
+                trial[i] = s;
+                let e = block_error(&trial)?;
+                if !(e.is_finite() && e >= 0.0) {
+                    return Err(PruneError::Option(format!(
+                        "block error {e} for allocation {trial:?}"
+                    )));
+                }
+                if best.is_none_or(|(_, _, b)| e < b) {
+                    best = Some((i, s, e));
+                }
+            }
+            if best.is_none() {
+                raise /= 2.0;
+                if raise < MIN_STEP {
+                    return Err(PruneError::Option(format!(
+                        "greedy allocation stuck at {reached} below {target}"
+                    )));
+                }
+            }
+        }
+        let Some((i, s, error)) = best else {
+            unreachable!("the loop above only ends with a choice");
+        };
+        sparsities[i] = s;
+        reached = block(&sparsities);
+        steps.push(GreedyStep {
+            sparsities: sparsities.clone(),
+            block_sparsity: reached,
+            error,
+        });
+    }
+    Ok(steps)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,6 +343,64 @@ mod tests {
         hist.merge(&other);
         assert_eq!(hist.total(), 16);
         assert_eq!(hist.threshold_for(0.5).unwrap().achieved, 0.5);
+    }
+
+    /// On a separable error with known per-group costs the greedy path is the optimal one:
+    /// raising the cheap group first, the block level lands exactly on the target, and each
+    /// step raises it by the step size.
+    #[test]
+    fn greedy_allocation_prefers_cheap_groups_and_hits_the_target() {
+        let sizes = [200usize, 300, 500];
+        // Error of group i at sparsity s: cost_i * s^2; group 2 is cheap, group 0 costly.
+        let cost = [50.0, 4.0, 1.0];
+        let mut calls = 0;
+        let steps = greedy_allocation(&sizes, 0.45, 0.1, &mut |s| {
+            calls += 1;
+            Ok(s.iter().zip(&cost).map(|(s, c)| c * s * s).sum())
+        })
+        .unwrap();
+        let last = steps.last().unwrap();
+        assert!((last.block_sparsity - 0.45).abs() < 1e-12);
+        for pair in steps.windows(2) {
+            let rise = pair[1].block_sparsity - pair[0].block_sparsity;
+            assert!(rise <= 0.1 + 1e-12 && rise > 0.0);
+            assert!(pair[1].error >= pair[0].error);
+        }
+        assert_eq!(steps.len(), 5);
+        assert_eq!(calls, 5 * 3);
+        // The costly small group is never raised; the cheap big one carries most.
+        assert_eq!(last.sparsities[0], 0.0);
+        assert!(last.sparsities[2] > last.sparsities[1]);
+        assert!(last
+            .sparsities
+            .iter()
+            .all(|&s| s <= GREEDY_MAX_GROUP_SPARSITY));
+    }
+
+    /// A group that would overshoot the cap is skipped, and steps shrink when none fits.
+    #[test]
+    fn greedy_allocation_respects_the_cap_and_refuses_bad_input() {
+        // One group: every raise is in it; 0.95 is reached in steps of 0.3 then a short one.
+        let steps = greedy_allocation(&[10], 0.95, 0.3, &mut |s| Ok(s[0])).unwrap();
+        let got: Vec<f64> = steps.iter().map(|s| s.sparsities[0]).collect();
+        assert_eq!(got.len(), 4);
+        assert!((got[3] - 0.95).abs() < 1e-12);
+        // Two groups, the small one would jump past the cap: only the big one moves.
+        let steps = greedy_allocation(&[1, 99], 0.5, 0.05, &mut |s| Ok(10.0 * s[1])).unwrap();
+        assert!(steps.iter().all(|st| st.sparsities[0] == 0.0));
+        let no = &mut |_: &[f64]| Ok(0.0);
+        assert!(greedy_allocation(&[1, 1], 1.0, 0.1, no).is_err());
+        assert!(greedy_allocation(&[1, 1], 0.995, 0.1, no).is_err());
+        assert!(greedy_allocation(&[1, 1], 0.5, 0.0, no).is_err());
+        assert!(greedy_allocation(&[1, 1], 0.5, f64::NAN, no).is_err());
+        assert!(greedy_allocation(&[], 0.5, 0.1, no).is_err());
+        assert!(greedy_allocation(&[1, 0], 0.5, 0.1, no).is_err());
+        assert!(greedy_allocation(&[1, 1], 0.5, 0.1, &mut |_| Ok(f64::NAN)).is_err());
+        assert!(greedy_allocation(&[1, 1], 0.5, 0.1, &mut |_| {
+            Err(PruneError::Option("model failed".into()))
+        })
+        .is_err());
+        assert!(greedy_allocation(&[1, 1], 0.0, 0.1, no).unwrap().is_empty());
     }
 
     #[test]

@@ -11,6 +11,7 @@ use sieve_model::packfile::PackWriter;
 use sieve_model::weights::open_model;
 use sieve_prune::pipeline::{
     calibration_windows_from_text, prune_model, FormatChoice, PipelineOptions, PipelineReport,
+    TealAllocation,
 };
 use sieve_prune::{Method, Pattern, SparseGptOptions};
 use std::path::PathBuf;
@@ -50,6 +51,10 @@ pub struct PackArgs {
     /// Tokens per calibration window.
     #[arg(long, default_value_t = 1024)]
     calib_len: usize,
+    /// Spread --dp over each layer's input sites with TEAL's block-wise greedy allocation
+    /// (instead of every site at --dp).
+    #[arg(long)]
+    teal_greedy: bool,
     /// Activation rows per input site kept for the dual-sparsity report.
     #[arg(long, default_value_t = 2048)]
     report_tokens: usize,
@@ -68,6 +73,7 @@ struct Manifest<'a> {
     pattern: String,
     sp: f64,
     dp: f64,
+    teal_greedy: bool,
     format: String,
     calibration: CalibrationManifest,
     sieve_version: &'static str,
@@ -135,6 +141,11 @@ pub fn run(args: PackArgs) -> Result<()> {
         format,
         sparsegpt: SparseGptOptions::default(),
         report_tokens: args.report_tokens,
+        teal_allocation: if args.teal_greedy {
+            TealAllocation::GREEDY_DEFAULT
+        } else {
+            TealAllocation::Uniform
+        },
     };
     let bar = ProgressBar::new(1);
     bar.set_style(
@@ -160,6 +171,7 @@ pub fn run(args: PackArgs) -> Result<()> {
         pattern: pattern.to_string(),
         sp: args.sp,
         dp: args.dp,
+        teal_greedy: args.teal_greedy,
         format: format.to_string(),
         calibration: CalibrationManifest {
             text: calib.display().to_string(),
