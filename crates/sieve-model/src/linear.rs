@@ -22,19 +22,47 @@ use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
 pub mod gemm;
 pub mod quantized;
 
+use quantized::QuantMatrix;
+
 /// One linear layer: a packed weight matrix, an optional bias and an optional activation threshold.
 #[derive(Debug)]
 pub struct Linear {
-    weight: Box<dyn WeightFormat>,
+    weight: Weight,
     bias: Option<Vec<f32>>,
     threshold: Threshold,
+}
+
+/// GGUF blocks are held by type so that [`Linear::forward_group`] can fuse their products;
+/// every other format behind the trait.
+#[derive(Debug)]
+enum Weight {
+    Blocks(QuantMatrix),
+    Format(Box<dyn WeightFormat>),
+}
+
+impl Weight {
+    fn format(&self) -> &dyn WeightFormat {
+        match self {
+            Weight::Blocks(q) => q,
+            Weight::Format(f) => f.as_ref(),
+        }
+    }
 }
 
 impl Linear {
     /// Wraps any packed weight matrix (M x K).
     pub fn from_format(weight: Box<dyn WeightFormat>) -> Self {
         Self {
-            weight,
+            weight: Weight::Format(weight),
+            bias: None,
+            threshold: None,
+        }
+    }
+
+    /// Wraps a matrix of GGUF quantized blocks.
+    pub fn from_quantized(weight: QuantMatrix) -> Self {
+        Self {
+            weight: Weight::Blocks(weight),
             bias: None,
             threshold: None,
         }
@@ -89,7 +117,7 @@ impl Linear {
         self.bias.as_deref()
     }
     pub fn format(&self) -> &dyn WeightFormat {
-        self.weight.as_ref()
+        self.weight.format()
     }
     /// Replaces the weight matrix, keeping bias and threshold; the shape must not change.
     pub fn replace_format(&mut self, weight: Box<dyn WeightFormat>) -> Result<()> {
@@ -102,30 +130,77 @@ impl Linear {
                 self.cols()
             )));
         }
-        self.weight = weight;
+        self.weight = Weight::Format(weight);
         Ok(())
     }
     /// M, the number of outputs.
     pub fn rows(&self) -> usize {
-        self.weight.rows()
+        self.format().rows()
     }
     /// K, the number of inputs.
     pub fn cols(&self) -> usize {
-        self.weight.cols()
+        self.format().cols()
     }
 
     /// `Y = X · Wᵀ + b` for `n` rows of activations: `x` is n x K, `y` is n x M (row-major).
     /// One row goes through the format's `matvec`, several through its `matmul`.
     pub fn forward(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
         if n == 1 {
-            self.weight.matvec(x, self.threshold, y)?;
+            self.format().matvec(x, self.threshold, y)?;
         } else {
-            self.weight.matmul(x, n, self.threshold, y)?;
+            self.format().matmul(x, n, self.threshold, y)?;
         }
+        self.add_bias(y);
+        Ok(())
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(bias.len()) {
                 for (o, b) in row.iter_mut().zip(bias) {
                     *o += b;
+                }
+            }
+        }
+    }
+
+    /// `ys[i] = linears[i].forward(x)` for layers that share their input (q/k/v, gate/up).
+    /// For one token through GGUF blocks under one threshold, `x` is quantized once and a
+    /// single parallel pass covers the rows of all of them; otherwise each runs on its own.
+    pub fn forward_group(
+        linears: &[&Linear],
+        x: &[f32],
+        n: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        if linears.len() != ys.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "{} linears but {} outputs",
+                linears.len(),
+                ys.len()
+            )));
+        }
+        let blocks: Option<Vec<&QuantMatrix>> = linears
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Blocks(q) if l.threshold == linears[0].threshold => Some(q),
+                _ => None,
+            })
+            .collect();
+        match blocks {
+            Some(mats) if n == 1 => {
+                let threshold = linears[0].threshold;
+                for (m, y) in mats.iter().zip(ys.iter()) {
+                    check_product_args(m.rows(), m.cols(), x, 1, threshold, y)?;
+                }
+                quantized::matvec_group(&mats, x, threshold, ys);
+                for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                    l.add_bias(y);
+                }
+            }
+            _ => {
+                for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                    l.forward(x, n, y)?;
                 }
             }
         }
@@ -710,6 +785,48 @@ mod tests {
         assert_eq!(y, [1.0 - 75.0]);
         assert!(lin.set_threshold(Some(f32::NAN)).is_err());
         assert!(lin.set_threshold(Some(-1.0)).is_err());
+    }
+
+    /// Q8_0 blocks with scale 0.01 and pseudo-random quants.
+    fn q8_0_linear(rows: usize, cols: usize, seed: u64) -> Linear {
+        let mut s = seed;
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            bytes.extend_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+            bytes.extend((0..32).map(|_| (lcg(&mut s) * 255.0) as i8 as u8));
+        }
+        Linear::from_quantized(
+            QuantMatrix::new(quantized::BlockType::Q8_0, rows, cols, bytes).unwrap(),
+        )
+    }
+
+    #[test]
+    fn grouped_forward_equals_one_forward_each() {
+        let (q, k, v) = (
+            q8_0_linear(96, 64, 1).with_bias(random(96, 2)).unwrap(),
+            q8_0_linear(32, 64, 3),
+            q8_0_linear(40, 64, 4),
+        );
+        let dense = Linear::from_dense_f32(32, 64, &random(32 * 64, 5)).unwrap();
+        let x = random(2 * 64, 6);
+        for n in [1, 2] {
+            for group in [[&q, &k, &v], [&q, &dense, &v]] {
+                let mut want: Vec<Vec<f32>> =
+                    group.iter().map(|l| vec![0f32; n * l.rows()]).collect();
+                for (l, y) in group.iter().zip(&mut want) {
+                    l.forward(&x[..n * 64], n, y).unwrap();
+                }
+                let mut got: Vec<Vec<f32>> =
+                    group.iter().map(|l| vec![f32::NAN; n * l.rows()]).collect();
+                let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|y| &mut y[..]).collect();
+                Linear::forward_group(&group, &x[..n * 64], n, &mut outs).unwrap();
+                assert_eq!(got, want);
+            }
+        }
+        let mut short = vec![0f32; 95];
+        let mut ok = vec![0f32; 32];
+        assert!(Linear::forward_group(&[&q, &k], &x[..64], 1, &mut [&mut short, &mut ok]).is_err());
+        assert!(Linear::forward_group(&[&q, &k], &x[..64], 1, &mut [&mut ok]).is_err());
     }
 
     #[test]

@@ -336,27 +336,61 @@ fn silu(x: f32) -> f32 {
 }
 
 impl Model {
-    /// Loads a model with dense f16 linears.
+    /// Loads a model for inference: linears the source stores in GGUF Q4_0/Q4_1/Q8_0 blocks
+    /// keep them ([`crate::linear::quantized::QuantMatrix`], multiplied with 8-bit activation
+    /// blocks: a third of the f16 bytes per decoded token), every other linear is dense f16.
     pub fn from_source(source: &dyn TensorSource) -> Result<Self> {
+        Self::assemble(source, &mut |name, stored_as, shape, loaded| {
+            if let Some(q) = source.quantized_matrix(stored_as)? {
+                return Ok(Linear::from_quantized(q));
+            }
+            match loaded {
+                Some(t) => Linear::from_tensor(name, t),
+                None => Linear::from_tensor(name, &load(source, stored_as, &shape)?),
+            }
+        })
+    }
+
+    /// Loads a model with every linear dequantized to dense f16 and products on f32
+    /// activations: the model that pruning calibrates and prunes (`sieve pack`).
+    pub fn from_source_f16(source: &dyn TensorSource) -> Result<Self> {
         Self::from_source_with(source, Linear::from_tensor)
     }
 
     /// Loads a model, building every linear (`name` is the full Hugging Face weight name, e.g.
-    /// `model.layers.3.mlp.up_proj.weight` or `lm_head.weight`) with `make_linear`. Biases are
-    /// attached afterwards, so `make_linear` only provides the weight matrix. With tied
-    /// embeddings the LM head is built from `model.embed_tokens.weight` under the name
-    /// `lm_head.weight`.
+    /// `model.layers.3.mlp.up_proj.weight` or `lm_head.weight`) from its f32 tensor with
+    /// `make_linear`. Biases are attached afterwards, so `make_linear` only provides the weight
+    /// matrix. With tied embeddings the LM head is built from `model.embed_tokens.weight` under
+    /// the name `lm_head.weight`.
     pub fn from_source_with<F>(source: &dyn TensorSource, mut make_linear: F) -> Result<Self>
     where
         F: FnMut(&str, &Tensor) -> Result<Linear>,
     {
+        Self::assemble(source, &mut |name, stored_as, shape, loaded| match loaded {
+            Some(t) => make_linear(name, t),
+            None => make_linear(name, &load(source, stored_as, &shape)?),
+        })
+    }
+
+    /// The loader behind the `from_source*` constructors: `make(name, stored_as, shape,
+    /// loaded)` builds linear `name` from the source's tensor `stored_as` (the embeddings for a
+    /// tied head, then already `loaded` as f32).
+    #[allow(clippy::type_complexity)]
+    fn assemble(
+        source: &dyn TensorSource,
+        make: &mut dyn FnMut(&str, &str, [usize; 2], Option<&Tensor>) -> Result<Linear>,
+    ) -> Result<Self> {
         let c = source.config().clone();
         check_config(&c)?;
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
 
-        let mut build = |name: &str, t: &Tensor, shape: [usize; 2]| -> Result<Linear> {
-            let lin = make_linear(name, t)?;
+        let mut build = |name: &str,
+                         stored_as: &str,
+                         shape: [usize; 2],
+                         loaded: Option<&Tensor>|
+         -> Result<Linear> {
+            let lin = make(name, stored_as, shape, loaded)?;
             if lin.rows() != shape[0] || lin.cols() != shape[1] {
                 return Err(shape_error(name, &shape, &[lin.rows(), lin.cols()]));
             }
@@ -379,7 +413,7 @@ impl Model {
             let mut lin = Vec::with_capacity(7);
             for (short, shape) in LAYER_LINEARS.iter().zip(shapes) {
                 let name = format!("{p}.{short}.weight");
-                let mut linear = build(&name, &load(source, &name, &shape)?, shape)?;
+                let mut linear = build(&name, &name, shape, None)?;
                 let bias_name = format!("{p}.{short}.bias");
                 let wants_bias = c.attention_bias
                     && short.starts_with("self_attn.")
@@ -416,10 +450,14 @@ impl Model {
         // A tied head reuses the embedding matrix; a file without `lm_head.weight` is tied too.
         let head_shape = [c.vocab_size, d];
         let lm_head = if !c.tie_word_embeddings && source.contains("lm_head.weight") {
-            let t = load(source, "lm_head.weight", &head_shape)?;
-            build("lm_head.weight", &t, head_shape)?
+            build("lm_head.weight", "lm_head.weight", head_shape, None)?
         } else {
-            build("lm_head.weight", &embed, head_shape)?
+            build(
+                "lm_head.weight",
+                "model.embed_tokens.weight",
+                head_shape,
+                Some(&embed),
+            )?
         };
         let inv_freq = rope_inv_freq(hd, c.rope_theta, c.rope_scaling.as_ref());
         Ok(Self {
@@ -529,9 +567,12 @@ impl Model {
         let row = cache.row;
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            layer.q_proj.forward(&xn, n, &mut q)?;
-            layer.k_proj.forward(&xn, n, &mut k)?;
-            layer.v_proj.forward(&xn, n, &mut v)?;
+            Linear::forward_group(
+                &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
+                &xn,
+                n,
+                &mut [&mut q, &mut k, &mut v],
+            )?;
             apply_rope(&mut q, nh, hd, &cos, &sin);
             apply_rope(&mut k, nkv, hd, &cos, &sin);
             let base = cache.layer_offset(l);
@@ -547,8 +588,12 @@ impl Model {
             }
 
             rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
-            layer.gate_proj.forward(&xn, n, &mut gate)?;
-            layer.up_proj.forward(&xn, n, &mut up)?;
+            Linear::forward_group(
+                &[&layer.gate_proj, &layer.up_proj],
+                &xn,
+                n,
+                &mut [&mut gate, &mut up],
+            )?;
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = silu(*g) * u;
             }

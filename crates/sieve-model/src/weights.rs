@@ -13,6 +13,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::linear::quantized::QuantMatrix;
 
 /// A dense f32 tensor, row-major. A 2-D weight has `shape == [out_features, in_features]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,6 +36,12 @@ pub trait TensorSource: Send + Sync {
     fn contains(&self, name: &str) -> bool;
     /// Dequantizes (if needed) and returns the tensor as f32.
     fn tensor(&self, name: &str) -> Result<Tensor>;
+    /// The 2-D tensor in the quantized blocks the file stores it in, when those are blocks
+    /// [`QuantMatrix`] multiplies directly (GGUF Q4_0, Q4_1, Q8_0); `None` for any other
+    /// tensor, which [`Self::tensor`] then provides.
+    fn quantized_matrix(&self, _name: &str) -> Result<Option<QuantMatrix>> {
+        Ok(None)
+    }
     /// Where this model's tokenizer is described, when the source knows.
     fn tokenizer_source(&self) -> Result<Option<TokenizerSource>> {
         Ok(None)

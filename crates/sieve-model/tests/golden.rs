@@ -24,6 +24,23 @@ const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// RoPE pairing, norm or bias moves logits by whole units).
 const LOGIT_TOLERANCE: f32 = 0.1;
 
+/// The same bound for the default loader, which keeps the Q4_1/Q8_0 blocks and multiplies them
+/// with 8-bit activation blocks (as llama.cpp does). Rounding moves each activation by up to
+/// `max|x_block| / 254`; in blocks holding one of the residual stream's outlier channels that is
+/// several percent of a typical element, so each projection moves by ~1% and 30 layers carry it
+/// to the logits. Measured on this prompt: see docs/BENCHMARKS.md (about 0.23 on logits of 4..8);
+/// the greedy argmax still agrees at every position. The top-10 ranking is not asserted: two of
+/// the reference's top-10 gaps (0.03 and 0.09) are below this noise.
+const QUANTIZED_LOGIT_TOLERANCE: f32 = 0.4;
+
+/// Decode (one token through the cache) against prefill (the same tokens in one batch) for the
+/// quantized loader. Both quantize activations identically, but the products and attention sum
+/// in different orders, and a difference of one f32 ulp upstream can flip the rounding of an
+/// activation that sits at a half step, moving it by a whole step (`max|x_block| / 127`). A
+/// handful of such flips per layer leave the logits about 0.01 apart (measured: see
+/// docs/BENCHMARKS.md), where the f16 path, with no rounding step, stays under 1e-3.
+const QUANTIZED_DECODE_TOLERANCE: f32 = 1.0;
+
 #[derive(Deserialize)]
 struct Golden {
     token_ids: Vec<u32>,
@@ -55,12 +72,17 @@ fn golden() -> Golden {
     serde_json::from_str(text).expect("the golden fixture is valid JSON")
 }
 
-#[test]
-fn logits_match_the_independent_reference() {
-    let Some(path) = model_path() else { return };
-    let g = golden();
-    let source = open_model(&path).unwrap();
-    let model = Model::from_source(source.as_ref()).unwrap();
+/// Checks `model` against the reference: greedy argmax at every position, the last position's
+/// top-10 logits within `tolerance` (and, when `keep_ranking`, in the reference's order), and
+/// decode through the cache within `decode_tolerance` of the prefill. Returns the largest
+/// top-10 logit error and the largest decode-prefill difference.
+fn check_against_reference(
+    model: &Model,
+    g: &Golden,
+    tolerance: f32,
+    keep_ranking: bool,
+    decode_tolerance: f32,
+) -> (f32, f32) {
     let vocab = model.config().vocab_size;
     let mut cache = model.new_cache(g.token_ids.len());
     let logits = model
@@ -84,16 +106,17 @@ fn logits_match_the_independent_reference() {
         let err = (last[id as usize] - want).abs();
         max_err = max_err.max(err);
         assert!(
-            err <= LOGIT_TOLERANCE,
+            err <= tolerance,
             "token {id}: logit {} vs reference {want}",
             last[id as usize]
         );
     }
-    // The ranking of the reference's top 10 is kept (their gaps exceed our error here).
-    let mut ours: Vec<u32> = (0..vocab as u32).collect();
-    ours.sort_by(|&a, &b| last[b as usize].total_cmp(&last[a as usize]));
-    assert_eq!(&ours[..10], &g.last_top10_ids[..]);
-    eprintln!("max |logit error| on the last position's top 10: {max_err:.5}");
+    if keep_ranking {
+        // The ranking of the reference's top 10 is kept (their gaps exceed our error here).
+        let mut ours: Vec<u32> = (0..vocab as u32).collect();
+        ours.sort_by(|&a, &b| last[b as usize].total_cmp(&last[a as usize]));
+        assert_eq!(&ours[..10], &g.last_top10_ids[..]);
+    }
 
     // The decode path (one token at a time through the cache) agrees with the prefill.
     let mut cache = model.new_cache(g.token_ids.len());
@@ -105,9 +128,45 @@ fn logits_match_the_independent_reference() {
     for &id in &g.token_ids[split..] {
         step = model.forward(&[id], &mut cache, Logits::Last).unwrap();
     }
+    let mut max_diff = 0f32;
     for (a, b) in step.iter().zip(last) {
-        assert!((a - b).abs() < 1e-3, "decode {a} vs prefill {b}");
+        assert!(
+            (a - b).abs() < decode_tolerance,
+            "decode {a} vs prefill {b}"
+        );
+        max_diff = max_diff.max((a - b).abs());
     }
+    (max_err, max_diff)
+}
+
+#[test]
+fn logits_match_the_independent_reference() {
+    let Some(path) = model_path() else { return };
+    let source = open_model(&path).unwrap();
+    let model = Model::from_source_f16(source.as_ref()).unwrap();
+    let (max_err, diff) = check_against_reference(&model, &golden(), LOGIT_TOLERANCE, true, 1e-3);
+    eprintln!(
+        "f16 weights: max |logit error| on the last position's top 10: {max_err:.5}; \
+         decode vs prefill: {diff:.5}"
+    );
+}
+
+#[test]
+fn quantized_blocks_match_the_independent_reference() {
+    let Some(path) = model_path() else { return };
+    let source = open_model(&path).unwrap();
+    let model = Model::from_source(source.as_ref()).unwrap();
+    let (max_err, diff) = check_against_reference(
+        &model,
+        &golden(),
+        QUANTIZED_LOGIT_TOLERANCE,
+        false,
+        QUANTIZED_DECODE_TOLERANCE,
+    );
+    eprintln!(
+        "Q4_1/Q8_0 blocks: max |logit error| on the last position's top 10: {max_err:.5}; \
+         decode vs prefill: {diff:.5}"
+    );
 }
 
 #[test]

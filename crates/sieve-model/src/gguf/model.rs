@@ -26,6 +26,7 @@
 use super::GgufFile;
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
+use crate::linear::quantized::{BlockType, QuantMatrix};
 use crate::tokenizer::GgufTokenizerSpec;
 use crate::weights::{Tensor, TensorSource, TokenizerSource};
 use std::collections::BTreeMap;
@@ -144,6 +145,33 @@ impl TensorSource for GgufModel {
         Ok(Tensor { shape, data })
     }
 
+    fn quantized_matrix(&self, name: &str) -> Result<Option<QuantMatrix>> {
+        let gguf_name = self
+            .gguf_name(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let info = self
+            .file
+            .tensor_info(gguf_name)
+            .ok_or_else(|| ModelError::MissingTensor(gguf_name.to_string()))?;
+        let shape = info.shape();
+        let (Some(ty), &[rows, cols]) = (BlockType::from_ggml(info.ggml_type), shape.as_slice())
+        else {
+            return Ok(None);
+        };
+        let malformed = |reason: String| ModelError::Malformed {
+            path: self.file.path().to_string(),
+            reason: format!("tensor '{gguf_name}': {reason}"),
+        };
+        let mut data = self.file.tensor_bytes(gguf_name)?.to_vec();
+        if let Some(n_head) = self.permuted_heads(name) {
+            // Rows are whole runs of blocks, so the permutation moves bytes as it moves floats.
+            data = unpermute_rows(&data, &[rows], n_head).map_err(malformed)?;
+        }
+        QuantMatrix::new(ty, rows, cols, data)
+            .map(Some)
+            .map_err(|e| malformed(e.to_string()))
+    }
+
     fn tokenizer_source(&self) -> Result<Option<TokenizerSource>> {
         if self.file.get("tokenizer.ggml.model").is_none() {
             return Ok(None);
@@ -154,9 +182,14 @@ impl TensorSource for GgufModel {
     }
 }
 
-/// Inverse of llama.cpp's Q/K permutation over the rows (outermost dim) of a 1-D or 2-D tensor.
+/// Inverse of llama.cpp's Q/K permutation over the rows (outermost dim) of a 1-D or 2-D tensor
+/// (of floats, or of the bytes of quantized rows).
 /// Returns why it cannot be applied when the row count does not split into `n_head` even heads.
-pub fn unpermute_rows(data: &[f32], shape: &[usize], n_head: usize) -> Result<Vec<f32>, String> {
+pub fn unpermute_rows<T: Copy + Default>(
+    data: &[T],
+    shape: &[usize],
+    n_head: usize,
+) -> Result<Vec<T>, String> {
     let rows = shape.first().copied().unwrap_or(0);
     if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
         return Err(format!(
@@ -169,7 +202,7 @@ pub fn unpermute_rows(data: &[f32], shape: &[usize], n_head: usize) -> Result<Ve
     }
     let head_dim = rows / n_head;
     let half = head_dim / 2;
-    let mut out = vec![0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..n_head {
         for i in 0..half {
             for j in 0..2 {

@@ -365,28 +365,37 @@ fn masked_copy(x: &[f32], threshold: Threshold) -> Option<Vec<f32>> {
     })
 }
 
-impl QuantMatrix {
-    /// `y = W · x` with `x` quantized once; `x` and `y` already checked.
-    fn product(&self, x: &[f32], y: &mut [f32]) {
-        let run = |xq: &Q8Activations, y: &mut [f32]| {
-            let chunk = rows_per_task(self.rows);
-            y.par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(c, out)| self.rows_dot(c * chunk, xq, out));
-        };
-        ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut xq) => {
-                xq.quantize(x);
-                run(&xq, y)
+/// `ys[i] = mats[i] · x` for matrices sharing the input `x`, which is masked by `threshold`
+/// and quantized once; one parallel pass covers the rows of all of them (the fused q/k/v and
+/// gate/up products of a decode step). Shapes must already be checked: every matrix has
+/// `x.len()` columns and `ys[i].len() == mats[i].rows()`.
+pub fn matvec_group(mats: &[&QuantMatrix], x: &[f32], threshold: Threshold, ys: &mut [&mut [f32]]) {
+    let xm = masked_copy(x, threshold);
+    let x = xm.as_deref().unwrap_or(x);
+    let run = |xq: &Q8Activations, ys: &mut [&mut [f32]]| {
+        let chunk = rows_per_task(mats.iter().map(|m| m.rows).sum());
+        let mut tasks: Vec<(&QuantMatrix, usize, &mut [f32])> = Vec::new();
+        for (m, y) in mats.iter().zip(ys.iter_mut()) {
+            for (c, out) in y.chunks_mut(chunk).enumerate() {
+                tasks.push((m, c * chunk, out));
             }
-            // A pool thread that steals this product while waiting inside another one.
-            Err(_) => {
-                let mut xq = Q8Activations::default();
-                xq.quantize(x);
-                run(&xq, y)
-            }
-        });
-    }
+        }
+        tasks
+            .into_par_iter()
+            .for_each(|(m, r0, out)| m.rows_dot(r0, xq, out));
+    };
+    ACTIVATIONS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut xq) => {
+            xq.quantize(x);
+            run(&xq, ys)
+        }
+        // A pool thread that steals this product while waiting inside another one.
+        Err(_) => {
+            let mut xq = Q8Activations::default();
+            xq.quantize(x);
+            run(&xq, ys)
+        }
+    });
 }
 
 impl WeightFormat for QuantMatrix {
@@ -426,8 +435,7 @@ impl WeightFormat for QuantMatrix {
 
     fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
-        let xm = masked_copy(x, threshold);
-        self.product(xm.as_deref().unwrap_or(x), y);
+        matvec_group(&[self], x, threshold, &mut [y]);
         Ok(())
     }
 

@@ -116,7 +116,7 @@ pub fn run(args: PackArgs) -> Result<()> {
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     let source = open_model(&path).with_context(|| format!("opening {}", path.display()))?;
     let tokenizer = load_tokenizer(source.as_ref())?;
-    let mut model = Model::from_source(source.as_ref())?;
+    let mut model = Model::from_source_f16(source.as_ref())?;
     let text =
         std::fs::read_to_string(&calib).with_context(|| format!("reading {}", calib.display()))?;
     let windows =
