@@ -16,6 +16,9 @@ from collections import defaultdict
 TARGETS = [((0.5, 0.5), 2.5), ((0.7, 0.7), 4.0), ((0.5, 0.0), 1.4), ((0.0, 0.5), 1.7), ((0.3, 0.3), 1.3)]
 
 def family(fmt):
+    # `auto:<kernel>` rows are the per-layer choice, whichever kernel it picked.
+    if fmt.startswith("auto:"):
+        return "auto"
     return fmt.split("/")[0] + ("/" + fmt.split("/")[1] if fmt.startswith("tiled-cbc/") else "")
 
 rows = []
