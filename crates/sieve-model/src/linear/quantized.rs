@@ -163,6 +163,15 @@ impl QuantMatrix {
     /// Row `r` dequantized to f32 (`out.len() == cols`), with the arithmetic of
     /// `crate::quant::dequantize`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU has the features; `out` holds one value per element of the row.
+            return unsafe { x86::dequantize_row(self.ty, self.row(r), out) };
+        }
+        self.dequantize_row_portable(r, out)
+    }
+
+    fn dequantize_row_portable(&self, r: usize, out: &mut [f32]) {
         let bb = self.ty.block_bytes();
         for (b, o) in self
             .row(r)
@@ -209,6 +218,9 @@ pub struct Q8Activations {
     pub scales: Vec<f32>,
     /// `scales[b] · Σ quants` of each block (Q4_1's offset term).
     pub sums: Vec<f32>,
+    /// `scales` and `sums` interleaved (`[d0, s0, d1, s1, ...]`): the AVX2 Q4_1 kernel loads a
+    /// block's pair with one 8-byte load.
+    pairs: Vec<f32>,
     /// One value in [-127, 127] per element.
     pub quants: Vec<i8>,
 }
@@ -220,6 +232,7 @@ impl Q8Activations {
         let nb = x.len() / BLOCK;
         self.scales.resize(nb, 0.0);
         self.sums.resize(nb, 0.0);
+        self.pairs.resize(2 * nb, 0.0);
         self.quants.resize(x.len(), 0);
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
@@ -233,6 +246,8 @@ impl Q8Activations {
                 };
                 self.scales[b] = d;
                 self.sums[b] = s;
+                self.pairs[2 * b] = d;
+                self.pairs[2 * b + 1] = s;
             }
             return;
         }
@@ -243,6 +258,8 @@ impl Q8Activations {
             );
             self.scales[b] = d;
             self.sums[b] = s;
+            self.pairs[2 * b] = d;
+            self.pairs[2 * b + 1] = s;
         }
     }
 
@@ -398,6 +415,46 @@ pub fn matvec_group(mats: &[&QuantMatrix], x: &[f32], threshold: Threshold, ys: 
     });
 }
 
+/// Batches up to this many tokens run the integer kernel once per token over each weight row
+/// (read from memory once, then from L1): unpacking every weight to f32 for the GEMM costs as
+/// much as a few tokens of products, and short prompts (chat turns) are mostly below it.
+pub const SMALL_BATCH: usize = 8;
+
+impl QuantMatrix {
+    /// `Y = X · Wᵀ` for a few tokens with the decode kernel (bit-identical to `n` matvecs).
+    fn small_batch(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) {
+        let (m, k) = (self.rows, self.cols);
+        let xm = masked_copy(x, threshold);
+        let x = xm.as_deref().unwrap_or(x);
+        let xqs: Vec<Q8Activations> = x
+            .chunks_exact(k)
+            .map(|row| {
+                let mut q = Q8Activations::default();
+                q.quantize(row);
+                q
+            })
+            .collect();
+        // Rows of the transposed output [row][token], so that tasks own whole weight rows.
+        let mut yt = vec![0f32; m * n];
+        let chunk = rows_per_task(m);
+        yt.par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(c, out)| {
+                for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                    let row = self.row(c * chunk + i);
+                    for (v, xq) in o.iter_mut().zip(&xqs) {
+                        *v = dot_row(self.ty, row, xq);
+                    }
+                }
+            });
+        for (r, o) in yt.chunks_exact(n).enumerate() {
+            for (t, v) in o.iter().enumerate() {
+                y[t * m + r] = *v;
+            }
+        }
+    }
+}
+
 impl WeightFormat for QuantMatrix {
     /// Serialized as dense f16 (see the module notes).
     fn kind(&self) -> FormatKind {
@@ -448,14 +505,22 @@ impl WeightFormat for QuantMatrix {
     ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, n, threshold, y)?;
+        if n <= SMALL_BATCH {
+            self.small_batch(x, n, threshold, y);
+            return Ok(());
+        }
         // Each row goes through the 8-bit activation blocks the matvec uses, so batched and
         // single-token products agree.
-        let mut xq = masked_copy(x, threshold).unwrap_or_else(|| x.to_vec());
-        xq.par_chunks_mut(k).for_each(|row| {
-            let mut q = Q8Activations::default();
-            q.quantize(row);
-            q.dequantize_into(row);
-        });
+        let xm = masked_copy(x, threshold);
+        let x = xm.as_deref().unwrap_or(x);
+        let mut xq = vec![0f32; n * k];
+        xq.par_chunks_mut(k).zip(x.par_chunks(k)).for_each_init(
+            Q8Activations::default,
+            |q, (out, row)| {
+                q.quantize(row);
+                q.dequantize_into(out);
+            },
+        );
         gemm::gemm_b_columns(
             n,
             m,
@@ -479,15 +544,8 @@ impl WeightFormat for QuantMatrix {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Q8Activations, BLOCK};
+    use super::{BlockType, Q8Activations, BLOCK};
     use std::arch::x86_64::*;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn f16_at(p: *const u8) -> f32 {
-        let bits = (p as *const u16).read_unaligned();
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -556,15 +614,22 @@ mod x86 {
         (d, d * sum as f32)
     }
 
-    /// 32 unsigned 4-bit values of a block in element order (low nibbles then high nibbles).
+    /// 32 unsigned 4-bit values of a block in element order (low nibbles then high nibbles):
+    /// the 16 bytes in both lanes, the upper lane shifted right by 4, masked.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn nibbles(p: *const u8) -> __m256i {
-        let raw = _mm_loadu_si128(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(raw, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-        _mm256_set_m128i(hi, lo)
+        let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
+        let shifted = _mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4));
+        _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
+    }
+
+    /// The f16 at `p` in lane 0 (and the f16 at `p + 2` in lane 1) of an f32 vector: one
+    /// 4-byte load and one conversion for a block's scale (and Q4_1 offset).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn two_f16(p: *const u8) -> __m128 {
+        _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()))
     }
 
     /// Σ w · x over 32 signed bytes each, as 8 partial i32 sums.
@@ -576,56 +641,108 @@ mod x86 {
         _mm256_madd_epi16(prod, _mm256_set1_epi16(1))
     }
 
+    /// The low eight i8/u8 lanes of `v` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen(v: __m128i, signed: bool) -> __m256 {
+        _mm256_cvtepi32_ps(if signed {
+            _mm256_cvtepi8_epi32(v)
+        } else {
+            _mm256_cvtepu8_epi32(v)
+        })
+    }
+
+    /// Row dequantization with the arithmetic of the portable one (a multiply, then for Q4_1
+    /// an add: no fused rounding), so both give the same f32 values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_0(row: &[u8], xq: &Q8Activations) -> f32 {
-        let nb = xq.scales.len().min(row.len() / 34);
-        let (wp, xp) = (row.as_ptr(), xq.quants.as_ptr());
+    pub unsafe fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
+        let bb = ty.block_bytes();
+        let nb = (row.len() / bb).min(out.len() / BLOCK);
+        let eight = _mm256_set1_epi8(8);
+        for b in 0..nb {
+            let blk = row.as_ptr().add(b * bb);
+            let o = out.as_mut_ptr().add(b * BLOCK);
+            let dm = two_f16(blk);
+            let d = _mm256_broadcastss_ps(dm);
+            let (q, signed) = match ty {
+                BlockType::Q4_0 => (_mm256_sub_epi8(nibbles(blk.add(2)), eight), true),
+                BlockType::Q4_1 => (nibbles(blk.add(4)), false),
+                BlockType::Q8_0 => (_mm256_loadu_si256(blk.add(2) as *const __m256i), true),
+            };
+            let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+            for (i, part) in parts.into_iter().enumerate() {
+                let mut v = _mm256_mul_ps(widen(part, signed), d);
+                if ty == BlockType::Q4_1 {
+                    v = _mm256_add_ps(v, _mm256_broadcastss_ps(_mm_movehdup_ps(dm)));
+                }
+                _mm256_storeu_ps(o.add(8 * i), v);
+            }
+        }
+    }
+
+    /// Shared loop of the Q8_0 and Q4_0 kernels: `Σ_b dw_b · dx_b · Σ w x` with the block's
+    /// signed weights from `weights(block)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_signed(
+        row: &[u8],
+        block_bytes: usize,
+        xq: &Q8Activations,
+        weights: impl Fn(*const u8) -> __m256i,
+    ) -> f32 {
+        let nb = xq.scales.len().min(row.len() / block_bytes);
+        let (wp, xp, sp) = (row.as_ptr(), xq.quants.as_ptr(), xq.scales.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 2];
         for b in 0..nb {
-            let blk = wp.add(b * 34);
-            let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            let blk = wp.add(b * block_bytes);
             let x = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
-            let d = _mm256_set1_ps(f16_at(blk) * *xq.scales.get_unchecked(b));
-            let s = _mm256_cvtepi32_ps(dot_i8(w, x));
-            acc[b & 1] = _mm256_fmadd_ps(s, d, acc[b & 1]);
+            let s = _mm256_cvtepi32_ps(dot_i8(weights(blk), x));
+            let d = _mm_mul_ss(two_f16(blk), _mm_load_ss(sp.add(b)));
+            acc[b & 1] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(d), acc[b & 1]);
         }
         hsum(_mm256_add_ps(acc[0], acc[1]))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(row: &[u8], xq: &Q8Activations) -> f32 {
+        dot_signed(row, 34, xq, |blk| {
+            _mm256_loadu_si256(blk.add(2) as *const __m256i)
+        })
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_0(row: &[u8], xq: &Q8Activations) -> f32 {
-        let nb = xq.scales.len().min(row.len() / 18);
-        let (wp, xp) = (row.as_ptr(), xq.quants.as_ptr());
         let eight = _mm256_set1_epi8(8);
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for b in 0..nb {
-            let blk = wp.add(b * 18);
-            let w = _mm256_sub_epi8(nibbles(blk.add(2)), eight);
-            let x = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
-            let d = _mm256_set1_ps(f16_at(blk) * *xq.scales.get_unchecked(b));
-            let s = _mm256_cvtepi32_ps(dot_i8(w, x));
-            acc[b & 1] = _mm256_fmadd_ps(s, d, acc[b & 1]);
-        }
-        hsum(_mm256_add_ps(acc[0], acc[1]))
+        dot_signed(row, 18, xq, |blk| {
+            _mm256_sub_epi8(nibbles(blk.add(2)), eight)
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_1(row: &[u8], xq: &Q8Activations) -> f32 {
         let nb = xq.scales.len().min(row.len() / 20);
-        let (wp, xp) = (row.as_ptr(), xq.quants.as_ptr());
+        let (wp, xp, pp) = (row.as_ptr(), xq.quants.as_ptr(), xq.pairs.as_ptr());
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); 2];
-        let mut offsets = 0f32;
+        // Lane 1 collects Σ mw · dx Σ qx.
+        let mut offsets = _mm_setzero_ps();
         for b in 0..nb {
             let blk = wp.add(b * 20);
             // Weights are unsigned nibbles: maddubs takes them as they are.
-            let w = nibbles(blk.add(4));
             let x = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
-            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-            let d = _mm256_set1_ps(f16_at(blk) * *xq.scales.get_unchecked(b));
-            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[b & 1]);
-            offsets += f16_at(blk.add(2)) * *xq.sums.get_unchecked(b);
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles(blk.add(4)), x), ones);
+            // [dw, mw] · [dx, dx Σ qx] in one multiply.
+            let pair = _mm_castpd_ps(_mm_load_sd(pp.add(2 * b) as *const f64));
+            let prod = _mm_mul_ps(two_f16(blk), pair);
+            acc[b & 1] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(s),
+                _mm256_broadcastss_ps(prod),
+                acc[b & 1],
+            );
+            offsets = _mm_add_ps(offsets, prod);
         }
+        let offsets = _mm_cvtss_f32(_mm_shuffle_ps(offsets, offsets, 1));
         hsum(_mm256_add_ps(acc[0], acc[1])) + offsets
     }
 }

@@ -99,6 +99,9 @@ fn rows_dequantize_exactly_like_the_gguf_reader() {
         for r in 0..5 {
             w.dequantize_row(r, &mut row);
             assert_eq!(row, want[r * 96..(r + 1) * 96], "{ty:?} row {r}");
+            row.fill(f32::NAN);
+            w.dequantize_row_portable(r, &mut row);
+            assert_eq!(row, want[r * 96..(r + 1) * 96], "{ty:?} row {r}");
         }
         let decoded = w.decode();
         let want16: Vec<f16> = want.iter().map(|&v| f16::from_f32(v)).collect();
@@ -207,7 +210,7 @@ fn non_finite_activations_propagate() {
 #[test]
 fn matmul_rows_agree_with_matvec_and_thresholds_apply() {
     for ty in TYPES {
-        let (m, k, n) = (37, 96, 5);
+        let (m, k, n) = (37, 96, SMALL_BATCH + 3);
         let w = random_matrix(ty, m, k, 21);
         let x = random_x(n * k, 22);
         for t in [None, Some(0.3f32)] {
@@ -220,6 +223,15 @@ fn matmul_rows_agree_with_matvec_and_thresholds_apply() {
                     let (a, b) = (y[tok * m + r], yv[r]);
                     assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{ty:?} {a} vs {b}");
                 }
+            }
+            // Small batches run the matvec kernel itself: bit-identical.
+            let small = SMALL_BATCH.min(3);
+            let mut ys = vec![f32::NAN; small * m];
+            w.matmul(&x[..small * k], small, t, &mut ys).unwrap();
+            for tok in 0..small {
+                let mut yv = vec![0f32; m];
+                w.matvec(&x[tok * k..(tok + 1) * k], t, &mut yv).unwrap();
+                assert_eq!(&ys[tok * m..(tok + 1) * m], &yv[..]);
             }
         }
         // The threshold is the same as zeroing the inactive inputs.
