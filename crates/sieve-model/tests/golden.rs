@@ -28,18 +28,22 @@ const LOGIT_TOLERANCE: f32 = 0.1;
 /// with 8-bit activation blocks (as llama.cpp does). Rounding moves each activation by up to
 /// `max|x_block| / 254`; in blocks holding one of the residual stream's outlier channels that is
 /// several percent of a typical element, so each projection moves by ~1% and 30 layers carry it
-/// to the logits. Measured on this prompt: see docs/BENCHMARKS.md (about 0.23 on logits of 4..8);
-/// the greedy argmax still agrees at every position. The top-10 ranking is not asserted: two of
-/// the reference's top-10 gaps (0.03 and 0.09) are below this noise.
-const QUANTIZED_LOGIT_TOLERANCE: f32 = 0.4;
+/// to the logits. The error is noise with a chaotic dependence on the evaluation order: measured
+/// 0.29 with the GEMM prefill and 0.45 when the same 17 tokens ran through the integer kernel
+/// (logits of 4..8; docs/BENCHMARKS.md). The greedy argmax agrees at every position either way.
+/// The top-10 ranking is not asserted: two of the reference's top-10 gaps (0.03 and 0.09) are
+/// below this noise.
+const QUANTIZED_LOGIT_TOLERANCE: f32 = 0.6;
 
 /// Decode (one token through the cache) against prefill (the same tokens in one batch) for the
 /// quantized loader. Both quantize activations identically, but the products and attention sum
 /// in different orders, and a difference of one f32 ulp upstream can flip the rounding of an
 /// activation that sits at a half step, moving it by a whole step (`max|x_block| / 127`). A
-/// handful of such flips per layer leave the logits about 0.01 apart (measured: see
-/// docs/BENCHMARKS.md), where the f16 path, with no rounding step, stays under 1e-3.
-const QUANTIZED_DECODE_TOLERANCE: f32 = 1.0;
+/// flip in one layer changes the next layer's inputs enough to flip others, so the two orders
+/// end up with independent draws of the quantization noise: measured 0.70 at most over all
+/// 49152 logits (the largest on far-negative logits), where the f16 path, with no rounding
+/// step, stays under 1e-3. The greedy choice after the last token must agree as well.
+const QUANTIZED_DECODE_TOLERANCE: f32 = 1.5;
 
 #[derive(Deserialize)]
 struct Golden {
@@ -128,6 +132,12 @@ fn check_against_reference(
     for &id in &g.token_ids[split..] {
         step = model.forward(&[id], &mut cache, Logits::Last).unwrap();
     }
+    let argmax = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b]));
+    assert_eq!(
+        argmax(&step),
+        argmax(last),
+        "greedy choice after decode vs prefill"
+    );
     let mut max_diff = 0f32;
     for (a, b) in step.iter().zip(last) {
         assert!(
