@@ -3,7 +3,7 @@
 # row) of the dense model and of `sieve pack` outputs:
 #   - dense;
 #   - magnitude / Wanda / SparseGPT at 50% unstructured, 2:4 and 6:8;
-#   - TEAL alone (dp 0.3, 0.4, 0.5);
+#   - TEAL alone (dp 0.3, 0.4, 0.5), uniform and with TEAL's greedy allocation (--teal-greedy);
 #   - the dual grid (sp, dp) in {0, 0.2, 0.3, 0.4, 0.5}^2 with Wanda, unstructured.
 # Calibration is on wikitext-2 *valid* (never test). Prints one Markdown row per model as it goes.
 #
@@ -30,17 +30,20 @@ ppl() { # ppl FILE|"" -> prints the perplexity
   "$sieve" eval ppl "${m[@]}" --max-tokens "$tokens" | python3 -c 'import json,sys; print("%.3f" % json.loads(sys.stdin.read())["ppl"])'
 }
 
-row() { # row METHOD PATTERN SP DP
+row() { # row METHOD PATTERN SP DP [EXTRA PACK FLAGS...]
   local method=$1 pattern=$2 sp=$3 dp=$4
-  local file="$out/${method}-${pattern/:/-}-sp${sp}-dp${dp}.sieve"
+  shift 4
+  local extra=("$@") label=$method suffix=""
+  if [ ${#extra[@]} -gt 0 ]; then label="$method ${extra[*]}"; suffix="${extra[*]// /}"; fi
+  local file="$out/${method}-${pattern/:/-}-sp${sp}-dp${dp}${suffix}.sieve"
   local t0 t1 stats
   t0=$(date +%s)
   stats=$("$sieve" pack "${model_args[@]}" --out "$file" --method "$method" --pattern "$pattern" \
-    --sp "$sp" --dp "$dp" --format "$format" --calib-samples "$samples" --calib-len "$len" 2>/dev/null \
-    | awk '$1 == "all" {print $2, $3, $5}')
+    --sp "$sp" --dp "$dp" --format "$format" --calib-samples "$samples" --calib-len "$len" \
+    "${extra[@]}" 2>/dev/null | awk '$1 == "all" {print $2, $3, $5}')
   t1=$(date +%s)
   read -r msp mdp mtotal <<<"$stats"
-  echo "| $method | $pattern | $sp | $dp | $msp | $mdp | $mtotal | $(ppl "$file") | $((t1 - t0)) s |"
+  echo "| $label | $pattern | $sp | $dp | $msp | $mdp | $mtotal | $(ppl "$file") | $((t1 - t0)) s |"
 }
 
 echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid; format $format"
@@ -56,6 +59,7 @@ for method in magnitude wanda sparsegpt; do
 done
 for dp in 0.3 0.4 0.5; do
   row magnitude unstructured 0 "$dp"
+  row magnitude unstructured 0 "$dp" --teal-greedy
 done
 for sp in 0 0.2 0.3 0.4 0.5; do
   for dp in 0 0.2 0.3 0.4 0.5; do
