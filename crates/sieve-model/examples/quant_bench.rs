@@ -65,6 +65,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             Ok::<(), String>(())
         })??;
+        // Batched products (prefill) of `n` tokens through every layer's linears.
+        let n: usize = std::env::var("QB_PREFILL")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if n > 0 {
+            let xs: Vec<f32> = (0..n).flat_map(|_| x.iter().copied()).collect();
+            let mut best = f64::MAX;
+            run_in_pool(Some(threads), || {
+                for _ in 0..3 {
+                    let t = Instant::now();
+                    for l in model.layers() {
+                        let mut ys: Vec<Vec<f32>> = [&l.q_proj, &l.k_proj, &l.v_proj]
+                            .iter()
+                            .map(|lin| vec![0f32; n * lin.rows()])
+                            .collect();
+                        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+                        Linear::forward_group(
+                            &[&l.q_proj, &l.k_proj, &l.v_proj],
+                            &xs,
+                            n,
+                            &mut outs,
+                        )
+                        .map_err(|e| e.to_string())?;
+                        let mut g = vec![0f32; n * l.gate_proj.rows()];
+                        let mut u = vec![0f32; n * l.up_proj.rows()];
+                        Linear::forward_group(
+                            &[&l.gate_proj, &l.up_proj],
+                            &xs,
+                            n,
+                            &mut [&mut g, &mut u],
+                        )
+                        .map_err(|e| e.to_string())?;
+                    }
+                    best = best.min(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok::<(), String>(())
+            })??;
+            println!("{label}: q/k/v/gate/up products of {n} tokens {best:.1} ms");
+        }
         println!(
             "{label}: layer products {best_layers:.3} ms, head {best_head:.3} ms (best of {reps})"
         );

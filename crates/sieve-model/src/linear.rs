@@ -165,8 +165,8 @@ impl Linear {
     }
 
     /// `ys[i] = linears[i].forward(x)` for layers that share their input (q/k/v, gate/up).
-    /// For one token through GGUF blocks under one threshold, `x` is quantized once and a
-    /// single parallel pass covers the rows of all of them; otherwise each runs on its own.
+    /// Through GGUF blocks under one threshold, `x` is quantized once for all of them (and for
+    /// one token a single parallel pass covers all their rows); otherwise each runs on its own.
     pub fn forward_group(
         linears: &[&Linear],
         x: &[f32],
@@ -188,12 +188,16 @@ impl Linear {
             })
             .collect();
         match blocks {
-            Some(mats) if n == 1 => {
+            Some(mats) => {
                 let threshold = linears[0].threshold;
                 for (m, y) in mats.iter().zip(ys.iter()) {
-                    check_product_args(m.rows(), m.cols(), x, 1, threshold, y)?;
+                    check_product_args(m.rows(), m.cols(), x, n, threshold, y)?;
                 }
-                quantized::matvec_group(&mats, x, threshold, ys);
+                if n == 1 {
+                    quantized::matvec_group(&mats, x, threshold, ys);
+                } else {
+                    quantized::matmul_group(&mats, x, n, threshold, ys)?;
+                }
                 for (l, y) in linears.iter().zip(ys.iter_mut()) {
                     l.add_bias(y);
                 }

@@ -384,6 +384,8 @@ fn rows_per_task(rows: usize) -> usize {
 thread_local! {
     static ACTIVATIONS: std::cell::RefCell<Q8Activations> =
         std::cell::RefCell::new(Q8Activations::default());
+    /// The batched product's activations after their round trip through 8-bit blocks.
+    static BATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn masked_copy(x: &[f32], threshold: Threshold) -> Option<Vec<f32>> {
@@ -425,6 +427,64 @@ pub fn matvec_group(mats: &[&QuantMatrix], x: &[f32], threshold: Threshold, ys: 
             run(&xq, ys)
         }
     });
+}
+
+/// `Y_i = X · W_iᵀ` for matrices sharing the input `X` (`n` rows), which is masked by
+/// `threshold` and sent through 8-bit blocks once for all of them. Shapes must already be
+/// checked as for [`matvec_group`], with `n` rows.
+pub fn matmul_group(
+    mats: &[&QuantMatrix],
+    x: &[f32],
+    n: usize,
+    threshold: Threshold,
+    ys: &mut [&mut [f32]],
+) -> Result<(), FormatError> {
+    if n <= SMALL_BATCH {
+        for (m, y) in mats.iter().zip(ys.iter_mut()) {
+            m.small_batch(x, n, threshold, y);
+        }
+        return Ok(());
+    }
+    let Some(k) = mats.first().map(|m| m.cols) else {
+        return Ok(());
+    };
+    // Each row goes through the 8-bit activation blocks the matvec uses, so batched and
+    // single-token products agree.
+    let xm = masked_copy(x, threshold);
+    let x = xm.as_deref().unwrap_or(x);
+    let mut products = |xq: &mut [f32]| {
+        xq.par_chunks_mut(k).zip(x.par_chunks(k)).for_each_init(
+            Q8Activations::default,
+            |q, (out, row)| {
+                q.quantize(row);
+                q.dequantize_into(out);
+            },
+        );
+        for (w, y) in mats.iter().zip(ys.iter_mut()) {
+            gemm::gemm_b_columns(
+                n,
+                w.rows,
+                k,
+                gemm::View::row_major(xq, k),
+                |j, col| w.dequantize_row(j, col),
+                y,
+                w.rows,
+                false,
+                true,
+            )
+            .map_err(|e| FormatError::Option(e.to_string()))?;
+        }
+        Ok(())
+    };
+    // A per-thread buffer: a fresh multi-megabyte one per product costs page faults.
+    BATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            let len = buf.len().max(n * k);
+            buf.resize(len, 0.0);
+            products(&mut buf[..n * k])
+        }
+        Err(_) => products(&mut vec![0f32; n * k]),
+    })
 }
 
 /// Batches up to this many tokens run the integer kernel once per token over each weight row
@@ -517,34 +577,7 @@ impl WeightFormat for QuantMatrix {
     ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, n, threshold, y)?;
-        if n <= SMALL_BATCH {
-            self.small_batch(x, n, threshold, y);
-            return Ok(());
-        }
-        // Each row goes through the 8-bit activation blocks the matvec uses, so batched and
-        // single-token products agree.
-        let xm = masked_copy(x, threshold);
-        let x = xm.as_deref().unwrap_or(x);
-        let mut xq = vec![0f32; n * k];
-        xq.par_chunks_mut(k).zip(x.par_chunks(k)).for_each_init(
-            Q8Activations::default,
-            |q, (out, row)| {
-                q.quantize(row);
-                q.dequantize_into(out);
-            },
-        );
-        gemm::gemm_b_columns(
-            n,
-            m,
-            k,
-            gemm::View::row_major(&xq, k),
-            |j, col| self.dequantize_row(j, col),
-            y,
-            m,
-            false,
-            true,
-        )
-        .map_err(|e| FormatError::Option(e.to_string()))
+        matmul_group(&[self], x, n, threshold, &mut [y])
     }
 
     fn write_payload(&self, w: &mut ByteWriter) {
