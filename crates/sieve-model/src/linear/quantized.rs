@@ -281,6 +281,16 @@ impl Q8Activations {
         }
     }
 
+    /// Blocks that every buffer holds in full (the fields are public, so the SIMD kernels never
+    /// trust any single length).
+    fn whole_blocks(&self) -> usize {
+        self.scales
+            .len()
+            .min(self.sums.len())
+            .min(self.quants.len() / BLOCK)
+            .min(self.pairs.len() / 2)
+    }
+
     /// The values the quantized vector stands for, `scales[b] · quants[i]`.
     pub fn dequantize_into(&self, out: &mut [f32]) {
         for ((o, q), d) in out
@@ -335,8 +345,8 @@ fn has_avx2() -> bool {
 pub fn dot_row(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU has the features; `row` holds `xq.scales.len()` blocks of `ty`
-        // (callers pass a whole row of a matrix whose K matches `xq`).
+        // SAFETY: the CPU has the features; the kernel reads only the blocks that both `row`
+        // and every buffer of `xq` hold in full.
         return unsafe { x86::dot_row(ty, row, xq) };
     }
     dot_row_portable(ty, row, xq)
@@ -796,7 +806,7 @@ mod x86 {
     /// One row of blocks of `ty` against `xq`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_row(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
-        let nb = xq.scales.len().min(row.len() / ty.block_bytes());
+        let nb = xq.whole_blocks().min(row.len() / ty.block_bytes());
         let p = [row.as_ptr()];
         match ty {
             BlockType::Q4_0 => dot_rows::<Q4_0, 1>(p, nb, xq)[0],
@@ -844,7 +854,7 @@ mod x86 {
     ) {
         let ty = BlockType::from_code(TY);
         let rows = out.len().min(blocks.len() / row_bytes.max(1));
-        let nb = xq.scales.len().min(row_bytes / ty.block_bytes());
+        let nb = xq.whole_blocks().min(row_bytes / ty.block_bytes());
         let p = blocks.as_ptr();
         let mut r = 0;
         while r + 2 <= rows {
