@@ -297,8 +297,15 @@ pub fn is_pack_file(path: &Path) -> bool {
         && &magic == crate::packfile::MAGIC
 }
 
-/// Opens any supported model (a `.sieve` file, GGUF, safetensors) with its tokenizer.
+/// Opens any supported model (a `.sieve` file, GGUF, safetensors) with its tokenizer; GGUF
+/// Q4_0/Q4_1/Q8_0 weights stay in their blocks ([`Model::from_source`]).
 pub fn load_model_and_tokenizer(path: &Path) -> Result<(Model, Tokenizer)> {
+    load_model_and_tokenizer_with(path, false)
+}
+
+/// [`load_model_and_tokenizer`], with `f16_weights` dequantizing GGUF blocks to dense f16
+/// ([`Model::from_source_f16`], the model `sieve pack` prunes). `.sieve` files load as stored.
+pub fn load_model_and_tokenizer_with(path: &Path, f16_weights: bool) -> Result<(Model, Tokenizer)> {
     if is_pack_file(path) {
         let pack = PackFile::open(path)?;
         let tokenizer = tokenizer_from_pack(&pack)?;
@@ -306,7 +313,11 @@ pub fn load_model_and_tokenizer(path: &Path) -> Result<(Model, Tokenizer)> {
     }
     let source = crate::weights::open_model(path)?;
     let tokenizer = crate::generate::load_tokenizer(source.as_ref())?;
-    let model = Model::from_source(source.as_ref())?;
+    let model = if f16_weights {
+        Model::from_source_f16(source.as_ref())?
+    } else {
+        Model::from_source(source.as_ref())?
+    };
     Ok((model, tokenizer))
 }
 

@@ -30,6 +30,10 @@ pub enum EvalCommand {
         /// Worker threads (default: one per core).
         #[arg(long)]
         threads: Option<usize>,
+        /// Dequantize GGUF Q4_0/Q4_1/Q8_0 weights to f16 and multiply f32 activations (the dense
+        /// model `sieve pack` prunes) instead of multiplying the blocks with 8-bit activations.
+        #[arg(long)]
+        f16_weights: bool,
     },
 }
 
@@ -53,6 +57,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             ctx,
             max_tokens,
             threads,
+            f16_weights,
         } => {
             if let Some(n) = threads {
                 init_threads(n)?;
@@ -71,8 +76,9 @@ pub fn run(command: EvalCommand) -> Result<()> {
                 .with_context(|| format!("reading {}", data.display()))?;
             let path = super::model_path::resolve_model(model.as_deref())?;
             // `.sieve` files (by magic) and every other model layout.
-            let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(&path)
-                .with_context(|| format!("opening {}", path.display()))?;
+            let (model, tokenizer) =
+                sieve_model::packed::load_model_and_tokenizer_with(&path, f16_weights)
+                    .with_context(|| format!("opening {}", path.display()))?;
             let mut tokens = tokenizer.encode(&text, tokenizer.add_bos_by_default())?;
             if let Some(max) = max_tokens {
                 tokens.truncate(max);

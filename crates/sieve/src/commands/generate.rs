@@ -36,6 +36,9 @@ pub struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long = "stop")]
     stop: Vec<String>,
+    /// Dequantize GGUF Q4_0/Q4_1/Q8_0 weights to f16 instead of multiplying the blocks directly.
+    #[arg(long)]
+    f16_weights: bool,
     prompt: String,
 }
 
@@ -47,8 +50,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     // `.sieve` files (by magic) and every other model layout.
-    let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
+    let (model, tokenizer) =
+        sieve_model::packed::load_model_and_tokenizer_with(&path, args.f16_weights)
+            .with_context(|| format!("opening {}", path.display()))?;
 
     let (text, add_bos) = if args.chat {
         let rendered = render_chat(
