@@ -26,7 +26,8 @@ model_args=()
 
 ppl() { # ppl FILE|"" -> prints the perplexity
   local m=()
-  if [ -n "$1" ]; then m=(--model "$1"); else m=("${model_args[@]}"); fi
+  # The dense row is the f16-dequantized model `sieve pack` prunes, not the GGUF's quantized blocks.
+  if [ -n "$1" ]; then m=(--model "$1"); else m=("${model_args[@]}" --f16-weights); fi
   "$sieve" eval ppl "${m[@]}" --max-tokens "$tokens" | python3 -c 'import json,sys; print("%.3f" % json.loads(sys.stdin.read())["ppl"])'
 }
 
