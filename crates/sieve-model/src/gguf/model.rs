@@ -88,6 +88,18 @@ impl GgufModel {
         self.file.tokenizer_spec()
     }
 
+    /// The GGUF name and table entry of the Hugging Face-named tensor `hf_name`.
+    fn entry(&self, hf_name: &str) -> Result<(&str, &super::GgufTensorInfo)> {
+        let gguf_name = self
+            .gguf_name(hf_name)
+            .ok_or_else(|| ModelError::MissingTensor(hf_name.to_string()))?;
+        let info = self
+            .file
+            .tensor_info(gguf_name)
+            .ok_or_else(|| ModelError::MissingTensor(gguf_name.to_string()))?;
+        Ok((gguf_name, info))
+    }
+
     /// The GGUF name behind a Hugging Face tensor name.
     pub fn gguf_name(&self, hf_name: &str) -> Option<&str> {
         self.hf_to_gguf.get(hf_name).map(String::as_str)
@@ -126,13 +138,7 @@ impl TensorSource for GgufModel {
     }
 
     fn tensor(&self, name: &str) -> Result<Tensor> {
-        let gguf_name = self
-            .gguf_name(name)
-            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-        let info = self
-            .file
-            .tensor_info(gguf_name)
-            .ok_or_else(|| ModelError::MissingTensor(gguf_name.to_string()))?;
+        let (gguf_name, info) = self.entry(name)?;
         let shape = info.shape();
         let mut data = self.file.tensor_f32(gguf_name)?;
         if let Some(n_head) = self.permuted_heads(name) {
@@ -146,13 +152,7 @@ impl TensorSource for GgufModel {
     }
 
     fn quantized_matrix(&self, name: &str) -> Result<Option<QuantMatrix>> {
-        let gguf_name = self
-            .gguf_name(name)
-            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-        let info = self
-            .file
-            .tensor_info(gguf_name)
-            .ok_or_else(|| ModelError::MissingTensor(gguf_name.to_string()))?;
+        let (gguf_name, info) = self.entry(name)?;
         let shape = info.shape();
         let (Some(ty), &[rows, cols]) = (BlockType::from_ggml(info.ggml_type), shape.as_slice())
         else {
