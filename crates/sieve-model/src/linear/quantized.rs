@@ -253,27 +253,21 @@ impl Q8Activations {
         self.pairs.resize(2 * nb, 0.0);
         self.quants.resize(x.len(), 0);
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            for b in 0..nb {
-                // SAFETY: the CPU has the features; each slice holds one whole block.
-                let (d, s) = unsafe {
-                    x86::quantize_block(
-                        &x[b * BLOCK..(b + 1) * BLOCK],
-                        &mut self.quants[b * BLOCK..(b + 1) * BLOCK],
-                    )
-                };
-                self.scales[b] = d;
-                self.sums[b] = s;
-                self.pairs[2 * b] = d;
-                self.pairs[2 * b + 1] = s;
-            }
-            return;
-        }
+        let avx2 = has_avx2();
         for b in 0..nb {
-            let (d, s) = quantize_block_portable(
+            let (src, dst) = (
                 &x[b * BLOCK..(b + 1) * BLOCK],
                 &mut self.quants[b * BLOCK..(b + 1) * BLOCK],
             );
+            #[cfg(target_arch = "x86_64")]
+            let (d, s) = if avx2 {
+                // SAFETY: the CPU has the features; each slice holds one whole block.
+                unsafe { x86::quantize_block(src, dst) }
+            } else {
+                quantize_block_portable(src, dst)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let (d, s) = quantize_block_portable(src, dst);
             self.scales[b] = d;
             self.sums[b] = s;
             self.pairs[2 * b] = d;
