@@ -36,6 +36,11 @@ enum Command {
         #[command(subcommand)]
         command: commands::bench::BenchCommand,
     },
+    /// Hardware models (Celty's sparse SIMT core), run on the CPU.
+    Sim {
+        #[command(subcommand)]
+        command: commands::sim::SimCommand,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,5 +51,6 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => commands::generate::run(args),
         Command::Eval { command } => commands::eval::run(command),
         Command::Pack(args) => commands::pack::run(args),
+        Command::Sim { command } => commands::sim::run(command),
     }
 }

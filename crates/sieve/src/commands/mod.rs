@@ -4,3 +4,4 @@ pub mod formats;
 pub mod generate;
 pub mod model_path;
 pub mod pack;
+pub mod sim;

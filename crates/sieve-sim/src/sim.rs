@@ -1,0 +1,165 @@
+//! One simulated kernel launch on the whole GPU.
+//!
+//! The grid is `ceil(K / cols_per_block) x ceil(M / block_rows)` blocks, dealt round-robin to the
+//! SMs (block `i` to SM `i mod 132`); every block's work is statistically the same (one random
+//! matrix, one random mask), so the kernel time is the time of the SM with the most blocks. Only
+//! that SM is simulated: its blocks `0, 132, 264, ...` are generated, encoded and run, a
+//! `1/132` sample of the grid (all of it for grids of at most 132 blocks). The DRAM bandwidth is
+//! shared by `min(132, blocks)` active SMs.
+
+use crate::cost::CostModel;
+use crate::error::{Result, SimError};
+use crate::gpu::GpuSpec;
+use crate::kernel::{build_block, AccumStats, Features, KernelConfig, Mapping};
+use crate::sm::{run_sm, InstrCounts, SmResult};
+use crate::trace::{activation_mask, encode_tile};
+use rayon::prelude::*;
+use serde::Serialize;
+
+/// One layer product to simulate.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Point {
+    pub m: usize,
+    pub k: usize,
+    /// Weight sparsity (fraction of zero weights).
+    pub sp: f64,
+    /// Activation sparsity (fraction of inactive inputs).
+    pub dp: f64,
+}
+
+impl Point {
+    pub fn validate(&self) -> Result<()> {
+        if self.m == 0 || self.k == 0 {
+            return Err(SimError::Option(format!(
+                "shape {}x{} has a zero dimension",
+                self.m, self.k
+            )));
+        }
+        if self.m > 1 << 20 || self.k > 1 << 20 {
+            return Err(SimError::Option(format!(
+                "shape {}x{} larger than 1M x 1M",
+                self.m, self.k
+            )));
+        }
+        for (name, v) in [("sp", self.sp), ("dp", self.dp)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(SimError::Option(format!("{name} {v} outside [0, 1)")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SimResult {
+    pub point: Point,
+    pub config: KernelConfig,
+    pub features: Features,
+    /// Predicted kernel time, µs (fixed launch cost + the busiest SM's cycles).
+    pub us: f64,
+    pub sm_cycles: u64,
+    pub grid_blocks: usize,
+    /// Blocks simulated (those of the busiest SM).
+    pub simulated_blocks: usize,
+    pub max_resident_blocks: usize,
+    pub warps_simulated: usize,
+    /// Instructions of the simulated SM, and per warp.
+    pub instr: InstrCounts,
+    pub instr_per_warp: f64,
+    pub accum: AccumStats,
+    /// Fraction of shared-memory atomic passes that bank conflicts added.
+    pub conflict_share: f64,
+    /// Bytes the whole grid reads from DRAM (sample scaled by blocks), and the roofline time
+    /// of those bytes at the measured copy bandwidth plus the fixed launch cost.
+    pub dram_bytes: f64,
+    pub roofline_us: f64,
+    /// Busy fractions of the simulated SM: issue (any sub-partition), MIO pipe.
+    pub issue_busy: f64,
+    pub mio_busy: f64,
+}
+
+/// Grid of a configuration for an `m x k` product: (blocks along K, blocks along M).
+pub fn grid(cfg: &KernelConfig, m: usize, k: usize) -> (usize, usize) {
+    (k.div_ceil(cfg.cols_per_block), m.div_ceil(cfg.block_rows))
+}
+
+fn mix(seed: u64, a: u64) -> u64 {
+    let mut z = seed ^ a.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 29)
+}
+
+pub fn simulate(
+    point: Point,
+    cfg: &KernelConfig,
+    feat: &Features,
+    cost: &CostModel,
+    gpu: &GpuSpec,
+    seed: u64,
+) -> Result<SimResult> {
+    point.validate()?;
+    cfg.validate()?;
+    feat.validate()?;
+    let (gx, gy) = grid(cfg, point.m, point.k);
+    let nblocks = gx * gy;
+    let sm_blocks: Vec<usize> = (0..nblocks).step_by(gpu.sms).collect();
+    let mask = activation_mask(point.k, point.dp, mix(seed, 7))?;
+    let built: Vec<(crate::sm::Block, AccumStats)> = sm_blocks
+        .par_iter()
+        .map(|&id| {
+            let (bx, by) = (id % gx, id / gx);
+            let row0 = by * cfg.block_rows;
+            let col0 = bx * cfg.cols_per_block;
+            let h = cfg.block_rows.min(point.m - row0);
+            let c = cfg.cols_per_block.min(point.k - col0);
+            let tile = encode_tile(
+                h,
+                c,
+                point.sp,
+                cfg.segment_rows(),
+                cfg.index_bits,
+                mix(seed, id as u64 + 1),
+            )?;
+            build_block(&tile, &mask[col0..col0 + c], cfg, feat, cost, gpu.banks)
+        })
+        .collect::<Result<_>>()?;
+    let mut accum = AccumStats::default();
+    let mut blocks = Vec::with_capacity(built.len());
+    let mut warps_simulated = 0;
+    for (b, s) in built {
+        accum.add(&s);
+        warps_simulated += b.warps.len();
+        blocks.push(b);
+    }
+    let active_sms = nblocks.min(gpu.sms);
+    let sm: SmResult = run_sm(blocks, gpu, cost, active_sms);
+    let us = cost.fixed_us + gpu.cycles_to_us(sm.cycles as f64);
+    let scale = nblocks as f64 / sm_blocks.len() as f64;
+    let dram_bytes = sm.dram_bytes as f64 * scale + 4.0 * (point.m + point.k) as f64;
+    let roofline_us = cost.fixed_us + dram_bytes / (gpu.copy_gbs * 1e3);
+    let cyc = sm.cycles.max(1) as f64;
+    let _ = Mapping::Kernel;
+    Ok(SimResult {
+        point,
+        config: *cfg,
+        features: *feat,
+        us,
+        sm_cycles: sm.cycles,
+        grid_blocks: nblocks,
+        simulated_blocks: sm_blocks.len(),
+        max_resident_blocks: sm.max_resident_blocks,
+        warps_simulated,
+        instr: sm.instr,
+        instr_per_warp: sm.instr.total() as f64 / warps_simulated.max(1) as f64,
+        accum,
+        conflict_share: if accum.atomic_passes > 0 {
+            1.0 - accum.atomic_instr as f64 / accum.atomic_passes as f64
+        } else {
+            0.0
+        },
+        dram_bytes,
+        roofline_us,
+        issue_busy: sm.issue_cycles as f64 / cyc,
+        mio_busy: sm.mio_busy as f64 / cyc,
+    })
+}
