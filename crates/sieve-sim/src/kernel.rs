@@ -68,6 +68,11 @@ pub struct KernelConfig {
     pub cols_per_block: usize,
     pub warps: usize,
     pub index_bits: u32,
+    /// Whether a warp waits for each slab's loads before issuing the next slab's. In sieve's
+    /// kernel the `pend = cur` register copy is a use of the loaded registers, so it does (this
+    /// is what the calibration selects: with two slabs in flight the dp dependence of the
+    /// measured times cannot be reproduced). Celty's tile is modelled double-buffered.
+    pub serialized_loads: bool,
 }
 
 impl KernelConfig {
@@ -79,9 +84,10 @@ impl KernelConfig {
             cols_per_block: 64,
             warps: 4,
             index_bits: 4,
+            serialized_loads: true,
         }
     }
-    /// Celty's tile: 4 warps x 256 rows, 64-column inner loop.
+    /// Celty's tile: 4 warps x 256 rows, 64-column inner loop, two slabs in flight per warp.
     pub fn celty() -> Self {
         Self {
             mapping: Mapping::CeltyTile,
@@ -89,6 +95,7 @@ impl KernelConfig {
             cols_per_block: 64,
             warps: 4,
             index_bits: 4,
+            serialized_loads: false,
         }
     }
     /// Rows of the RLC-CSC segments the tile is encoded with.
@@ -540,7 +547,7 @@ pub fn build_block(
                     if let Some((p, ptok)) = pend.take() {
                         b.consume(&p, ptok, part, vector_any);
                     }
-                    if cost.serialize_slab_loads {
+                    if cfg.serialized_loads {
                         b.ops.push(Op::Wait(tok));
                     }
                     pend = Some((sl, tok));

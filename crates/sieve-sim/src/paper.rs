@@ -75,6 +75,14 @@ pub fn variants() -> Vec<Variant> {
             config: KernelConfig::celty(),
             features: hw(1.0),
         },
+        Variant {
+            name: "sparse SIMT core, loads serialized as in sieve's kernel",
+            config: KernelConfig {
+                serialized_loads: true,
+                ..KernelConfig::celty()
+            },
+            features: hw(1.0),
+        },
     ]
 }
 
