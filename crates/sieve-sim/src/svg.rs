@@ -123,7 +123,7 @@ impl Panel {
 /// Renders `c` (shapes given for the title).
 pub fn render(c: &Comparison, shapes_label: &str, calibration_error: Option<f64>) -> String {
     let mut s = String::new();
-    let (width, height) = (1100.0, 520.0);
+    let (width, height) = (1100.0, 580.0);
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">"#
@@ -166,7 +166,7 @@ pub fn render(c: &Comparison, shapes_label: &str, calibration_error: Option<f64>
             names.push(r.variant.clone());
         }
     }
-    let mut legend_y = 410.0;
+    let mut legend_y = 440.0;
     for (i, name) in names.iter().enumerate() {
         let pts: Vec<(f64, f64)> = c
             .rows
@@ -194,14 +194,18 @@ pub fn render(c: &Comparison, shapes_label: &str, calibration_error: Option<f64>
     for (i, v) in PAPER_CORE_VS_CUBLAS.iter().enumerate() {
         left.marker(&mut s, SPARSITIES[i], *v, core_col);
     }
-    let _ = writeln!(
-        s,
-        r#"<path d="M380,404 l5,5 l-5,5 l-5,-5 z" fill="white" stroke="{smem_col}" stroke-width="2"/><text x="392" y="413" font-size="11">paper: SMEM kernel (Fig. 6 avg)</text>"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<path d="M380,419 l5,5 l-5,5 l-5,-5 z" fill="white" stroke="{core_col}" stroke-width="2"/><text x="392" y="428" font-size="11">paper: sparse SIMT core (avg)</text>"#
-    );
+    for (col, label) in [
+        (smem_col, "paper: SMEM kernel (Fig. 6 average)"),
+        (core_col, "paper: sparse SIMT core (average)"),
+    ] {
+        let _ = writeln!(
+            s,
+            r#"<path d="M82,{:.0} l5,5 l-5,5 l-5,-5 z" fill="white" stroke="{col}" stroke-width="2"/><text x="100" y="{:.0}" font-size="11">{label}</text>"#,
+            legend_y - 5.0,
+            legend_y + 4.0
+        );
+        legend_y += 15.0;
+    }
 
     // Right panel: Figure 12.
     let ymax12 = c
@@ -242,7 +246,7 @@ pub fn render(c: &Comparison, shapes_label: &str, calibration_error: Option<f64>
                 right.marker(&mut s, p.reg_fraction, v, col);
             }
         }
-        let ly = 410.0 + 15.0 * i as f64;
+        let ly = 440.0 + 15.0 * i as f64;
         let _ = writeln!(
             s,
             r#"<line x1="690" y1="{ly}" x2="715" y2="{ly}" stroke="{col}" stroke-width="2"/><text x="720" y="{}" font-size="11">model {:.0}% dual sparsity (diamonds: paper Fig. 12)</text>"#,
@@ -252,4 +256,56 @@ pub fn render(c: &Comparison, shapes_label: &str, calibration_error: Option<f64>
     }
     let _ = writeln!(s, "</svg>");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::paper::{Fig12Point, VariantRow};
+
+    #[test]
+    fn renders_one_line_per_variant_and_the_paper_markers() {
+        let row = |name: &str, sp: f64, v: f64| VariantRow {
+            variant: name.into(),
+            sparsity: sp,
+            per_shape: Vec::new(),
+            mean_speedup: v,
+            max_speedup: v,
+            mean_vs_macko_bound: v,
+        };
+        let mut rows = Vec::new();
+        for (i, sp) in SPARSITIES.into_iter().enumerate() {
+            rows.push(row("a", sp, 1.0 + i as f64));
+            rows.push(row("b", sp, 0.5));
+        }
+        let fig12 = [0.3, 0.7]
+            .into_iter()
+            .flat_map(|sp| {
+                [0.0, 0.5, 1.0].into_iter().map(move |f| Fig12Point {
+                    sparsity: sp,
+                    reg_fraction: f,
+                    us: 1.0,
+                    speedup: 1.0 + f,
+                    fallback_share: 1.0 - f,
+                    paper: crate::paper::PAPER_FIG12
+                        .iter()
+                        .find(|p| p.0 == sp && p.1 == f)
+                        .map(|p| p.2),
+                })
+            })
+            .collect();
+        let c = Comparison {
+            rows,
+            fig12,
+            fig5: Vec::new(),
+            tpot: Vec::new(),
+        };
+        let svg = render(&c, "test", Some(0.081));
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        // Two variant lines + two Fig. 12 lines.
+        assert_eq!(svg.matches("<polyline").count(), 4);
+        // Paper diamonds: 2 (SMEM) + 3 (core) + 4 (Fig. 12) + 2 legend keys.
+        assert_eq!(svg.matches("<path").count(), 11);
+        assert!(svg.contains("calibration mean |error| 8.1%"));
+    }
 }
