@@ -35,9 +35,11 @@ impl Point {
                 self.m, self.k
             )));
         }
-        if self.m > 1 << 20 || self.k > 1 << 20 {
+        // 2^32 weights is ~16x the largest LLaMA-2-70B layer: ~500 blocks on the simulated SM,
+        // seconds of work. Beyond that a run would take minutes to hours.
+        if (self.m as u128) * (self.k as u128) > 1 << 32 {
             return Err(SimError::Option(format!(
-                "shape {}x{} larger than 1M x 1M",
+                "shape {}x{} has more than 2^32 weights, beyond what the simulator runs in                  reasonable time",
                 self.m, self.k
             )));
         }
@@ -162,4 +164,44 @@ pub fn simulate(
         issue_busy: sm.issue_cycles as f64 / cyc,
         mio_busy: sm.mio_busy as f64 / cyc,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_points_are_rejected_before_work() {
+        let p = |m, k, sp, dp| Point { m, k, sp, dp };
+        assert!(p(0, 5, 0.5, 0.5).validate().is_err());
+        assert!(p(5, 5, 1.0, 0.5).validate().is_err());
+        assert!(p(5, 5, 0.5, -0.1).validate().is_err());
+        assert!(p(5, 5, f64::NAN, 0.5).validate().is_err());
+        assert!(p(1 << 20, 1 << 20, 0.5, 0.5).validate().is_err());
+        assert!(p(28672, 8192, 0.5, 0.5).validate().is_ok());
+    }
+
+    #[test]
+    fn small_point_runs_and_samples_the_busiest_sm() {
+        let gpu = GpuSpec::h200();
+        let r = simulate(
+            Point {
+                m: 2048,
+                k: 64 * 200,
+                sp: 0.5,
+                dp: 0.5,
+            },
+            &KernelConfig::measured(),
+            &Features::baseline(),
+            &CostModel::h200(),
+            &gpu,
+            1,
+        )
+        .unwrap();
+        // 200 x 2 = 400 blocks: SM 0 gets blocks 0, 132, 264, 396.
+        assert_eq!(r.grid_blocks, 400);
+        assert_eq!(r.simulated_blocks, 4);
+        assert_eq!(r.warps_simulated, 16);
+        assert!(r.us > r.roofline_us);
+    }
 }
