@@ -32,6 +32,9 @@ pub enum FormatError {
     Corrupt(String),
     #[error("serialized blob has format version {found}, this build reads version {supported}")]
     Version { found: u32, supported: u32 },
+    /// A size that overflows, exceeds a stated limit, or cannot be allocated ([`crate::size`]).
+    #[error("size: {0}")]
+    Size(String),
     #[error("checksum mismatch: stored {stored:#018x}, computed {computed:#018x}")]
     Checksum { stored: u64, computed: u64 },
 }

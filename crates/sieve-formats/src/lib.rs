@@ -23,6 +23,7 @@ pub mod random;
 pub mod reference;
 pub mod registry;
 pub mod rlc_csc;
+pub mod size;
 pub mod slide;
 pub mod tiled_cbc;
 

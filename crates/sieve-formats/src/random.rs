@@ -95,8 +95,16 @@ pub fn sparse_matrix(
     if rows == 0 || cols == 0 {
         return Err(FormatError::EmptyMatrix { rows, cols });
     }
+    let len = crate::size::product("random matrix rows x cols", &[rows, cols])?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(len).map_err(|_| {
+        FormatError::Size(format!(
+            "a {rows} x {cols} f16 matrix ({} bytes) cannot be allocated",
+            len.saturating_mul(2)
+        ))
+    })?;
+    data.resize(len, f16::ZERO);
     let mut rng = SplitMix64::new(seed);
-    let mut data = vec![f16::ZERO; rows * cols];
     let mut cols_perm: Vec<usize> = (0..cols).collect();
     for r in 0..rows {
         let row = &mut data[r * cols..(r + 1) * cols];

@@ -4,7 +4,9 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ModelError {
-    #[error("I/O error on {path}: {source}")]
+    /// The cause is the error's `source()`, not part of this message, so a chain printer
+    /// (`anyhow`'s "Caused by") shows it once; [`ModelError::with_causes`] flattens both.
+    #[error("I/O error on {path}")]
     Io {
         path: String,
         #[source]
@@ -16,6 +18,12 @@ pub enum ModelError {
     Unsupported(String),
     #[error("tensor '{0}' not found in the model file")]
     MissingTensor(String),
+    /// A tensor whose values the model cannot use (named by the tensor, not by a file path).
+    #[error("tensor '{name}': {reason}")]
+    BadTensor { name: String, reason: String },
+    /// The path exists but is not a model in any layout this build reads.
+    #[error("{path} is not a model: {reason}")]
+    NotAModel { path: String, reason: String },
     #[error("tensor '{name}' has shape {actual:?}, expected {expected:?}")]
     TensorShape {
         name: String,
@@ -35,3 +43,18 @@ pub enum ModelError {
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+impl ModelError {
+    /// This error's message followed by each cause's, `: `-separated, for callers that keep
+    /// only text (and would otherwise drop the cause of an I/O error).
+    pub fn with_causes(&self) -> String {
+        let mut out = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(c) = cause {
+            out.push_str(": ");
+            out.push_str(&c.to_string());
+            cause = c.source();
+        }
+        out
+    }
+}

@@ -123,7 +123,7 @@ pub fn generate(
         ));
     }
     let context = model.config().max_position_embeddings;
-    if context > 0 && prompt.len() > context {
+    if prompt.len() > context {
         return Err(ModelError::ContextOverflow {
             tokens: prompt.len(),
             context,
@@ -134,7 +134,8 @@ pub fn generate(
     let mut stream = tokenizer.stream(true);
     let is_eos = |id: u32| tokenizer.is_eos(id) || options.extra_eos_ids.contains(&id);
 
-    let mut cache = model.new_cache(prompt.len() + options.max_tokens);
+    // Saturating: `max_tokens` may be any usize; the cache is capped at the context anyway.
+    let mut cache = model.try_new_cache(prompt.len().saturating_add(options.max_tokens))?;
     let mut history: Vec<u32> = prompt.to_vec();
     let mut tokens = Vec::new();
     let mut text = String::new();
@@ -214,16 +215,29 @@ pub fn generate(
     })
 }
 
+/// Most worker threads `--threads` accepts. Every matvec is a parallel region (~240 per decoded
+/// token), so threads beyond the cores only add hand-offs: 2000 threads on 2 cores took over a
+/// minute for 4 tokens, 65535 never finished starting. 256 covers the largest CPUs sold today.
+pub const MAX_THREADS: usize = 256;
+
+/// `--threads` must be in `1..=MAX_THREADS`.
+pub fn check_threads(threads: usize) -> Result<()> {
+    if threads == 0 || threads > MAX_THREADS {
+        return Err(ModelError::InvalidArgument(format!(
+            "--threads {threads} is outside 1..={MAX_THREADS}"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs `work` inside a rayon pool of `threads` workers (default: one per core). Starting from
 /// a pool worker matters for decode: every matvec and attention step is its own parallel
 /// region (~240 per token), and regions started from an outside thread are each injected into
 /// the pool and joined with sleeping/waking hand-offs (28% of decode CPU time in `perf`, see
 /// docs/BENCHMARKS.md); started from a worker, the caller works on the region itself.
 pub fn run_in_pool<R: Send>(threads: Option<usize>, work: impl FnOnce() -> R + Send) -> Result<R> {
-    if threads == Some(0) {
-        return Err(ModelError::InvalidArgument(
-            "--threads must be at least 1".into(),
-        ));
+    if let Some(n) = threads {
+        check_threads(n)?;
     }
     let mut builder = rayon::ThreadPoolBuilder::new();
     if let Some(n) = threads {
@@ -237,11 +251,7 @@ pub fn run_in_pool<R: Send>(threads: Option<usize>, work: impl FnOnce() -> R + S
 
 /// Sizes rayon's global pool; call before any model work. Fails if the pool already exists.
 pub fn init_threads(threads: usize) -> Result<()> {
-    if threads == 0 {
-        return Err(ModelError::InvalidArgument(
-            "--threads must be at least 1".into(),
-        ));
-    }
+    check_threads(threads)?;
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()
@@ -279,6 +289,22 @@ pub fn token_nll(logits: &[f32], target: u32) -> Result<f64> {
     Ok(max + sum.ln() - logits[t] as f64)
 }
 
+/// A perplexity window must hold 2..=context tokens (checked before any text is read).
+pub fn check_window(config: &crate::config::ModelConfig, ctx: usize) -> Result<()> {
+    if ctx < 2 {
+        return Err(ModelError::InvalidArgument(format!(
+            "ctx must be at least 2, got {ctx}"
+        )));
+    }
+    let context = config.max_position_embeddings;
+    if ctx > context {
+        return Err(ModelError::InvalidArgument(format!(
+            "window length (ctx) {ctx} is longer than the model's context of {context} positions"
+        )));
+    }
+    Ok(())
+}
+
 /// Perplexity of `tokens` in non-overlapping windows of `ctx` tokens, each scored on every
 /// position after its first (the first token of a window has no context). A last window shorter
 /// than 2 tokens is dropped. `progress(tokens_done, running_ppl)` is called after every window.
@@ -288,20 +314,9 @@ pub fn perplexity(
     ctx: usize,
     mut progress: impl FnMut(usize, f64),
 ) -> Result<PerplexityResult> {
-    if ctx < 2 {
-        return Err(ModelError::InvalidArgument(format!(
-            "ctx must be at least 2, got {ctx}"
-        )));
-    }
-    let context = model.config().max_position_embeddings;
-    if context > 0 && ctx > context {
-        return Err(ModelError::ContextOverflow {
-            tokens: ctx,
-            context,
-        });
-    }
+    check_window(model.config(), ctx)?;
     let vocab = model.config().vocab_size;
-    let mut cache = model.new_cache(ctx);
+    let mut cache = model.try_new_cache(ctx)?;
     let mut result = PerplexityResult {
         scored_tokens: 0,
         total_nll: 0.0,
@@ -371,5 +386,45 @@ mod tests {
         assert!(perplexity(&model, &tokens, 1, |_, _| {}).is_err());
         assert!(perplexity(&model, &tokens, 65, |_, _| {}).is_err());
         assert!(perplexity(&model, &tokens[..1], 8, |_, _| {}).is_err());
+    }
+
+    #[test]
+    fn windows_and_limits_past_the_context_are_clear_errors() {
+        let src = crate::llama::tests::random_source(crate::llama::tests::tiny_config(), 7);
+        let model = Model::from_source(&src).unwrap();
+        let tokens: Vec<u32> = (0..21).collect();
+        for ctx in [1_000_000_000, 4611686018427387904, usize::MAX] {
+            let err = perplexity(&model, &tokens, ctx, |_, _| {})
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!("window length (ctx) {ctx}")) && err.contains("64 positions"),
+                "{err}"
+            );
+        }
+        // `max_tokens` near usize::MAX must neither wrap nor size an unbounded cache.
+        let spec = crate::tokenizer::GgufTokenizerSpec {
+            model: "gpt2".into(),
+            pre: "smollm".into(),
+            tokens: (0..37).map(|i| format!("t{i}")).collect(),
+            merges: vec!["t 1".into()],
+            ..Default::default()
+        };
+        let tokenizer = Tokenizer::from_gguf_spec(&spec).unwrap();
+        let options = GenerateOptions {
+            max_tokens: usize::MAX,
+            ..GenerateOptions::default()
+        };
+        let out = generate(&model, &tokenizer, &[1, 3, 5], &options, |_| Ok(())).unwrap();
+        assert!(out.stats.generated_tokens <= 64 - 3 + 1, "{:?}", out.stats);
+    }
+
+    #[test]
+    fn thread_counts_are_capped() {
+        assert!(check_threads(1).is_ok() && check_threads(MAX_THREADS).is_ok());
+        for n in [0, MAX_THREADS + 1, 65535] {
+            let err = run_in_pool(Some(n), || ()).unwrap_err().to_string();
+            assert!(err.contains(&format!("--threads {n}")), "{err}");
+        }
     }
 }

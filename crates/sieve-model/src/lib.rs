@@ -13,6 +13,7 @@
 //! | [`llama`] | the Llama-family forward pass with a KV cache |
 //! | [`packed`] | a whole model (weights, tokenizer, thresholds) in a `.sieve` file |
 //! | [`packfile`] | the `.sieve` container: named, checksummed sections |
+//! | [`output`] | output files checked against the inputs, written via a temporary file |
 //! | [`sampling`] | greedy, temperature, top-k, top-p, repetition penalty |
 
 pub mod chat;
@@ -22,6 +23,7 @@ pub mod generate;
 pub mod gguf;
 pub mod linear;
 pub mod llama;
+pub mod output;
 pub mod packed;
 pub mod packfile;
 pub mod quant;

@@ -190,76 +190,33 @@ fn load(source: &dyn TensorSource, name: &str, expected: &[usize]) -> Result<Ten
     if t.shape != expected || t.data.len() != t.numel() {
         return Err(shape_error(name, expected, &t.shape));
     }
-    if t.data.iter().any(|v| !v.is_finite()) {
-        return Err(ModelError::Malformed {
-            path: name.to_string(),
-            reason: "tensor has a non-finite value".into(),
+    if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+        return Err(ModelError::BadTensor {
+            name: name.to_string(),
+            reason: format!("non-finite value {} at element {i}", t.data[i]),
         });
     }
     Ok(t)
 }
 
+/// The config's own checks ([`ModelConfig::check`]); the readers ran them already with the
+/// names their files use, this guards models assembled from any other source.
 fn check_config(c: &ModelConfig) -> Result<()> {
-    let positive = [
-        ("vocab_size", c.vocab_size),
-        ("hidden_size", c.hidden_size),
-        ("intermediate_size", c.intermediate_size),
-        ("num_layers", c.num_layers),
-        ("num_heads", c.num_heads),
-        ("num_kv_heads", c.num_kv_heads),
-        ("head_dim", c.head_dim),
-    ];
-    for (key, v) in positive {
-        if v == 0 {
-            return Err(ModelError::Metadata {
-                key: key.into(),
-                reason: "must be positive".into(),
-            });
-        }
-    }
-    if !c.num_heads.is_multiple_of(c.num_kv_heads) {
-        return Err(ModelError::Metadata {
-            key: "num_kv_heads".into(),
-            reason: format!(
-                "{} does not divide num_heads {}",
-                c.num_kv_heads, c.num_heads
-            ),
-        });
-    }
-    if !c.head_dim.is_multiple_of(2) {
-        return Err(ModelError::Metadata {
-            key: "head_dim".into(),
-            reason: format!("{} is odd; RoPE rotates pairs", c.head_dim),
-        });
-    }
-    if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps > 0.0) {
-        return Err(ModelError::Metadata {
-            key: "rms_norm_eps".into(),
-            reason: format!("{} is not a positive number", c.rms_norm_eps),
-        });
-    }
-    if !(c.rope_theta.is_finite() && c.rope_theta > 1.0) {
-        return Err(ModelError::Metadata {
-            key: "rope_theta".into(),
-            reason: format!("{} is not a number above 1", c.rope_theta),
-        });
-    }
-    if let Some(s) = &c.rope_scaling {
-        let ok = s.factor.is_finite()
-            && s.factor >= 1.0
-            && s.low_freq_factor.is_finite()
-            && s.high_freq_factor.is_finite()
-            && s.high_freq_factor > s.low_freq_factor
-            && s.low_freq_factor > 0.0
-            && s.original_max_position_embeddings > 0;
-        if !ok {
-            return Err(ModelError::Metadata {
-                key: "rope_scaling".into(),
-                reason: format!("{s:?} is not a valid llama3 scaling"),
-            });
-        }
-    }
-    Ok(())
+    c.check(&|field| field.to_string())
+}
+
+/// Rows of q_proj (`H * hd`) and of k_proj / v_proj (`Hkv * hd`), checked.
+fn projection_rows(c: &ModelConfig) -> Result<(usize, usize)> {
+    Ok((
+        sieve_formats::size::product(
+            "q_proj rows (num_heads x head_dim)",
+            &[c.num_heads, c.head_dim],
+        )?,
+        sieve_formats::size::product(
+            "k_proj rows (num_kv_heads x head_dim)",
+            &[c.num_kv_heads, c.head_dim],
+        )?,
+    ))
 }
 
 /// Inverse RoPE frequencies per pair, with Llama-3 scaling applied when configured.
@@ -382,8 +339,10 @@ impl Model {
     ) -> Result<Self> {
         let c = source.config().clone();
         check_config(&c)?;
+        let names = source.tensor_names();
+        c.check_layers_present(names.iter().map(String::as_str), &|f| f.to_string())?;
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let (q_out, kv_out) = projection_rows(&c)?;
 
         let mut build = |name: &str,
                          stored_as: &str,
@@ -498,24 +457,34 @@ impl Model {
         out
     }
 
-    /// An empty cache for `capacity` positions, capped at the model's `max_position_embeddings`
-    /// when that is known (non-zero).
+    /// An empty cache for `capacity` positions, capped at the model's `max_position_embeddings`.
+    /// Panics only when the cache cannot be allocated; [`Self::try_new_cache`] returns that as an
+    /// error instead (every command-line path uses it).
     pub fn new_cache(&self, capacity: usize) -> KvCache {
+        match self.try_new_cache(capacity) {
+            Ok(cache) => cache,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::new_cache`], with the size checked ([`sieve_formats::size`]) and the allocation
+    /// fallible: a cache the machine cannot hold is [`ModelError::Format`] naming its size.
+    pub fn try_new_cache(&self, capacity: usize) -> Result<KvCache> {
         let c = &self.config;
-        let capacity = if c.max_position_embeddings > 0 {
-            capacity.min(c.max_position_embeddings)
-        } else {
-            capacity
-        };
+        let capacity = capacity.min(c.max_position_embeddings);
         let row = c.num_kv_heads * c.head_dim;
-        let size = c.num_layers * capacity * row;
-        KvCache {
-            k: vec![0.0; size],
-            v: vec![0.0; size],
+        let size = sieve_formats::size::product(
+            "KV cache (layers x positions x KV heads x head_dim)",
+            &[c.num_layers, capacity, row],
+        )?;
+        let what = format!("KV cache for {capacity} positions");
+        Ok(KvCache {
+            k: sieve_formats::size::zeroed_f32s(&what, size)?,
+            v: sieve_formats::size::zeroed_f32s(&what, size)?,
             capacity,
             len: 0,
             row,
-        }
+        })
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends their keys and values to the cache
@@ -806,8 +775,8 @@ impl Model {
         check_config(&config)?;
         let c = &config;
         let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
-        if embed_tokens.len() != c.vocab_size * d {
+        let (q_out, kv_out) = projection_rows(c)?;
+        if embed_tokens.len() != sieve_formats::size::product("embeddings", &[c.vocab_size, d])? {
             return Err(shape_error(
                 "model.embed_tokens.weight",
                 &[c.vocab_size, d],

@@ -175,6 +175,11 @@ impl Model {
     /// Rebuilds a model written by [`add_model_sections`].
     pub fn from_pack(pack: &PackFile) -> Result<Self> {
         let config: ModelConfig = pack.json("config")?;
+        // Counts are checked against the limits and the sections present before they size
+        // anything (`num_layers` sizes the layer list below).
+        let key = |f: &str| format!("{} section 'config': {f}", pack.path().display());
+        config.check(&key)?;
+        config.check_layers_present(pack.names().iter().map(String::as_str), &key)?;
         let malformed = |reason: String| ModelError::Malformed {
             path: pack.path().display().to_string(),
             reason,
@@ -288,12 +293,13 @@ pub fn tokenizer_from_pack(pack: &PackFile) -> Result<Tokenizer> {
 }
 
 /// Whether `path` is a `.sieve` file (by its magic, whatever its name).
+/// Anything that is not a regular file (a directory, a FIFO) is not a pack, and is never opened.
 pub fn is_pack_file(path: &Path) -> bool {
     use std::io::Read;
     let mut magic = [0u8; 8];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok()
+    crate::weights::open_regular(path)
+        .ok()
+        .is_some_and(|mut f| f.read_exact(&mut magic).is_ok())
         && &magic == crate::packfile::MAGIC
 }
 
@@ -306,6 +312,7 @@ pub fn load_model_and_tokenizer(path: &Path) -> Result<(Model, Tokenizer)> {
 /// [`load_model_and_tokenizer`], with `f16_weights` dequantizing GGUF blocks to dense f16
 /// ([`Model::from_source_f16`], the model `sieve pack` prunes). `.sieve` files load as stored.
 pub fn load_model_and_tokenizer_with(path: &Path, f16_weights: bool) -> Result<(Model, Tokenizer)> {
+    crate::weights::check_model_path(path)?;
     if is_pack_file(path) {
         let pack = PackFile::open(path)?;
         let tokenizer = tokenizer_from_pack(&pack)?;
@@ -397,6 +404,41 @@ mod tests {
         w.add_json("config", &tiny_config()).unwrap();
         let pack = PackFile::from_bytes(w.to_bytes()).unwrap();
         let err = Model::from_pack(&pack).unwrap_err();
-        assert!(err.to_string().contains("missing section"), "{err}");
+        assert!(err.to_string().contains("layers"), "{err}");
+    }
+
+    #[test]
+    fn pack_config_counts_are_checked_before_they_size_anything() {
+        let (_, bytes) = packed_bytes();
+        let pack = PackFile::from_bytes(bytes).unwrap();
+        for (layers, want) in [
+            (4294967295usize, "limit"),
+            (1 << 60, "limit"),
+            (5, "holds 2 layers"),
+        ] {
+            let mut w = PackWriter::new();
+            for name in pack.names() {
+                let kind = if name == "config" {
+                    continue;
+                } else if name.ends_with("layernorm.weight")
+                    || name.ends_with(".bias")
+                    || name == "model.norm.weight"
+                {
+                    SectionKind::F32
+                } else if name == "thresholds" || name == "tokenizer.gguf" {
+                    SectionKind::Json
+                } else {
+                    SectionKind::Weight
+                };
+                w.add(name, kind, pack.section(name, kind).unwrap().to_vec())
+                    .unwrap();
+            }
+            let mut config = tiny_config();
+            config.num_layers = layers;
+            w.add_json("config", &config).unwrap();
+            let bad = PackFile::from_bytes(w.to_bytes()).unwrap();
+            let err = Model::from_pack(&bad).unwrap_err().to_string();
+            assert!(err.contains("num_layers") && err.contains(want), "{err}");
+        }
     }
 }

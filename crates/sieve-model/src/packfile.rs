@@ -21,7 +21,6 @@ use crate::error::{ModelError, Result};
 use memmap2::Mmap;
 use sieve_formats::blob::{fnv1a64, ByteReader};
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &[u8; 8] = b"SIEVEPAK";
@@ -134,17 +133,15 @@ impl PackWriter {
         out
     }
 
-    /// Writes the container to `path` via a temporary file in the same directory.
+    /// Writes the container to `path` via a temporary file in the same directory
+    /// ([`crate::output::PendingOutput`], checked against no inputs).
     pub fn write(&self, path: &Path) -> Result<()> {
-        let io = |source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        let tmp = path.with_extension("sieve.part");
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&self.to_bytes()).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        self.write_to(crate::output::PendingOutput::create(path, &[])?)
+    }
+
+    /// Writes the container into an output created (and checked) before the work began.
+    pub fn write_to(&self, out: crate::output::PendingOutput) -> Result<()> {
+        out.commit(&self.to_bytes())
     }
 }
 
@@ -193,10 +190,7 @@ impl std::fmt::Debug for PackFile {
 impl PackFile {
     /// Memory-maps and validates a `.sieve` file.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = std::fs::File::open(path).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let file = crate::weights::open_regular(path)?;
         // SAFETY: the map is read-only; a concurrent writer could change the bytes under us, which
         // the checksums below catch at open time (and pack files are written via rename).
         let map = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {

@@ -90,11 +90,14 @@ impl SafetensorsModel {
             shards.push(shard);
         }
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
-        let json: Value = serde_json::from_str(&text)
+        let text = crate::weights::read_small_file(&config_path, crate::weights::MAX_JSON_BYTES)?;
+        let json: Value = serde_json::from_slice(&text)
             .map_err(|e| malformed(&config_path, format!("invalid JSON: {e}")))?;
         let has = |name: &str| index.contains_key(name);
         let config = config_from_json(&json, &config_path, &has)?;
+        config.check_layers_present(index.keys().map(String::as_str), &|f| {
+            format!("{}:{}", config_path.display(), hf_key(f))
+        })?;
         Ok(SafetensorsModel {
             dir,
             config,
@@ -124,8 +127,8 @@ impl SafetensorsModel {
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index_path = dir.join("model.safetensors.index.json");
     if index_path.is_file() {
-        let text = std::fs::read_to_string(&index_path).map_err(io_err(&index_path))?;
-        let json: Value = serde_json::from_str(&text)
+        let text = crate::weights::read_small_file(&index_path, crate::weights::MAX_JSON_BYTES)?;
+        let json: Value = serde_json::from_slice(&text)
             .map_err(|e| malformed(&index_path, format!("invalid JSON: {e}")))?;
         let map = json
             .get("weight_map")
@@ -154,14 +157,16 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if single.is_file() {
         return Ok(vec![single]);
     }
-    Err(ModelError::MissingTensor(format!(
-        "{}: no model.safetensors or model.safetensors.index.json",
-        dir.display()
-    )))
+    Err(ModelError::NotAModel {
+        path: dir.display().to_string(),
+        reason: "the directory has neither model.safetensors nor model.safetensors.index.json \
+                 (a Hugging Face model directory needs one of them and config.json)"
+            .into(),
+    })
 }
 
 fn open_shard(path: &Path) -> Result<Shard> {
-    let file = std::fs::File::open(path).map_err(io_err(path))?;
+    let file = crate::weights::open_regular(path)?;
     // SAFETY: read-only map; as with any mmap loader, the file must not change while open.
     let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
     let (header_len, metadata) = SafeTensors::read_metadata(&map)
@@ -300,10 +305,15 @@ fn config_from_json(
     let hidden_size = req_usize("hidden_size")?;
     let num_heads = req_usize("num_attention_heads")?;
     let num_kv_heads = opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
-    if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+    if num_heads == 0 {
+        return Err(field_err("num_attention_heads", "must be positive, got 0"));
+    }
+    if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
         return Err(field_err(
             "num_key_value_heads",
-            "must be positive and divide num_attention_heads",
+            &format!(
+                "{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"
+            ),
         ));
     }
     let head_dim = match opt_usize("head_dim")? {
@@ -360,7 +370,7 @@ fn config_from_json(
             .collect::<Result<_>>()?,
         Some(v) => vec![token_id(v, "eos_token_id")?],
     };
-    Ok(ModelConfig {
+    let config = ModelConfig {
         vocab_size: req_usize("vocab_size")?,
         hidden_size,
         intermediate_size: req_usize("intermediate_size")?,
@@ -379,7 +389,19 @@ fn config_from_json(
         bos_token_id,
         eos_token_ids,
         architecture,
-    })
+    };
+    config.check(&|f| format!("{}:{}", path.display(), hf_key(f)))?;
+    Ok(config)
+}
+
+/// The `config.json` key a [`ModelConfig`] field is read from, for error messages.
+fn hf_key(field: &str) -> &str {
+    match field {
+        "num_layers" => "num_hidden_layers",
+        "num_heads" => "num_attention_heads",
+        "num_kv_heads" => "num_key_value_heads",
+        other => other,
+    }
 }
 
 #[cfg(test)]
@@ -596,9 +618,61 @@ mod tests {
         std::fs::write(dir.0.join("config.json"), cfg).unwrap();
         let err = SafetensorsModel::open(&dir.0).unwrap_err().to_string();
         assert!(err.contains("yarn"), "{err}");
+        // Counts are checked against the limits and the tensors present, and blamed on the
+        // field that is wrong.
+        for (from, to, want) in [
+            (
+                "\"num_hidden_layers\": 1",
+                "\"num_hidden_layers\": 4294967295",
+                "num_hidden_layers",
+            ),
+            (
+                "\"num_hidden_layers\": 1",
+                "\"num_hidden_layers\": 1152921504606846976",
+                "num_hidden_layers",
+            ),
+            (
+                "\"num_hidden_layers\": 1",
+                "\"num_hidden_layers\": 2",
+                "holds 1 layers",
+            ),
+            (
+                "\"num_attention_heads\": 2",
+                "\"num_attention_heads\": 0",
+                "num_attention_heads",
+            ),
+            (
+                "\"max_position_embeddings\": 64",
+                "\"max_position_embeddings\": 0",
+                "max_position_embeddings",
+            ),
+        ] {
+            let cfg = config_json("").replace(from, to);
+            assert_ne!(cfg, config_json(""));
+            std::fs::write(dir.0.join("config.json"), cfg).unwrap();
+            let err = SafetensorsModel::open(&dir.0).unwrap_err().to_string();
+            assert!(err.contains(want), "{to}: {err}");
+            assert!(
+                !err.contains("num_key_value_heads") || want.contains("key_value"),
+                "{err}"
+            );
+        }
+        // An empty directory is "not a model", not a missing tensor.
+        let empty = TempDir::new("empty");
+        let err = open_model(&empty.0).unwrap_err();
+        assert!(matches!(err, ModelError::NotAModel { .. }), "{err}");
+        assert!(!err.to_string().contains("tensor"), "{err}");
+        // A pack is named as such.
+        let pack = dir.0.join("x.sieve");
+        std::fs::write(&pack, crate::packfile::PackWriter::new().to_bytes()).unwrap();
+        let err = open_model(&pack).unwrap_err().to_string();
+        assert!(err.contains("packs cannot be re-packed"), "{err}");
         // Not a model at all.
         let junk = dir.0.join("junk.bin");
         std::fs::write(&junk, b"hello").unwrap();
-        assert!(matches!(open_model(&junk), Err(ModelError::Unsupported(_))));
+        assert!(matches!(
+            open_model(&junk),
+            Err(ModelError::NotAModel { .. })
+        ));
     }
 }

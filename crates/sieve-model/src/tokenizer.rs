@@ -44,6 +44,9 @@ pub struct GgufTokenizerSpec {
     pub chat_template: Option<String>,
 }
 
+/// Most bytes read from a `tokenizer.json`: 256 MiB (large vocabularies are 10-20 MB).
+pub const MAX_TOKENIZER_JSON_BYTES: u64 = 256 << 20;
+
 /// GGUF `token_type` values that matter here.
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
@@ -180,10 +183,7 @@ impl Tokenizer {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let shown = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
-            path: shown.clone(),
-            source,
-        })?;
+        let bytes = crate::weights::read_small_file(path, MAX_TOKENIZER_JSON_BYTES)?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| tokenizer_error(&format!("parsing {shown}"), e))?;
         let folder = path.parent().unwrap_or_else(|| Path::new("."));
@@ -308,6 +308,16 @@ impl Tokenizer {
                 }
             }
         }
+        if spec.merges.is_empty() {
+            // BPE with no merges maps every word to single characters: the model would run on
+            // token ids it never saw in training and print fluent-looking garbage.
+            return Err(ModelError::Metadata {
+                key: "tokenizer.ggml.merges".into(),
+                reason: "absent or empty; a byte-level BPE (gpt2) tokenizer needs its merges, \
+                         without them every word would be cut into single characters"
+                    .into(),
+            });
+        }
         let recipe = pre_tokenizer_recipe(&spec.pre)?;
 
         // Ids are positions; a duplicated string keeps its first id (the later one can still be
@@ -431,6 +441,104 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Token ids of the UTF-8 text file `path`, read and tokenized in chunks, stopping as soon as
+    /// `max_tokens` ids (BOS included) are in hand: the work and memory are bounded by the
+    /// limit, not by the file (see [`Self::encode_reader`]).
+    pub fn encode_file(
+        &self,
+        path: &Path,
+        add_bos: bool,
+        max_tokens: Option<usize>,
+    ) -> Result<Vec<u32>> {
+        let file = crate::weights::open_text(path)?;
+        let chunk = text_chunk_bytes(max_tokens);
+        self.encode_reader(
+            file,
+            &path.display().to_string(),
+            add_bos,
+            max_tokens,
+            chunk,
+        )
+    }
+
+    /// Token ids of the UTF-8 text `reader` yields (`name` labels it in errors), tokenized
+    /// `chunk_bytes` at a time. Each chunk ends at a space that follows a non-space character
+    /// and precedes a letter (`x| Word`): every supported pre-tokenizer already splits there, so
+    /// the ids equal those of the whole text at once. A stretch of [`MAX_UNCUT_CHUNKS`] chunks
+    /// with no such point (text without words) is cut at a character boundary instead, which
+    /// keeps memory bounded at the cost of possibly different ids around that cut.
+    pub fn encode_reader(
+        &self,
+        mut reader: impl std::io::Read,
+        name: &str,
+        add_bos: bool,
+        max_tokens: Option<usize>,
+        chunk_bytes: usize,
+    ) -> Result<Vec<u32>> {
+        let limit = max_tokens.unwrap_or(usize::MAX);
+        let chunk_bytes = chunk_bytes.max(1);
+        let mut ids = self.encode("", add_bos)?;
+        let mut pending: Vec<u8> = Vec::new();
+        // File offset of `pending[0]`, for error messages.
+        let mut consumed: u64 = 0;
+        let mut eof = false;
+        let mut buf = vec![0u8; chunk_bytes.min(1 << 16)];
+        while ids.len() < limit {
+            let target = pending.len() + chunk_bytes;
+            while !eof && pending.len() < target {
+                let want = buf.len().min(target - pending.len());
+                match reader.read(&mut buf[..want]) {
+                    Ok(0) => eof = true,
+                    Ok(n) => pending.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(source) => {
+                        return Err(ModelError::Io {
+                            path: name.to_string(),
+                            source,
+                        })
+                    }
+                }
+            }
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(t) => t.len(),
+                // A character cut by the chunk end completes with the next read.
+                Err(e) if e.error_len().is_none() && !eof => e.valid_up_to(),
+                Err(e) => {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "{name} is not UTF-8 text (invalid byte at offset {})",
+                        consumed + e.valid_up_to() as u64
+                    )))
+                }
+            };
+            let text = std::str::from_utf8(&pending[..valid]).map_err(|e| {
+                ModelError::InvalidArgument(format!("{name} is not UTF-8 text: {e}"))
+            })?;
+            let cut = if eof {
+                text.len()
+            } else {
+                match safe_cut(text) {
+                    Some(c) => c,
+                    None if pending.len() >= MAX_UNCUT_CHUNKS * chunk_bytes => text.len(),
+                    None => continue,
+                }
+            };
+            if cut > 0 {
+                let piece = self
+                    .inner
+                    .encode_fast(&text[..cut], false)
+                    .map_err(|e| tokenizer_error(&format!("encoding {name}"), e))?;
+                ids.extend_from_slice(piece.get_ids());
+            }
+            pending.drain(..cut);
+            consumed += cut as u64;
+            if eof && pending.is_empty() {
+                break;
+            }
+        }
+        ids.truncate(limit);
+        Ok(ids)
+    }
+
     /// Text for `ids`; control tokens are dropped when `skip_special`. Bytes that are not valid
     /// UTF-8 (a character cut between tokens) come out as U+FFFD.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
@@ -516,15 +624,48 @@ impl Tokenizer {
     }
 }
 
+/// Bytes of text tokenized at once by [`Tokenizer::encode_file`]: 256 KiB (the tokenizer's
+/// working memory is ~100x the text it holds), or fewer when a token limit needs less (16 bytes
+/// per token asked for, at least 4 KiB).
+pub const TEXT_CHUNK_BYTES: usize = 256 << 10;
+
+/// Chunks of text without a safe cut point after which [`Tokenizer::encode_reader`] cuts anyway.
+pub const MAX_UNCUT_CHUNKS: usize = 4;
+
+fn text_chunk_bytes(max_tokens: Option<usize>) -> usize {
+    match max_tokens {
+        Some(n) => n.saturating_mul(16).clamp(4 << 10, TEXT_CHUNK_BYTES),
+        None => TEXT_CHUNK_BYTES,
+    }
+}
+
+/// The last byte offset in `text` (not 0) of a space that follows a non-whitespace character and
+/// precedes a letter: a point where every pre-tokenizer regex of [`KNOWN_PRE_TOKENIZERS`] ends
+/// one piece and starts the next (` ?\p{L}+` and its variants take the space with the word;
+/// nothing takes a non-space character together with the space after it).
+fn safe_cut(text: &str) -> Option<usize> {
+    let mut after: Option<char> = None;
+    let mut at_space: Option<usize> = None;
+    for (i, c) in text.char_indices().rev() {
+        if let Some(space) = at_space.take() {
+            if !c.is_whitespace() {
+                return Some(space);
+            }
+        }
+        if c == ' ' && i > 0 && after.is_some_and(char::is_alphabetic) {
+            at_space = Some(i);
+        }
+        after = Some(c);
+    }
+    None
+}
+
 fn read_optional_json(path: &Path) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
     let shown = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
-        path: shown.clone(),
-        source,
-    })?;
+    let bytes = crate::weights::read_small_file(path, crate::weights::MAX_JSON_BYTES)?;
     serde_json::from_slice(&bytes)
         .map(Some)
         .map_err(|e| ModelError::Malformed {
@@ -717,6 +858,71 @@ mod tests {
             err.contains("smollm") && err.contains("llama-bpe") && err.contains("qwen2"),
             "{err}"
         );
+    }
+
+    fn small_spec() -> GgufTokenizerSpec {
+        GgufTokenizerSpec {
+            model: "gpt2".into(),
+            pre: "smollm".into(),
+            tokens: ["a", "b", "ab", "Ġ"].map(String::from).to_vec(),
+            merges: vec!["a b".into()],
+            ..GgufTokenizerSpec::default()
+        }
+    }
+
+    #[test]
+    fn safe_cuts_fall_between_a_word_end_and_a_spaced_word() {
+        assert_eq!(safe_cut("ab cd"), Some(2));
+        assert_eq!(safe_cut("ab  cd"), None);
+        assert_eq!(safe_cut("ab 12"), None);
+        assert_eq!(safe_cut(" cd"), None);
+        assert_eq!(safe_cut("x. Yz and"), Some(5));
+        assert_eq!(safe_cut("日本 語"), Some(6));
+    }
+
+    #[test]
+    fn chunked_encoding_equals_whole_encoding_and_stops_at_the_limit() {
+        let spec = GgufTokenizerSpec {
+            tokens: ["a", "b", "ab", "Ġ", "Ċ", "1", "Ġab", ".", "ĠĠ"]
+                .map(String::from)
+                .to_vec(),
+            merges: vec!["a b".into(), "Ġ ab".into(), "Ġ Ġ".into()],
+            ..small_spec()
+        };
+        let tok = Tokenizer::from_gguf_spec(&spec).unwrap();
+        let text = "ab ab. ba\n\n  ab1 b1a  ab\nab ".repeat(40);
+        let whole = tok.encode(&text, false).unwrap();
+        for chunk in [1, 3, 7, 64, 1000] {
+            let got = tok
+                .encode_reader(text.as_bytes(), "t", false, None, chunk)
+                .unwrap();
+            assert_eq!(got, whole, "chunk {chunk}");
+        }
+        let first = tok
+            .encode_reader(text.as_bytes(), "t", false, Some(10), 8)
+            .unwrap();
+        assert_eq!(first, whole[..10]);
+        // Reading stops once the limit is reached: an endless reader still returns.
+        let endless = std::io::repeat(b'a');
+        let got = tok.encode_reader(endless, "t", false, Some(5), 64).unwrap();
+        assert_eq!(got.len(), 5);
+        let err = tok
+            .encode_reader(&b"ab \xff ab"[..], "bad.txt", false, None, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bad.txt") && err.contains("offset 3"), "{err}");
+    }
+
+    #[test]
+    fn bpe_without_merges_is_refused() {
+        let tok = Tokenizer::from_gguf_spec(&small_spec()).unwrap();
+        assert_eq!(tok.encode("ab", false).unwrap(), [2]);
+        let spec = GgufTokenizerSpec {
+            merges: Vec::new(),
+            ..small_spec()
+        };
+        let err = Tokenizer::from_gguf_spec(&spec).unwrap_err().to_string();
+        assert!(err.contains("tokenizer.ggml.merges"), "{err}");
     }
 
     proptest::proptest! {

@@ -71,16 +71,15 @@ pub fn open_model(path: impl AsRef<std::path::Path>) -> Result<Box<dyn TensorSou
         path: path.display().to_string(),
         source,
     };
-    let meta = std::fs::metadata(path).map_err(io_err)?;
-    if meta.is_dir() {
+    if check_model_path(path)? {
         return Ok(Box::new(crate::safetensors_dir::SafetensorsModel::open(
             path,
         )?));
     }
-    let mut magic = [0u8; 4];
+    let mut magic = [0u8; 8];
     let read = {
         use std::io::Read;
-        let mut f = std::fs::File::open(path).map_err(io_err)?;
+        let mut f = open_regular(path)?;
         let mut n = 0;
         while n < magic.len() {
             match f.read(&mut magic[n..]).map_err(io_err)? {
@@ -91,16 +90,132 @@ pub fn open_model(path: impl AsRef<std::path::Path>) -> Result<Box<dyn TensorSou
         n
     };
     // A `.gguf` that lacks the magic still goes to the GGUF reader, which says what is wrong.
-    if (read == magic.len() && &magic == b"GGUF") || path.extension().is_some_and(|e| e == "gguf") {
+    if (read >= 4 && &magic[..4] == b"GGUF") || path.extension().is_some_and(|e| e == "gguf") {
         return Ok(Box::new(crate::gguf::GgufModel::open(path)?));
+    }
+    if read == magic.len() && &magic == crate::packfile::MAGIC {
+        return Err(ModelError::NotAModel {
+            path: path.display().to_string(),
+            reason: "it is a packed .sieve file, which holds already-encoded weights: `sieve \
+                     generate` and `sieve eval` read it, but it cannot be opened as a source \
+                     model (packs cannot be re-packed; pack the original GGUF or safetensors)"
+                .into(),
+        });
     }
     if path.extension().is_some_and(|e| e == "safetensors") {
         return Ok(Box::new(crate::safetensors_dir::SafetensorsModel::open(
             path,
         )?));
     }
-    Err(ModelError::Unsupported(format!(
-        "{}: neither a GGUF file, a .safetensors file nor a Hugging Face model directory",
-        path.display()
-    )))
+    Err(ModelError::NotAModel {
+        path: path.display().to_string(),
+        reason: "neither a GGUF file, a .sieve pack, a .safetensors file nor a Hugging Face \
+                 model directory"
+            .into(),
+    })
+}
+
+/// Checks, without opening it, that `path` is something a model can be read from: a directory
+/// (`Ok(true)`) or a regular file (`Ok(false)`). FIFOs, sockets and devices are refused, since
+/// opening a FIFO with no writer blocks forever and a device never ends.
+pub fn check_model_path(path: &std::path::Path) -> Result<bool> {
+    let meta = std::fs::metadata(path).map_err(|source| crate::ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    if meta.is_dir() {
+        return Ok(true);
+    }
+    check_regular(path, &meta)?;
+    Ok(false)
+}
+
+fn check_regular(path: &std::path::Path, meta: &std::fs::Metadata) -> Result<()> {
+    if meta.is_file() {
+        return Ok(());
+    }
+    let kind = file_kind(meta);
+    Err(crate::ModelError::NotAModel {
+        path: path.display().to_string(),
+        reason: format!("it is {kind}, not a regular file"),
+    })
+}
+
+/// What a non-regular file is, in words.
+pub fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Opens `path` for reading after checking (with `stat`, which never blocks) that it is a
+/// regular file, so a FIFO or a device named as a model file is an error instead of a hang.
+pub fn open_regular(path: &std::path::Path) -> Result<std::fs::File> {
+    let io_err = |source| crate::ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(io_err)?;
+    check_regular(path, &meta)?;
+    std::fs::File::open(path).map_err(io_err)
+}
+
+/// Reads a small regular file (a JSON config) whole, refusing one above `limit` bytes.
+pub fn read_small_file(path: &std::path::Path, limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let file = open_regular(path)?;
+    let mut bytes = Vec::new();
+    // Reading one byte past the limit tells a file at the limit from a larger one, whatever
+    // the metadata said (the file may grow while it is read).
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|source| crate::ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+    if bytes.len() as u64 > limit {
+        return Err(crate::ModelError::Malformed {
+            path: path.display().to_string(),
+            reason: format!("larger than the {limit}-byte limit for this kind of file"),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Most bytes read from a JSON side file (`config.json`, a safetensors index,
+/// `tokenizer_config.json`): 64 MiB, far above any real one.
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
+
+/// Opens a text file (evaluation or calibration data) for streaming reads. Regular files and
+/// pipes (`--data <(zcat text.gz)`) are accepted; directories and devices are refused, since a
+/// device such as `/dev/zero` never ends.
+pub fn open_text(path: &std::path::Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::FileTypeExt;
+    let io_err = |source| crate::ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(io_err)?;
+    if !(meta.is_file() || meta.file_type().is_fifo()) {
+        return Err(crate::ModelError::InvalidArgument(format!(
+            "{} is {}, not a text file",
+            path.display(),
+            file_kind(&meta)
+        )));
+    }
+    std::fs::File::open(path).map_err(io_err)
 }

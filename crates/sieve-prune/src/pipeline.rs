@@ -65,7 +65,7 @@ use std::str::FromStr;
 
 impl From<sieve_model::ModelError> for PruneError {
     fn from(e: sieve_model::ModelError) -> Self {
-        PruneError::Model(e.to_string())
+        PruneError::Model(e.with_causes())
     }
 }
 
@@ -83,7 +83,16 @@ impl FromStr for FormatChoice {
         if s.trim().eq_ignore_ascii_case("auto") {
             return Ok(Self::Auto);
         }
-        Ok(Self::Fixed(FormatKind::from_name(s.trim())?))
+        let names: Vec<&str> = FormatKind::ALL.iter().map(|k| k.name()).collect();
+        FormatKind::from_name(s.trim())
+            .map(Self::Fixed)
+            .map_err(|_| {
+                PruneError::Option(format!(
+                    "unknown format '{}' (known: auto, {})",
+                    s.trim(),
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -502,6 +511,8 @@ pub fn prune_model(
             "the pipeline needs at least one non-empty calibration window",
         ));
     }
+    let longest = windows.iter().map(Vec::len).max().unwrap_or(0);
+    check_calibration(model.config(), windows.len(), longest)?;
     let layers = model.layers().len();
     let c = model.config();
     let (d, att_width, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
@@ -773,6 +784,64 @@ fn greedy_site_targets(
         targets.copy_from_slice(&last.sparsities);
     }
     Ok(targets)
+}
+
+/// Refuses calibration windows the model cannot run as trained: `len` tokens past its context
+/// (positions it never saw), or no window at all. Checked before the text is read.
+pub fn check_calibration(
+    config: &sieve_model::config::ModelConfig,
+    count: usize,
+    len: usize,
+) -> Result<()> {
+    if count == 0 || len == 0 {
+        return Err(PruneError::Option(format!(
+            "calibration needs at least one window of at least one token (got {count} windows of {len})"
+        )));
+    }
+    let context = config.max_position_embeddings;
+    if len > context {
+        return Err(PruneError::Option(format!(
+            "calibration windows of {len} tokens are longer than the model's context of {context} \
+             positions; use --calib-len {context} or less"
+        )));
+    }
+    Ok(())
+}
+
+/// Calibration text tokenized per needed token at most: [`calibration_windows_from_file`]
+/// spreads the windows over the first `16 x count x len` tokens of the file (all of it for the
+/// WikiText-2 validation split at the default 32 x 1024), so a huge file costs no more.
+pub const CALIB_TOKENS_PER_NEEDED: usize = 16;
+
+/// [`calibration_windows_from_text`] on a file read in bounded chunks
+/// ([`sieve_model::tokenizer::Tokenizer::encode_file`]), tokenizing at most
+/// [`CALIB_TOKENS_PER_NEEDED`] x `count` x `len` tokens. Returns the windows and the number of
+/// tokens they were spread over.
+pub fn calibration_windows_from_file(
+    tokenizer: &sieve_model::tokenizer::Tokenizer,
+    path: &std::path::Path,
+    count: usize,
+    len: usize,
+) -> Result<(Vec<Vec<u32>>, usize)> {
+    let needed = count.saturating_mul(len);
+    let tokens = tokenizer
+        .encode_file(
+            path,
+            false,
+            Some(needed.saturating_mul(CALIB_TOKENS_PER_NEEDED)),
+        )
+        .map_err(|e| {
+            PruneError::Option(format!(
+                "tokenizing the calibration text: {}",
+                e.with_causes()
+            ))
+        })?;
+    let windows =
+        crate::calib::calibration_windows(&tokens, count, len, crate::calib::Placement::Spread)?
+            .into_iter()
+            .map(<[u32]>::to_vec)
+            .collect();
+    Ok((windows, tokens.len()))
 }
 
 /// Tokenizes `text` and cuts `count` non-overlapping windows of `len` tokens spread evenly over
@@ -1218,6 +1287,18 @@ mod tests {
         let opts = options(Method::Magnitude, "unstructured", 0.5, 0.0, "dense");
         assert!(prune_model(&mut model, &[], &opts, &mut |_| {}).is_err());
         assert!(prune_model(&mut model, &[vec![99]], &opts, &mut |_| {}).is_err());
-        assert!("bogus".parse::<FormatChoice>().is_err());
+        let err = "bogus".parse::<FormatChoice>().unwrap_err().to_string();
+        assert!(
+            err.contains("auto, dense, "),
+            "the list names auto too: {err}"
+        );
+        // Windows past the model's context are refused, not run silently.
+        let long = vec![vec![1u32; model.config().max_position_embeddings + 1]];
+        let err = prune_model(&mut model, &long, &opts, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("longer than the model's context"), "{err}");
+        assert!(check_calibration(model.config(), 1, 10000).is_err());
+        assert!(check_calibration(model.config(), 0, 4).is_err());
     }
 }

@@ -202,7 +202,7 @@ impl GgufFile {
             path: label.clone(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io_err)?;
+        let file = crate::weights::open_regular(path)?;
         // SAFETY: the map is read-only; like every mmap-based model loader we rely on the file not
         // being truncated or rewritten by another process while it is open.
         let map = unsafe { Mmap::map(&file) }.map_err(io_err)?;

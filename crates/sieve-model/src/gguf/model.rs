@@ -71,6 +71,10 @@ impl GgufModel {
                 reason: "two GGUF tensors map to the same Hugging Face name".into(),
             });
         }
+        let arch = config.architecture.clone();
+        config.check_layers_present(hf_to_gguf.keys().map(String::as_str), &|f| {
+            gguf_key(&arch, f)
+        })?;
         let unpermute_qk = matches!(config.architecture.as_str(), "llama" | "mistral");
         Ok(GgufModel {
             file,
@@ -281,7 +285,13 @@ fn config_from_metadata(file: &GgufFile) -> Result<ModelConfig> {
     let num_kv_heads = file
         .get_usize(&key("attention.head_count_kv"))?
         .unwrap_or(num_heads);
-    if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+    if num_heads == 0 {
+        return Err(meta_err(
+            &key("attention.head_count"),
+            "must be positive, got 0",
+        ));
+    }
+    if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
         return Err(meta_err(
             &key("attention.head_count_kv"),
             format!("{num_kv_heads} KV heads do not divide {num_heads} attention heads"),
@@ -357,7 +367,7 @@ fn config_from_metadata(file: &GgufFile) -> Result<ModelConfig> {
             }
         }
     }
-    Ok(ModelConfig {
+    let config = ModelConfig {
         vocab_size,
         hidden_size,
         intermediate_size,
@@ -374,7 +384,30 @@ fn config_from_metadata(file: &GgufFile) -> Result<ModelConfig> {
         bos_token_id: file.get_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_ids,
         architecture,
-    })
+    };
+    config.check(&|f| gguf_key(&config.architecture, f))?;
+    Ok(config)
+}
+
+/// The GGUF metadata key (or tensor) a [`ModelConfig`] field is read from, for error messages.
+fn gguf_key(arch: &str, field: &str) -> String {
+    let key = match field {
+        "num_layers" => "block_count",
+        "hidden_size" => "embedding_length",
+        "intermediate_size" => "feed_forward_length",
+        "num_heads" => "attention.head_count",
+        "num_kv_heads" => "attention.head_count_kv",
+        "head_dim" => "attention.key_length",
+        "max_position_embeddings" => "context_length",
+        "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
+        "rope_theta" => "rope.freq_base",
+        "vocab_size" => return "tokenizer.ggml.tokens".into(),
+        "bos_token_id" => return "tokenizer.ggml.bos_token_id".into(),
+        "eos_token_id" => return "tokenizer.ggml.eos_token_id".into(),
+        "rope_scaling" => return "rope_freqs.weight".into(),
+        other => return other.into(),
+    };
+    format!("{arch}.{key}")
 }
 
 /// Llama 3 scaling when the file carries it; rejects every RoPE scaling scheme the config cannot

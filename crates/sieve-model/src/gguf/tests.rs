@@ -498,3 +498,99 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
     let err = GgufModel::from_file(GgufFile::from_bytes(b.build(), "t").unwrap()).unwrap_err();
     assert!(matches!(err, ModelError::Unsupported(ref m) if m.contains("rope_freqs")));
 }
+
+/// `tiny_llama` with one metadata value replaced.
+fn tiny_llama_with(key: &str, value: MetaValue) -> Vec<u8> {
+    let mut b = tiny_llama();
+    for (k, v) in b.metadata.iter_mut() {
+        if k == key {
+            *v = value.clone();
+        }
+    }
+    b.build()
+}
+
+#[test]
+fn layer_and_context_counts_are_checked_before_they_size_anything() {
+    for (key, value, want) in [
+        (
+            "llama.block_count",
+            MetaValue::U32(4294967295),
+            "llama.block_count",
+        ),
+        (
+            "llama.block_count",
+            MetaValue::U64(1 << 60),
+            "llama.block_count",
+        ),
+        ("llama.block_count", MetaValue::U32(3), "holds 2 layers"),
+        (
+            "llama.context_length",
+            MetaValue::U32(0),
+            "must be positive",
+        ),
+        ("llama.context_length", MetaValue::U64(1 << 40), "limit"),
+        (
+            "llama.attention.head_count",
+            MetaValue::U32(0),
+            "llama.attention.head_count'",
+        ),
+    ] {
+        let file = GgufFile::from_bytes(tiny_llama_with(key, value), "tiny").unwrap();
+        let err = GgufModel::from_file(file).unwrap_err().to_string();
+        assert!(err.contains(want), "{key}: {err}");
+    }
+}
+
+#[test]
+fn non_finite_tensor_values_name_the_tensor_not_a_path() {
+    let mut b = tiny_llama();
+    for (name, _, _, data) in b.tensors.iter_mut() {
+        if name == "output_norm.weight" {
+            data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    }
+    let model = GgufModel::from_file(GgufFile::from_bytes(b.build(), "tiny").unwrap()).unwrap();
+    let err = crate::llama::Model::from_source(&model).unwrap_err();
+    assert!(
+        matches!(&err, ModelError::BadTensor { name, .. } if name == "model.norm.weight"),
+        "{err}"
+    );
+    assert!(!err.to_string().contains("malformed model file"), "{err}");
+}
+
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let dir = std::env::temp_dir().join(format!("sieve-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("model.gguf");
+    let _ = std::fs::remove_file(&fifo);
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: mkfifo is unavailable");
+        return;
+    }
+    // Opening a FIFO with no writer would block forever; the readers must not open it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = fifo.clone();
+    std::thread::spawn(move || {
+        let results = [
+            crate::weights::open_model(&path)
+                .err()
+                .map(|e| e.to_string()),
+            GgufFile::open(&path).err().map(|e| e.to_string()),
+            crate::packed::load_model_and_tokenizer(&path)
+                .err()
+                .map(|e| e.to_string()),
+        ];
+        let _ = tx.send(results);
+    });
+    let results = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("opening a FIFO as a model blocked");
+    for r in results {
+        let err = r.expect("a FIFO was accepted as a model");
+        assert!(err.contains("FIFO"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -72,17 +72,16 @@ pub fn run(command: EvalCommand) -> Result<()> {
                     ),
                 },
             };
-            let text = std::fs::read_to_string(&data)
-                .with_context(|| format!("reading {}", data.display()))?;
             let path = super::model_path::resolve_model(model.as_deref())?;
             // `.sieve` files (by magic) and every other model layout.
             let (model, tokenizer) =
                 sieve_model::packed::load_model_and_tokenizer_with(&path, f16_weights)
                     .with_context(|| format!("opening {}", path.display()))?;
-            let mut tokens = tokenizer.encode(&text, tokenizer.add_bos_by_default())?;
-            if let Some(max) = max_tokens {
-                tokens.truncate(max);
-            }
+            sieve_model::generate::check_window(model.config(), ctx)?;
+            // Read and tokenized in chunks up to --max-tokens, not the whole file first.
+            let tokens = tokenizer
+                .encode_file(&data, tokenizer.add_bos_by_default(), max_tokens)
+                .with_context(|| format!("reading {}", data.display()))?;
             let bar = ProgressBar::new(tokens.len() as u64);
             bar.set_style(
                 ProgressStyle::with_template(

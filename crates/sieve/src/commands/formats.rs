@@ -6,9 +6,14 @@ use serde::Serialize;
 use sieve_formats::random::{self, Pattern};
 use sieve_formats::{registry, slide, FormatKind, WeightFormat};
 
+/// Largest matrix `formats stats` builds (rows x cols): 2^28 elements, a 512 MiB f16 matrix,
+/// which every format then holds another encoding of.
+pub const MAX_STATS_ELEMENTS: usize = 1 << 28;
+
 #[derive(Subcommand)]
 pub enum FormatsCommand {
-    /// Encode a random M x K matrix in every format and print one JSON line per format.
+    /// Encode a random M x K matrix in every format and print one JSON line per format
+    /// (rows x cols at most 2^28).
     Stats {
         #[arg(long)]
         rows: usize,
@@ -53,6 +58,8 @@ pub fn run(cmd: FormatsCommand) -> Result<()> {
             seed,
         } => {
             let pattern: Pattern = pattern.parse()?;
+            let elements = sieve_formats::size::product("--rows x --cols", &[rows, cols])?;
+            sieve_formats::size::at_most("--rows x --cols", elements, MAX_STATS_ELEMENTS)?;
             let w = random::sparse_matrix(rows, cols, sparsity, pattern, seed)
                 .context("generating the random matrix")?;
             for kind in FormatKind::ALL {

@@ -23,14 +23,22 @@ pub fn resolve_model(explicit: Option<&Path>) -> Result<PathBuf> {
         bail!("neither SIEVE_HOME nor HOME is set; pass --model PATH");
     };
     let path = home.join("models").join(DEFAULT_MODEL);
-    if !path.is_file() {
-        bail!(
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_file() => Ok(path),
+        Ok(_) => bail!(
+            "the default model {} is not a regular file (pass --model PATH)",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
             "the default model {} is missing; run `bash scripts/fetch-model.sh` from the \
              repository root (or pass --model PATH)",
             path.display()
-        );
+        ),
+        Err(e) => bail!(
+            "the default model {} cannot be read: {e} (pass --model PATH)",
+            path.display()
+        ),
     }
-    Ok(path)
 }
 
 /// Directories that may be the repository root: the current directory and its ancestors, the

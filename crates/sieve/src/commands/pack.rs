@@ -6,12 +6,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sieve_model::generate::{init_threads, load_tokenizer};
 use sieve_model::llama::Model;
+use sieve_model::output::PendingOutput;
 use sieve_model::packed::{add_model_sections, add_tokenizer_sections};
 use sieve_model::packfile::PackWriter;
 use sieve_model::weights::open_model;
 use sieve_prune::pipeline::{
-    calibration_windows_from_text, prune_model, FormatChoice, PipelineOptions, PipelineReport,
-    TealAllocation,
+    calibration_windows_from_file, check_calibration, prune_model, FormatChoice, PipelineOptions,
+    PipelineReport, TealAllocation,
 };
 use sieve_prune::{Method, Pattern, SparseGptOptions};
 use std::path::PathBuf;
@@ -101,9 +102,6 @@ pub fn run(args: PackArgs) -> Result<()> {
             bail!("{what} {v} is outside [0, 1)");
         }
     }
-    if args.out.is_dir() {
-        bail!("--out {} is a directory", args.out.display());
-    }
     let calib = match args.calib {
         Some(c) => c,
         None => match super::model_path::find_near_repo(DEFAULT_CALIB) {
@@ -114,16 +112,17 @@ pub fn run(args: PackArgs) -> Result<()> {
         },
     };
     let path = super::model_path::resolve_model(args.model.as_deref())?;
+    // Checked before any work: --out is not an input nor a non-file, its directory takes files.
+    let out = PendingOutput::create(&args.out, &[&path, &calib])?;
     let source = open_model(&path).with_context(|| format!("opening {}", path.display()))?;
+    check_calibration(source.config(), args.calib_samples, args.calib_len)?;
     let tokenizer = load_tokenizer(source.as_ref())?;
     let mut model = Model::from_source_f16(source.as_ref())?;
-    let text =
-        std::fs::read_to_string(&calib).with_context(|| format!("reading {}", calib.display()))?;
-    let windows =
-        calibration_windows_from_text(&tokenizer, &text, args.calib_samples, args.calib_len)
+    let (windows, text_tokens) =
+        calibration_windows_from_file(&tokenizer, &calib, args.calib_samples, args.calib_len)
             .with_context(|| format!("calibration windows from {}", calib.display()))?;
     eprintln!(
-        "pack: {} {} sp={} dp={} format={} on {} x {} tokens of {}",
+        "pack: {} {} sp={} dp={} format={} on {} x {} tokens spread over {text_tokens} tokens of {}",
         method,
         pattern,
         args.sp,
@@ -185,7 +184,7 @@ pub fn run(args: PackArgs) -> Result<()> {
     };
     writer.add_json("manifest", &manifest)?;
     writer
-        .write(&args.out)
+        .write_to(out)
         .with_context(|| format!("writing {}", args.out.display()))?;
     if args.verbose {
         for l in &report.linears {
