@@ -202,7 +202,8 @@ mod tests {
     fn counts_are_held_to_the_stated_limits() {
         let good = crate::llama::tests::tiny_config();
         good.check(&plain).unwrap();
-        let cases: [(&str, fn(&mut ModelConfig)); 5] = [
+        type Edit = fn(&mut ModelConfig);
+        let cases: [(&str, Edit); 5] = [
             ("num_layers", |c| c.num_layers = 4294967295),
             ("num_layers", |c| c.num_layers = 1 << 60),
             ("max_position_embeddings", |c| c.max_position_embeddings = 0),

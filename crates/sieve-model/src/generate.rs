@@ -406,8 +406,12 @@ mod tests {
         let spec = crate::tokenizer::GgufTokenizerSpec {
             model: "gpt2".into(),
             pre: "smollm".into(),
-            tokens: (0..37).map(|i| format!("t{i}")).collect(),
-            merges: vec!["t 1".into()],
+            tokens: ["a", "b", "ab"]
+                .into_iter()
+                .map(String::from)
+                .chain((3..37).map(|i| format!("x{i}")))
+                .collect(),
+            merges: vec!["a b".into()],
             ..Default::default()
         };
         let tokenizer = Tokenizer::from_gguf_spec(&spec).unwrap();

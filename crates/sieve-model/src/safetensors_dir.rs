@@ -659,13 +659,15 @@ mod tests {
         }
         // An empty directory is "not a model", not a missing tensor.
         let empty = TempDir::new("empty");
-        let err = open_model(&empty.0).unwrap_err();
+        let err = open_model(&empty.0)
+            .err()
+            .expect("an empty directory opened");
         assert!(matches!(err, ModelError::NotAModel { .. }), "{err}");
-        assert!(!err.to_string().contains("tensor"), "{err}");
+        assert!(!err.to_string().contains("not found"), "{err}");
         // A pack is named as such.
         let pack = dir.0.join("x.sieve");
         std::fs::write(&pack, crate::packfile::PackWriter::new().to_bytes()).unwrap();
-        let err = open_model(&pack).unwrap_err().to_string();
+        let err = open_model(&pack).err().expect("a pack opened").to_string();
         assert!(err.contains("packs cannot be re-packed"), "{err}");
         // Not a model at all.
         let junk = dir.0.join("junk.bin");
