@@ -14,6 +14,15 @@ fn arg(args: &[String], flag: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
+fn default_model() -> Option<std::path::PathBuf> {
+    let home = std::env::var_os("SIEVE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/sieve"))
+        })?;
+    Some(home.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
@@ -22,10 +31,7 @@ fn main() {
                 .get(1)
                 .map(std::path::PathBuf::from)
                 .unwrap_or_else(sieve_fuzz::corpus_dir);
-            let real = std::env::var_os("HOME").map(|h| {
-                std::path::PathBuf::from(h)
-                    .join(".cache/sieve/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-            });
+            let real = default_model();
             for (target, name, bytes) in seeds::all(real.as_deref().filter(|p| p.is_file())) {
                 let d = dir.join(target);
                 if let Err(e) = std::fs::create_dir_all(&d)
@@ -65,10 +71,20 @@ fn main() {
                     eprintln!("unknown target {name}");
                     std::process::exit(2);
                 };
-                let inputs: Vec<Vec<u8>> = sieve_fuzz::load_corpus(&corpus, &name)
+                let mut inputs: Vec<Vec<u8>> = sieve_fuzz::load_corpus(&corpus, &name)
                     .into_iter()
                     .map(|(_, b)| b)
                     .collect();
+                if name == targets::GGUF_REAL.name {
+                    let real = default_model();
+                    match real.as_deref().and_then(targets::real_header_input) {
+                        Some(input) => inputs.push(input),
+                        None => {
+                            eprintln!("gguf-real needs the default model ({real:?})");
+                            std::process::exit(2);
+                        }
+                    }
+                }
                 let opts = runner::Options {
                     seconds,
                     max_inputs: u64::MAX,

@@ -59,8 +59,56 @@ pub const TARGETS: [Target; 5] = [
     },
 ];
 
+/// The default model's header (everything before its tensor data: all metadata, the 49k-token
+/// vocabulary and merges, the tensor table) with an 8-byte trailer holding the file's length:
+/// [`run_gguf_real`] rebuilds a file of that length with zero tensor data, so header mutations
+/// of the real 98 MB model run without copying its weights each time. Not in the committed
+/// corpus (the header alone is megabytes); `sieve-fuzz run --targets gguf-real` builds it from
+/// `$SIEVE_HOME/models/` (default `~/.cache/sieve/models/`) when present.
+pub const GGUF_REAL: Target = Target {
+    name: "gguf-real",
+    run: run_gguf_real,
+    fields: layout::gguf_fields,
+    special: None,
+    reseal: None,
+};
+
 pub fn by_name(name: &str) -> Option<&'static Target> {
-    TARGETS.iter().find(|t| t.name == name)
+    TARGETS
+        .iter()
+        .find(|t| t.name == name)
+        .or((name == GGUF_REAL.name).then_some(&GGUF_REAL))
+}
+
+/// The header-plus-length input of [`GGUF_REAL`] for the GGUF file at `path`.
+pub fn real_header_input(path: &std::path::Path) -> Option<Vec<u8>> {
+    let file = GgufFile::open(path).ok()?;
+    let bytes = std::fs::read(path).ok()?;
+    let mut input = bytes.get(..file.data_offset() as usize)?.to_vec();
+    input.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    Some(input)
+}
+
+/// Largest file [`run_gguf_real`] rebuilds (the default model is 98 MB).
+const REAL_MAX_LEN: usize = 256 << 20;
+
+fn run_gguf_real(input: &[u8]) -> Result<(), String> {
+    let split = input.len().checked_sub(8).ok_or("input too short")?;
+    let (header, trailer) = input.split_at(split);
+    let len = u64::from_le_bytes(trailer.try_into().map_err(e)?) as usize;
+    let len = len.clamp(header.len(), REAL_MAX_LEN.max(header.len()));
+    // `vec![0u8; n]` takes zero pages from the allocator: the weights cost nothing until read.
+    let mut bytes = vec![0u8; len];
+    bytes[..header.len()].copy_from_slice(header);
+    let file = GgufFile::from_bytes(bytes, "fuzz-real.gguf").map_err(e)?;
+    let model = GgufModel::from_file(file).map_err(e)?;
+    let spec = model.tokenizer_spec().map_err(e)?;
+    let t = Tokenizer::from_gguf_spec(&spec).map_err(e)?;
+    exercise_tokenizer(&t)?;
+    for name in ["model.norm.weight", "model.layers.0.input_layernorm.weight"] {
+        model.tensor(name).map_err(e)?;
+    }
+    Ok(())
 }
 
 fn e(err: impl std::fmt::Display) -> String {

@@ -48,6 +48,37 @@ fn every_target_survives_a_short_fuzz_run() {
         );
         report.push(stats);
     }
+    // Header mutations of the default model itself, when it is present (CI fetches it).
+    let real = std::env::var_os("SIEVE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/sieve"))
+        })
+        .map(|h| h.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    match real.as_deref().and_then(targets::real_header_input) {
+        Some(input) => {
+            let target = &targets::GGUF_REAL;
+            assert!(
+                (target.run)(&input).is_ok(),
+                "the default model's header is refused"
+            );
+            let opts = runner::Options {
+                seconds: seconds / 2.0,
+                max_inputs: u64::MAX,
+                seed: 0x5eed,
+                hang_seconds: 60,
+                crash_dir: None,
+            };
+            let stats = runner::fuzz(target, &[input], &opts);
+            eprintln!("{}", stats.json());
+            assert!(
+                stats.panics.is_empty(),
+                "gguf-real: panics {:?}",
+                stats.panics
+            );
+        }
+        None => eprintln!("skipped gguf-real: the default model is absent"),
+    }
     targets::cleanup();
     for s in &report {
         assert!(s.panics.is_empty(), "{}: panics {:?}", s.target, s.panics);

@@ -59,7 +59,7 @@ pub struct PackArgs {
     /// Activation rows per input site kept for the dual-sparsity report.
     #[arg(long, default_value_t = 2048)]
     report_tokens: usize,
-    /// Worker threads (default: one per core).
+    /// Worker threads (default: one per core; at most 256).
     #[arg(long)]
     threads: Option<usize>,
     /// Also print the per-linear report as JSON lines.
