@@ -3,6 +3,7 @@
 //! | module | job |
 //! |---|---|
 //! | [`config`] | `ModelConfig`: the architecture hyper-parameters the forward pass needs |
+//! | [`cpu_bench`] | `sieve bench cpu`: prefill and decode tok/s of several models in one run |
 //! | [`weights`] | `TensorSource`: named f32 tensors from any model file |
 //! | [`gguf`] | GGUF v2/v3 reader (memory-mapped) and its metadata -> `ModelConfig` |
 //! | [`quant`] | dequantization of GGUF block formats |
@@ -18,6 +19,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod cpu_bench;
 pub mod error;
 pub mod generate;
 pub mod gguf;

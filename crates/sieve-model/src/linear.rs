@@ -21,6 +21,8 @@ use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
 
 pub mod gemm;
 pub mod quantized;
+pub mod simd;
+pub mod sparse;
 
 use quantized::QuantMatrix;
 

@@ -19,13 +19,15 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::linear::sparse::{DenseColumns, FastTiledCbc};
 use crate::linear::{FastDense, Linear};
 use crate::llama::{Layer, Model};
 use crate::packfile::{PackFile, PackWriter, SectionKind};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::weights::{TensorSource, TokenizerSource};
 use serde::{Deserialize, Serialize};
-use sieve_formats::{FormatKind, WeightFormat};
+use sieve_formats::tiled_cbc::TiledCbc;
+use sieve_formats::{FormatKind, Threshold, WeightFormat};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -157,18 +159,36 @@ pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
     w.add_json("thresholds", &thresholds)
 }
 
-/// Reads a weight blob; dense ones get the SIMD kernels of [`FastDense`].
-fn read_linear(pack: &PackFile, name: &str) -> Result<Linear> {
+/// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
+/// [`FastDense`] (or, under a TEAL threshold, the column-major [`DenseColumns`], which reads only
+/// the active columns), Tiled-CBC gets [`FastTiledCbc`]; other formats keep their reference
+/// kernels. The threshold is the one the pack stores for this layer.
+fn read_linear(pack: &PackFile, name: &str, threshold: Threshold) -> Result<Linear> {
     let bytes = pack.section(name, SectionKind::Weight)?;
-    let format = sieve_formats::registry::from_bytes(bytes).map_err(|e| ModelError::Malformed {
+    let malformed = |e: sieve_formats::FormatError| ModelError::Malformed {
         path: pack.path().display().to_string(),
         reason: format!("section '{name}': {e}"),
-    })?;
-    Ok(if format.kind() == FormatKind::Dense {
-        Linear::from_format(Box::new(FastDense::new(format.decode())))
+    };
+    let (tag, payload) = sieve_formats::blob::unframe(bytes).map_err(malformed)?;
+    let format: Box<dyn WeightFormat> = if matches!(FormatKind::from_tag(tag), Ok(FormatKind::TiledCbc)) {
+        let mut r = sieve_formats::blob::ByteReader::new(payload);
+        let tiled = TiledCbc::read_payload(&mut r).map_err(malformed)?;
+        r.finish().map_err(malformed)?;
+        Box::new(FastTiledCbc::new(tiled))
     } else {
-        Linear::from_format(format)
-    })
+        let format = sieve_formats::registry::from_bytes(bytes).map_err(malformed)?;
+        match (format.kind(), threshold) {
+            (FormatKind::Dense, Some(_)) => Box::new(DenseColumns::new(&format.decode())),
+            (FormatKind::Dense, None) => Box::new(FastDense::new(format.decode())),
+            _ => format,
+        }
+    };
+    let mut linear = Linear::from_format(format);
+    linear.set_threshold(threshold).map_err(|e| ModelError::Malformed {
+        path: pack.path().display().to_string(),
+        reason: format!("threshold of '{name}': {e}"),
+    })?;
+    Ok(linear)
 }
 
 impl Model {
@@ -185,7 +205,7 @@ impl Model {
             reason,
         };
         let thresholds: BTreeMap<String, Option<f32>> = pack.json("thresholds")?;
-        let embed_lin = read_linear(pack, "model.embed_tokens.weight")?;
+        let embed_lin = read_linear(pack, "model.embed_tokens.weight", None)?;
         let embed = embed_lin.format().decode();
         if embed.rows() != config.vocab_size || embed.cols() != config.hidden_size {
             return Err(malformed(format!(
@@ -196,20 +216,14 @@ impl Model {
                 config.hidden_size
             )));
         }
-        let with_threshold = |name: &str, mut lin: Linear| -> Result<Linear> {
-            if let Some(t) = thresholds.get(name) {
-                lin.set_threshold(*t)
-                    .map_err(|e| malformed(format!("threshold of '{name}': {e}")))?;
-            }
-            Ok(lin)
-        };
+        let threshold_of = |name: &str| thresholds.get(name).copied().flatten();
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
             let p = format!("model.layers.{l}");
             let mut lin = Vec::with_capacity(7);
             for short in crate::llama::LAYER_LINEARS {
                 let name = format!("{p}.{short}.weight");
-                let mut linear = with_threshold(&name, read_linear(pack, &name)?)?;
+                let mut linear = read_linear(pack, &name, threshold_of(&name))?;
                 let bias_name = format!("{p}.{short}.bias");
                 if pack.contains(&bias_name) {
                     linear = linear.with_bias(pack.f32s(&bias_name)?)?;
@@ -233,12 +247,19 @@ impl Model {
                 down_proj: next()?,
             });
         }
+        let head_threshold = threshold_of("lm_head.weight");
         let lm_head = if pack.contains("lm_head.weight") {
-            read_linear(pack, "lm_head.weight")?
+            read_linear(pack, "lm_head.weight", head_threshold)?
         } else {
-            Linear::from_format(Box::new(FastDense::new(embed.clone())))
+            let format: Box<dyn WeightFormat> = match head_threshold {
+                Some(_) => Box::new(DenseColumns::new(&embed)),
+                None => Box::new(FastDense::new(embed.clone())),
+            };
+            let mut lin = Linear::from_format(format);
+            lin.set_threshold(head_threshold)
+                .map_err(|e| malformed(format!("threshold of 'lm_head.weight': {e}")))?;
+            lin
         };
-        let lm_head = with_threshold("lm_head.weight", lm_head)?;
         let final_norm = pack.f32s("model.norm.weight")?;
         Model::from_parts(config, embed.into_data(), layers, final_norm, lm_head)
     }

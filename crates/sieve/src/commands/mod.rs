@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod bench_cpu;
 pub mod eval;
 pub mod formats;
 pub mod generate;
