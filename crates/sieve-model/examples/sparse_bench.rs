@@ -20,7 +20,11 @@ use std::time::Instant;
 fn thread_cpu_seconds() -> f64 {
     std::fs::read_to_string("/proc/thread-self/schedstat")
         .ok()
-        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+        })
         .map_or(0.0, |ns| ns * 1e-9)
 }
 
@@ -30,8 +34,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let sp: f64 = args[2].parse()?;
     let dp: f64 = args[3].parse()?;
     let reps: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(20);
-    let layers: usize = std::env::var("LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
-    let shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)];
+    let layers: usize = std::env::var("LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let shapes = [
+        (576, 576),
+        (192, 576),
+        (192, 576),
+        (576, 576),
+        (1536, 576),
+        (1536, 576),
+        (576, 1536),
+    ];
     let mut mats = Vec::new();
     for l in 0..layers {
         for (i, &(m, k)) in shapes.iter().enumerate() {
@@ -41,20 +56,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             mats.push((w, x, t));
         }
     }
-    let tiled: Vec<FastTiledCbc> = mats.iter().map(|(w, _, _)| FastTiledCbc::new(TiledCbc::encode(w).unwrap())).collect();
+    let tiled: Vec<FastTiledCbc> = mats
+        .iter()
+        .map(|(w, _, _)| FastTiledCbc::new(TiledCbc::encode(w).unwrap()))
+        .collect();
     let cols: Vec<DenseColumns> = mats.iter().map(|(w, _, _)| DenseColumns::new(w)).collect();
-    let dense: Vec<FastDense> = mats.iter().map(|(w, _, _)| FastDense::new(w.clone())).collect();
+    let dense: Vec<FastDense> = mats
+        .iter()
+        .map(|(w, _, _)| FastDense::new(w.clone()))
+        .collect();
     // Bytes each format must read for the active columns (values, bitmaps and tile metadata).
     let active: Vec<f64> = mats
         .iter()
-        .map(|(_, x, t)| x.iter().filter(|v| **v != 0.0 && t.is_none_or(|t| v.abs() > t)).count() as f64 / x.len() as f64)
+        .map(|(_, x, t)| {
+            x.iter()
+                .filter(|v| **v != 0.0 && t.is_none_or(|t| v.abs() > t))
+                .count() as f64
+                / x.len() as f64
+        })
         .collect();
     let gb = |bytes: &dyn Fn(usize) -> f64| (0..mats.len()).map(bytes).sum::<f64>() / 1e9;
     let tiled_bytes = gb(&|i| tiled[i].storage().total_bytes() as f64 * active[i]);
     let col_bytes = gb(&|i| cols[i].storage().total_bytes() as f64 * active[i]);
     let dense_bytes = gb(&|i| dense[i].storage().total_bytes() as f64);
     let mut y: Vec<Vec<f32>> = mats.iter().map(|(w, _, _)| vec![0f32; w.rows()]).collect();
-    println!("sp {sp} dp {dp}, {threads} threads, best of {reps} (ms per token, GB/s of the bytes read)");
+    println!(
+        "sp {sp} dp {dp}, {threads} threads, best of {reps} (ms per token, GB/s of the bytes read)"
+    );
     run_in_pool(Some(threads), || {
         let only = std::env::var("ONLY").unwrap_or_default();
         let mut time = |name: &str, bytes: f64, f: &mut dyn FnMut(usize, &mut [f32])| {
@@ -78,14 +106,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 best_cpu * 1e3
             );
         };
-        time("dense f16 rows (masked x)", dense_bytes, &mut |i, yi| dense[i].matvec(&mats[i].1, mats[i].2, yi).unwrap());
+        time("dense f16 rows (masked x)", dense_bytes, &mut |i, yi| {
+            dense[i].matvec(&mats[i].1, mats[i].2, yi).unwrap()
+        });
         for level in SimdLevel::available() {
-            time(&format!("dense columns {}", level.name()), col_bytes, &mut |i, yi| {
-                cols[i].matvec_with(level, &mats[i].1, mats[i].2, yi).unwrap()
-            });
-            time(&format!("tiled-cbc {}", level.name()), tiled_bytes, &mut |i, yi| {
-                tiled[i].matvec_with(level, &mats[i].1, mats[i].2, yi).unwrap()
-            });
+            time(
+                &format!("dense columns {}", level.name()),
+                col_bytes,
+                &mut |i, yi| {
+                    cols[i]
+                        .matvec_with(level, &mats[i].1, mats[i].2, yi)
+                        .unwrap()
+                },
+            );
+            time(
+                &format!("tiled-cbc {}", level.name()),
+                tiled_bytes,
+                &mut |i, yi| {
+                    tiled[i]
+                        .matvec_with(level, &mats[i].1, mats[i].2, yi)
+                        .unwrap()
+                },
+            );
         }
     })?;
     Ok(())

@@ -156,7 +156,11 @@ fn describe(model: &Model) -> (String, usize) {
         .chain(heads)
     {
         let f = lin.format();
-        *counts.entry(f.kind().name().to_string()).or_default() += 1;
+        let name = match (lin.is_quantized_blocks(), f.kind()) {
+            (true, _) => "gguf-blocks",
+            (false, kind) => kind.name(),
+        };
+        *counts.entry(name.to_string()).or_default() += 1;
         bytes += f.storage().total_bytes();
     }
     let formats = counts
@@ -276,7 +280,11 @@ impl CpuBenchReport {
                 runs(&r.prefill_runs),
                 r.decode_tok_s,
                 runs(&r.decode_runs),
-                if base > 0.0 { r.decode_tok_s / base } else { 0.0 }
+                if base > 0.0 {
+                    r.decode_tok_s / base
+                } else {
+                    0.0
+                }
             ));
         }
         s

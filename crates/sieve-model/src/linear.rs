@@ -121,6 +121,11 @@ impl Linear {
     pub fn format(&self) -> &dyn WeightFormat {
         self.weight.format()
     }
+    /// Whether the weights are GGUF quantized blocks (whose `format().kind()` reads as dense,
+    /// the format they serialize to).
+    pub fn is_quantized_blocks(&self) -> bool {
+        matches!(self.weight, Weight::Blocks(_))
+    }
     /// Replaces the weight matrix, keeping bias and threshold; the shape must not change.
     pub fn replace_format(&mut self, weight: Box<dyn WeightFormat>) -> Result<()> {
         if weight.rows() != self.rows() || weight.cols() != self.cols() {

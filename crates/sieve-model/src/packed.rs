@@ -19,7 +19,8 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::sparse::{DenseColumns, FastTiledCbc};
+use crate::linear::quantized::QuantMatrix;
+use crate::linear::sparse::{DequantizedIeBme, FastTiledCbc};
 use crate::linear::{FastDense, Linear};
 use crate::llama::{Layer, Model};
 use crate::packfile::{PackFile, PackWriter, SectionKind};
@@ -160,9 +161,12 @@ pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
 }
 
 /// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
-/// [`FastDense`] (or, under a TEAL threshold, the column-major [`DenseColumns`], which reads only
-/// the active columns), Tiled-CBC gets [`FastTiledCbc`]; other formats keep their reference
-/// kernels. The threshold is the one the pack stores for this layer.
+/// [`FastDense`], Tiled-CBC gets [`FastTiledCbc`], IE-BME gets [`DequantizedIeBme`] (the same
+/// column kernel over its exact dequantized matrix); other formats keep their reference kernels.
+/// The threshold is the one the pack stores for this layer. Dense layers stay row-major even
+/// under a threshold: the column-major `DenseColumns` reads only active columns but was slower
+/// at dp 0.5 on the 2-core machine (random column skips cost a memory latency each; see
+/// docs/BENCHMARKS.md), faster only from dp ~0.9.
 fn read_linear(pack: &PackFile, name: &str, threshold: Threshold) -> Result<Linear> {
     let bytes = pack.section(name, SectionKind::Weight)?;
     let malformed = |e: sieve_formats::FormatError| ModelError::Malformed {
@@ -170,24 +174,33 @@ fn read_linear(pack: &PackFile, name: &str, threshold: Threshold) -> Result<Line
         reason: format!("section '{name}': {e}"),
     };
     let (tag, payload) = sieve_formats::blob::unframe(bytes).map_err(malformed)?;
-    let format: Box<dyn WeightFormat> = if matches!(FormatKind::from_tag(tag), Ok(FormatKind::TiledCbc)) {
-        let mut r = sieve_formats::blob::ByteReader::new(payload);
-        let tiled = TiledCbc::read_payload(&mut r).map_err(malformed)?;
-        r.finish().map_err(malformed)?;
-        Box::new(FastTiledCbc::new(tiled))
-    } else {
-        let format = sieve_formats::registry::from_bytes(bytes).map_err(malformed)?;
-        match (format.kind(), threshold) {
-            (FormatKind::Dense, Some(_)) => Box::new(DenseColumns::new(&format.decode())),
-            (FormatKind::Dense, None) => Box::new(FastDense::new(format.decode())),
-            _ => format,
+    let mut r = sieve_formats::blob::ByteReader::new(payload);
+    let format: Box<dyn WeightFormat> = match FormatKind::from_tag(tag) {
+        Ok(FormatKind::TiledCbc) => {
+            let tiled = TiledCbc::read_payload(&mut r).map_err(malformed)?;
+            r.finish().map_err(malformed)?;
+            Box::new(FastTiledCbc::new(tiled))
+        }
+        Ok(FormatKind::IeBme) => {
+            let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r).map_err(malformed)?;
+            r.finish().map_err(malformed)?;
+            Box::new(DequantizedIeBme::new(ie).map_err(malformed)?)
+        }
+        _ => {
+            let format = sieve_formats::registry::from_bytes(bytes).map_err(malformed)?;
+            match format.kind() {
+                FormatKind::Dense => Box::new(FastDense::new(format.decode())),
+                _ => format,
+            }
         }
     };
     let mut linear = Linear::from_format(format);
-    linear.set_threshold(threshold).map_err(|e| ModelError::Malformed {
-        path: pack.path().display().to_string(),
-        reason: format!("threshold of '{name}': {e}"),
-    })?;
+    linear
+        .set_threshold(threshold)
+        .map_err(|e| ModelError::Malformed {
+            path: pack.path().display().to_string(),
+            reason: format!("threshold of '{name}': {e}"),
+        })?;
     Ok(linear)
 }
 
@@ -251,11 +264,7 @@ impl Model {
         let lm_head = if pack.contains("lm_head.weight") {
             read_linear(pack, "lm_head.weight", head_threshold)?
         } else {
-            let format: Box<dyn WeightFormat> = match head_threshold {
-                Some(_) => Box::new(DenseColumns::new(&embed)),
-                None => Box::new(FastDense::new(embed.clone())),
-            };
-            let mut lin = Linear::from_format(format);
+            let mut lin = Linear::from_format(Box::new(FastDense::new(embed.clone())));
             lin.set_threshold(head_threshold)
                 .map_err(|e| malformed(format!("threshold of 'lm_head.weight': {e}")))?;
             lin
@@ -313,6 +322,28 @@ pub fn tokenizer_from_pack(pack: &PackFile) -> Result<Tokenizer> {
     })
 }
 
+/// Replaces a dense f16 LM head by Q8_0 blocks (8-bit activations, as the GGUF path does).
+/// The head of SmolLM2-135M is 49152 x 576, a fifth of the model's weights and read in full by
+/// every decode step: 56.6 MB in f16 against 30.1 MB in Q8_0. Packs made from a GGUF whose head
+/// was Q8_0 get the file's own quants back (see [`QuantMatrix::quantize_q8_0`]). Heads in
+/// other formats, or with a column count that is not a multiple of 32, stay as they are.
+pub fn quantize_dense_head(model: &mut Model) -> Result<()> {
+    let head = model.lm_head();
+    if head.format().kind() != FormatKind::Dense
+        || !head.cols().is_multiple_of(32)
+        || head.bias().is_some()
+    {
+        return Ok(());
+    }
+    let threshold = head.threshold();
+    let dense = head.format().decode();
+    let q = QuantMatrix::quantize_q8_0(dense.rows(), dense.cols(), dense.data())?;
+    let mut lin = Linear::from_quantized(q);
+    lin.set_threshold(threshold)?;
+    *model.lm_head_mut() = lin;
+    Ok(())
+}
+
 /// Whether `path` is a `.sieve` file (by its magic, whatever its name).
 /// Anything that is not a regular file (a directory, a FIFO) is not a pack, and is never opened.
 pub fn is_pack_file(path: &Path) -> bool {
@@ -331,13 +362,19 @@ pub fn load_model_and_tokenizer(path: &Path) -> Result<(Model, Tokenizer)> {
 }
 
 /// [`load_model_and_tokenizer`], with `f16_weights` dequantizing GGUF blocks to dense f16
-/// ([`Model::from_source_f16`], the model `sieve pack` prunes). `.sieve` files load as stored.
+/// ([`Model::from_source_f16`], the model `sieve pack` prunes). `.sieve` files load as stored,
+/// except that a dense f16 LM head is multiplied as Q8_0 blocks ([`quantize_dense_head`])
+/// unless `f16_weights` is set.
 pub fn load_model_and_tokenizer_with(path: &Path, f16_weights: bool) -> Result<(Model, Tokenizer)> {
     crate::weights::check_model_path(path)?;
     if is_pack_file(path) {
         let pack = PackFile::open(path)?;
         let tokenizer = tokenizer_from_pack(&pack)?;
-        return Ok((Model::from_pack(&pack)?, tokenizer));
+        let mut model = Model::from_pack(&pack)?;
+        if !f16_weights {
+            quantize_dense_head(&mut model)?;
+        }
+        return Ok((model, tokenizer));
     }
     let source = crate::weights::open_model(path)?;
     let tokenizer = crate::generate::load_tokenizer(source.as_ref())?;

@@ -156,6 +156,41 @@ impl QuantMatrix {
         })
     }
 
+    /// Quantizes a row-major f16 matrix to Q8_0 blocks the way llama.cpp does (`d = max|w| /
+    /// 127` as f16, `q = round(w / d)`). For the LM head of a pack made from a GGUF whose head
+    /// was Q8_0, this recovers the file's quants: each `w` is `d·q` rounded to f16 (within
+    /// 2^-11 relative), so `w / d` is within 0.07 of `q` and rounds back to it.
+    pub fn quantize_q8_0(rows: usize, cols: usize, w: &[f16]) -> Result<Self> {
+        if w.len() != rows * cols {
+            return Err(ModelError::InvalidArgument(format!(
+                "{} values for a {rows} x {cols} matrix",
+                w.len()
+            )));
+        }
+        if !cols.is_multiple_of(BLOCK) {
+            return Err(ModelError::InvalidArgument(format!(
+                "Q8_0 needs a multiple of {BLOCK} columns, the matrix has {cols}"
+            )));
+        }
+        let mut blocks = Vec::with_capacity(rows * cols / BLOCK * 34);
+        for chunk in w.chunks_exact(BLOCK) {
+            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+            let d = f16::from_f32(amax / 127.0);
+            let inv = if d.to_f32() > 0.0 {
+                1.0 / d.to_f32()
+            } else {
+                0.0
+            };
+            blocks.extend_from_slice(&d.to_bits().to_le_bytes());
+            blocks.extend(
+                chunk
+                    .iter()
+                    .map(|v| (v.to_f32() * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+            );
+        }
+        Self::new(BlockType::Q8_0, rows, cols, blocks)
+    }
+
     pub fn block_type(&self) -> BlockType {
         self.ty
     }

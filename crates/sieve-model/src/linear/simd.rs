@@ -64,9 +64,9 @@ impl SimdLevel {
             SimdLevel::Avx512,
             SimdLevel::Avx512Vbmi2,
         ]
-            .into_iter()
-            .filter(|l| l.supported())
-            .collect()
+        .into_iter()
+        .filter(|l| l.supported())
+        .collect()
     }
 
     /// The level the products use: the best supported one, capped by `SIEVE_CPU_SIMD`.

@@ -2,23 +2,34 @@
 //! kernels of `sieve_formats` they are tested against.
 //!
 //! Decoding one token is bound by the bytes of weights streamed, so both products here read only
-//! the weight columns of active inputs (TEAL: `|x| > t` and `x != 0`), and nothing else:
+//! the weight columns of active inputs (TEAL: `|x| > t` and `x != 0`). What decides the speed on
+//! the CPU is *how* the skipping reads memory: the hardware prefetchers follow sequential
+//! streams and fetch whole runs ahead, so skipping 128-256-byte pieces here and there (the
+//! GPU's 256-row Tiled-CBC column tiles, or 64-row blocks of a dense matrix) saves almost no
+//! memory traffic, and reading pieces a column apart defeats the prefetchers altogether (both
+//! measured: `examples/sparse_bench.rs`, docs/BENCHMARKS.md). So the in-memory CPU layout of
+//! both formats is **column-major with whole columns contiguous**: a skipped input skips one
+//! contiguous run of `M` weights, and a task reads a contiguous range of columns.
 //!
-//! * [`FastTiledCbc`] keeps the Tiled-CBC blob layout (the GPU's, unchanged: 256-row column tiles
-//!   of a 256-bit bitmap and the tile's nonzero f16 values in row order). For one row tile the
-//!   AVX-512 kernel holds the 256 row sums in 16 `zmm` registers and, for every active column,
-//!   turns each 16-bit slice of the bitmap and the next `popcount` values into 16 dense lanes with
-//!   a masked load, `vcvtph2ps` and `vexpandps`, then one FMA. The AVX2 kernel does the same per
-//!   8 rows with a `vpermps` by a 256-entry rank table and a mask, in four passes of 64 rows (8
-//!   `ymm` accumulators). Row tiles and chunks of the active columns are the parallel tasks (with
-//!   3 row tiles and 2 threads the columns must be split too); chunk sums are added at the end.
+//! * [`FastTiledCbc`] converts a Tiled-CBC blob at load into that layout (the blob, and what it
+//!   writes back, stay Tiled-CBC: the GPU's layout): per column, an `M`-bit bitmap and the
+//!   column's nonzero f16 values in row order. The AVX-512 kernel turns each 32 (VBMI2:
+//!   `vpexpandw`) or 16 (`vexpandps`) bits of bitmap and the next `popcount` values into dense
+//!   lanes with one masked load and one expand, converts them to f32 and adds them, scaled by
+//!   `x`, into the task's column sums. The AVX2 kernel does the same per 8 rows with `vpermps`
+//!   by a 256-entry rank table and a mask.
 //! * [`DenseColumns`] is dense f16 stored column-major (`Wᵀ`, K x M, the same blob payload as
 //!   `Dense`): with a threshold, a row-major matrix must still read every column, column-major
-//!   reads only the active ones. Used for dense layers that have a threshold.
+//!   reads only the active ones. Measured on the 2-core machine it is *slower* than the
+//!   row-major `FastDense` at dp 0.5 (each skipped column restarts the prefetcher's stream, a
+//!   memory latency per break) and faster only from dp ~0.9, so packs do not use it by default.
 //!
-//! Batched products (prefill) run the blocked GEMM on masked activations: Tiled-CBC decodes its
-//! tiles into a per-thread `Wᵀ` panel first (with the same expand kernel); for a handful of
-//! tokens the matrix-vector product runs once per token instead.
+//! Both split the active columns into about two chunks per thread (split-K); each chunk sums
+//! into its own `M` floats (L1-resident), added together at the end.
+//!
+//! Batched products (prefill) run the blocked GEMM on masked activations over `Wᵀ` (Tiled-CBC
+//! decodes its columns into a per-thread f32 panel first); for a handful of tokens the
+//! matrix-vector product runs once per token instead.
 //!
 //! The portable kernels are scalar walks of the same layouts, used where AVX2 is missing.
 
@@ -28,7 +39,7 @@ use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
 use sieve_formats::format::{check_product_args, is_active};
-use sieve_formats::tiled_cbc::{TiledCbc, TILE_K, TILE_M, WORDS_PER_COLUMN};
+use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
 
 /// Batches of fewer tokens than this run the matrix-vector kernel once per token: below it
@@ -55,93 +66,180 @@ fn masked(x: &[f32], threshold: Threshold) -> Vec<f32> {
         .collect()
 }
 
+fn best_supported() -> SimdLevel {
+    SimdLevel::available()
+        .into_iter()
+        .max()
+        .unwrap_or(SimdLevel::Portable)
+}
+
 thread_local! {
     /// `Wᵀ` decoded for a batched product, reused across calls (fresh multi-MB buffers per
     /// product cost page faults).
     static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Runs `chunk(cols, xs, sums)` over about two chunks of the active columns per thread, each
+/// into its own `len` zeroed floats, and writes the sum of the chunks' first `y.len()` floats
+/// into `y`.
+fn split_k(
+    cols: &[u32],
+    xs: &[f32],
+    len: usize,
+    y: &mut [f32],
+    chunk: impl Fn(&[u32], &[f32], &mut [f32]) + Sync,
+) {
+    let workers = rayon::current_num_threads().max(1);
+    // Chunks of at least 16 columns: below that the reduction costs more than it spreads.
+    let chunks = (2 * workers).min(cols.len().div_ceil(16)).max(1);
+    let per = cols.len().div_ceil(chunks).max(1);
+    let partials: Vec<Vec<f32>> = (0..chunks)
+        .into_par_iter()
+        .map(|ch| {
+            let lo = (ch * per).min(cols.len());
+            let hi = ((ch + 1) * per).min(cols.len());
+            let mut sums = vec![0f32; len];
+            chunk(&cols[lo..hi], &xs[lo..hi], &mut sums);
+            sums
+        })
+        .collect();
+    y.copy_from_slice(&partials[0][..y.len()]);
+    for p in &partials[1..] {
+        y.iter_mut().zip(p.iter()).for_each(|(o, v)| *o += v);
+    }
+}
+
 // ------------------------------------------------------------------------------------------
-// Tiled-CBC
+// Tiled-CBC, read into whole-column bitmaps
 // ------------------------------------------------------------------------------------------
 
-/// Tiled-CBC with SIMD products; kind, storage and blob are those of [`TiledCbc`].
+/// Tiled-CBC with SIMD products over a whole-column CPU layout built at load; kind, storage
+/// and blob are those of the [`TiledCbc`] it was built from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FastTiledCbc {
-    inner: TiledCbc,
+    rows: usize,
+    cols: usize,
+    /// `ceil(M / 64)` bitmap words per column.
+    words: usize,
+    /// `bitmaps[c * words + w]`, bit `b` set <=> `W[64 w + b][c]` is stored.
+    bitmaps: Vec<u64>,
+    /// Column `c`'s values are `values[starts[c]..starts[c + 1]]`, in row order.
+    starts: Vec<u32>,
+    values: Vec<u16>,
+    /// The Tiled-CBC storage (what the blob holds).
+    storage: Storage,
 }
 
 impl FastTiledCbc {
-    pub fn new(inner: TiledCbc) -> Self {
-        Self { inner }
-    }
-    pub fn inner(&self) -> &TiledCbc {
-        &self.inner
+    pub fn new(tiled: TiledCbc) -> Self {
+        use sieve_formats::tiled_cbc::{TILE_K, TILE_M, WORDS_PER_COLUMN};
+        let (m, k) = (tiled.rows(), tiled.cols());
+        let words = m.div_ceil(64);
+        let kt = tiled.col_tiles();
+        let mut bitmaps = vec![0u64; k * words];
+        let mut starts = Vec::with_capacity(k + 1);
+        let mut values = Vec::with_capacity(tiled.values().len());
+        let (offsets, info, tbits, tvals) = (
+            tiled.tile_offset(),
+            tiled.col_info(),
+            tiled.bitmaps(),
+            tiled.value_bits(),
+        );
+        starts.push(0u32);
+        for c in 0..k {
+            for rt in 0..tiled.row_tiles() {
+                let g = rt * kt + c / TILE_K;
+                let ct = g * TILE_K + c % TILE_K;
+                let first = offsets[g] as usize + (info[ct] >> 16) as usize;
+                let nnz = (info[ct] & 0xffff) as usize;
+                values.extend_from_slice(&tvals[first..first + nnz]);
+                for w in 0..WORDS_PER_COLUMN {
+                    let word = rt * (TILE_M / 64) + w;
+                    if word < words {
+                        bitmaps[c * words + word] = tbits[ct * WORDS_PER_COLUMN + w];
+                    }
+                }
+            }
+            // Stored values are fewer than 2^32 (Tiled-CBC's own u32 offsets bound them).
+            starts.push(values.len() as u32);
+        }
+        Self {
+            rows: m,
+            cols: k,
+            words,
+            bitmaps,
+            starts,
+            values,
+            storage: tiled.storage(),
+        }
     }
 
-    /// Sums of row tile `rt` over the columns `cols` weighted by `xs` into `acc` (256 rows;
-    /// padding rows get 0). `cols` must be below K.
-    fn tile_product(&self, level: SimdLevel, rt: usize, cols: &[u32], xs: &[f32], acc: &mut [f32; TILE_M]) {
-        debug_assert!(cols.iter().all(|&c| (c as usize) < self.inner.cols()));
-        let live_words = (self.inner.rows() - rt * TILE_M).min(TILE_M).div_ceil(64);
+    /// Column sums of `cols` weighted by `xs` into `sums` (`64 * words` floats, zeroed).
+    fn columns(&self, level: SimdLevel, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+        debug_assert!(cols.iter().all(|&c| (c as usize) < self.cols));
+        debug_assert_eq!(sums.len(), 64 * self.words);
         match level {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the level is supported (callers only pass supported levels); every value
-            // read lies in the column's validated range `[start, start + nnz)`.
-            SimdLevel::Avx512Vbmi2 => unsafe {
-                match live_words {
-                    1 => x86::tile_avx512_vbmi2::<1>(&self.inner, rt, cols, xs, acc),
-                    2 => x86::tile_avx512_vbmi2::<2>(&self.inner, rt, cols, xs, acc),
-                    3 => x86::tile_avx512_vbmi2::<3>(&self.inner, rt, cols, xs, acc),
-                    _ => x86::tile_avx512_vbmi2::<4>(&self.inner, rt, cols, xs, acc),
+            // SAFETY: the level is supported (callers cap it by `best_supported`); each column's
+            // values are `starts[c]..starts[c + 1]` with as many entries as its bitmap has bits
+            // (checked when the Tiled-CBC blob was read), and `sums` has 64 floats per word.
+            SimdLevel::Avx512Vbmi2 => unsafe { x86::columns_vbmi2(self, cols, xs, sums) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdLevel::Avx512 => unsafe { x86::columns_avx512(self, cols, xs, sums) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdLevel::Avx2 => unsafe { x86::columns_avx2(self, cols, xs, sums) },
+            _ => self.columns_portable(cols, xs, sums),
+        }
+    }
+
+    fn columns_portable(&self, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+        for (&c, &xv) in cols.iter().zip(xs) {
+            let c = c as usize;
+            let mut pos = self.starts[c] as usize;
+            for (w, &word) in self.bitmaps[c * self.words..(c + 1) * self.words]
+                .iter()
+                .enumerate()
+            {
+                let mut bits = word;
+                while bits != 0 {
+                    let b = bits.trailing_zeros() as usize;
+                    sums[w * 64 + b] += f16::from_bits(self.values[pos]).to_f32() * xv;
+                    pos += 1;
+                    bits &= bits - 1;
                 }
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            SimdLevel::Avx512 => unsafe { x86::tile_avx512(&self.inner, rt, cols, xs, live_words, acc) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            SimdLevel::Avx2 => unsafe { x86::tile_avx2(&self.inner, rt, cols, xs, live_words, acc) },
-            _ => tile_portable(&self.inner, rt, cols, xs, acc),
+            }
         }
     }
 
     /// `y = W · mask(x)` through the kernels of `level`.
-    pub fn matvec_with(&self, level: SimdLevel, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
-        let (m, k) = (self.inner.rows(), self.inner.cols());
-        check_product_args(m, k, x, 1, threshold, y)?;
+    pub fn matvec_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
         let level = level.min(best_supported());
         let (cols, xs) = active_inputs(x, threshold);
-        let rts = self.inner.row_tiles();
-        let workers = rayon::current_num_threads().max(1);
-        // About four tasks per thread, no column chunk below 32 columns.
-        let chunks = (4 * workers).div_ceil(rts).min(cols.len().div_ceil(32)).max(1);
-        let per = cols.len().div_ceil(chunks).max(1);
-        let partials: Vec<[f32; TILE_M]> = (0..rts * chunks)
-            .into_par_iter()
-            .map(|task| {
-                let (rt, ch) = (task / chunks, task % chunks);
-                let lo = (ch * per).min(cols.len());
-                let hi = ((ch + 1) * per).min(cols.len());
-                let mut acc = [0f32; TILE_M];
-                self.tile_product(level, rt, &cols[lo..hi], &xs[lo..hi], &mut acc);
-                acc
-            })
-            .collect();
-        for rt in 0..rts {
-            let r0 = rt * TILE_M;
-            let out = &mut y[r0..(r0 + TILE_M).min(m)];
-            out.copy_from_slice(&partials[rt * chunks][..out.len()]);
-            for p in &partials[rt * chunks + 1..(rt + 1) * chunks] {
-                out.iter_mut().zip(p.iter()).for_each(|(o, v)| *o += v);
-            }
-        }
+        split_k(&cols, &xs, 64 * self.words, y, |c, v, sums| {
+            self.columns(level, c, v, sums)
+        });
         Ok(())
     }
 
     /// `Y = mask(X) · Wᵀ` for `n` tokens through the kernels of `level`.
-    pub fn matmul_with(&self, level: SimdLevel, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
-        let (m, k) = (self.inner.rows(), self.inner.cols());
+    pub fn matmul_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, n, threshold, y)?;
         if n < GEMM_MIN_TOKENS {
             for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(m)) {
@@ -163,52 +261,24 @@ impl FastTiledCbc {
                 panel.resize(k * m, 0.0);
             }
             let wt = &mut panel[..k * m];
-            self.decode_transposed(level, wt);
-            gemm::gemm(n, m, k, gemm::View::row_major(x, k), gemm::View::row_major(&*wt, m), y, m, false, true)
-                .map_err(|e| FormatError::Option(e.to_string()))
+            wt.par_chunks_mut(m).enumerate().for_each(|(c, row)| {
+                let mut col = vec![0f32; 64 * self.words];
+                self.columns(level, &[c as u32], &[1.0], &mut col);
+                row.copy_from_slice(&col[..m]);
+            });
+            gemm::gemm(
+                n,
+                m,
+                k,
+                gemm::View::row_major(x, k),
+                gemm::View::row_major(&*wt, m),
+                y,
+                m,
+                false,
+                true,
+            )
+            .map_err(|e| FormatError::Option(e.to_string()))
         })
-    }
-
-    /// Writes `Wᵀ` (K x M row-major, f32) into `wt`, one column tile at a time.
-    fn decode_transposed(&self, level: SimdLevel, wt: &mut [f32]) {
-        let (m, k) = (self.inner.rows(), self.inner.cols());
-        let rts = self.inner.row_tiles();
-        wt.par_chunks_mut(m).enumerate().for_each(|(c, row)| {
-            let mut acc = [0f32; TILE_M];
-            for rt in 0..rts {
-                self.tile_product(level, rt, &[c as u32], &[1.0], &mut acc);
-                let r0 = rt * TILE_M;
-                let len = TILE_M.min(m - r0);
-                row[r0..r0 + len].copy_from_slice(&acc[..len]);
-            }
-        });
-        debug_assert_eq!(wt.len(), k * m);
-    }
-}
-
-fn best_supported() -> SimdLevel {
-    SimdLevel::available().into_iter().max().unwrap_or(SimdLevel::Portable)
-}
-
-/// Scalar walk of one row tile: the bits of each column tile in row order, values in step.
-fn tile_portable(w: &TiledCbc, rt: usize, cols: &[u32], xs: &[f32], acc: &mut [f32; TILE_M]) {
-    acc.fill(0.0);
-    let kt = w.col_tiles();
-    let (offsets, info, bitmaps, values) = (w.tile_offset(), w.col_info(), w.bitmaps(), w.values());
-    for (&c, &xv) in cols.iter().zip(xs) {
-        let c = c as usize;
-        let g = rt * kt + c / TILE_K;
-        let ct = g * TILE_K + c % TILE_K;
-        let mut pos = offsets[g] as usize + (info[ct] >> 16) as usize;
-        for (wi, &word) in bitmaps[ct * WORDS_PER_COLUMN..(ct + 1) * WORDS_PER_COLUMN].iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let b = bits.trailing_zeros() as usize;
-                acc[wi * 64 + b] += values[pos].to_f32() * xv;
-                pos += 1;
-                bits &= bits - 1;
-            }
-        }
     }
 }
 
@@ -217,25 +287,113 @@ impl WeightFormat for FastTiledCbc {
         FormatKind::TiledCbc
     }
     fn rows(&self) -> usize {
-        self.inner.rows()
+        self.rows
     }
     fn cols(&self) -> usize {
-        self.inner.cols()
+        self.cols
     }
     fn storage(&self) -> Storage {
-        self.inner.storage()
+        self.storage
     }
     fn decode(&self) -> DenseMatrix {
-        self.inner.decode()
+        let (m, k) = (self.rows, self.cols);
+        let mut data = vec![f16::ZERO; m * k];
+        for c in 0..k {
+            let mut pos = self.starts[c] as usize;
+            for (w, &word) in self.bitmaps[c * self.words..(c + 1) * self.words]
+                .iter()
+                .enumerate()
+            {
+                let mut bits = word;
+                while bits != 0 {
+                    let r = w * 64 + bits.trailing_zeros() as usize;
+                    data[r * k + c] = f16::from_bits(self.values[pos]);
+                    pos += 1;
+                    bits &= bits - 1;
+                }
+            }
+        }
+        DenseMatrix::new(m, k, data).expect("built from a validated Tiled-CBC matrix")
     }
     fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
         self.matvec_with(SimdLevel::detect(), x, threshold, y)
     }
-    fn matmul(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
         self.matmul_with(SimdLevel::detect(), x, n, threshold, y)
     }
+    /// The Tiled-CBC payload (re-encoded from the same matrix: the encoding is deterministic,
+    /// so the bytes equal those read).
     fn write_payload(&self, w: &mut ByteWriter) {
-        self.inner.write_payload(w)
+        match TiledCbc::encode(&self.decode()) {
+            Ok(t) => t.write_payload(w),
+            // Cannot happen: the matrix came from a valid Tiled-CBC encoding.
+            Err(e) => panic!("tiled-cbc re-encoding failed: {e}"),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// IE-BME through the column kernel
+// ------------------------------------------------------------------------------------------
+
+/// IE-BME multiplied by the [`FastTiledCbc`] kernel over its exact dequantized matrix (scales
+/// are chosen so that every `q · scale` is an f16, so the matrix is the IE-BME one bit for
+/// bit). The reference IE-BME kernel walks union bitmaps, four area streams and nibbles per
+/// element; this reads 2 bytes per stored weight instead of 0.5, but runs the SIMD column
+/// product. Not the INT4 integer kernel the format deserves: a stopgap that keeps IE-BME packs
+/// usable. Kind, storage and blob are the IE-BME ones.
+#[derive(Debug)]
+pub struct DequantizedIeBme {
+    source: sieve_formats::ie_bme::IeBme,
+    columns: FastTiledCbc,
+}
+
+impl DequantizedIeBme {
+    pub fn new(source: sieve_formats::ie_bme::IeBme) -> Result<Self, FormatError> {
+        let columns = FastTiledCbc::new(TiledCbc::encode(&source.decode())?);
+        Ok(Self { source, columns })
+    }
+    pub fn columns(&self) -> &FastTiledCbc {
+        &self.columns
+    }
+}
+
+impl WeightFormat for DequantizedIeBme {
+    fn kind(&self) -> FormatKind {
+        FormatKind::IeBme
+    }
+    fn rows(&self) -> usize {
+        self.source.rows()
+    }
+    fn cols(&self) -> usize {
+        self.source.cols()
+    }
+    fn storage(&self) -> Storage {
+        self.source.storage()
+    }
+    fn decode(&self) -> DenseMatrix {
+        self.columns.decode()
+    }
+    fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+        self.columns.matvec(x, threshold, y)
+    }
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        self.columns.matmul(x, n, threshold, y)
+    }
+    fn write_payload(&self, w: &mut ByteWriter) {
+        self.source.write_payload(w)
     }
 }
 
@@ -243,66 +401,63 @@ impl WeightFormat for FastTiledCbc {
 // Dense, column-major
 // ------------------------------------------------------------------------------------------
 
-/// Dense f16 weights stored by blocks of [`DENSE_BLOCK`] rows, each block column-major
-/// (`blocks[(b · K + c) · 64 + r] = W[64 b + r][c]`, rows zero-padded to a multiple of 64), so
-/// that a product under a threshold reads only the 128-byte pieces of active columns, and one
-/// block's pieces are contiguous (a plain column-major `Wᵀ` read 64-row pieces a whole column
-/// apart, which the hardware prefetchers did not follow: 3-4 GB/s against 12-22 GB/s for rows).
-/// Kind and blob are those of `sieve_formats::dense::Dense` (the blob is written row-major).
+/// Dense f16 weights stored column-major (`wt[c * M + r] = W[r][c]`) so that a product under a
+/// threshold reads only the columns of active inputs. Kind and blob are those of
+/// `sieve_formats::dense::Dense` (the blob is written row-major).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DenseColumns {
     rows: usize,
     cols: usize,
-    blocks: Vec<f16>,
+    wt: Vec<f16>,
 }
-
-/// Rows per block of [`DenseColumns`]: 4 `zmm` / 8 `ymm` accumulators of f32.
-pub const DENSE_BLOCK: usize = 64;
 
 impl DenseColumns {
     pub fn new(w: &DenseMatrix) -> Self {
         let (m, k) = (w.rows(), w.cols());
-        let nb = m.div_ceil(DENSE_BLOCK);
-        let mut blocks = vec![f16::ZERO; nb * k * DENSE_BLOCK];
+        let mut wt = vec![f16::ZERO; m * k];
         for r in 0..m {
-            let (b, rr) = (r / DENSE_BLOCK, r % DENSE_BLOCK);
             for (c, &v) in w.row(r).iter().enumerate() {
-                blocks[(b * k + c) * DENSE_BLOCK + rr] = v;
+                wt[c * m + r] = v;
             }
         }
-        Self { rows: m, cols: k, blocks }
+        Self {
+            rows: m,
+            cols: k,
+            wt,
+        }
     }
 
     /// `y = W · mask(x)` through the kernels of `level`.
-    pub fn matvec_with(&self, level: SimdLevel, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+    pub fn matvec_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, 1, threshold, y)?;
         let level = level.min(best_supported());
         let (cols, xs) = active_inputs(x, threshold);
-        y.par_chunks_mut(DENSE_BLOCK).enumerate().for_each(|(b, out)| {
-            let block = &self.blocks[b * k * DENSE_BLOCK..(b + 1) * k * DENSE_BLOCK];
-            let mut acc = [0f32; DENSE_BLOCK];
-            match level {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: supported level; every column `c < K` of the block holds 64 values.
-                SimdLevel::Avx512 | SimdLevel::Avx512Vbmi2 => unsafe { x86::dense_block_avx512(block, &cols, &xs, &mut acc) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                SimdLevel::Avx2 => unsafe { x86::dense_block_avx2(block, &cols, &xs, &mut acc) },
-                _ => {
-                    for (&c, &xv) in cols.iter().zip(&xs) {
-                        let col = &block[c as usize * DENSE_BLOCK..][..DENSE_BLOCK];
-                        acc.iter_mut().zip(col).for_each(|(o, w)| *o += w.to_f32() * xv);
-                    }
+        split_k(&cols, &xs, m, y, |cols, xs, sums| match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: supported level; every column `c < K` holds `M = sums.len()` values.
+            SimdLevel::Avx512 | SimdLevel::Avx512Vbmi2 => unsafe {
+                x86::dense_columns_avx512(&self.wt, m, cols, xs, sums)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdLevel::Avx2 => unsafe { x86::dense_columns_avx2(&self.wt, m, cols, xs, sums) },
+            _ => {
+                for (&c, &xv) in cols.iter().zip(xs) {
+                    let col = &self.wt[c as usize * m..(c as usize + 1) * m];
+                    sums.iter_mut()
+                        .zip(col)
+                        .for_each(|(o, w)| *o += w.to_f32() * xv);
                 }
             }
-            out.copy_from_slice(&acc[..out.len()]);
         });
         Ok(())
-    }
-
-    fn get(&self, r: usize, c: usize) -> f16 {
-        self.blocks[((r / DENSE_BLOCK) * self.cols + c) * DENSE_BLOCK + r % DENSE_BLOCK]
     }
 }
 
@@ -318,16 +473,16 @@ impl WeightFormat for DenseColumns {
     }
     fn storage(&self) -> Storage {
         Storage {
-            payload_bytes: self.rows * self.cols * 2,
+            payload_bytes: self.wt.len() * 2,
             metadata_bytes: 0,
         }
     }
     fn decode(&self) -> DenseMatrix {
         let (m, k) = (self.rows, self.cols);
         let mut data = vec![f16::ZERO; m * k];
-        for r in 0..m {
-            for c in 0..k {
-                data[r * k + c] = self.get(r, c);
+        for c in 0..k {
+            for r in 0..m {
+                data[r * k + c] = self.wt[c * m + r];
             }
         }
         DenseMatrix::new(m, k, data).expect("built from a valid DenseMatrix")
@@ -335,7 +490,13 @@ impl WeightFormat for DenseColumns {
     fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
         self.matvec_with(SimdLevel::detect(), x, threshold, y)
     }
-    fn matmul(&self, x: &[f32], n: usize, threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, n, threshold, y)?;
         if n < GEMM_MIN_TOKENS {
@@ -351,22 +512,18 @@ impl WeightFormat for DenseColumns {
         } else {
             x
         };
-        PANEL.with(|panel| {
-            let mut panel = panel.borrow_mut();
-            if panel.len() < k * m {
-                panel.resize(k * m, 0.0);
-            }
-            // Wᵀ (K x M) in f32, one block column piece at a time.
-            let wt = &mut panel[..k * m];
-            wt.par_chunks_mut(m).enumerate().for_each(|(c, row)| {
-                for (b, piece) in row.chunks_mut(DENSE_BLOCK).enumerate() {
-                    let src = &self.blocks[(b * k + c) * DENSE_BLOCK..][..piece.len()];
-                    super::kernels::f16_to_f32(src, piece);
-                }
-            });
-            gemm::gemm(n, m, k, gemm::View::row_major(x, k), gemm::View::row_major(&*wt, m), y, m, false, true)
-                .map_err(|e| FormatError::Option(e.to_string()))
-        })
+        gemm::gemm(
+            n,
+            m,
+            k,
+            gemm::View::row_major(x, k),
+            gemm::View::row_major(&self.wt, m),
+            y,
+            m,
+            false,
+            true,
+        )
+        .map_err(|e| FormatError::Option(e.to_string()))
     }
     fn write_payload(&self, w: &mut ByteWriter) {
         w.u64(self.rows as u64);
@@ -377,126 +534,99 @@ impl WeightFormat for DenseColumns {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::FastTiledCbc;
     use half::f16;
-    use sieve_formats::tiled_cbc::{TiledCbc, TILE_K, TILE_M, WORDS_PER_COLUMN};
     use std::arch::x86_64::*;
 
-    /// Active columns prefetched ahead of the one being multiplied. Skipped columns break the
-    /// hardware prefetcher's streams, and a column tile (~256 bytes at 50%) takes only ~20 ns
-    /// to multiply against ~100 ns to fetch, so several must be in flight.
-    static PF: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    fn pf() -> (usize, usize) {
-        *PF.get_or_init(|| {
-            let d = std::env::var("PF_DIST").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
-            let h = std::env::var("PF_HINT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-            (d, h)
-        })
-    }
+    /// Active columns prefetched ahead: a skipped column breaks the prefetchers' stream.
+    /// Active columns ahead whose bitmap and values are prefetched. A skipped column breaks
+    /// the hardware prefetcher's stream, and restarting it costs a memory latency per break;
+    /// 2 was the best of 0-8 (`sparse_bench`, sp 0.5 / dp 0.5: 31.6 -> 23-28 ms per token).
+    const PREFETCH_COLUMNS: usize = 2;
 
-    /// Prefetches the bitmap and values of column `c` of row tile `rt`.
     #[inline(always)]
-    unsafe fn prefetch_column(w: &TiledCbc, kt: usize, rt: usize, c: usize) {
-        let g = rt * kt + c / TILE_K;
-        let ct = g * TILE_K + c % TILE_K;
-        let info = *w.col_info().get_unchecked(ct);
-        let start = w.value_bits().as_ptr().add(*w.tile_offset().get_unchecked(g) as usize + (info >> 16) as usize) as *const i8;
-        let bytes = 2 * (info & 0xffff) as usize;
-        let hint = pf().1;
-        _mm_prefetch::<_MM_HINT_T0>(w.bitmaps().as_ptr().add(ct * WORDS_PER_COLUMN) as *const i8);
+    unsafe fn prefetch(p: *const u8, bytes: usize) {
         let mut off = 0;
         while off < bytes {
-            match hint {
-                0 => _mm_prefetch::<_MM_HINT_T0>(start.add(off)),
-                1 => _mm_prefetch::<_MM_HINT_T1>(start.add(off)),
-                2 => _mm_prefetch::<_MM_HINT_T2>(start.add(off)),
-                _ => {}
-            }
+            _mm_prefetch::<_MM_HINT_T0>(p.add(off) as *const i8);
             off += 64;
         }
     }
 
-    /// Row tile `rt` of Tiled-CBC: 16 `zmm` accumulators of 16 rows, one masked load +
-    /// `vcvtph2ps` + `vexpandps` + FMA per 16 rows of an active column. Words at and beyond
-    /// `live_words` are padding rows (all clear) and skipped.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,bmi2,popcnt")]
-    pub unsafe fn tile_avx512(w: &TiledCbc, rt: usize, cols: &[u32], xs: &[f32], live_words: usize, acc_out: &mut [f32; TILE_M]) {
-        let kt = w.col_tiles();
-        let (offsets, info, bitmaps) = (w.tile_offset(), w.col_info(), w.bitmaps());
-        let values = w.value_bits().as_ptr();
-        let mut acc = [_mm512_setzero_ps(); 16];
-        for &c in cols.iter().take(pf().0) {
-            prefetch_column(w, kt, rt, c as usize);
-        }
-        for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
-            if let Some(&ahead) = cols.get(i + pf().0) {
-                prefetch_column(w, kt, rt, ahead as usize);
-            }
-            let c = c as usize;
-            let g = rt * kt + c / TILE_K;
-            let ct = g * TILE_K + c % TILE_K;
-            let mut p = values.add(*offsets.get_unchecked(g) as usize + (*info.get_unchecked(ct) >> 16) as usize);
-            let vx = _mm512_set1_ps(xv);
-            let bm = bitmaps.as_ptr().add(ct * WORDS_PER_COLUMN);
-            for wi in 0..WORDS_PER_COLUMN {
-                if wi >= live_words {
-                    break;
-                }
-                let word = *bm.add(wi);
-                for h in 0..4 {
-                    let m = (word >> (16 * h)) as u32 & 0xffff;
-                    let cnt = m.count_ones();
-                    let raw = _mm256_maskz_loadu_epi16(_bzhi_u32(0xffff, cnt) as __mmask16, p as *const i16);
-                    let v = _mm512_maskz_expand_ps(m as __mmask16, _mm512_cvtph_ps(raw));
-                    acc[wi * 4 + h] = _mm512_fmadd_ps(v, vx, acc[wi * 4 + h]);
-                    p = p.add(cnt as usize);
-                }
-            }
-        }
-        for (j, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(acc_out.as_mut_ptr().add(16 * j), *a);
-        }
+    #[inline(always)]
+    unsafe fn prefetch_sparse_column(w: &FastTiledCbc, c: usize) {
+        let (s, e) = (
+            *w.starts.get_unchecked(c) as usize,
+            *w.starts.get_unchecked(c + 1) as usize,
+        );
+        prefetch(w.values.as_ptr().add(s) as *const u8, 2 * (e - s));
+        prefetch(
+            w.bitmaps.as_ptr().add(c * w.words) as *const u8,
+            8 * w.words,
+        );
     }
 
-    /// [`tile_avx512`] with `vpexpandw`: per 32 rows one masked load of the next `popcount`
-    /// values, one expand, two conversions and two FMAs. `WORDS` live 64-row words (a const so
-    /// the accumulators stay in registers without per-word branches).
+    /// Per active column and 32 rows: a masked load of the next `popcount` values, `vpexpandw`,
+    /// two `vcvtph2ps` and two FMAs into `sums` (L1-resident).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,bmi2,popcnt")]
-    pub unsafe fn tile_avx512_vbmi2<const WORDS: usize>(w: &TiledCbc, rt: usize, cols: &[u32], xs: &[f32], acc_out: &mut [f32; TILE_M]) {
-        let kt = w.col_tiles();
-        let (offsets, info, bitmaps) = (w.tile_offset(), w.col_info(), w.bitmaps());
-        let values = w.value_bits().as_ptr();
-        let mut acc = [_mm512_setzero_ps(); 16];
-        for &c in cols.iter().take(pf().0) {
-            prefetch_column(w, kt, rt, c as usize);
-        }
+    pub unsafe fn columns_vbmi2(w: &FastTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+        let s = sums.as_mut_ptr();
         for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
-            if let Some(&ahead) = cols.get(i + pf().0) {
-                prefetch_column(w, kt, rt, ahead as usize);
+            if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
+                prefetch_sparse_column(w, ahead as usize);
             }
             let c = c as usize;
-            let g = rt * kt + c / TILE_K;
-            let ct = g * TILE_K + c % TILE_K;
-            let mut p = values.add(*offsets.get_unchecked(g) as usize + (*info.get_unchecked(ct) >> 16) as usize);
+            let mut p = w.values.as_ptr().add(*w.starts.get_unchecked(c) as usize);
+            let bm = w.bitmaps.as_ptr().add(c * w.words);
             let vx = _mm512_set1_ps(xv);
-            let bm = bitmaps.as_ptr().add(ct * WORDS_PER_COLUMN);
-            for wi in 0..WORDS {
+            for wi in 0..w.words {
                 let word = *bm.add(wi);
                 for h in 0..2 {
                     let m = (word >> (32 * h)) as u32;
                     let cnt = m.count_ones();
                     let raw = _mm512_maskz_loadu_epi16(_bzhi_u32(u32::MAX, cnt), p as *const i16);
                     let v = _mm512_maskz_expand_epi16(m, raw);
+                    let o = s.add(wi * 64 + 32 * h);
                     let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
                     let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(v));
-                    let j = wi * 4 + 2 * h;
-                    acc[j] = _mm512_fmadd_ps(lo, vx, acc[j]);
-                    acc[j + 1] = _mm512_fmadd_ps(hi, vx, acc[j + 1]);
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(lo, vx, _mm512_loadu_ps(o)));
+                    _mm512_storeu_ps(
+                        o.add(16),
+                        _mm512_fmadd_ps(hi, vx, _mm512_loadu_ps(o.add(16))),
+                    );
                     p = p.add(cnt as usize);
                 }
             }
         }
-        for (j, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(acc_out.as_mut_ptr().add(16 * j), *a);
+    }
+
+    /// [`columns_vbmi2`] without VBMI2: per 16 rows a masked load, `vcvtph2ps`, `vexpandps`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,bmi2,popcnt")]
+    pub unsafe fn columns_avx512(w: &FastTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+        let s = sums.as_mut_ptr();
+        for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
+            if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
+                prefetch_sparse_column(w, ahead as usize);
+            }
+            let c = c as usize;
+            let mut p = w.values.as_ptr().add(*w.starts.get_unchecked(c) as usize);
+            let bm = w.bitmaps.as_ptr().add(c * w.words);
+            let vx = _mm512_set1_ps(xv);
+            for wi in 0..w.words {
+                let word = *bm.add(wi);
+                for q in 0..4 {
+                    let m = (word >> (16 * q)) as u32 & 0xffff;
+                    let cnt = m.count_ones();
+                    let raw = _mm256_maskz_loadu_epi16(
+                        _bzhi_u32(0xffff, cnt) as __mmask16,
+                        p as *const i16,
+                    );
+                    let v = _mm512_maskz_expand_ps(m as __mmask16, _mm512_cvtph_ps(raw));
+                    let o = s.add(wi * 64 + 16 * q);
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(v, vx, _mm512_loadu_ps(o)));
+                    p = p.add(cnt as usize);
+                }
+            }
         }
     }
 
@@ -520,7 +650,7 @@ mod x86 {
         t
     };
 
-    /// Loads 8 f16 at `p` as f32; reads past `end` (the end of the values) are replaced by 0.
+    /// Loads 8 f16 at `p` as f32; reads at or past `end` (the end of the values) give 0.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn load8_f16(p: *const u16, end: *const u16) -> __m256 {
@@ -528,49 +658,30 @@ mod x86 {
             _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         } else {
             let mut tmp = [0u16; 8];
-            let n = end.offset_from(p).max(0) as usize;
-            std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n.min(8));
+            let n = (end.offset_from(p).max(0) as usize).min(8);
+            std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
             _mm256_cvtph_ps(_mm_loadu_si128(tmp.as_ptr() as *const __m128i))
         }
     }
 
-    /// Row tile `rt` of Tiled-CBC on AVX2: four passes of 64 rows with 8 `ymm` accumulators;
-    /// per byte of bitmap, 8 values are loaded, converted, placed by `vpermps` and masked.
+    /// The AVX2 column kernel: per byte of bitmap, 8 values loaded, converted, placed by
+    /// `vpermps` and masked, then one FMA into `sums`.
     #[target_feature(enable = "avx2,fma,f16c,bmi2,popcnt")]
-    pub unsafe fn tile_avx2(w: &TiledCbc, rt: usize, cols: &[u32], xs: &[f32], live_words: usize, acc_out: &mut [f32; TILE_M]) {
-        let kt = w.col_tiles();
-        let (offsets, info, bitmaps) = (w.tile_offset(), w.col_info(), w.bitmaps());
-        let bits = w.value_bits();
-        let (values, end) = (bits.as_ptr(), bits.as_ptr().add(bits.len()));
+    pub unsafe fn columns_avx2(w: &FastTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+        let s = sums.as_mut_ptr();
+        let end = w.values.as_ptr().add(w.values.len());
         let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        acc_out.fill(0.0);
-        for wi in 0..live_words.min(WORDS_PER_COLUMN) {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            if wi == 0 {
-                for &c in cols.iter().take(pf().0) {
-                    prefetch_column(w, kt, rt, c as usize);
-                }
+        for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
+            if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
+                prefetch_sparse_column(w, ahead as usize);
             }
-            for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
-                if wi == 0 {
-                    if let Some(&ahead) = cols.get(i + pf().0) {
-                        prefetch_column(w, kt, rt, ahead as usize);
-                    }
-                }
-                let c = c as usize;
-                let g = rt * kt + c / TILE_K;
-                let ct = g * TILE_K + c % TILE_K;
-                let bm = bitmaps.as_ptr().add(ct * WORDS_PER_COLUMN);
-                let mut skip = 0u32;
-                for prev in 0..wi {
-                    skip += (*bm.add(prev)).count_ones();
-                }
-                let mut p = values.add(
-                    *offsets.get_unchecked(g) as usize + (*info.get_unchecked(ct) >> 16) as usize + skip as usize,
-                );
-                let vx = _mm256_set1_ps(xv);
+            let c = c as usize;
+            let mut p = w.values.as_ptr().add(*w.starts.get_unchecked(c) as usize);
+            let bm = w.bitmaps.as_ptr().add(c * w.words);
+            let vx = _mm256_set1_ps(xv);
+            for wi in 0..w.words {
                 let word = *bm.add(wi);
-                for (b, a) in acc.iter_mut().enumerate() {
+                for b in 0..8 {
                     let m = ((word >> (8 * b)) & 0xff) as usize;
                     if m == 0 {
                         continue;
@@ -581,70 +692,75 @@ mod x86 {
                     let sel = _mm256_set1_epi32(m as i32);
                     let keep = _mm256_cmpeq_epi32(_mm256_and_si256(sel, lane_bits), lane_bits);
                     let placed = _mm256_and_ps(placed, _mm256_castsi256_ps(keep));
-                    *a = _mm256_fmadd_ps(placed, vx, *a);
+                    let o = s.add(wi * 64 + 8 * b);
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(placed, vx, _mm256_loadu_ps(o)));
                     p = p.add(m.count_ones() as usize);
                 }
             }
-            for (j, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(acc_out.as_mut_ptr().add(wi * 64 + 8 * j), *a);
-            }
         }
     }
 
-    /// Active columns prefetched ahead in the dense block products (2 lines each).
-    const DENSE_PREFETCH: usize = 16;
-
-    /// `acc[r] = Σ_j xs[j] · block[cols[j] · 64 + r]` for one 64-row block: two sets of 4 `zmm`
-    /// accumulators (even and odd columns) keep 8 FMA chains in flight.
+    /// `sums[r] += Σ_j xs[j] · wt[cols[j] · m + r]`, one column at a time: one sequential
+    /// stream per task (four columns per pass over `sums` were 1.5x slower from DRAM).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    pub unsafe fn dense_block_avx512(block: &[f16], cols: &[u32], xs: &[f32], acc_out: &mut [f32; 64]) {
-        let base = block.as_ptr() as *const u16;
-        let mut acc = [[_mm512_setzero_ps(); 4]; 2];
-        for &c in cols.iter().take(DENSE_PREFETCH) {
-            _mm_prefetch::<_MM_HINT_T0>(base.add(c as usize * 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(base.add(c as usize * 64 + 32) as *const i8);
-        }
+    pub unsafe fn dense_columns_avx512(
+        wt: &[f16],
+        m: usize,
+        cols: &[u32],
+        xs: &[f32],
+        sums: &mut [f32],
+    ) {
+        let base = wt.as_ptr() as *const u16;
+        let o = sums.as_mut_ptr();
+        let full = m / 16 * 16;
+        let tail: __mmask16 = ((1u32 << (m - full)) - 1) as __mmask16;
         for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
-            if let Some(&ahead) = cols.get(i + DENSE_PREFETCH) {
-                _mm_prefetch::<_MM_HINT_T0>(base.add(ahead as usize * 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(base.add(ahead as usize * 64 + 32) as *const i8);
+            if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
+                prefetch(base.add(ahead as usize * m) as *const u8, 2 * m);
             }
-            let p = base.add(c as usize * 64);
+            let p = base.add(c as usize * m);
             let vx = _mm512_set1_ps(xv);
-            let set = &mut acc[i & 1];
-            for (j, a) in set.iter_mut().enumerate() {
-                let wv = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(16 * j) as *const __m256i));
-                *a = _mm512_fmadd_ps(wv, vx, *a);
+            let mut r = 0;
+            while r < full {
+                let wv = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(r) as *const __m256i));
+                _mm512_storeu_ps(o.add(r), _mm512_fmadd_ps(wv, vx, _mm512_loadu_ps(o.add(r))));
+                r += 16;
             }
-        }
-        for j in 0..4 {
-            _mm512_storeu_ps(acc_out.as_mut_ptr().add(16 * j), _mm512_add_ps(acc[0][j], acc[1][j]));
+            if full < m {
+                let wv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail, p.add(full) as *const i16));
+                let a = _mm512_fmadd_ps(wv, vx, _mm512_maskz_loadu_ps(tail, o.add(full)));
+                _mm512_mask_storeu_ps(o.add(full), tail, a);
+            }
         }
     }
 
-    /// [`dense_block_avx512`] with 8 `ymm` accumulators.
+    /// [`dense_columns_avx512`] with 8-row `ymm` steps and a scalar tail.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dense_block_avx2(block: &[f16], cols: &[u32], xs: &[f32], acc_out: &mut [f32; 64]) {
-        let base = block.as_ptr() as *const u16;
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for &c in cols.iter().take(DENSE_PREFETCH) {
-            _mm_prefetch::<_MM_HINT_T0>(base.add(c as usize * 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(base.add(c as usize * 64 + 32) as *const i8);
-        }
+    pub unsafe fn dense_columns_avx2(
+        wt: &[f16],
+        m: usize,
+        cols: &[u32],
+        xs: &[f32],
+        sums: &mut [f32],
+    ) {
+        let base = wt.as_ptr() as *const u16;
+        let o = sums.as_mut_ptr();
+        let full = m / 8 * 8;
         for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
-            if let Some(&ahead) = cols.get(i + DENSE_PREFETCH) {
-                _mm_prefetch::<_MM_HINT_T0>(base.add(ahead as usize * 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(base.add(ahead as usize * 64 + 32) as *const i8);
+            if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
+                prefetch(base.add(ahead as usize * m) as *const u8, 2 * m);
             }
-            let p = base.add(c as usize * 64);
+            let p = base.add(c as usize * m);
             let vx = _mm256_set1_ps(xv);
-            for (j, a) in acc.iter_mut().enumerate() {
-                let wv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(8 * j) as *const __m128i));
-                *a = _mm256_fmadd_ps(wv, vx, *a);
+            let mut r = 0;
+            while r < full {
+                let wv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(r) as *const __m128i));
+                _mm256_storeu_ps(o.add(r), _mm256_fmadd_ps(wv, vx, _mm256_loadu_ps(o.add(r))));
+                r += 8;
             }
-        }
-        for (j, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(acc_out.as_mut_ptr().add(8 * j), *a);
+            for r in full..m {
+                *o.add(r) += f16::from_bits(*p.add(r)).to_f32() * xv;
+            }
         }
     }
 }
@@ -671,15 +787,24 @@ mod tests {
             let mut y = vec![f32::NAN; rows];
             tc.matvec_with(level, &x[..cols], t, &mut y).unwrap();
             let e = max_rel_error(&y, &want_v);
-            assert!(e <= TOL, "tiled-cbc {level:?} {rows}x{cols} sp {sp} dp {dp}: matvec error {e}");
+            assert!(
+                e <= TOL,
+                "tiled-cbc {level:?} {rows}x{cols} sp {sp} dp {dp}: matvec error {e}"
+            );
             let mut y = vec![f32::NAN; rows];
             dc.matvec_with(level, &x[..cols], t, &mut y).unwrap();
             let e = max_rel_error(&y, &want_v);
-            assert!(e <= TOL, "dense-columns {level:?} {rows}x{cols}: matvec error {e}");
+            assert!(
+                e <= TOL,
+                "dense-columns {level:?} {rows}x{cols}: matvec error {e}"
+            );
             let mut ym = vec![f32::NAN; rows * tokens];
             tc.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
             let e = max_rel_error(&ym, &want_m);
-            assert!(e <= TOL, "tiled-cbc {level:?} {rows}x{cols} x{tokens}: matmul error {e}");
+            assert!(
+                e <= TOL,
+                "tiled-cbc {level:?} {rows}x{cols} x{tokens}: matmul error {e}"
+            );
         }
         let mut ym = vec![f32::NAN; rows * tokens];
         dc.matmul(&x, tokens, t, &mut ym).unwrap();
@@ -690,11 +815,26 @@ mod tests {
     fn fast_products_match_the_f64_reference() {
         // Partial row tiles (M % 256, M < 64), partial column groups (K % 16), one column,
         // empty and full matrices, every threshold regime, batches below and above the GEMM cut.
-        for &(m, k) in &[(1, 1), (7, 13), (192, 576), (300, 40), (513, 17), (64, 129), (257, 16)] {
+        for &(m, k) in &[
+            (1, 1),
+            (7, 13),
+            (192, 576),
+            (300, 40),
+            (513, 17),
+            (64, 129),
+            (257, 16),
+        ] {
             for (i, &sp) in [0.0, 0.5, 0.7, 0.97].iter().enumerate() {
                 for (j, &dp) in [0.0, 0.5, 0.9].iter().enumerate() {
                     let tokens = [1, 3, 6][(i + j) % 3];
-                    check_all_levels(m, k, sp, dp, tokens, (m * 1000 + k) as u64 + i as u64 * 7 + j as u64);
+                    check_all_levels(
+                        m,
+                        k,
+                        sp,
+                        dp,
+                        tokens,
+                        (m * 1000 + k) as u64 + i as u64 * 7 + j as u64,
+                    );
                 }
             }
         }
@@ -718,6 +858,34 @@ mod tests {
         assert_eq!(back.kind(), FormatKind::Dense);
         assert_eq!(back.decode(), w);
         assert_eq!(dc.decode(), w);
+    }
+
+    #[test]
+    fn ie_bme_through_the_column_kernel_matches_its_reference() {
+        use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Reorder};
+        let w = sparse_matrix(100, 192, 0.5, Pattern::Unstructured, 9).unwrap();
+        let opts = IeBmeOptions {
+            reorder: Reorder::Greedy,
+            ..IeBmeOptions::default()
+        };
+        let reference = IeBme::encode(&w, &opts).unwrap();
+        let fast = DequantizedIeBme::new(reference.clone()).unwrap();
+        assert_eq!(fast.decode(), reference.decode());
+        assert_eq!(fast.to_bytes(), reference.to_bytes());
+        let x = activations(192 * 5, 10);
+        let t = threshold_for_sparsity(&x, 0.5).unwrap();
+        let q = reference.decode();
+        let (mut a, mut b) = (vec![0f32; 100], vec![0f32; 500]);
+        fast.matvec(&x[..192], t, &mut a).unwrap();
+        assert!(max_rel_error(&a, &matvec_f64(&q, &x[..192], t)) <= TOL);
+        fast.matmul(&x, 5, t, &mut b).unwrap();
+        assert!(max_rel_error(&b, &matmul_f64(&q, &x, 5, t)) <= TOL);
+        reference.matvec(&x[..192], t, &mut b[..100]).unwrap();
+        let want: Vec<f64> = b[..100].iter().map(|v| *v as f64).collect();
+        assert!(
+            max_rel_error(&a, &want) <= 1e-3,
+            "against the reference kernel"
+        );
     }
 
     #[test]

@@ -43,11 +43,20 @@ fn run_on_pool(args: CpuArgs) -> Result<()> {
     let mut targets: Vec<BenchTarget> = args
         .models
         .iter()
-        .map(|p| BenchTarget { path: p.clone(), f16_weights: false })
+        .map(|p| BenchTarget {
+            path: p.clone(),
+            f16_weights: false,
+        })
         .collect();
-    targets.extend(args.f16_models.iter().map(|p| BenchTarget { path: p.clone(), f16_weights: true }));
+    targets.extend(args.f16_models.iter().map(|p| BenchTarget {
+        path: p.clone(),
+        f16_weights: true,
+    }));
     if targets.is_empty() {
-        targets.push(BenchTarget { path: super::model_path::resolve_model(None)?, f16_weights: false });
+        targets.push(BenchTarget {
+            path: super::model_path::resolve_model(None)?,
+            f16_weights: false,
+        });
     }
     for t in &targets {
         if !t.path.exists() {

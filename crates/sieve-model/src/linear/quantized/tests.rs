@@ -480,3 +480,40 @@ fn a_model_on_gguf_blocks_agrees_with_its_f16_twin() {
         assert!((x - y).abs() <= 0.05 * scale, "{x} vs {y} (scale {scale})");
     }
 }
+
+#[test]
+fn q8_0_quantization_recovers_the_quants_of_a_dequantized_q8_0_matrix() {
+    // Blocks as llama.cpp writes them (max |q| = 127), dequantized to f16 like a pack's head.
+    let (rows, cols) = (3, 64);
+    let mut bytes = Vec::new();
+    let mut rng = Lcg(7);
+    for b in 0..rows * cols / BLOCK {
+        let d = f16::from_f32(0.001 + 0.0007 * b as f32);
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        for j in 0..BLOCK {
+            let q = if j == 5 {
+                127
+            } else {
+                (rng.next_u32() % 255) as i32 - 127
+            };
+            bytes.push(q as i8 as u8);
+        }
+    }
+    let original = QuantMatrix::new(BlockType::Q8_0, rows, cols, bytes).unwrap();
+    let f16s: Vec<f16> = original.decode().data().to_vec();
+    let again = QuantMatrix::quantize_q8_0(rows, cols, &f16s).unwrap();
+    for b in 0..rows * cols / BLOCK {
+        let x = &original.blocks()[b * 34..(b + 1) * 34];
+        let y = &again.blocks()[b * 34..(b + 1) * 34];
+        assert_eq!(x[2..], y[2..], "block {b}: quants");
+        let (dx, dy) = (read_f16(x, 0), read_f16(y, 0));
+        assert!(
+            (dx - dy).abs() <= dx * 2e-3,
+            "block {b}: scale {dx} vs {dy}"
+        );
+    }
+    assert!(QuantMatrix::quantize_q8_0(2, 48, &[f16::ZERO; 96]).is_err());
+    assert!(QuantMatrix::quantize_q8_0(2, 64, &[f16::ZERO; 100]).is_err());
+    let zeros = QuantMatrix::quantize_q8_0(1, 32, &[f16::ZERO; 32]).unwrap();
+    assert!(zeros.decode().data().iter().all(|v| v.to_f32() == 0.0));
+}
