@@ -31,10 +31,10 @@ enum Command {
     },
     /// Prune a model on calibration text, set activation thresholds and write a `.sieve` file.
     Pack(commands::pack::PackArgs),
-    /// Benchmarks (GPU kernels against cuBLAS).
+    /// Benchmarks (GPU kernels against cuBLAS; CPU models' tokens/s).
     Bench {
         #[command(subcommand)]
-        command: commands::bench::BenchCommand,
+        command: commands::bench_cpu::AnyBench,
     },
     /// Hardware models (Celty's sparse SIMT core), run on the CPU.
     Sim {
@@ -47,7 +47,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Formats { command } => commands::formats::run(command),
-        Command::Bench { command } => commands::bench::run(command),
+        Command::Bench { command } => commands::bench_cpu::run_any(command),
         Command::Generate(args) => commands::generate::run(args),
         Command::Eval { command } => commands::eval::run(command),
         Command::Pack(args) => commands::pack::run(args),

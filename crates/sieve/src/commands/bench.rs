@@ -29,14 +29,11 @@ use sieve_formats::DenseMatrix;
 pub enum BenchCommand {
     /// Time the GPU kernels of every format against cuBLAS on LLaMA layer shapes.
     Kernels(KernelsArgs),
-    /// Prefill and decode tokens/s of CPU models in one run (see `sieve_model::cpu_bench`).
-    Cpu(super::bench_cpu::CpuArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Kernels(a) => run_kernels(a),
-        BenchCommand::Cpu(a) => super::bench_cpu::run(a),
     }
 }
 

@@ -79,3 +79,20 @@ fn run_on_pool(args: CpuArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// `sieve bench`'s subcommands: the GPU ones of [`super::bench`] (a file the `sieve-cuda`
+/// example `bench_kernels` also compiles, so it cannot name CLI-only modules) and `cpu`.
+#[derive(clap::Subcommand, Debug)]
+pub enum AnyBench {
+    #[command(flatten)]
+    Gpu(super::bench::BenchCommand),
+    /// Prefill and decode tokens/s of CPU models in one run (see `sieve_model::cpu_bench`).
+    Cpu(CpuArgs),
+}
+
+pub fn run_any(cmd: AnyBench) -> Result<()> {
+    match cmd {
+        AnyBench::Gpu(c) => super::bench::run(c),
+        AnyBench::Cpu(a) => run(a),
+    }
+}
