@@ -5,7 +5,8 @@ use std::time::Instant;
 
 use crate::error::{ModelError, Result};
 use crate::llama::{Logits, Model};
-use crate::sampling::{Sampler, SamplingParams, StopMatcher};
+use crate::sampling::SamplingParams;
+use crate::sequence::Sequence;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{TensorSource, TokenizerSource};
 
@@ -129,14 +130,9 @@ pub fn generate(
             context,
         });
     }
-    let mut sampler = Sampler::new(options.sampling.clone())?;
-    let mut stops = StopMatcher::new(options.stop_strings.iter().cloned())?;
-    let mut stream = tokenizer.stream(true);
-    let is_eos = |id: u32| tokenizer.is_eos(id) || options.extra_eos_ids.contains(&id);
-
+    let mut sequence = Sequence::new(tokenizer, prompt, options)?;
     // Saturating: `max_tokens` may be any usize; the cache is capped at the context anyway.
     let mut cache = model.try_new_cache(prompt.len().saturating_add(options.max_tokens))?;
-    let mut history: Vec<u32> = prompt.to_vec();
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut stats = GenerationStats {
@@ -159,54 +155,26 @@ pub fn generate(
     let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
     let mut decode_started = None;
     loop {
-        let recent = &history[history.len().saturating_sub(REPETITION_WINDOW)..];
-        let id = sampler.sample(&logits, recent)?;
+        let step = sequence.step(&logits, cache.len() < cache.capacity())?;
         if decode_started.is_none() {
             stats.prefill_seconds = started.elapsed().as_secs_f64();
             decode_started = Some(Instant::now());
         }
-        tokens.push(id);
-        history.push(id);
+        tokens.push(step.token);
         stats.generated_tokens += 1;
-        if is_eos(id) {
-            stats.stop_reason = StopReason::Eos;
+        if !step.text.is_empty() {
+            on_text(&step.text)?;
+            text.push_str(&step.text);
+        }
+        if let Some(reason) = step.finished {
+            stats.stop_reason = reason;
             break;
         }
-        if let Some(piece) = stream.push(id)? {
-            let step = stops.push(&piece);
-            if !step.emit.is_empty() {
-                on_text(&step.emit)?;
-                text.push_str(&step.emit);
-            }
-            if step.stopped {
-                stats.stop_reason = StopReason::StopString;
-                break;
-            }
-        }
-        if stats.generated_tokens >= options.max_tokens {
-            stats.stop_reason = StopReason::MaxTokens;
-            break;
-        }
-        if cache.len() >= cache.capacity() {
-            stats.stop_reason = StopReason::ContextFull;
-            break;
-        }
-        logits = model.forward(&[id], &mut cache, Logits::Last)?;
+        logits = model.forward(&[step.token], &mut cache, Logits::Last)?;
         stats.decode_steps += 1;
     }
     if let Some(started) = decode_started {
         stats.decode_seconds = started.elapsed().as_secs_f64();
-    }
-    if stats.stop_reason != StopReason::StopString {
-        let mut rest = stream
-            .finish()
-            .map(|tail| stops.push(&tail).emit)
-            .unwrap_or_default();
-        rest.push_str(&stops.finish());
-        if !rest.is_empty() {
-            on_text(&rest)?;
-            text.push_str(&rest);
-        }
     }
     Ok(Generation {
         text,

@@ -16,6 +16,7 @@
 //! | [`packfile`] | the `.sieve` container: named, checksummed sections |
 //! | [`output`] | output files checked against the inputs, written via a temporary file |
 //! | [`sampling`] | greedy, temperature, top-k, top-p, repetition penalty |
+//! | [`sequence`] | one sequence's generation state between forward passes (sampling, stops, text) |
 
 pub mod chat;
 pub mod config;
@@ -31,6 +32,7 @@ pub mod packfile;
 pub mod quant;
 pub mod safetensors_dir;
 pub mod sampling;
+pub mod sequence;
 pub mod tokenizer;
 pub mod weights;
 

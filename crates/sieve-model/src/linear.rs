@@ -642,6 +642,81 @@ pub mod kernels {
     }
 }
 
+/// Products over the rows of several independent sequences (one decode token each), where
+/// every output row must equal a one-row [`Linear::forward`] of that row bit for bit: a
+/// batched server's greedy answer is then the single-request answer. GGUF blocks run the
+/// small-batch integer kernel (each weight row read once for up to
+/// [`quantized::SMALL_BATCH`] tokens); any other format runs one `matvec` per row.
+impl Linear {
+    /// `Y = X · Wᵀ + b` for `n` independent rows, each bit-identical to `forward(row, 1)`.
+    pub fn forward_rows(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+        Self::forward_rows_group(&[self], x, n, &mut [y])
+    }
+
+    /// [`Linear::forward_group`] with the guarantee of [`Linear::forward_rows`].
+    pub fn forward_rows_group(
+        linears: &[&Linear],
+        x: &[f32],
+        n: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<()> {
+        if linears.len() != ys.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "{} linears but {} outputs",
+                linears.len(),
+                ys.len()
+            )));
+        }
+        let Some(first) = linears.first() else {
+            return Ok(());
+        };
+        let k = first.cols();
+        for (l, y) in linears.iter().zip(ys.iter()) {
+            check_product_args(l.rows(), l.cols(), x, n, l.threshold, y)?;
+        }
+        let blocks: Option<Vec<&QuantMatrix>> = linears
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Blocks(q) if l.threshold == first.threshold => Some(q),
+                _ => None,
+            })
+            .collect();
+        match blocks {
+            Some(mats) => {
+                // Chunks of at most SMALL_BATCH rows take the per-token decode kernel.
+                let step = quantized::SMALL_BATCH;
+                for r0 in (0..n).step_by(step) {
+                    let rows = step.min(n - r0);
+                    let mut chunk: Vec<&mut [f32]> = ys
+                        .iter_mut()
+                        .zip(&mats)
+                        .map(|(y, m)| &mut y[r0 * m.rows()..(r0 + rows) * m.rows()])
+                        .collect();
+                    quantized::matmul_group(
+                        &mats,
+                        &x[r0 * k..(r0 + rows) * k],
+                        rows,
+                        first.threshold,
+                        &mut chunk,
+                    )?;
+                }
+                for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                    l.add_bias(y);
+                }
+            }
+            None => {
+                for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                    let m = l.rows();
+                    for r in 0..n {
+                        l.forward(&x[r * k..(r + 1) * k], 1, &mut y[r * m..(r + 1) * m])?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -838,6 +913,36 @@ mod tests {
         let mut ok = vec![0f32; 32];
         assert!(Linear::forward_group(&[&q, &k], &x[..64], 1, &mut [&mut short, &mut ok]).is_err());
         assert!(Linear::forward_group(&[&q, &k], &x[..64], 1, &mut [&mut ok]).is_err());
+    }
+
+    #[test]
+    fn row_products_equal_one_row_forward_bit_for_bit() {
+        let (q, k) = (
+            q8_0_linear(96, 64, 11).with_bias(random(96, 12)).unwrap(),
+            q8_0_linear(40, 64, 13),
+        );
+        let dense = Linear::from_dense_f32(32, 64, &random(32 * 64, 14)).unwrap();
+        // More rows than one small batch, so the chunking is exercised too.
+        let n = quantized::SMALL_BATCH + 3;
+        let x = random(n * 64, 15);
+        for group in [vec![&q, &k], vec![&q, &dense], vec![&dense]] {
+            let mut got: Vec<Vec<f32>> =
+                group.iter().map(|l| vec![f32::NAN; n * l.rows()]).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|y| &mut y[..]).collect();
+            Linear::forward_rows_group(&group, &x, n, &mut outs).unwrap();
+            for (l, y) in group.iter().zip(&got) {
+                let m = l.rows();
+                for r in 0..n {
+                    let mut one = vec![0f32; m];
+                    l.forward(&x[r * 64..(r + 1) * 64], 1, &mut one).unwrap();
+                    assert_eq!(&y[r * m..(r + 1) * m], &one[..], "row {r}");
+                }
+            }
+        }
+        let mut short = vec![0f32; 95];
+        assert!(q.forward_rows(&x[..64], 1, &mut short).is_err());
+        let mut ok = vec![0f32; 96];
+        assert!(Linear::forward_rows_group(&[&q, &k], &x[..64], 1, &mut [&mut ok]).is_err());
     }
 
     #[test]

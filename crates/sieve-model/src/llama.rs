@@ -1005,6 +1005,115 @@ impl Model {
     }
 }
 
+/// Batched decode: one new token for each of several sequences, each with its own cache.
+impl Model {
+    /// Runs `tokens[i]` at position `caches[i].len()` of sequence `i`, appends its key and
+    /// value to `caches[i]`, and returns `[n][V]` logits. Every projection runs once over the
+    /// `n` rows ([`Linear::forward_rows_group`]), attention per sequence over its own cache;
+    /// row `i` equals `forward(&[tokens[i]], caches[i], Logits::Last)` bit for bit, so a
+    /// batched server answers exactly what single-sequence generation does. Nothing is
+    /// changed when an argument is refused.
+    pub fn decode_batch(&self, tokens: &[u32], caches: &mut [&mut KvCache]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(ModelError::InvalidArgument("no tokens to run".into()));
+        }
+        if caches.len() != n {
+            return Err(ModelError::InvalidArgument(format!(
+                "{n} tokens but {} caches",
+                caches.len()
+            )));
+        }
+        for cache in caches.iter() {
+            if cache.row != c.num_kv_heads * c.head_dim
+                || cache.k.len() != c.num_layers * cache.capacity * cache.row
+            {
+                return Err(ModelError::InvalidArgument(
+                    "KV cache was made for another model".into(),
+                ));
+            }
+            if cache.len + 1 > cache.capacity {
+                return Err(ModelError::ContextOverflow {
+                    tokens: cache.len + 1,
+                    context: cache.capacity,
+                });
+            }
+        }
+        let x_rows = self.embed(tokens)?;
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
+        let positions: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let tables: Vec<(Vec<f32>, Vec<f32>)> =
+            positions.iter().map(|&p| self.rope_tables(p, 1)).collect();
+
+        let mut x = x_rows;
+        let mut xn = vec![0f32; n * d];
+        let mut q = vec![0f32; n * nh * hd];
+        let mut k = vec![0f32; n * nkv * hd];
+        let mut v = vec![0f32; n * nkv * hd];
+        let mut att = vec![0f32; n * nh * hd];
+        let mut proj = vec![0f32; n * d];
+        let mut gate = vec![0f32; n * inter];
+        let mut up = vec![0f32; n * inter];
+        let (qw, kw) = (nh * hd, nkv * hd);
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            Linear::forward_rows_group(
+                &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
+                &xn,
+                n,
+                &mut [&mut q, &mut k, &mut v],
+            )?;
+            for (i, (cos, sin)) in tables.iter().enumerate() {
+                apply_rope(&mut q[i * qw..(i + 1) * qw], nh, hd, cos, sin);
+                apply_rope(&mut k[i * kw..(i + 1) * kw], nkv, hd, cos, sin);
+            }
+            caches
+                .par_iter_mut()
+                .zip(att.par_chunks_mut(qw))
+                .enumerate()
+                .for_each(|(i, (cache, out))| {
+                    let (row, p0) = (cache.row, cache.len);
+                    let base = cache.layer_offset(l);
+                    let at = base + p0 * row;
+                    cache.k[at..at + row].copy_from_slice(&k[i * kw..(i + 1) * kw]);
+                    cache.v[at..at + row].copy_from_slice(&v[i * kw..(i + 1) * kw]);
+                    let keys = &cache.k[base..base + (p0 + 1) * row];
+                    let values = &cache.v[base..base + (p0 + 1) * row];
+                    self.attention(&q[i * qw..(i + 1) * qw], keys, values, p0, 1, out);
+                });
+            layer.o_proj.forward_rows(&att, n, &mut proj)?;
+            for (a, b) in x.iter_mut().zip(&proj) {
+                *a += b;
+            }
+
+            rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
+            Linear::forward_rows_group(
+                &[&layer.gate_proj, &layer.up_proj],
+                &xn,
+                n,
+                &mut [&mut gate, &mut up],
+            )?;
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
+            }
+            layer.down_proj.forward_rows(&gate, n, &mut proj)?;
+            for (a, b) in x.iter_mut().zip(&proj) {
+                *a += b;
+            }
+        }
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+        }
+        let mut normed = vec![0f32; n * d];
+        rms_norm(&x, &self.final_norm, c.rms_norm_eps, &mut normed);
+        let mut logits = vec![0f32; n * c.vocab_size];
+        self.lm_head.forward_rows(&normed, n, &mut logits)?;
+        Ok(logits)
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -1446,6 +1555,54 @@ pub(crate) mod tests {
         let mut c = tiny_config();
         c.num_kv_heads = c.num_heads;
         check_against_reference(c);
+    }
+
+    #[test]
+    fn batched_decode_equals_single_sequence_decode_bit_for_bit() {
+        let src = random_source(tiny_config(), 31);
+        let model = Model::from_source(&src).unwrap();
+        let prompts: [&[u32]; 3] = [&[1, 5, 9], &[2], &[7, 3, 3, 8, 1]];
+        let mut batched: Vec<KvCache> = Vec::new();
+        let mut single: Vec<KvCache> = Vec::new();
+        let mut next: Vec<u32> = Vec::new();
+        for p in prompts {
+            let mut a = model.new_cache(16);
+            let mut b = model.new_cache(16);
+            model.forward(p, &mut a, Logits::Last).unwrap();
+            model.forward(p, &mut b, Logits::Last).unwrap();
+            batched.push(a);
+            single.push(b);
+            next.push(p[0] + 10);
+        }
+        let vocab = model.config().vocab_size;
+        for step in 0..4 {
+            let mut refs: Vec<&mut KvCache> = batched.iter_mut().collect();
+            let got = model.decode_batch(&next, &mut refs).unwrap();
+            for (i, cache) in single.iter_mut().enumerate() {
+                let want = model.forward(&[next[i]], cache, Logits::Last).unwrap();
+                assert_eq!(
+                    &got[i * vocab..(i + 1) * vocab],
+                    &want[..],
+                    "step {step} seq {i}"
+                );
+                assert_eq!(batched[i].len(), cache.len());
+            }
+            next = next.iter().map(|t| (t * 7 + 3) % vocab as u32).collect();
+        }
+        // A missing cache, a bad token and a full cache are refused, the caches untouched.
+        let (first, rest) = batched.split_at_mut(1);
+        let before = first[0].len();
+        assert!(model.decode_batch(&[1], &mut []).is_err());
+        assert!(model
+            .decode_batch(&[1, 99_999], &mut [&mut first[0], &mut rest[0]])
+            .is_err());
+        assert_eq!(first[0].len(), before);
+        let mut full = model.new_cache(1);
+        model.forward(&[1], &mut full, Logits::Last).unwrap();
+        assert!(matches!(
+            model.decode_batch(&[1], &mut [&mut full]),
+            Err(ModelError::ContextOverflow { .. })
+        ));
     }
 
     #[test]

@@ -41,6 +41,8 @@ enum Command {
         #[command(subcommand)]
         command: commands::sim::SimCommand,
     },
+    /// Serve the model over an OpenAI-compatible HTTP API (with a chat page at /).
+    Serve(commands::serve::ServeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,5 +54,6 @@ fn main() -> anyhow::Result<()> {
         Command::Eval { command } => commands::eval::run(command),
         Command::Pack(args) => commands::pack::run(args),
         Command::Sim { command } => commands::sim::run(command),
+        Command::Serve(args) => commands::serve::run(args),
     }
 }

@@ -6,3 +6,4 @@ pub mod generate;
 pub mod model_path;
 pub mod pack;
 pub mod sim;
+pub mod serve;

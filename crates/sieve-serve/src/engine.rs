@@ -1,0 +1,115 @@
+//! The decode engine seam: what the scheduler needs from a model, whatever runs it. The CPU
+//! engine is [`CpuEngine`]; a GPU runner plugs in by implementing [`DecodeEngine`] over its own
+//! device-resident caches.
+
+use sieve_model::llama::{KvCache, Logits, Model};
+use sieve_model::{ModelError, Result};
+
+/// A model with a fixed pool of per-sequence KV cache slots, sized at start-up.
+///
+/// Slots are numbered `0..slots()`; the scheduler decides which slot a sequence uses and never
+/// hands one slot to two live sequences.
+pub trait DecodeEngine: Send {
+    /// Logits per token.
+    fn vocab_size(&self) -> usize;
+    /// Cache slots in the pool.
+    fn slots(&self) -> usize;
+    /// Positions one slot holds (the server's context length).
+    fn slot_capacity(&self) -> usize;
+    /// Positions slot `slot` holds now.
+    fn slot_len(&self, slot: usize) -> usize;
+    /// Empties slot `slot`, runs `prompt` into it and returns the last token's logits `[V]`.
+    fn prefill(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>>;
+    /// One decode step: for each `(slot, token)` runs `token` at the slot's next position and
+    /// returns `[n][V]` logits in the order given. Slots must be distinct.
+    fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>>;
+}
+
+/// The CPU engine: sieve-model's forward pass, one [`KvCache`] per slot, batched decode
+/// through [`Model::decode_batch`].
+pub struct CpuEngine {
+    model: Model,
+    caches: Vec<KvCache>,
+    capacity: usize,
+}
+
+impl CpuEngine {
+    /// `slots` caches of `context` positions each (capped at the model's context). The cache
+    /// memory is allocated zeroed and only touched as positions fill.
+    pub fn new(model: Model, slots: usize, context: usize) -> Result<Self> {
+        if slots == 0 {
+            return Err(ModelError::InvalidArgument(
+                "the KV cache pool needs at least one slot".into(),
+            ));
+        }
+        if context < 2 {
+            return Err(ModelError::InvalidArgument(format!(
+                "the context must hold at least 2 positions, got {context}"
+            )));
+        }
+        let caches: Vec<KvCache> = (0..slots).map(|_| model.new_cache(context)).collect();
+        let capacity = caches[0].capacity();
+        Ok(Self {
+            model,
+            caches,
+            capacity,
+        })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.caches.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "slot {slot} does not exist (the pool has {})",
+                self.caches.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl DecodeEngine for CpuEngine {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+    fn slots(&self) -> usize {
+        self.caches.len()
+    }
+    fn slot_capacity(&self) -> usize {
+        self.capacity
+    }
+    fn slot_len(&self, slot: usize) -> usize {
+        self.caches.get(slot).map_or(0, KvCache::len)
+    }
+
+    fn prefill(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>> {
+        self.check_slot(slot)?;
+        let cache = &mut self.caches[slot];
+        cache.clear();
+        self.model.forward(prompt, cache, Logits::Last)
+    }
+
+    fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>> {
+        for (i, &(slot, _)) in batch.iter().enumerate() {
+            self.check_slot(slot)?;
+            if batch[..i].iter().any(|&(s, _)| s == slot) {
+                return Err(ModelError::InvalidArgument(format!(
+                    "slot {slot} appears twice in one decode step"
+                )));
+            }
+        }
+        // Hand out each slot's cache in batch order.
+        let mut by_slot: Vec<Option<&mut KvCache>> = self.caches.iter_mut().map(Some).collect();
+        let mut caches: Vec<&mut KvCache> = Vec::with_capacity(batch.len());
+        for &(slot, _) in batch {
+            if let Some(cache) = by_slot[slot].take() {
+                caches.push(cache);
+            }
+        }
+        let tokens: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
+        self.model.decode_batch(&tokens, &mut caches)
+    }
+}

@@ -1,0 +1,367 @@
+//! `sieve serve`: an OpenAI-compatible HTTP server over a sieve model with continuous batching.
+//!
+//! | module | job |
+//! |---|---|
+//! | [`api`] | the OpenAI wire format: request parsing, JSON errors, responses and stream chunks |
+//! | [`engine`] | `DecodeEngine`, the seam a model runner implements (CPU: `CpuEngine`) |
+//! | [`scheduler`] | the bounded queue and the continuous-batching loop that owns the engine |
+//! | [`metrics`] | counters, gauges and histograms in the Prometheus text format |
+//! | [`server`] | axum routes, API key, limits, SSE streaming |
+//!
+//! Threads: one scheduler thread (inside a rayon pool, which the model's products use) owns
+//! the engine; a small tokio runtime runs HTTP. They meet in the [`scheduler::Queue`] (jobs in)
+//! and one unbounded channel per request (events out), so HTTP never waits on the model.
+
+pub mod api;
+pub mod engine;
+pub mod metrics;
+pub mod scheduler;
+pub mod server;
+
+use std::future::{Future, IntoFuture};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sieve_model::tokenizer::Tokenizer;
+use thiserror::Error;
+
+use crate::engine::{CpuEngine, DecodeEngine};
+use crate::metrics::Metrics;
+use crate::scheduler::Queue;
+use crate::server::AppState;
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    #[error("invalid setting: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Model(#[from] sieve_model::ModelError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Runtime(String),
+}
+
+pub type Result<T, E = ServeError> = std::result::Result<T, E>;
+
+/// Server settings (the `sieve serve` flags).
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub host: String,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// The name `/v1/models` lists and requests may give as `model`.
+    pub model_name: String,
+    /// Sequences decoded together, and KV cache slots in the pool.
+    pub max_batch: usize,
+    /// Positions per cache slot (prompt and completion together); capped at the model's.
+    pub context: usize,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens_cap: usize,
+    /// Requests that may wait for a slot before new ones get 503.
+    pub queue_capacity: usize,
+    pub api_key: Option<String>,
+    /// Largest request body, bytes.
+    pub body_limit: usize,
+    /// Model threads (default: one per core).
+    pub threads: Option<usize>,
+    /// After a shutdown signal, how long in-flight requests may take to finish.
+    pub drain_timeout: Duration,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            model_name: "sieve".into(),
+            max_batch: 8,
+            context: 2048,
+            max_tokens_cap: 1024,
+            queue_capacity: 64,
+            api_key: None,
+            body_limit: 1 << 20,
+            threads: None,
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl ServeConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(ServeError::Config(m.into()));
+        if self.max_batch == 0 {
+            return bad("--max-batch must be at least 1");
+        }
+        if self.context < 2 {
+            return bad("--ctx must be at least 2");
+        }
+        if self.max_tokens_cap == 0 {
+            return bad("--max-tokens-cap must be at least 1");
+        }
+        if self.queue_capacity == 0 {
+            return bad("--queue must be at least 1");
+        }
+        if self.body_limit < 64 {
+            return bad("--body-limit must be at least 64 bytes");
+        }
+        if self.threads == Some(0) {
+            return bad("--threads must be at least 1");
+        }
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            return bad("the API key is empty");
+        }
+        Ok(())
+    }
+}
+
+/// The model name for a model file: its file name without the `.gguf`/`.sieve` extension.
+pub fn model_name_for(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "sieve".into());
+    for ext in [".gguf", ".sieve"] {
+        if let Some(stem) = name.strip_suffix(ext) {
+            return stem.to_owned();
+        }
+    }
+    name
+}
+
+/// Loads a model file into a CPU engine with `config.max_batch` slots of `config.context`.
+pub fn load_cpu_engine(path: &Path, config: &ServeConfig) -> Result<(CpuEngine, Tokenizer)> {
+    config.validate()?;
+    let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    let engine = CpuEngine::new(model, config.max_batch, config.context)?;
+    Ok((engine, tokenizer))
+}
+
+/// A running server: its address, and the way to stop it.
+pub struct Server {
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    http: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl Server {
+    /// Binds, starts the scheduler and HTTP threads, and returns once it accepts connections.
+    pub fn start(
+        engine: Box<dyn DecodeEngine>,
+        tokenizer: Tokenizer,
+        config: &ServeConfig,
+    ) -> Result<Self> {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        Self::start_with_shutdown(engine, tokenizer, config, async move {
+            let _ = rx.await;
+        })
+        .map(|mut s| {
+            s.stop = Some(tx);
+            s
+        })
+    }
+
+    /// [`Server::start`], draining when `shutdown` completes (e.g. on SIGTERM).
+    pub fn start_with_shutdown(
+        mut engine: Box<dyn DecodeEngine>,
+        tokenizer: Tokenizer,
+        config: &ServeConfig,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<Self> {
+        config.validate()?;
+        let listener =
+            std::net::TcpListener::bind((config.host.as_str(), config.port)).map_err(|source| {
+                ServeError::Bind {
+                    addr: format!("{}:{}", config.host, config.port),
+                    source,
+                }
+            })?;
+        let addr = listener.local_addr().map_err(|source| ServeError::Bind {
+            addr: format!("{}:{}", config.host, config.port),
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| ServeError::Runtime(format!("listener: {e}")))?;
+
+        let metrics = Arc::new(Metrics::new());
+        let queue = Arc::new(Queue::new(config.queue_capacity, metrics.clone()));
+        let tokenizer = Arc::new(tokenizer);
+        let context = engine.slot_capacity();
+        let state = Arc::new(AppState::new(
+            queue.clone(),
+            metrics.clone(),
+            tokenizer.clone(),
+            config.model_name.clone(),
+            config.api_key.clone(),
+            context,
+            config.max_tokens_cap,
+        ));
+        metrics
+            .slots_total
+            .store(engine.slots() as u64, std::sync::atomic::Ordering::Relaxed);
+
+        let threads = config.threads;
+        let scheduler = {
+            let (queue, metrics, tokenizer) = (queue.clone(), metrics.clone(), tokenizer.clone());
+            std::thread::Builder::new()
+                .name("sieve-scheduler".into())
+                .spawn(move || {
+                    scheduler::run_in_pool(engine.as_mut(), &tokenizer, &queue, &metrics, threads)
+                })
+                .map_err(|e| ServeError::Runtime(format!("scheduler thread: {e}")))?
+        };
+
+        let app = server::router(state, config.body_limit);
+        let drain_timeout = config.drain_timeout;
+        let http = std::thread::Builder::new()
+            .name("sieve-http".into())
+            .spawn(move || -> Result<()> {
+                let served = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(|e| ServeError::Runtime(format!("tokio runtime: {e}")))
+                    .and_then(|runtime| {
+                        runtime.block_on(serve(
+                            listener,
+                            app,
+                            queue.clone(),
+                            shutdown,
+                            drain_timeout,
+                        ))
+                    });
+                // Whatever happened to HTTP, the scheduler must see a closed queue to exit.
+                queue.close();
+                let scheduled = match scheduler.join() {
+                    Ok(result) => result.map_err(ServeError::from),
+                    Err(_) => Err(ServeError::Runtime("the scheduler thread panicked".into())),
+                };
+                served.and(scheduled)
+            })
+            .map_err(|e| ServeError::Runtime(format!("http thread: {e}")))?;
+        Ok(Self {
+            addr,
+            metrics,
+            stop: None,
+            http: Some(http),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Stops accepting, lets in-flight requests finish (within the drain timeout), and waits.
+    pub fn shutdown(mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.wait()
+    }
+
+    /// Waits until the server has stopped (after its shutdown future completed).
+    pub fn wait(mut self) -> Result<()> {
+        match self.http.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(ServeError::Runtime("the HTTP thread panicked".into())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(http) = self.http.take() {
+            let _ = http.join();
+        }
+    }
+}
+
+async fn serve(
+    listener: std::net::TcpListener,
+    app: axum::Router,
+    queue: Arc<Queue>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_timeout: Duration,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)
+        .map_err(|e| ServeError::Runtime(format!("listener: {e}")))?;
+    let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
+    let closing = queue.clone();
+    let graceful = async move {
+        shutdown.await;
+        // New generation requests get 503 from now on; queued and running ones finish.
+        closing.close();
+        let _ = draining_tx.send(());
+    };
+    let mut server = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(graceful)
+            .into_future(),
+    );
+    let finished = tokio::select! {
+        result = &mut server => Some(result),
+        _ = draining_rx => None,
+    };
+    let result = match finished {
+        Some(result) => result,
+        None => match tokio::time::timeout(drain_timeout, &mut server).await {
+            Ok(result) => result,
+            Err(_) => {
+                // Out of time: fail what is left so its connections end, then stop.
+                queue.abort();
+                match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        server.abort();
+                        return Ok(());
+                    }
+                }
+            }
+        },
+    };
+    // The scheduler exits once the queue is closed and empty.
+    queue.close();
+    match result {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(ServeError::Runtime(format!("server: {e}"))),
+        Err(e) => Err(ServeError::Runtime(format!("server task: {e}"))),
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C (SIGINT).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,372 @@
+//! Continuous batching. One scheduler thread owns the [`DecodeEngine`]: each iteration it
+//! drops sequences whose client went away, admits at most one waiting request (its prefill
+//! runs between two decode steps of the others) into a free cache slot, then runs one batched
+//! decode step over every running sequence. A finished sequence leaves the batch and frees its
+//! slot at once; waiting requests sit in a bounded [`Queue`].
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use sieve_model::generate::{GenerateOptions, StopReason};
+use sieve_model::sequence::Sequence;
+use sieve_model::tokenizer::Tokenizer;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::engine::DecodeEngine;
+use crate::metrics::Metrics;
+
+/// What the scheduler sends back for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Text that is safe to show.
+    Text(String),
+    /// Generation ended normally.
+    Done {
+        reason: StopReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    /// Generation failed (the message is for the client).
+    Failed(String),
+}
+
+/// One admitted request.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub options: GenerateOptions,
+    pub events: UnboundedSender<Event>,
+    pub enqueued: Instant,
+}
+
+/// Why a job was not queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rejected {
+    Full,
+    ShuttingDown,
+}
+
+#[derive(Default)]
+struct QueueState {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+/// The bounded queue between the HTTP handlers and the scheduler.
+pub struct Queue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+    capacity: usize,
+    metrics: Arc<Metrics>,
+    /// Set when draining ran out of time: running sequences are failed and the loop exits.
+    abort: AtomicBool,
+}
+
+impl Queue {
+    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> Self {
+        Self {
+            state: Mutex::new(QueueState::default()),
+            ready: Condvar::new(),
+            capacity,
+            metrics,
+            abort: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `job`, or refuses it when the queue is full or closed.
+    pub fn submit(&self, job: Job) -> Result<(), Rejected> {
+        let mut s = self.lock();
+        if s.closed {
+            return Err(Rejected::ShuttingDown);
+        }
+        if s.jobs.len() >= self.capacity {
+            return Err(Rejected::Full);
+        }
+        s.jobs.push_back(job);
+        self.metrics
+            .queue_depth
+            .store(s.jobs.len() as u64, Ordering::Relaxed);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// Refuses new jobs from now on; queued ones are still served.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_all();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().jobs.is_empty()
+    }
+
+    /// Stops the scheduler without finishing its work (after a drain timeout).
+    pub fn abort(&self) {
+        self.abort.store(true, Ordering::SeqCst);
+        self.close();
+    }
+
+    fn aborted(&self) -> bool {
+        self.abort.load(Ordering::SeqCst)
+    }
+
+    /// The next job if its prompt has at most `max_prompt` tokens; with `wait`, blocks until
+    /// there is a job or the queue is closed and empty.
+    fn pop(&self, wait: bool, max_prompt: usize) -> Option<Job> {
+        let mut s = self.lock();
+        loop {
+            if s.jobs.front().is_some_and(|j| j.prompt.len() > max_prompt) {
+                return None;
+            }
+            if let Some(job) = s.jobs.pop_front() {
+                self.metrics
+                    .queue_depth
+                    .store(s.jobs.len() as u64, Ordering::Relaxed);
+                return Some(job);
+            }
+            if !wait || s.closed {
+                return None;
+            }
+            s = self.ready.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Every queued job (for an abort).
+    fn drain(&self) -> Vec<Job> {
+        let mut s = self.lock();
+        let jobs = s.jobs.drain(..).collect();
+        self.metrics.queue_depth.store(0, Ordering::Relaxed);
+        jobs
+    }
+}
+
+/// Prompt tokens admitted per scheduler step beyond the first prompt: bounds how long one
+/// step's prefills hold up the running sequences' next token.
+pub const PREFILL_BUDGET: usize = 256;
+
+/// A sequence in the running batch.
+struct Running<'t> {
+    slot: usize,
+    sequence: Sequence<'t>,
+    events: UnboundedSender<Event>,
+    /// The last sampled token, to be run next.
+    next: u32,
+    prompt_tokens: usize,
+    /// Positions this sequence may use: its prompt plus `max_tokens`, within the slot.
+    limit: usize,
+    admitted: Instant,
+    last_token: Instant,
+}
+
+/// Runs until the queue is closed and every job is done (or the queue is aborted).
+pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, metrics: &Metrics) {
+    let slots = engine.slots();
+    metrics.slots_total.store(slots as u64, Ordering::Relaxed);
+    let mut free: Vec<usize> = (0..slots).rev().collect();
+    let mut running: Vec<Running<'_>> = Vec::new();
+    let publish = |running: &Vec<Running<'_>>| {
+        metrics
+            .running
+            .store(running.len() as u64, Ordering::Relaxed);
+        metrics
+            .slots_in_use
+            .store(running.len() as u64, Ordering::Relaxed);
+    };
+    loop {
+        if queue.aborted() {
+            for r in running.drain(..) {
+                let _ = r.events.send(Event::Failed(
+                    "the server shut down before this finished".into(),
+                ));
+            }
+            for job in queue.drain() {
+                let _ = job.events.send(Event::Failed(
+                    "the server shut down before this started".into(),
+                ));
+            }
+            publish(&running);
+            return;
+        }
+        // Clients that went away: stop their generation and free their slot.
+        running.retain(|r| {
+            let gone = r.events.is_closed();
+            if gone {
+                free.push(r.slot);
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        publish(&running);
+
+        // Admissions: prompts up to PREFILL_BUDGET tokens in all per step (always at least
+        // one), so the running sequences wait at most about that many tokens of prefill.
+        let mut prefilled = 0;
+        while let Some(&slot) = free.last() {
+            let first = prefilled == 0;
+            let budget = if first {
+                usize::MAX
+            } else {
+                PREFILL_BUDGET.saturating_sub(prefilled)
+            };
+            let Some(job) = queue.pop(first && running.is_empty(), budget) else {
+                break;
+            };
+            if job.events.is_closed() {
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            prefilled += job.prompt.len().max(1);
+            free.pop();
+            match admit(engine, tokenizer, metrics, job, slot) {
+                Some(r) => running.push(r),
+                None => free.push(slot),
+            }
+            publish(&running);
+        }
+        if running.is_empty() {
+            if queue.is_closed() && queue.is_empty() {
+                // Closed and empty: drained.
+                return;
+            }
+            continue;
+        }
+
+        let batch: Vec<(usize, u32)> = running.iter().map(|r| (r.slot, r.next)).collect();
+        metrics.observe_batch(batch.len());
+        let logits = match engine.decode(&batch) {
+            Ok(l) => l,
+            Err(e) => {
+                for r in running.drain(..) {
+                    let _ = r.events.send(Event::Failed(format!("decode failed: {e}")));
+                    free.push(r.slot);
+                }
+                publish(&running);
+                continue;
+            }
+        };
+        let vocab = engine.vocab_size();
+        let mut i = 0;
+        running.retain_mut(|r| {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            i += 1;
+            let room = engine.slot_len(r.slot) < r.limit;
+            let keep = advance(r, row, room, metrics);
+            if !keep {
+                free.push(r.slot);
+            }
+            keep
+        });
+        publish(&running);
+    }
+}
+
+/// Prefills `job` into `slot` and samples its first token; `None` when it already finished.
+fn admit<'t>(
+    engine: &mut dyn DecodeEngine,
+    tokenizer: &'t Tokenizer,
+    metrics: &Metrics,
+    job: Job,
+    slot: usize,
+) -> Option<Running<'t>> {
+    let fail = |message: String| {
+        let _ = job.events.send(Event::Failed(message));
+    };
+    let sequence = match Sequence::new(tokenizer, &job.prompt, &job.options) {
+        Ok(s) => s,
+        Err(e) => {
+            fail(e.to_string());
+            return None;
+        }
+    };
+    let limit = (job.prompt.len() + job.options.max_tokens).min(engine.slot_capacity());
+    if job.options.max_tokens == 0 {
+        let _ = job.events.send(Event::Done {
+            reason: StopReason::MaxTokens,
+            prompt_tokens: job.prompt.len(),
+            completion_tokens: 0,
+        });
+        return None;
+    }
+    let admitted = Instant::now();
+    let logits = match engine.prefill(slot, &job.prompt) {
+        Ok(l) => l,
+        Err(e) => {
+            fail(format!("prefill failed: {e}"));
+            return None;
+        }
+    };
+    metrics
+        .prompt_tokens
+        .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+    let mut running = Running {
+        slot,
+        sequence,
+        events: job.events,
+        next: 0,
+        prompt_tokens: job.prompt.len(),
+        limit,
+        admitted,
+        last_token: admitted,
+    };
+    metrics.ttft.observe(job.enqueued.elapsed().as_secs_f64());
+    let room = engine.slot_len(slot) < limit;
+    advance(&mut running, &logits, room, metrics).then_some(running)
+}
+
+/// Samples one token for `r` from `logits` and sends its text; `false` when `r` is finished
+/// (its last event sent) or failed.
+fn advance(r: &mut Running<'_>, logits: &[f32], room: bool, metrics: &Metrics) -> bool {
+    let step = match r.sequence.step(logits, room) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = r
+                .events
+                .send(Event::Failed(format!("sampling failed: {e}")));
+            return false;
+        }
+    };
+    metrics.completion_tokens.fetch_add(1, Ordering::Relaxed);
+    let now = Instant::now();
+    if r.sequence.generated_tokens() > 1 {
+        metrics.tpot.observe((now - r.last_token).as_secs_f64());
+    }
+    r.last_token = now;
+    r.next = step.token;
+    if !step.text.is_empty() && r.events.send(Event::Text(step.text)).is_err() {
+        // The client is gone; the next iteration frees the slot.
+        return true;
+    }
+    match step.finished {
+        Some(reason) => {
+            metrics.latency.observe(r.admitted.elapsed().as_secs_f64());
+            let _ = r.events.send(Event::Done {
+                reason,
+                prompt_tokens: r.prompt_tokens,
+                completion_tokens: r.sequence.generated_tokens(),
+            });
+            false
+        }
+        None => true,
+    }
+}
+
+/// Runs the scheduler for `engine` on the calling thread inside a rayon pool of `threads`
+/// (see `sieve_model::generate::run_in_pool`: decode is much faster started from a worker).
+pub fn run_in_pool(
+    engine: &mut dyn DecodeEngine,
+    tokenizer: &Tokenizer,
+    queue: &Queue,
+    metrics: &Metrics,
+    threads: Option<usize>,
+) -> sieve_model::Result<()> {
+    sieve_model::generate::run_in_pool(threads, move || run(engine, tokenizer, queue, metrics))
+}

@@ -1,0 +1,95 @@
+//! `sieve serve`: the OpenAI-compatible HTTP server (the server itself is `sieve-serve`).
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use sieve_serve::{load_cpu_engine, model_name_for, shutdown_signal, ServeConfig, Server};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The CPU today; the GPU once its decode runner serves.
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model file or directory (default: $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Sequences decoded together (and KV cache slots in the pool).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Positions per KV cache slot, prompt and completion together (capped at the model's).
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens_cap: usize,
+    /// Requests that may wait for a slot; beyond it new ones get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    body_limit: usize,
+    /// Require `Authorization: Bearer KEY` on /v1/* (default: $SIEVE_API_KEY when set).
+    #[arg(long, env = "SIEVE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Model worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Seconds in-flight requests may take to finish after SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.device == Device::Cuda {
+        bail!(
+            "--device cuda: sieve serve has no GPU decode engine yet (the seam is \
+             sieve_serve::engine::DecodeEngine); use --device cpu"
+        );
+    }
+    let mut config = ServeConfig {
+        host: args.host,
+        port: args.port,
+        model_name: String::new(),
+        max_batch: args.max_batch,
+        context: args.ctx,
+        max_tokens_cap: args.max_tokens_cap,
+        queue_capacity: args.queue,
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+        body_limit: args.body_limit,
+        threads: args.threads,
+        drain_timeout: Duration::from_secs(args.drain_timeout),
+    };
+    config.validate()?;
+    let path = super::model_path::resolve_model(args.model.as_deref())?;
+    config.model_name = model_name_for(&path);
+    let (engine, tokenizer) =
+        load_cpu_engine(&path, &config).with_context(|| format!("opening {}", path.display()))?;
+    let positions = sieve_serve::engine::DecodeEngine::slot_capacity(&engine);
+    let server = Server::start_with_shutdown(Box::new(engine), tokenizer, &config, async {
+        shutdown_signal().await;
+        eprintln!("sieve serve: shutting down, finishing requests in flight");
+    })?;
+    eprintln!(
+        "sieve serve: model {} on cpu, {} slots of {} positions, listening on http://{}",
+        config.model_name,
+        config.max_batch,
+        positions,
+        server.addr()
+    );
+    server.wait()?;
+    eprintln!("sieve serve: stopped");
+    Ok(())
+}
