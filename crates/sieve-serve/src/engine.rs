@@ -47,7 +47,9 @@ impl CpuEngine {
                 "the context must hold at least 2 positions, got {context}"
             )));
         }
-        let caches: Vec<KvCache> = (0..slots).map(|_| model.new_cache(context)).collect();
+        let caches = (0..slots)
+            .map(|_| model.try_new_cache(context))
+            .collect::<Result<Vec<KvCache>>>()?;
         let capacity = caches[0].capacity();
         Ok(Self {
             model,

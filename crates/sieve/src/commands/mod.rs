@@ -5,5 +5,5 @@ pub mod formats;
 pub mod generate;
 pub mod model_path;
 pub mod pack;
-pub mod sim;
 pub mod serve;
+pub mod sim;
