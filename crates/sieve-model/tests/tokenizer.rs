@@ -470,6 +470,12 @@ fn smollm2_round_trips_wikitext() {
         );
     }
     assert_eq!(ok(tok.decode(&ids, false)), text);
+    // Chunked reading (what `eval ppl --data` and `pack --calib` do) gives the same ids at any
+    // chunk size that leaves room for cut points.
+    for chunk in [4 << 10, 64 << 10] {
+        let chunked = ok(tok.encode_reader(text.as_bytes(), "wikitext", false, None, chunk));
+        assert_eq!(chunked, ids, "chunks of {chunk} bytes");
+    }
 }
 
 #[test]
