@@ -288,7 +288,7 @@ fn main() -> Result<(), String> {
         print_row(&format!("{} concurrent clients", o.clients), &c);
         print_row("one at a time", &s);
         println!(
-            "throughput ratio {:.2}x; decode batch sizes (steps per bucket, both runs): {buckets}; largest {largest}",
+            "throughput ratio {:.2}x; decode batch sizes of the concurrent run (steps per bucket): {buckets}; largest {largest}",
             (c.tokens as f64 / c.wall) / (s.tokens as f64 / s.wall)
         );
         println!("answers identical between the two runs: {same} of {total}");
