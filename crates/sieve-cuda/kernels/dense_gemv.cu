@@ -8,7 +8,8 @@
 //     UNROLL vectors per lane are loaded before the first is used, so each warp keeps
 //     UNROLL * 512 bytes in flight. Activations are f32, read through L1 (they are reused by
 //     every row); inactive ones (|x| <= t) are zeroed on the fly. The lane sums are reduced
-//     with shuffles and lane 0 writes y[m]: no atomics, no zeroing of y needed.
+//     with shuffles and lane 0 writes y[m] (or adds to it when `accumulate` is set: the decode
+//     runner adds o_proj/down_proj straight into the residual stream): no atomics, no zeroing.
 //     K must be a multiple of 8 (rows 16-byte aligned); `dense_gemv_rowmajor_scalar` covers
 //     any K.
 //
@@ -38,7 +39,7 @@
 
 template <int UNROLL>
 __device__ __forceinline__ void gemv_row(const uint4* __restrict__ row, const float* __restrict__ x,
-                                         float* __restrict__ y, int m, int nvec, float t, int lane) {
+                                         float* __restrict__ y, int m, int nvec, float t, int lane, int accumulate) {
     float acc = 0.f;
     int v = lane;
     for (; v + 32 * (UNROLL - 1) < nvec; v += 32 * UNROLL) {
@@ -67,22 +68,22 @@ __device__ __forceinline__ void gemv_row(const uint4* __restrict__ row, const fl
         for (int i = 0; i < 8; ++i) acc += wf[i] * (active(xs[i], t) ? xs[i] : 0.f);
     }
     acc = warp_sum(acc);
-    if (lane == 0) y[m] = acc;
+    if (lane == 0) y[m] = accumulate ? y[m] + acc : acc;
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 dense_gemv_rowmajor(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
-                    int M, int K, float t) {
+                    int M, int K, float t, int accumulate) {
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= M) return;
     int nvec = K >> 3;
-    gemv_row<4>(w + (size_t)warp * nvec, x, y, warp, nvec, t, lane);
+    gemv_row<4>(w + (size_t)warp * nvec, x, y, warp, nvec, t, lane, accumulate);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 dense_gemv_rowmajor_scalar(const f16_bits* __restrict__ w, const float* __restrict__ x,
-                           float* __restrict__ y, int M, int K, float t) {
+                           float* __restrict__ y, int M, int K, float t, int accumulate) {
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= M) return;
@@ -93,7 +94,7 @@ dense_gemv_rowmajor_scalar(const f16_bits* __restrict__ w, const float* __restri
         if (active(xv, t)) acc += h2f(row[k]) * xv;
     }
     acc = warp_sum(acc);
-    if (lane == 0) y[warp] = acc;
+    if (lane == 0) y[warp] = accumulate ? y[warp] + acc : acc;
 }
 
 // Accumulates the active columns [begin, end) of one warp's K slice into acc[8] (rows

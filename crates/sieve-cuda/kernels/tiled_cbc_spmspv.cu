@@ -237,7 +237,9 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int rt = blockIdx.y;
     int row = rt * TCBC_TILE_M + tid;
-    if (blockIdx.x == 0) {
+    // flags == nullptr: no fused zeroing, the product is added to y as it is (the decode
+    // runner's mode: y is zeroed by an earlier kernel of the step, or is the residual stream).
+    if (flags && blockIdx.x == 0) {
         if (row < M) y[row] = 0.f;
         publish_zeroed_tile(flags + rt, epoch);
     }
@@ -375,7 +377,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < L8_WARPS; ++w) sum += red[w * TCBC_TILE_M + tid];
-    if (blockIdx.x != 0) wait_zeroed_tile(flags + rt, epoch);
+    if (flags && blockIdx.x != 0) wait_zeroed_tile(flags + rt, epoch);
     if (row < M && sum != 0.f) atomicAdd(y + row, sum);
 }
 

@@ -3,7 +3,7 @@
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
-use crate::product::{check_io, threshold_arg, GpuMatVec, LaunchEpoch};
+use crate::product::{check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::f16;
 use sieve_formats::{DenseMatrix, Threshold};
@@ -56,12 +56,7 @@ impl GpuMatVec for GpuDense {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_io(self, x, y)?;
-        let name = if self.cols.is_multiple_of(8) {
-            "dense_gemv_rowmajor"
-        } else {
-            "dense_gemv_rowmajor_scalar"
-        };
-        let f = gpu.function(&FAMILY, name)?;
+        let f = gpu.function(&FAMILY, self.rowmajor_kernel())?;
         let (m, k, t) = (self.rows as i32, self.cols as i32, threshold_arg(threshold));
         let cfg = LaunchConfig {
             grid_dim: ((self.rows as u32).div_ceil(8), 1, 1),
@@ -69,8 +64,73 @@ impl GpuMatVec for GpuDense {
             shared_mem_bytes: 0,
         };
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&self.w).arg(x).arg(y).arg(&m).arg(&k).arg(&t);
+        let accumulate = 0i32;
+        b.arg(&self.w)
+            .arg(x)
+            .arg(y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&t)
+            .arg(&accumulate);
         unsafe { b.launch(cfg) }.during("launching dense_gemv_rowmajor")?;
+        Ok(())
+    }
+}
+
+impl GpuDense {
+    fn rowmajor_kernel(&self) -> &'static str {
+        if self.cols.is_multiple_of(8) {
+            "dense_gemv_rowmajor"
+        } else {
+            "dense_gemv_rowmajor_scalar"
+        }
+    }
+}
+
+impl GpuAccumulate for GpuDense {
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
+        let f = gpu.function(&FAMILY, self.rowmajor_kernel())?;
+        let (m, k, t) = (self.rows as i32, self.cols as i32, threshold_arg(threshold));
+        let cfg = LaunchConfig {
+            grid_dim: ((self.rows as u32).div_ceil(8), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let accumulate = 1i32;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.w)
+            .arg(&x)
+            .arg(&y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&t)
+            .arg(&accumulate);
+        unsafe { b.launch(cfg) }.during("launching dense_gemv_rowmajor (accumulate)")?;
+        Ok(())
+    }
+}
+
+impl GpuAccumulate for GpuDenseColMajor {
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
+        let f = gpu.function(&FAMILY, "dense_colmajor")?;
+        let cpw = self.effective_cols_per_warp(gpu);
+        let cfg = self.config(self.cols, cpw);
+        let (m, k, ldm) = (self.rows as i32, self.cols as i32, self.ldm as i32);
+        let (t, cpw) = (threshold_arg(threshold), cpw as i32);
+        // A null flag array turns the fused zeroing off: the product is added to y.
+        let (no_flags, epoch) = (0u64, 0u32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.w)
+            .arg(&x)
+            .arg(&y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&ldm)
+            .arg(&t)
+            .arg(&cpw)
+            .arg(&no_flags)
+            .arg(&epoch);
+        unsafe { b.launch(cfg) }.during("launching dense_colmajor (accumulate)")?;
         Ok(())
     }
 }

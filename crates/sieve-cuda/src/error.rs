@@ -49,7 +49,7 @@ pub enum CudaError {
 pub type Result<T> = std::result::Result<T, CudaError>;
 
 /// Attaches a description of the failing step to a driver error.
-pub(crate) trait DriverContext<T> {
+pub trait DriverContext<T> {
     fn during(self, what: &'static str) -> Result<T>;
 }
 

@@ -26,6 +26,6 @@ pub mod rlc_csc;
 pub mod tiled_cbc;
 pub mod timing;
 
-pub use error::{CudaError, Result};
+pub use error::{CudaError, DriverContext, Result};
 pub use gpu::{gpu_or_skip, DeviceInfo, Gpu};
-pub use product::{matvec_host, GpuMatVec};
+pub use product::{dev_ptr, matvec_host, DevPtr, GpuAccumulate, GpuMatVec};

@@ -28,6 +28,26 @@ pub trait GpuMatVec {
     ) -> Result<()>;
 }
 
+/// A raw device address, for launches into parts of a buffer (q|k|v rows of one output, the
+/// residual stream) that a [`CudaSlice`] cannot name.
+pub type DevPtr = u64;
+
+/// The device address of `s` (event tracking is off on sieve's context, so the guard cudarc
+/// returns records nothing).
+pub fn dev_ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> DevPtr {
+    use cudarc::driver::DevicePtr;
+    let (p, _guard) = s.device_ptr(gpu.stream());
+    p
+}
+
+/// The decode runner's form of a product: `y += W · mask_t(x)` with no zeroing of `y` and no
+/// host-side state that changes between launches, so that a launch can be captured once in a
+/// CUDA graph and replayed for every token. `x` holds K f32, `y` M f32; the caller owns both
+/// and guarantees their lengths.
+pub trait GpuAccumulate {
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()>;
+}
+
 /// The kernels' threshold argument: `None` is -1, which makes `|x| > t` true everywhere.
 pub fn threshold_arg(t: Threshold) -> f32 {
     t.unwrap_or(-1.0)

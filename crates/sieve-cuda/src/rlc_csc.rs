@@ -234,3 +234,41 @@ impl GpuMatVec for GpuRlcCsc {
         Ok(())
     }
 }
+
+impl crate::product::GpuAccumulate for GpuRlcCsc {
+    fn launch_add(
+        &self,
+        gpu: &Gpu,
+        x: crate::product::DevPtr,
+        threshold: Threshold,
+        y: crate::product::DevPtr,
+    ) -> Result<()> {
+        self.check_tuning()?;
+        // The full kernel adds into y with atomics already; the launch just skips the zeroing.
+        let f = gpu.function(&FAMILY, Stages::Full.kernel())?;
+        let cfg = self.config(self.cols, gpu, &f)?;
+        let (m, k, br) = (self.rows as i32, self.cols as i32, self.block_rows as i32);
+        let (nb, t, cpw) = (
+            self.index_bits as i32,
+            threshold_arg(threshold),
+            self.cols_per_warp as i32,
+        );
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.values)
+            .arg(&self.indices)
+            .arg(&self.seg_start)
+            .arg(&self.seg_len)
+            .arg(&self.slab_start)
+            .arg(&self.slab_row)
+            .arg(&x)
+            .arg(&y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&br)
+            .arg(&nb)
+            .arg(&t)
+            .arg(&cpw);
+        unsafe { b.launch(cfg) }.during("launching rlc_spmspv (accumulate)")?;
+        Ok(())
+    }
+}

@@ -5,7 +5,9 @@
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
-use crate::product::{active_column_bytes, check_io, threshold_arg, GpuMatVec, LaunchEpoch};
+use crate::product::{
+    active_column_bytes, check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch,
+};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::tiled_cbc::{TiledCbc, TILE_K};
 use sieve_formats::{Threshold, WeightFormat};
@@ -152,12 +154,15 @@ impl GpuTiledCbc {
         (gtiles * TILE_K).clamp(TILE_K, LANE8_MAX_COLS_PER_BLOCK)
     }
 
-    fn launch_lane8(
+    /// The lane8 launch; `zero_y` selects the fused zeroing (flags and a fresh epoch) or none
+    /// (the product is added to y, see [`GpuAccumulate`]).
+    fn lane8_raw(
         &self,
         gpu: &Gpu,
-        x: &CudaSlice<f32>,
+        x: DevPtr,
         threshold: Threshold,
-        y: &mut CudaSlice<f32>,
+        y: DevPtr,
+        zero_y: bool,
     ) -> Result<()> {
         let cpb = self.lane8_cols_per_block(gpu);
         let shared = self.lane8_shape.stage_bytes() + 16 * cpb;
@@ -168,7 +173,11 @@ impl GpuTiledCbc {
             block_dim: (256, 1, 1),
             shared_mem_bytes: shared as u32,
         };
-        let epoch = self.epoch.next();
+        let (flags, epoch) = if zero_y {
+            (crate::product::dev_ptr(gpu, &self.flags), self.epoch.next())
+        } else {
+            (0u64, 0u32)
+        };
         let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
         let (t, c) = (threshold_arg(threshold), cpb as i32);
         let mut b = gpu.stream().launch_builder(&f);
@@ -177,9 +186,9 @@ impl GpuTiledCbc {
             .arg(&self.bitmaps)
             .arg(&self.rank)
             .arg(&self.values)
-            .arg(x)
-            .arg(y)
-            .arg(&self.flags)
+            .arg(&x)
+            .arg(&y)
+            .arg(&flags)
             .arg(&epoch)
             .arg(&m)
             .arg(&k)
@@ -188,6 +197,20 @@ impl GpuTiledCbc {
             .arg(&c);
         unsafe { b.launch(cfg) }.during("launching tcbc_spmspv_lane8")?;
         Ok(())
+    }
+
+    fn launch_lane8(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        threshold: Threshold,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (xp, yp) = (
+            crate::product::dev_ptr(gpu, x),
+            crate::product::dev_ptr(gpu, y),
+        );
+        self.lane8_raw(gpu, xp, threshold, yp, true)
     }
 
     /// Split-K so that the grid has about four blocks per multiprocessor.
@@ -288,6 +311,17 @@ impl GpuMatVec for GpuTiledCbc {
             .arg(&g);
         unsafe { b.launch(cfg) }.during("launching tcbc_spmspv")?;
         Ok(())
+    }
+}
+
+impl GpuAccumulate for GpuTiledCbc {
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
+        if self.kernel != TcbcKernel::Lane8 {
+            return Err(CudaError::Option(
+                "the accumulating Tiled-CBC launch exists for the lane8 kernel only".into(),
+            ));
+        }
+        self.lane8_raw(gpu, x, threshold, y, false)
     }
 }
 

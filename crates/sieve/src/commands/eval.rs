@@ -34,6 +34,9 @@ pub enum EvalCommand {
         /// model `sieve pack` prunes) instead of multiplying the blocks with 8-bit activations.
         #[arg(long)]
         f16_weights: bool,
+        /// Where to run: the GPU when one is present (auto), the GPU (cuda) or the CPU.
+        #[arg(long, value_enum, default_value_t = super::device::Device::Auto)]
+        device: super::device::Device,
     },
 }
 
@@ -58,6 +61,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             max_tokens,
             threads,
             f16_weights,
+            device,
         } => {
             if let Some(n) = threads {
                 init_threads(n)?;
@@ -89,10 +93,19 @@ pub fn run(command: EvalCommand) -> Result<()> {
                 )
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
-            let result = perplexity(&model, &tokens, ctx, |done, running_ppl| {
+            let progress = |done: usize, running_ppl: f64| {
                 bar.set_position(done as u64);
                 bar.set_message(format!("ppl {running_ppl:.3}"));
-            })?;
+            };
+            let result = match super::device::open(device)? {
+                Some(gpu) => {
+                    let mut gpu_model = sieve_gpu::GpuModel::from_model(gpu, &model, ctx)?;
+                    drop(model);
+                    super::device::print_report(&gpu_model);
+                    sieve_gpu::generate::perplexity(&mut gpu_model, &tokens, ctx, progress)?
+                }
+                None => perplexity(&model, &tokens, ctx, progress)?,
+            };
             bar.finish_and_clear();
             let line = PplLine {
                 model: path.display().to_string(),

@@ -39,6 +39,9 @@ pub struct GenerateArgs {
     /// Dequantize GGUF Q4_0/Q4_1/Q8_0 weights to f16 instead of multiplying the blocks directly.
     #[arg(long)]
     f16_weights: bool,
+    /// Where to run: the GPU when one is present (auto), the GPU (cuda) or the CPU.
+    #[arg(long, value_enum, default_value_t = super::device::Device::Auto)]
+    device: super::device::Device,
     prompt: String,
 }
 
@@ -82,6 +85,32 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         extra_eos_ids: Vec::new(),
     };
     let mut stdout = std::io::stdout();
+    if let Some(gpu) = super::device::open(args.device)? {
+        let capacity = prompt.len() + args.max_tokens;
+        let mut gpu_model = sieve_gpu::GpuModel::from_model(gpu, &model, capacity)?;
+        drop(model);
+        super::device::print_report(&gpu_model);
+        let result = sieve_gpu::generate::generate(
+            &mut gpu_model,
+            &tokenizer,
+            &prompt,
+            &options,
+            |piece| {
+                stdout
+                    .write_all(piece.as_bytes())
+                    .and_then(|_| stdout.flush())
+                    .map_err(|e| {
+                        sieve_gpu::GpuError::from(sieve_model::ModelError::Io {
+                            path: "stdout".into(),
+                            source: e,
+                        })
+                    })
+            },
+        )?;
+        println!();
+        eprintln!("{}", result.summary());
+        return Ok(());
+    }
     let result = generate(&model, &tokenizer, &prompt, &options, |piece| {
         stdout
             .write_all(piece.as_bytes())

@@ -1,0 +1,185 @@
+// The next token, chosen on the GPU so that the host reads one id per step: repetition
+// penalty, then greedy argmax, or temperature / top-k / top-p sampling. One block of 1024
+// threads over the V logits (the buffer is scratch: the penalty is applied in place).
+//
+//   state[0] = p, the position of the token that produced these logits; state[1] = its id.
+//   history[i] = token at position i (prompt and generated), i <= p.
+//   After the kernel: state[0] = p + 1, state[1] = history[p + 1] = the chosen token, so the
+//   next step's embedding reads it without the host.
+//
+// Penalty: the last `window` positions, each id once (an id also seen later in the window is
+// skipped), logit / r if positive else logit * r (the CPU sampler's rule).
+// Sampling: logits / T; top-k keeps values >= the k-th largest (found by bisection on the
+// value, so ties at the boundary are all kept); top-p keeps the largest values whose softmax
+// mass reaches p (bisection on the value again); then u ~ U[0,1) from a hash of (seed, p)
+// picks the token by the running sum of the kept weights in id order.
+
+#define SAMPLE_THREADS 1024
+#define SAMPLE_BISECT 48
+
+__device__ __forceinline__ float block_reduce(float v, bool is_max, float* red) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        float o = __shfl_xor_sync(FULL_MASK, v, d);
+        v = is_max ? fmaxf(v, o) : v + o;
+    }
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int w = 1; w < SAMPLE_THREADS / 32; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+    return r;
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Sum over ids with logit >= cut of exp((l - top) * inv_t) (count when `count` is set).
+__device__ float kept_mass(const float* logits, int V, float cut, float top, float inv_t, bool count, float* red) {
+    float s = 0.f;
+    for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {
+        float l = logits[i];
+        if (l >= cut) s += count ? 1.f : __expf((l - top) * inv_t);
+    }
+    return block_reduce(s, false, red);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_token(float* __restrict__ logits, int V, float temperature, int top_k, float top_p,
+             float penalty, int window, u64 seed, int* __restrict__ state, int* __restrict__ history,
+             int capacity) {
+    __shared__ float red[SAMPLE_THREADS / 32];
+    __shared__ int red_i[SAMPLE_THREADS / 32];
+    __shared__ float chunk_sum[SAMPLE_THREADS];
+    const int tid = threadIdx.x;
+    const int p = state[0];
+
+    if (penalty != 1.f) {
+        int first = max(0, p + 1 - window);
+        int i = first + tid;
+        if (tid < window && i <= p) {
+            int id = history[i];
+            bool later = false;
+            for (int j = i + 1; j <= p; ++j) later |= history[j] == id;
+            if (!later && id >= 0 && id < V) {
+                float l = logits[id];
+                logits[id] = l > 0.f ? l / penalty : l * penalty;
+            }
+        }
+        __syncthreads();
+    }
+
+    // Argmax, lowest id on ties (as the CPU sampler).
+    float best = __int_as_float(0xff800000);
+    int best_id = V;
+    for (int i = tid; i < V; i += SAMPLE_THREADS) {
+        float l = logits[i];
+        if (l > best) {
+            best = l;
+            best_id = i;
+        }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        float ob = __shfl_xor_sync(FULL_MASK, best, d);
+        int oi = __shfl_xor_sync(FULL_MASK, best_id, d);
+        if (ob > best || (ob == best && oi < best_id)) {
+            best = ob;
+            best_id = oi;
+        }
+    }
+    if ((tid & 31) == 0) {
+        red[tid >> 5] = best;
+        red_i[tid >> 5] = best_id;
+    }
+    __syncthreads();
+    float top = red[0];
+    int chosen = red_i[0];
+    for (int w = 1; w < SAMPLE_THREADS / 32; ++w) {
+        if (red[w] > top || (red[w] == top && red_i[w] < chosen)) {
+            top = red[w];
+            chosen = red_i[w];
+        }
+    }
+    __syncthreads();
+
+    if (temperature > 0.f) {
+        const float inv_t = 1.f / temperature;
+        float cut = __int_as_float(0xff800000);
+        if (top_k > 0 && top_k < V) {
+            // Smallest logit: the bisection's lower end.
+            float mn = __int_as_float(0x7f800000);
+            for (int i = tid; i < V; i += SAMPLE_THREADS) mn = fminf(mn, logits[i]);
+            mn = -block_reduce(-mn, true, red);
+            float lo = mn;
+            float hi = top;
+            for (int it = 0; it < SAMPLE_BISECT; ++it) {
+                float mid = 0.5f * (lo + hi);
+                if (mid <= lo || mid >= hi) break;
+                float c = kept_mass(logits, V, mid, top, inv_t, true, red);
+                if (c >= (float)top_k) lo = mid; else hi = mid;
+            }
+            cut = lo;
+        }
+        float total = kept_mass(logits, V, cut, top, inv_t, false, red);
+        if (top_p < 1.f) {
+            float lo = cut == __int_as_float(0xff800000) ? top - 1e4f * temperature : cut, hi = top;
+            float want = top_p * total;
+            for (int it = 0; it < SAMPLE_BISECT; ++it) {
+                float mid = 0.5f * (lo + hi);
+                if (mid <= lo || mid >= hi) break;
+                float mass = kept_mass(logits, V, fmaxf(mid, cut), top, inv_t, false, red);
+                if (mass >= want) lo = mid; else hi = mid;
+            }
+            cut = fmaxf(cut, lo);
+            total = kept_mass(logits, V, cut, top, inv_t, false, red);
+        }
+        // Running sum in id order: thread t owns ids [t*per, (t+1)*per).
+        const int per = (V + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+        const int b = tid * per, e = min(b + per, V);
+        float mine = 0.f;
+        for (int i = b; i < e; ++i) {
+            float l = logits[i];
+            if (l >= cut) mine += __expf((l - top) * inv_t);
+        }
+        chunk_sum[tid] = mine;
+        __syncthreads();
+        if (tid == 0) {
+            u64 r = splitmix64(seed ^ splitmix64((u64)p + 1));
+            float target = (float)((double)(r >> 11) * (1.0 / 9007199254740992.0)) * total;
+            int t = 0;
+            while (t < SAMPLE_THREADS - 1 && target >= chunk_sum[t]) {
+                target -= chunk_sum[t];
+                ++t;
+            }
+            int pick = chosen;  // rounding fallback: the most likely token
+            for (int i = t * per; i < min(t * per + per, V); ++i) {
+                float l = logits[i];
+                if (l >= cut) {
+                    float w = __expf((l - top) * inv_t);
+                    if (target < w) {
+                        pick = i;
+                        break;
+                    }
+                    target -= w;
+                }
+            }
+            red_i[0] = pick;
+        }
+        __syncthreads();
+        chosen = red_i[0];
+    }
+    if (tid == 0) {
+        if (chosen >= V) chosen = 0;
+        if (p + 1 < capacity) {
+            history[p + 1] = chosen;
+            state[0] = p + 1;
+        }
+        state[1] = chosen;
+    }
+}

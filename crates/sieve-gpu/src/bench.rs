@@ -1,0 +1,259 @@
+//! `sieve bench decode`: the decode speed of whole models on the GPU, dense and sparse
+//! configurations in one process. Per configuration: TTFT of a random prompt, TPOT over the
+//! generated tokens (host wall time per token, the graph replay plus the read of the token id:
+//! what a user waits for), weight bytes read per token and the bandwidth they imply against
+//! the copy bandwidth measured in the same run, and the step's split between linear layers,
+//! attention and the rest from an event-bracketed eager step.
+
+use crate::error::{GpuError, Result};
+use crate::runner::{GpuModel, StepProfile};
+use crate::synthetic::{self, SyntheticOptions};
+use serde::Serialize;
+use sieve_cuda::Gpu;
+use sieve_formats::random::Pattern;
+use sieve_formats::FormatKind;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct DecodeBenchOptions {
+    pub prompt: usize,
+    pub tokens: usize,
+    /// Decode position for the long-context measurement (0: none).
+    pub context: usize,
+    pub format: FormatKind,
+    pub pattern: Pattern,
+    pub seed: u64,
+}
+
+/// One configuration's numbers.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeResult {
+    pub model: String,
+    pub sp: f64,
+    pub dp: f64,
+    pub format: String,
+    pub kernels: Vec<String>,
+    pub setup_s: f64,
+    pub ttft_ms: f64,
+    pub tpot_ms_median: f64,
+    pub tpot_ms_p10: f64,
+    pub tpot_ms_p90: f64,
+    pub tokens_per_s: f64,
+    /// TPOT when decoding at position `context` (0 when not measured).
+    pub context: usize,
+    pub tpot_ms_at_context: f64,
+    pub weight_bytes_per_token: usize,
+    pub bandwidth_gbs: f64,
+    pub copy_bandwidth_gbs: f64,
+    pub pct_of_copy: f64,
+    pub launches_per_step: usize,
+    pub breakdown: StepProfile,
+    /// Share of the eager step: linear, attention, other.
+    pub share_linear: f64,
+    pub share_attention: f64,
+    pub share_other: f64,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Times `tokens` decode steps (one host read per token) and returns the per-token seconds.
+fn time_decode(model: &mut GpuModel, tokens: usize) -> Result<Vec<f64>> {
+    let mut steps = Vec::with_capacity(tokens);
+    for _ in 0..tokens {
+        let t = Instant::now();
+        model.next_token()?;
+        steps.push(t.elapsed().as_secs_f64());
+    }
+    Ok(steps)
+}
+
+/// Measures an uploaded model (see the module header). `label`/`sp`/`dp` are for the table.
+pub fn measure(
+    model: &mut GpuModel,
+    label: &str,
+    sp: f64,
+    dp: f64,
+    setup_s: f64,
+    opts: &DecodeBenchOptions,
+    copy_gbs: f64,
+) -> Result<DecodeResult> {
+    let vocab = model.config().vocab_size as u64;
+    let prompt: Vec<u32> = (0..opts.prompt.max(1) as u64)
+        .map(|i| ((i * 7919 + opts.seed * 104_729 + 13) % vocab) as u32)
+        .collect();
+    if prompt.len() + opts.tokens + 2 > model.capacity()
+        || opts.context + opts.tokens.min(64) + 2 > model.capacity()
+    {
+        return Err(GpuError::InvalidArgument(format!(
+            "prompt {} + tokens {} (or context {}) exceed the KV cache of {}",
+            prompt.len(),
+            opts.tokens,
+            opts.context,
+            model.capacity()
+        )));
+    }
+    // Warm-up: compiles kernels and captures both graphs.
+    model.prefill(&prompt[..prompt.len().min(4)])?;
+    model.next_token()?;
+
+    let started = Instant::now();
+    model.prefill(&prompt)?;
+    let ttft_ms = started.elapsed().as_secs_f64() * 1e3;
+    let mut steps = time_decode(model, opts.tokens)?;
+    steps.sort_by(f64::total_cmp);
+    let total: f64 = steps.iter().sum();
+
+    // Breakdown and bytes: median of a few eager profiled steps after the prompt.
+    model.prefill(&prompt)?;
+    let mut profiles: Vec<StepProfile> = (0..5)
+        .map(|_| model.profile_step())
+        .collect::<Result<_>>()?;
+    profiles.sort_by(|a, b| a.total_us().total_cmp(&b.total_us()));
+    let breakdown = profiles[profiles.len() / 2].clone();
+
+    let mut tpot_ctx = 0.0;
+    if opts.context > 0 {
+        let n = opts.tokens.clamp(8, 64);
+        model.seek(opts.context, prompt[0])?;
+        let mut s = time_decode(model, n)?;
+        s.sort_by(f64::total_cmp);
+        tpot_ctx = percentile(&s, 0.5) * 1e3;
+    }
+    let tpot = percentile(&steps, 0.5);
+    let bw = breakdown.weight_bytes as f64 / tpot / 1e9;
+    let t = breakdown.total_us().max(1e-9);
+    Ok(DecodeResult {
+        model: label.to_string(),
+        sp,
+        dp,
+        format: opts.format.name().to_string(),
+        kernels: model.report().kernels.clone(),
+        setup_s,
+        ttft_ms,
+        tpot_ms_median: tpot * 1e3,
+        tpot_ms_p10: percentile(&steps, 0.1) * 1e3,
+        tpot_ms_p90: percentile(&steps, 0.9) * 1e3,
+        tokens_per_s: steps.len() as f64 / total.max(1e-12),
+        context: opts.context,
+        tpot_ms_at_context: tpot_ctx,
+        weight_bytes_per_token: breakdown.weight_bytes,
+        bandwidth_gbs: bw,
+        copy_bandwidth_gbs: copy_gbs,
+        pct_of_copy: 100.0 * bw / copy_gbs,
+        launches_per_step: model.report().launches_per_step,
+        share_linear: breakdown.linear_us / t,
+        share_attention: breakdown.attention_us / t,
+        share_other: breakdown.other_us / t,
+        breakdown,
+    })
+}
+
+/// Builds and measures the synthetic model `name` at each `(sp, dp)`; `on_result` sees each
+/// configuration as it finishes (the CLI prints it).
+pub fn run_synthetic(
+    name: &str,
+    configs: &[(f64, f64)],
+    opts: &DecodeBenchOptions,
+    mut on_result: impl FnMut(&DecodeResult),
+) -> Result<Vec<DecodeResult>> {
+    let capacity = (opts.prompt + opts.tokens).max(opts.context + 64) + 16;
+    let mut out = Vec::new();
+    let mut copy_gbs = 0.0;
+    for &(sp, dp) in configs {
+        let gpu = Gpu::new(0)?;
+        if copy_gbs == 0.0 {
+            copy_gbs = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
+        }
+        // A dense configuration is stored dense whatever --format says.
+        let format = if sp == 0.0 {
+            FormatKind::Dense
+        } else {
+            opts.format
+        };
+        let synth = SyntheticOptions {
+            sp,
+            pattern: opts.pattern,
+            dp,
+            format,
+            seed: opts.seed,
+            calib_tokens: 16,
+        };
+        let t = Instant::now();
+        let mut model = synthetic::build(gpu, name, &synth, capacity)?;
+        let setup_s = t.elapsed().as_secs_f64();
+        let o = DecodeBenchOptions {
+            format,
+            ..opts.clone()
+        };
+        let r = measure(&mut model, name, sp, dp, setup_s, &o, copy_gbs)?;
+        on_result(&r);
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// An SVG bar chart of median TPOT per configuration (p10-p90 whiskers).
+pub fn plot_svg(results: &[DecodeResult]) -> String {
+    let (w, h, left, bottom) = (720.0, 360.0, 70.0, 60.0);
+    let max = results
+        .iter()
+        .map(|r| r.tpot_ms_p90)
+        .fold(0.0f64, f64::max)
+        .max(1e-6)
+        * 1.15;
+    let bw = (w - left - 20.0) / results.len().max(1) as f64;
+    let y = |v: f64| h - bottom - v / max * (h - bottom - 30.0);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<text x=\"{}\" y=\"18\" text-anchor=\"middle\" font-size=\"14\">decode TPOT (ms, median, p10-p90)</text>\n<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n",
+        w / 2.0,
+        h - bottom,
+        w - 10.0,
+        h - bottom
+    );
+    for i in 0..=4 {
+        let v = max * i as f64 / 4.0;
+        s += &format!(
+            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{v:.2}</text><line x1=\"{left}\" y1=\"{:.1}\" x2=\"{}\" y2=\"{:.1}\" stroke=\"#ddd\"/>\n",
+            left - 6.0,
+            y(v) + 4.0,
+            y(v),
+            w - 10.0,
+            y(v)
+        );
+    }
+    for (i, r) in results.iter().enumerate() {
+        let x = left + i as f64 * bw + bw * 0.15;
+        let bwid = bw * 0.7;
+        s += &format!(
+            "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{bwid:.1}\" height=\"{:.1}\" fill=\"#4a7ab5\"/>\n",
+            y(r.tpot_ms_median),
+            h - bottom - y(r.tpot_ms_median)
+        );
+        let cx = x + bwid / 2.0;
+        s += &format!(
+            "<line x1=\"{cx:.1}\" y1=\"{:.1}\" x2=\"{cx:.1}\" y2=\"{:.1}\" stroke=\"black\"/>\n<text x=\"{cx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{:.3}</text>\n",
+            y(r.tpot_ms_p10),
+            y(r.tpot_ms_p90),
+            y(r.tpot_ms_p90) - 4.0,
+            r.tpot_ms_median
+        );
+        s += &format!(
+            "<text x=\"{cx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{} sp {} dp {}</text>\n",
+            h - bottom + 18.0,
+            r.model,
+            r.sp,
+            r.dp
+        );
+        s += &format!(
+            "<text x=\"{cx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n",
+            h - bottom + 34.0,
+            r.format
+        );
+    }
+    s + "</svg>\n"
+}

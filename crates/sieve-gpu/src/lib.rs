@@ -1,0 +1,24 @@
+//! The GPU model runner: a Llama-family decoder resident on an NVIDIA GPU over packed sparse
+//! weights (dense f16, Tiled-CBC, RLC-CSC), one CUDA graph per decode step.
+//!
+//! | module | job |
+//! |---|---|
+//! | [`matrix`] | weight matrices on the device and fused groups (q\|k\|v, gate\|up) over sieve-cuda's kernels |
+//! | [`kernels`] | launchers of the step's other kernels (norm, RoPE + KV write, attention, SwiGLU, sampling) and their CPU references |
+//! | [`runner`] | [`GpuModel`]: upload, the step as launches or a captured graph, prefill, decode, profiling |
+//! | [`generate`] | generation and perplexity loops on the GPU |
+//! | [`synthetic`] | random models of the Llama-2/3 shapes, pruned, packed and calibrated on the GPU |
+//! | [`bench`] | `sieve bench decode`: TPOT, TTFT, bytes per token and the step breakdown |
+//!
+//! Everything builds without CUDA; [`sieve_cuda::Gpu::new`] reports a missing GPU as an error.
+
+pub mod bench;
+pub mod error;
+pub mod generate;
+pub mod kernels;
+pub mod matrix;
+pub mod runner;
+pub mod synthetic;
+
+pub use error::{GpuError, Result};
+pub use runner::GpuModel;

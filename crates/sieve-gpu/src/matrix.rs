@@ -1,0 +1,202 @@
+//! Weight matrices on the device: the formats with GPU kernels, and [`DeviceLinear`], one
+//! launchable product over rows that may come from several host matrices (q|k|v, gate|up).
+//!
+//! | host format | threshold | device kernel (sieve-cuda) |
+//! |---|---|---|
+//! | dense (or GGUF blocks, dequantized to f16) | none | row-major GEMV |
+//! | dense | TEAL | column-major GEMV that skips inactive columns |
+//! | tiled-cbc | any | lane8 spMspV |
+//! | rlc-csc | any | Celty spMspV |
+//! | ie-bme, slide | - | refused: no GPU decode kernel yet |
+//!
+//! Products add into their output ([`GpuAccumulate`]): the runner zeroes an output in the
+//! RMSNorm launch before it, or lets o_proj and down_proj add straight into the residual.
+
+use crate::error::{GpuError, Result};
+use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
+use sieve_cuda::rlc_csc::GpuRlcCsc;
+use sieve_cuda::tiled_cbc::GpuTiledCbc;
+use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
+use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
+use sieve_formats::tiled_cbc::TiledCbc;
+use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
+
+/// One matrix in device memory with the kernel that multiplies it.
+pub enum DeviceMatrix {
+    DenseRows(GpuDense),
+    DenseCols(GpuDenseColMajor),
+    TiledCbc(GpuTiledCbc),
+    RlcCsc(GpuRlcCsc),
+}
+
+impl DeviceMatrix {
+    /// Encodes `m` in `kind` (the host format the model had) and uploads it. Returns the matrix
+    /// and the bytes it stores on the device.
+    pub fn upload(
+        gpu: &Gpu,
+        kind: FormatKind,
+        m: &DenseMatrix,
+        threshold: Threshold,
+    ) -> Result<(Self, usize)> {
+        Ok(match kind {
+            FormatKind::Dense => {
+                let bytes = m.rows() * m.cols() * 2;
+                if threshold.is_some() {
+                    (DeviceMatrix::DenseCols(GpuDenseColMajor::upload(gpu, m)?), bytes)
+                } else {
+                    (DeviceMatrix::DenseRows(GpuDense::upload(gpu, m)?), bytes)
+                }
+            }
+            FormatKind::TiledCbc => {
+                let f = TiledCbc::encode(m)?;
+                let bytes = f.storage().total_bytes();
+                (DeviceMatrix::TiledCbc(GpuTiledCbc::upload(gpu, &f)?), bytes)
+            }
+            FormatKind::RlcCsc => {
+                let f = RlcCsc::encode(m, &RlcCscOptions::default())?;
+                let bytes = f.storage().total_bytes();
+                (DeviceMatrix::RlcCsc(GpuRlcCsc::upload(gpu, &f)?), bytes)
+            }
+            other => {
+                return Err(GpuError::Unsupported(format!(
+                    "format '{}' has no GPU decode kernel yet (GPU formats: dense, tiled-cbc, rlc-csc); re-pack with one of those or run on the CPU (--device cpu)",
+                    other.name()
+                )))
+            }
+        })
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            DeviceMatrix::DenseRows(_) => "dense-gemv",
+            DeviceMatrix::DenseCols(_) => "dense-colmajor",
+            DeviceMatrix::TiledCbc(_) => "tiled-cbc/lane8",
+            DeviceMatrix::RlcCsc(_) => "rlc-csc",
+        }
+    }
+
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, t: Threshold, y: DevPtr) -> Result<()> {
+        match self {
+            DeviceMatrix::DenseRows(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::DenseCols(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::TiledCbc(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::RlcCsc(m) => m.launch_add(gpu, x, t, y)?,
+        }
+        Ok(())
+    }
+
+    /// Device bytes the product reads when the inputs marked in `active` are the active ones.
+    fn bytes_for(&self, active: &[bool]) -> usize {
+        use sieve_cuda::GpuMatVec;
+        match self {
+            DeviceMatrix::DenseRows(m) => m.bytes_for(active),
+            DeviceMatrix::DenseCols(m) => m.bytes_for(active),
+            DeviceMatrix::TiledCbc(m) => m.bytes_for(active),
+            DeviceMatrix::RlcCsc(m) => m.bytes_for(active),
+        }
+    }
+}
+
+/// Rows `row_offset..row_offset + M` of a [`DeviceLinear`]'s output.
+pub struct Part {
+    pub matrix: DeviceMatrix,
+    pub row_offset: usize,
+    pub rows: usize,
+    pub threshold: Threshold,
+    pub stored_bytes: usize,
+}
+
+/// The product `y += W · mask(x)` of one or more host matrices that read the same input,
+/// their rows concatenated in `y`. Matrices under one threshold are concatenated into a single
+/// device matrix (one launch); a group whose thresholds differ keeps one launch per matrix.
+pub struct DeviceLinear {
+    pub parts: Vec<Part>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl DeviceLinear {
+    /// Uploads `mats` (same K, outputs in this order) in `kind`.
+    pub fn upload_group(
+        gpu: &Gpu,
+        kind: FormatKind,
+        mats: &[(&DenseMatrix, Threshold)],
+    ) -> Result<Self> {
+        let Some(&(first, _)) = mats.first() else {
+            return Err(GpuError::InvalidArgument(
+                "a linear group with no matrices".into(),
+            ));
+        };
+        let cols = first.cols();
+        if let Some((m, _)) = mats.iter().find(|(m, _)| m.cols() != cols) {
+            return Err(GpuError::InvalidArgument(format!(
+                "matrices of one group must share their input: {} vs {cols} columns",
+                m.cols()
+            )));
+        }
+        let rows: usize = mats.iter().map(|(m, _)| m.rows()).sum();
+        let same_threshold = mats.iter().all(|(_, t)| *t == mats[0].1);
+        let mut parts = Vec::new();
+        if same_threshold && mats.len() > 1 {
+            let mut data = Vec::with_capacity(rows * cols);
+            for (m, _) in mats {
+                data.extend_from_slice(m.data());
+            }
+            let joined = DenseMatrix::new(rows, cols, data)?;
+            let (matrix, stored_bytes) = DeviceMatrix::upload(gpu, kind, &joined, mats[0].1)?;
+            parts.push(Part {
+                matrix,
+                row_offset: 0,
+                rows,
+                threshold: mats[0].1,
+                stored_bytes,
+            });
+        } else {
+            let mut offset = 0;
+            for (m, t) in mats {
+                let (matrix, stored_bytes) = DeviceMatrix::upload(gpu, kind, m, *t)?;
+                parts.push(Part {
+                    matrix,
+                    row_offset: offset,
+                    rows: m.rows(),
+                    threshold: *t,
+                    stored_bytes,
+                });
+                offset += m.rows();
+            }
+        }
+        Ok(Self { parts, rows, cols })
+    }
+
+    /// `y[0..rows] += W · mask(x)`; `x` holds `cols` f32.
+    pub fn launch_add(&self, gpu: &Gpu, x: DevPtr, y: DevPtr) -> Result<()> {
+        for p in &self.parts {
+            p.matrix
+                .launch_add(gpu, x, p.threshold, y + (p.row_offset * 4) as u64)?;
+        }
+        Ok(())
+    }
+
+    pub fn launches(&self) -> usize {
+        self.parts.len()
+    }
+    pub fn stored_bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.stored_bytes).sum()
+    }
+    /// Bytes the product reads for input `x` (host copy), each part under its threshold.
+    pub fn bytes_for_input(&self, x: &[f32]) -> usize {
+        self.parts
+            .iter()
+            .map(|p| {
+                p.matrix
+                    .bytes_for(&sieve_cuda::product::active_mask(x, p.threshold))
+            })
+            .sum()
+    }
+    /// Kernel labels, e.g. `tiled-cbc/lane8` or `dense-gemv+dense-colmajor`.
+    pub fn label(&self) -> String {
+        let mut labels: Vec<&str> = self.parts.iter().map(|p| p.matrix.label()).collect();
+        labels.dedup();
+        labels.join("+")
+    }
+}

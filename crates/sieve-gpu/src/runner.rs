@@ -1,0 +1,902 @@
+//! [`GpuModel`]: a Llama-family decoder resident on the GPU, one token per step.
+//!
+//! A step is a fixed sequence of launches ([`Op`]) that reads everything that changes from
+//! token to token (position, token id, sequence length) from device memory, so it is captured
+//! once in a CUDA graph and replayed; the sampler at its end writes the next token where the
+//! next step's embedding reads it, and the host reads one 8-byte state per token.
+//!
+//! ```text
+//! embed(state.token) -> x
+//! per layer:  norm(x) -> xn, zero qkv | qkv += Wqkv.mask(xn) | rope + KV write | attention -> att
+//!             x += Wo.mask(att) | norm(x) -> xn, zero gu | gu += Wgu.mask(xn) | h = silu(g)*u
+//!             x += Wdown.mask(h)
+//! norm(x) -> xn, zero logits | logits += Whead.xn | sample -> state (or: forced next token)
+//! ```
+
+use crate::error::{GpuError, Result};
+use crate::kernels::{self, AttentionShape, SampleArgs};
+use crate::matrix::DeviceLinear;
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaGraph, CudaSlice};
+use half::f16;
+use sieve_cuda::{dev_ptr, DriverContext, Gpu};
+use sieve_formats::{DenseMatrix, FormatKind, Threshold};
+use sieve_model::config::ModelConfig;
+use sieve_model::llama::Model;
+
+/// One decoder layer as the runner uploads it.
+pub struct HostLayer {
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    /// q, k, v in that order.
+    pub qkv: Vec<(DenseMatrix, Threshold)>,
+    /// The concatenated q|k|v bias (Qwen2), if any.
+    pub qkv_bias: Option<Vec<f32>>,
+    pub o: (DenseMatrix, Threshold),
+    /// gate, up in that order.
+    pub gate_up: Vec<(DenseMatrix, Threshold)>,
+    pub down: (DenseMatrix, Threshold),
+    /// The format the weights go to the device in.
+    pub kind: FormatKind,
+}
+
+struct DeviceLayer {
+    input_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    qkv: DeviceLinear,
+    qkv_bias: Option<CudaSlice<f32>>,
+    o: DeviceLinear,
+    gate_up: DeviceLinear,
+    down: DeviceLinear,
+}
+
+/// Where a launch's time is counted in the step breakdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Category {
+    Linear,
+    Attention,
+    Other,
+}
+
+/// One group of launches of a decode step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Embed,
+    InputNorm(usize),
+    Qkv(usize),
+    Rope(usize),
+    Attention(usize),
+    OProj(usize),
+    PostNorm(usize),
+    GateUp(usize),
+    Silu(usize),
+    Down(usize),
+    FinalNorm,
+    LmHead,
+    /// Sample the next token, or (false) take the next one from the history.
+    Next(bool),
+}
+
+impl Op {
+    fn category(self) -> Category {
+        match self {
+            Op::Qkv(_) | Op::OProj(_) | Op::GateUp(_) | Op::Down(_) | Op::LmHead => {
+                Category::Linear
+            }
+            Op::Rope(_) | Op::Attention(_) => Category::Attention,
+            _ => Category::Other,
+        }
+    }
+}
+
+/// Device buffers of a step (see `kernels/step.cu` for the layouts).
+struct Buffers {
+    x: CudaSlice<f32>,
+    xn: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    part: CudaSlice<f32>,
+    k_cache: CudaSlice<f16>,
+    v_cache: CudaSlice<f16>,
+    rope_cos: CudaSlice<f32>,
+    rope_sin: CudaSlice<f32>,
+    /// `[position, token]`.
+    state: CudaSlice<i32>,
+    /// Token at every position (prompt and generated), `capacity` entries.
+    history: CudaSlice<i32>,
+}
+
+/// Time and bytes of one profiled (eager, event-bracketed) step.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StepProfile {
+    pub linear_us: f64,
+    pub attention_us: f64,
+    pub other_us: f64,
+    /// Weight (and metadata) bytes the products read for this step's activations.
+    pub weight_bytes: usize,
+    pub launches: usize,
+}
+
+impl StepProfile {
+    pub fn total_us(&self) -> f64 {
+        self.linear_us + self.attention_us + self.other_us
+    }
+}
+
+/// What the runner says about the model it uploaded (printed by the CLI).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct UploadReport {
+    /// Bytes of weights (with format metadata) on the device.
+    pub weight_bytes: usize,
+    pub kv_cache_bytes: usize,
+    /// Kernel of each projection group, e.g. `q|k|v: tiled-cbc/lane8`.
+    pub kernels: Vec<String>,
+    pub notes: Vec<String>,
+    /// Launches of one decode step.
+    pub launches_per_step: usize,
+}
+
+pub struct GpuModel {
+    gpu: Gpu,
+    config: ModelConfig,
+    capacity: usize,
+    layers: Vec<DeviceLayer>,
+    embed: CudaSlice<f16>,
+    final_norm: CudaSlice<f32>,
+    lm_head: DeviceLinear,
+    attention: AttentionShape,
+    bufs: Buffers,
+    sample: SampleArgs,
+    /// Captured steps: `[forced, sampled]`, each valid for the sampling arguments it was
+    /// captured with.
+    graphs: [Option<(CudaGraph, SampleArgs)>; 2],
+    use_graphs: bool,
+    report: UploadReport,
+    /// Tokens in the cache (positions processed).
+    len: usize,
+}
+
+impl GpuModel {
+    /// Uploads a model loaded by the CPU loaders (GGUF, safetensors, `.sieve` pack) with a KV
+    /// cache for `capacity` positions (capped at the model's context).
+    pub fn from_model(gpu: Gpu, model: &Model, capacity: usize) -> Result<Self> {
+        let c = model.config().clone();
+        let mut notes = Vec::new();
+        let quantized = model
+            .layers()
+            .iter()
+            .any(|l| l.linears().iter().any(|(_, lin)| lin.is_quantized_blocks()))
+            || model.lm_head().is_quantized_blocks();
+        if quantized {
+            notes.push(
+                "GGUF quantized blocks are dequantized to f16 on upload (the GPU has no block kernels yet)".to_string(),
+            );
+        }
+        let decode =
+            |lin: &sieve_model::linear::Linear| -> Result<(DenseMatrix, Threshold, FormatKind)> {
+                Ok((lin.format().decode(), lin.threshold(), lin.format().kind()))
+            };
+        let head = decode(model.lm_head())?;
+        if model.lm_head().bias().is_some()
+            || model.layers().iter().any(|l| {
+                l.o_proj.bias().is_some()
+                    || l.gate_proj.bias().is_some()
+                    || l.up_proj.bias().is_some()
+                    || l.down_proj.bias().is_some()
+            })
+        {
+            return Err(GpuError::Unsupported(
+                "biases outside q/k/v are not supported by the GPU runner".into(),
+            ));
+        }
+        let layers = model.layers();
+        Self::build(
+            gpu,
+            c,
+            capacity,
+            model.embed_tokens().to_vec(),
+            model.final_norm().to_vec(),
+            (head.0, head.1, head.2),
+            notes,
+            |l| {
+                let layer = &layers[l];
+                let (q, k, v) = (
+                    decode(&layer.q_proj)?,
+                    decode(&layer.k_proj)?,
+                    decode(&layer.v_proj)?,
+                );
+                let kinds = [
+                    q.2,
+                    k.2,
+                    v.2,
+                    layer.o_proj.format().kind(),
+                    layer.gate_proj.format().kind(),
+                    layer.up_proj.format().kind(),
+                    layer.down_proj.format().kind(),
+                ];
+                if kinds.iter().any(|k| *k != kinds[0]) {
+                    return Err(GpuError::Unsupported(format!(
+                        "layer {l} mixes weight formats {kinds:?}; the GPU runner uploads one format per layer"
+                    )));
+                }
+                let bias = match (
+                    layer.q_proj.bias(),
+                    layer.k_proj.bias(),
+                    layer.v_proj.bias(),
+                ) {
+                    (None, None, None) => None,
+                    (qb, kb, vb) => {
+                        let mut b = Vec::new();
+                        for (part, lin) in [
+                            (qb, &layer.q_proj),
+                            (kb, &layer.k_proj),
+                            (vb, &layer.v_proj),
+                        ] {
+                            match part {
+                                Some(p) => b.extend_from_slice(p),
+                                None => b.extend(std::iter::repeat_n(0.0, lin.rows())),
+                            }
+                        }
+                        Some(b)
+                    }
+                };
+                let o = decode(&layer.o_proj)?;
+                let (g, u, dn) = (
+                    decode(&layer.gate_proj)?,
+                    decode(&layer.up_proj)?,
+                    decode(&layer.down_proj)?,
+                );
+                Ok(HostLayer {
+                    input_norm: layer.input_norm.clone(),
+                    post_norm: layer.post_attention_norm.clone(),
+                    qkv: vec![(q.0, q.1), (k.0, k.1), (v.0, v.1)],
+                    qkv_bias: bias,
+                    o: (o.0, o.1),
+                    gate_up: vec![(g.0, g.1), (u.0, u.1)],
+                    down: (dn.0, dn.1),
+                    kind: kinds[0],
+                })
+            },
+        )
+    }
+
+    /// Builds the device model from its parts; `layer(l)` supplies layer `l` (so that a large
+    /// model is generated or decoded one layer at a time, never whole in host memory).
+    #[allow(clippy::too_many_arguments)]
+    pub fn build(
+        gpu: Gpu,
+        config: ModelConfig,
+        capacity: usize,
+        embed: Vec<f16>,
+        final_norm: Vec<f32>,
+        lm_head: (DenseMatrix, Threshold, FormatKind),
+        mut notes: Vec<String>,
+        mut layer: impl FnMut(usize) -> Result<HostLayer>,
+    ) -> Result<Self> {
+        let c = &config;
+        let capacity = if c.max_position_embeddings > 0 {
+            capacity.min(c.max_position_embeddings)
+        } else {
+            capacity
+        };
+        if capacity == 0 {
+            return Err(GpuError::InvalidArgument(
+                "a KV cache of 0 positions".into(),
+            ));
+        }
+        let (d, hd, nh, nkv, inter, vocab) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+            c.vocab_size,
+        );
+        if embed.len() != vocab * d || final_norm.len() != d {
+            return Err(GpuError::InvalidArgument(format!(
+                "embedding of {} values / final norm of {} for vocabulary {vocab} x hidden {d}",
+                embed.len(),
+                final_norm.len()
+            )));
+        }
+        let attention = AttentionShape::new(&gpu, nh, nkv, hd, capacity)?;
+        let row = nkv * hd;
+        let kv_cache_bytes = 2 * c.num_layers * capacity * row * 2;
+        check_memory(&gpu, kv_cache_bytes + vocab * d * 2)?;
+        let stream = gpu.stream().clone();
+        let zeros_f32 = |n: usize| {
+            stream
+                .alloc_zeros::<f32>(n.max(1))
+                .during("allocating a buffer")
+        };
+        let inv_freq = sieve_model::llama::rope_inv_freq(hd, c.rope_theta, c.rope_scaling.as_ref());
+        let half = hd / 2;
+        let mut cos = vec![0f32; capacity * half];
+        let mut sin = vec![0f32; capacity * half];
+        for p in 0..capacity {
+            for (i, f) in inv_freq.iter().enumerate() {
+                let (s, co) = (p as f64 * f).sin_cos();
+                cos[p * half + i] = co as f32;
+                sin[p * half + i] = s as f32;
+            }
+        }
+        let bufs = Buffers {
+            x: zeros_f32(d)?,
+            xn: zeros_f32(d)?,
+            qkv: zeros_f32((nh + 2 * nkv) * hd)?,
+            att: zeros_f32(nh * hd)?,
+            gu: zeros_f32(2 * inter)?,
+            h: zeros_f32(inter)?,
+            logits: zeros_f32(vocab)?,
+            part: zeros_f32(attention.partials_len())?,
+            k_cache: stream
+                .alloc_zeros::<f16>(c.num_layers * capacity * row)
+                .during("allocating the K cache")?,
+            v_cache: stream
+                .alloc_zeros::<f16>(c.num_layers * capacity * row)
+                .during("allocating the V cache")?,
+            rope_cos: gpu.upload(&cos)?,
+            rope_sin: gpu.upload(&sin)?,
+            state: gpu.upload(&[0i32, 0])?,
+            history: gpu.upload(&vec![0i32; capacity])?,
+        };
+        let mut report = UploadReport {
+            kv_cache_bytes,
+            ..Default::default()
+        };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let hl = layer(l)?;
+            check_layer(c, l, &hl)?;
+            let group = |mats: &[(DenseMatrix, Threshold)]| -> Result<DeviceLinear> {
+                let refs: Vec<(&DenseMatrix, Threshold)> =
+                    mats.iter().map(|(m, t)| (m, *t)).collect();
+                DeviceLinear::upload_group(&gpu, hl.kind, &refs)
+            };
+            let dl = DeviceLayer {
+                input_norm: gpu.upload(&hl.input_norm)?,
+                post_norm: gpu.upload(&hl.post_norm)?,
+                qkv: group(&hl.qkv)?,
+                qkv_bias: match &hl.qkv_bias {
+                    Some(b) => Some(gpu.upload(b)?),
+                    None => None,
+                },
+                o: group(std::slice::from_ref(&hl.o))?,
+                gate_up: group(&hl.gate_up)?,
+                down: group(std::slice::from_ref(&hl.down))?,
+            };
+            if l == 0 {
+                for (name, lin) in [
+                    ("q|k|v", &dl.qkv),
+                    ("o", &dl.o),
+                    ("gate|up", &dl.gate_up),
+                    ("down", &dl.down),
+                ] {
+                    report.kernels.push(format!("{name}: {}", lin.label()));
+                }
+            }
+            for lin in [&dl.qkv, &dl.o, &dl.gate_up, &dl.down] {
+                report.weight_bytes += lin.stored_bytes();
+            }
+            layers.push(dl);
+        }
+        let (head, head_t, head_kind) = lm_head;
+        if head.rows() != vocab || head.cols() != d {
+            return Err(GpuError::InvalidArgument(format!(
+                "LM head is {}x{}, expected {vocab}x{d}",
+                head.rows(),
+                head.cols()
+            )));
+        }
+        // The head's format as packed (sieve pack leaves it dense f16).
+        let lm_head = DeviceLinear::upload_group(&gpu, head_kind, &[(&head, head_t)])?;
+        report.kernels.push(format!("lm_head: {}", lm_head.label()));
+        report.weight_bytes += lm_head.stored_bytes() + vocab * d * 2;
+        let embed_dev = gpu.upload(&embed)?;
+        drop(embed);
+        report.notes.append(&mut notes);
+        let mut model = Self {
+            gpu,
+            final_norm: stream
+                .clone_htod(&final_norm)
+                .during("copying to the device")?,
+            config,
+            capacity,
+            layers,
+            embed: embed_dev,
+            lm_head,
+            attention,
+            bufs,
+            sample: SampleArgs::greedy(),
+            graphs: [None, None],
+            use_graphs: true,
+            report,
+            len: 0,
+        };
+        model.report.launches_per_step = model.launches_per_step();
+        Ok(model)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn report(&self) -> &UploadReport {
+        &self.report
+    }
+    /// Tokens in the KV cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Eager launches instead of graph replays (for comparisons and debugging).
+    pub fn set_use_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+    }
+    pub fn set_sampling(&mut self, args: SampleArgs) {
+        self.sample = args;
+    }
+
+    /// Every projection group, for threshold calibration and reports: `(layer, site, linear)`
+    /// with sites 0 = q|k|v input, 1 = o input, 2 = gate|up input, 3 = down input.
+    pub fn set_thresholds(&mut self, thresholds: &[[Threshold; 4]]) -> Result<()> {
+        if thresholds.len() != self.layers.len() {
+            return Err(GpuError::InvalidArgument(format!(
+                "{} threshold rows for {} layers",
+                thresholds.len(),
+                self.layers.len()
+            )));
+        }
+        for (layer, t) in self.layers.iter_mut().zip(thresholds) {
+            for (lin, t) in [
+                (&mut layer.qkv, t[0]),
+                (&mut layer.o, t[1]),
+                (&mut layer.gate_up, t[2]),
+                (&mut layer.down, t[3]),
+            ] {
+                sieve_formats::format::check_threshold(t)?;
+                for p in &mut lin.parts {
+                    if t.is_some() && matches!(p.matrix, crate::matrix::DeviceMatrix::DenseRows(_))
+                    {
+                        return Err(GpuError::Unsupported(
+                            "a threshold on a row-major dense matrix: upload it with a threshold so that it goes column-major".into(),
+                        ));
+                    }
+                    p.threshold = t;
+                }
+            }
+        }
+        self.graphs = [None, None];
+        Ok(())
+    }
+
+    fn ops(&self) -> Vec<Op> {
+        let mut ops = vec![Op::Embed];
+        for l in 0..self.layers.len() {
+            ops.extend([
+                Op::InputNorm(l),
+                Op::Qkv(l),
+                Op::Rope(l),
+                Op::Attention(l),
+                Op::OProj(l),
+                Op::PostNorm(l),
+                Op::GateUp(l),
+                Op::Silu(l),
+                Op::Down(l),
+            ]);
+        }
+        ops.extend([Op::FinalNorm, Op::LmHead]);
+        ops
+    }
+
+    fn launches_per_step(&self) -> usize {
+        let mut n = 1 + 2 + 1; // embed, final norm, sample, (head counted below)
+        for l in &self.layers {
+            n += 2 + 1 + 2 + 1; // two norms, rope, attention split + combine, silu
+            n += l.qkv.launches() + l.o.launches() + l.gate_up.launches() + l.down.launches();
+        }
+        n + self.lm_head.launches()
+    }
+
+    fn launch(&self, op: Op) -> Result<()> {
+        let g = &self.gpu;
+        let b = &self.bufs;
+        let c = &self.config;
+        let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        let state = dev_ptr(g, &b.state);
+        let row = c.num_kv_heads * c.head_dim;
+        let cache_at = |cache: &CudaSlice<f16>, l: usize| {
+            dev_ptr(g, cache) + (l * self.capacity * row * 2) as u64
+        };
+        match op {
+            Op::Embed => {
+                kernels::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
+            }
+            Op::InputNorm(l) => kernels::rmsnorm_zero(
+                g,
+                p(&b.x),
+                p(&self.layers[l].input_norm),
+                p(&b.xn),
+                d,
+                eps,
+                p(&b.qkv),
+                b.qkv.len(),
+            )?,
+            Op::Qkv(l) => self.layers[l].qkv.launch_add(g, p(&b.xn), p(&b.qkv))?,
+            Op::Rope(l) => kernels::rope_kv(
+                g,
+                p(&b.qkv),
+                self.layers[l].qkv_bias.as_ref().map(p).unwrap_or(0),
+                p(&b.rope_cos),
+                p(&b.rope_sin),
+                state,
+                cache_at(&b.k_cache, l),
+                cache_at(&b.v_cache, l),
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+            )?,
+            Op::Attention(l) => kernels::attention(
+                g,
+                &self.attention,
+                p(&b.qkv),
+                cache_at(&b.k_cache, l),
+                cache_at(&b.v_cache, l),
+                state,
+                p(&b.part),
+                p(&b.att),
+            )?,
+            Op::OProj(l) => self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))?,
+            Op::PostNorm(l) => kernels::rmsnorm_zero(
+                g,
+                p(&b.x),
+                p(&self.layers[l].post_norm),
+                p(&b.xn),
+                d,
+                eps,
+                p(&b.gu),
+                b.gu.len(),
+            )?,
+            Op::GateUp(l) => self.layers[l].gate_up.launch_add(g, p(&b.xn), p(&b.gu))?,
+            Op::Silu(_) => kernels::silu_mul(g, p(&b.gu), p(&b.h), c.intermediate_size)?,
+            Op::Down(l) => self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))?,
+            Op::FinalNorm => kernels::rmsnorm_zero(
+                g,
+                p(&b.x),
+                p(&self.final_norm),
+                p(&b.xn),
+                d,
+                eps,
+                p(&b.logits),
+                b.logits.len(),
+            )?,
+            Op::LmHead => self.lm_head.launch_add(g, p(&b.xn), p(&b.logits))?,
+            Op::Next(true) => kernels::sample_token(
+                g,
+                p(&b.logits),
+                c.vocab_size,
+                &self.sample,
+                state,
+                dev_ptr(g, &b.history),
+                self.capacity,
+            )?,
+            Op::Next(false) => {
+                kernels::advance_forced(g, state, dev_ptr(g, &b.history), self.capacity)?
+            }
+        }
+        Ok(())
+    }
+
+    fn enqueue_step(&self, sample: bool) -> Result<()> {
+        for op in self.ops() {
+            self.launch(op)?;
+        }
+        self.launch(Op::Next(sample))
+    }
+
+    /// Runs one step: a graph replay (captured on first use) or eager launches.
+    fn run_step(&mut self, sample: bool) -> Result<()> {
+        if !self.use_graphs {
+            return self.enqueue_step(sample);
+        }
+        let slot = sample as usize;
+        let stale = match &self.graphs[slot] {
+            Some((_, args)) => sample && *args != self.sample,
+            None => true,
+        };
+        if stale {
+            self.graphs[slot] = None;
+            let graph = self.capture(sample)?;
+            self.graphs[slot] = Some((graph, self.sample));
+        }
+        if let Some((graph, _)) = &self.graphs[slot] {
+            graph.launch().during("replaying the decode step graph")?;
+        }
+        Ok(())
+    }
+
+    fn capture(&self, sample: bool) -> Result<CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        // Compile and load every kernel before capturing (module loads cannot be captured).
+        self.warm_kernels()?;
+        let stream = self.gpu.stream();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .during("beginning a graph capture")?;
+        let enqueued = self.enqueue_step(sample);
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        enqueued?;
+        let graph = graph
+            .during("ending a graph capture")?
+            .ok_or_else(|| GpuError::Unsupported("the step capture produced no graph".into()))?;
+        graph.upload().during("uploading the step graph")?;
+        Ok(graph)
+    }
+
+    fn warm_kernels(&self) -> Result<()> {
+        for fam in kernels::families() {
+            self.gpu.module(&fam)?;
+        }
+        for fam in sieve_cuda::gpu::families() {
+            self.gpu.module(&fam)?;
+        }
+        Ok(())
+    }
+
+    fn read_state(&self) -> Result<(usize, u32)> {
+        let s = self.gpu.download(&self.bufs.state)?;
+        Ok((s[0] as usize, s[1] as u32))
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(&bad) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(GpuError::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Starts a sequence: the prompt goes into the device history, position 0.
+    fn reset(&mut self, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(GpuError::InvalidArgument("the prompt has no tokens".into()));
+        }
+        if prompt.len() > self.capacity {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: prompt.len(),
+                context: self.capacity,
+            }
+            .into());
+        }
+        self.check_tokens(prompt)?;
+        let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+        let stream = self.gpu.stream().clone();
+        let mut view = self.bufs.history.slice_mut(0..ids.len());
+        stream
+            .memcpy_htod(&ids, &mut view)
+            .during("writing the prompt")?;
+        stream
+            .memcpy_htod(&[0i32, ids[0]], &mut self.bufs.state)
+            .during("writing the step state")?;
+        self.len = 0;
+        Ok(())
+    }
+
+    /// Runs the prompt and returns the first generated token. Prompt tokens run through the
+    /// decode step one at a time (teacher-forced), the last one samples.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
+        self.reset(prompt)?;
+        for _ in 0..prompt.len() - 1 {
+            self.run_step(false)?;
+        }
+        self.run_step(true)?;
+        self.len = prompt.len();
+        let (_, tok) = self.read_state()?;
+        Ok(tok)
+    }
+
+    /// Runs the last sampled token and returns the next one. Fails when the cache is full.
+    pub fn next_token(&mut self) -> Result<u32> {
+        if self.len >= self.capacity {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: self.len + 1,
+                context: self.capacity,
+            }
+            .into());
+        }
+        self.run_step(true)?;
+        self.len += 1;
+        let (_, tok) = self.read_state()?;
+        Ok(tok)
+    }
+
+    /// Enqueues `n` decode steps without reading anything back (for timing): the tokens go to
+    /// the device history only.
+    pub fn enqueue_decode_steps(&mut self, n: usize) -> Result<()> {
+        if self.len + n > self.capacity {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: self.len + n,
+                context: self.capacity,
+            }
+            .into());
+        }
+        for _ in 0..n {
+            self.run_step(true)?;
+            self.len += 1;
+        }
+        Ok(())
+    }
+
+    /// Logits after every token of `tokens` (teacher-forced from position 0), `[n][V]`: the
+    /// perplexity path. The last row is after the last token.
+    pub fn logits_all(
+        &mut self,
+        tokens: &[u32],
+        mut each: impl FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.reset(tokens)?;
+        for i in 0..tokens.len() {
+            self.run_step(false)?;
+            let logits = self.gpu.download(&self.bufs.logits)?;
+            each(i, &logits)?;
+        }
+        self.len = tokens.len();
+        Ok(())
+    }
+
+    /// The residual-stream input of every projection site of every layer after one eager step
+    /// of `token` at the current position (for TEAL threshold calibration): `[layer][site]`,
+    /// sites as in [`Self::set_thresholds`]. The step is teacher-forced.
+    pub fn observe_step(&mut self, on_site: &mut dyn FnMut(usize, usize, &[f32])) -> Result<()> {
+        for op in self.ops() {
+            self.launch(op)?;
+            let site = match op {
+                Op::InputNorm(l) => Some((l, 0, &self.bufs.xn)),
+                Op::Attention(l) => Some((l, 1, &self.bufs.att)),
+                Op::PostNorm(l) => Some((l, 2, &self.bufs.xn)),
+                Op::Silu(l) => Some((l, 3, &self.bufs.h)),
+                _ => None,
+            };
+            if let Some((l, s, buf)) = site {
+                let v = self.gpu.download(buf)?;
+                on_site(l, s, &v);
+            }
+        }
+        self.launch(Op::Next(false))?;
+        self.len += 1;
+        Ok(())
+    }
+
+    /// Starts a sequence of `tokens` for [`Self::observe_step`] / [`Self::profile_step`].
+    pub fn start(&mut self, tokens: &[u32]) -> Result<()> {
+        self.reset(tokens)
+    }
+
+    /// One eager step with CUDA events around every launch group: time by category and the
+    /// bytes the products read. Teacher-forced (the state advances to the next history entry).
+    pub fn profile_step(&mut self) -> Result<StepProfile> {
+        let ctx = self.gpu.context().clone();
+        let stream = self.gpu.stream().clone();
+        let mut marks = Vec::new();
+        let mut prof = StepProfile::default();
+        let ops = self.ops();
+        self.gpu.synchronize()?;
+        for &op in &ops {
+            let start = ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .during("creating an event")?;
+            let end = ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .during("creating an event")?;
+            start.record(&stream).during("recording an event")?;
+            self.launch(op)?;
+            end.record(&stream).during("recording an event")?;
+            marks.push((op.category(), start, end));
+            let input = match op {
+                Op::Qkv(l) => Some((&self.layers[l].qkv, &self.bufs.xn)),
+                Op::OProj(l) => Some((&self.layers[l].o, &self.bufs.att)),
+                Op::GateUp(l) => Some((&self.layers[l].gate_up, &self.bufs.xn)),
+                Op::Down(l) => Some((&self.layers[l].down, &self.bufs.h)),
+                Op::LmHead => Some((&self.lm_head, &self.bufs.xn)),
+                _ => None,
+            };
+            if let Some((lin, buf)) = input {
+                let x = self.gpu.download(buf)?;
+                prof.weight_bytes += lin.bytes_for_input(&x);
+            }
+        }
+        self.launch(Op::Next(false))?;
+        self.gpu.synchronize()?;
+        for (cat, s, e) in &marks {
+            let us = s.elapsed_ms(e).during("reading an event")? as f64 * 1000.0;
+            match cat {
+                Category::Linear => prof.linear_us += us,
+                Category::Attention => prof.attention_us += us,
+                Category::Other => prof.other_us += us,
+            }
+        }
+        prof.launches = self.launches_per_step();
+        self.len += 1;
+        Ok(prof)
+    }
+
+    /// Moves the sequence to position `len` without running the positions before it (their
+    /// cache entries keep whatever they hold): for timing decode at a long context.
+    pub fn seek(&mut self, len: usize, token: u32) -> Result<()> {
+        if len >= self.capacity {
+            return Err(GpuError::InvalidArgument(format!(
+                "position {len} is outside the context of {}",
+                self.capacity
+            )));
+        }
+        self.check_tokens(&[token])?;
+        let stream = self.gpu.stream().clone();
+        stream
+            .memcpy_htod(&[len as i32, token as i32], &mut self.bufs.state)
+            .during("writing the step state")?;
+        self.len = len;
+        Ok(())
+    }
+}
+
+/// Refuses a model whose fixed buffers do not fit in the free GPU memory.
+fn check_memory(_gpu: &Gpu, needed: usize) -> Result<()> {
+    let (free, total) =
+        cudarc::driver::result::mem_get_info().during("reading the free GPU memory")?;
+    if needed > free {
+        return Err(GpuError::OutOfMemory {
+            needed,
+            free,
+            total,
+        });
+    }
+    Ok(())
+}
+
+fn check_layer(c: &ModelConfig, l: usize, hl: &HostLayer) -> Result<()> {
+    let (d, hd, nh, nkv, inter) = (
+        c.hidden_size,
+        c.head_dim,
+        c.num_heads,
+        c.num_kv_heads,
+        c.intermediate_size,
+    );
+    let want = [(nh * hd, d), (nkv * hd, d), (nkv * hd, d)];
+    let shape = |m: &DenseMatrix| (m.rows(), m.cols());
+    let ok = hl.qkv.len() == 3
+        && hl.qkv.iter().zip(want).all(|((m, _), w)| shape(m) == w)
+        && shape(&hl.o.0) == (d, nh * hd)
+        && hl.gate_up.len() == 2
+        && hl.gate_up.iter().all(|(m, _)| shape(m) == (inter, d))
+        && shape(&hl.down.0) == (d, inter)
+        && hl.input_norm.len() == d
+        && hl.post_norm.len() == d
+        && hl
+            .qkv_bias
+            .as_ref()
+            .is_none_or(|b| b.len() == (nh + 2 * nkv) * hd);
+    if !ok {
+        return Err(GpuError::InvalidArgument(format!(
+            "layer {l}: projection shapes do not match the model configuration"
+        )));
+    }
+    Ok(())
+}

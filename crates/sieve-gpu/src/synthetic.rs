@@ -1,0 +1,239 @@
+//! Synthetic models: random weights of exactly the Llama-2/3 shapes, pruned at random to a
+//! weight sparsity, packed in a format, uploaded one layer at a time (host memory holds one
+//! layer), then TEAL thresholds set from the activations of a short random-token run on the
+//! GPU. For speed at real scale without weight files; the numbers they produce are not text.
+//!
+//! Weights are uniform in `±sqrt(3 / K)` (unit-variance outputs for unit-variance inputs), so
+//! the residual stream and the activations keep realistic magnitudes through 80 layers.
+//! Unstructured pruning keeps each weight with probability `1 - sp` (the expected sparsity);
+//! an N:M pattern keeps N random weights of every M along a row.
+
+use crate::error::{GpuError, Result};
+use crate::runner::{GpuModel, HostLayer};
+use half::f16;
+use rayon::prelude::*;
+use sieve_cuda::Gpu;
+use sieve_formats::random::Pattern;
+use sieve_formats::{DenseMatrix, FormatKind, Threshold};
+use sieve_model::config::ModelConfig;
+
+/// The shapes `--synthetic` knows.
+pub const NAMES: [&str; 4] = ["llama2-7b", "llama2-13b", "llama3-8b", "llama2-70b"];
+
+/// The configuration of a named shape (context 32768 so that long-context runs fit).
+pub fn config(name: &str) -> Result<ModelConfig> {
+    let (d, inter, layers, heads, kv, vocab, theta) = match name {
+        "llama2-7b" => (4096, 11008, 32, 32, 32, 32000, 10000.0),
+        "llama2-13b" => (5120, 13824, 40, 40, 40, 32000, 10000.0),
+        "llama3-8b" => (4096, 14336, 32, 32, 8, 128256, 500000.0),
+        "llama2-70b" => (8192, 28672, 80, 64, 8, 32000, 10000.0),
+        other => {
+            return Err(GpuError::InvalidArgument(format!(
+                "unknown synthetic model '{other}' (known: {})",
+                NAMES.join(", ")
+            )))
+        }
+    };
+    Ok(ModelConfig {
+        architecture: "llama".into(),
+        vocab_size: vocab,
+        hidden_size: d,
+        intermediate_size: inter,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim: d / heads,
+        max_position_embeddings: 32768,
+        rms_norm_eps: 1e-5,
+        rope_theta: theta,
+        rope_scaling: None,
+        attention_bias: false,
+        tie_word_embeddings: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    })
+}
+
+/// f16 weights of every projection of `config`'s layers plus head and embeddings.
+pub fn dense_weight_bytes(c: &ModelConfig) -> usize {
+    let (d, kv) = (c.hidden_size, c.num_kv_heads * c.head_dim);
+    let per_layer = d * (c.num_heads * c.head_dim) * 2 + 2 * d * kv + 3 * d * c.intermediate_size;
+    2 * (c.num_layers * per_layer + 2 * c.vocab_size * d)
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct SyntheticOptions {
+    /// Weight sparsity of the layers' projections (the head stays dense, as `sieve pack` leaves it).
+    pub sp: f64,
+    pub pattern: Pattern,
+    /// Activation sparsity: per-site TEAL thresholds at this quantile of |x|.
+    pub dp: f64,
+    pub format: FormatKind,
+    pub seed: u64,
+    /// Random tokens of the calibration run.
+    pub calib_tokens: usize,
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A random `rows x cols` matrix (in parallel over rows), pruned as `opts` says.
+pub fn random_matrix(
+    rows: usize,
+    cols: usize,
+    sp: f64,
+    pattern: Pattern,
+    seed: u64,
+) -> Result<DenseMatrix> {
+    if !(0.0..1.0).contains(&sp) {
+        return Err(GpuError::InvalidArgument(format!(
+            "weight sparsity {sp} is outside [0, 1)"
+        )));
+    }
+    let scale = (3.0 / cols as f64).sqrt() as f32;
+    let keep = ((1.0 - sp) * (1u64 << 32) as f64) as u64;
+    let mut data = vec![f16::ZERO; rows * cols];
+    data.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
+        let mut state = mix(seed ^ mix(r as u64 + 1));
+        let mut next = || {
+            state = mix(state);
+            state
+        };
+        match pattern {
+            Pattern::Unstructured => {
+                for v in row.iter_mut() {
+                    let z = next();
+                    if (z >> 32) < keep {
+                        // 24 random bits to a uniform value in (-1, 1), never exactly 0.
+                        let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
+                        *v = f16::from_f32(u * scale);
+                    }
+                }
+            }
+            Pattern::NM { n, m } => {
+                for group in row.chunks_mut(m) {
+                    let mut idx: Vec<usize> = (0..group.len()).collect();
+                    for i in (1..idx.len()).rev() {
+                        idx.swap(i, (next() % (i as u64 + 1)) as usize);
+                    }
+                    for &i in idx.iter().take(n) {
+                        let z = next();
+                        let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
+                        group[i] = f16::from_f32(u * scale);
+                    }
+                }
+            }
+        }
+        // f16 rounding can flush a tiny value to zero; that is pruning by chance, harmless.
+    });
+    Ok(DenseMatrix::new(rows, cols, data)?)
+}
+
+/// Builds the synthetic model `name` on the GPU and calibrates its thresholds.
+pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> Result<GpuModel> {
+    let c = config(name)?;
+    if !(0.0..1.0).contains(&opts.dp) {
+        return Err(GpuError::InvalidArgument(format!(
+            "activation sparsity {} is outside [0, 1)",
+            opts.dp
+        )));
+    }
+    let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (q_rows, kv_rows) = (c.num_heads * hd, c.num_kv_heads * hd);
+    // Dense weights under a threshold go column-major; Some(0) keeps every nonzero input
+    // active until the calibrated thresholds replace it.
+    let upload_t: Threshold = if opts.dp > 0.0 { Some(0.0) } else { None };
+    let seed = opts.seed;
+    let m = |id: u64, rows: usize, cols: usize| {
+        random_matrix(rows, cols, opts.sp, opts.pattern, mix(seed ^ mix(id)))
+    };
+    let mut embed = vec![f16::ZERO; c.vocab_size * d];
+    embed.par_chunks_mut(d).enumerate().for_each(|(r, row)| {
+        let mut s = mix(seed ^ 0xe3be ^ mix(r as u64));
+        for v in row.iter_mut() {
+            s = mix(s);
+            *v = f16::from_f32(((s & 0xffff) as f32 / 65536.0 - 0.5) * 2.0);
+        }
+    });
+    let head = random_matrix(
+        c.vocab_size,
+        d,
+        0.0,
+        Pattern::Unstructured,
+        mix(seed ^ 0x4ead),
+    )?;
+    let notes = vec![format!(
+        "synthetic {name}: random weights, sp {} ({}), dp {}, format {}",
+        opts.sp,
+        match opts.pattern {
+            Pattern::Unstructured => "unstructured".to_string(),
+            Pattern::NM { n, m } => format!("{n}:{m}"),
+        },
+        opts.dp,
+        opts.format.name()
+    )];
+    let mut model = GpuModel::build(
+        gpu,
+        c.clone(),
+        capacity,
+        embed,
+        vec![1.0; d],
+        (head, None, FormatKind::Dense),
+        notes,
+        |l| {
+            let base = 16 * (l as u64 + 1);
+            Ok(HostLayer {
+                input_norm: vec![1.0; d],
+                post_norm: vec![1.0; d],
+                qkv: vec![
+                    (m(base, q_rows, d)?, upload_t),
+                    (m(base + 1, kv_rows, d)?, upload_t),
+                    (m(base + 2, kv_rows, d)?, upload_t),
+                ],
+                qkv_bias: None,
+                o: (m(base + 3, d, q_rows)?, upload_t),
+                gate_up: vec![
+                    (m(base + 4, inter, d)?, upload_t),
+                    (m(base + 5, inter, d)?, upload_t),
+                ],
+                down: (m(base + 6, d, inter)?, upload_t),
+                kind: opts.format,
+            })
+        },
+    )?;
+    calibrate(&mut model, opts.dp, opts.calib_tokens.max(2), seed)?;
+    Ok(model)
+}
+
+/// Sets every site's TEAL threshold to the `dp` quantile of |x| over a run of random tokens
+/// (thresholds off during the run).
+pub fn calibrate(model: &mut GpuModel, dp: f64, tokens: usize, seed: u64) -> Result<()> {
+    let layers = model.config().num_layers;
+    if dp == 0.0 {
+        return model.set_thresholds(&vec![[None; 4]; layers]);
+    }
+    let vocab = model.config().vocab_size as u64;
+    let ids: Vec<u32> = (0..tokens as u64)
+        .map(|i| (mix(seed ^ mix(i + 77)) % vocab) as u32)
+        .collect();
+    let off: Vec<[Threshold; 4]> = vec![[Some(0.0); 4]; layers];
+    model.set_thresholds(&off)?;
+    model.start(&ids)?;
+    let mut seen: Vec<[Vec<f32>; 4]> = (0..layers).map(|_| Default::default()).collect();
+    for _ in 0..tokens {
+        model.observe_step(&mut |l, s, x| seen[l][s].extend_from_slice(x))?;
+    }
+    let mut thresholds = Vec::with_capacity(layers);
+    for sites in &seen {
+        let mut row = [None; 4];
+        for (s, x) in sites.iter().enumerate() {
+            row[s] = sieve_formats::random::threshold_for_sparsity(x, dp)?;
+        }
+        thresholds.push(row);
+    }
+    model.set_thresholds(&thresholds)
+}

@@ -1,0 +1,147 @@
+//! `sieve bench decode`: whole-model decode on the GPU (logic in `sieve_gpu::bench`).
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use sieve_formats::random::Pattern;
+use sieve_formats::FormatKind;
+use sieve_gpu::bench::{self, DecodeBenchOptions, DecodeResult};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// A synthetic model of a real shape: llama2-7b, llama2-13b, llama3-8b, llama2-70b.
+    #[arg(long, conflicts_with = "model")]
+    synthetic: Option<String>,
+    /// A real model (GGUF, safetensors directory or .sieve pack), measured as it is packed.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Weight sparsities of the synthetic configurations, paired with --dp.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7")]
+    sp: Vec<f64>,
+    /// Activation sparsities, paired with --sp.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7")]
+    dp: Vec<f64>,
+    /// Format of the sparse configurations: tiled-cbc, rlc-csc, dense.
+    #[arg(long, default_value = "tiled-cbc")]
+    format: String,
+    /// Pruning pattern of the synthetic weights: unstructured or N:M.
+    #[arg(long, default_value = "unstructured")]
+    pattern: String,
+    /// Prompt tokens (random ids).
+    #[arg(long, default_value_t = 128)]
+    prompt: usize,
+    /// Generated tokens timed.
+    #[arg(long, default_value_t = 256)]
+    tokens: usize,
+    /// Also time decode at this position (e.g. 8192); 0 skips it.
+    #[arg(long, default_value_t = 0)]
+    context: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+fn print_row(r: &DecodeResult) {
+    let ctx = if r.context > 0 {
+        format!(" | @{}: {:.3} ms", r.context, r.tpot_ms_at_context)
+    } else {
+        String::new()
+    };
+    println!(
+        "{:<11} sp {:<4} dp {:<4} {:<10} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        r.model,
+        r.sp,
+        r.dp,
+        r.format,
+        r.tpot_ms_median,
+        r.tpot_ms_p10,
+        r.tpot_ms_p90,
+        r.tokens_per_s,
+        r.ttft_ms,
+        r.weight_bytes_per_token as f64 / 1e9,
+        r.bandwidth_gbs,
+        r.pct_of_copy,
+        100.0 * r.share_linear,
+        100.0 * r.share_attention,
+        100.0 * r.share_other,
+        r.launches_per_step,
+        r.setup_s
+    );
+}
+
+pub fn run(a: DecodeArgs) -> Result<()> {
+    if a.sp.len() != a.dp.len() {
+        bail!(
+            "--sp has {} values and --dp {}: they pair up one to one",
+            a.sp.len(),
+            a.dp.len()
+        );
+    }
+    for &v in a.sp.iter().chain(&a.dp) {
+        if !(0.0..1.0).contains(&v) {
+            bail!("sparsity {v} is outside [0, 1)");
+        }
+    }
+    if a.tokens == 0 {
+        bail!("--tokens must be at least 1");
+    }
+    let format = FormatKind::from_name(&a.format)?;
+    let pattern: Pattern = a.pattern.parse()?;
+    let opts = DecodeBenchOptions {
+        prompt: a.prompt.max(1),
+        tokens: a.tokens,
+        context: a.context,
+        format,
+        pattern,
+        seed: a.seed,
+    };
+    let results = match (&a.synthetic, &a.model) {
+        (Some(name), _) => {
+            let configs: Vec<(f64, f64)> = a.sp.iter().copied().zip(a.dp.iter().copied()).collect();
+            bench::run_synthetic(name, &configs, &opts, print_row)?
+        }
+        (None, Some(path)) => {
+            let (model, _tok) = sieve_model::packed::load_model_and_tokenizer(path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let gpu = sieve_cuda::Gpu::new(0).context("bench decode needs a GPU")?;
+            let copy = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
+            let capacity = (opts.prompt + opts.tokens).max(opts.context + 64) + 16;
+            let t = std::time::Instant::now();
+            let mut m = sieve_gpu::GpuModel::from_model(gpu, &model, capacity)?;
+            drop(model);
+            super::device::print_report(&m);
+            let label = path
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let o = DecodeBenchOptions {
+                format: FormatKind::Dense,
+                ..opts.clone()
+            };
+            let r = bench::measure(
+                &mut m,
+                &label,
+                0.0,
+                0.0,
+                t.elapsed().as_secs_f64(),
+                &o,
+                copy,
+            )?;
+            print_row(&r);
+            vec![r]
+        }
+        (None, None) => bail!("give --synthetic NAME or --model PATH"),
+    };
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.plot {
+        std::fs::write(p, bench::plot_svg(&results))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Light alternative to ../shared/tools/gpu-bundle for GPU runner work: the release `sieve`
+# binary and the release test executables of sieve-gpu and sieve-cuda, stripped, in .gpu/
+# (bin/, tests/, tests.tsv, run-tests), small enough to travel with a cut model.
+#   scripts/gpu-runner-bundle.sh && (on the GPU machine) .gpu/run-tests
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+grep -qx '/.gpu/' "$(git rev-parse --git-common-dir)/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$(git rev-parse --git-common-dir)/info/exclude"
+target=${CARGO_TARGET_DIR:-$root/target}
+export CARGO_PROFILE_RELEASE_DEBUG=0
+rm -rf .gpu && mkdir -p .gpu/bin .gpu/tests
+: > .gpu/tests.tsv
+cargo build --release -p sieve --quiet
+cp "$target/release/sieve" .gpu/bin/
+cargo test --release -p sieve-gpu -p sieve-cuda --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["executable"] + "\t" + os.path.dirname(m["manifest_path"]))' \
+  | while IFS=$'\t' read -r exe dir; do
+      cp "$exe" .gpu/tests/
+      printf '%s\t%s\n' "$(basename "$exe")" "$dir" >> .gpu/tests.tsv
+    done
+cat > .gpu/run-tests <<'EOS'
+#!/usr/bin/env bash
+# Runs every staged test executable from its crate directory with the GPU required.
+cd "$(dirname "$0")/.."
+export SIEVE_REQUIRE_GPU=1
+status=0
+while IFS=$'\t' read -r exe dir; do
+  echo "== $exe"
+  (cd "$dir" && "$OLDPWD/.gpu/tests/$exe" "$@") || status=1
+done < .gpu/tests.tsv
+exit $status
+EOS
+chmod +x .gpu/run-tests
+for f in .gpu/bin/* .gpu/tests/*; do strip -s "$f" 2>/dev/null || true; done
+du -sh .gpu
