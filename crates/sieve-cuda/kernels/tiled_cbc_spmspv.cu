@@ -403,3 +403,32 @@ extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s4(LANE8_
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s3(LANE8_ARGS) {
     lane8_kernel<32, 3>(LANE8_PASS);
 }
+
+// Decodes the whole matrix into Wt, K x M row-major f16 (W transposed), for the batched
+// prefill's GEMM. Block (column tile group g = rt * KT + kt, column c = threadIdx.x / 256 is
+// not used: one block per (kt, rt), 256 threads = the tile's rows): thread r walks the 16
+// columns of the GTile, finds its value's rank with popcounts over the column's 4 bitmap words,
+// and writes Wt[k][rt * 256 + r] (consecutive threads, consecutive addresses).
+extern "C" __global__ void __launch_bounds__(256)
+tcbc_decode_t(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
+              const u64* __restrict__ bitmaps, const f16_bits* __restrict__ values,
+              f16_bits* __restrict__ wt, int M, int K, int KT) {
+    int kt = blockIdx.x, rt = blockIdx.y, r = threadIdx.x;
+    int row = rt * TCBC_TILE_M + r;
+    u32 g = (u32)rt * (u32)KT + (u32)kt;
+    u32 base = tile_offset[g];
+    for (int c = 0; c < TCBC_TILE_K; ++c) {
+        int k = kt * TCBC_TILE_K + c;
+        if (k >= K) break;
+        u32 info = col_info[g * TCBC_TILE_K + c];
+        const u64* bm = bitmaps + ((size_t)g * TCBC_TILE_K + c) * 4;
+        int word = r >> 6, bit = r & 63;
+        u32 rank = 0;
+        for (int w = 0; w < word; ++w) rank += __popcll(bm[w]);
+        u64 mine = bm[word];
+        rank += __popcll(mine & ((1ull << bit) - 1ull));
+        f16_bits v = 0;
+        if ((mine >> bit) & 1ull) v = values[base + (info >> 16) + rank];
+        if (row < M) wt[(size_t)k * M + row] = v;
+    }
+}

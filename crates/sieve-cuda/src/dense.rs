@@ -176,6 +176,15 @@ impl GpuDenseColMajor {
         })
     }
 
+    /// The K x ldm column-major weights (W transposed, rows padded to ldm), e.g. as a GEMM
+    /// operand.
+    pub fn weights(&self) -> &CudaSlice<f16> {
+        &self.w
+    }
+    pub fn ldm(&self) -> usize {
+        self.ldm
+    }
+
     fn effective_cols_per_warp(&self, gpu: &Gpu) -> usize {
         if self.cols_per_warp > 0 {
             return self.cols_per_warp;

@@ -314,6 +314,31 @@ impl GpuMatVec for GpuTiledCbc {
     }
 }
 
+impl GpuTiledCbc {
+    /// Writes the whole matrix, transposed (K x M row-major f16), to `out` (K * M entries):
+    /// the operand of a GEMM when several tokens share the weights (prefill).
+    pub fn decode_transposed(&self, gpu: &Gpu, out: DevPtr) -> Result<()> {
+        let f = gpu.function(&FAMILY, "tcbc_decode_t")?;
+        let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (self.col_tiles as u32, self.row_tiles as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.tile_offset)
+            .arg(&self.col_info)
+            .arg(&self.bitmaps)
+            .arg(&self.values)
+            .arg(&out)
+            .arg(&m)
+            .arg(&k)
+            .arg(&kt);
+        unsafe { b.launch(cfg) }.during("launching tcbc_decode_t")?;
+        Ok(())
+    }
+}
+
 impl GpuAccumulate for GpuTiledCbc {
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         if self.kernel != TcbcKernel::Lane8 {

@@ -16,6 +16,10 @@
 //   output per (query head, split): part[(head * S + s) * (hd + 2)] = { m, l, acc[0..hd] }
 //   (an empty split writes m = -inf, l = 0).
 //
+// Prefill (len0 > 0): grid (Hkv, S, n), query z at position len0 - 1 + z reads its q from
+// qkv + z * q_stride and writes its partials z * H * S * (hd + 2) further; combine runs on
+// grid (H, n). Causality is the length: query z sees keys 0 .. len0 - 1 + z.
+//
 // attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
 //
 // Limits (checked by the runner): hd <= 256 and a multiple of 8, g <= 8.
@@ -33,13 +37,16 @@ __device__ __forceinline__ float warp_max(float v) {
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attention_split(const float* __restrict__ qkv, const f16_bits* __restrict__ k_cache,
                 const f16_bits* __restrict__ v_cache, const int* __restrict__ state,
-                float* __restrict__ part, int H, int Hkv, int hd, float scale) {
+                float* __restrict__ part, int H, int Hkv, int hd, float scale, int len0, int q_stride) {
     extern __shared__ float smem[];
     __shared__ float red[ATT_THREADS / 32][ATT_MAX_G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int g = H / Hkv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int len = state[0] + 1;
+    // Decode: one query, len from the state. Prefill: query z of the batch sees len0 + z keys.
+    const int len = len0 > 0 ? len0 + (int)blockIdx.z : state[0] + 1;
+    qkv += (size_t)blockIdx.z * q_stride;
+    part += (size_t)blockIdx.z * H * S * (hd + 2);
     const int per = (len + S - 1) / S;
     const int p0 = min(split * per, len), p1 = min(p0 + per, len);
     float* qs = smem;             // [g][hd]
@@ -104,7 +111,7 @@ attention_split(const float* __restrict__ qkv, const f16_bits* __restrict__ k_ca
         __syncthreads();
         const int count = min(ATT_THREADS, p1 - t0);
         const f16_bits* vbase = v_cache + (size_t)t0 * row + (size_t)kvh * hd;
-#pragma unroll 4
+#pragma unroll 8
         for (int q = 0; q < count; ++q) {
             const f16_bits* vr = vbase + (size_t)q * row;
 #pragma unroll
@@ -151,6 +158,9 @@ attention_split(const float* __restrict__ qkv, const f16_bits* __restrict__ k_ca
 extern "C" __global__ void __launch_bounds__(128)
 attention_combine(const float* __restrict__ part, float* __restrict__ att, int S, int hd) {
     const int h = blockIdx.x;
+    // blockIdx.y: the query of a prefill batch (0 in decode).
+    part += (size_t)blockIdx.y * gridDim.x * S * (hd + 2);
+    att += (size_t)blockIdx.y * gridDim.x * hd;
     const float* base = part + (size_t)h * S * (hd + 2);
     float M = ATT_NEG_INF;
     for (int s = 0; s < S; ++s) M = fmaxf(M, base[(size_t)s * (hd + 2)]);

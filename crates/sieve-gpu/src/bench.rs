@@ -6,7 +6,7 @@
 //! attention and the rest from an event-bracketed eager step.
 
 use crate::error::{GpuError, Result};
-use crate::runner::{GpuModel, StepProfile};
+use crate::runner::{GpuModel, StepPart, StepProfile};
 use crate::synthetic::{self, SyntheticOptions};
 use serde::Serialize;
 use sieve_cuda::Gpu;
@@ -48,6 +48,12 @@ pub struct DecodeResult {
     pub pct_of_copy: f64,
     pub launches_per_step: usize,
     pub breakdown: StepProfile,
+    /// Graph replays of parts of the step (µs per step): everything, the products alone,
+    /// everything but the products, everything but attention.
+    pub graph_step_us: f64,
+    pub graph_linear_only_us: f64,
+    pub graph_no_linear_us: f64,
+    pub graph_no_attention_us: f64,
     /// Share of the eager step: linear, attention, other.
     pub share_linear: f64,
     pub share_attention: f64,
@@ -116,6 +122,24 @@ pub fn measure(
     profiles.sort_by(|a, b| a.total_us().total_cmp(&b.total_us()));
     let breakdown = profiles[profiles.len() / 2].clone();
 
+    // Graph-mode split: replays of the step with parts left out (teacher-forced from the prompt).
+    let reps = 32usize
+        .min(model.capacity().saturating_sub(prompt.len() + 8) / 5)
+        .max(1);
+    let mut part_us = [0.0f64; 4];
+    for (i, part) in [
+        StepPart::All,
+        StepPart::LinearOnly,
+        StepPart::NoLinear,
+        StepPart::NoAttention,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        model.prefill(&prompt)?;
+        part_us[i] = model.time_step_part(part, reps)?;
+    }
+
     let mut tpot_ctx = 0.0;
     if opts.context > 0 {
         let n = opts.tokens.clamp(8, 64);
@@ -146,6 +170,10 @@ pub fn measure(
         copy_bandwidth_gbs: copy_gbs,
         pct_of_copy: 100.0 * bw / copy_gbs,
         launches_per_step: model.report().launches_per_step,
+        graph_step_us: part_us[0],
+        graph_linear_only_us: part_us[1],
+        graph_no_linear_us: part_us[2],
+        graph_no_attention_us: part_us[3],
         share_linear: breakdown.linear_us / t,
         share_attention: breakdown.attention_us / t,
         share_other: breakdown.other_us / t,

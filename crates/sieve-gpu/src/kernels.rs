@@ -21,9 +21,14 @@ pub const SAMPLING: KernelFamily = KernelFamily {
     source: include_str!("../kernels/sampling.cu"),
 };
 
+pub const PREFILL: KernelFamily = KernelFamily {
+    name: "runner_prefill",
+    source: include_str!("../kernels/prefill.cu"),
+};
+
 /// Every kernel family of the runner (for compile checks).
-pub fn families() -> [KernelFamily; 3] {
-    [STEP, ATTENTION, SAMPLING]
+pub fn families() -> [KernelFamily; 4] {
+    [STEP, ATTENTION, SAMPLING, PREFILL]
 }
 
 /// Attention kernel limits (see `attention.cu`).
@@ -199,6 +204,25 @@ pub fn attention(
     part: DevPtr,
     att: DevPtr,
 ) -> Result<()> {
+    attention_batch(gpu, shape, qkv, k_cache, v_cache, state, part, att, 0, 1)
+}
+
+/// Causal attention of `queries` consecutive tokens, the first at position `first_len - 1`
+/// (`first_len == 0`: one decode query at `state[0]`); q rows are `(H + 2 Hkv) hd` apart in
+/// `qkv`, outputs `[queries][H][hd]`, `part` holds `queries` partial sets.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_batch(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    qkv: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    state: DevPtr,
+    part: DevPtr,
+    att: DevPtr,
+    first_len: usize,
+    queries: usize,
+) -> Result<()> {
     let g = shape.heads / shape.kv_heads;
     let shared = ((g * shape.head_dim + g * ATT_THREADS) * 4) as u32;
     let f = gpu.function(&ATTENTION, "attention_split")?;
@@ -209,6 +233,8 @@ pub fn attention(
         shape.head_dim as i32,
     );
     let scale = 1.0f32 / (shape.head_dim as f32).sqrt();
+    let len0 = i32_arg("prompt position", first_len)?;
+    let q_stride = ((shape.heads + 2 * shape.kv_heads) * shape.head_dim) as i32;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&qkv)
         .arg(&k_cache)
@@ -218,20 +244,21 @@ pub fn attention(
         .arg(&h)
         .arg(&hkv)
         .arg(&hd)
-        .arg(&scale);
-    unsafe {
-        b.launch(cfg(
-            (shape.kv_heads as u32, shape.splits as u32),
-            ATT_THREADS as u32,
-            shared,
-        ))
-    }
-    .during("launching attention_split")?;
+        .arg(&scale)
+        .arg(&len0)
+        .arg(&q_stride);
+    let mut c = cfg(
+        (shape.kv_heads as u32, shape.splits as u32),
+        ATT_THREADS as u32,
+        shared,
+    );
+    c.grid_dim.2 = queries.max(1) as u32;
+    unsafe { b.launch(c) }.during("launching attention_split")?;
     let f = gpu.function(&ATTENTION, "attention_combine")?;
     let s = shape.splits as i32;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&part).arg(&att).arg(&s).arg(&hd);
-    unsafe { b.launch(cfg((shape.heads as u32, 1), 128, 0)) }
+    unsafe { b.launch(cfg((shape.heads as u32, queries.max(1) as u32), 128, 0)) }
         .during("launching attention_combine")?;
     Ok(())
 }
@@ -295,6 +322,114 @@ pub fn sample_token(
         .arg(&history)
         .arg(&c);
     unsafe { b.launch(cfg((1, 1), 1024, 0)) }.during("launching sample_token")?;
+    Ok(())
+}
+
+fn grid_stride(total: usize) -> (u32, u32) {
+    ((total.div_ceil(256) as u32).clamp(1, 65535), 1)
+}
+
+/// `x[i] = embedding[tokens[i]]` for `n` tokens (`tokens` i32 on the device, checked by the caller).
+pub fn embed_rows(
+    gpu: &Gpu,
+    emb: DevPtr,
+    tokens: DevPtr,
+    x: DevPtr,
+    n: usize,
+    d: usize,
+) -> Result<()> {
+    let f = gpu.function(&PREFILL, "embed_rows")?;
+    let (ni, di) = (i32_arg("tokens", n)?, i32_arg("hidden size", d)?);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&emb).arg(&tokens).arg(&x).arg(&ni).arg(&di);
+    unsafe { b.launch(cfg(grid_stride(n * d), 256, 0)) }.during("launching embed_rows")?;
+    Ok(())
+}
+
+/// Row-wise RMSNorm of `n` rows of `d` (f32 out).
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_rows(
+    gpu: &Gpu,
+    x: DevPtr,
+    w: DevPtr,
+    out: DevPtr,
+    n: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let f = gpu.function(&PREFILL, "rmsnorm_rows")?;
+    let di = i32_arg("hidden size", d)?;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&x).arg(&w).arg(&out).arg(&di).arg(&eps);
+    unsafe { b.launch(cfg((n as u32, 1), 256, 0)) }.during("launching rmsnorm_rows")?;
+    Ok(())
+}
+
+/// `out[i][j] = f16(mask_t(x[i * ldx + j]))` for `n` rows of `k`.
+pub fn rows_to_f16(
+    gpu: &Gpu,
+    x: DevPtr,
+    ldx: usize,
+    out: DevPtr,
+    n: usize,
+    k: usize,
+    t: sieve_formats::Threshold,
+) -> Result<()> {
+    let f = gpu.function(&PREFILL, "rows_to_f16")?;
+    let (l, ni, ki) = (
+        i32_arg("row stride", ldx)?,
+        i32_arg("tokens", n)?,
+        i32_arg("width", k)?,
+    );
+    let tv = sieve_cuda::product::threshold_arg(t);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&x).arg(&l).arg(&out).arg(&ni).arg(&ki).arg(&tv);
+    unsafe { b.launch(cfg(grid_stride(n * k), 256, 0)) }.during("launching rows_to_f16")?;
+    Ok(())
+}
+
+/// `gate = silu(gate) * up` in place for `n` rows of `gu = [gate | up]`.
+pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize) -> Result<()> {
+    let f = gpu.function(&PREFILL, "silu_rows")?;
+    let (ni, ii) = (i32_arg("tokens", n)?, i32_arg("intermediate size", inter)?);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&gu).arg(&ni).arg(&ii);
+    unsafe { b.launch(cfg(grid_stride(n * inter), 256, 0)) }.during("launching silu_rows")?;
+    Ok(())
+}
+
+/// [`rope_kv`] for `n` rows of q|k|v at positions `p0 ..`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_rows(
+    gpu: &Gpu,
+    qkv: DevPtr,
+    bias: DevPtr,
+    cos: DevPtr,
+    sin: DevPtr,
+    p0: usize,
+    n: usize,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    let f = gpu.function(&PREFILL, "rope_rows")?;
+    let p = i32_arg("position", p0)?;
+    let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&qkv)
+        .arg(&bias)
+        .arg(&cos)
+        .arg(&sin)
+        .arg(&p)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&h)
+        .arg(&hkv)
+        .arg(&hd);
+    unsafe { b.launch(cfg(((heads + kv_heads) as u32, n as u32), 128, 0)) }
+        .during("launching rope_rows")?;
     Ok(())
 }
 
@@ -379,4 +514,26 @@ pub fn advance_forced(gpu: &Gpu, state: DevPtr, history: DevPtr, capacity: usize
     b.arg(&state).arg(&history).arg(&c);
     unsafe { b.launch(cfg((1, 1), 32, 0)) }.during("launching advance_forced")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Compiles the runner's kernel families with NVRTC where the library is present (no GPU
+    /// needed), printing ptxas's register/spill report.
+    #[test]
+    fn kernels_compile_for_sm90a() {
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("kernels_compile_for_sm90a: skipped, no libnvrtc");
+            return;
+        }
+        for fam in super::families() {
+            match sieve_cuda::gpu::compile_check(&fam, "sm_90a") {
+                Ok((size, log)) => {
+                    assert!(size > 0);
+                    eprintln!("{}: {size} bytes\n{log}", fam.name);
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
 }

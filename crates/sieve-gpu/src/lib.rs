@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`matrix`] | weight matrices on the device and fused groups (q\|k\|v, gate\|up) over sieve-cuda's kernels |
 //! | [`kernels`] | launchers of the step's other kernels (norm, RoPE + KV write, attention, SwiGLU, sampling) and their CPU references |
+//! | [`prefill`] | the prompt in one batch: cuBLAS GEMMs over the device weights (Tiled-CBC decoded to f16), causal attention |
 //! | [`runner`] | [`GpuModel`]: upload, the step as launches or a captured graph, prefill, decode, profiling |
 //! | [`generate`] | generation and perplexity loops on the GPU |
 //! | [`synthetic`] | random models of the Llama-2/3 shapes, pruned, packed and calibrated on the GPU |
@@ -17,6 +18,7 @@ pub mod error;
 pub mod generate;
 pub mod kernels;
 pub mod matrix;
+pub mod prefill;
 pub mod runner;
 pub mod synthetic;
 

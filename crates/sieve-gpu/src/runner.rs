@@ -59,6 +59,15 @@ pub enum Category {
     Other,
 }
 
+/// A subset of the decode step, for graph-mode breakdowns ([`GpuModel::time_step_part`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPart {
+    All,
+    LinearOnly,
+    NoLinear,
+    NoAttention,
+}
+
 /// One group of launches of a decode step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
@@ -158,6 +167,10 @@ pub struct GpuModel {
     report: UploadReport,
     /// Tokens in the cache (positions processed).
     len: usize,
+    /// Scratch of the batched prefill, allocated at its first use.
+    prefill_bufs: Option<crate::prefill::PrefillBuffers>,
+    /// Run prompts through cuBLAS GEMMs (else token by token through the decode step).
+    batched_prefill: bool,
 }
 
 impl GpuModel {
@@ -416,6 +429,8 @@ impl GpuModel {
             use_graphs: true,
             report,
             len: 0,
+            prefill_bufs: None,
+            batched_prefill: true,
         };
         model.report.launches_per_step = model.launches_per_step();
         Ok(model)
@@ -618,8 +633,19 @@ impl GpuModel {
         };
         if stale {
             self.graphs[slot] = None;
-            let graph = self.capture(sample)?;
-            self.graphs[slot] = Some((graph, self.sample));
+            match self.capture(sample) {
+                Ok(graph) => self.graphs[slot] = Some((graph, self.sample)),
+                Err(e) => {
+                    // A capture the driver refused leaves the step correct when launched
+                    // eagerly: say so once and keep going.
+                    self.report.notes.push(format!(
+                        "CUDA graph capture failed ({e}); steps run as eager launches"
+                    ));
+                    self.use_graphs = false;
+                    self.gpu.synchronize().ok();
+                    return self.enqueue_step(sample);
+                }
+            }
         }
         if let Some((graph, _)) = &self.graphs[slot] {
             graph.launch().during("replaying the decode step graph")?;
@@ -628,14 +654,22 @@ impl GpuModel {
     }
 
     fn capture(&self, sample: bool) -> Result<CudaGraph> {
+        let mut ops = self.ops();
+        ops.push(Op::Next(sample));
+        self.capture_ops(&ops)
+    }
+
+    fn capture_ops(&self, ops: &[Op]) -> Result<CudaGraph> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        // Compile and load every kernel before capturing (module loads cannot be captured).
+        // Compile and load every kernel before capturing (module loads cannot be captured),
+        // and let earlier asynchronous work (pageable copies) finish outside the capture.
         self.warm_kernels()?;
+        self.gpu.synchronize()?;
         let stream = self.gpu.stream();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .during("beginning a graph capture")?;
-        let enqueued = self.enqueue_step(sample);
+        let enqueued = ops.iter().try_for_each(|&op| self.launch(op));
         let graph = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
         enqueued?;
@@ -646,12 +680,154 @@ impl GpuModel {
         Ok(graph)
     }
 
+    /// GPU time of one replay of a graph of part of the step (median-free: total over `reps`
+    /// back-to-back replays bracketed by two events), teacher-forced from the current position.
+    /// Parts that leave launches out measure what the rest costs under graph replay.
+    pub fn time_step_part(&mut self, part: StepPart, reps: usize) -> Result<f64> {
+        if self.len + reps + 1 > self.capacity {
+            return Err(GpuError::InvalidArgument(
+                "not enough context left to time the step".into(),
+            ));
+        }
+        let mut ops: Vec<Op> = self
+            .ops()
+            .into_iter()
+            .filter(|op| match part {
+                StepPart::All => true,
+                StepPart::LinearOnly => op.category() == Category::Linear,
+                StepPart::NoLinear => op.category() != Category::Linear,
+                StepPart::NoAttention => op.category() != Category::Attention,
+            })
+            .collect();
+        ops.push(Op::Next(false));
+        let graph = self.capture_ops(&ops)?;
+        graph.launch().during("replaying a step graph")?;
+        self.gpu.synchronize()?;
+        let ctx = self.gpu.context().clone();
+        let start = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .during("creating an event")?;
+        let end = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .during("creating an event")?;
+        start
+            .record(self.gpu.stream())
+            .during("recording an event")?;
+        for _ in 0..reps {
+            graph.launch().during("replaying a step graph")?;
+        }
+        end.record(self.gpu.stream()).during("recording an event")?;
+        self.gpu.synchronize()?;
+        self.len += reps + 1;
+        Ok(start.elapsed_ms(&end).during("reading an event")? as f64 * 1000.0 / reps as f64)
+    }
+
     fn warm_kernels(&self) -> Result<()> {
         for fam in kernels::families() {
             self.gpu.module(&fam)?;
         }
         for fam in sieve_cuda::gpu::families() {
             self.gpu.module(&fam)?;
+        }
+        Ok(())
+    }
+
+    fn prefill_scratch(&mut self) -> Result<()> {
+        if self.prefill_bufs.is_some() {
+            return Ok(());
+        }
+        let c = &self.config;
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let qkv_w = (c.num_heads + 2 * c.num_kv_heads) * hd;
+        let max_k = d.max(c.intermediate_size).max(c.num_heads * hd);
+        let max_m = qkv_w.max(2 * c.intermediate_size);
+        let mut all: Vec<&DeviceLinear> = Vec::new();
+        for l in &self.layers {
+            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
+        }
+        let decoded = crate::prefill::decoded_len(&all);
+        self.prefill_bufs = Some(crate::prefill::PrefillBuffers::new(
+            &self.gpu,
+            d,
+            max_k,
+            max_m,
+            c.num_heads * hd,
+            self.attention.partials_len(),
+            decoded,
+        )?);
+        Ok(())
+    }
+
+    /// Tokens `tokens` at positions `p0 ..` through every layer as one batch, filling the KV
+    /// cache (no logits: the last prompt token runs through the decode step).
+    fn prefill_chunk(&mut self, tokens: &[u32], p0: usize) -> Result<()> {
+        use crate::prefill::linear_rows;
+        self.prefill_scratch()?;
+        let Some(pb) = self.prefill_bufs.as_mut() else {
+            return Err(GpuError::InvalidArgument("prefill scratch missing".into()));
+        };
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let stream = self.gpu.stream().clone();
+        let mut view = pb.tokens.slice_mut(0..ids.len());
+        stream
+            .memcpy_htod(&ids, &mut view)
+            .during("writing prompt tokens")?;
+        let pb = self
+            .prefill_bufs
+            .as_ref()
+            .ok_or_else(|| GpuError::InvalidArgument("prefill scratch missing".into()))?;
+        let g = &self.gpu;
+        let c = &self.config;
+        let n = tokens.len();
+        let (d, hd, nh, nkv, inter) = (
+            c.hidden_size,
+            c.head_dim,
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+        );
+        let qkv_w = (nh + 2 * nkv) * hd;
+        let row = nkv * hd;
+        let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
+        let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
+        let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
+        kernels::embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let kc = dev_ptr(g, &self.bufs.k_cache) + (l * self.capacity * row * 2) as u64;
+            let vc = dev_ptr(g, &self.bufs.v_cache) + (l * self.capacity * row * 2) as u64;
+            kernels::rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?;
+            linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?;
+            kernels::rope_rows(
+                g,
+                y,
+                layer.qkv_bias.as_ref().map(p).unwrap_or(0),
+                p(&self.bufs.rope_cos),
+                p(&self.bufs.rope_sin),
+                p0,
+                n,
+                kc,
+                vc,
+                nh,
+                nkv,
+                hd,
+            )?;
+            kernels::attention_batch(
+                g,
+                &self.attention,
+                y,
+                kc,
+                vc,
+                0,
+                p(&pb.part),
+                att,
+                p0 + 1,
+                n,
+            )?;
+            linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?;
+            kernels::rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?;
+            linear_rows(g, &layer.gate_up, xn, d, a16, n, y, 2 * inter, 0.0, w16)?;
+            kernels::silu_rows(g, y, n, inter)?;
+            linear_rows(g, &layer.down, y, 2 * inter, a16, n, x, d, 1.0, w16)?;
         }
         Ok(())
     }
@@ -700,12 +876,41 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Runs the prompt and returns the first generated token. Prompt tokens run through the
-    /// decode step one at a time (teacher-forced), the last one samples.
+    /// Prompts through cuBLAS GEMMs (the default where every format allows it) or token by
+    /// token through the decode step.
+    pub fn set_batched_prefill(&mut self, on: bool) {
+        self.batched_prefill = on;
+    }
+
+    /// True when the prompt runs as one batch (see [`crate::prefill`]).
+    pub fn prefill_is_batched(&self) -> bool {
+        let mut all: Vec<&DeviceLinear> = Vec::new();
+        for l in &self.layers {
+            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
+        }
+        self.batched_prefill && crate::prefill::batchable(&all)
+    }
+
+    /// Runs the prompt and returns the first generated token: every prompt token but the last
+    /// in one batch (or one step each), then the last through the decode step, which samples.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
         self.reset(prompt)?;
-        for _ in 0..prompt.len() - 1 {
-            self.run_step(false)?;
+        let n = prompt.len();
+        if n > 1 && self.prefill_is_batched() {
+            for (c, chunk) in prompt[..n - 1].chunks(crate::prefill::CHUNK).enumerate() {
+                self.prefill_chunk(chunk, c * crate::prefill::CHUNK)?;
+            }
+            let stream = self.gpu.stream().clone();
+            stream
+                .memcpy_htod(
+                    &[(n - 1) as i32, prompt[n - 1] as i32],
+                    &mut self.bufs.state,
+                )
+                .during("writing the step state")?;
+        } else {
+            for _ in 0..n - 1 {
+                self.run_step(false)?;
+            }
         }
         self.run_step(true)?;
         self.len = prompt.len();

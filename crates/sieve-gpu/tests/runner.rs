@@ -457,14 +457,47 @@ fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
     let mut cache = model.new_cache(seq.len());
     let want = model.forward(&seq, &mut cache, Logits::All).unwrap();
     let v = model.config().vocab_size;
-    let mut worst = 0f32;
+    let mut errors = Vec::new();
     g.logits_all(&seq, |i, l| {
-        worst = worst.max(max_abs_diff(l, &want[i * v..(i + 1) * v]));
+        errors.push(max_abs_diff(l, &want[i * v..(i + 1) * v]));
         Ok(())
     })
     .unwrap();
-    eprintln!("{name}: max logit error {worst} over {} positions (tolerance {tol}), smallest greedy margin {margin}", seq.len());
-    assert!(worst < tol, "{name}: logits differ by {worst}");
+    errors.sort_by(f32::total_cmp);
+    let (median, p90, worst) = (
+        errors[errors.len() / 2],
+        errors[errors.len() * 9 / 10],
+        errors[errors.len() - 1],
+    );
+    eprintln!(
+        "{name}: logit error per position over {} positions: median {median}, p90 {p90}, max {worst} (tolerance {tol}); smallest greedy margin {margin}",
+        seq.len()
+    );
+    // Most positions within `tol`. With TEAL thresholds an input that lands within rounding of
+    // its threshold can be active on one side and not the other: one weight column's
+    // contribution (|x| ~ t) that later layers carry along. That moves a few positions by up
+    // to ~10x `tol` (measured 0.57 at dp 0.5); a wrong kernel moves every position.
+    assert!(p90 < tol, "{name}: p90 logit error {p90}");
+    let cap = if model.layers()[0].q_proj.threshold().is_some() {
+        20.0 * tol
+    } else {
+        tol
+    };
+    assert!(worst < cap, "{name}: max logit error {worst}");
+    // The prompt token by token through the decode step fills the same cache as the batch.
+    if g.prefill_is_batched() {
+        g.set_batched_prefill(false);
+        let mut stepwise = vec![g.prefill(&prompt).unwrap()];
+        while stepwise.len() < 16 {
+            stepwise.push(g.next_token().unwrap());
+        }
+        assert_eq!(
+            stepwise[..],
+            gpu_tokens[..16],
+            "{name}: stepwise vs batched prefill"
+        );
+        g.set_batched_prefill(true);
+    }
     // Eager launches give the same tokens as graph replays.
     g.set_use_graphs(false);
     let mut eager = vec![g.prefill(&prompt).unwrap()];

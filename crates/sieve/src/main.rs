@@ -31,10 +31,10 @@ enum Command {
     },
     /// Prune a model on calibration text, set activation thresholds and write a `.sieve` file.
     Pack(commands::pack::PackArgs),
-    /// Benchmarks (GPU kernels against cuBLAS; CPU models' tokens/s).
+    /// Benchmarks (GPU kernels against cuBLAS; whole-model decode on the GPU; CPU models' tokens/s).
     Bench {
         #[command(subcommand)]
-        command: commands::bench_cpu::AnyBench,
+        command: BenchCommand,
     },
     /// Hardware models (Celty's sparse SIMT core), run on the CPU.
     Sim {
@@ -45,11 +45,22 @@ enum Command {
     Serve(commands::serve::ServeArgs),
 }
 
+#[derive(Subcommand)]
+enum BenchCommand {
+    #[command(flatten)]
+    Other(commands::bench_cpu::AnyBench),
+    /// Time whole-model decode on the GPU (TPOT, TTFT, bytes per token, step breakdown).
+    Decode(commands::bench_decode::DecodeArgs),
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Formats { command } => commands::formats::run(command),
-        Command::Bench { command } => commands::bench_cpu::run_any(command),
+        Command::Bench { command } => match command {
+            BenchCommand::Other(c) => commands::bench_cpu::run_any(c),
+            BenchCommand::Decode(a) => commands::bench_decode::run(a),
+        },
         Command::Generate(args) => commands::generate::run(args),
         Command::Eval { command } => commands::eval::run(command),
         Command::Pack(args) => commands::pack::run(args),

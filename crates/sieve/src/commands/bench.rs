@@ -29,14 +29,11 @@ use sieve_formats::DenseMatrix;
 pub enum BenchCommand {
     /// Time the GPU kernels of every format against cuBLAS on LLaMA layer shapes.
     Kernels(KernelsArgs),
-    /// Time whole-model decode on the GPU (TPOT, TTFT, bytes per token, step breakdown).
-    Decode(super::bench_decode::DecodeArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Kernels(a) => run_kernels(a),
-        BenchCommand::Decode(a) => super::bench_decode::run(a),
     }
 }
 

@@ -51,7 +51,7 @@ fn print_row(r: &DecodeResult) {
         String::new()
     };
     println!(
-        "{:<11} sp {:<4} dp {:<4} {:<10} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        "{:<11} sp {:<4} dp {:<4} {:<10} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
         r.model,
         r.sp,
         r.dp,
@@ -64,6 +64,10 @@ fn print_row(r: &DecodeResult) {
         r.weight_bytes_per_token as f64 / 1e9,
         r.bandwidth_gbs,
         r.pct_of_copy,
+        r.graph_step_us,
+        r.graph_linear_only_us,
+        r.graph_no_linear_us,
+        r.graph_no_attention_us,
         100.0 * r.share_linear,
         100.0 * r.share_attention,
         100.0 * r.share_other,

@@ -1,0 +1,103 @@
+// Kernels of the batched prefill (src/prefill.rs): n prompt tokens at positions p0 .. p0+n-1.
+//
+//   x    [n][d]  f32 residual stream        a16 [n][K] f16 GEMM input (masked by the threshold)
+//   qkv  [n][(H + 2 Hkv) hd] f32            gu  [n][2I] f32 (gate | up)
+//
+// rmsnorm_rows: block per row, out = x / rms(x) * w (f32).
+// rows_to_f16:  grid-stride over n x K, out[i][j] = f16(mask_t(x[i * ldx + j])), the GEMM input
+//               of one product under its threshold.
+// silu_rows:    gate = silu(gate) * up in place.
+// rope_rows:        grid (H + Hkv, n): rope_kv of step.cu at position p0 + row.
+// The causal attention reuses attention.cu's kernels with one query per blockIdx.z.
+
+__device__ __forceinline__ float masked(float v, float t) { return fabsf(v) > t ? v : 0.f; }
+
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int d, float eps) {
+    __shared__ float red[8];
+    const float* row = x + (size_t)blockIdx.x * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += 256) ss += row[i] * row[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) total += red[i];
+    float scale = 1.f / sqrtf(total / (float)d + eps);
+    float* o = out + (size_t)blockIdx.x * d;
+    for (int i = threadIdx.x; i < d; i += 256) o[i] = row[i] * scale * w[i];
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+rows_to_f16(const float* __restrict__ x, int ldx, f16_bits* __restrict__ out, int n, int K, float t) {
+    size_t total = (size_t)n * K;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / K, c = i % K;
+        out[i] = f2h(masked(x[r * ldx + c], t));
+    }
+}
+
+// gate <- silu(gate) * up, in place in the gate half of each row of gu.
+extern "C" __global__ void __launch_bounds__(256)
+silu_rows(float* __restrict__ gu, int n, int I) {
+    size_t total = (size_t)n * I;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / I, c = i % I;
+        float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c];
+        gu[r * 2 * I + c] = g / (1.f + __expf(-g)) * u;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
+          const float* __restrict__ rope_sin, int p0, f16_bits* __restrict__ k_cache,
+          f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    int head = blockIdx.x;
+    int p = p0 + blockIdx.y;
+    int half = hd / 2;
+    size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
+    float* base = qkv + blockIdx.y * qkv_row;
+    const float* c = rope_cos + (size_t)p * half;
+    const float* s = rope_sin + (size_t)p * half;
+    float* row = base + (size_t)head * hd;
+    const float* brow = bias ? bias + (size_t)head * hd : nullptr;
+    size_t kv_row = (size_t)Hkv * hd;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a = row[i], b = row[i + half];
+        if (brow) {
+            a += brow[i];
+            b += brow[i + half];
+        }
+        float ra = a * c[i] - b * s[i];
+        float rb = b * c[i] + a * s[i];
+        if (head < H) {
+            row[i] = ra;
+            row[i + half] = rb;
+        } else {
+            int kh = head - H;
+            f16_bits* kdst = k_cache + (size_t)p * kv_row + (size_t)kh * hd;
+            kdst[i] = f2h(ra);
+            kdst[i + half] = f2h(rb);
+            size_t voff = (size_t)(H + Hkv) * hd + (size_t)kh * hd;
+            float va = base[voff + i], vb = base[voff + i + half];
+            if (bias) {
+                va += bias[voff + i];
+                vb += bias[voff + i + half];
+            }
+            f16_bits* vdst = v_cache + (size_t)p * kv_row + (size_t)kh * hd;
+            vdst[i] = f2h(va);
+            vdst[i + half] = f2h(vb);
+        }
+    }
+}
+
+// x[i][j] = embedding[tokens[i]][j].
+extern "C" __global__ void __launch_bounds__(256)
+embed_rows(const f16_bits* __restrict__ emb, const int* __restrict__ tokens, float* __restrict__ x, int n, int d) {
+    size_t total = (size_t)n * d;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t r = i / d, c = i % d;
+        x[i] = h2f(emb[(size_t)tokens[r] * d + c]);
+    }
+}

@@ -1,0 +1,179 @@
+//! Prefill in one batch: the prompt's tokens (all but the last, which the decode step runs and
+//! samples from) go through every layer together, the products as cuBLAS GEMMs on f16
+//! weights, so that time to first token is a few GEMMs per layer instead of one decode step per
+//! prompt token.
+//!
+//! | weights on the device | GEMM operand |
+//! |---|---|
+//! | dense row-major (M x K) | the weights themselves, `op = T` |
+//! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
+//! | Tiled-CBC | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
+//! | RLC-CSC | no decoder: the prompt runs token by token through the decode step |
+//!
+//! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
+//! (the CPU path's `matmul` semantics); GEMMs accumulate in f32, o_proj and down_proj with
+//! `beta = 1` into the residual stream. Attention is causal over the cache, which the chunk's
+//! RoPE kernel fills first. Prompts longer than [`CHUNK`] run in chunks.
+
+use crate::error::{GpuError, Result};
+use crate::kernels;
+use crate::matrix::{DeviceLinear, DeviceMatrix};
+use cudarc::driver::CudaSlice;
+use half::f16;
+use sieve_cuda::{dev_ptr, DevPtr, DriverContext, Gpu};
+use sieve_formats::Threshold;
+
+/// Tokens per batched pass (bounds the scratch buffers).
+pub const CHUNK: usize = 256;
+
+/// Scratch of the batched pass, sized for [`CHUNK`] tokens and the model's widest matrix.
+pub struct PrefillBuffers {
+    /// Residual stream `[n][d]`.
+    pub x: CudaSlice<f32>,
+    /// Normed f32 rows `[n][d]`.
+    pub xn: CudaSlice<f32>,
+    /// f16 GEMM input `[n][max K]`.
+    pub a16: CudaSlice<f16>,
+    /// Token ids of the chunk.
+    pub tokens: CudaSlice<i32>,
+    /// Product outputs `[n][max M]` (q|k|v, then gate|up).
+    pub y: CudaSlice<f32>,
+    /// Attention output `[n][H hd]`.
+    pub att: CudaSlice<f32>,
+    /// Attention split partials for `n` queries.
+    pub part: CudaSlice<f32>,
+    /// A decoded K x M f16 weight matrix (formats without a dense device copy).
+    pub w16: CudaSlice<f16>,
+}
+
+impl PrefillBuffers {
+    pub fn new(
+        gpu: &Gpu,
+        d: usize,
+        max_k: usize,
+        max_m: usize,
+        att: usize,
+        part: usize,
+        decoded: usize,
+    ) -> Result<Self> {
+        let s = gpu.stream();
+        let f32s = |n: usize| {
+            s.alloc_zeros::<f32>(n.max(1))
+                .during("allocating prefill scratch")
+        };
+        Ok(Self {
+            x: f32s(CHUNK * d)?,
+            xn: f32s(CHUNK * d)?,
+            tokens: s
+                .alloc_zeros::<i32>(CHUNK)
+                .during("allocating prefill scratch")?,
+            a16: s
+                .alloc_zeros::<f16>((CHUNK * max_k).max(1))
+                .during("allocating prefill scratch")?,
+            y: f32s(CHUNK * max_m)?,
+            att: f32s(CHUNK * att)?,
+            part: f32s(CHUNK * part)?,
+            w16: s
+                .alloc_zeros::<f16>(decoded.max(1))
+                .during("allocating prefill scratch")?,
+        })
+    }
+}
+
+/// True when every matrix of `linears` can run as a GEMM.
+pub fn batchable(linears: &[&DeviceLinear]) -> bool {
+    linears.iter().all(|l| {
+        l.parts
+            .iter()
+            .all(|p| !matches!(p.matrix, DeviceMatrix::RlcCsc(_)))
+    })
+}
+
+/// Elements of the largest decoded (Tiled-CBC) matrix among `linears`.
+pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
+    linears
+        .iter()
+        .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
+        .filter(|(p, _)| matches!(p.matrix, DeviceMatrix::TiledCbc(_)))
+        .map(|(p, k)| p.rows * k)
+        .max()
+        .unwrap_or(0)
+}
+
+/// `Y[n][row_offset ..] = beta Y + A · Wᵀ` for every part of `lin`: each part's input is
+/// `x` (f32, `ldx` per row) masked by the part's threshold into `a16` first. `ldy` floats per
+/// row of Y.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_rows(
+    gpu: &Gpu,
+    lin: &DeviceLinear,
+    x: DevPtr,
+    ldx: usize,
+    a16: DevPtr,
+    n: usize,
+    y: DevPtr,
+    ldy: usize,
+    beta: f32,
+    w16: DevPtr,
+) -> Result<()> {
+    use cudarc::cublas::sys;
+    let blas = gpu.cublas()?;
+    let k = lin.cols;
+    let mut masked: Option<Threshold> = None;
+    for (i, p) in lin.parts.iter().enumerate() {
+        if i == 0 || masked != Some(p.threshold) {
+            kernels::rows_to_f16(gpu, x, ldx, a16, n, k, p.threshold)?;
+            masked = Some(p.threshold);
+        }
+        let m = p.rows;
+        let (w, op, lda) = match &p.matrix {
+            DeviceMatrix::DenseRows(d) => (
+                dev_ptr(gpu, d.weights()),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                k,
+            ),
+            DeviceMatrix::DenseCols(d) => (
+                dev_ptr(gpu, d.weights()),
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                d.ldm(),
+            ),
+            DeviceMatrix::TiledCbc(t) => {
+                t.decode_transposed(gpu, w16)?;
+                (w16, sys::cublasOperation_t::CUBLAS_OP_N, m)
+            }
+            DeviceMatrix::RlcCsc(_) => {
+                return Err(GpuError::Unsupported(
+                    "RLC-CSC has no batched prefill path".into(),
+                ))
+            }
+        };
+        let alpha = 1.0f32;
+        let yp = y + (p.row_offset * 4) as u64;
+        // Column-major view: Yᵀ (M x n, ld = ldy) = op(W) (M x K) · Aᵀ (K x n, ld = K).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                op,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                w as *const _,
+                sys::cudaDataType::CUDA_R_16F,
+                lda as i32,
+                a16 as *const _,
+                sys::cudaDataType::CUDA_R_16F,
+                k as i32,
+                (&beta as *const f32).cast(),
+                yp as *mut _,
+                sys::cudaDataType::CUDA_R_32F,
+                ldy as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .map_err(sieve_cuda::CudaError::from)?;
+        }
+    }
+    Ok(())
+}
