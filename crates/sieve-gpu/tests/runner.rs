@@ -498,6 +498,11 @@ fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
         );
         g.set_batched_prefill(true);
     }
+    assert!(
+        !g.report().notes.iter().any(|n| n.contains("capture failed")),
+        "{name}: {:?}",
+        g.report().notes
+    );
     // Eager launches give the same tokens as graph replays.
     g.set_use_graphs(false);
     let mut eager = vec![g.prefill(&prompt).unwrap()];
