@@ -499,7 +499,10 @@ fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
         g.set_batched_prefill(true);
     }
     assert!(
-        !g.report().notes.iter().any(|n| n.contains("capture failed")),
+        !g.report()
+            .notes
+            .iter()
+            .any(|n| n.contains("capture failed")),
         "{name}: {:?}",
         g.report().notes
     );

@@ -86,7 +86,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
     };
     let mut stdout = std::io::stdout();
     if let Some(gpu) = super::device::open(args.device)? {
-        let capacity = prompt.len() + args.max_tokens;
+        let capacity = prompt.len().saturating_add(args.max_tokens);
         let mut gpu_model = sieve_gpu::GpuModel::from_model(gpu, &model, capacity)?;
         drop(model);
         super::device::print_report(&gpu_model);
