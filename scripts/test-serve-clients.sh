@@ -6,7 +6,7 @@
 #
 #   bash scripts/test-serve-clients.sh [--screenshot PATH]
 #
-# SIEVE_BIN picks the binary (default: target/debug/sieve, built here if missing). The browser
+# SIEVE_BIN picks the binary (default: $CARGO_TARGET_DIR or target, /debug/sieve, built here if missing). The browser
 # test is skipped, with the reason printed, only when Chromium cannot be installed at all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ screenshot=""
 if [[ "${1:-}" == "--screenshot" ]]; then
     screenshot="$2"
 fi
-bin="${SIEVE_BIN:-target/debug/sieve}"
+bin="${SIEVE_BIN:-${CARGO_TARGET_DIR:-target}/debug/sieve}"
 if [[ ! -x "$bin" ]]; then
     cargo build --quiet -p sieve
 fi
