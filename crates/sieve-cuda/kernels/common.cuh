@@ -54,6 +54,17 @@ __device__ __forceinline__ uint4 ld_stream16_evict_first(const void* p) {
     return v;
 }
 
+// Programmatic dependent launch (src/graph.rs): wait until the previous kernel of the graph has
+// completed and its writes are visible, then let the next kernel launch so that its launch
+// overlaps this one. Every kernel calls this first, before it touches global memory; both
+// instructions are no-ops when the launch has no programmatic edge.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // TEAL activation mask: an input is active when |x| > t. t < 0 makes every input active.
 __device__ __forceinline__ bool active(float x, float t) { return fabsf(x) > t; }
 

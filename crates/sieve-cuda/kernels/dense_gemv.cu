@@ -74,6 +74,7 @@ __device__ __forceinline__ void gemv_row(const uint4* __restrict__ row, const fl
 extern "C" __global__ void __launch_bounds__(256)
 dense_gemv_rowmajor(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
                     int M, int K, float t, int accumulate) {
+    pdl_wait_then_release();
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= M) return;
@@ -84,6 +85,7 @@ dense_gemv_rowmajor(const uint4* __restrict__ w, const float* __restrict__ x, fl
 extern "C" __global__ void __launch_bounds__(256)
 dense_gemv_rowmajor_scalar(const f16_bits* __restrict__ w, const float* __restrict__ x,
                            float* __restrict__ y, int M, int K, float t, int accumulate) {
+    pdl_wait_then_release();
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= M) return;
@@ -188,6 +190,7 @@ __device__ __forceinline__ void colmajor_kernel(const f16_bits* __restrict__ w, 
 extern "C" __global__ void __launch_bounds__(256)
 dense_colmajor(const f16_bits* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
                int M, int K, int ldm, float t, int cols_per_warp, u32* flags, u32 epoch) {
+    pdl_wait_then_release();
     colmajor_kernel<false>(w, x, nullptr, K, y, M, ldm, t, cols_per_warp, flags, epoch);
 }
 
@@ -195,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(256)
 dense_colmajor_list(const f16_bits* __restrict__ w, const float* __restrict__ x, const int* __restrict__ cols,
                     const int* __restrict__ ncols, float* __restrict__ y, int M, int ldm,
                     int cols_per_warp) {
+    pdl_wait_then_release();
     colmajor_kernel<true>(w, x, cols, *ncols, y, M, ldm, -1.f, cols_per_warp, nullptr, 0);
 }
 
@@ -202,6 +206,7 @@ dense_colmajor_list(const f16_bits* __restrict__ w, const float* __restrict__ x,
 // order only changes rounding) and their count into *ncols (zeroed by the caller).
 extern "C" __global__ void __launch_bounds__(256)
 compact_active(const float* __restrict__ x, int K, float t, int* __restrict__ cols, int* __restrict__ ncols) {
+    pdl_wait_then_release();
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     int lane = threadIdx.x & 31;
     bool on = k < K && active(x[k], t);
@@ -214,6 +219,7 @@ compact_active(const float* __restrict__ x, int K, float t, int* __restrict__ co
 
 // f32 -> f16 activations for the cuBLAS baseline (GemmEx takes f16 inputs).
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, f16_bits* __restrict__ out, int n) {
+    pdl_wait_then_release();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
 }
@@ -222,6 +228,7 @@ extern "C" __global__ void f32_to_f16(const float* __restrict__ x, f16_bits* __r
 // compared against (bytes read + bytes written).
 extern "C" __global__ void __launch_bounds__(256)
 copy16(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
+    pdl_wait_then_release();
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = ld_stream16(src + i);
 }
@@ -229,6 +236,7 @@ copy16(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
 // Keeps the GPU busy for `ns` nanoseconds so that the host can enqueue a whole timed batch
 // ahead of the GPU: per-launch event timings then contain no host launch gaps.
 extern "C" __global__ void spin_ns(u64 ns) {
+    pdl_wait_then_release();
     u64 t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do {

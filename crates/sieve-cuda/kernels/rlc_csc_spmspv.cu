@@ -244,15 +244,19 @@ __device__ __forceinline__ void rlc_kernel(const f16_bits* __restrict__ values, 
 #define RLC_PASS values, indices, seg_start, seg_len, slab_start, slab_row, x
 
 extern "C" __global__ void __launch_bounds__(512) rlc_spmspv(RLC_ARGS) {
+    pdl_wait_then_release();
     rlc_kernel<0, false>(RLC_PASS, nullptr, K, y, M, K, block_rows, nbits, t, cols_per_warp);
 }
 extern "C" __global__ void __launch_bounds__(512) rlc_spmspv_norecon(RLC_ARGS) {
+    pdl_wait_then_release();
     rlc_kernel<1, false>(RLC_PASS, nullptr, K, y, M, K, block_rows, nbits, t, cols_per_warp);
 }
 extern "C" __global__ void __launch_bounds__(512) rlc_spmspv_noaccum(RLC_ARGS) {
+    pdl_wait_then_release();
     rlc_kernel<2, false>(RLC_PASS, nullptr, K, y, M, K, block_rows, nbits, t, cols_per_warp);
 }
 extern "C" __global__ void __launch_bounds__(512) rlc_spmspv_loadonly(RLC_ARGS) {
+    pdl_wait_then_release();
     rlc_kernel<3, false>(RLC_PASS, nullptr, K, y, M, K, block_rows, nbits, t, cols_per_warp);
 }
 // Already compacted active columns: `list` holds *ncols column indices.
@@ -262,5 +266,6 @@ rlc_spmspv_list(const f16_bits* __restrict__ values, const u32* __restrict__ ind
                 const u32* __restrict__ slab_start, const unsigned short* __restrict__ slab_row,
                 const float* __restrict__ x, const int* __restrict__ list, const int* __restrict__ ncols,
                 float* __restrict__ y, int M, int K, int block_rows, int nbits, int cols_per_warp) {
+    pdl_wait_then_release();
     rlc_kernel<0, true>(RLC_PASS, list, *ncols, y, M, K, block_rows, nbits, -1.f, cols_per_warp);
 }

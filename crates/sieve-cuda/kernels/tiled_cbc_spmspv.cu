@@ -39,6 +39,7 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
             const u64* __restrict__ bitmaps, const f16_bits* __restrict__ values,
             const float* __restrict__ x, float* __restrict__ y, int M, int K, int KT, float t,
             int gtiles_per_block) {
+    pdl_wait_then_release();
     __shared__ __align__(16) f16_bits s_vals[2][TCBC_TILE_K * TCBC_TILE_M];
     __shared__ __align__(16) u64 s_bits[2][TCBC_TILE_K * 4];
     __shared__ __align__(16) TcbcMeta s_meta[3];
@@ -190,6 +191,16 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 //  linear index and so was dispatched earlier, has long finished zeroing). The launcher passes
 //  a new epoch per launch, so the flags never need resetting.
 
+// tcbc_spmspv_rr: the lane8 kernel with a round-robin decode (step 3'), same bytes, same
+// pipeline. Lane j of every warp owns rows 32 w + j, w = 0..7, of the tile, so for bitmap word w
+// (u32, rows 32 w .. 32 w + 31) the lanes with a set bit read CONSECUTIVE values:
+//
+//     value index of lane j in word w = rank[w] + popc(word_w & lanes below j)
+//
+// one wavefront per word (lane8's runs of neighbouring lanes lie 16 (1 - sp) bytes apart and
+// conflict 2-4 ways, ncu run 5), paid with a popcount per word instead of per lane. Bitmap and
+// rank table are read with two 16-byte and one 8-byte broadcast loads per column.
+
 #define L8_WARPS 8
 
 __device__ __forceinline__ u32 lds_u16(u32 addr) {
@@ -207,6 +218,16 @@ __device__ __forceinline__ u32 lds_u32(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
     return v;
 }
+__device__ __forceinline__ uint4 lds_u32x4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint2 lds_u32x2(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
 __device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem));
 }
@@ -215,7 +236,8 @@ __device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
 }
 
 // BATCH columns per stage, STAGES stage buffers (the instantiations are at the end).
-template <int BATCH, int STAGES>
+// RR: the round-robin decode of tcbc_spmspv_rr (below) instead of a lane per 8 rows.
+template <int BATCH, int STAGES, bool RR>
 __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
                   const u64* __restrict__ bitmaps, const unsigned char* __restrict__ rank,
                   const f16_bits* __restrict__ values, const float* __restrict__ x,
@@ -327,6 +349,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
 
         int q = lane >> 2, sh = (lane & 3) * 8;
         u32 below = (1u << sh) - 1u;
+        const u32 lane_below = (1u << lane) - 1u;
         u32 cur = sbase;                                                 // stage of batch b
         u32 next = sbase + (u32)(STAGES - 1) * stage_bytes;  // stage of b + STAGES - 1
         const u32 last = sbase + (u32)(STAGES - 1) * stage_bytes;
@@ -335,6 +358,38 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
             __syncthreads();                 // ... everyone's; and batch b - 1 is consumed
             load(b + STAGES - 1, next);
             int cnt = min(BATCH, n - b * BATCH);
+            if (RR) {
+                // 3'. Round robin: lane j owns rows 32 w + j (w = 0..7) of the warp's column
+                //     slots. For bitmap word w the lanes whose bit is set read consecutive
+                //     values (rank[w] + set bits below the lane): one conflict-free wavefront
+                //     per word, one predicated load per word per lane.
+                u32 val[SLOTS_PER_WARP][8];
+                float xk[SLOTS_PER_WARP];
+#pragma unroll
+                for (int u = 0; u < SLOTS_PER_WARP; ++u) {
+                    int slot = warp + u * L8_WARPS;
+                    bool valid = slot < cnt;
+                    slot = valid ? slot : 0;
+                    uint4 wa = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u);
+                    uint4 wb = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u + 16u);
+                    uint2 rk = lds_u32x2(cur + RANK_OFF + (u32)slot * 8u);
+                    u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+                    const u32 vbase = cur + (u32)slot * (TCBC_TILE_M * 2);
+#pragma unroll
+                    for (int w = 0; w < 8; ++w) {
+                        u32 r = ((w < 4 ? rk.x : rk.y) >> (8 * (w & 3))) & 0xffu;
+                        bool on = valid && ((words[w] >> lane) & 1u);
+                        u32 addr = vbase + 2u * (r + __popc(words[w] & lane_below));
+                        val[u][w] = on ? lds_u16(addr) : 0u;
+                    }
+                    xk[u] = __uint_as_float(list[b * BATCH + slot].w);
+                }
+#pragma unroll
+                for (int u = 0; u < SLOTS_PER_WARP; ++u) {
+#pragma unroll
+                    for (int w = 0; w < 8; ++w) acc[w] = fmaf(h2f((unsigned short)val[u][w]), xk[u], acc[w]);
+                }
+            } else {
             // 3. Lane j: rows 8 j .. 8 j + 7 of the warp's column slots, decoded side by side
             //    so that their shared-memory latencies overlap (slots past the batch's end get
             //    an empty byte and read nothing).
@@ -361,6 +416,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
                     }
                 }
             }
+            }
             cur = cur == last ? sbase : cur + stage_bytes;
             next = next == last ? sbase : next + stage_bytes;
         }
@@ -371,7 +427,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     // 4. Cross-warp reduction, then one atomic per row.
     float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
-    for (int s = 0; s < 8; ++s) red[warp * TCBC_TILE_M + lane * 8 + s] = acc[s];
+    for (int s = 0; s < 8; ++s) red[warp * TCBC_TILE_M + (RR ? 32 * s + lane : lane * 8 + s)] = acc[s];
     __syncthreads();
     if (n == 0) return;  // uniform: nothing to add (block 0 has already zeroed its rows)
     float sum = 0.f;
@@ -392,16 +448,36 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
 // src/tiled_cbc.rs). Default: 32-column batches, 2 stages (~43 KB of shared memory: 5 blocks
 // per SM); the others were within 5% of it on the LLaMA-2-7B shapes (docs/BENCHMARKS.md).
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s2(LANE8_ARGS) {
-    lane8_kernel<32, 2>(LANE8_PASS);
+    pdl_wait_then_release();
+    lane8_kernel<32, 2, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s3(LANE8_ARGS) {
-    lane8_kernel<16, 3>(LANE8_PASS);
+    pdl_wait_then_release();
+    lane8_kernel<16, 3, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s4(LANE8_ARGS) {
-    lane8_kernel<16, 4>(LANE8_PASS);
+    pdl_wait_then_release();
+    lane8_kernel<16, 4, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s3(LANE8_ARGS) {
-    lane8_kernel<32, 3>(LANE8_PASS);
+    pdl_wait_then_release();
+    lane8_kernel<32, 3, false>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s2(LANE8_ARGS) {
+    pdl_wait_then_release();
+    lane8_kernel<32, 2, true>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b16s3(LANE8_ARGS) {
+    pdl_wait_then_release();
+    lane8_kernel<16, 3, true>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b16s4(LANE8_ARGS) {
+    pdl_wait_then_release();
+    lane8_kernel<16, 4, true>(LANE8_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s3(LANE8_ARGS) {
+    pdl_wait_then_release();
+    lane8_kernel<32, 3, true>(LANE8_PASS);
 }
 
 // Decodes the whole matrix into Wt, K x M row-major f16 (W transposed), for the batched
@@ -413,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(256)
 tcbc_decode_t(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
               const u64* __restrict__ bitmaps, const f16_bits* __restrict__ values,
               f16_bits* __restrict__ wt, int M, int K, int KT) {
+    pdl_wait_then_release();
     int kt = blockIdx.x, rt = blockIdx.y, r = threadIdx.x;
     int row = rt * TCBC_TILE_M + r;
     u32 g = (u32)rt * (u32)KT + (u32)kt;

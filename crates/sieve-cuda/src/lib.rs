@@ -14,6 +14,8 @@
 //! | [`rlc_csc`] | Celty RLC-CSC | warp-per-256-row-tile spMspV, prefix-sum row reconstruction |
 //! | [`tiled_cbc`] | SPDP Tiled-CBC | SPDP's kernel; sieve's lane-per-8-rows kernel (default) |
 //!
+//! [`graph`] captures launches into CUDA graphs, optionally with programmatic dependent launch.
+//!
 //! [`choice`] picks, per layer, between the dense column-major and the Tiled-CBC kernel from
 //! time models fitted to measured runs.
 
@@ -21,6 +23,7 @@ pub mod choice;
 pub mod dense;
 pub mod error;
 pub mod gpu;
+pub mod graph;
 pub mod product;
 pub mod rlc_csc;
 pub mod tiled_cbc;

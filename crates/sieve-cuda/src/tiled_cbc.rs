@@ -25,6 +25,16 @@ pub enum TcbcKernel {
     /// Sieve's mapping: compacted active columns, batches of 32 through a 3-stage cp.async
     /// pipeline, a lane per 8 rows, fused output zeroing.
     Lane8,
+    /// Lane8's pipeline with the round-robin decode (lane j owns rows 32 w + j): one
+    /// conflict-free shared load per bitmap word instead of one per row slot.
+    RoundRobin,
+}
+
+impl TcbcKernel {
+    /// The kernels that share lane8's launch (compaction, batches, fused zeroing).
+    fn is_lane8_family(self) -> bool {
+        matches!(self, TcbcKernel::Lane8 | TcbcKernel::RoundRobin)
+    }
 }
 
 /// The lane8 kernel's pipeline shape: columns per batch and stage buffers. Each shape is its
@@ -49,7 +59,7 @@ impl Lane8Shape {
         Lane8Shape { batch, stages }
     }
 
-    fn kernel(self) -> Result<String> {
+    fn kernel(self, kernel: TcbcKernel) -> Result<String> {
         if !Lane8Shape::ALL.contains(&self) {
             return Err(CudaError::Option(format!(
                 "no lane8 kernel for batch {} x {} stages (compiled: {:?})",
@@ -58,7 +68,15 @@ impl Lane8Shape {
                 Lane8Shape::ALL
             )));
         }
-        Ok(format!("tcbc_spmspv_lane8_b{}s{}", self.batch, self.stages))
+        let family = if kernel == TcbcKernel::RoundRobin {
+            "rr"
+        } else {
+            "lane8"
+        };
+        Ok(format!(
+            "tcbc_spmspv_{family}_b{}s{}",
+            self.batch, self.stages
+        ))
     }
 
     /// Shared memory of the stages: vals[batch][256] f16, bits[batch][8] u32, rank[batch][8] u8.
@@ -166,7 +184,7 @@ impl GpuTiledCbc {
     ) -> Result<()> {
         let cpb = self.lane8_cols_per_block(gpu);
         let shared = self.lane8_shape.stage_bytes() + 16 * cpb;
-        let f = gpu.function(&FAMILY, &self.lane8_shape.kernel()?)?;
+        let f = gpu.function(&FAMILY, &self.lane8_shape.kernel(self.kernel)?)?;
         gpu.allow_dynamic_shared(&f, shared)?;
         let cfg = LaunchConfig {
             grid_dim: (self.cols.div_ceil(cpb) as u32, self.row_tiles as u32, 1),
@@ -228,8 +246,12 @@ impl GpuMatVec for GpuTiledCbc {
     fn label(&self) -> String {
         let kernel = match self.kernel {
             TcbcKernel::Spdp => "tiled-cbc/spdp".to_string(),
-            TcbcKernel::Lane8 => {
-                let mut l = "tiled-cbc/lane8".to_string();
+            TcbcKernel::Lane8 | TcbcKernel::RoundRobin => {
+                let mut l = if self.kernel == TcbcKernel::RoundRobin {
+                    "tiled-cbc/rr".to_string()
+                } else {
+                    "tiled-cbc/lane8".to_string()
+                };
                 if self.lane8_shape != Lane8Shape::DEFAULT {
                     l += &format!("/b{}s{}", self.lane8_shape.batch, self.lane8_shape.stages);
                 }
@@ -262,7 +284,7 @@ impl GpuMatVec for GpuTiledCbc {
             }
             // ColInfo and TileOffset of every column (read together with x), plus the rank
             // tables of active columns.
-            TcbcKernel::Lane8 => {
+            TcbcKernel::Lane8 | TcbcKernel::RoundRobin => {
                 let active_cols = active.iter().filter(|a| **a).count();
                 w - active_cols * self.row_tiles * 4
                     + active_cols * self.row_tiles * 8
@@ -280,7 +302,7 @@ impl GpuMatVec for GpuTiledCbc {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_io(self, x, y)?;
-        if self.kernel == TcbcKernel::Lane8 {
+        if self.kernel.is_lane8_family() {
             return self.launch_lane8(gpu, x, threshold, y);
         }
         gpu.zero_f32(y)?;
@@ -341,9 +363,9 @@ impl GpuTiledCbc {
 
 impl GpuAccumulate for GpuTiledCbc {
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
-        if self.kernel != TcbcKernel::Lane8 {
+        if !self.kernel.is_lane8_family() {
             return Err(CudaError::Option(
-                "the accumulating Tiled-CBC launch exists for the lane8 kernel only".into(),
+                "the accumulating Tiled-CBC launch exists for the lane8 and rr kernels only".into(),
             ));
         }
         self.lane8_raw(gpu, x, threshold, y, false)
@@ -369,30 +391,34 @@ pub fn rank_table(bitmaps: &[u64]) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{rank_table, Lane8Shape, FAMILY};
+    use super::{rank_table, Lane8Shape, TcbcKernel, FAMILY};
 
     /// Every shape the launcher can pick has its kernel in the source (a missing or misnamed
     /// instantiation would otherwise only show on a GPU), and the launcher's shared-memory size
     /// matches the kernel's stage layout.
     #[test]
     fn every_lane8_shape_has_a_kernel() {
+        for (kernel, rr) in [(TcbcKernel::Lane8, false), (TcbcKernel::RoundRobin, true)] {
+            for shape in Lane8Shape::ALL {
+                let name = shape.kernel(kernel).expect("compiled shape");
+                let wrapper = format!("{name}(LANE8_ARGS)");
+                let inst = format!("lane8_kernel<{}, {}, {rr}>", shape.batch, shape.stages);
+                let at = FAMILY
+                    .source
+                    .find(&wrapper)
+                    .unwrap_or_else(|| panic!("{name} missing"));
+                assert!(FAMILY.source[at..]
+                    .trim_start_matches(&wrapper)
+                    .contains(&inst));
+            }
+        }
         for shape in Lane8Shape::ALL {
-            let name = shape.kernel().expect("compiled shape");
-            let wrapper = format!("{name}(LANE8_ARGS)");
-            let inst = format!("lane8_kernel<{}, {}>", shape.batch, shape.stages);
-            let at = FAMILY
-                .source
-                .find(&wrapper)
-                .unwrap_or_else(|| panic!("{name} missing"));
-            assert!(FAMILY.source[at..]
-                .trim_start_matches(&wrapper)
-                .contains(&inst));
             assert_eq!(
                 shape.stage_bytes(),
                 shape.stages * (shape.batch * 512 + shape.batch * 40)
             );
         }
-        assert!(Lane8Shape::new(8, 1).kernel().is_err());
+        assert!(Lane8Shape::new(8, 1).kernel(TcbcKernel::Lane8).is_err());
     }
 
     #[test]

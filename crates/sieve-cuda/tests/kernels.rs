@@ -247,19 +247,21 @@ fn tiled_cbc_matches_reference() {
             g.gtiles_per_block = gpb;
             check(&gpu, &g, &m, &x, t, &format!("{what} spdp g{gpb}"));
         }
-        g.kernel = TcbcKernel::Lane8;
-        for shape in Lane8Shape::ALL {
-            g.lane8_shape = shape;
-            for gpb in [0usize, 1, 3, 32] {
-                g.gtiles_per_block = gpb;
-                check(
-                    &gpu,
-                    &g,
-                    &m,
-                    &x,
-                    t,
-                    &format!("{what} lane8 {shape:?} g{gpb}"),
-                );
+        for kernel in [TcbcKernel::Lane8, TcbcKernel::RoundRobin] {
+            g.kernel = kernel;
+            for shape in Lane8Shape::ALL {
+                g.lane8_shape = shape;
+                for gpb in [0usize, 1, 3, 32] {
+                    g.gtiles_per_block = gpb;
+                    check(
+                        &gpu,
+                        &g,
+                        &m,
+                        &x,
+                        t,
+                        &format!("{what} {kernel:?} {shape:?} g{gpb}"),
+                    );
+                }
             }
         }
     }
@@ -285,9 +287,11 @@ fn fused_zeroing_survives_relaunch_into_the_same_output() {
         let xd = gpu.upload(&x).expect("x");
         let f = TiledCbc::encode(&m).expect("encode");
         let tcbc = GpuTiledCbc::upload(&gpu, &f).expect("upload");
+        let mut tcbc_rr = GpuTiledCbc::upload(&gpu, &f).expect("upload");
+        tcbc_rr.kernel = TcbcKernel::RoundRobin;
         let mut cm = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
         cm.cols_per_warp = 32;
-        let kernels: [&dyn GpuMatVec; 2] = [&tcbc, &cm];
+        let kernels: [&dyn GpuMatVec; 3] = [&tcbc, &tcbc_rr, &cm];
         for k in kernels {
             let mut y = gpu.poisoned_f32(rows).expect("y");
             for launch in 0..3 {
@@ -305,11 +309,11 @@ fn fused_zeroing_survives_relaunch_into_the_same_output() {
     }
 }
 
-/// Prints where RLC-CSC goes wrong on tiny single-column cases (diagnostic; asserts nothing
-/// beyond what `rlc_csc_matches_reference` asserts).
+/// Single-column RLC-CSC matrices around the block-row and warp boundaries: every row must
+/// match (the failing rows are listed in the message).
 #[test]
-fn rlc_csc_diagnose_single_column() {
-    let Some(gpu) = gpu_or_skip("rlc_csc_diagnose_single_column") else {
+fn rlc_csc_single_column_edges() {
+    let Some(gpu) = gpu_or_skip("rlc_csc_single_column_edges") else {
         return;
     };
     for (m, br) in [
@@ -342,7 +346,11 @@ fn rlc_csc_diagnose_single_column() {
             .take(12)
             .map(|(i, (g, w))| format!("row {i}: got {g} want {w}"))
             .collect();
-        eprintln!("DIAG m={m} B={br} warps={} bad: {:?}", g.warps, bad);
+        assert!(
+            bad.is_empty(),
+            "rlc-csc {m}x1, block rows {br}, warps {}: {bad:?}",
+            g.warps
+        );
     }
 }
 
@@ -361,9 +369,12 @@ fn sparse_kernels_on_unpruned_llama_shape() {
         let what = format!("4096x4096 sp 0 dp {dp}");
         let f = TiledCbc::encode(&m).expect("encode");
         let mut g = GpuTiledCbc::upload(&gpu, &f).expect("upload");
-        for shape in Lane8Shape::ALL {
-            g.lane8_shape = shape;
-            check(&gpu, &g, &m, &x, t, &format!("{what} lane8 {shape:?}"));
+        for kernel in [TcbcKernel::Lane8, TcbcKernel::RoundRobin] {
+            g.kernel = kernel;
+            for shape in Lane8Shape::ALL {
+                g.lane8_shape = shape;
+                check(&gpu, &g, &m, &x, t, &format!("{what} {kernel:?} {shape:?}"));
+            }
         }
         g.kernel = TcbcKernel::Spdp;
         check(&gpu, &g, &m, &x, t, &format!("{what} spdp"));

@@ -1,20 +1,34 @@
 // Grouped-query attention of one decode token over the f16 KV cache, split along the sequence
 // (flash-decoding), then a combine kernel.
 //
-// attention_split: grid (Hkv, S), 128 threads. Block (kv head h, split s) takes the g = H/Hkv
-// query heads that read KV head h, and positions [s*per, min((s+1)*per, len)) with
+// attention_split_g<G>: grid (Hkv, S), 128 threads (4 warps); G = the group size g = H / Hkv
+// rounded up to 1, 2, 4 or 8 (heads j >= g are masked). Block (kv head h, split s) takes the
+// g query heads that read KV head h, and positions [s*per, min((s+1)*per, len)) with
 // len = state[0] + 1 and per = ceil(len / S): the grid is fixed when the step is captured, the
 // split of the work follows the sequence length read from device memory.
 //
-//   positions in tiles of 128, thread t <-> position tile0 + t:
-//     scores  s[j] = (q_j * scale) . k_p           (q of the g heads in shared memory;
-//                                                   k row read as 16-byte vectors)
-//     per-head tile max by warp shuffles + shared, running max m_j, correction exp(m_old - m_new)
-//     prob[j][t] = exp(s[j] - m_j) in shared;  l_j (per thread, reduced at the end)
-//     values: thread t owns output dims t and t + 128 of every head j:
-//             acc[j][.] = acc * corr + sum_t prob[j][t] * v_t[dim]   (v rows read coalesced)
+// Lanes lie along the head dimension, so every cache read is coalesced: a row of hd f16 is
+// hd / 8 16-byte chunks, read by a group of L lanes (L = hd / 8 rounded up to a power of two;
+// lanes past hd / 8 idle), R = 32 / L rows per warp, RB = 4 R rows per block step:
+//
+//      cache row p (hd f16):  | chunk 0 | chunk 1 | ... |      lane = sub * L + c
+//      warp w, sub-row sub:   row  t0 + i * RB + w * R + sub, chunk c, for i < ATT_LOADS
+//
+//   per tile of TILE = ATT_LOADS * RB positions:
+//     1. every thread issues its ATT_LOADS K chunks and ATT_LOADS V chunks at once (all the
+//        tile's bytes in flight: one memory latency per tile, not one per row);
+//     2. scores: the lane's 8 dims of q_j (registers) . its K chunk, summed over the L lanes
+//        by shuffles; scores[j][row] in shared memory (-inf past the split's end);
+//     3. warp w takes heads w, w + 4: tile max, running max m_j, probabilities in place,
+//        running sum l_j, correction corr_j = exp(m_old - m_new), all in shared memory;
+//     4. values: acc[j][8] = acc * corr_j + sum over the thread's rows of prob[j][row] * V chunk.
+//   After the last tile the RB row groups' accumulators are reduced through shared memory.
 //   output per (query head, split): part[(head * S + s) * (hd + 2)] = { m, l, acc[0..hd] }
 //   (an empty split writes m = -inf, l = 0).
+//
+// The previous kernel gave a thread one position and walked its K row and the tile's V rows
+// one 16-byte (or 2-byte) load after another: ~30 dependent memory latencies per tile, 20 µs per
+// layer of a 7B decode step at a 300-token context (docs/BENCHMARKS.md, GPU decode run 4).
 //
 // Prefill (len0 > 0): grid (Hkv, S, n), query z at position len0 - 1 + z reads its q from
 // qkv + z * q_stride and writes its partials z * H * S * (hd + 2) further; combine runs on
@@ -22,10 +36,12 @@
 //
 // attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
 //
-// Limits (checked by the runner): hd <= 256 and a multiple of 8, g <= 8.
+// Limits (checked by the runner): hd <= 256 and a multiple of 8, g <= 8. Dynamic shared
+// memory: max(G * TILE, RB * G * hd) floats (<= 32 KB; the launcher computes the same).
 
 #define ATT_THREADS 128
-#define ATT_MAX_G 8
+#define ATT_WARPS 4
+#define ATT_LOADS 8
 #define ATT_NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -34,12 +50,19 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-attention_split(const float* __restrict__ qkv, const f16_bits* __restrict__ k_cache,
-                const f16_bits* __restrict__ v_cache, const int* __restrict__ state,
-                float* __restrict__ part, int H, int Hkv, int hd, float scale, int len0, int q_stride) {
-    extern __shared__ float smem[];
-    __shared__ float red[ATT_THREADS / 32][ATT_MAX_G];
+__device__ __forceinline__ uint4 ld_cache16(const f16_bits* p) {
+    return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+template <int G>
+__device__ __forceinline__ void attention_split_body(const float* __restrict__ qkv,
+                                                     const f16_bits* __restrict__ k_cache,
+                                                     const f16_bits* __restrict__ v_cache,
+                                                     const int* __restrict__ state, float* __restrict__ part,
+                                                     int H, int Hkv, int hd, float scale, int len0,
+                                                     int q_stride) {
+    extern __shared__ float smem[];  // scores [G][TILE]; after the loop, the reduction [RB][G][hd]
+    __shared__ float s_m[G], s_l[G], s_corr[G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int g = H / Hkv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -49,114 +72,165 @@ attention_split(const float* __restrict__ qkv, const f16_bits* __restrict__ k_ca
     part += (size_t)blockIdx.z * H * S * (hd + 2);
     const int per = (len + S - 1) / S;
     const int p0 = min(split * per, len), p1 = min(p0 + per, len);
-    float* qs = smem;             // [g][hd]
-    float* prob = smem + g * hd;  // [g][ATT_THREADS]
-    for (int i = tid; i < g * hd; i += ATT_THREADS) qs[i] = qkv[(size_t)kvh * g * hd + i] * scale;
+
+    const int chunks = hd >> 3;
+    int L = 1;
+    while (L < chunks) L <<= 1;
+    const int R = 32 / L, RB = ATT_WARPS * R, TILE = ATT_LOADS * RB;
+    const int sub = lane / L, c = lane % L;
+    const bool has_chunk = c < chunks;
+    const int rstep = warp * R + sub;  // this thread's row within a block step
+
+    float q[G][8], acc[G][8];
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            q[j][e] = (j < g && has_chunk) ? qkv[(size_t)(kvh * g + j) * hd + c * 8 + e] * scale : 0.f;
+            acc[j][e] = 0.f;
+        }
+    }
+    if (tid < G) {
+        s_m[tid] = ATT_NEG_INF;
+        s_l[tid] = 0.f;
+    }
     __syncthreads();
 
     const size_t row = (size_t)Hkv * hd;
-    float m[ATT_MAX_G], l[ATT_MAX_G], acc[ATT_MAX_G][2];
+    const f16_bits* kbase = k_cache + (size_t)kvh * hd + c * 8;
+    const f16_bits* vbase = v_cache + (size_t)kvh * hd + c * 8;
+    float* sc = smem;
+    for (int t0 = p0; t0 < p1; t0 += TILE) {
+        // 1. The tile's K and V chunks, all in flight together.
+        uint4 kv[ATT_LOADS], vv[ATT_LOADS];
 #pragma unroll
-    for (int j = 0; j < ATT_MAX_G; ++j) {
-        m[j] = ATT_NEG_INF;
-        l[j] = 0.f;
-        acc[j][0] = acc[j][1] = 0.f;
-    }
-    for (int t0 = p0; t0 < p1; t0 += ATT_THREADS) {
-        const int p = t0 + tid;
-        const bool valid = p < p1;
-        float s[ATT_MAX_G];
-#pragma unroll
-        for (int j = 0; j < ATT_MAX_G; ++j) s[j] = 0.f;
-        if (valid) {
-            const uint4* kr = reinterpret_cast<const uint4*>(k_cache + (size_t)p * row + (size_t)kvh * hd);
-            for (int c = 0; c < hd / 8; ++c) {
-                float kf[8];
-                unpack8(kr[c], kf);
-#pragma unroll
-                for (int j = 0; j < ATT_MAX_G; ++j) {
-                    if (j < g) {
-                        const float* q = qs + j * hd + c * 8;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) s[j] = fmaf(q[e], kf[e], s[j]);
-                    }
-                }
-            }
+        for (int i = 0; i < ATT_LOADS; ++i) {
+            const int p = t0 + i * RB + rstep;
+            const bool ok = p < p1 && has_chunk;
+            kv[i] = ok ? ld_cache16(kbase + (size_t)p * row) : make_uint4(0, 0, 0, 0);
+            vv[i] = ok ? ld_cache16(vbase + (size_t)p * row) : make_uint4(0, 0, 0, 0);
         }
+        // 2. Scores of the thread's rows, summed over the row's L lanes.
 #pragma unroll
-        for (int j = 0; j < ATT_MAX_G; ++j) {
-            if (j < g) {
-                float v = warp_max(valid ? s[j] : ATT_NEG_INF);
-                if (lane == 0) red[warp][j] = v;
+        for (int i = 0; i < ATT_LOADS; ++i) {
+            float kf[8];
+            unpack8(kv[i], kf);
+            float d[G];
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                d[j] = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d[j] = fmaf(q[j][e], kf[e], d[j]);
             }
-        }
-        __syncthreads();
+            for (int off = L >> 1; off > 0; off >>= 1) {
 #pragma unroll
-        for (int j = 0; j < ATT_MAX_G; ++j) {
-            if (j < g) {
-                float tile_max = red[0][j];
+                for (int j = 0; j < G; ++j) d[j] += __shfl_xor_sync(FULL_MASK, d[j], off);
+            }
+            if (c == 0) {
+                const int idx = i * RB + rstep;
+                const bool valid = t0 + idx < p1;
 #pragma unroll
-                for (int w = 1; w < ATT_THREADS / 32; ++w) tile_max = fmaxf(tile_max, red[w][j]);
-                // The tile has at least one valid position, so the new max is finite.
-                float m_new = fmaxf(m[j], tile_max);
-                float corr = __expf(m[j] - m_new);
-                m[j] = m_new;
-                float e = valid ? __expf(s[j] - m_new) : 0.f;
-                prob[j * ATT_THREADS + tid] = e;
-                l[j] = l[j] * corr + e;
-                acc[j][0] *= corr;
-                acc[j][1] *= corr;
+                for (int j = 0; j < G; ++j)
+                    if (j < g) sc[j * TILE + idx] = valid ? d[j] : ATT_NEG_INF;
             }
         }
         __syncthreads();
-        const int count = min(ATT_THREADS, p1 - t0);
-        const f16_bits* vbase = v_cache + (size_t)t0 * row + (size_t)kvh * hd;
-#pragma unroll 8
-        for (int q = 0; q < count; ++q) {
-            const f16_bits* vr = vbase + (size_t)q * row;
+        // 3. Online softmax of the tile, one warp per head.
+        for (int j = warp; j < g; j += ATT_WARPS) {
+            float mx = ATT_NEG_INF;
+            for (int i = lane; i < TILE; i += 32) mx = fmaxf(mx, sc[j * TILE + i]);
+            mx = warp_max(mx);
+            // The tile has at least one valid position, so m_new is finite.
+            const float m_old = s_m[j], m_new = fmaxf(m_old, mx);
+            float sum = 0.f;
+            for (int i = lane; i < TILE; i += 32) {
+                const float e = __expf(sc[j * TILE + i] - m_new);
+                sc[j * TILE + i] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float corr = __expf(m_old - m_new);
+                s_corr[j] = corr;
+                s_l[j] = s_l[j] * corr + sum;
+                s_m[j] = m_new;
+            }
+        }
+        __syncthreads();
+        // 4. Values.
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                int dim = tid + k * ATT_THREADS;
-                if (dim < hd) {
-                    float v = h2f(vr[dim]);
+        for (int j = 0; j < G; ++j) {
+            const float corr = j < g ? s_corr[j] : 0.f;
 #pragma unroll
-                    for (int j = 0; j < ATT_MAX_G; ++j)
-                        if (j < g) acc[j][k] = fmaf(prob[j * ATT_THREADS + q], v, acc[j][k]);
+            for (int e = 0; e < 8; ++e) acc[j][e] *= corr;
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_LOADS; ++i) {
+            float vf[8];
+            unpack8(vv[i], vf);
+            const int idx = i * RB + rstep;
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                if (j < g) {
+                    const float pr = sc[j * TILE + idx];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pr, vf[e], acc[j][e]);
                 }
             }
         }
-        __syncthreads();  // red and prob are rewritten by the next tile
+        __syncthreads();  // scores are rewritten by the next tile
     }
+
+    // Reduction over the RB row groups, then the partials.
+    float* red = smem;  // [RB][G][hd]
+    if (has_chunk) {
 #pragma unroll
-    for (int j = 0; j < ATT_MAX_G; ++j) {
-        if (j < g) {
-            float v = warp_sum(l[j]);
-            if (lane == 0) red[warp][j] = v;
-        }
+        for (int j = 0; j < G; ++j)
+            if (j < g) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) red[((size_t)rstep * G + j) * hd + c * 8 + e] = acc[j][e];
+            }
     }
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < ATT_MAX_G; ++j) {
-        if (j < g) {
-            float* out = part + ((size_t)(kvh * g + j) * S + split) * (hd + 2);
-            if (tid == 0) {
-                float total = 0.f;
-#pragma unroll
-                for (int w = 0; w < ATT_THREADS / 32; ++w) total += red[w][j];
-                out[0] = m[j];
-                out[1] = total;
-            }
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                int dim = tid + k * ATT_THREADS;
-                if (dim < hd) out[2 + dim] = acc[j][k];
-            }
-        }
+    for (int o = tid; o < g * hd; o += ATT_THREADS) {
+        const int j = o / hd, d = o - j * hd;
+        float sum = 0.f;
+        for (int r = 0; r < RB; ++r) sum += red[((size_t)r * G + j) * hd + d];
+        part[((size_t)(kvh * g + j) * S + split) * (hd + 2) + 2 + d] = sum;
     }
+    if (tid < g) {
+        float* out = part + ((size_t)(kvh * g + tid) * S + split) * (hd + 2);
+        out[0] = s_m[tid];
+        out[1] = s_l[tid];
+    }
+}
+
+#define ATTENTION_ARGS                                                                             \
+    const float *__restrict__ qkv, const f16_bits *__restrict__ k_cache,                           \
+        const f16_bits *__restrict__ v_cache, const int *__restrict__ state, float *__restrict__ part, \
+        int H, int Hkv, int hd, float scale, int len0, int q_stride
+#define ATTENTION_PASS qkv, k_cache, v_cache, state, part, H, Hkv, hd, scale, len0, q_stride
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g1(ATTENTION_ARGS) {
+    pdl_wait_then_release();
+    attention_split_body<1>(ATTENTION_PASS);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g2(ATTENTION_ARGS) {
+    pdl_wait_then_release();
+    attention_split_body<2>(ATTENTION_PASS);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g4(ATTENTION_ARGS) {
+    pdl_wait_then_release();
+    attention_split_body<4>(ATTENTION_PASS);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g8(ATTENTION_ARGS) {
+    pdl_wait_then_release();
+    attention_split_body<8>(ATTENTION_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 attention_combine(const float* __restrict__ part, float* __restrict__ att, int S, int hd) {
+    pdl_wait_then_release();
     const int h = blockIdx.x;
     // blockIdx.y: the query of a prefill batch (0 in decode).
     part += (size_t)blockIdx.y * gridDim.x * S * (hd + 2);

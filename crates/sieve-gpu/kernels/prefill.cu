@@ -14,6 +14,7 @@ __device__ __forceinline__ float masked(float v, float t) { return fabsf(v) > t 
 
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int d, float eps) {
+    pdl_wait_then_release();
     __shared__ float red[8];
     const float* row = x + (size_t)blockIdx.x * d;
     float ss = 0.f;
@@ -31,6 +32,7 @@ rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __
 
 extern "C" __global__ void __launch_bounds__(256)
 rows_to_f16(const float* __restrict__ x, int ldx, f16_bits* __restrict__ out, int n, int K, float t) {
+    pdl_wait_then_release();
     size_t total = (size_t)n * K;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / K, c = i % K;
@@ -41,6 +43,7 @@ rows_to_f16(const float* __restrict__ x, int ldx, f16_bits* __restrict__ out, in
 // gate <- silu(gate) * up, in place in the gate half of each row of gu.
 extern "C" __global__ void __launch_bounds__(256)
 silu_rows(float* __restrict__ gu, int n, int I) {
+    pdl_wait_then_release();
     size_t total = (size_t)n * I;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / I, c = i % I;
@@ -53,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(128)
 rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
           const float* __restrict__ rope_sin, int p0, f16_bits* __restrict__ k_cache,
           f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    pdl_wait_then_release();
     int head = blockIdx.x;
     int p = p0 + blockIdx.y;
     int half = hd / 2;
@@ -95,6 +99,7 @@ rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* 
 // x[i][j] = embedding[tokens[i]][j].
 extern "C" __global__ void __launch_bounds__(256)
 embed_rows(const f16_bits* __restrict__ emb, const int* __restrict__ tokens, float* __restrict__ x, int n, int d) {
+    pdl_wait_then_release();
     size_t total = (size_t)n * d;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
         size_t r = i / d, c = i % d;

@@ -53,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_token(float* __restrict__ logits, int V, float temperature, int top_k, float top_p,
              float penalty, int window, u64 seed, int* __restrict__ state, int* __restrict__ history,
              int capacity) {
+    pdl_wait_then_release();
     __shared__ float red[SAMPLE_THREADS / 32];
     __shared__ int red_i[SAMPLE_THREADS / 32];
     __shared__ float chunk_sum[SAMPLE_THREADS];

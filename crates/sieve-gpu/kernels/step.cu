@@ -24,6 +24,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 embed_token(const f16_bits* __restrict__ emb, const int* __restrict__ state, float* __restrict__ x,
             int d, int vocab) {
+    pdl_wait_then_release();
     int tok = state[1];
     // The host checks every id it writes; a bad one here would be a runner bug. Stay in bounds.
     if (tok < 0 || tok >= vocab) tok = 0;
@@ -34,6 +35,7 @@ embed_token(const f16_bits* __restrict__ emb, const int* __restrict__ state, flo
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_zero(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int d,
              float eps, float* __restrict__ zero, int zero_len) {
+    pdl_wait_then_release();
     __shared__ float red[8];
     float ss = 0.f;
     for (int i = threadIdx.x; i < d; i += 256) {
@@ -61,6 +63,7 @@ extern "C" __global__ void __launch_bounds__(128)
 rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
         const float* __restrict__ rope_sin, const int* __restrict__ state, f16_bits* __restrict__ k_cache,
         f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    pdl_wait_then_release();
     int p = state[0];
     int head = blockIdx.x;
     int half = hd / 2;
@@ -101,6 +104,7 @@ rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __
 // h = silu(gate) * up, gate and up the two halves of gu.
 extern "C" __global__ void __launch_bounds__(256)
 silu_mul(const float* __restrict__ gu, float* __restrict__ h, int I) {
+    pdl_wait_then_release();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < I) {
         float g = gu[i];
@@ -110,6 +114,7 @@ silu_mul(const float* __restrict__ gu, float* __restrict__ h, int I) {
 
 // Teacher forcing (prompt tokens, perplexity): the next token is the known one in history.
 extern "C" __global__ void advance_forced(int* __restrict__ state, const int* __restrict__ history, int capacity) {
+    pdl_wait_then_release();
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         int p = state[0] + 1;
         if (p < capacity) {

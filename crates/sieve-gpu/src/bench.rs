@@ -9,6 +9,7 @@ use crate::error::{GpuError, Result};
 use crate::runner::{GpuModel, StepPart, StepProfile};
 use crate::synthetic::{self, SyntheticOptions};
 use serde::Serialize;
+use sieve_cuda::tiled_cbc::TcbcKernel;
 use sieve_cuda::Gpu;
 use sieve_formats::random::Pattern;
 use sieve_formats::FormatKind;
@@ -23,6 +24,11 @@ pub struct DecodeBenchOptions {
     pub format: FormatKind,
     pub pattern: Pattern,
     pub seed: u64,
+    /// Tiled-CBC kernels to measure on each sparse Tiled-CBC model, one result each (the
+    /// model is built once).
+    pub tcbc_kernels: Vec<TcbcKernel>,
+    /// Programmatic dependent launch settings to measure (each a result on the same model).
+    pub pdl: Vec<bool>,
 }
 
 /// One configuration's numbers.
@@ -47,6 +53,8 @@ pub struct DecodeResult {
     pub copy_bandwidth_gbs: f64,
     pub pct_of_copy: f64,
     pub launches_per_step: usize,
+    /// Programmatic dependent launch between the step's kernels.
+    pub pdl: bool,
     pub breakdown: StepProfile,
     /// Graph replays of parts of the step (µs per step): everything, the products alone,
     /// everything but the products, everything but attention.
@@ -65,6 +73,15 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
         return f64::NAN;
     }
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The PDL settings to measure: as asked, or the runner's default (on).
+pub fn pdl_settings(opts: &DecodeBenchOptions) -> &[bool] {
+    if opts.pdl.is_empty() {
+        &[true]
+    } else {
+        &opts.pdl
+    }
 }
 
 /// Times `tokens` decode steps (one host read per token) and returns the per-token seconds.
@@ -155,7 +172,13 @@ pub fn measure(
         model: label.to_string(),
         sp,
         dp,
-        format: opts.format.name().to_string(),
+        // Tiled-CBC: the format with its kernel (lane8 or rr), from the q|k|v product's label.
+        format: match model.report().kernels.first() {
+            Some(k) if opts.format == FormatKind::TiledCbc => {
+                k.split(": ").nth(1).unwrap_or("tiled-cbc").to_string()
+            }
+            _ => opts.format.name().to_string(),
+        },
         kernels: model.report().kernels.clone(),
         setup_s,
         ttft_ms,
@@ -170,6 +193,7 @@ pub fn measure(
         copy_bandwidth_gbs: copy_gbs,
         pct_of_copy: 100.0 * bw / copy_gbs,
         launches_per_step: model.report().launches_per_step,
+        pdl: model.pdl(),
         graph_step_us: part_us[0],
         graph_linear_only_us: part_us[1],
         graph_no_linear_us: part_us[2],
@@ -218,9 +242,22 @@ pub fn run_synthetic(
             format,
             ..opts.clone()
         };
-        let r = measure(&mut model, name, sp, dp, setup_s, &o, copy_gbs)?;
-        on_result(&r);
-        out.push(r);
+        let kernels = if format == FormatKind::TiledCbc && !opts.tcbc_kernels.is_empty() {
+            opts.tcbc_kernels.clone()
+        } else {
+            vec![TcbcKernel::Lane8]
+        };
+        for kernel in kernels {
+            if format == FormatKind::TiledCbc {
+                model.set_tcbc_kernel(kernel)?;
+            }
+            for &pdl in pdl_settings(opts) {
+                model.set_pdl(pdl);
+                let r = measure(&mut model, name, sp, dp, setup_s, &o, copy_gbs)?;
+                on_result(&r);
+                out.push(r);
+            }
+        }
     }
     Ok(out)
 }

@@ -35,6 +35,8 @@ pub fn families() -> [KernelFamily; 4] {
 pub const MAX_HEAD_DIM: usize = 256;
 pub const MAX_GROUP: usize = 8;
 const ATT_THREADS: usize = 128;
+const ATT_WARPS: usize = 4;
+const ATT_LOADS: usize = 8;
 
 fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
@@ -156,8 +158,9 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    /// Splits so that `kv_heads x splits` blocks fill the GPU about twice over, but never
-    /// more than 128-position tiles of the context.
+    /// Splits so that `kv_heads x splits` blocks fill the GPU about four times over (a
+    /// block keeps only 16 KB of cache reads in flight), but never more splits than
+    /// 64-position pieces of the context.
     pub fn new(
         gpu: &Gpu,
         heads: usize,
@@ -176,9 +179,9 @@ impl AttentionShape {
             )));
         }
         let sms = gpu.info().multiprocessors as usize;
-        let splits = (2 * sms)
+        let splits = (4 * sms)
             .div_ceil(kv_heads)
-            .clamp(1, context.div_ceil(ATT_THREADS).max(1));
+            .clamp(1, context.div_ceil(64).max(1));
         Ok(Self {
             heads,
             kv_heads,
@@ -189,6 +192,19 @@ impl AttentionShape {
     /// f32 entries of the split partials buffer.
     pub fn partials_len(&self) -> usize {
         self.heads * self.splits * (self.head_dim + 2)
+    }
+    /// The compiled group size (1, 2, 4 or 8) that covers this shape's group.
+    fn kernel_group(&self) -> usize {
+        (self.heads / self.kv_heads).next_power_of_two()
+    }
+    /// Dynamic shared memory of `attention_split_g<G>` in bytes: the tile's scores
+    /// `[G][TILE]`, reused after the loop for the reduction `[RB][G][hd]` (see `attention.cu`).
+    fn split_shared_bytes(&self) -> usize {
+        let lanes_per_row = (self.head_dim / 8).next_power_of_two();
+        let rows_per_step = ATT_WARPS * (32 / lanes_per_row);
+        let tile = ATT_LOADS * rows_per_step;
+        let g = self.kernel_group();
+        4 * (g * tile).max(rows_per_step * g * self.head_dim)
     }
 }
 
@@ -223,9 +239,9 @@ pub fn attention_batch(
     first_len: usize,
     queries: usize,
 ) -> Result<()> {
-    let g = shape.heads / shape.kv_heads;
-    let shared = ((g * shape.head_dim + g * ATT_THREADS) * 4) as u32;
-    let f = gpu.function(&ATTENTION, "attention_split")?;
+    let shared = shape.split_shared_bytes() as u32;
+    let name = format!("attention_split_g{}", shape.kernel_group());
+    let f = gpu.function(&ATTENTION, &name)?;
     gpu.allow_dynamic_shared(&f, shared as usize)?;
     let (h, hkv, hd) = (
         shape.heads as i32,

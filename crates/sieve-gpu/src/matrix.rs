@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | dense (or GGUF blocks, dequantized to f16) | none | row-major GEMV |
 //! | dense | TEAL | column-major GEMV that skips inactive columns |
-//! | tiled-cbc | any | lane8 spMspV |
+//! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme, slide | - | refused: no GPU decode kernel yet |
 //!
@@ -15,7 +15,7 @@
 use crate::error::{GpuError, Result};
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
-use sieve_cuda::tiled_cbc::GpuTiledCbc;
+use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
@@ -70,6 +70,7 @@ impl DeviceMatrix {
         match self {
             DeviceMatrix::DenseRows(_) => "dense-gemv",
             DeviceMatrix::DenseCols(_) => "dense-colmajor",
+            DeviceMatrix::TiledCbc(m) if m.kernel == TcbcKernel::RoundRobin => "tiled-cbc/rr",
             DeviceMatrix::TiledCbc(_) => "tiled-cbc/lane8",
             DeviceMatrix::RlcCsc(_) => "rlc-csc",
         }
@@ -179,6 +180,20 @@ impl DeviceLinear {
 
     pub fn launches(&self) -> usize {
         self.parts.len()
+    }
+    /// Runs the Tiled-CBC parts with `kernel` (lane8 or rr: same device arrays, same launch).
+    pub fn set_tcbc_kernel(&mut self, kernel: TcbcKernel) -> Result<()> {
+        if kernel == TcbcKernel::Spdp {
+            return Err(GpuError::Unsupported(
+                "the SPDP Tiled-CBC kernel has no accumulating launch for the decode step".into(),
+            ));
+        }
+        for p in &mut self.parts {
+            if let DeviceMatrix::TiledCbc(m) = &mut p.matrix {
+                m.kernel = kernel;
+            }
+        }
+        Ok(())
     }
     pub fn stored_bytes(&self) -> usize {
         self.parts.iter().map(|p| p.stored_bytes).sum()

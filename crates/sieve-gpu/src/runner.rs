@@ -17,8 +17,9 @@ use crate::error::{GpuError, Result};
 use crate::kernels::{self, AttentionShape, SampleArgs};
 use crate::matrix::DeviceLinear;
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaGraph, CudaSlice};
+use cudarc::driver::CudaSlice;
 use half::f16;
+use sieve_cuda::graph::StepGraph;
 use sieve_cuda::{dev_ptr, DriverContext, Gpu};
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
@@ -162,8 +163,10 @@ pub struct GpuModel {
     sample: SampleArgs,
     /// Captured steps: `[forced, sampled]`, each valid for the sampling arguments it was
     /// captured with.
-    graphs: [Option<(CudaGraph, SampleArgs)>; 2],
+    graphs: [Option<(StepGraph, SampleArgs)>; 2],
     use_graphs: bool,
+    /// Capture the step with programmatic edges between its kernels (sieve_cuda::graph).
+    pdl: bool,
     report: UploadReport,
     /// Tokens in the cache (positions processed).
     len: usize,
@@ -427,6 +430,7 @@ impl GpuModel {
             sample: SampleArgs::greedy(),
             graphs: [None, None],
             use_graphs: true,
+            pdl: true,
             report,
             len: 0,
             prefill_bufs: None,
@@ -456,6 +460,44 @@ impl GpuModel {
         self.len == 0
     }
     /// Eager launches instead of graph replays (for comparisons and debugging).
+    /// Runs every Tiled-CBC product with `kernel` (the captured graphs are dropped and
+    /// captured again at the next step).
+    pub fn set_tcbc_kernel(&mut self, kernel: sieve_cuda::tiled_cbc::TcbcKernel) -> Result<()> {
+        for l in &mut self.layers {
+            for lin in [&mut l.qkv, &mut l.o, &mut l.gate_up, &mut l.down] {
+                lin.set_tcbc_kernel(kernel)?;
+            }
+        }
+        self.lm_head.set_tcbc_kernel(kernel)?;
+        self.graphs = [None, None];
+        if let Some(l) = self.layers.first() {
+            let mut kernels: Vec<String> = [
+                ("q|k|v", &l.qkv),
+                ("o", &l.o),
+                ("gate|up", &l.gate_up),
+                ("down", &l.down),
+            ]
+            .iter()
+            .map(|(name, lin)| format!("{name}: {}", lin.label()))
+            .collect();
+            kernels.push(format!("lm_head: {}", self.lm_head.label()));
+            self.report.kernels = kernels;
+        }
+        Ok(())
+    }
+
+    /// Programmatic dependent launch between the step's kernels (on by default; the graphs
+    /// are captured again at the next step).
+    pub fn set_pdl(&mut self, on: bool) {
+        if on != self.pdl {
+            self.pdl = on;
+            self.graphs = [None, None];
+        }
+    }
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
     pub fn set_use_graphs(&mut self, on: bool) {
         self.use_graphs = on;
     }
@@ -648,36 +690,28 @@ impl GpuModel {
             }
         }
         if let Some((graph, _)) = &self.graphs[slot] {
-            graph.launch().during("replaying the decode step graph")?;
+            graph.launch()?;
         }
         Ok(())
     }
 
-    fn capture(&self, sample: bool) -> Result<CudaGraph> {
+    fn capture(&self, sample: bool) -> Result<StepGraph> {
         let mut ops = self.ops();
         ops.push(Op::Next(sample));
         self.capture_ops(&ops)
     }
 
-    fn capture_ops(&self, ops: &[Op]) -> Result<CudaGraph> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    fn capture_ops(&self, ops: &[Op]) -> Result<StepGraph> {
         // Compile and load every kernel before capturing (module loads cannot be captured),
         // and let earlier asynchronous work (pageable copies) finish outside the capture.
         self.warm_kernels()?;
         self.gpu.synchronize()?;
         let stream = self.gpu.stream();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .during("beginning a graph capture")?;
+        StepGraph::begin_capture(stream)?;
         let enqueued = ops.iter().try_for_each(|&op| self.launch(op));
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let graph = StepGraph::end_capture(stream, self.pdl);
         enqueued?;
-        let graph = graph
-            .during("ending a graph capture")?
-            .ok_or_else(|| GpuError::Unsupported("the step capture produced no graph".into()))?;
-        graph.upload().during("uploading the step graph")?;
-        Ok(graph)
+        Ok(graph?)
     }
 
     /// GPU time of one replay of a graph of part of the step (median-free: total over `reps`
@@ -701,7 +735,7 @@ impl GpuModel {
             .collect();
         ops.push(Op::Next(false));
         let graph = self.capture_ops(&ops)?;
-        graph.launch().during("replaying a step graph")?;
+        graph.launch()?;
         self.gpu.synchronize()?;
         let ctx = self.gpu.context().clone();
         let start = ctx
@@ -714,7 +748,7 @@ impl GpuModel {
             .record(self.gpu.stream())
             .during("recording an event")?;
         for _ in 0..reps {
-            graph.launch().during("replaying a step graph")?;
+            graph.launch()?;
         }
         end.record(self.gpu.stream()).during("recording an event")?;
         self.gpu.synchronize()?;

@@ -78,7 +78,7 @@ fn rmsnorm_and_silu_match_reference() {
 }
 
 /// RoPE + the cache write, then attention over a cache filled with random rows, for several
-/// head layouts (GQA groups 1, 3, 8; head dims 16, 64, 128) and sequence lengths that leave
+/// head layouts (GQA groups 1, 2, 3, 8; head dims 16, 64, 96, 128, 256) and sequence lengths that leave
 /// splits empty, partial and spanning several 128-position tiles.
 #[test]
 fn rope_and_attention_match_reference() {
@@ -91,6 +91,8 @@ fn rope_and_attention_match_reference() {
         (9, 3, 64),
         (32, 4, 128),
         (8, 1, 64),
+        (8, 4, 256),
+        (6, 2, 96),
     ] {
         for &(capacity, len) in &[(64usize, 1usize), (64, 37), (700, 300), (2000, 1999)] {
             let shape = AttentionShape::new(&gpu, heads, kv_heads, hd, capacity).unwrap();

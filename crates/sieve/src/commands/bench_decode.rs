@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use sieve_cuda::tiled_cbc::TcbcKernel;
 use sieve_formats::random::Pattern;
 use sieve_formats::FormatKind;
 use sieve_gpu::bench::{self, DecodeBenchOptions, DecodeResult};
@@ -38,6 +39,14 @@ pub struct DecodeArgs {
     context: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Tiled-CBC kernels, each measured on the same model: lane8 (a lane per 8 rows) and/or rr
+    /// (round-robin rows, conflict-free shared loads).
+    #[arg(long, value_delimiter = ',', default_value = "lane8")]
+    tcbc_kernel: Vec<String>,
+    /// Programmatic dependent launch between the step's kernels: on, off, or off,on (both
+    /// measured on the same model).
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    pdl: Vec<String>,
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
@@ -51,11 +60,12 @@ fn print_row(r: &DecodeResult) {
         String::new()
     };
     println!(
-        "{:<11} sp {:<4} dp {:<4} {:<10} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        "{:<11} sp {:<4} dp {:<4} {:<15} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
         r.model,
         r.sp,
         r.dp,
         r.format,
+        if r.pdl { "on" } else { "off" },
         r.tpot_ms_median,
         r.tpot_ms_p10,
         r.tpot_ms_p90,
@@ -101,6 +111,24 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         format,
         pattern,
         seed: a.seed,
+        tcbc_kernels: a
+            .tcbc_kernel
+            .iter()
+            .map(|k| match k.as_str() {
+                "lane8" => Ok(TcbcKernel::Lane8),
+                "rr" => Ok(TcbcKernel::RoundRobin),
+                other => bail!("--tcbc-kernel {other}: expected lane8 or rr"),
+            })
+            .collect::<Result<_>>()?,
+        pdl: a
+            .pdl
+            .iter()
+            .map(|p| match p.as_str() {
+                "on" => Ok(true),
+                "off" => Ok(false),
+                other => bail!("--pdl {other}: expected on or off"),
+            })
+            .collect::<Result<_>>()?,
     };
     let results = match (&a.synthetic, &a.model) {
         (Some(name), _) => {
@@ -125,17 +153,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 format: FormatKind::Dense,
                 ..opts.clone()
             };
-            let r = bench::measure(
-                &mut m,
-                &label,
-                0.0,
-                0.0,
-                t.elapsed().as_secs_f64(),
-                &o,
-                copy,
-            )?;
-            print_row(&r);
-            vec![r]
+            let setup_s = t.elapsed().as_secs_f64();
+            let mut out = Vec::new();
+            for &pdl in bench::pdl_settings(&opts) {
+                m.set_pdl(pdl);
+                let r = bench::measure(&mut m, &label, 0.0, 0.0, setup_s, &o, copy)?;
+                print_row(&r);
+                out.push(r);
+            }
+            out
         }
         (None, None) => bail!("give --synthetic NAME or --model PATH"),
     };
