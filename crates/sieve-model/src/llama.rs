@@ -293,7 +293,8 @@ fn silu(x: f32) -> f32 {
 }
 
 impl Model {
-    /// Loads a model for inference: linears the source stores in GGUF Q4_0/Q4_1/Q8_0 blocks
+    /// Loads a model for inference: linears the source stores in GGUF Q4_0/Q4_1/Q5_0/Q5_1/
+    /// Q8_0/Q4_K/Q5_K/Q6_K blocks
     /// keep them ([`crate::linear::quantized::QuantMatrix`], multiplied with 8-bit activation
     /// blocks: a third of the f16 bytes per decoded token), every other linear is dense f16.
     pub fn from_source(source: &dyn TensorSource) -> Result<Self> {

@@ -269,14 +269,14 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
 
 /// Dequantizes `data` into `out`; `data` must hold exactly `out.len()` elements of `ty`.
 pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
-    if !ty.can_dequantize() {
+    let Some(kernel) = block_kernel(ty) else {
         return Err(ModelError::Unsupported(format!(
             "dequantization of ggml type {} (id {}); supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, \
              Q5_1, Q8_0, Q4_K, Q5_K, Q6_K",
             ty.name(),
             ty.id()
         )));
-    }
+    };
     let (block_elems, block_bytes) = ty.block_geometry();
     let expected = ty.byte_size(out.len() as u64);
     if expected != Some(data.len() as u64) {
@@ -291,20 +291,6 @@ pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()>
             data.len()
         )));
     }
-    let kernel: fn(&[u8], &mut [f32]) = match ty {
-        GgmlType::F32 => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        GgmlType::F16 => |b, o| o[0] = read_f16(b, 0),
-        GgmlType::BF16 => |b, o| o[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-        GgmlType::Q4_0 => block_q4_0,
-        GgmlType::Q4_1 => block_q4_1,
-        GgmlType::Q5_0 => block_q5_0,
-        GgmlType::Q5_1 => block_q5_1,
-        GgmlType::Q8_0 => block_q8_0,
-        GgmlType::Q4_K => block_q4_k,
-        GgmlType::Q5_K => block_q5_k,
-        GgmlType::Q6_K => block_q6_k,
-        _ => unreachable!("can_dequantize() lists exactly the types matched above"),
-    };
     // Group blocks so each rayon task does a meaningful amount of work (~16K elements).
     let blocks_per_task = (16384 / block_elems).max(1);
     out.par_chunks_mut(block_elems * blocks_per_task)
@@ -318,6 +304,34 @@ pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()>
             }
         });
     Ok(())
+}
+
+/// Dequantizes one block (its bytes) into its values.
+pub(crate) type BlockKernel = fn(&[u8], &mut [f32]);
+
+/// The function that dequantizes one block of `ty` (`block_geometry().1` bytes) into its
+/// `block_geometry().0` values, for the types [`GgmlType::can_dequantize`] lists.
+pub(crate) fn block_kernel(ty: GgmlType) -> Option<BlockKernel> {
+    let kernel: BlockKernel = match ty {
+        GgmlType::F32 => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        GgmlType::F16 => |b, o| o[0] = read_f16(b, 0),
+        GgmlType::BF16 => |b, o| o[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+        GgmlType::Q4_0 => block_q4_0,
+        GgmlType::Q4_1 => block_q4_1,
+        GgmlType::Q5_0 => block_q5_0,
+        GgmlType::Q5_1 => block_q5_1,
+        GgmlType::Q8_0 => block_q8_0,
+        GgmlType::Q4_K => block_q4_k,
+        GgmlType::Q5_K => block_q5_k,
+        GgmlType::Q6_K => block_q6_k,
+        _ => return None,
+    };
+    Some(kernel)
+}
+
+/// The 8 (scale, min) 6-bit pairs of a Q4_K/Q5_K block's 12 packed bytes.
+pub(crate) fn k_scales_and_mins(packed: &[u8]) -> [(u8, u8); 8] {
+    k_scale_min(packed)
 }
 
 fn read_f16(bytes: &[u8], at: usize) -> f32 {

@@ -37,7 +37,8 @@ pub trait TensorSource: Send + Sync {
     /// Dequantizes (if needed) and returns the tensor as f32.
     fn tensor(&self, name: &str) -> Result<Tensor>;
     /// The 2-D tensor in the quantized blocks the file stores it in, when those are blocks
-    /// [`QuantMatrix`] multiplies directly (GGUF Q4_0, Q4_1, Q8_0); `None` for any other
+    /// [`QuantMatrix`] multiplies directly (GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+    /// Q6_K); `None` for any other
     /// tensor, which [`Self::tensor`] then provides.
     fn quantized_matrix(&self, _name: &str) -> Result<Option<QuantMatrix>> {
         Ok(None)

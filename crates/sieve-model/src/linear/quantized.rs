@@ -1,5 +1,6 @@
-//! [`QuantMatrix`]: weights kept in their GGUF quantized blocks (Q4_0, Q4_1, Q8_0) and multiplied
-//! without dequantizing them to f16 first.
+//! [`QuantMatrix`]: weights kept in their GGUF quantized blocks (Q4_0, Q4_1, Q8_0 here; Q5_0,
+//! Q5_1, Q4_K, Q5_K, Q6_K in [`offset_blocks`]) and multiplied without dequantizing them to f16
+//! first.
 //!
 //! Decoding one token is bound by the bytes of weights it streams. The f16 copy of SmolLM2-135M's
 //! Q4_1/Q8_0 file reads 268.9 MB per token; the blocks themselves are 96.4 MB (0.625 B per Q4_1
@@ -43,8 +44,12 @@ use sieve_formats::blob::ByteWriter;
 use sieve_formats::format::{check_product_args, is_active};
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
 
-/// Elements per quantized block, for weights and activations alike.
+/// Elements per quantized activation block, and per weight block of the 32-element types (the
+/// K types have super-blocks of 256 made of eight such sub-blocks).
 pub const BLOCK: usize = 32;
+
+mod offset_blocks;
+pub use offset_blocks::DotPath;
 
 /// The GGUF block types kept quantized.
 #[allow(non_camel_case_types)]
@@ -57,6 +62,18 @@ pub enum BlockType {
     Q4_1 = 1,
     /// f16 `d`, 32 × i8; `w = q · d`.
     Q8_0 = 2,
+    /// f16 `d`, u32 fifth bits, 16 bytes of nibbles; `w = (q - 16) · d`.
+    Q5_0 = 3,
+    /// f16 `d`, f16 `m`, u32 fifth bits, 16 bytes of nibbles; `w = q · d + m`.
+    Q5_1 = 4,
+    /// Super-blocks of 256: f16 `d`, f16 `dmin`, 8 packed 6-bit (scale, min), 128 bytes of
+    /// nibbles; `w = d · sc · q - dmin · m` per 32.
+    Q4_K = 5,
+    /// As Q4_K with 32 bytes of fifth bits before the nibbles.
+    Q5_K = 6,
+    /// Super-blocks of 256: 6-bit quants (128 bytes low nibbles, 64 bytes high pairs), 16 i8
+    /// scales, f16 `d`; `w = d · sc · (q - 32)` per 16.
+    Q6_K = 7,
 }
 
 impl BlockType {
@@ -65,6 +82,11 @@ impl BlockType {
         match code {
             0 => Self::Q4_0,
             1 => Self::Q4_1,
+            3 => Self::Q5_0,
+            4 => Self::Q5_1,
+            5 => Self::Q4_K,
+            6 => Self::Q5_K,
+            7 => Self::Q6_K,
             _ => Self::Q8_0,
         }
     }
@@ -75,6 +97,11 @@ impl BlockType {
             GgmlType::Q4_0 => Some(Self::Q4_0),
             GgmlType::Q4_1 => Some(Self::Q4_1),
             GgmlType::Q8_0 => Some(Self::Q8_0),
+            GgmlType::Q5_0 => Some(Self::Q5_0),
+            GgmlType::Q5_1 => Some(Self::Q5_1),
+            GgmlType::Q4_K => Some(Self::Q4_K),
+            GgmlType::Q5_K => Some(Self::Q5_K),
+            GgmlType::Q6_K => Some(Self::Q6_K),
             _ => None,
         }
     }
@@ -83,16 +110,27 @@ impl BlockType {
             Self::Q4_0 => GgmlType::Q4_0,
             Self::Q4_1 => GgmlType::Q4_1,
             Self::Q8_0 => GgmlType::Q8_0,
+            Self::Q5_0 => GgmlType::Q5_0,
+            Self::Q5_1 => GgmlType::Q5_1,
+            Self::Q4_K => GgmlType::Q4_K,
+            Self::Q5_K => GgmlType::Q5_K,
+            Self::Q6_K => GgmlType::Q6_K,
         }
     }
     pub fn block_bytes(self) -> usize {
         self.ggml().block_geometry().1
     }
-    /// Bytes of scales (and offsets) at the start of each block.
+    /// Weights per block (32, or 256 for the K types).
+    pub fn block_elems(self) -> usize {
+        self.ggml().block_geometry().0
+    }
+    /// Bytes of scales and offsets in each block (the rest holds the quants).
     fn header_bytes(self) -> usize {
         match self {
-            Self::Q4_0 | Self::Q8_0 => 2,
-            Self::Q4_1 => 4,
+            Self::Q4_0 | Self::Q8_0 | Self::Q5_0 => 2,
+            Self::Q4_1 | Self::Q5_1 => 4,
+            Self::Q4_K | Self::Q5_K => 16,
+            Self::Q6_K => 18,
         }
     }
 }
@@ -112,18 +150,20 @@ fn read_f16(b: &[u8], at: usize) -> f32 {
 }
 
 impl QuantMatrix {
-    /// Wraps `blocks` (row-major, `cols / 32` blocks of `ty` per row). Refuses shapes that are
-    /// not whole blocks, a byte count that does not match, and scales that are not finite or
-    /// would dequantize beyond the f16 range (so [`WeightFormat::decode`] is always valid).
+    /// Wraps `blocks` (row-major, `cols / block_elems` blocks of `ty` per row). Refuses shapes
+    /// that are not whole blocks, a byte count that does not match, and scales that are not
+    /// finite or would dequantize beyond the f16 range (so [`WeightFormat::decode`] is always
+    /// valid).
     pub fn new(ty: BlockType, rows: usize, cols: usize, blocks: Vec<u8>) -> Result<Self> {
-        if rows == 0 || cols == 0 || !cols.is_multiple_of(BLOCK) {
+        let elems = ty.block_elems();
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(elems) {
             return Err(ModelError::InvalidArgument(format!(
                 "a {rows} x {cols} matrix of {ty:?} blocks needs rows > 0 and a positive \
-                 multiple of {BLOCK} columns"
+                 multiple of {elems} columns"
             )));
         }
         let expected = rows
-            .checked_mul(cols / BLOCK)
+            .checked_mul(cols / elems)
             .and_then(|b| b.checked_mul(ty.block_bytes()));
         if expected != Some(blocks.len()) {
             return Err(ModelError::InvalidArgument(format!(
@@ -133,16 +173,17 @@ impl QuantMatrix {
         }
         let limit = f16::MAX.to_f32();
         for (i, b) in blocks.chunks_exact(ty.block_bytes()).enumerate() {
-            let d = read_f16(b, 0);
             let bound = match ty {
-                BlockType::Q4_0 => 8.0 * d.abs(),
-                BlockType::Q4_1 => 15.0 * d.abs() + read_f16(b, 2).abs(),
-                BlockType::Q8_0 => 128.0 * d.abs(),
+                BlockType::Q4_0 => 8.0 * read_f16(b, 0).abs(),
+                BlockType::Q4_1 => 15.0 * read_f16(b, 0).abs() + read_f16(b, 2).abs(),
+                BlockType::Q8_0 => 128.0 * read_f16(b, 0).abs(),
+                _ => offset_blocks::weight_bound(ty, b),
             };
             if !bound.is_finite() || bound > limit {
-                let per_row = cols / BLOCK;
+                let per_row = cols / elems;
                 return Err(ModelError::InvalidArgument(format!(
-                    "{ty:?} block {} of row {}: scale {d} gives weights outside the f16 range",
+                    "{ty:?} block {} of row {}: its scales give weights outside the f16 range \
+                     (up to {bound})",
                     i % per_row,
                     i / per_row
                 )));
@@ -198,7 +239,7 @@ impl QuantMatrix {
         &self.blocks
     }
     fn row_bytes(&self) -> usize {
-        self.cols / BLOCK * self.ty.block_bytes()
+        self.cols / self.ty.block_elems() * self.ty.block_bytes()
     }
     fn row(&self, r: usize) -> &[u8] {
         let n = self.row_bytes();
@@ -208,6 +249,9 @@ impl QuantMatrix {
     /// Row `r` dequantized to f32 (`out.len() == cols`), with the arithmetic of
     /// `crate::quant::dequantize`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        if offset_blocks::handles(self.ty) {
+            return offset_blocks::dequantize_row(self.ty, self.row(r), out);
+        }
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU has the features; `out` holds one value per element of the row.
@@ -217,6 +261,9 @@ impl QuantMatrix {
     }
 
     fn dequantize_row_portable(&self, r: usize, out: &mut [f32]) {
+        if offset_blocks::handles(self.ty) {
+            return offset_blocks::dequantize_row(self.ty, self.row(r), out);
+        }
         let bb = self.ty.block_bytes();
         for (b, o) in self
             .row(r)
@@ -243,12 +290,18 @@ impl QuantMatrix {
                         o[j] = (b[2 + j] as i8) as f32 * d;
                     }
                 }
+                _ => unreachable!("offset block types return above"),
             }
         }
     }
 
     /// `y[r] = W[r] · x` for rows `r0..r0 + y.len()` with `x` already quantized.
     fn rows_dot(&self, r0: usize, xq: &Q8Activations, y: &mut [f32]) {
+        if offset_blocks::handles(self.ty) {
+            let n = self.row_bytes();
+            let blocks = &self.blocks[r0 * n..(r0 + y.len()) * n];
+            return offset_blocks::rows_into(DotPath::detect(), self.ty, blocks, n, xq, y);
+        }
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             let n = self.row_bytes();
@@ -269,8 +322,10 @@ pub struct Q8Activations {
     /// `max|x| / 127` of each block (0 for an all-zero block, NaN when the block holds a
     /// non-finite value, so that it propagates into every product as it would in f32).
     pub scales: Vec<f32>,
-    /// `scales[b] · Σ quants` of each block (Q4_1's offset term).
+    /// `scales[b] · Σ quants` of each block (the offset terms of Q4_1, Q5_0, Q5_1, Q4_K, Q5_K).
     pub sums: Vec<f32>,
+    /// The same per half block of 16 (Q6_K's offsets: it has a scale per 16 weights).
+    sums16: Vec<f32>,
     /// `scales` and `sums` interleaved (`[d0, s0, d1, s1, ...]`): the AVX2 Q4_1 kernel loads a
     /// block's pair with one 8-byte load.
     pairs: Vec<f32>,
@@ -286,6 +341,7 @@ impl Q8Activations {
         self.scales.resize(nb, 0.0);
         self.sums.resize(nb, 0.0);
         self.pairs.resize(2 * nb, 0.0);
+        self.sums16.resize(2 * nb, 0.0);
         self.quants.resize(x.len(), 0);
         #[cfg(target_arch = "x86_64")]
         let avx2 = has_avx2();
@@ -307,6 +363,10 @@ impl Q8Activations {
             self.sums[b] = s;
             self.pairs[2 * b] = d;
             self.pairs[2 * b + 1] = s;
+            for (h, half) in dst.chunks_exact(BLOCK / 2).enumerate() {
+                let sum: i32 = half.iter().map(|&q| q as i32).sum();
+                self.sums16[2 * b + h] = d * sum as f32;
+            }
         }
     }
 
@@ -318,6 +378,7 @@ impl Q8Activations {
             .min(self.sums.len())
             .min(self.quants.len() / BLOCK)
             .min(self.pairs.len() / 2)
+            .min(self.sums16.len() / 2)
     }
 
     /// The values the quantized vector stands for, `scales[b] · quants[i]`.
@@ -372,6 +433,9 @@ fn has_avx2() -> bool {
 
 /// `W[r] · x` for one row of blocks against quantized activations.
 pub fn dot_row(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
+    if offset_blocks::handles(ty) {
+        return offset_blocks::dot_row(DotPath::detect(), ty, row, xq);
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU has the features; the kernel reads only the blocks that both `row`
@@ -384,6 +448,9 @@ pub fn dot_row(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
 /// The portable dot product: exact integer block sums, then the same f32 scaling as the AVX2
 /// path (which differs only in the order of the f32 additions).
 pub fn dot_row_portable(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
+    if offset_blocks::handles(ty) {
+        return offset_blocks::dot_row_portable(ty, row, xq);
+    }
     let bb = ty.block_bytes();
     let mut acc = 0f32;
     for (b, blk) in row.chunks_exact(bb).enumerate() {
@@ -404,6 +471,7 @@ pub fn dot_row_portable(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
                     isum += (qs[j] as i8) as i32 * xs[j] as i32;
                 }
             }
+            _ => unreachable!("offset block types return above"),
         }
         acc += d * isum as f32;
         if ty == BlockType::Q4_1 {
@@ -579,7 +647,7 @@ impl WeightFormat for QuantMatrix {
     }
     /// The bytes held: quantized values as payload, per-block scales and offsets as metadata.
     fn storage(&self) -> Storage {
-        let blocks = self.rows * self.cols / BLOCK;
+        let blocks = self.rows * self.cols / self.ty.block_elems();
         let meta = blocks * self.ty.header_bytes();
         Storage {
             payload_bytes: self.blocks.len() - meta,
@@ -752,6 +820,7 @@ mod x86 {
                 BlockType::Q4_0 => (_mm256_sub_epi8(nibbles(blk.add(2)), eight), true),
                 BlockType::Q4_1 => (nibbles(blk.add(4)), false),
                 BlockType::Q8_0 => (_mm256_loadu_si256(blk.add(2) as *const __m256i), true),
+                _ => unreachable!("offset block types dequantize in offset_blocks"),
             };
             let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
             let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
@@ -808,7 +877,7 @@ mod x86 {
                         offsets[r] = _mm_add_ps(offsets[r], prod);
                     }
                 }
-                BlockType::Q4_0 | BlockType::Q8_0 => {
+                _ => {
                     let dx = _mm_load_ss(sp.add(b));
                     for r in 0..R {
                         let blk = rows[r].add(b * bb);
@@ -840,7 +909,7 @@ mod x86 {
         match ty {
             BlockType::Q4_0 => dot_rows::<Q4_0, 1>(p, nb, xq)[0],
             BlockType::Q4_1 => dot_rows::<Q4_1, 1>(p, nb, xq)[0],
-            BlockType::Q8_0 => dot_rows::<Q8_0, 1>(p, nb, xq)[0],
+            _ => dot_rows::<Q8_0, 1>(p, nb, xq)[0],
         }
     }
 
@@ -857,7 +926,7 @@ mod x86 {
         match ty {
             BlockType::Q4_0 => rows_into::<Q4_0>(blocks, row_bytes, xq, out),
             BlockType::Q4_1 => rows_into::<Q4_1>(blocks, row_bytes, xq, out),
-            BlockType::Q8_0 => rows_into::<Q8_0>(blocks, row_bytes, xq, out),
+            _ => rows_into::<Q8_0>(blocks, row_bytes, xq, out),
         }
     }
 

@@ -4,6 +4,14 @@ use proptest::prelude::*;
 use sieve_formats::registry;
 
 const TYPES: [BlockType; 3] = [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0];
+/// The types of `offset_blocks`.
+const OFFSET_TYPES: [BlockType; 5] = [
+    BlockType::Q5_0,
+    BlockType::Q5_1,
+    BlockType::Q4_K,
+    BlockType::Q5_K,
+    BlockType::Q6_K,
+];
 
 struct Lcg(u64);
 
@@ -24,6 +32,9 @@ impl Lcg {
 /// Random blocks of `ty` with scales of a real model's size (|d| up to ~0.02, |m| up to ~0.15)
 /// and uniformly random quants.
 fn random_blocks(ty: BlockType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    if offset_blocks::handles(ty) {
+        return random_offset_blocks(ty, rows, cols, seed);
+    }
     let mut rng = Lcg(seed);
     let mut out = Vec::new();
     for _ in 0..rows * cols / BLOCK {
@@ -35,6 +46,48 @@ fn random_blocks(ty: BlockType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
         }
         for _ in 0..ty.block_bytes() - ty.header_bytes() {
             out.push(rng.next_u32() as u8);
+        }
+    }
+    out
+}
+
+/// Where each offset type keeps its f16 scales, and their magnitude in a real model (K types:
+/// `d`, `dmin` of about max|w| / (63 · 15)).
+fn f16_fields(ty: BlockType) -> &'static [(usize, f32)] {
+    match ty {
+        BlockType::Q5_0 => &[(0, 0.04)],
+        BlockType::Q5_1 => &[(0, 0.02), (2, 0.3)],
+        BlockType::Q4_K | BlockType::Q5_K => &[(0, 0.0008), (2, 0.002)],
+        BlockType::Q6_K => &[(208, 0.0006)],
+        _ => &[],
+    }
+}
+
+/// The bytes of a block of `ty` that hold its quants (the rest are scales).
+fn quant_bytes(ty: BlockType) -> std::ops::Range<usize> {
+    match ty {
+        BlockType::Q5_0 => 2..22,
+        BlockType::Q5_1 => 4..24,
+        BlockType::Q4_K => 16..144,
+        BlockType::Q5_K => 16..176,
+        BlockType::Q6_K => 0..192,
+        _ => ty.header_bytes()..ty.block_bytes(),
+    }
+}
+
+/// Uniformly random bytes (quants, packed 6-bit scales, i8 scales) with f16 scales of a real
+/// model's size.
+fn random_offset_blocks(ty: BlockType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Lcg(seed);
+    let bb = ty.block_bytes();
+    let mut out = vec![0u8; rows * cols / ty.block_elems() * bb];
+    for blk in out.chunks_exact_mut(bb) {
+        for v in blk.iter_mut() {
+            *v = rng.next_u32() as u8;
+        }
+        for &(at, amp) in f16_fields(ty) {
+            let v = f16::from_f32(2.0 * amp * rng.unit());
+            blk[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
         }
     }
     out
@@ -516,4 +569,328 @@ fn q8_0_quantization_recovers_the_quants_of_a_dequantized_q8_0_matrix() {
     assert!(QuantMatrix::quantize_q8_0(2, 64, &[f16::ZERO; 100]).is_err());
     let zeros = QuantMatrix::quantize_q8_0(1, 32, &[f16::ZERO; 32]).unwrap();
     assert!(zeros.decode().data().iter().all(|v| v.to_f32() == 0.0));
+}
+
+/// Per element, `|w| + |offset|`: the magnitudes of the two terms the offset kernels add in f32
+/// (the offset being the weight of a zero quant), which bound their rounding.
+fn term_magnitudes(w: &QuantMatrix) -> Vec<f32> {
+    let ty = w.block_type();
+    let mut zeroed = w.blocks().to_vec();
+    for blk in zeroed.chunks_exact_mut(ty.block_bytes()) {
+        blk[quant_bytes(ty)].fill(0);
+    }
+    let offsets = dequantize(ty.ggml(), &zeroed, w.rows * w.cols).unwrap();
+    reference_weights(w)
+        .iter()
+        .zip(&offsets)
+        .map(|(a, b)| a.abs() + b.abs())
+        .collect()
+}
+
+/// Every available kernel path on `w · x`, against (1) the f64 product over the dequantized
+/// weights and the original `x`, within the 8-bit activation bound, and (2) the f64 product
+/// with the activations the 8-bit blocks stand for, within f32 rounding of the kernel's terms.
+fn check_offset_paths(w: &QuantMatrix, x: &[f32]) -> std::result::Result<(), String> {
+    let (m, k, ty) = (w.rows, w.cols, w.block_type());
+    let (want, bound) = reference_with_bound(w, x);
+    let mut q = Q8Activations::default();
+    q.quantize(x);
+    let mut xhat = vec![0f32; k];
+    q.dequantize_into(&mut xhat);
+    let wf = reference_weights(w);
+    let mags = term_magnitudes(w);
+    for path in DotPath::available() {
+        let mut y = vec![f32::NAN; m];
+        offset_blocks::rows_into(path, ty, w.blocks(), w.row_bytes(), &q, &mut y);
+        for r in 0..m {
+            let row = r * k..(r + 1) * k;
+            let exact: f64 = wf[row.clone()]
+                .iter()
+                .zip(&xhat)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum();
+            let mag: f64 = mags[row]
+                .iter()
+                .zip(&xhat)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            let slack = 1e-5 * mag + 1e-30;
+            let got = y[r] as f64;
+            if (got - exact).abs() > slack {
+                return Err(format!(
+                    "{ty:?} {m}x{k} {} row {r}: {got} vs {exact} with the 8-bit x (slack {slack})",
+                    path.name()
+                ));
+            }
+            if (got - want[r]).abs() > bound[r] + slack {
+                return Err(format!(
+                    "{ty:?} {m}x{k} {} row {r}: {got} vs {} (bound {})",
+                    path.name(),
+                    want[r],
+                    bound[r]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn offset_types_match_the_reference_on_every_path() {
+    assert!(DotPath::available().contains(&DotPath::Portable));
+    assert!(DotPath::detect().supported());
+    for ty in OFFSET_TYPES {
+        let e = ty.block_elems();
+        for &(m, blocks) in &[(1, 1), (2, 2), (7, 3), (33, 6), (70, 18 * 32 / e.max(32))] {
+            let k = blocks * e;
+            let w = random_matrix(ty, m, k, (m * k) as u64 + ty as u64);
+            let x = random_x(k, m as u64 + 7);
+            check_offset_paths(&w, &x).unwrap();
+        }
+    }
+}
+
+#[test]
+fn offset_kernels_do_not_saturate_at_the_extremes() {
+    // Every quant at its largest value against activations of ±127 (the i16 pair sums of
+    // `vpmaddubsw` are the tightest spot: 2 · 63 · 127 < 32767).
+    for ty in OFFSET_TYPES {
+        let (m, k) = (3, 2 * ty.block_elems());
+        let mut blocks = random_blocks(ty, m, k, 9);
+        for blk in blocks.chunks_exact_mut(ty.block_bytes()) {
+            blk[quant_bytes(ty)].fill(0xFF);
+        }
+        let w = QuantMatrix::new(ty, m, k, blocks).unwrap();
+        for sign in [1.0f32, -1.0] {
+            let x: Vec<f32> = (0..k).map(|i| sign * (1.0 + (i % 3) as f32)).collect();
+            check_offset_paths(&w, &x).unwrap();
+        }
+    }
+}
+
+#[test]
+fn offset_types_dequantize_like_the_gguf_reader_and_multiply_through_the_format() {
+    for ty in OFFSET_TYPES {
+        let (m, k) = (37, 2 * ty.block_elems().max(128));
+        let w = random_matrix(ty, m, k, 31);
+        let want = reference_weights(&w);
+        let mut row = vec![0f32; k];
+        for r in 0..m {
+            w.dequantize_row(r, &mut row);
+            assert_eq!(row, want[r * k..(r + 1) * k], "{ty:?} row {r}");
+        }
+        let want16: Vec<f16> = want.iter().map(|&v| f16::from_f32(v)).collect();
+        assert_eq!(w.decode().data(), &want16[..]);
+        // matvec (the detected path) within the bound; matmul rows agree with it, the small
+        // batch bit for bit.
+        let n = SMALL_BATCH + 2;
+        let x = random_x(n * k, 32);
+        let mut yv = vec![0f32; m];
+        w.matvec(&x[..k], None, &mut yv).unwrap();
+        let (want_y, bound) = reference_with_bound(&w, &x[..k]);
+        let mags = term_magnitudes(&w);
+        for r in 0..m {
+            let mag: f64 = (0..k)
+                .map(|i| (mags[r * k + i] as f64 * x[i] as f64).abs())
+                .sum();
+            assert!(
+                (yv[r] as f64 - want_y[r]).abs() <= bound[r] + 1e-5 * mag,
+                "{ty:?} row {r}"
+            );
+        }
+        let mut y = vec![f32::NAN; n * m];
+        w.matmul(&x, n, None, &mut y).unwrap();
+        for tok in 0..n {
+            let mut yt = vec![0f32; m];
+            w.matvec(&x[tok * k..(tok + 1) * k], None, &mut yt).unwrap();
+            for r in 0..m {
+                let (a, b) = (y[tok * m + r], yt[r]);
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{ty:?} {a} vs {b}");
+            }
+        }
+        let mut ys = vec![f32::NAN; 2 * m];
+        w.matmul(&x[..2 * k], 2, Some(0.2), &mut ys).unwrap();
+        let mut y0 = vec![0f32; m];
+        w.matvec(&x[..k], Some(0.2), &mut y0).unwrap();
+        assert_eq!(&ys[..m], &y0[..]);
+        // Storage: the block bytes, scales as metadata.
+        let s = w.storage();
+        assert_eq!(s.total_bytes(), m * k / ty.block_elems() * ty.block_bytes());
+        assert_eq!(
+            s.metadata_bytes,
+            m * k / ty.block_elems() * ty.header_bytes()
+        );
+    }
+}
+
+#[test]
+fn offset_types_refuse_bad_scales_and_shapes() {
+    for ty in OFFSET_TYPES {
+        let k = ty.block_elems();
+        let good = random_blocks(ty, 2, k, 4);
+        assert!(QuantMatrix::new(ty, 2, k, good.clone()).is_ok());
+        assert!(QuantMatrix::new(ty, 2, k + 32, good.clone()).is_err() || k == 32);
+        assert!(QuantMatrix::new(ty, 2, k, good[..good.len() - 1].to_vec()).is_err());
+        let bb = ty.block_bytes();
+        for (field, &(at, _)) in f16_fields(ty).iter().enumerate() {
+            // A huge `d` takes any block out of range (an offset alone may stay inside it).
+            let huge = (field == 0).then_some(f16::from_f32(60000.0));
+            for bad in [Some(f16::NAN), Some(f16::INFINITY), huge]
+                .into_iter()
+                .flatten()
+            {
+                let mut b = good.clone();
+                b[bb + at..bb + at + 2].copy_from_slice(&bad.to_bits().to_le_bytes());
+                let err = QuantMatrix::new(ty, 2, k, b).unwrap_err().to_string();
+                assert!(err.contains("block 0 of row 1"), "{ty:?}: {err}");
+            }
+        }
+    }
+    // K types need whole super-blocks of 256 columns.
+    let b = random_blocks(BlockType::Q4_K, 2, 256, 1);
+    assert!(QuantMatrix::new(BlockType::Q4_K, 4, 128, b).is_err());
+}
+
+#[test]
+fn non_finite_activations_propagate_through_offset_types() {
+    for ty in OFFSET_TYPES {
+        let k = ty.block_elems();
+        let w = random_matrix(ty, 3, k, 1);
+        let mut x = random_x(k, 2);
+        x[k - 3] = f32::INFINITY;
+        let mut q = Q8Activations::default();
+        q.quantize(&x);
+        for path in DotPath::available() {
+            let mut y = [0f32; 3];
+            offset_blocks::rows_into(path, ty, w.blocks(), w.row_bytes(), &q, &mut y);
+            assert!(
+                y.iter().all(|v| v.is_nan()),
+                "{ty:?} {}: {y:?}",
+                path.name()
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Random blocks of every offset type, random shapes: each path within the bounds of
+    /// `check_offset_paths`.
+    #[test]
+    fn random_offset_blocks_multiply_within_the_bounds(
+        ty in prop::sample::select(OFFSET_TYPES.to_vec()),
+        rows in 1usize..7,
+        blocks_per_row in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let k = blocks_per_row * ty.block_elems();
+        let w = random_matrix(ty, rows, k, seed);
+        let x = random_x(k, seed ^ 0x5eed);
+        prop_assert!(check_offset_paths(&w, &x).is_ok(), "{:?}", check_offset_paths(&w, &x));
+    }
+}
+
+/// A one-layer llama GGUF of the K-quant era (hidden 256, 2 heads of 128, 1 KV head, FFN 512,
+/// vocab 4) with a different offset block type in every linear and a Q6_K tied embedding.
+fn offset_gguf() -> crate::gguf::GgufModel {
+    use crate::gguf::test_support::{s, strings, GgufBuilder};
+    use crate::gguf::{GgufFile, MetaValue};
+    let norm: Vec<f32> = vec![1.0; 256];
+    let t = |n: &str| format!("blk.0.{n}.weight");
+    let q = |ty: BlockType, rows: usize, cols: usize, seed: u64| {
+        (ty.ggml(), random_blocks(ty, rows, cols, seed))
+    };
+    let linears = [
+        ("attn_q", [256, 256], q(BlockType::Q5_0, 256, 256, 2)),
+        ("attn_k", [256, 128], q(BlockType::Q5_1, 128, 256, 3)),
+        ("attn_v", [256, 128], q(BlockType::Q6_K, 128, 256, 4)),
+        ("attn_output", [256, 256], q(BlockType::Q4_K, 256, 256, 5)),
+        ("ffn_gate", [256, 512], q(BlockType::Q5_K, 512, 256, 6)),
+        ("ffn_up", [256, 512], q(BlockType::Q4_K, 512, 256, 7)),
+        ("ffn_down", [512, 256], q(BlockType::Q6_K, 256, 512, 8)),
+    ];
+    let mut b = GgufBuilder::new()
+        .meta("general.architecture", s("llama"))
+        .meta("llama.block_count", MetaValue::U32(1))
+        .meta("llama.context_length", MetaValue::U32(64))
+        .meta("llama.embedding_length", MetaValue::U32(256))
+        .meta("llama.feed_forward_length", MetaValue::U32(512))
+        .meta("llama.attention.head_count", MetaValue::U32(2))
+        .meta("llama.attention.head_count_kv", MetaValue::U32(1))
+        .meta(
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(1e-5),
+        )
+        .meta("tokenizer.ggml.tokens", strings(&["a", "b", "c", "d"]))
+        .tensor(
+            "token_embd.weight",
+            &[256, 4],
+            GgmlType::Q6_K,
+            random_blocks(BlockType::Q6_K, 4, 256, 1),
+        )
+        .f32_tensor("output_norm.weight", &[256], &norm)
+        .f32_tensor(&t("attn_norm"), &[256], &norm)
+        .f32_tensor(&t("ffn_norm"), &[256], &norm);
+    for (name, shape, (ty, bytes)) in linears {
+        b = b.tensor(&t(name), &[shape[0] as u64, shape[1] as u64], ty, bytes);
+    }
+    crate::gguf::GgufModel::from_file(GgufFile::from_bytes(b.build(), "offset").unwrap()).unwrap()
+}
+
+#[test]
+fn gguf_offset_types_load_as_blocks_and_agree_with_the_f16_twin() {
+    use crate::llama::{Logits, Model};
+    let source = offset_gguf();
+    let blocks = Model::from_source(&source).unwrap();
+    let dense = Model::from_source_f16(&source).unwrap();
+    let l = &blocks.layers()[0];
+    let expect = [
+        (&l.q_proj, BlockType::Q5_0),
+        (&l.k_proj, BlockType::Q5_1),
+        (&l.v_proj, BlockType::Q6_K),
+        (&l.o_proj, BlockType::Q4_K),
+        (&l.gate_proj, BlockType::Q5_K),
+        (&l.up_proj, BlockType::Q4_K),
+        (&l.down_proj, BlockType::Q6_K),
+        (blocks.lm_head(), BlockType::Q6_K),
+    ];
+    for (lin, ty) in expect {
+        assert!(lin.is_quantized_blocks(), "{ty:?}");
+        let elems = lin.rows() * lin.cols();
+        assert_eq!(
+            lin.format().storage().total_bytes(),
+            elems / ty.block_elems() * ty.block_bytes(),
+            "{ty:?}"
+        );
+    }
+    // The Q/K rows were unpermuted as blocks: they dequantize to the f32 reader's rows.
+    use crate::weights::TensorSource;
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ] {
+        let m = source.quantized_matrix(name).unwrap().unwrap();
+        let f = source.tensor(name).unwrap();
+        let mut row = vec![0f32; m.cols()];
+        for r in 0..m.rows() {
+            m.dequantize_row(r, &mut row);
+            assert_eq!(
+                row,
+                f.data[r * row.len()..(r + 1) * row.len()],
+                "{name} row {r}"
+            );
+        }
+    }
+    let tokens = [0u32, 2, 1, 3, 3, 2, 0, 1, 2, 2, 3];
+    let run = |m: &Model| {
+        let mut cache = m.new_cache(tokens.len());
+        m.forward(&tokens, &mut cache, Logits::All).unwrap()
+    };
+    let (a, b) = (run(&blocks), run(&dense));
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 0.05 * scale, "{x} vs {y} (scale {scale})");
+    }
 }
