@@ -1,5 +1,6 @@
 //! CUDA backend for sieve: the spMspV / GEMV kernels over the sieve weight formats, cuBLAS
-//! baselines, and the timing helpers of `sieve bench kernels`.
+//! baselines, their timing helpers, and the kernel benchmark of `sieve bench kernels`
+//! ([`bench`]).
 //!
 //! Kernels are CUDA C++ in `kernels/*.cu` (one file per family, each with a header comment on
 //! its data layout and thread mapping), embedded with `include_str!`, compiled by NVRTC to an
@@ -19,6 +20,7 @@
 //! [`choice`] picks, per layer, between the dense column-major and the Tiled-CBC kernel from
 //! time models fitted to measured runs.
 
+pub mod bench;
 pub mod choice;
 pub mod dense;
 pub mod error;

@@ -80,8 +80,7 @@ fn run_on_pool(args: CpuArgs) -> Result<()> {
     Ok(())
 }
 
-/// `sieve bench`'s subcommands: the GPU ones of [`super::bench`] (a file the `sieve-cuda`
-/// example `bench_kernels` also compiles, so it cannot name CLI-only modules) and `cpu`.
+/// `sieve bench`'s subcommands: the GPU kernel one of [`super::bench`] and `cpu`.
 #[derive(clap::Subcommand, Debug)]
 pub enum AnyBench {
     #[command(flatten)]

@@ -1,0 +1,639 @@
+//! The GPU kernel benchmark (`sieve bench kernels`, and the `bench_kernels` example): every
+//! kernel of this crate against cuBLAS on LLaMA layer shapes.
+//!
+//! For every shape and weight sparsity `sp` a random unstructured matrix is encoded once per
+//! format; its device copies rotate so that the weights read per launch are never L2-resident
+//! (copies together exceed 4x the L2). For every activation sparsity `dp` a fresh random
+//! activation vector gets the threshold that masks a fraction `dp` of it. Each timing is the
+//! median of `reps` CUDA-event-timed launches after warm-up; output zeroing is inside the
+//! timed region. Bytes per row are what the format must read at that sp/dp (weights of active
+//! columns with their metadata, plus x and y); GB/s is over those bytes, and `%copy` compares
+//! with a device-to-device copy measured in the same run. Every kernel's output is checked
+//! against the f64 CPU reference once per point, outside the timed loop.
+//!
+//! The caller fills [`KernelBenchOptions`], calls [`run`] and prints or saves the [`Report`]
+//! ([`Report::markdown`], [`Report::write_outputs`], [`Report::check_correct`]).
+
+pub mod report;
+pub mod shapes;
+
+pub use shapes::{shapes_of, Shape};
+
+use crate::choice::upload_chosen;
+use crate::dense::{to_f16, zeroed_f16, Cublas, GpuDense, GpuDenseColMajor};
+use crate::error::{CudaError, Result};
+use crate::gpu::{DeviceInfo, Gpu};
+use crate::product::{active_mask, GpuMatVec};
+use crate::rlc_csc::{GpuRlcCsc, Stages};
+use crate::tiled_cbc::{GpuTiledCbc, Lane8Shape, TcbcKernel};
+use crate::timing::{copy_bandwidth_gbs, time_launches, Timing};
+use cudarc::driver::CudaSlice;
+use serde::Serialize;
+use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
+use sieve_formats::reference::{matvec_f64, max_rel_error};
+use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
+use sieve_formats::tiled_cbc::TiledCbc;
+use sieve_formats::{DenseMatrix, Threshold, WeightFormat};
+
+/// Largest relative error against the f64 reference that counts as correct.
+pub const MAX_REL_ERROR: f64 = 1e-3;
+
+/// A kernel family the benchmark can time (`--formats`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelFormat {
+    /// Our row-major GEMV.
+    Dense,
+    /// The column-major kernel that skips inactive columns (TEAL alone).
+    DenseColMajor,
+    /// Celty's RLC-CSC spMspV.
+    RlcCsc,
+    /// Sieve's lane-per-8-rows Tiled-CBC kernel.
+    TiledCbc,
+    /// SPDP's thread-per-row Tiled-CBC kernel.
+    TiledCbcSpdp,
+    /// The per-layer choice of [`crate::choice`] between dense-colmajor and tiled-cbc.
+    Auto,
+}
+
+impl KernelFormat {
+    pub const ALL: [KernelFormat; 6] = [
+        KernelFormat::Dense,
+        KernelFormat::DenseColMajor,
+        KernelFormat::RlcCsc,
+        KernelFormat::TiledCbc,
+        KernelFormat::TiledCbcSpdp,
+        KernelFormat::Auto,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelFormat::Dense => "dense",
+            KernelFormat::DenseColMajor => "dense-colmajor",
+            KernelFormat::RlcCsc => "rlc-csc",
+            KernelFormat::TiledCbc => "tiled-cbc",
+            KernelFormat::TiledCbcSpdp => "tiled-cbc-spdp",
+            KernelFormat::Auto => "auto",
+        }
+    }
+
+    /// The formats timed when none are named.
+    pub fn defaults() -> Vec<KernelFormat> {
+        KernelFormat::ALL[..5].to_vec()
+    }
+}
+
+impl std::str::FromStr for KernelFormat {
+    type Err = CudaError;
+    fn from_str(s: &str) -> Result<Self> {
+        KernelFormat::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                let known: Vec<&str> = KernelFormat::ALL.iter().map(|f| f.name()).collect();
+                CudaError::Option(format!(
+                    "unknown kernel format '{s}' (known: {})",
+                    known.join(", ")
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for KernelFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What to measure. [`Default`] is the CLI's defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelBenchOptions {
+    /// Shape sets (`llama2-7b`, `llama2-13b`, `llama3-8b`, `llama2-70b`) or `MxK` shapes.
+    pub shapes: Vec<String>,
+    /// Weight sparsities, each in [0, 1).
+    pub sp: Vec<f64>,
+    /// Activation sparsities, each in [0, 1).
+    pub dp: Vec<f64>,
+    pub formats: Vec<KernelFormat>,
+    /// Timed launches per measurement (the median is reported).
+    pub reps: usize,
+    /// Also time RLC-CSC with one stage left out (Celty Fig. 5).
+    pub stages: bool,
+    /// Also time a small sweep of tuning knobs, labelled per variant.
+    pub tune: bool,
+    /// RLC-CSC row-block height (a multiple of 256) of the default variant.
+    pub rlc_block_rows: usize,
+    /// RLC-CSC inner-loop size (columns per block) of the default variant.
+    pub rlc_cols: usize,
+    /// Seed of the random matrices and activations.
+    pub seed: u64,
+}
+
+impl Default for KernelBenchOptions {
+    fn default() -> Self {
+        Self {
+            shapes: vec!["llama2-7b".into()],
+            sp: vec![0.0, 0.3, 0.5, 0.7],
+            dp: vec![0.0, 0.3, 0.5, 0.7],
+            formats: KernelFormat::defaults(),
+            reps: 100,
+            stages: false,
+            tune: false,
+            rlc_block_rows: 1024,
+            rlc_cols: 64,
+            seed: 1,
+        }
+    }
+}
+
+impl KernelBenchOptions {
+    /// Checks every option before any GPU work and returns the shapes to measure.
+    pub fn validate(&self) -> Result<Vec<Shape>> {
+        let bad = |m: String| Err(CudaError::Option(m));
+        if self.shapes.is_empty() {
+            return bad("no shapes given".into());
+        }
+        if self.sp.is_empty() || self.dp.is_empty() {
+            return bad("no sparsities given (--sp and --dp need at least one value)".into());
+        }
+        for v in self.sp.iter().chain(&self.dp) {
+            if !(0.0..1.0).contains(v) {
+                return bad(format!("sparsity {v} outside [0, 1)"));
+            }
+        }
+        if self.formats.is_empty() {
+            return bad("no kernel formats given".into());
+        }
+        if self.reps == 0 {
+            return bad("--reps must be positive".into());
+        }
+        if self.has(KernelFormat::RlcCsc) {
+            let opts = RlcCscOptions {
+                index_bits: 4,
+                block_rows: self.rlc_block_rows,
+            };
+            opts.validate()?;
+            if self.rlc_cols == 0 {
+                return bad("--rlc-cols must be positive".into());
+            }
+        }
+        let mut shapes = Vec::new();
+        for s in &self.shapes {
+            shapes.extend(shapes_of(s)?);
+        }
+        Ok(shapes)
+    }
+
+    pub fn has(&self, f: KernelFormat) -> bool {
+        self.formats.contains(&f)
+    }
+}
+
+/// One measured kernel at one point.
+#[derive(Serialize, Clone, Debug)]
+pub struct Row {
+    pub format: String,
+    pub model: String,
+    pub m: usize,
+    pub k: usize,
+    pub sp: f64,
+    pub dp: f64,
+    pub total_sparsity: f64,
+    pub us: f64,
+    pub us_min: f64,
+    pub speedup_vs_cublas: f64,
+    pub bytes: usize,
+    pub gbs: f64,
+    pub pct_copy_bw: f64,
+    /// Relative error of this kernel's output against the f64 reference (checked once per
+    /// point, outside the timed loop); absent for stage-skipping variants.
+    pub rel_error: Option<f64>,
+}
+
+/// Everything one run measured.
+#[derive(Serialize, Clone, Debug)]
+pub struct Report {
+    pub device: DeviceInfo,
+    pub copy_gbs: f64,
+    /// Median time of an empty kernel under the same event bracketing: the floor every row's
+    /// µs includes.
+    pub empty_launch_us: f64,
+    pub reps: usize,
+    /// cuBLAS per shape: (model, M, K, median µs).
+    pub cublas: Vec<(String, usize, usize, f64)>,
+    pub rows: Vec<Row>,
+}
+
+/// Copies of a buffer of `bytes` needed so that one pass over them exceeds 4x the L2.
+pub fn copies_for(bytes: usize, l2: usize) -> usize {
+    (4 * l2).div_ceil(bytes.max(1)).clamp(1, 64)
+}
+
+/// Launches before the timed ones.
+const WARMUP: usize = 10;
+
+/// One kernel variant: the copy it is checked on, and the further copies timed launches rotate
+/// over.
+type Rotation = (Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>);
+
+/// The run's state: the GPU, what the rows are compared with, and the rows so far.
+struct Bench<'a> {
+    gpu: &'a Gpu,
+    opts: &'a KernelBenchOptions,
+    l2: usize,
+    copy_gbs: f64,
+    rows: Vec<Row>,
+    progress: &'a mut dyn FnMut(&str),
+}
+
+/// The cuBLAS time of the shape being measured, which every row is compared with.
+struct Baseline<'s> {
+    shape: &'s Shape,
+    cublas: Timing,
+}
+
+impl Bench<'_> {
+    /// Event timing of `launch(i)`, which enqueues repetition `i` (rotating over its copies)
+    /// and writes `outputs`.
+    fn measure<F>(&self, outputs: &mut [CudaSlice<f32>], mut launch: F) -> Result<Timing>
+    where
+        F: FnMut(usize, &mut [CudaSlice<f32>]) -> Result<()>,
+    {
+        time_launches(self.gpu, WARMUP, self.opts.reps, |i| launch(i, outputs))
+    }
+
+    fn copies_for(&self, bytes: usize) -> usize {
+        copies_for(bytes, self.l2)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        base: &Baseline,
+        format: String,
+        sp: f64,
+        dp: f64,
+        t: Timing,
+        bytes: usize,
+        rel_error: Option<f64>,
+    ) {
+        let gbs = bytes as f64 / (t.median_us * 1e-6) / 1e9;
+        let row = Row {
+            format,
+            model: base.shape.model.clone(),
+            m: base.shape.m,
+            k: base.shape.k,
+            sp,
+            dp,
+            total_sparsity: 1.0 - (1.0 - sp) * (1.0 - dp),
+            us: t.median_us,
+            us_min: t.min_us,
+            speedup_vs_cublas: base.cublas.median_us / t.median_us,
+            bytes,
+            gbs,
+            pct_copy_bw: 100.0 * gbs / self.copy_gbs,
+            rel_error,
+        };
+        (self.progress)(&report::progress_line(&row));
+        self.rows.push(row);
+    }
+}
+
+/// Relative error of `w`'s product (fresh NaN-poisoned output) against the f64 reference.
+fn check(gpu: &Gpu, w: &dyn GpuMatVec, dm: &DenseMatrix, x: &[f32], t: Threshold) -> Result<f64> {
+    let got = crate::matvec_host(gpu, w, x, t)?;
+    Ok(max_rel_error(&got, &matvec_f64(dm, x, t)))
+}
+
+/// Runs the benchmark. `progress` receives one line per device fact and per measured row
+/// while the run goes (the CLI prints them to stderr).
+pub fn run(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<Report> {
+    let shapes = opts.validate()?;
+    let gpu = Gpu::new(0)?;
+    let info = gpu.info().clone();
+    let l2 = info.l2_bytes.max(1 << 20);
+    progress(&format!(
+        "device: {} (sm_{}{}), {} SMs, L2 {} MB",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.multiprocessors,
+        l2 >> 20
+    ));
+    let copy_gbs = copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
+    progress(&format!(
+        "copy bandwidth (read + write): {copy_gbs:.0} GB/s"
+    ));
+    let empty_launch_us = time_launches(&gpu, 10, 200, |_| crate::timing::spin(&gpu, 0))?.median_us;
+    progress(&format!(
+        "empty kernel launch (event-bracketed median): {empty_launch_us:.2} µs"
+    ));
+
+    let mut bench = Bench {
+        gpu: &gpu,
+        opts,
+        l2,
+        copy_gbs,
+        rows: Vec::new(),
+        progress,
+    };
+    let mut cublas_times = Vec::new();
+    for (si, shape) in shapes.iter().enumerate() {
+        let seed = opts.seed.wrapping_add(si as u64 * 1000);
+        let t_blas = bench_shape(&mut bench, shape, seed)?;
+        cublas_times.push((shape.model.clone(), shape.m, shape.k, t_blas.median_us));
+    }
+    Ok(Report {
+        device: info,
+        copy_gbs,
+        empty_launch_us,
+        reps: opts.reps,
+        cublas: cublas_times,
+        rows: bench.rows,
+    })
+}
+
+/// Every kernel at every point of one shape; returns the cuBLAS timing.
+fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
+    let gpu = bench.gpu;
+    let opts = bench.opts;
+    let has = |f| opts.has(f);
+    let (m, k) = (shape.m, shape.k);
+    // cuBLAS and our dense GEMV on the unpruned matrix: what a dense model runs.
+    let w0 = sparse_matrix(m, k, 0.0, Pattern::Unstructured, seed)?;
+    let dense_copies: Vec<GpuDense> = (0..bench.copies_for(m * k * 2))
+        .map(|_| GpuDense::upload(gpu, &w0))
+        .collect::<Result<_>>()?;
+    let blas = Cublas::new(gpu, &dense_copies[0])?;
+    let x0 = activations(k, seed ^ 7);
+    let xd = gpu.upload(&x0)?;
+    let mut x16 = zeroed_f16(gpu, k)?;
+    to_f16(gpu, &xd, &mut x16)?;
+    let mut out = vec![gpu.poisoned_f32(m)?];
+    let nd = dense_copies.len();
+    let t_blas = bench.measure(&mut out, |i, y| {
+        blas.gemm(gpu, &dense_copies[i % nd], &x16, 1, &mut y[0])
+    })?;
+    let base = Baseline {
+        shape,
+        cublas: t_blas,
+    };
+    let dense_bytes = m * k * 2 + k * 2 + m * 4;
+    bench.record(&base, "cublas".into(), 0.0, 0.0, t_blas, dense_bytes, None);
+
+    for (di, &dp) in opts.dp.iter().enumerate() {
+        let x = activations(k, seed ^ (0x100 + di as u64));
+        let t = threshold_for_sparsity(&x, dp)?;
+        let xd = gpu.upload(&x)?;
+        let mask = active_mask(&x, t);
+        if has(KernelFormat::Dense) && di == 0 {
+            let err = check(gpu, &dense_copies[0], &w0, &x, t)?;
+            let tm = bench.measure(&mut out, |i, y| {
+                dense_copies[i % nd].launch(gpu, &xd, t, &mut y[0])
+            })?;
+            let bytes = dense_copies[0].bytes_for(&mask);
+            bench.record(&base, "dense-gemv".into(), 0.0, dp, tm, bytes, Some(err));
+        }
+        if has(KernelFormat::DenseColMajor) {
+            let cm = GpuDenseColMajor::upload(gpu, &w0)?;
+            let bytes = cm.bytes_for(&vec![true; k]);
+            let mut cms = vec![cm];
+            for _ in 1..bench.copies_for(bytes) {
+                cms.push(GpuDenseColMajor::upload(gpu, &w0)?);
+            }
+            let n = cms.len();
+            let cpws: &[usize] = if opts.tune { &[0, 64, 128] } else { &[0] };
+            for &cpw in cpws {
+                for c in cms.iter_mut() {
+                    c.cols_per_warp = cpw;
+                }
+                let err = check(gpu, &cms[0], &w0, &x, t)?;
+                let tm =
+                    bench.measure(&mut out, |i, y| cms[i % n].launch(gpu, &xd, t, &mut y[0]))?;
+                let (label, bytes) = (cms[0].label(), cms[0].bytes_for(&mask));
+                bench.record(&base, label, 0.0, dp, tm, bytes, Some(err));
+            }
+        }
+    }
+
+    let sparse = [
+        KernelFormat::RlcCsc,
+        KernelFormat::TiledCbc,
+        KernelFormat::TiledCbcSpdp,
+        KernelFormat::Auto,
+    ];
+    if !sparse.into_iter().any(has) {
+        return Ok(t_blas);
+    }
+    for (pi, &sp) in opts.sp.iter().enumerate() {
+        let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
+        let variants = sparse_variants(bench, &w)?;
+        for (di, &dp) in opts.dp.iter().enumerate() {
+            let x = activations(k, seed ^ (0x100 + di as u64));
+            let t = threshold_for_sparsity(&x, dp)?;
+            let xd = gpu.upload(&x)?;
+            let mask = active_mask(&x, t);
+            for (first, rest) in &variants {
+                let label = first.label();
+                let full = !label.contains("/no-") && !label.contains("/loads-only");
+                let err = if full {
+                    Some(check(gpu, first.as_ref(), &w, &x, t)?)
+                } else {
+                    None
+                };
+                let n = rest.len() + 1;
+                let tm = bench.measure(&mut out, |i, y| {
+                    let r = i % n;
+                    let f: &dyn GpuMatVec = if r == 0 {
+                        first.as_ref()
+                    } else {
+                        rest[r - 1].as_ref()
+                    };
+                    f.launch(gpu, &xd, t, &mut y[0])
+                })?;
+                let bytes = first.bytes_for(&mask);
+                bench.record(&base, label, sp, dp, tm, bytes, err);
+            }
+            if has(KernelFormat::Auto) {
+                // The per-layer choice (crate::choice) for this sp and dp, rotated over enough
+                // copies like every other kernel.
+                let first = upload_chosen(gpu, &w, dp)?;
+                let bytes = first.bytes_for(&vec![true; k]);
+                let mut copies = vec![first];
+                for _ in 1..bench.copies_for(bytes) {
+                    copies.push(upload_chosen(gpu, &w, dp)?);
+                }
+                let err = check(gpu, copies[0].as_ref(), &w, &x, t)?;
+                let n = copies.len();
+                let tm = bench.measure(&mut out, |i, y| {
+                    copies[i % n].launch(gpu, &xd, t, &mut y[0])
+                })?;
+                let label = format!("auto:{}", copies[0].label());
+                let bytes = copies[0].bytes_for(&mask);
+                bench.record(&base, label, sp, dp, tm, bytes, Some(err));
+            }
+        }
+    }
+    Ok(t_blas)
+}
+
+/// The RLC-CSC and Tiled-CBC variants the options ask for, uploaded for `w` with their
+/// rotation copies.
+fn sparse_variants(bench: &Bench, w: &DenseMatrix) -> Result<Vec<Rotation>> {
+    let (gpu, opts) = (bench.gpu, bench.opts);
+    let mut variants: Vec<Rotation> = Vec::new();
+    if opts.has(KernelFormat::RlcCsc) {
+        let mut configs = vec![(opts.rlc_block_rows, opts.rlc_cols)];
+        if opts.tune {
+            for br in [1024usize, 4096] {
+                for c in [32usize, 64, 128] {
+                    if !configs.contains(&(br, c)) {
+                        configs.push((br, c));
+                    }
+                }
+            }
+        }
+        let mut encoded: Vec<(usize, RlcCsc)> = Vec::new();
+        for &(br, c) in &configs {
+            if !encoded.iter().any(|(b, _)| *b == br) {
+                let o = RlcCscOptions {
+                    index_bits: 4,
+                    block_rows: br,
+                };
+                encoded.push((br, RlcCsc::encode(w, &o)?));
+            }
+            let Some((_, f)) = encoded.iter().find(|(b, _)| *b == br) else {
+                continue;
+            };
+            let bytes = f.storage().total_bytes();
+            let mut copies: Vec<Box<dyn GpuMatVec>> = Vec::new();
+            let mut stage_variants = Vec::new();
+            for ci in 0..bench.copies_for(bytes) {
+                let mut g = GpuRlcCsc::upload(gpu, f)?;
+                g.cols_per_warp = c;
+                if opts.stages && ci == 0 && (br, c) == configs[0] {
+                    for st in [
+                        Stages::NoReconstruction,
+                        Stages::NoAccumulation,
+                        Stages::LoadsOnly,
+                    ] {
+                        let mut v = GpuRlcCsc::upload(gpu, f)?;
+                        v.cols_per_warp = c;
+                        v.stages = st;
+                        stage_variants.push(v);
+                    }
+                }
+                copies.push(Box::new(g));
+            }
+            let first = copies.remove(0);
+            variants.push((first, copies));
+            // Stage variants are timed on one copy each (their outputs are not products, so
+            // they are not checked either).
+            for v in stage_variants {
+                variants.push((Box::new(v), Vec::new()));
+            }
+        }
+    }
+    if opts.has(KernelFormat::TiledCbc) || opts.has(KernelFormat::TiledCbcSpdp) {
+        let f = TiledCbc::encode(w)?;
+        let bytes = f.storage().total_bytes();
+        // (kernel, gtiles per block (0 = auto), lane8 waves, lane8 pipeline shape)
+        let lane8 = Lane8Shape::DEFAULT;
+        let mut configs = Vec::new();
+        if opts.has(KernelFormat::TiledCbc) {
+            configs.push((TcbcKernel::Lane8, 0usize, 1usize, lane8));
+            if opts.tune {
+                configs.push((TcbcKernel::Lane8, 0, 2, lane8));
+                for shape in &Lane8Shape::ALL[1..] {
+                    configs.push((TcbcKernel::Lane8, 0, 1, *shape));
+                }
+            }
+        }
+        if opts.has(KernelFormat::TiledCbcSpdp) {
+            configs.push((TcbcKernel::Spdp, 0, 1, lane8));
+            if opts.tune {
+                configs.push((TcbcKernel::Spdp, 16, 1, lane8));
+            }
+        }
+        for (kernel, gpb, waves, shape) in configs {
+            let mut copies: Vec<Box<dyn GpuMatVec>> = Vec::new();
+            for _ in 0..bench.copies_for(bytes) {
+                let mut g = GpuTiledCbc::upload(gpu, &f)?;
+                g.kernel = kernel;
+                g.gtiles_per_block = gpb;
+                g.lane8_waves = waves;
+                g.lane8_shape = shape;
+                copies.push(Box::new(g));
+            }
+            let first = copies.remove(0);
+            variants.push((first, copies));
+        }
+    }
+    Ok(variants)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotation_exceeds_l2() {
+        let l2 = 60 << 20;
+        assert!(copies_for(32 << 20, l2) * (32 << 20) >= 4 * l2);
+        assert_eq!(copies_for(1 << 30, l2), 1);
+        assert_eq!(copies_for(1, l2), 64);
+    }
+
+    #[test]
+    fn formats_parse_by_name() {
+        for f in KernelFormat::ALL {
+            assert_eq!(f.name().parse::<KernelFormat>().unwrap(), f);
+        }
+        let e = "tiled".parse::<KernelFormat>().unwrap_err().to_string();
+        assert!(e.contains("tiled-cbc-spdp"), "{e}");
+        assert!(!KernelFormat::defaults().contains(&KernelFormat::Auto));
+    }
+
+    #[test]
+    fn options_are_checked_before_work() {
+        let ok = KernelBenchOptions::default();
+        assert_eq!(ok.validate().unwrap().len(), 3);
+        let with = |f: &dyn Fn(&mut KernelBenchOptions)| {
+            let mut o = KernelBenchOptions::default();
+            f(&mut o);
+            o.validate().unwrap_err().to_string()
+        };
+        assert!(with(&|o| o.sp = vec![1.0]).contains("sparsity 1"));
+        assert!(with(&|o| o.dp = vec![-0.1]).contains("sparsity -0.1"));
+        assert!(with(&|o| o.dp.clear()).contains("sparsities"));
+        assert!(with(&|o| o.reps = 0).contains("--reps"));
+        assert!(with(&|o| o.shapes = vec!["llama9".into()]).contains("llama9"));
+        assert!(with(&|o| o.shapes.clear()).contains("shapes"));
+        assert!(with(&|o| o.formats.clear()).contains("formats"));
+        assert!(with(&|o| o.rlc_block_rows = 1000).contains("block rows"));
+        assert!(with(&|o| o.rlc_cols = 0).contains("--rlc-cols"));
+        // RLC-CSC knobs only matter when RLC-CSC runs.
+        let mut o = KernelBenchOptions {
+            formats: vec![KernelFormat::TiledCbc],
+            rlc_cols: 0,
+            ..Default::default()
+        };
+        assert!(o.validate().is_ok());
+        o.shapes = vec!["llama2-7b".into(), "300x70".into()];
+        assert_eq!(o.validate().unwrap().len(), 4);
+    }
+
+    /// Without a GPU the run fails with the typed "no GPU" error after validating, never a
+    /// panic; on a GPU machine this test only checks that bad options fail before the GPU is
+    /// opened.
+    #[test]
+    fn bad_options_fail_before_the_gpu() {
+        let o = KernelBenchOptions {
+            reps: 0,
+            ..Default::default()
+        };
+        let mut lines = Vec::new();
+        let e = run(&o, &mut |l| lines.push(l.to_string())).unwrap_err();
+        assert!(matches!(e, CudaError::Option(_)), "{e}");
+        assert!(lines.is_empty());
+    }
+}
