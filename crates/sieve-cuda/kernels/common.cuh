@@ -58,11 +58,22 @@ __device__ __forceinline__ uint4 ld_stream16_evict_first(const void* p) {
 // completed and its writes are visible, then let the next kernel launch so that its launch
 // overlaps this one. Every kernel calls this first, before it touches global memory; both
 // instructions are no-ops when the launch has no programmatic edge.
-__device__ __forceinline__ void pdl_wait_then_release() {
+// Kernels with work that reads only their own static operands (weights, format metadata) do
+// that first: pdl_release(), the static loads, then pdl_wait() before the first read of an
+// activation or any write.
+__device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void pdl_wait_then_release() {
+    pdl_wait();
+    pdl_release();
 }
 
 // TEAL activation mask: an input is active when |x| > t. t < 0 makes every input active.

@@ -74,11 +74,19 @@ __device__ __forceinline__ void gemv_row(const uint4* __restrict__ row, const fl
 extern "C" __global__ void __launch_bounds__(256)
 dense_gemv_rowmajor(const uint4* __restrict__ w, const float* __restrict__ x, float* __restrict__ y,
                     int M, int K, float t, int accumulate) {
-    pdl_wait_then_release();
+    pdl_release();
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= M) return;
     int nvec = K >> 3;
+    // Under programmatic dependent launch the row's first 2 KB (weights: never written by
+    // another kernel) are fetched into L2 while the previous kernel finishes.
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        int v = lane + 32 * u;
+        if (v < nvec) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(w + (size_t)warp * nvec + v));
+    }
+    pdl_wait();
     gemv_row<4>(w + (size_t)warp * nvec, x, y, warp, nvec, t, lane, accumulate);
 }
 

@@ -261,10 +261,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     int row = rt * TCBC_TILE_M + tid;
     // flags == nullptr: no fused zeroing, the product is added to y as it is (the decode
     // runner's mode: y is zeroed by an earlier kernel of the step, or is the residual stream).
-    if (flags && blockIdx.x == 0) {
-        if (row < M) y[row] = 0.f;
-        publish_zeroed_tile(flags + rt, epoch);
-    }
+    pdl_release();
 
     // 1. Compaction of the block's column range (at most 512 columns: two per thread) into
     //    the shared list. All six loads of a thread are issued before any is used, so the
@@ -285,10 +282,21 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
             // ColInfo and TileOffset of inactive columns are read too: they travel with x.
             u32 g = (u32)rt * (u32)KT + (u32)(k >> 4);
             gc[r] = g * TCBC_TILE_K + (u32)(k & 15);
-            xv[r] = __ldg(x + k);
             info[r] = __ldg(col_info + gc[r]);
             off[r] = __ldg(tile_offset + g) + (info[r] >> 16);
         }
+    }
+    // Under programmatic dependent launch the format metadata above (static) is read while
+    // the previous kernel finishes; x and y only after it has.
+    pdl_wait();
+    if (flags && blockIdx.x == 0) {
+        if (row < M) y[row] = 0.f;
+        publish_zeroed_tile(flags + rt, epoch);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int k = k0 + tid + 256 * r;
+        if (k < k1) xv[r] = __ldg(x + k);
     }
     bool on[2];
     u32 ballot[2];
@@ -448,35 +456,27 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
 // src/tiled_cbc.rs). Default: 32-column batches, 2 stages (~43 KB of shared memory: 5 blocks
 // per SM); the others were within 5% of it on the LLaMA-2-7B shapes (docs/BENCHMARKS.md).
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s2(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<32, 2, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s3(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<16, 3, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b16s4(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<16, 4, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_lane8_b32s3(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<32, 3, false>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s2(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<32, 2, true>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b16s3(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<16, 3, true>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b16s4(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<16, 4, true>(LANE8_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s3(LANE8_ARGS) {
-    pdl_wait_then_release();
     lane8_kernel<32, 3, true>(LANE8_PASS);
 }
 
