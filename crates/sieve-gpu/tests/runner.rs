@@ -531,6 +531,18 @@ fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
         "{name}: {:?}",
         g.report().notes
     );
+    // Graphs without programmatic dependent launch give the same tokens.
+    g.set_pdl(false);
+    let mut plain = vec![g.prefill(&prompt).unwrap()];
+    while plain.len() < 8 {
+        plain.push(g.next_token().unwrap());
+    }
+    assert_eq!(
+        plain[..],
+        gpu_tokens[..8],
+        "{name}: graph without PDL vs with"
+    );
+    g.set_pdl(true);
     // Eager launches give the same tokens as graph replays.
     g.set_use_graphs(false);
     let mut eager = vec![g.prefill(&prompt).unwrap()];
@@ -618,4 +630,23 @@ fn synthetic_thresholds_hit_the_activation_sparsity() {
         ratio > 0.2 && ratio < 0.45,
         "bytes per token {ratio} of dense"
     );
+}
+
+/// Real model files named in `SIEVE_GPU_CHECK_MODELS` (colon-separated: GGUF, safetensors
+/// directory or `.sieve` pack, e.g. the cut SmolLM2 of `scripts/cut-gguf.py` and a Tiled-CBC
+/// pack of it) through the same check as the tiny models. GGUF blocks are dequantized to f16
+/// on the CPU too, so both sides multiply the same weights. Tolerance 0.25 on logits of a
+/// ~20-wide spread (f16 KV cache and summation order; the measured error is printed).
+#[test]
+fn models_from_env_match_cpu() {
+    let Ok(list) = std::env::var("SIEVE_GPU_CHECK_MODELS") else {
+        eprintln!("models_from_env_match_cpu: skipped, SIEVE_GPU_CHECK_MODELS is not set");
+        return;
+    };
+    for path in list.split(':').filter(|p| !p.is_empty()) {
+        let (model, _tok) =
+            sieve_model::packed::load_model_and_tokenizer_with(std::path::Path::new(path), true)
+                .unwrap_or_else(|e| panic!("loading {path}: {e}"));
+        check_model_against_cpu(path, &model, 0.25);
+    }
 }
