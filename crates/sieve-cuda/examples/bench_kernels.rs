@@ -6,7 +6,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use sieve_cuda::bench::{KernelBenchOptions, KernelFormat};
+use sieve_cuda::bench::{FusedGroup, KernelBenchOptions, KernelFormat};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -51,6 +51,16 @@ struct Args {
     plot: Option<PathBuf>,
     #[arg(long)]
     seed: Option<u64>,
+    #[arg(long)]
+    graph: bool,
+    #[arg(long)]
+    graph_launches: Option<usize>,
+    #[arg(long)]
+    graph_replays: Option<usize>,
+    #[arg(long, value_delimiter = ',')]
+    fused: Option<Vec<FusedGroup>>,
+    #[arg(long)]
+    fused_only: bool,
 }
 
 fn main() -> Result<()> {
@@ -67,6 +77,11 @@ fn main() -> Result<()> {
         rlc_block_rows: a.rlc_block_rows.unwrap_or(d.rlc_block_rows),
         rlc_cols: a.rlc_cols.unwrap_or(d.rlc_cols),
         seed: a.seed.unwrap_or(d.seed),
+        graph: a.graph,
+        graph_launches: a.graph_launches.unwrap_or(d.graph_launches),
+        graph_replays: a.graph_replays.unwrap_or(d.graph_replays),
+        fused: a.fused.unwrap_or(d.fused),
+        fused_only: a.fused_only,
     };
     let report = sieve_cuda::bench::run(&opts, &mut |line| eprintln!("{line}"))
         .context("bench_kernels (needs a CUDA GPU)")?;

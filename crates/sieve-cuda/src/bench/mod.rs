@@ -11,12 +11,21 @@
 //! with a device-to-device copy measured in the same run. Every kernel's output is checked
 //! against the f64 CPU reference once per point, outside the timed loop.
 //!
+//! With `graph` every measurement is also taken in graph mode ([`graph`]): the same rotating
+//! launches captured into a CUDA graph and replayed, time per launch = replay time / launches,
+//! outputs checked against the reference after the replays. With `fused` the q|k|v and
+//! gate|up projections of each named model are timed as one packed matrix against separate
+//! launches ([`fused`]).
+//!
 //! The caller fills [`KernelBenchOptions`], calls [`run`] and prints or saves the [`Report`]
 //! ([`Report::markdown`], [`Report::write_outputs`], [`Report::check_correct`]).
 
+pub mod fused;
+pub mod graph;
 pub mod report;
 pub mod shapes;
 
+pub use fused::{FusedGroup, FusedRow};
 pub use shapes::{shapes_of, Shape};
 
 use crate::choice::upload_chosen;
@@ -51,17 +60,20 @@ pub enum KernelFormat {
     TiledCbc,
     /// SPDP's thread-per-row Tiled-CBC kernel.
     TiledCbcSpdp,
+    /// Lane8's pipeline with the round-robin decode (`TcbcKernel::RoundRobin`).
+    TiledCbcRr,
     /// The per-layer choice of [`crate::choice`] between dense-colmajor and tiled-cbc.
     Auto,
 }
 
 impl KernelFormat {
-    pub const ALL: [KernelFormat; 6] = [
+    pub const ALL: [KernelFormat; 7] = [
         KernelFormat::Dense,
         KernelFormat::DenseColMajor,
         KernelFormat::RlcCsc,
         KernelFormat::TiledCbc,
         KernelFormat::TiledCbcSpdp,
+        KernelFormat::TiledCbcRr,
         KernelFormat::Auto,
     ];
 
@@ -72,6 +84,7 @@ impl KernelFormat {
             KernelFormat::RlcCsc => "rlc-csc",
             KernelFormat::TiledCbc => "tiled-cbc",
             KernelFormat::TiledCbcSpdp => "tiled-cbc-spdp",
+            KernelFormat::TiledCbcRr => "tiled-cbc-rr",
             KernelFormat::Auto => "auto",
         }
     }
@@ -79,6 +92,22 @@ impl KernelFormat {
     /// The formats timed when none are named.
     pub fn defaults() -> Vec<KernelFormat> {
         KernelFormat::ALL[..5].to_vec()
+    }
+
+    /// Kernels that store the matrix dense (zeros kept): their time does not depend on the
+    /// weight sparsity, so they are measured on the unpruned matrix only.
+    pub fn is_dense_storage(self) -> bool {
+        matches!(self, KernelFormat::Dense | KernelFormat::DenseColMajor)
+    }
+
+    /// The Tiled-CBC kernel behind a Tiled-CBC format.
+    fn tcbc_kernel(self) -> Option<TcbcKernel> {
+        match self {
+            KernelFormat::TiledCbc => Some(TcbcKernel::Lane8),
+            KernelFormat::TiledCbcSpdp => Some(TcbcKernel::Spdp),
+            KernelFormat::TiledCbcRr => Some(TcbcKernel::RoundRobin),
+            _ => None,
+        }
     }
 }
 
@@ -126,6 +155,17 @@ pub struct KernelBenchOptions {
     pub rlc_cols: usize,
     /// Seed of the random matrices and activations.
     pub seed: u64,
+    /// Also time every measurement in graph mode (see [`graph`]).
+    pub graph: bool,
+    /// Launches captured per graph (raised to a multiple of the rotated copies, at least two
+    /// per copy: [`graph::graph_launches`]).
+    pub graph_launches: usize,
+    /// Timed replays per graph measurement (the median is reported).
+    pub graph_replays: usize,
+    /// Multi-matrix groups to compare packed against separate launches (see [`fused`]).
+    pub fused: Vec<FusedGroup>,
+    /// Only the multi-matrix comparison, not the per-shape table.
+    pub fused_only: bool,
 }
 
 impl Default for KernelBenchOptions {
@@ -141,6 +181,11 @@ impl Default for KernelBenchOptions {
             rlc_block_rows: 1024,
             rlc_cols: 64,
             seed: 1,
+            graph: false,
+            graph_launches: 64,
+            graph_replays: 20,
+            fused: Vec::new(),
+            fused_only: false,
         }
     }
 }
@@ -176,11 +221,41 @@ impl KernelBenchOptions {
                 return bad("--rlc-cols must be positive".into());
             }
         }
+        if self.graph && (self.graph_launches == 0 || self.graph_replays == 0) {
+            return bad("--graph-launches and --graph-replays must be positive".into());
+        }
+        if self.fused_only && self.fused.is_empty() {
+            return bad("--fused-only needs --fused (qkv, gateup)".into());
+        }
         let mut shapes = Vec::new();
         for s in &self.shapes {
-            shapes.extend(shapes_of(s)?);
+            let set = shapes_of(s)?;
+            if !self.fused.is_empty() && shapes::model(s).is_none() {
+                return bad(format!(
+                    "--fused needs named models (llama2-7b, llama2-13b, llama3-8b, llama2-70b) \
+                     to take q, k, v, gate and up from; '{s}' is a single shape"
+                ));
+            }
+            shapes.extend(set);
+        }
+        if !self.fused.is_empty() && fused::formats(self).is_empty() {
+            return bad(format!(
+                "--fused times {} (and cuBLAS); none of them is in --formats",
+                fused::FORMATS.map(|f| f.name()).join(", ")
+            ));
         }
         Ok(shapes)
+    }
+
+    /// The named models of `shapes`, each once, in order.
+    pub fn models(&self) -> Vec<shapes::ModelDims> {
+        let mut out: Vec<shapes::ModelDims> = Vec::new();
+        for m in self.shapes.iter().filter_map(|s| shapes::model(s)) {
+            if !out.contains(&m) {
+                out.push(m);
+            }
+        }
+        out
     }
 
     pub fn has(&self, f: KernelFormat) -> bool {
@@ -207,6 +282,37 @@ pub struct Row {
     /// Relative error of this kernel's output against the f64 reference (checked once per
     /// point, outside the timed loop); absent for stage-skipping variants.
     pub rel_error: Option<f64>,
+    /// Graph-mode figures (with `graph`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph: Option<GraphFigures>,
+}
+
+/// One row's graph-mode figures.
+#[derive(Serialize, Clone, Debug)]
+pub struct GraphFigures {
+    /// Median over replays of replay time / launches per replay.
+    pub us: f64,
+    pub us_min: f64,
+    /// cuBLAS's graph-mode time over this one.
+    pub speedup_vs_cublas: f64,
+    pub gbs: f64,
+    pub pct_copy_bw: f64,
+    /// Relative error of the output after the timed replays (poisoned with NaN before them)
+    /// against the f64 reference; absent for stage-skipping variants.
+    pub rel_error: Option<f64>,
+    pub launches: usize,
+    pub replays: usize,
+}
+
+/// How graph mode ran.
+#[derive(Serialize, Clone, Debug)]
+pub struct GraphRun {
+    /// Launches asked per graph (each graph holds at least this many, see
+    /// [`graph::graph_launches`]).
+    pub launches: usize,
+    pub replays: usize,
+    /// Per-launch time of an empty kernel in graph mode: the floor graph figures include.
+    pub empty_launch_us: f64,
 }
 
 /// Everything one run measured.
@@ -221,6 +327,11 @@ pub struct Report {
     /// cuBLAS per shape: (model, M, K, median µs).
     pub cublas: Vec<(String, usize, usize, f64)>,
     pub rows: Vec<Row>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph: Option<GraphRun>,
+    /// The multi-matrix comparison (with `fused`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fused: Vec<FusedRow>,
 }
 
 /// Copies of a buffer of `bytes` needed so that one pass over them exceeds 4x the L2.
@@ -228,40 +339,96 @@ pub fn copies_for(bytes: usize, l2: usize) -> usize {
     (4 * l2).div_ceil(bytes.max(1)).clamp(1, 64)
 }
 
-/// Launches before the timed ones.
+/// Launches before the timed ones (event mode).
 const WARMUP: usize = 10;
+/// Replays before the timed ones (graph mode).
+const GRAPH_WARMUP: usize = 2;
 
 /// One kernel variant: the copy it is checked on, and the further copies timed launches rotate
 /// over.
 type Rotation = (Box<dyn GpuMatVec>, Vec<Box<dyn GpuMatVec>>);
 
 /// The run's state: the GPU, what the rows are compared with, and the rows so far.
-struct Bench<'a> {
-    gpu: &'a Gpu,
-    opts: &'a KernelBenchOptions,
+pub(crate) struct Bench<'a> {
+    pub(crate) gpu: &'a Gpu,
+    pub(crate) opts: &'a KernelBenchOptions,
     l2: usize,
     copy_gbs: f64,
     rows: Vec<Row>,
-    progress: &'a mut dyn FnMut(&str),
+    pub(crate) progress: &'a mut dyn FnMut(&str),
+}
+
+/// One measurement: event timing and, in graph mode, the graph figures.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Measured {
+    pub(crate) event: Timing,
+    pub(crate) graph: Option<GraphMeasured>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GraphMeasured {
+    pub(crate) timing: Timing,
+    pub(crate) launches: usize,
+    /// Against the reference after the replays; `None` when there was none to check with.
+    pub(crate) rel_error: Option<f64>,
 }
 
 /// The cuBLAS time of the shape being measured, which every row is compared with.
 struct Baseline<'s> {
     shape: &'s Shape,
-    cublas: Timing,
+    cublas: Measured,
 }
 
 impl Bench<'_> {
-    /// Event timing of `launch(i)`, which enqueues repetition `i` (rotating over its copies)
-    /// and writes `outputs`.
-    fn measure<F>(&self, outputs: &mut [CudaSlice<f32>], mut launch: F) -> Result<Timing>
+    /// Times `launch(i, outputs)`, which enqueues repetition `i` (rotating over `copies` device
+    /// copies) writing `outputs`: CUDA events around each launch and, with `graph`, graph
+    /// replays, after which each output is checked against its reference in `want` (one per
+    /// output).
+    pub(crate) fn measure<F>(
+        &self,
+        outputs: &mut [CudaSlice<f32>],
+        want: Option<&[Vec<f64>]>,
+        copies: usize,
+        mut launch: F,
+    ) -> Result<Measured>
     where
         F: FnMut(usize, &mut [CudaSlice<f32>]) -> Result<()>,
     {
-        time_launches(self.gpu, WARMUP, self.opts.reps, |i| launch(i, outputs))
+        let gpu = self.gpu;
+        let event = time_launches(gpu, WARMUP, self.opts.reps, |i| launch(i, outputs))?;
+        if !self.opts.graph {
+            return Ok(Measured { event, graph: None });
+        }
+        let launches = graph::graph_launches(self.opts.graph_launches, copies);
+        let g = graph::capture(gpu, launches, |i| launch(i, outputs))?;
+        for _ in 0..GRAPH_WARMUP {
+            g.launch()?;
+        }
+        for out in outputs.iter_mut() {
+            graph::poison(gpu, out)?;
+        }
+        let timing = graph::time_replays(gpu, &g, launches, self.opts.graph_replays)?;
+        let rel_error = match want {
+            None => None,
+            Some(want) => {
+                let mut errors = Vec::with_capacity(want.len());
+                for (out, w) in outputs.iter().zip(want) {
+                    errors.push(max_rel_error(&gpu.download(out)?, w));
+                }
+                Some(worst_error(errors))
+            }
+        };
+        Ok(Measured {
+            event,
+            graph: Some(GraphMeasured {
+                timing,
+                launches,
+                rel_error,
+            }),
+        })
     }
 
-    fn copies_for(&self, bytes: usize) -> usize {
+    pub(crate) fn copies_for(&self, bytes: usize) -> usize {
         copies_for(bytes, self.l2)
     }
 
@@ -272,11 +439,28 @@ impl Bench<'_> {
         format: String,
         sp: f64,
         dp: f64,
-        t: Timing,
+        t: Measured,
         bytes: usize,
         rel_error: Option<f64>,
     ) {
-        let gbs = bytes as f64 / (t.median_us * 1e-6) / 1e9;
+        let gbs_of = |us: f64| bytes as f64 / (us * 1e-6) / 1e9;
+        let gbs = gbs_of(t.event.median_us);
+        let graph = match (t.graph, base.cublas.graph) {
+            (Some(g), Some(bg)) => {
+                let gbs = gbs_of(g.timing.median_us);
+                Some(GraphFigures {
+                    us: g.timing.median_us,
+                    us_min: g.timing.min_us,
+                    speedup_vs_cublas: bg.timing.median_us / g.timing.median_us,
+                    gbs,
+                    pct_copy_bw: 100.0 * gbs / self.copy_gbs,
+                    rel_error: g.rel_error,
+                    launches: g.launches,
+                    replays: g.timing.reps,
+                })
+            }
+            _ => None,
+        };
         let row = Row {
             format,
             model: base.shape.model.clone(),
@@ -285,23 +469,47 @@ impl Bench<'_> {
             sp,
             dp,
             total_sparsity: 1.0 - (1.0 - sp) * (1.0 - dp),
-            us: t.median_us,
-            us_min: t.min_us,
-            speedup_vs_cublas: base.cublas.median_us / t.median_us,
+            us: t.event.median_us,
+            us_min: t.event.min_us,
+            speedup_vs_cublas: base.cublas.event.median_us / t.event.median_us,
             bytes,
             gbs,
             pct_copy_bw: 100.0 * gbs / self.copy_gbs,
             rel_error,
+            graph,
         };
         (self.progress)(&report::progress_line(&row));
         self.rows.push(row);
     }
 }
 
-/// Relative error of `w`'s product (fresh NaN-poisoned output) against the f64 reference.
-fn check(gpu: &Gpu, w: &dyn GpuMatVec, dm: &DenseMatrix, x: &[f32], t: Threshold) -> Result<f64> {
+/// Relative error of `w`'s product (fresh NaN-poisoned output) against `want`.
+pub(crate) fn check(
+    gpu: &Gpu,
+    w: &dyn GpuMatVec,
+    x: &[f32],
+    t: Threshold,
+    want: &[f64],
+) -> Result<f64> {
     let got = crate::matvec_host(gpu, w, x, t)?;
-    Ok(max_rel_error(&got, &matvec_f64(dm, x, t)))
+    Ok(max_rel_error(&got, want))
+}
+
+/// The largest of `errors`, NaN when any is NaN (an output a kernel left unwritten), which
+/// `f64::max` alone would drop.
+pub fn worst_error(errors: impl IntoIterator<Item = f64>) -> f64 {
+    errors.into_iter().fold(0.0f64, |a, e| {
+        if a.is_nan() || e.is_nan() {
+            f64::NAN
+        } else {
+            a.max(e)
+        }
+    })
+}
+
+/// `x` rounded to f16, as cuBLAS sees it, so that its check measures the product only.
+pub(crate) fn f16_rounded(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect()
 }
 
 /// Runs the benchmark. `progress` receives one line per device fact and per measured row
@@ -327,6 +535,32 @@ pub fn run(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<
     progress(&format!(
         "empty kernel launch (event-bracketed median): {empty_launch_us:.2} µs"
     ));
+    // cuBLAS must not allocate its workspace while a stream is captured.
+    let _workspace = if opts.graph {
+        Some(graph::CublasWorkspace::bind(
+            &gpu,
+            graph::CublasWorkspace::BYTES,
+        )?)
+    } else {
+        None
+    };
+    let graph_run = if opts.graph {
+        let launches = graph::graph_launches(opts.graph_launches, 1);
+        let g = graph::capture(&gpu, launches, |_| crate::timing::spin(&gpu, 0))?;
+        g.launch()?;
+        let t = graph::time_replays(&gpu, &g, launches, opts.graph_replays)?;
+        progress(&format!(
+            "empty kernel launch (graph mode, per launch): {:.2} µs",
+            t.median_us
+        ));
+        Some(GraphRun {
+            launches: opts.graph_launches,
+            replays: opts.graph_replays,
+            empty_launch_us: t.median_us,
+        })
+    } else {
+        None
+    };
 
     let mut bench = Bench {
         gpu: &gpu,
@@ -337,10 +571,19 @@ pub fn run(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<
         progress,
     };
     let mut cublas_times = Vec::new();
-    for (si, shape) in shapes.iter().enumerate() {
-        let seed = opts.seed.wrapping_add(si as u64 * 1000);
-        let t_blas = bench_shape(&mut bench, shape, seed)?;
-        cublas_times.push((shape.model.clone(), shape.m, shape.k, t_blas.median_us));
+    if !opts.fused_only {
+        for (si, shape) in shapes.iter().enumerate() {
+            let seed = opts.seed.wrapping_add(si as u64 * 1000);
+            let t_blas = bench_shape(&mut bench, shape, seed)?;
+            cublas_times.push((shape.model.clone(), shape.m, shape.k, t_blas.median_us));
+        }
+    }
+    let mut fused_rows = Vec::new();
+    for (mi, model) in opts.models().iter().enumerate() {
+        for &group in &opts.fused {
+            let seed = opts.seed.wrapping_add(0x5000 + mi as u64 * 100);
+            fused_rows.extend(fused::bench_group(&mut bench, model, group, seed)?);
+        }
     }
     Ok(Report {
         device: info,
@@ -349,10 +592,12 @@ pub fn run(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<
         reps: opts.reps,
         cublas: cublas_times,
         rows: bench.rows,
+        graph: graph_run,
+        fused: fused_rows,
     })
 }
 
-/// Every kernel at every point of one shape; returns the cuBLAS timing.
+/// Every kernel at every point of one shape; returns the cuBLAS event timing.
 fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
     let gpu = bench.gpu;
     let opts = bench.opts;
@@ -369,8 +614,11 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
     let mut x16 = zeroed_f16(gpu, k)?;
     to_f16(gpu, &xd, &mut x16)?;
     let mut out = vec![gpu.poisoned_f32(m)?];
+    let want_blas = vec![matvec_f64(&w0, &f16_rounded(&x0), None)];
+    blas.gemm(gpu, &dense_copies[0], &x16, 1, &mut out[0])?;
+    let blas_err = max_rel_error(&gpu.download(&out[0])?, &want_blas[0]);
     let nd = dense_copies.len();
-    let t_blas = bench.measure(&mut out, |i, y| {
+    let t_blas = bench.measure(&mut out, Some(&want_blas), nd, |i, y| {
         blas.gemm(gpu, &dense_copies[i % nd], &x16, 1, &mut y[0])
     })?;
     let base = Baseline {
@@ -378,51 +626,58 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
         cublas: t_blas,
     };
     let dense_bytes = m * k * 2 + k * 2 + m * 4;
-    bench.record(&base, "cublas".into(), 0.0, 0.0, t_blas, dense_bytes, None);
+    bench.record(
+        &base,
+        "cublas".into(),
+        0.0,
+        0.0,
+        t_blas,
+        dense_bytes,
+        Some(blas_err),
+    );
 
+    let mut cms = Vec::new();
+    if has(KernelFormat::DenseColMajor) {
+        let cm = GpuDenseColMajor::upload(gpu, &w0)?;
+        let bytes = cm.bytes_for(&vec![true; k]);
+        cms.push(cm);
+        for _ in 1..bench.copies_for(bytes) {
+            cms.push(GpuDenseColMajor::upload(gpu, &w0)?);
+        }
+    }
     for (di, &dp) in opts.dp.iter().enumerate() {
         let x = activations(k, seed ^ (0x100 + di as u64));
         let t = threshold_for_sparsity(&x, dp)?;
         let xd = gpu.upload(&x)?;
         let mask = active_mask(&x, t);
+        let want = vec![matvec_f64(&w0, &x, t)];
         if has(KernelFormat::Dense) && di == 0 {
-            let err = check(gpu, &dense_copies[0], &w0, &x, t)?;
-            let tm = bench.measure(&mut out, |i, y| {
+            let err = check(gpu, &dense_copies[0], &x, t, &want[0])?;
+            let tm = bench.measure(&mut out, Some(&want), nd, |i, y| {
                 dense_copies[i % nd].launch(gpu, &xd, t, &mut y[0])
             })?;
             let bytes = dense_copies[0].bytes_for(&mask);
             bench.record(&base, "dense-gemv".into(), 0.0, dp, tm, bytes, Some(err));
         }
-        if has(KernelFormat::DenseColMajor) {
-            let cm = GpuDenseColMajor::upload(gpu, &w0)?;
-            let bytes = cm.bytes_for(&vec![true; k]);
-            let mut cms = vec![cm];
-            for _ in 1..bench.copies_for(bytes) {
-                cms.push(GpuDenseColMajor::upload(gpu, &w0)?);
-            }
+        if !cms.is_empty() {
             let n = cms.len();
             let cpws: &[usize] = if opts.tune { &[0, 64, 128] } else { &[0] };
             for &cpw in cpws {
                 for c in cms.iter_mut() {
                     c.cols_per_warp = cpw;
                 }
-                let err = check(gpu, &cms[0], &w0, &x, t)?;
-                let tm =
-                    bench.measure(&mut out, |i, y| cms[i % n].launch(gpu, &xd, t, &mut y[0]))?;
+                let err = check(gpu, &cms[0], &x, t, &want[0])?;
+                let tm = bench.measure(&mut out, Some(&want), n, |i, y| {
+                    cms[i % n].launch(gpu, &xd, t, &mut y[0])
+                })?;
                 let (label, bytes) = (cms[0].label(), cms[0].bytes_for(&mask));
                 bench.record(&base, label, 0.0, dp, tm, bytes, Some(err));
             }
         }
     }
 
-    let sparse = [
-        KernelFormat::RlcCsc,
-        KernelFormat::TiledCbc,
-        KernelFormat::TiledCbcSpdp,
-        KernelFormat::Auto,
-    ];
-    if !sparse.into_iter().any(has) {
-        return Ok(t_blas);
+    if !opts.formats.iter().any(|f| !f.is_dense_storage()) {
+        return Ok(t_blas.event);
     }
     for (pi, &sp) in opts.sp.iter().enumerate() {
         let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
@@ -432,16 +687,17 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
             let t = threshold_for_sparsity(&x, dp)?;
             let xd = gpu.upload(&x)?;
             let mask = active_mask(&x, t);
+            let want = vec![matvec_f64(&w, &x, t)];
             for (first, rest) in &variants {
                 let label = first.label();
                 let full = !label.contains("/no-") && !label.contains("/loads-only");
                 let err = if full {
-                    Some(check(gpu, first.as_ref(), &w, &x, t)?)
+                    Some(check(gpu, first.as_ref(), &x, t, &want[0])?)
                 } else {
                     None
                 };
                 let n = rest.len() + 1;
-                let tm = bench.measure(&mut out, |i, y| {
+                let tm = bench.measure(&mut out, full.then_some(&want[..]), n, |i, y| {
                     let r = i % n;
                     let f: &dyn GpuMatVec = if r == 0 {
                         first.as_ref()
@@ -462,9 +718,9 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
                 for _ in 1..bench.copies_for(bytes) {
                     copies.push(upload_chosen(gpu, &w, dp)?);
                 }
-                let err = check(gpu, copies[0].as_ref(), &w, &x, t)?;
+                let err = check(gpu, copies[0].as_ref(), &x, t, &want[0])?;
                 let n = copies.len();
-                let tm = bench.measure(&mut out, |i, y| {
+                let tm = bench.measure(&mut out, Some(&want), n, |i, y| {
                     copies[i % n].launch(gpu, &xd, t, &mut y[0])
                 })?;
                 let label = format!("auto:{}", copies[0].label());
@@ -473,7 +729,38 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
             }
         }
     }
-    Ok(t_blas)
+    Ok(t_blas.event)
+}
+
+/// Uploads `w` for `format` with the default knobs of `opts` (no tuning variants); `None`
+/// for `auto`, whose kernel depends on the activation sparsity.
+pub(crate) fn upload_format(
+    gpu: &Gpu,
+    opts: &KernelBenchOptions,
+    format: KernelFormat,
+    w: &DenseMatrix,
+) -> Result<Option<Box<dyn GpuMatVec>>> {
+    Ok(Some(match format {
+        KernelFormat::Dense => Box::new(GpuDense::upload(gpu, w)?),
+        KernelFormat::DenseColMajor => Box::new(GpuDenseColMajor::upload(gpu, w)?),
+        KernelFormat::RlcCsc => {
+            let o = RlcCscOptions {
+                index_bits: 4,
+                block_rows: opts.rlc_block_rows,
+            };
+            let mut g = GpuRlcCsc::upload(gpu, &RlcCsc::encode(w, &o)?)?;
+            g.cols_per_warp = opts.rlc_cols;
+            Box::new(g)
+        }
+        KernelFormat::TiledCbc | KernelFormat::TiledCbcSpdp | KernelFormat::TiledCbcRr => {
+            let mut g = GpuTiledCbc::upload(gpu, &TiledCbc::encode(w)?)?;
+            if let Some(kernel) = format.tcbc_kernel() {
+                g.kernel = kernel;
+            }
+            Box::new(g)
+        }
+        KernelFormat::Auto => return Ok(None),
+    }))
 }
 
 /// The RLC-CSC and Tiled-CBC variants the options ask for, uploaded for `w` with their
@@ -533,25 +820,34 @@ fn sparse_variants(bench: &Bench, w: &DenseMatrix) -> Result<Vec<Rotation>> {
             }
         }
     }
-    if opts.has(KernelFormat::TiledCbc) || opts.has(KernelFormat::TiledCbcSpdp) {
+    let tcbc: Vec<KernelFormat> = opts
+        .formats
+        .iter()
+        .copied()
+        .filter(|f| f.tcbc_kernel().is_some())
+        .collect();
+    if !tcbc.is_empty() {
         let f = TiledCbc::encode(w)?;
         let bytes = f.storage().total_bytes();
         // (kernel, gtiles per block (0 = auto), lane8 waves, lane8 pipeline shape)
         let lane8 = Lane8Shape::DEFAULT;
         let mut configs = Vec::new();
-        if opts.has(KernelFormat::TiledCbc) {
-            configs.push((TcbcKernel::Lane8, 0usize, 1usize, lane8));
-            if opts.tune {
-                configs.push((TcbcKernel::Lane8, 0, 2, lane8));
-                for shape in &Lane8Shape::ALL[1..] {
-                    configs.push((TcbcKernel::Lane8, 0, 1, *shape));
-                }
+        for format in tcbc {
+            let Some(kernel) = format.tcbc_kernel() else {
+                continue;
+            };
+            configs.push((kernel, 0usize, 1usize, lane8));
+            if !opts.tune {
+                continue;
             }
-        }
-        if opts.has(KernelFormat::TiledCbcSpdp) {
-            configs.push((TcbcKernel::Spdp, 0, 1, lane8));
-            if opts.tune {
-                configs.push((TcbcKernel::Spdp, 16, 1, lane8));
+            match kernel {
+                TcbcKernel::Spdp => configs.push((kernel, 16, 1, lane8)),
+                _ => {
+                    configs.push((kernel, 0, 2, lane8));
+                    for shape in &Lane8Shape::ALL[1..] {
+                        configs.push((kernel, 0, 1, *shape));
+                    }
+                }
             }
         }
         for (kernel, gpb, waves, shape) in configs {
@@ -620,6 +916,61 @@ mod tests {
         assert!(o.validate().is_ok());
         o.shapes = vec!["llama2-7b".into(), "300x70".into()];
         assert_eq!(o.validate().unwrap().len(), 4);
+    }
+
+    #[test]
+    fn graph_and_fused_options_are_checked() {
+        let with = |f: &dyn Fn(&mut KernelBenchOptions)| {
+            let mut o = KernelBenchOptions::default();
+            f(&mut o);
+            o.validate().map(|s| s.len()).map_err(|e| e.to_string())
+        };
+        assert!(with(&|o| {
+            o.graph = true;
+            o.graph_launches = 0
+        })
+        .unwrap_err()
+        .contains("--graph-launches"));
+        assert!(with(&|o| {
+            o.graph = true;
+            o.graph_replays = 0
+        })
+        .is_err());
+        // Without --graph the graph knobs are not used.
+        assert!(with(&|o| o.graph_replays = 0).is_ok());
+        assert!(with(&|o| o.fused_only = true)
+            .unwrap_err()
+            .contains("--fused"));
+        let custom = with(&|o| {
+            o.fused = vec![FusedGroup::Qkv];
+            o.shapes = vec!["llama2-7b".into(), "4096x4096".into()]
+        });
+        assert!(custom.unwrap_err().contains("4096x4096"));
+        let only_auto = with(&|o| {
+            o.fused = vec![FusedGroup::GateUp];
+            o.formats = vec![KernelFormat::Auto]
+        });
+        assert!(only_auto.unwrap_err().contains("tiled-cbc"));
+        let o = KernelBenchOptions {
+            shapes: vec!["llama3-8b".into(), "llama2-7b".into(), "llama3-8b".into()],
+            fused: vec![FusedGroup::Qkv],
+            ..Default::default()
+        };
+        assert_eq!(o.validate().unwrap().len(), 9);
+        let names: Vec<&str> = o.models().iter().map(|m| m.name).collect();
+        assert_eq!(names, vec!["llama3-8b", "llama2-7b"]);
+    }
+
+    #[test]
+    fn worst_error_keeps_nan() {
+        assert_eq!(worst_error([1e-5, 3e-4, 2e-6]), 3e-4);
+        assert!(worst_error([1e-5, f64::NAN, 2e-6]).is_nan());
+        assert_eq!(worst_error([]), 0.0);
+        let x = [1.0f32, 0.1, 2.71];
+        assert!(f16_rounded(&x)
+            .iter()
+            .zip(&x)
+            .all(|(r, v)| (r - v).abs() <= v.abs() * 1e-3));
     }
 
     /// Without a GPU the run fails with the typed "no GPU" error after validating, never a

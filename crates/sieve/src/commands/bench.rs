@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use sieve_cuda::bench::{KernelBenchOptions, KernelFormat};
+use sieve_cuda::bench::{FusedGroup, KernelBenchOptions, KernelFormat};
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -29,8 +29,9 @@ pub struct KernelsArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,0.3,0.5,0.7")]
     dp: Vec<f64>,
     /// Kernels: dense (our GEMV), dense-colmajor (TEAL alone), rlc-csc (Celty), tiled-cbc
-    /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel), auto
-    /// (the per-layer choice of sieve_cuda::choice between dense-colmajor and tiled-cbc).
+    /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel),
+    /// tiled-cbc-rr (lane8 with the round-robin decode), auto (the per-layer choice of
+    /// sieve_cuda::choice between dense-colmajor and tiled-cbc).
     #[arg(
         long,
         value_delimiter = ',',
@@ -61,6 +62,24 @@ pub struct KernelsArgs {
     plot: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Also time every measurement as CUDA graph replays (time per launch = replay / launches),
+    /// beside the per-launch event figures.
+    #[arg(long)]
+    graph: bool,
+    /// Launches per graph (raised to a multiple of the rotated weight copies, two per copy at
+    /// least).
+    #[arg(long, default_value_t = 64)]
+    graph_launches: usize,
+    /// Timed replays per graph measurement (median reported).
+    #[arg(long, default_value_t = 20)]
+    graph_replays: usize,
+    /// Multi-matrix groups, qkv and/or gateup: the group as one packed matrix against separate
+    /// launches, at the shapes of each named model in --shapes.
+    #[arg(long, value_delimiter = ',')]
+    fused: Vec<FusedGroup>,
+    /// Only the --fused comparison, not the per-shape table.
+    #[arg(long)]
+    fused_only: bool,
 }
 
 impl KernelsArgs {
@@ -76,6 +95,11 @@ impl KernelsArgs {
             rlc_block_rows: self.rlc_block_rows,
             rlc_cols: self.rlc_cols,
             seed: self.seed,
+            graph: self.graph,
+            graph_launches: self.graph_launches,
+            graph_replays: self.graph_replays,
+            fused: self.fused.clone(),
+            fused_only: self.fused_only,
         }
     }
 }
@@ -133,6 +157,29 @@ mod tests {
         assert_eq!(o.formats, vec![KernelFormat::TiledCbc, KernelFormat::Auto]);
         assert_eq!((o.sp.clone(), o.reps, o.tune), (vec![0.5], 7, true));
         assert_eq!(o.validate().unwrap().len(), 4);
+    }
+
+    #[test]
+    fn graph_and_fused_flags() {
+        let o = parse(&[
+            "kernels",
+            "--graph",
+            "--graph-launches",
+            "32",
+            "--fused",
+            "qkv,gateup",
+            "--fused-only",
+            "--shapes",
+            "llama3-8b",
+        ])
+        .unwrap();
+        assert!(o.graph && o.fused_only);
+        assert_eq!((o.graph_launches, o.graph_replays), (32, 20));
+        assert_eq!(o.fused, vec![FusedGroup::Qkv, FusedGroup::GateUp]);
+        assert!(o.validate().is_ok());
+        assert!(parse(&["kernels", "--fused", "qkvo"]).is_err());
+        let custom = parse(&["kernels", "--fused", "qkv", "--shapes", "64x64"]).unwrap();
+        assert!(custom.validate().is_err());
     }
 
     #[test]
