@@ -9,9 +9,11 @@
 //! executed `griddepcontrol.launch_dependents`, and its blocks sit in `griddepcontrol.wait`
 //! until the previous grid has completed and its memory is visible.
 //!
+//! ```text
 //!     plain:  [kernel A ........]  launch gap  [kernel B ........]
 //!     PDL:    [kernel A ........]
 //!                       [B launched, resident, waiting][B runs ....]
+//! ```
 //!
 //! The contract on the kernels (common.cuh `pdl_wait_then_release`): every kernel that may run
 //! in such a graph calls `griddepcontrol.wait` before it touches memory another kernel wrote
