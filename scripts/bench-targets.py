@@ -4,6 +4,10 @@
 best sieve kernel per shape, plus the slowest shape.
 
   scripts/bench-targets.py docs/bench/gpu-run3-7b-13b-l3.json docs/bench/gpu-run3-70b.json
+  scripts/bench-targets.py --graph --issue11 RUN.json   # graph-mode figures, issue 11's targets
+
+`--graph` reads each row's graph-mode speedup (runs made with `sieve bench kernels --graph`;
+rows without graph figures are left out); `--issue11` checks issue 11's targets instead.
 
 Kernels measured at sp = 0 (dense-gemv, dense-colmajor) are listed for the sp = 0 targets; for
 sp > 0 targets the best-kernel column also considers `dense-colmajor*`: the pruned matrix
@@ -14,6 +18,20 @@ import json, statistics, sys
 from collections import defaultdict
 
 TARGETS = [((0.5, 0.5), 2.5), ((0.7, 0.7), 4.0), ((0.5, 0.0), 1.4), ((0.0, 0.5), 1.7), ((0.3, 0.3), 1.3)]
+TARGETS_ISSUE11 = [((0.5, 0.5), 2.5), ((0.7, 0.7), 4.0), ((0.5, 0.0), 1.5), ((0.7, 0.0), 2.0),
+                   ((0.0, 0.5), 1.8), ((0.3, 0.3), 1.5)]
+
+args = sys.argv[1:]
+graph = "--graph" in args
+if "--issue11" in args:
+    TARGETS = TARGETS_ISSUE11
+args = [a for a in args if a not in ("--graph", "--issue11")]
+
+def speedup(r):
+    if graph:
+        g = r.get("graph")
+        return g["speedup_vs_cublas"] if g else None
+    return r["speedup_vs_cublas"]
 
 def family(fmt):
     # `auto:<kernel>` rows are the per-layer choice, whichever kernel it picked.
@@ -22,10 +40,10 @@ def family(fmt):
     return fmt.split("/")[0] + ("/" + fmt.split("/")[1] if fmt.startswith("tiled-cbc/") else "")
 
 rows = []
-for path in sys.argv[1:]:
-    rows += json.load(open(path))["rows"]
+for path in args:
+    rows += [r for r in json.load(open(path))["rows"] if speedup(r) is not None]
 shapes = sorted({(r["model"], r["m"], r["k"]) for r in rows}, key=lambda s: (s[0], s[1] * s[2]))
-print(f"{len(shapes)} shapes: " + ", ".join(f"{m}x{k}" for _, m, k in shapes))
+print(("graph mode, " if graph else "event mode, ") + f"{len(shapes)} shapes: " + ", ".join(f"{m}x{k}" for _, m, k in shapes))
 print()
 print("| sp / dp | target | best sieve kernel: median | min (shape) | per kernel: median |")
 print("|---|---|---|---|---|")
@@ -38,9 +56,9 @@ for (sp, dp), target in TARGETS:
             continue
         shape = (r["model"], r["m"], r["k"])
         if abs(r["sp"] - sp) < 1e-9:
-            per_kernel[family(r["format"])][shape] = r["speedup_vs_cublas"]
+            per_kernel[family(r["format"])][shape] = speedup(r)
         elif sp > 0 and r["sp"] == 0 and r["format"].startswith("dense-colmajor"):
-            per_kernel["dense-colmajor*"][shape] = r["speedup_vs_cublas"]
+            per_kernel["dense-colmajor*"][shape] = speedup(r)
     best = {}
     for k, by_shape in per_kernel.items():
         for s, v in by_shape.items():

@@ -8,7 +8,7 @@ use std::path::Path;
 
 /// One line per measured row, for progress output while the run goes.
 pub fn progress_line(r: &Row) -> String {
-    format!(
+    let mut l = format!(
         "{:<28} {:>6}x{:<6} sp={:.2} dp={:.2} {:>9.2} us {:>6.2}x {:>7.0} GB/s {:>5.1}%{}",
         r.format,
         r.m,
@@ -22,7 +22,19 @@ pub fn progress_line(r: &Row) -> String {
         r.rel_error
             .map(|e| format!("  err {e:.1e}"))
             .unwrap_or_default()
-    )
+    );
+    if let Some(g) = &r.graph {
+        l += &format!(
+            " | graph {:>9.2} us {:>6.2}x {:>5.1}%{}",
+            g.us,
+            g.speedup_vs_cublas,
+            g.pct_copy_bw,
+            g.rel_error
+                .map(|e| format!("  err {e:.1e}"))
+                .unwrap_or_default()
+        );
+    }
+    l
 }
 
 fn rel_error_cell(e: Option<f64>) -> String {
@@ -535,6 +547,9 @@ pub(crate) mod tests {
         }
         assert!(bad.check_correct().is_err());
         assert!(r.check_correct().is_ok());
+        let p = progress_line(&r.rows[1]);
+        assert!(p.contains("| graph") && p.contains("4.00x"), "{p}");
+        assert!(!progress_line(&row("dense-gemv", 1, 0.0, 0.0, 1.0)).contains("graph"));
     }
 
     #[test]
