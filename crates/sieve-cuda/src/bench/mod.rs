@@ -973,6 +973,67 @@ mod tests {
             .all(|(r, v)| (r - v).abs() <= v.abs() * 1e-3));
     }
 
+    /// The whole run on a GPU, small: every format in event and graph mode (cuBLAS captured
+    /// too), every output checked after the replays, and the multi-matrix comparison.
+    #[test]
+    fn gpu_small_run_in_both_modes() {
+        if crate::gpu_or_skip("gpu_small_run_in_both_modes").is_none() {
+            return;
+        }
+        let o = KernelBenchOptions {
+            shapes: vec!["300x200".into()],
+            sp: vec![0.0, 0.6],
+            dp: vec![0.0, 0.5],
+            formats: KernelFormat::ALL.to_vec(),
+            reps: 3,
+            stages: true,
+            graph: true,
+            graph_launches: 4,
+            graph_replays: 2,
+            ..Default::default()
+        };
+        let mut lines = Vec::new();
+        let r = run(&o, &mut |l| lines.push(l.to_string())).expect("run");
+        r.check_correct()
+            .expect("every kernel agrees with the reference");
+        assert!(r.graph.as_ref().is_some_and(|g| g.empty_launch_us > 0.0));
+        assert!(r.rows.iter().all(|row| row.graph.is_some()));
+        let checked = r
+            .rows
+            .iter()
+            .filter(|row| row.graph.as_ref().is_some_and(|g| g.rel_error.is_some()))
+            .count();
+        // Everything but the three stage-skipping variants at each of the 4 points.
+        assert_eq!(checked, r.rows.len() - 3 * 4);
+        assert!(r.markdown().contains("(graph mode;"));
+        assert!(lines.len() > r.rows.len());
+
+        let f = KernelBenchOptions {
+            shapes: vec!["llama3-8b".into()],
+            sp: vec![0.5],
+            dp: vec![0.5],
+            formats: vec![KernelFormat::DenseColMajor, KernelFormat::TiledCbc],
+            reps: 3,
+            graph: true,
+            graph_launches: 2,
+            graph_replays: 2,
+            fused: vec![FusedGroup::Qkv],
+            fused_only: true,
+            ..Default::default()
+        };
+        let r = run(&f, &mut |_| {}).expect("fused run");
+        r.check_correct()
+            .expect("fused outputs agree with the reference");
+        assert!(r.rows.is_empty());
+        // cublas, dense-colmajor (sp 0), tiled-cbc (sp 0.5).
+        let formats: Vec<&str> = r.fused.iter().map(|x| x.format.as_str()).collect();
+        assert_eq!(formats, vec!["cublas", "dense-colmajor", "tiled-cbc/lane8"]);
+        assert!(r
+            .fused
+            .iter()
+            .all(|x| x.parts == vec![4096, 1024, 1024] && x.graph_separate_over_packed.is_some()));
+    }
+
     /// Without a GPU the run fails with the typed "no GPU" error after validating, never a
     /// panic; on a GPU machine this test only checks that bad options fail before the GPU is
     /// opened.
