@@ -2,7 +2,8 @@
 //!
 //! Notation: `d` = hidden_size, `H` = num_heads, `Hkv` = num_kv_heads, `hd` = head_dim,
 //! `I` = intermediate_size, `V` = vocab_size, `n` = tokens in this call, `p0` = tokens already in
-//! the cache, `C` = cache capacity (the context). Every buffer is f32, row-major:
+//! the cache, `C` = cache capacity (the context). Every buffer is f32 but the cache (f16),
+//! row-major:
 //!
 //! | buffer | shape | notes |
 //! |---|---|---|
@@ -10,7 +11,7 @@
 //! | `xn` (normed input) | `[n][d]` | RMSNorm(x) · weight |
 //! | `q` | `[n][H][hd]` | after RoPE |
 //! | `k`, `v` | `[n][Hkv][hd]` | copied into the cache after RoPE (k) |
-//! | cache `k`, `v` | `[layer][pos][Hkv][hd]` | `pos < C`; positions `< p0 + n` are valid |
+//! | cache `k`, `v` | `[layer][pos][Hkv][hd]` | f16; `pos < C`; positions `< p0 + n` are valid |
 //! | `att` (attention output) | `[n][H][hd]` | input of `o_proj` |
 //! | `gate`, `up` | `[n][I]` | `silu(gate) * up` is written into `gate` |
 //! | `cos`, `sin` | `[n][hd/2]` | RoPE angles of the call's positions |
@@ -23,13 +24,21 @@
 //! Query head `h` reads KV head `h / (H / Hkv)` (grouped-query attention). A call with `n > 1`
 //! (prefill) runs every projection as one `matmul` and causal attention over the cache; `n == 1`
 //! (decode) runs `matvec`s. Rayon parallelises over weight rows (inside `Linear`) and over heads.
+//!
+//! Keys and values enter the cache rounded to f16 (half the bytes a decode step reads after a
+//! long prompt), and every attention reads them from there, so a token's logits do not depend on
+//! whether it was decoded alone or inside a prompt. Decode reads each cached row once for all
+//! the query heads of its KV head ([`cached_attention`]).
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::linear::{gemm, kernels, Linear};
 use crate::weights::{Tensor, TensorSource};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+
+mod cached_attention;
 
 /// Query rows per task of the GEMM attention path: a 64 x 1024 score block is 256 KiB.
 const ATTENTION_BLOCK: usize = 64;
@@ -140,8 +149,8 @@ pub struct Model {
 /// The keys and values of every position seen so far (see the module header for the layout).
 #[derive(Clone, Debug)]
 pub struct KvCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Vec<f16>,
+    v: Vec<f16>,
     capacity: usize,
     len: usize,
     /// `Hkv * hd`, floats per position per layer.
@@ -165,6 +174,30 @@ impl KvCache {
     }
     fn layer_offset(&self, layer: usize) -> usize {
         layer * self.capacity * self.row
+    }
+}
+
+/// `len` zero f16 values, allocated fallibly: a cache the machine cannot hold is an error naming
+/// its size. The memory comes zeroed from the allocator, so pages never written stay unmapped.
+fn zeroed_f16s(what: &str, len: usize) -> Result<Vec<f16>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let too_big = || {
+        ModelError::from(sieve_formats::FormatError::Size(format!(
+            "{what}: {len} f16 values cannot be allocated"
+        )))
+    };
+    let layout = std::alloc::Layout::array::<f16>(len).map_err(|_| too_big())?;
+    // SAFETY: `layout` has a non-zero size (len > 0); the pointer is checked for null; all-zero
+    // bits are the f16 value +0.0, so every element is initialized; the Vec takes ownership
+    // with the length, capacity and layout the global allocator was asked for.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut f16;
+        if ptr.is_null() {
+            return Err(too_big());
+        }
+        Ok(Vec::from_raw_parts(ptr, len, len))
     }
 }
 
@@ -480,8 +513,8 @@ impl Model {
         )?;
         let what = format!("KV cache for {capacity} positions");
         Ok(KvCache {
-            k: sieve_formats::size::zeroed_f32s(&what, size)?,
-            v: sieve_formats::size::zeroed_f32s(&what, size)?,
+            k: zeroed_f16s(&what, size)?,
+            v: zeroed_f16s(&what, size)?,
             capacity,
             len: 0,
             row,
@@ -547,11 +580,11 @@ impl Model {
             apply_rope(&mut k, nkv, hd, &cos, &sin);
             let base = cache.layer_offset(l);
             let span = base + p0 * row..base + (p0 + n) * row;
-            cache.k[span.clone()].copy_from_slice(&k);
-            cache.v[span].copy_from_slice(&v);
+            cache.k[span.clone()].convert_from_f32_slice(&k);
+            cache.v[span].convert_from_f32_slice(&v);
             let keys = &cache.k[base..base + (p0 + n) * row];
             let values = &cache.v[base..base + (p0 + n) * row];
-            self.attention(&q, keys, values, p0, n, &mut att);
+            self.attention_cached(&q, keys, values, p0, n, &mut att);
             layer.o_proj.forward(&att, n, &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;
@@ -713,7 +746,12 @@ impl Model {
         lay.v_proj.forward(xn, n, &mut v)?;
         apply_rope(&mut q, nh, hd, &cos, &sin);
         apply_rope(&mut k, nkv, hd, &cos, &sin);
-        // Without a cache the window's own keys and values are every visible position.
+        // Without a cache the window's own keys and values are every visible position; they
+        // are rounded to f16 as the cache would store them, so calibration sees the attention
+        // inference computes.
+        for x in k.iter_mut().chain(v.iter_mut()) {
+            *x = f16::from_f32(*x).to_f32();
+        }
         self.attention(&q, &k, &v, 0, n, att);
         Ok(())
     }
@@ -853,6 +891,42 @@ impl Model {
             }
         }
         (cos, sin)
+    }
+
+    /// [`Self::attention`] over one layer's f16 cache (`[0, p0 + n)` positions): few queries
+    /// (decode) read it in place, grouped by KV head ([`cached_attention::attend_one`]); many
+    /// (prefill) widen it to f32 for the blocked GEMMs, a small cost beside theirs.
+    fn attention_cached(
+        &self,
+        q: &[f32],
+        keys: &[f16],
+        values: &[f16],
+        p0: usize,
+        n: usize,
+        att: &mut [f32],
+    ) {
+        if n >= ATTENTION_GEMM_MIN {
+            let widen = |x: &[f16]| {
+                let mut out = vec![0f32; x.len()];
+                kernels::f16_to_f32(x, &mut out);
+                out
+            };
+            return self.attention_blocked(q, &widen(keys), &widen(values), p0, n, att);
+        }
+        let c = &self.config;
+        let heads = cached_attention::Heads {
+            q_heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let width = c.num_heads * c.head_dim;
+        for (t, (qt, out)) in q
+            .chunks_exact(width)
+            .zip(att.chunks_exact_mut(width))
+            .enumerate()
+        {
+            cached_attention::attend_one(heads, qt, keys, values, p0 + t + 1, out);
+        }
     }
 
     /// Causal grouped-query attention of this call's `n` queries (positions `p0..p0+n`) over
@@ -1078,11 +1152,11 @@ impl Model {
                     let (row, p0) = (cache.row, cache.len);
                     let base = cache.layer_offset(l);
                     let at = base + p0 * row;
-                    cache.k[at..at + row].copy_from_slice(&k[i * kw..(i + 1) * kw]);
-                    cache.v[at..at + row].copy_from_slice(&v[i * kw..(i + 1) * kw]);
+                    cache.k[at..at + row].convert_from_f32_slice(&k[i * kw..(i + 1) * kw]);
+                    cache.v[at..at + row].convert_from_f32_slice(&v[i * kw..(i + 1) * kw]);
                     let keys = &cache.k[base..base + (p0 + 1) * row];
                     let values = &cache.v[base..base + (p0 + 1) * row];
-                    self.attention(&q[i * qw..(i + 1) * qw], keys, values, p0, 1, out);
+                    self.attention_cached(&q[i * qw..(i + 1) * qw], keys, values, p0, 1, out);
                 });
             layer.o_proj.forward_rows(&att, n, &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
@@ -1337,6 +1411,10 @@ pub(crate) mod tests {
             bias(&mut v, &format!("{p}.self_attn.v_proj.bias"), nkv * hd);
             rope(&mut q, nh);
             rope(&mut k, nkv);
+            // The cache stores keys and values as f16.
+            for x in k.iter_mut().chain(v.iter_mut()) {
+                *x = f16::from_f64(*x).to_f64();
+            }
             let mut att = vec![0.0; n * nh * hd];
             for h in 0..nh {
                 let g = h / (nh / nkv);

@@ -46,6 +46,14 @@ const QUANTIZED_LOGIT_TOLERANCE: f32 = 0.6;
 /// step, stays under 1e-3. The greedy choice after the last token must agree as well.
 const QUANTIZED_DECODE_TOLERANCE: f32 = 1.5;
 
+/// Decode against prefill for the f16 loader. Both read keys and values from the f16 KV cache,
+/// but the prefill's come from the batched GEMM and the decode's from matrix-vector products:
+/// values one f32 ulp apart round to f16 values one f16 step apart (2^-11 relative) when they
+/// straddle a rounding boundary, and such flips move the logits by a few 1e-3 (measured 3.2e-3
+/// at most over all 49152 logits, against 3e-5 with the former f32 cache; the error against the
+/// reference did not grow: 0.0089 on the top 10 with the f16 cache, 0.0092 with f32).
+const F16_DECODE_TOLERANCE: f32 = 1e-2;
+
 #[derive(Deserialize)]
 struct Golden {
     token_ids: Vec<u32>,
@@ -99,10 +107,22 @@ fn check_against_reference(
         let got = (0..vocab)
             .max_by(|&a, &b| row[a].total_cmp(&row[b]))
             .unwrap() as u32;
-        assert_eq!(
-            got, want,
-            "position {t}: argmax {got}, reference {want} (reference top-2 gap {gap:.3})"
-        );
+        // Each logit is within `tolerance` of the reference's, so the argmax must agree where
+        // the reference's top-2 gap exceeds twice that; at closer calls ours may pick the
+        // runner-up, but the reference's choice must then be within that margin of ours.
+        if gap > 2.0 * tolerance as f64 {
+            assert_eq!(
+                got, want,
+                "position {t}: argmax {got}, reference {want} (reference top-2 gap {gap:.3})"
+            );
+        } else {
+            let behind = row[got as usize] - row[want as usize];
+            assert!(
+                behind <= 2.0 * tolerance,
+                "position {t}: the reference's argmax {want} is {behind} below ours ({got}; \
+                 reference top-2 gap {gap:.3})"
+            );
+        }
     }
 
     let last = &logits[(g.token_ids.len() - 1) * vocab..];
@@ -155,7 +175,13 @@ fn logits_match_the_independent_reference() {
     let Some(path) = model_path() else { return };
     let source = open_model(&path).unwrap();
     let model = Model::from_source_f16(source.as_ref()).unwrap();
-    let (max_err, diff) = check_against_reference(&model, &golden(), LOGIT_TOLERANCE, true, 1e-3);
+    let (max_err, diff) = check_against_reference(
+        &model,
+        &golden(),
+        LOGIT_TOLERANCE,
+        true,
+        F16_DECODE_TOLERANCE,
+    );
     eprintln!(
         "f16 weights: max |logit error| on the last position's top 10: {max_err:.5}; \
          decode vs prefill: {diff:.5}"

@@ -1,0 +1,372 @@
+//! Decode-time attention over the f16 KV cache, with grouped reads.
+//!
+//! After a long prompt the attention of one decode step reads the whole cache of every layer:
+//! at 512 positions SmolLM2-135M's f32 cache was 23.6 MB per token (30 layers x 512 x 3 KV heads
+//! x 64 dims x 2 x 4 bytes), a quarter of the Q4_1 weights, and each of the 3 query heads of a
+//! KV head read it again. Here the cache holds f16 (half the bytes), and one task reads each
+//! cached key and value row once for all the query heads that share its KV head: the row is
+//! widened to f32 in L1 and used by every head of the group.
+//!
+//! Work is split over (KV head, span of positions) tasks, each with its own softmax maximum and
+//! sum; the spans are merged exactly (flash-decoding): with per-span maxima `m_s`, sums `l_s` and
+//! unnormalised outputs `o_s`, the result is `Σ e^(m_s - M) o_s / Σ e^(m_s - M) l_s` with
+//! `M = max m_s`. So two threads share even a model with fewer KV heads than threads, and the
+//! result equals the single-pass softmax up to f32 rounding.
+
+use crate::linear::kernels;
+use half::f16;
+use rayon::prelude::*;
+
+/// The fewest positions a task takes: below this the task's fixed costs (a rayon split, the
+/// merge) outweigh the rows it reads.
+const MIN_SPAN: usize = 64;
+
+/// Attention geometry: query heads, KV heads, head dimension.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Heads {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// One span's share of the attention of the query heads of one KV head.
+struct Partial {
+    /// Per head of the group: the largest scaled score of the span.
+    max: Vec<f32>,
+    /// Per head: `Σ e^(s - max)` over the span.
+    sum: Vec<f32>,
+    /// Per head, `head_dim` values: `Σ e^(s - max) · v`.
+    out: Vec<f32>,
+}
+
+/// Attention of one query token (`q`: `[H][hd]`) over the first `visible` positions of one
+/// layer's cache (`keys`, `values`: `[pos][Hkv][hd]` f16), into `att` (`[H][hd]`). Query head
+/// `h` reads KV head `h / (H / Hkv)`.
+pub(crate) fn attend_one(
+    heads: Heads,
+    q: &[f32],
+    keys: &[f16],
+    values: &[f16],
+    visible: usize,
+    att: &mut [f32],
+) {
+    let Heads {
+        q_heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+    } = heads;
+    let group = nh / nkv;
+    let row = nkv * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Enough tasks to keep every thread busy (four per thread), none shorter than MIN_SPAN.
+    let want = (4 * rayon::current_num_threads()).div_ceil(nkv).max(1);
+    let spans = (visible / MIN_SPAN).clamp(1, want);
+    let span = visible.div_ceil(spans);
+    let spans = visible.div_ceil(span);
+    let partials: Vec<Partial> = (0..nkv * spans)
+        .into_par_iter()
+        .map(|task| {
+            let (kvh, s) = (task / spans, task % spans);
+            let (start, end) = (s * span, ((s + 1) * span).min(visible));
+            let len = end - start;
+            let qs = &q[kvh * group * hd..(kvh + 1) * group * hd];
+            let mut scores = vec![0f32; group * len];
+            let mut out = vec![0f32; group * hd];
+            let rows = Rows {
+                keys,
+                values,
+                row,
+                offset: kvh * hd,
+                start,
+                end,
+            };
+            #[cfg(target_arch = "x86_64")]
+            let done = if hd.is_multiple_of(8) && has_avx2() {
+                // SAFETY: the CPU has the features; every row read lies inside `keys` /
+                // `values` (positions below `visible`), and the buffers have the sizes the
+                // kernel indexes (`group · len` scores, `group · hd` outputs, `hd`-wide q's).
+                unsafe { x86::scores(qs, &rows, hd, scale, &mut scores) };
+                true
+            } else {
+                false
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let done = false;
+            if !done {
+                scores_portable(qs, &rows, hd, scale, &mut scores);
+            }
+            let mut max = vec![f32::NEG_INFINITY; group];
+            let mut sum = vec![0f32; group];
+            for g in 0..group {
+                let sc = &mut scores[g * len..(g + 1) * len];
+                max[g] = sc.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+                for v in sc.iter_mut() {
+                    *v = (*v - max[g]).exp();
+                    sum[g] += *v;
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if done {
+                // SAFETY: as above.
+                unsafe { x86::accumulate(&scores, &rows, hd, &mut out) };
+            }
+            if !done {
+                accumulate_portable(&scores, &rows, hd, &mut out);
+            }
+            Partial { max, sum, out }
+        })
+        .collect();
+    for kvh in 0..nkv {
+        let parts = &partials[kvh * spans..(kvh + 1) * spans];
+        for g in 0..group {
+            let h = kvh * group + g;
+            let top = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[g]));
+            let o = &mut att[h * hd..(h + 1) * hd];
+            o.fill(0.0);
+            let mut denom = 0f32;
+            for p in parts {
+                let w = (p.max[g] - top).exp();
+                denom += w * p.sum[g];
+                kernels::axpy(w, &p.out[g * hd..(g + 1) * hd], o);
+            }
+            let inv = 1.0 / denom;
+            o.iter_mut().for_each(|v| *v *= inv);
+        }
+    }
+}
+
+/// The cached rows one task reads: positions `start..end` of one KV head (`offset` into each
+/// `row`-wide position).
+struct Rows<'a> {
+    keys: &'a [f16],
+    values: &'a [f16],
+    row: usize,
+    offset: usize,
+    start: usize,
+    end: usize,
+}
+
+/// `scores[g · len + i] = scale · q_g · k_(start + i)` for each query head `g` of the group,
+/// each key row widened once.
+fn scores_portable(qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut [f32]) {
+    let len = rows.end - rows.start;
+    let mut wide = vec![0f32; hd];
+    for (i, p) in (rows.start..rows.end).enumerate() {
+        let at = p * rows.row + rows.offset;
+        kernels::f16_to_f32(&rows.keys[at..at + hd], &mut wide);
+        for (g, qv) in qs.chunks_exact(hd).enumerate() {
+            scores[g * len + i] = kernels::dot_f32(qv, &wide) * scale;
+        }
+    }
+}
+
+/// `out_g += Σ_i weights[g · len + i] · v_(start + i)`, each value row widened once.
+fn accumulate_portable(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+    let len = rows.end - rows.start;
+    let mut wide = vec![0f32; hd];
+    for (i, p) in (rows.start..rows.end).enumerate() {
+        let at = p * rows.row + rows.offset;
+        kernels::f16_to_f32(&rows.values[at..at + hd], &mut wide);
+        for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+            kernels::axpy(weights[g * len + i], &wide, o);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// The two loops of a task with AVX2 + F16C, for head dims that are a multiple of 8: each row
+/// is widened 8 values at a time into an L1 buffer, then used by every head of the group.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Rows;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen(src: *const half::f16, dst: &mut [f32], hd: usize) {
+        let d = dst.as_mut_ptr();
+        for j in (0..hd).step_by(8) {
+            let v = _mm256_cvtph_ps(_mm_loadu_si128(src.add(j) as *const __m128i));
+            _mm256_storeu_ps(d.add(j), v);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores(qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut [f32]) {
+        let len = rows.end - rows.start;
+        let group = qs.len() / hd;
+        let mut wide = vec![0f32; hd];
+        let w = wide.as_ptr();
+        for (i, p) in (rows.start..rows.end).enumerate() {
+            widen(
+                rows.keys.as_ptr().add(p * rows.row + rows.offset),
+                &mut wide,
+                hd,
+            );
+            for g in 0..group {
+                let q = qs.as_ptr().add(g * hd);
+                let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut j = 0;
+                while j + 16 <= hd {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
+                    b = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(q.add(j + 8)),
+                        _mm256_loadu_ps(w.add(j + 8)),
+                        b,
+                    );
+                    j += 16;
+                }
+                if j < hd {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
+                }
+                scores[g * len + i] = hsum(_mm256_add_ps(a, b)) * scale;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn accumulate(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+        let len = rows.end - rows.start;
+        let group = out.len() / hd;
+        let mut wide = vec![0f32; hd];
+        let w = wide.as_ptr();
+        for (i, p) in (rows.start..rows.end).enumerate() {
+            widen(
+                rows.values.as_ptr().add(p * rows.row + rows.offset),
+                &mut wide,
+                hd,
+            );
+            for g in 0..group {
+                let s = _mm256_set1_ps(weights[g * len + i]);
+                let o = out.as_mut_ptr().add(g * hd);
+                for j in (0..hd).step_by(8) {
+                    let acc = _mm256_loadu_ps(o.add(j));
+                    _mm256_storeu_ps(o.add(j), _mm256_fmadd_ps(s, _mm256_loadu_ps(w.add(j)), acc));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*seed >> 33) as f32 / (1u64 << 31) as f32 - 0.5
+    }
+
+    /// The plain f64 softmax attention of one query token over f32 keys and values.
+    fn reference(heads: Heads, q: &[f32], k: &[f32], v: &[f32], visible: usize) -> Vec<f64> {
+        let Heads {
+            q_heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+        } = heads;
+        let row = nkv * hd;
+        let mut out = vec![0f64; nh * hd];
+        for h in 0..nh {
+            let kvh = h / (nh / nkv);
+            let s: Vec<f64> = (0..visible)
+                .map(|p| {
+                    (0..hd)
+                        .map(|i| q[h * hd + i] as f64 * k[p * row + kvh * hd + i] as f64)
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+            for p in 0..visible {
+                let w = (s[p] - m).exp() / z;
+                for i in 0..hd {
+                    out[h * hd + i] += w * v[p * row + kvh * hd + i] as f64;
+                }
+            }
+        }
+        out
+    }
+
+    fn round16(x: &[f32]) -> Vec<f16> {
+        x.iter().map(|&v| f16::from_f32(v)).collect()
+    }
+
+    /// Against f64 attention over the same (f16) keys and values: only f32 rounding and the
+    /// span merge separate them. Against f64 attention over the f32 keys and values before
+    /// rounding: within the bound f16 storage allows, derived per query head from the data:
+    /// each score moves by at most `δ = Σ|q_i| · max|k - k16| / sqrt(hd)`, which scales every
+    /// softmax weight by a factor in `[e^-2δ, e^2δ]`, so the output moves by at most
+    /// `(e^2δ - 1) · max|v| + max|v - v16|`.
+    #[test]
+    fn f16_cache_attention_matches_the_f32_path_within_the_rounding_bound() {
+        let mut seed = 7u64;
+        for &(nh, nkv, hd, visible) in &[
+            (9, 3, 64, 512),
+            (9, 3, 64, 1),
+            (4, 2, 6, 37),
+            (4, 4, 8, 200),
+            (8, 1, 16, 1000),
+        ] {
+            let heads = Heads {
+                q_heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+            };
+            let row = nkv * hd;
+            let q: Vec<f32> = (0..nh * hd).map(|_| 3.0 * lcg(&mut seed)).collect();
+            let k: Vec<f32> = (0..visible * row).map(|_| 4.0 * lcg(&mut seed)).collect();
+            let v: Vec<f32> = (0..visible * row).map(|_| 2.0 * lcg(&mut seed)).collect();
+            let (k16, v16) = (round16(&k), round16(&v));
+            let mut att = vec![f32::NAN; nh * hd];
+            attend_one(heads, &q, &k16, &v16, visible, &mut att);
+            let widen = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            let exact16 = reference(heads, &q, &widen(&k16), &widen(&v16), visible);
+            let exact32 = reference(heads, &q, &k, &v, visible);
+            let err = |a: &[f32], b: &[f32]| {
+                a.iter().zip(b).fold(0f64, |m, (x, y)| {
+                    m.max((*x as f64 - y.to_owned() as f64).abs())
+                })
+            };
+            let k_err = err(&k, &widen(&k16));
+            let v_err = err(&v, &widen(&v16));
+            let v_max = v.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+            for h in 0..nh {
+                let q_l1: f64 = q[h * hd..(h + 1) * hd].iter().map(|x| x.abs() as f64).sum();
+                let delta = q_l1 * k_err / (hd as f64).sqrt();
+                let bound = (2.0 * delta).exp_m1() * v_max + v_err;
+                for i in 0..hd {
+                    let got = att[h * hd + i] as f64;
+                    let tight = 1e-5 * v_max;
+                    assert!(
+                        (got - exact16[h * hd + i]).abs() <= tight,
+                        "{nh}/{nkv}/{hd} @{visible} head {h}: {got} vs {}",
+                        exact16[h * hd + i]
+                    );
+                    assert!(
+                        (got - exact32[h * hd + i]).abs() <= bound + tight,
+                        "{nh}/{nkv}/{hd} @{visible} head {h}: {got} vs f32 {} (bound {bound})",
+                        exact32[h * hd + i]
+                    );
+                }
+            }
+        }
+    }
+}
