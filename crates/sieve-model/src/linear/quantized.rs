@@ -262,7 +262,7 @@ impl QuantMatrix {
 
     fn dequantize_row_portable(&self, r: usize, out: &mut [f32]) {
         if offset_blocks::handles(self.ty) {
-            return offset_blocks::dequantize_row(self.ty, self.row(r), out);
+            return offset_blocks::dequantize_row_portable(self.ty, self.row(r), out);
         }
         let bb = self.ty.block_bytes();
         for (b, o) in self

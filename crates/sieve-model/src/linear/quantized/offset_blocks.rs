@@ -264,8 +264,20 @@ pub fn dot_row(path: DotPath, ty: BlockType, row: &[u8], xq: &Q8Activations) -> 
     out[0]
 }
 
-/// Row dequantization with ggml's arithmetic ([`crate::quant`]'s block kernels).
+/// Row dequantization with ggml's arithmetic: the AVX2 kernels (prefill unpacks every weight
+/// row for the GEMM) give exactly the values of [`crate::quant`]'s block kernels.
 pub fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if DotPath::detect() >= DotPath::Avx2 {
+        // SAFETY: the detected path's features include AVX2, FMA and F16C; the kernel writes
+        // only the blocks that both `row` and `out` hold in full.
+        return unsafe { x86::dequantize_row(ty, row, out) };
+    }
+    dequantize_row_portable(ty, row, out)
+}
+
+/// [`dequantize_row`] with [`crate::quant`]'s block kernels.
+pub fn dequantize_row_portable(ty: BlockType, row: &[u8], out: &mut [f32]) {
     let kernel =
         crate::quant::block_kernel(ty.ggml()).expect("every BlockType has a dequantization kernel");
     for (b, o) in row
@@ -568,6 +580,128 @@ mod x86 {
             out[r] = hsum(_mm256_add_ps(acc[r], offs[r])) + _mm_cvtss_f32(_mm_shuffle_ps(o, o, 1));
         }
         out
+    }
+
+    /// Block dequantization with the scalar kernels' arithmetic (one multiply, then an add or
+    /// subtract; no fused rounding), so both give the same f32 values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
+        let (bb, elems) = (ty.block_bytes(), ty.block_elems());
+        let nb = (row.len() / bb).min(out.len() / elems);
+        let low4 = _mm256_set1_epi8(0x0F);
+        // Writes 32 values `(u - shift) · a - b` from u8 lanes (inlined into this function, so
+        // compiled with its features).
+        #[inline(always)]
+        unsafe fn store32(u: __m256i, a: __m256, b: __m256, shift: i32, o: *mut f32) {
+            let (lo, hi) = (_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+            let parts = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
+            for (i, part) in parts.into_iter().enumerate() {
+                let q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(part), _mm256_set1_epi32(shift));
+                let v = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), a), b);
+                _mm256_storeu_ps(o.add(8 * i), v);
+            }
+        }
+        let zero = _mm256_setzero_ps();
+        for s in 0..nb {
+            let blk = row.as_ptr().add(s * bb);
+            let o = out.as_mut_ptr().add(s * elems);
+            match ty {
+                BlockType::Q5_0 | BlockType::Q5_1 => {
+                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
+                    let d = _mm256_broadcastss_ps(dm);
+                    let hdr = if ty == BlockType::Q5_0 { 2 } else { 4 };
+                    let qh = (blk.add(hdr) as *const u32).read_unaligned();
+                    let u = q5_values(blk.add(hdr + 4), qh);
+                    if ty == BlockType::Q5_0 {
+                        // (q - 16) · d
+                        store32(u, d, zero, 16, o);
+                    } else {
+                        // q · d + m, as q · d - (-m)
+                        let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+                        store32(u, d, _mm256_sub_ps(zero, m), 0, o);
+                    }
+                }
+                BlockType::Q4_K | BlockType::Q5_K => {
+                    let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
+                    let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                    let pairs =
+                        crate::quant::k_scales_and_mins(std::slice::from_raw_parts(blk.add(4), 12));
+                    let (qh, qs) = if ty == BlockType::Q5_K {
+                        (
+                            _mm256_loadu_si256(blk.add(16) as *const __m256i),
+                            blk.add(48),
+                        )
+                    } else {
+                        (_mm256_setzero_si256(), blk.add(16))
+                    };
+                    for chunk in 0..4 {
+                        let v = _mm256_loadu_si256(qs.add(32 * chunk) as *const __m256i);
+                        let mut lo = _mm256_and_si256(v, low4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+                        if ty == BlockType::Q5_K {
+                            lo = _mm256_or_si256(lo, q5k_fifth_bit(qh, 2 * chunk));
+                            hi = _mm256_or_si256(hi, q5k_fifth_bit(qh, 2 * chunk + 1));
+                        }
+                        for (k, u) in [lo, hi].into_iter().enumerate() {
+                            let (sc, m) = pairs[2 * chunk + k];
+                            let a = _mm256_set1_ps(d * sc as f32);
+                            let b = _mm256_set1_ps(dmin * m as f32);
+                            store32(u, a, b, 0, o.add(64 * chunk + 32 * k));
+                        }
+                    }
+                }
+                BlockType::Q6_K => {
+                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                        (blk.add(208) as *const u16).read_unaligned() as i32,
+                    )));
+                    let two = _mm256_set1_epi8(0x30);
+                    for half in 0..2 {
+                        let ql0 = _mm256_loadu_si256(blk.add(64 * half) as *const __m256i);
+                        let ql1 = _mm256_loadu_si256(blk.add(64 * half + 32) as *const __m256i);
+                        let qh = _mm256_loadu_si256(blk.add(128 + 32 * half) as *const __m256i);
+                        let us = [
+                            _mm256_or_si256(
+                                _mm256_and_si256(ql0, low4),
+                                _mm256_and_si256(_mm256_slli_epi16::<4>(qh), two),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(ql1, low4),
+                                _mm256_and_si256(_mm256_slli_epi16::<2>(qh), two),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low4),
+                                _mm256_and_si256(qh, two),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low4),
+                                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), two),
+                            ),
+                        ];
+                        for (k, u) in us.into_iter().enumerate() {
+                            // Two groups of 16 with their own scale: the halves of 32 values.
+                            let base = 128 * half + 32 * k;
+                            let sc = |g: usize| d * (*blk.add(192 + g) as i8) as f32;
+                            let (a0, a1) = (sc(base / 16), sc(base / 16 + 1));
+                            let a = _mm256_setr_m128(_mm_set1_ps(a0), _mm_set1_ps(a0));
+                            let a_hi = _mm256_setr_m128(_mm_set1_ps(a1), _mm_set1_ps(a1));
+                            let (lo, hi) =
+                                (_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+                            let parts = [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)];
+                            for (i, part) in parts.into_iter().enumerate() {
+                                let q = _mm256_sub_epi32(
+                                    _mm256_cvtepu8_epi32(part),
+                                    _mm256_set1_epi32(32),
+                                );
+                                let scale = if i < 2 { a } else { a_hi };
+                                let v = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(q));
+                                _mm256_storeu_ps(o.add(base + 8 * i), v);
+                            }
+                        }
+                    }
+                }
+                _ => unreachable!("only called for the types `handles` lists"),
+            }
+        }
     }
 
     #[inline(always)]

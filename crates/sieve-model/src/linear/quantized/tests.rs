@@ -678,6 +678,9 @@ fn offset_types_dequantize_like_the_gguf_reader_and_multiply_through_the_format(
         for r in 0..m {
             w.dequantize_row(r, &mut row);
             assert_eq!(row, want[r * k..(r + 1) * k], "{ty:?} row {r}");
+            row.fill(f32::NAN);
+            w.dequantize_row_portable(r, &mut row);
+            assert_eq!(row, want[r * k..(r + 1) * k], "{ty:?} row {r}");
         }
         let want16: Vec<f16> = want.iter().map(|&v| f16::from_f32(v)).collect();
         assert_eq!(w.decode().data(), &want16[..]);
