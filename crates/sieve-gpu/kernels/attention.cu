@@ -57,39 +57,17 @@ __device__ __forceinline__ float ld_l2(const float* p) {
     return v;
 }
 
-// Cache rows through L2 (not the read-only path: with fused RoPE this kernel writes a row it
-// then reads).
 __device__ __forceinline__ uint4 ld_cache16(const f16_bits* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-// q|k|v element i of a head row (bias added when there is one).
-__device__ __forceinline__ float qkv_at(const float* row, const float* brow, int i) {
-    return brow ? row[i] + brow[i] : row[i];
-}
-
-// Rotate-half RoPE of element i of a head row of hd values at the position whose tables are
-// c, s (hd / 2 entries each): the same arithmetic as the CPU reference and prefill's rope_rows.
-__device__ __forceinline__ float rope_at(const float* row, const float* brow, const float* c,
-                                         const float* s, int i, int half) {
-    if (i < half) return qkv_at(row, brow, i) * c[i] - qkv_at(row, brow, i + half) * s[i];
-    const int k = i - half;
-    return qkv_at(row, brow, i) * c[k] + qkv_at(row, brow, k) * s[k];
+    return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
 template <int G>
 __device__ __forceinline__ void attention_split_body(const float* __restrict__ qkv,
-                                                     f16_bits* __restrict__ k_cache,
-                                                     f16_bits* __restrict__ v_cache,
+                                                     const f16_bits* __restrict__ k_cache,
+                                                     const f16_bits* __restrict__ v_cache,
                                                      const int* __restrict__ state, float* __restrict__ part,
-                                                     float* __restrict__ att, const float* __restrict__ bias,
-                                                     const float* __restrict__ rope_cos,
-                                                     const float* __restrict__ rope_sin, int H, int Hkv,
-                                                     int hd, float scale, int len0, int q_stride) {
+                                                     float* __restrict__ att, int H, int Hkv, int hd,
+                                                     float scale, int len0, int q_stride) {
     extern __shared__ float smem[];  // scores [G][TILE]; after the loop, the reduction [RB][G][hd]
     __shared__ float s_m[G], s_l[G], s_corr[G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
@@ -112,43 +90,12 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     const bool has_chunk = c < chunks;
     const int rstep = warp * R + sub;  // this thread's row within a block step
 
-    // Fused RoPE (decode, rope_cos given): q|k|v hold the raw projections (+ bias); q is
-    // rotated here into registers, and the block whose range holds position len - 1 rotates
-    // that position's k, writes k and v into the cache and makes them visible to its own loads
-    // below (the other splits never read that row).
-    const bool fused_rope = len0 == 0 && rope_cos != nullptr;
-    const int half = hd >> 1;
-    const float* rc = nullptr;
-    const float* rs = nullptr;
-    if (fused_rope) {
-        rc = rope_cos + (size_t)(len - 1) * half;
-        rs = rope_sin + (size_t)(len - 1) * half;
-    }
-    if (fused_rope && p0 <= len - 1 && len - 1 < p1) {
-        const size_t kv_row = (size_t)Hkv * hd;
-        const size_t koff = (size_t)(H + kvh) * hd, voff = (size_t)(H + Hkv + kvh) * hd;
-        const float* kb = bias ? bias + koff : nullptr;
-        const float* vb = bias ? bias + voff : nullptr;
-        f16_bits* kdst = k_cache + (size_t)(len - 1) * kv_row + (size_t)kvh * hd;
-        f16_bits* vdst = v_cache + (size_t)(len - 1) * kv_row + (size_t)kvh * hd;
-        for (int i = tid; i < hd; i += ATT_THREADS) {
-            kdst[i] = f2h(rope_at(qkv + koff, kb, rc, rs, i, half));
-            vdst[i] = f2h(qkv_at(qkv + voff, vb, i));
-        }
-        __threadfence_block();
-    }
-
     float q[G][8], acc[G][8];
 #pragma unroll
     for (int j = 0; j < G; ++j) {
-        const float* qrow = qkv + (size_t)(kvh * g + j) * hd;
-        const float* qb = bias ? bias + (size_t)(kvh * g + j) * hd : nullptr;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            float v = 0.f;
-            if (j < g && has_chunk)
-                v = fused_rope ? rope_at(qrow, qb, rc, rs, c * 8 + e, half) : qrow[c * 8 + e];
-            q[j][e] = v * scale;
+            q[j][e] = (j < g && has_chunk) ? qkv[(size_t)(kvh * g + j) * hd + c * 8 + e] * scale : 0.f;
             acc[j][e] = 0.f;
         }
     }
@@ -298,11 +245,10 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
 }
 
 #define ATTENTION_ARGS                                                                             \
-    const float *__restrict__ qkv, f16_bits *__restrict__ k_cache, f16_bits *__restrict__ v_cache, \
-        const int *__restrict__ state, float *__restrict__ part, float *__restrict__ att,          \
-        const float *__restrict__ bias, const float *__restrict__ rope_cos,                        \
-        const float *__restrict__ rope_sin, int H, int Hkv, int hd, float scale, int len0, int q_stride
-#define ATTENTION_PASS qkv, k_cache, v_cache, state, part, att, bias, rope_cos, rope_sin, H, Hkv, hd, scale, len0, q_stride
+    const float *__restrict__ qkv, const f16_bits *__restrict__ k_cache,                           \
+        const f16_bits *__restrict__ v_cache, const int *__restrict__ state, float *__restrict__ part, \
+        float *__restrict__ att, int H, int Hkv, int hd, float scale, int len0, int q_stride
+#define ATTENTION_PASS qkv, k_cache, v_cache, state, part, att, H, Hkv, hd, scale, len0, q_stride
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g1(ATTENTION_ARGS) {
     pdl_wait_then_release();

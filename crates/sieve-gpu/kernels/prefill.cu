@@ -7,10 +7,7 @@
 // rows_to_f16:  grid-stride over n x K, out[i][j] = f16(mask_t(x[i * ldx + j])), the GEMM input
 //               of one product under its threshold.
 // silu_rows:    gate = silu(gate) * up in place.
-// rope_rows:        grid (H + Hkv, n): bias and rotate-half RoPE of q|k|v row `row` at position
-//                   p0 + row (block = a q or k head, thread i rotates the pair (i, i + hd/2));
-//                   k-head blocks write k and v into the caches. attention.cu fuses the same
-//                   arithmetic (rope_at) into the decode step's attention.
+// rope_rows:        grid (H + Hkv, n): rope_kv of step.cu at position p0 + row.
 // The causal attention reuses attention.cu's kernels with one query per blockIdx.z.
 
 __device__ __forceinline__ float masked(float v, float t) { return fabsf(v) > t ? v : 0.f; }

@@ -103,6 +103,39 @@ pub fn rmsnorm_zero(
     Ok(())
 }
 
+/// RoPE over the q and k heads of `qkv` at position `state[0]` (biases added first when
+/// `bias` is non-zero), rotated k and v written to the layer's caches.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv(
+    gpu: &Gpu,
+    qkv: DevPtr,
+    bias: DevPtr,
+    cos: DevPtr,
+    sin: DevPtr,
+    state: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    let f = gpu.function(&STEP, "rope_kv")?;
+    let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&qkv)
+        .arg(&bias)
+        .arg(&cos)
+        .arg(&sin)
+        .arg(&state)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&h)
+        .arg(&hkv)
+        .arg(&hd);
+    unsafe { b.launch(cfg(((heads + kv_heads) as u32, 1), 128, 0)) }.during("launching rope_kv")?;
+    Ok(())
+}
+
 /// `h = silu(gu[..I]) * gu[I..]`.
 pub fn silu_mul(gpu: &Gpu, gu: DevPtr, h: DevPtr, inter: usize) -> Result<()> {
     let f = gpu.function(&STEP, "silu_mul")?;
@@ -177,52 +210,25 @@ impl AttentionShape {
     }
 }
 
-/// RoPE tables and optional q|k|v bias for attention with the rotation fused in (decode).
-#[derive(Clone, Copy, Debug)]
-pub struct FusedRope {
-    /// `[capacity][hd / 2]` f32 cosines and sines (see `rope_tables`).
-    pub cos: DevPtr,
-    pub sin: DevPtr,
-    /// q|k|v bias (Qwen2), 0 for none.
-    pub bias: DevPtr,
-}
-
-/// Attention of the token at `state[0]` over cache positions `0..=state[0]`, RoPE fused:
-/// `qkv` holds the raw q|k|v projections of the token; the kernel adds the bias, rotates q
-/// and k, writes this position's k and v into the caches and attends. Output `att`
-/// (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`], zeroed before its
-/// first use.
-#[allow(clippy::too_many_arguments)]
+/// Attention of the token at `state[0]` over cache positions `0..=state[0]`: q from `qkv`,
+/// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`], zeroed
+/// before its first use.
 pub fn attention(
     gpu: &Gpu,
     shape: &AttentionShape,
     qkv: DevPtr,
-    rope: FusedRope,
     k_cache: DevPtr,
     v_cache: DevPtr,
     state: DevPtr,
     part: DevPtr,
     att: DevPtr,
 ) -> Result<()> {
-    launch_attention(
-        gpu,
-        shape,
-        qkv,
-        Some(rope),
-        k_cache,
-        v_cache,
-        state,
-        part,
-        att,
-        0,
-        1,
-    )
+    attention_batch(gpu, shape, qkv, k_cache, v_cache, state, part, att, 0, 1)
 }
 
 /// Causal attention of `queries` consecutive tokens, the first at position `first_len - 1`
-/// (`first_len >= 1`), over a cache their rotated k and v are already in ([`rope_rows`]);
-/// q rows (rotated) are `(H + 2 Hkv) hd` apart in `qkv`, outputs `[queries][H][hd]`, `part`
-/// holds `queries` partial sets.
+/// (`first_len == 0`: one decode query at `state[0]`); q rows are `(H + 2 Hkv) hd` apart in
+/// `qkv`, outputs `[queries][H][hd]`, `part` holds `queries` partial sets.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_batch(
     gpu: &Gpu,
@@ -230,36 +236,12 @@ pub fn attention_batch(
     qkv: DevPtr,
     k_cache: DevPtr,
     v_cache: DevPtr,
-    part: DevPtr,
-    att: DevPtr,
-    first_len: usize,
-    queries: usize,
-) -> Result<()> {
-    if first_len == 0 {
-        return Err(GpuError::InvalidArgument(
-            "batched attention needs the first query's position (>= 1)".into(),
-        ));
-    }
-    launch_attention(
-        gpu, shape, qkv, None, k_cache, v_cache, 0, part, att, first_len, queries,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn launch_attention(
-    gpu: &Gpu,
-    shape: &AttentionShape,
-    qkv: DevPtr,
-    rope: Option<FusedRope>,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
     state: DevPtr,
     part: DevPtr,
     att: DevPtr,
     first_len: usize,
     queries: usize,
 ) -> Result<()> {
-    let (rope_cos, rope_sin, bias) = rope.map(|r| (r.cos, r.sin, r.bias)).unwrap_or((0, 0, 0));
     let shared = shape.split_shared_bytes() as u32;
     let name = format!("attention_split_g{}", shape.kernel_group());
     let f = gpu.function(&ATTENTION, &name)?;
@@ -279,9 +261,6 @@ fn launch_attention(
         .arg(&state)
         .arg(&part)
         .arg(&att)
-        .arg(&bias)
-        .arg(&rope_cos)
-        .arg(&rope_sin)
         .arg(&h)
         .arg(&hkv)
         .arg(&hd)
@@ -433,9 +412,7 @@ pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize) -> Result<()> {
     Ok(())
 }
 
-/// Bias and rotate-half RoPE of `n` rows of q|k|v at positions `p0 ..`, with each row's k and
-/// v written into the caches (the batched prefill's counterpart of the rotation fused into
-/// [`attention`]).
+/// [`rope_kv`] for `n` rows of q|k|v at positions `p0 ..`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_rows(
     gpu: &Gpu,

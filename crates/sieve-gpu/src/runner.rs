@@ -75,6 +75,7 @@ enum Op {
     Embed,
     InputNorm(usize),
     Qkv(usize),
+    Rope(usize),
     Attention(usize),
     OProj(usize),
     PostNorm(usize),
@@ -93,7 +94,7 @@ impl Op {
             Op::Qkv(_) | Op::OProj(_) | Op::GateUp(_) | Op::Down(_) | Op::LmHead => {
                 Category::Linear
             }
-            Op::Attention(_) => Category::Attention,
+            Op::Rope(_) | Op::Attention(_) => Category::Attention,
             _ => Category::Other,
         }
     }
@@ -543,6 +544,7 @@ impl GpuModel {
             ops.extend([
                 Op::InputNorm(l),
                 Op::Qkv(l),
+                Op::Rope(l),
                 Op::Attention(l),
                 Op::OProj(l),
                 Op::PostNorm(l),
@@ -558,7 +560,7 @@ impl GpuModel {
     fn launches_per_step(&self) -> usize {
         let mut n = 1 + 2 + 1; // embed, final norm, sample, (head counted below)
         for l in &self.layers {
-            n += 2 + 1 + 1; // two norms, attention (RoPE, KV write and combine fused), silu
+            n += 2 + 1 + 1 + 1; // two norms, rope, attention (combine fused), silu
             n += l.qkv.launches() + l.o.launches() + l.gate_up.launches() + l.down.launches();
         }
         n + self.lm_head.launches()
@@ -590,15 +592,23 @@ impl GpuModel {
                 b.qkv.len(),
             )?,
             Op::Qkv(l) => self.layers[l].qkv.launch_add(g, p(&b.xn), p(&b.qkv))?,
+            Op::Rope(l) => kernels::rope_kv(
+                g,
+                p(&b.qkv),
+                self.layers[l].qkv_bias.as_ref().map(p).unwrap_or(0),
+                p(&b.rope_cos),
+                p(&b.rope_sin),
+                state,
+                cache_at(&b.k_cache, l),
+                cache_at(&b.v_cache, l),
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+            )?,
             Op::Attention(l) => kernels::attention(
                 g,
                 &self.attention,
                 p(&b.qkv),
-                kernels::FusedRope {
-                    cos: p(&b.rope_cos),
-                    sin: p(&b.rope_sin),
-                    bias: self.layers[l].qkv_bias.as_ref().map(p).unwrap_or(0),
-                },
                 cache_at(&b.k_cache, l),
                 cache_at(&b.v_cache, l),
                 state,
@@ -835,7 +845,18 @@ impl GpuModel {
                 nkv,
                 hd,
             )?;
-            kernels::attention_batch(g, &self.attention, y, kc, vc, p(&pb.part), att, p0 + 1, n)?;
+            kernels::attention_batch(
+                g,
+                &self.attention,
+                y,
+                kc,
+                vc,
+                0,
+                p(&pb.part),
+                att,
+                p0 + 1,
+                n,
+            )?;
             linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?;
             kernels::rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?;
             linear_rows(g, &layer.gate_up, xn, d, a16, n, y, 2 * inter, 0.0, w16)?;
