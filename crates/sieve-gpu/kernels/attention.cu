@@ -1,5 +1,5 @@
 // Grouped-query attention of one decode token over the f16 KV cache, split along the sequence
-// (flash-decoding), with the combine of the splits fused into the last block of each KV head.
+// (flash-decoding), then a combine kernel.
 //
 // attention_split_g<G>: grid (Hkv, S), 128 threads (4 warps); G = the group size g = H / Hkv
 // rounded up to 1, 2, 4 or 8 (heads j >= g are masked). Block (kv head h, split s) takes the
@@ -24,17 +24,17 @@
 //     4. values: acc[j][8] = acc * corr_j + sum over the thread's rows of prob[j][row] * V chunk.
 //   After the last tile the RB row groups' accumulators are reduced through shared memory.
 //   output per (query head, split): part[(head * S + s) * (hd + 2)] = { m, l, acc[0..hd] }
-//   (an empty split writes m = -inf, l = 0), then counters[kvh] (u32, after the H * S
-//   partials) counts the finished splits; the last one combines them into att[head][0..hd]
-//   and resets the counter. The partials buffer must be zeroed once before the first launch.
+//   (an empty split writes m = -inf, l = 0).
 //
 // The previous kernel gave a thread one position and walked its K row and the tile's V rows
 // one 16-byte (or 2-byte) load after another: ~30 dependent memory latencies per tile, 20 µs per
 // layer of a 7B decode step at a 300-token context (docs/BENCHMARKS.md, GPU decode run 4).
 //
 // Prefill (len0 > 0): grid (Hkv, S, n), query z at position len0 - 1 + z reads its q from
-// qkv + z * q_stride, keeps its partials and counters z * (H * S * (hd + 2) + Hkv) further and
-// writes att + z * H * hd. Causality is the length: query z sees keys 0 .. len0 - 1 + z.
+// qkv + z * q_stride and writes its partials z * H * S * (hd + 2) further; combine runs on
+// grid (H, n). Causality is the length: query z sees keys 0 .. len0 - 1 + z.
+//
+// attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
 //
 // Limits (checked by the runner): hd <= 256 and a multiple of 8, g <= 8. Dynamic shared
 // memory: max(G * TILE, RB * G * hd) floats (<= 32 KB; the launcher computes the same).
@@ -50,13 +50,6 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// A load through L2 only (no L1): for data other blocks of this grid wrote.
-__device__ __forceinline__ float ld_l2(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ uint4 ld_cache16(const f16_bits* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
@@ -66,8 +59,8 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
                                                      const f16_bits* __restrict__ k_cache,
                                                      const f16_bits* __restrict__ v_cache,
                                                      const int* __restrict__ state, float* __restrict__ part,
-                                                     float* __restrict__ att, int H, int Hkv, int hd,
-                                                     float scale, int len0, int q_stride) {
+                                                     int H, int Hkv, int hd, float scale, int len0,
+                                                     int q_stride) {
     extern __shared__ float smem[];  // scores [G][TILE]; after the loop, the reduction [RB][G][hd]
     __shared__ float s_m[G], s_l[G], s_corr[G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
@@ -76,9 +69,7 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     // Decode: one query, len from the state. Prefill: query z of the batch sees len0 + z keys.
     const int len = len0 > 0 ? len0 + (int)blockIdx.z : state[0] + 1;
     qkv += (size_t)blockIdx.z * q_stride;
-    part += (size_t)blockIdx.z * ((size_t)H * S * (hd + 2) + Hkv);
-    att += (size_t)blockIdx.z * H * hd;
-    u32* counters = reinterpret_cast<u32*>(part + (size_t)H * S * (hd + 2));
+    part += (size_t)blockIdx.z * H * S * (hd + 2);
     const int per = (len + S - 1) / S;
     const int p0 = min(split * per, len), p1 = min(p0 + per, len);
 
@@ -212,43 +203,13 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
         out[0] = s_m[tid];
         out[1] = s_l[tid];
     }
-
-    // The combine, fused: the last of the S blocks of this KV head to finish (a counter per KV
-    // head after the partials, threadfence-reduction style) merges the S partials of its g
-    // heads: att[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s, and resets the
-    // counter for the next launch. Partials written by other blocks are read through L2.
-    __threadfence();
-    __syncthreads();
-    __shared__ u32 s_last;
-    if (tid == 0) s_last = atomicAdd(counters + kvh, 1u) == (u32)(S - 1);
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int o = tid; o < g * hd; o += ATT_THREADS) {
-        const int j = o / hd, d = o - j * hd;
-        const float* base = part + (size_t)(kvh * g + j) * S * (hd + 2);
-        float M = ATT_NEG_INF;
-        for (int s = 0; s < S; ++s) M = fmaxf(M, ld_l2(base + (size_t)s * (hd + 2)));
-        float L = 0.f, a = 0.f;
-        for (int s = 0; s < S; ++s) {
-            const float* p = base + (size_t)s * (hd + 2);
-            const float l = ld_l2(p + 1);
-            if (l > 0.f) {
-                const float e = __expf(ld_l2(p) - M);
-                L += l * e;
-                a += ld_l2(p + 2 + d) * e;
-            }
-        }
-        att[(size_t)(kvh * g + j) * hd + d] = a / L;
-    }
-    if (tid == 0) counters[kvh] = 0u;
 }
 
 #define ATTENTION_ARGS                                                                             \
     const float *__restrict__ qkv, const f16_bits *__restrict__ k_cache,                           \
         const f16_bits *__restrict__ v_cache, const int *__restrict__ state, float *__restrict__ part, \
-        float *__restrict__ att, int H, int Hkv, int hd, float scale, int len0, int q_stride
-#define ATTENTION_PASS qkv, k_cache, v_cache, state, part, att, H, Hkv, hd, scale, len0, q_stride
+        int H, int Hkv, int hd, float scale, int len0, int q_stride
+#define ATTENTION_PASS qkv, k_cache, v_cache, state, part, H, Hkv, hd, scale, len0, q_stride
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g1(ATTENTION_ARGS) {
     pdl_wait_then_release();
@@ -265,4 +226,29 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g4(ATT
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g8(ATTENTION_ARGS) {
     pdl_wait_then_release();
     attention_split_body<8>(ATTENTION_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+attention_combine(const float* __restrict__ part, float* __restrict__ att, int S, int hd) {
+    pdl_wait_then_release();
+    const int h = blockIdx.x;
+    // blockIdx.y: the query of a prefill batch (0 in decode).
+    part += (size_t)blockIdx.y * gridDim.x * S * (hd + 2);
+    att += (size_t)blockIdx.y * gridDim.x * hd;
+    const float* base = part + (size_t)h * S * (hd + 2);
+    float M = ATT_NEG_INF;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, base[(size_t)s * (hd + 2)]);
+    float L = 0.f;
+    for (int s = 0; s < S; ++s) {
+        const float* p = base + (size_t)s * (hd + 2);
+        if (p[1] > 0.f) L += p[1] * __expf(p[0] - M);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < S; ++s) {
+            const float* p = base + (size_t)s * (hd + 2);
+            if (p[1] > 0.f) a += p[2 + d] * __expf(p[0] - M);
+        }
+        att[(size_t)h * hd + d] = a / L;
+    }
 }

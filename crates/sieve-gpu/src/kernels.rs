@@ -189,11 +189,9 @@ impl AttentionShape {
             splits,
         })
     }
-    /// f32 entries of the split partials buffer of one query: the partials and, after them,
-    /// one u32 counter of finished splits per KV head (the buffer must start zeroed; the
-    /// kernel leaves the counters at zero again).
+    /// f32 entries of the split partials buffer.
     pub fn partials_len(&self) -> usize {
-        self.heads * self.splits * (self.head_dim + 2) + self.kv_heads
+        self.heads * self.splits * (self.head_dim + 2)
     }
     /// The compiled group size (1, 2, 4 or 8) that covers this shape's group.
     fn kernel_group(&self) -> usize {
@@ -211,8 +209,7 @@ impl AttentionShape {
 }
 
 /// Attention of the token at `state[0]` over cache positions `0..=state[0]`: q from `qkv`,
-/// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`], zeroed
-/// before its first use.
+/// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`].
 pub fn attention(
     gpu: &Gpu,
     shape: &AttentionShape,
@@ -260,7 +257,6 @@ pub fn attention_batch(
         .arg(&v_cache)
         .arg(&state)
         .arg(&part)
-        .arg(&att)
         .arg(&h)
         .arg(&hkv)
         .arg(&hd)
@@ -274,6 +270,12 @@ pub fn attention_batch(
     );
     c.grid_dim.2 = queries.max(1) as u32;
     unsafe { b.launch(c) }.during("launching attention_split")?;
+    let f = gpu.function(&ATTENTION, "attention_combine")?;
+    let s = shape.splits as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&part).arg(&att).arg(&s).arg(&hd);
+    unsafe { b.launch(cfg((shape.heads as u32, queries.max(1) as u32), 128, 0)) }
+        .during("launching attention_combine")?;
     Ok(())
 }
 

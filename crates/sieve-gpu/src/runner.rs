@@ -560,7 +560,7 @@ impl GpuModel {
     fn launches_per_step(&self) -> usize {
         let mut n = 1 + 2 + 1; // embed, final norm, sample, (head counted below)
         for l in &self.layers {
-            n += 2 + 1 + 1 + 1; // two norms, rope, attention (combine fused), silu
+            n += 2 + 1 + 2 + 1; // two norms, rope, attention split + combine, silu
             n += l.qkv.launches() + l.o.launches() + l.gate_up.launches() + l.down.launches();
         }
         n + self.lm_head.launches()
