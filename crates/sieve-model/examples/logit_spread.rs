@@ -1,6 +1,9 @@
 //! Prints the spread (max - min) and standard deviation of a model's logits along a greedy
 //! decode from a fixed prompt: the scale against which GPU-vs-CPU logit errors are judged.
-//!   cargo run --release -p sieve-model --example logit_spread -- MODEL [--f16-weights]
+//! With `--vs-dense`, also the largest logit difference between the model as loaded and the
+//! same model with every linear decoded to dense f16 (same thresholds): how far the CPU's
+//! format kernels are from a plain dense product on this model.
+//!   cargo run --release -p sieve-model --example logit_spread -- MODEL [--f16-weights] [--vs-dense]
 use sieve_model::llama::Logits;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -11,6 +14,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let f16 = args.iter().any(|a| a == "--f16-weights");
     let (model, _) = sieve_model::packed::load_model_and_tokenizer_with(path.as_ref(), f16)?;
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
+    if args.iter().any(|a| a == "--vs-dense") {
+        let (mut dense, _) =
+            sieve_model::packed::load_model_and_tokenizer_with(path.as_ref(), f16)?;
+        for (_, lin) in dense.linears_mut() {
+            let m = lin.format().decode();
+            lin.replace_format(Box::new(sieve_formats::dense::Dense::encode(&m)?))?;
+        }
+        let mut seq = prompt.clone();
+        seq.extend((0..64u32).map(|i| (i * 7919 + 13) % 1000));
+        let mut c1 = model.new_cache(seq.len());
+        let mut c2 = dense.new_cache(seq.len());
+        let a = model.forward(&seq, &mut c1, Logits::All)?;
+        let b = dense.forward(&seq, &mut c2, Logits::All)?;
+        let v = model.config().vocab_size;
+        let mut errs: Vec<f32> = (0..seq.len())
+            .map(|i| {
+                a[i * v..(i + 1) * v]
+                    .iter()
+                    .zip(&b[i * v..(i + 1) * v])
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f32::max)
+            })
+            .collect();
+        errs.sort_by(f32::total_cmp);
+        println!(
+            "{path}: as loaded vs every linear dense: max logit difference per position median {}, p90 {}, max {}",
+            errs[errs.len() / 2],
+            errs[errs.len() * 9 / 10],
+            errs[errs.len() - 1]
+        );
+    }
     let mut cache = model.new_cache(prompt.len() + 65);
     let mut logits = model.forward(&prompt, &mut cache, Logits::Last)?;
     let (mut spreads, mut sds) = (Vec::new(), Vec::new());
