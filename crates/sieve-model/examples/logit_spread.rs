@@ -3,7 +3,9 @@
 //! With `--vs-dense`, also the largest logit difference between the model as loaded and the
 //! same model with every linear decoded to dense f16 (same thresholds): how far the CPU's
 //! format kernels are from a plain dense product on this model.
-//!   cargo run --release -p sieve-model --example logit_spread -- MODEL [--f16-weights] [--vs-dense]
+//! With `--dump FILE`, writes the teacher-forced logits of a fixed 69-token sequence as raw f32
+//! (to compare two builds or two machines).
+//!   cargo run --release -p sieve-model --example logit_spread -- MODEL [--f16-weights] [--vs-dense] [--dump FILE]
 use sieve_model::llama::Logits;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -14,6 +16,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let f16 = args.iter().any(|a| a == "--f16-weights");
     let (model, _) = sieve_model::packed::load_model_and_tokenizer_with(path.as_ref(), f16)?;
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
+    if let Some(i) = args.iter().position(|a| a == "--dump") {
+        let file = args.get(i + 1).ok_or("--dump needs a file")?;
+        let mut seq = prompt.clone();
+        seq.extend((0..64u32).map(|i| (i * 7919 + 13) % 1000));
+        let mut cache = model.new_cache(seq.len());
+        let all = model.forward(&seq, &mut cache, Logits::All)?;
+        let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(file, bytes)?;
+    }
     if args.iter().any(|a| a == "--vs-dense") {
         let (mut dense, _) =
             sieve_model::packed::load_model_and_tokenizer_with(path.as_ref(), f16)?;
