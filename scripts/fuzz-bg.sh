@@ -3,7 +3,9 @@
 # runs): every committed-corpus target of sieve-fuzz with SEEDS seeds each, at nice 19, for
 # SECONDS, with the staged binary BIN (default .gpu/bin/sieve-fuzz). Results (one JSON line
 # per process, CPU time and peak RSS from /usr/bin/time when present) go to OUT.
-#   bash scripts/fuzz-bg.sh SECONDS OUT "11 12" &   ...   wait
+# OUT/done appears when every process has ended (wait for it with a file test: `pgrep -f` also
+# matches the shell running the wait loop). Stage the binary with FUZZ=1 scripts/gpu-runner-bundle.sh.
+#   bash scripts/fuzz-bg.sh SECONDS OUT "11 12" &   ...   until [ -f OUT/done ]; do sleep 2; done
 set -uo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-500}
@@ -11,6 +13,11 @@ out=${2:-/tmp/fuzz-bg}
 seeds=${3:-"11 12"}
 bin=${BIN:-.gpu/bin/sieve-fuzz}
 mkdir -p "$out"
+if [ ! -x "$bin" ]; then
+  echo "fuzz-bg: no fuzz binary at $bin (stage it with FUZZ=1 scripts/gpu-runner-bundle.sh)" | tee "$out/ERROR"
+  touch "$out/done"
+  exit 1
+fi
 timer=()
 [ -x /usr/bin/time ] && timer=(/usr/bin/time -v)
 for t in gguf safetensors pack blob tokenizer; do
@@ -20,3 +27,4 @@ for t in gguf safetensors pack blob tokenizer; do
   done
 done
 wait
+touch "$out/done"

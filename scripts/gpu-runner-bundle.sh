@@ -3,6 +3,7 @@
 # binary and the release test executables of sieve-gpu and sieve-cuda, stripped, in .gpu/
 # (bin/, tests/, tests.tsv, run-tests), small enough to travel with a cut model.
 #   scripts/gpu-runner-bundle.sh && (on the GPU machine) .gpu/run-tests
+#   FUZZ=1 scripts/gpu-runner-bundle.sh   also stages bin/sieve-fuzz for scripts/fuzz-bg.sh
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -38,5 +39,10 @@ done < .gpu/tests.tsv
 exit $status
 EOS
 chmod +x .gpu/run-tests
+# FUZZ=1: also the fuzz harness (debug build: overflow checks on), for scripts/fuzz-bg.sh there.
+if [ "${FUZZ:-0}" = 1 ]; then
+  cargo build -p sieve-fuzz --quiet
+  cp "$target/debug/sieve-fuzz" .gpu/bin/
+fi
 for f in .gpu/bin/* .gpu/tests/*; do strip -s "$f" 2>/dev/null || true; done
 du -sh .gpu
