@@ -160,6 +160,34 @@ pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
     w.add_json("thresholds", &thresholds)
 }
 
+/// A weight blob (`WeightFormat::to_bytes`) read into the format whose CPU product a loaded
+/// pack runs (see [`read_linear`]): what `sieve pack --format auto` times for each candidate.
+pub fn cpu_format_from_blob(
+    bytes: &[u8],
+) -> std::result::Result<Box<dyn WeightFormat>, sieve_formats::FormatError> {
+    let (tag, payload) = sieve_formats::blob::unframe(bytes)?;
+    let mut r = sieve_formats::blob::ByteReader::new(payload);
+    Ok(match FormatKind::from_tag(tag) {
+        Ok(FormatKind::TiledCbc) => {
+            let tiled = TiledCbc::read_payload(&mut r)?;
+            r.finish()?;
+            Box::new(FastTiledCbc::new(tiled))
+        }
+        Ok(FormatKind::IeBme) => {
+            let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r)?;
+            r.finish()?;
+            Box::new(DequantizedIeBme::new(ie)?)
+        }
+        _ => {
+            let format = sieve_formats::registry::from_bytes(bytes)?;
+            match format.kind() {
+                FormatKind::Dense => Box::new(FastDense::new(format.decode())),
+                _ => format,
+            }
+        }
+    })
+}
+
 /// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
 /// [`FastDense`], Tiled-CBC gets [`FastTiledCbc`], IE-BME gets [`DequantizedIeBme`] (the same
 /// column kernel over its exact dequantized matrix); other formats keep their reference kernels.
@@ -169,31 +197,10 @@ pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
 /// docs/BENCHMARKS.md), faster only from dp ~0.9.
 fn read_linear(pack: &PackFile, name: &str, threshold: Threshold) -> Result<Linear> {
     let bytes = pack.section(name, SectionKind::Weight)?;
-    let malformed = |e: sieve_formats::FormatError| ModelError::Malformed {
+    let format = cpu_format_from_blob(bytes).map_err(|e| ModelError::Malformed {
         path: pack.path().display().to_string(),
         reason: format!("section '{name}': {e}"),
-    };
-    let (tag, payload) = sieve_formats::blob::unframe(bytes).map_err(malformed)?;
-    let mut r = sieve_formats::blob::ByteReader::new(payload);
-    let format: Box<dyn WeightFormat> = match FormatKind::from_tag(tag) {
-        Ok(FormatKind::TiledCbc) => {
-            let tiled = TiledCbc::read_payload(&mut r).map_err(malformed)?;
-            r.finish().map_err(malformed)?;
-            Box::new(FastTiledCbc::new(tiled))
-        }
-        Ok(FormatKind::IeBme) => {
-            let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r).map_err(malformed)?;
-            r.finish().map_err(malformed)?;
-            Box::new(DequantizedIeBme::new(ie).map_err(malformed)?)
-        }
-        _ => {
-            let format = sieve_formats::registry::from_bytes(bytes).map_err(malformed)?;
-            match format.kind() {
-                FormatKind::Dense => Box::new(FastDense::new(format.decode())),
-                _ => format,
-            }
-        }
-    };
+    })?;
     let mut linear = Linear::from_format(format);
     linear
         .set_threshold(threshold)

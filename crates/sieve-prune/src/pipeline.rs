@@ -35,10 +35,18 @@
 //! and the stream passed on to layer `l + 1` is computed without them, as TEAL calibrates
 //! every threshold on the activations of the (weight-pruned) model.
 //!
-//! # Format cost model (`--format auto`)
+//! # Format choice (`--format auto`)
 //!
-//! Each linear is encoded in every format that accepts it and the one moving the fewest bytes
-//! per decoded token is kept, with bytes per token =
+//! Each linear is encoded in every format that accepts it, and the one whose CPU product (the
+//! kernel a loaded pack runs: `sieve_model::packed::cpu_format_from_blob`) is fastest on this
+//! machine is kept: a short calibration times one matrix-vector product of each candidate,
+//! best of [`PRODUCT_REPS`], with the matrix pushed out of the caches first (decode streams
+//! weights from memory), on the pack's threads, against a synthetic input whose fraction `dp`
+//! of entries falls under the threshold. The sum of the chosen products is the pack's
+//! predicted decode time in its projections ([`PipelineReport::product_seconds`]).
+//!
+//! The reports also give each linear's bytes per decoded token, the memory-bound model of the
+//! papers, with bytes per token =
 //! * `total_bytes · (1 - dp)` for column-major formats that skip the weight columns of
 //!   inactive inputs (RLC-CSC, Tiled-CBC): an inactive input costs neither its values nor its
 //!   column metadata;
@@ -73,7 +81,7 @@ impl From<sieve_model::ModelError> for PruneError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FormatChoice {
     Fixed(FormatKind),
-    /// Per linear, the format with the fewest bytes per token (module docs).
+    /// Per linear, the format with the fastest measured CPU product (module docs).
     Auto,
 }
 
@@ -153,27 +161,93 @@ pub fn bytes_per_token(kind: FormatKind, storage: Storage, dp: f64) -> f64 {
     }
 }
 
-/// Encodes `w` in the chosen format (for `Auto`, the cheapest of those that accept it).
-pub fn encode_choice(
-    w: &DenseMatrix,
-    choice: FormatChoice,
-    dp: f64,
-) -> Result<Box<dyn WeightFormat>> {
+/// Timed products per candidate under `--format auto` (the best one counts).
+pub const PRODUCT_REPS: usize = 3;
+
+/// Bytes read between timed products to push the matrix out of every cache level (twice the
+/// 32 MiB L3 of the machine this was tuned on).
+const EVICT_BYTES: usize = 64 << 20;
+
+/// A linear in its chosen format, with the measured time of its CPU product when the choice
+/// was measured (`--format auto`).
+pub struct Encoded {
+    pub format: Box<dyn WeightFormat>,
+    pub product_seconds: Option<f64>,
+}
+
+/// Reads a buffer larger than the caches, so that the next product finds its matrix in memory.
+fn evict_caches() {
+    static BUFFER: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let buf = BUFFER.get_or_init(|| vec![1u8; EVICT_BYTES]);
+    let mut sum = 0u8;
+    for line in buf.chunks(64) {
+        sum = sum.wrapping_add(line[0]);
+    }
+    std::hint::black_box(sum);
+}
+
+/// A deterministic input of `cols` values spread like a normed hidden state (a sum of three
+/// uniforms), and the threshold under which a fraction `dp` of them falls (none for `dp` 0).
+fn timing_input(cols: usize, dp: f64) -> (Vec<f32>, Option<f32>) {
+    let mut s = 0x5eed_u64;
+    let mut unit = || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let x: Vec<f32> = (0..cols).map(|_| unit() + unit() + unit()).collect();
+    if dp <= 0.0 {
+        return (x, None);
+    }
+    let mut mags: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    mags.sort_by(f32::total_cmp);
+    let k = ((dp * cols as f64).round() as usize).clamp(1, cols);
+    (x, Some(mags[k - 1]))
+}
+
+/// The cold-cache time of one matrix-vector product of `format`'s CPU kernel (best of
+/// [`PRODUCT_REPS`], after one untimed run).
+pub fn time_cpu_product(format: &dyn WeightFormat, dp: f64) -> Result<f64> {
+    let fast = sieve_model::packed::cpu_format_from_blob(&format.to_bytes())?;
+    let (x, threshold) = timing_input(fast.cols(), dp);
+    let mut y = vec![0f32; fast.rows()];
+    fast.matvec(&x, threshold, &mut y)?;
+    let mut best = f64::MAX;
+    for _ in 0..PRODUCT_REPS {
+        evict_caches();
+        let start = std::time::Instant::now();
+        fast.matvec(&x, threshold, &mut y)?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// Encodes `w` in the chosen format (for `Auto`, the one of those that accept it whose CPU
+/// product measures fastest; `dp` is the target fraction of inactive inputs).
+pub fn encode_choice(w: &DenseMatrix, choice: FormatChoice, dp: f64) -> Result<Encoded> {
     match choice {
-        FormatChoice::Fixed(kind) => Ok(sieve_formats::registry::encode_default(kind, w)?),
+        FormatChoice::Fixed(kind) => Ok(Encoded {
+            format: sieve_formats::registry::encode_default(kind, w)?,
+            product_seconds: None,
+        }),
         FormatChoice::Auto => {
             let candidates: Vec<Box<dyn WeightFormat>> = FormatKind::ALL
                 .par_iter()
                 .filter_map(|&k| sieve_formats::registry::encode_default(k, w).ok())
                 .collect();
-            candidates
-                .into_iter()
-                .min_by(|a, b| {
-                    let ca = bytes_per_token(a.kind(), a.storage(), dp);
-                    let cb = bytes_per_token(b.kind(), b.storage(), dp);
-                    ca.total_cmp(&cb)
-                })
-                .ok_or_else(|| PruneError::Option("no format accepts this matrix".into()))
+            // One at a time: the products must not share the machine with each other.
+            let mut best: Option<Encoded> = None;
+            for format in candidates {
+                let t = time_cpu_product(format.as_ref(), dp)?;
+                if best.as_ref().is_none_or(|b| b.product_seconds > Some(t)) {
+                    best = Some(Encoded {
+                        format,
+                        product_seconds: Some(t),
+                    });
+                }
+            }
+            best.ok_or_else(|| PruneError::Option("no format accepts this matrix".into()))
         }
     }
 }
@@ -192,6 +266,8 @@ pub struct LinearReport {
     pub calib_dp: f64,
     pub stored_bytes: usize,
     pub bytes_per_token: f64,
+    /// The measured time of its CPU product (`--format auto`).
+    pub product_seconds: Option<f64>,
     /// Static x dynamic overlap on the kept activation rows.
     pub dual: DualSparsityReport,
 }
@@ -208,6 +284,11 @@ pub struct PipelineReport {
     pub stored_bytes: usize,
     pub dense_bytes: usize,
     pub bytes_per_token: f64,
+    /// Under `--format auto`, the sum of the chosen formats' measured products: the predicted
+    /// time of a decode step's projections (LM head and attention not included).
+    pub product_seconds: Option<f64>,
+    /// Threads the products (and every other step) ran on.
+    pub threads: usize,
     pub calibration_tokens: usize,
     pub seconds: f64,
     /// Where the time went, summed over layers.
@@ -235,6 +316,34 @@ pub struct StageSeconds {
 impl PipelineReport {
     /// A human-readable summary table (per decoder-layer totals would be too long for 30 layers,
     /// so one line per projection kind plus the whole model).
+    /// One line per layer under `--format auto`: each projection's chosen format and the
+    /// measured time of its product (empty when the formats were not measured).
+    pub fn measured_choices(&self) -> String {
+        let mut out = String::new();
+        let mut layer: Option<&str> = None;
+        for l in &self.linears {
+            let Some(t) = l.product_seconds else { continue };
+            let (prefix, short) = match l.name.strip_prefix("model.layers.") {
+                Some(rest) => rest.split_once('.').unwrap_or((rest, "")),
+                None => (l.name.as_str(), ""),
+            };
+            if layer != Some(prefix) {
+                if layer.is_some() {
+                    out.push('\n');
+                }
+                out.push_str(&format!("layer {prefix:>3}:"));
+                layer = Some(prefix);
+            }
+            let short = short.trim_end_matches(".weight");
+            let short = short.rsplit('.').next().unwrap_or(short);
+            out.push_str(&format!(" {short} {} {:.0}us", l.format.name(), t * 1e6));
+        }
+        if layer.is_some() {
+            out.push('\n');
+        }
+        out
+    }
+
     pub fn summary(&self) -> String {
         let mut out = String::new();
         out.push_str(
@@ -346,6 +455,7 @@ struct PrunedLinear {
     /// What is stored (f16 underflows count as pruned).
     mask: Mask,
     format: Box<dyn WeightFormat>,
+    product_seconds: Option<f64>,
 }
 
 /// The per-layer state of [`prune_model`]: statistics of the site being calibrated, the
@@ -469,7 +579,10 @@ impl<'a> LayerPass<'a> {
                 .iter()
                 .map(|v| !sieve_formats::matrix::is_zero(*v))
                 .collect();
-            let format = encode_choice(&matrix, options.format, options.dp)?;
+            let Encoded {
+                format,
+                product_seconds,
+            } = encode_choice(&matrix, options.format, options.dp)?;
             // The rest of the pass runs the values the format stores (decode is exact, and for
             // quantized payloads it is what the kernels multiply by) through the fast dense
             // GEMM: the formats' own batched products are reference loops, far too slow for
@@ -480,6 +593,7 @@ impl<'a> LayerPass<'a> {
                 site,
                 mask: Mask::new(rows, cols, keep)?,
                 format,
+                product_seconds,
             });
             count += 1;
         }
@@ -676,6 +790,7 @@ pub fn prune_model(
                 site,
                 mask,
                 format,
+                product_seconds,
             } = slot
                 .take()
                 .ok_or_else(|| PruneError::Option(format!("layer {l} {short} was not pruned")))?;
@@ -708,6 +823,7 @@ pub fn prune_model(
                 calib_dp,
                 stored_bytes: storage.total_bytes(),
                 bytes_per_token: bytes_per_token(lin.format().kind(), storage, target),
+                product_seconds,
                 dual,
             });
         }
@@ -725,6 +841,8 @@ pub fn prune_model(
         stored_bytes: reports.iter().map(|r| r.stored_bytes).sum(),
         dense_bytes: reports.iter().map(|r| r.rows * r.cols * 2).sum(),
         bytes_per_token: reports.iter().map(|r| r.bytes_per_token).sum(),
+        product_seconds: reports.iter().map(|r| r.product_seconds).sum(),
+        threads: rayon::current_num_threads(),
         calibration_tokens,
         seconds: start.elapsed().as_secs_f64(),
         stage_seconds: stages,
@@ -1300,5 +1418,57 @@ mod tests {
         assert!(err.contains("longer than the model's context"), "{err}");
         assert!(check_calibration(model.config(), 1, 10000).is_err());
         assert!(check_calibration(model.config(), 0, 4).is_err());
+    }
+
+    #[test]
+    fn timing_input_puts_dp_of_its_entries_under_the_threshold() {
+        for (cols, dp) in [(576, 0.5), (1536, 0.3), (64, 0.9)] {
+            let (x, t) = timing_input(cols, dp);
+            let t = t.unwrap();
+            let off = x.iter().filter(|v| v.abs() <= t).count() as f64 / cols as f64;
+            assert!(
+                (off - dp).abs() <= 1.0 / cols as f64 + 1e-9,
+                "{cols} {dp}: {off}"
+            );
+        }
+        assert!(timing_input(32, 0.0).1.is_none());
+    }
+
+    /// `--format auto` times every candidate's CPU product and keeps the fastest: every linear
+    /// reports a positive time, the pack's prediction is their sum, the kept format is lossless
+    /// or IE-BME (the one lossy candidate), and the per-layer listing names every projection.
+    #[test]
+    fn auto_keeps_a_measured_format_per_linear() {
+        let src = source();
+        let mut model = Model::from_source(&src).unwrap();
+        let opts = options(Method::Magnitude, "unstructured", 0.5, 0.5, "auto");
+        let report = prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+        let mut sum = 0.0;
+        for l in &report.linears {
+            let t = l.product_seconds.expect("auto measures every linear");
+            assert!(t > 0.0 && t < 1.0, "{}: {t}", l.name);
+            sum += t;
+        }
+        assert!((report.product_seconds.unwrap() - sum).abs() <= 1e-12);
+        let listing = report.measured_choices();
+        assert_eq!(listing.lines().count(), model.layers().len(), "{listing}");
+        assert!(
+            listing.contains("q_proj ") && listing.contains("down_proj "),
+            "{listing}"
+        );
+        // A fixed format measures nothing.
+        let mut model = Model::from_source(&src).unwrap();
+        let opts = options(Method::Magnitude, "unstructured", 0.5, 0.0, "dense");
+        let report = prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+        assert!(report.product_seconds.is_none());
+        assert!(report.measured_choices().is_empty());
+        // The timing runs the kernel a loaded pack would, for any candidate.
+        let w = model.layers()[0].q_proj.format().decode();
+        for kind in FormatKind::ALL {
+            if let Ok(f) = sieve_formats::registry::encode_default(kind, &w) {
+                let t = time_cpu_product(f.as_ref(), 0.5).unwrap();
+                assert!(t > 0.0, "{kind:?}");
+            }
+        }
     }
 }
