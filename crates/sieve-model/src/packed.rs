@@ -20,6 +20,7 @@
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::quantized::QuantMatrix;
+use crate::linear::ie_bme_int::Int4IeBme;
 use crate::linear::sparse::{DequantizedIeBme, FastTiledCbc};
 use crate::linear::{FastDense, Linear};
 use crate::llama::{Layer, Model};
@@ -160,6 +161,19 @@ pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
     w.add_json("thresholds", &thresholds)
 }
 
+/// IE-BME INT4 gets the integer kernel ([`Int4IeBme`]); other payloads, or every IE-BME layer
+/// when `SIEVE_IEBME_KERNEL=columns` (to compare the two paths), the f16 column kernel over the
+/// dequantized matrix ([`DequantizedIeBme`]).
+fn ie_bme_layer(
+    ie: sieve_formats::ie_bme::IeBme,
+) -> std::result::Result<Box<dyn WeightFormat>, sieve_formats::FormatError> {
+    let columns = std::env::var("SIEVE_IEBME_KERNEL").is_ok_and(|v| v == "columns");
+    if !columns && matches!(ie.payload(), sieve_formats::ie_bme::Payload::Int4 { .. }) {
+        return Ok(Box::new(Int4IeBme::new(ie)?));
+    }
+    Ok(Box::new(DequantizedIeBme::new(ie)?))
+}
+
 /// A weight blob (`WeightFormat::to_bytes`) read into the format whose CPU product a loaded
 /// pack runs (see [`read_linear`]): what `sieve pack --format auto` times for each candidate.
 pub fn cpu_format_from_blob(
@@ -176,7 +190,7 @@ pub fn cpu_format_from_blob(
         Ok(FormatKind::IeBme) => {
             let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r)?;
             r.finish()?;
-            Box::new(DequantizedIeBme::new(ie)?)
+            ie_bme_layer(ie)?
         }
         _ => {
             let format = sieve_formats::registry::from_bytes(bytes)?;
@@ -189,8 +203,9 @@ pub fn cpu_format_from_blob(
 }
 
 /// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
-/// [`FastDense`], Tiled-CBC gets [`FastTiledCbc`], IE-BME gets [`DequantizedIeBme`] (the same
-/// column kernel over its exact dequantized matrix); other formats keep their reference kernels.
+/// [`FastDense`], Tiled-CBC gets [`FastTiledCbc`], IE-BME INT4 gets [`Int4IeBme`] (integer
+/// products against 8-bit activations, see [`ie_bme_layer`]); other formats keep their
+/// reference kernels.
 /// The threshold is the one the pack stores for this layer. Dense layers stay row-major even
 /// under a threshold: the column-major `DenseColumns` reads only active columns but was slower
 /// at dp 0.5 on the 2-core machine (random column skips cost a memory latency each; see

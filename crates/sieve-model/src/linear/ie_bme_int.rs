@@ -1,0 +1,492 @@
+//! IE-BME INT4 multiplied in integer SIMD against 8-bit activations, the way the Q4_1 blocks are.
+//!
+//! The IE-BME blob (union bitmaps over 16 x 64 tiles, four aligned area streams, row
+//! permutations) is the GPU's layout: a CPU walking it per element spends its time on ranks and
+//! nibble addressing. So at load the INT4 codes are rearranged into a **row-major CPU layout**
+//! (the blob, and what the layer writes back, stay IE-BME):
+//!
+//! * per (row, 64-column block) one `u64` bitmap of the nonzero codes (bit `c` = column
+//!   `64 b + c`), `rows x ceil(K / 64)` words;
+//! * per row, the nonzero codes of each block in column order as two's-complement nibbles
+//!   (value `2i` in the low nibble of byte `i`); each block starts on a byte (an odd count is
+//!   padded with a 0 nibble), each row at `row_offsets[r]`;
+//! * the IE-BME scales as f32, `rows x G` (one per row and `group_size` columns).
+//!
+//! At sp 0.5 that is 0.25 B of codes + 0.125 B of bitmap per weight (+ 1/32 B of scales at
+//! groups of 128), against 0.5625 B for Q4_1, and every row is one sequential stream (what the
+//! hardware prefetcher serves best; the union bitmap's padding zeros are not stored).
+//!
+//! The product `y = W · mask_t(x)`: `x` is masked by the TEAL threshold and quantized into the
+//! same 8-bit blocks of 32 as the Q4_1 path ([`Q8Activations`]), stored offset by 128 as `u8`.
+//! Per (row, block) the kernel expands the codes to 64 signed bytes at their columns and takes
+//! `Σ (x_q + 128) w - Σ 128 w` with `vpdpbusd` (exact integers), scales the two 32-column halves
+//! by their activation scales and the group's weight scale, and accumulates in f32. Blocks whose
+//! 64 activations are all zero (TEAL) are skipped without touching their codes (the offset of the
+//! next block is advanced by the popcount). Kernels:
+//! * AVX-512 VNNI + VBMI2: `vpmovzxbw` + shifts turn 32 bytes of nibbles into 64 bytes in order,
+//!   `vpexpandb` places them at the bitmap's set bits, two `vpdpbusd`;
+//! * AVX-512 (no VBMI2) and AVX2: the nibbles are expanded into 64 bytes on the stack by a walk
+//!   of the set bits, then `vpmaddubsw` + `vpmaddwd` (AVX2) do the integer dot;
+//! * portable: the same integers in scalar code.
+//!
+//! Every path computes the same integer block sums; they differ only in the order of f32
+//! additions. Error against the f64 product over the original activations is the 8-bit
+//! activation step (tested with the bound the Q4_1 tests use).
+
+use super::quantized::{Q8Activations, BLOCK};
+use super::simd::SimdLevel;
+use rayon::prelude::*;
+use sieve_formats::blob::ByteWriter;
+use sieve_formats::format::{check_product_args, is_active};
+use sieve_formats::ie_bme::{IeBme, Payload};
+use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
+
+/// Columns per bitmap word.
+const COLS: usize = 64;
+/// Tokens multiplied per pass over a task's rows in a batched product (their activations,
+/// a few KB each, stay in L1 while the rows are read once per pass).
+const TOKEN_BLOCK: usize = 8;
+
+/// IE-BME INT4 with the integer CPU product over a row-major layout built at load (module
+/// notes). Kind, storage and blob are those of the [`IeBme`] it was built from.
+#[derive(Debug)]
+pub struct Int4IeBme {
+    source: IeBme,
+    rows: usize,
+    cols: usize,
+    /// `ceil(K / 64)`.
+    blocks_per_row: usize,
+    /// Columns per scale group (a multiple of 64).
+    group_size: usize,
+    /// Scale groups per row, `ceil(K / group_size)`.
+    groups: usize,
+    masks: Vec<u64>,
+    /// Byte offset of each row's codes in `codes`, `rows + 1` entries.
+    row_offsets: Vec<usize>,
+    /// Packed nibbles, followed by 32 zero bytes so that a 32-byte load at any block start is in
+    /// bounds.
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+/// One 4-bit two's-complement code as an integer.
+#[inline]
+fn signed_nibble(n: u8) -> i8 {
+    (((n & 0x0f) ^ 8) as i8) - 8
+}
+
+impl Int4IeBme {
+    /// Builds the CPU layout. Only the INT4 payload has one; other payloads are an error (use
+    /// the column kernel of `sparse::DequantizedIeBme` for them).
+    pub fn new(source: IeBme) -> Result<Self, FormatError> {
+        let group_size = match source.payload() {
+            Payload::Int4 { group_size } => group_size,
+            other => {
+                return Err(FormatError::Option(format!(
+                    "ie-bme integer kernel: payload {other:?} is not INT4"
+                )))
+            }
+        };
+        let (rows, cols) = (source.rows(), source.cols());
+        let blocks_per_row = cols.div_ceil(COLS);
+        let groups = source.scale_groups();
+        let scales: Vec<f32> = source.scales().iter().map(|s| s.to_f32()).collect();
+        if scales.len() != rows * groups || !group_size.is_multiple_of(COLS) {
+            return Err(FormatError::Corrupt(format!(
+                "ie-bme: {} scales for {rows} rows x {groups} groups of {group_size}",
+                scales.len()
+            )));
+        }
+        // The decoded matrix is q · scale exactly (module header of ie_bme), so the codes are
+        // recovered by one division, checked.
+        let dense = source.decode();
+        let mut masks = vec![0u64; rows * blocks_per_row];
+        let mut row_offsets = Vec::with_capacity(rows + 1);
+        let mut codes: Vec<u8> = Vec::new();
+        let mut block_codes = [0i8; COLS];
+        for r in 0..rows {
+            row_offsets.push(codes.len());
+            let row = dense.row(r);
+            for b in 0..blocks_per_row {
+                let (lo, hi) = (b * COLS, ((b + 1) * COLS).min(cols));
+                let scale = scales[r * groups + lo / group_size];
+                let mut mask = 0u64;
+                let mut n = 0;
+                for (c, w) in row[lo..hi].iter().enumerate() {
+                    let w = w.to_f32();
+                    if w == 0.0 {
+                        continue;
+                    }
+                    let q = (w / scale).round();
+                    if !(-7.0..=7.0).contains(&q) || q == 0.0 || q * scale != w {
+                        return Err(FormatError::Corrupt(format!(
+                            "ie-bme: weight {w} at ({r}, {}) is not an INT4 code times its scale {scale}",
+                            lo + c
+                        )));
+                    }
+                    mask |= 1 << c;
+                    block_codes[n] = q as i8;
+                    n += 1;
+                }
+                masks[r * blocks_per_row + b] = mask;
+                for pair in block_codes[..n].chunks(2) {
+                    let lo_n = pair[0] as u8 & 0x0f;
+                    let hi_n = pair.get(1).map_or(0, |&v| v as u8 & 0x0f);
+                    codes.push(lo_n | (hi_n << 4));
+                }
+            }
+        }
+        row_offsets.push(codes.len());
+        codes.extend_from_slice(&[0u8; 32]);
+        Ok(Self {
+            source,
+            rows,
+            cols,
+            blocks_per_row,
+            group_size,
+            groups,
+            masks,
+            row_offsets,
+            codes,
+            scales,
+        })
+    }
+
+    /// The IE-BME matrix this was built from.
+    pub fn source(&self) -> &IeBme {
+        &self.source
+    }
+
+    /// Bytes one product streams at most (bitmaps + codes + scales): what decode reads per token.
+    pub fn cpu_layout_bytes(&self) -> usize {
+        8 * self.masks.len() + self.codes.len() - 32 + 4 * self.scales.len()
+    }
+
+    /// Masks `x`, pads it to whole 64-column blocks and quantizes it to 8-bit blocks.
+    fn prepare(&self, x: &[f32], threshold: Threshold) -> Prepared {
+        let kp = self.blocks_per_row * COLS;
+        let mut xm = vec![0f32; kp];
+        for (d, &v) in xm.iter_mut().zip(x) {
+            *d = if is_active(v, threshold) { v } else { 0.0 };
+        }
+        let mut q = Q8Activations::default();
+        q.quantize(&xm);
+        let xu: Vec<u8> = q.quants.iter().map(|&v| (v as u8) ^ 0x80).collect();
+        // A block is skipped only when both halves are exactly zero (a NaN scale must reach
+        // the output, as in f32).
+        let live: Vec<bool> = q
+            .scales
+            .chunks_exact(2)
+            .map(|d| d[0] != 0.0 || d[1] != 0.0)
+            .collect();
+        Prepared {
+            xu,
+            xs: q.quants,
+            dx: q.scales,
+            live,
+        }
+    }
+
+    /// `y[i] = W[r0 + i] · x` for the prepared activations.
+    fn rows_with(&self, level: SimdLevel, r0: usize, p: &Prepared, y: &mut [f32]) {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Vbmi2 if vnni_vbmi2() => {
+                // SAFETY: the CPU has AVX-512 F/BW/VL, VBMI2 and VNNI (checked); the layout was
+                // built by `new` (offsets within `codes`, 32 bytes of padding after the last).
+                unsafe { x86::rows_vbmi2(self, r0, p, y) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 | SimdLevel::Avx2 | SimdLevel::Avx512Vbmi2 => {
+                // SAFETY: `level` is supported, so the CPU has AVX2 (all three imply it).
+                unsafe { x86::rows_avx2(self, r0, p, y) }
+            }
+            _ => {
+                for (i, o) in y.iter_mut().enumerate() {
+                    *o = self.row_portable(r0 + i, p);
+                }
+            }
+        }
+    }
+
+    /// The f32 factor of block `b`, half `h` of row `r`: activation scale times weight scale.
+    #[inline]
+    fn factor(&self, r: usize, b: usize, h: usize, p: &Prepared) -> f32 {
+        p.dx[2 * b + h] * self.scales[r * self.groups + b * COLS / self.group_size]
+    }
+
+    fn row_portable(&self, r: usize, p: &Prepared) -> f32 {
+        let mut off = self.row_offsets[r];
+        let mut acc = 0f32;
+        let mut w = [0i8; COLS];
+        for b in 0..self.blocks_per_row {
+            let mask = self.masks[r * self.blocks_per_row + b];
+            let n = mask.count_ones() as usize;
+            if p.live[b] && mask != 0 {
+                expand_scalar(mask, &self.codes[off..], &mut w);
+                let xs = &p.xs[b * COLS..(b + 1) * COLS];
+                for h in 0..2 {
+                    let isum: i32 = (0..BLOCK)
+                        .map(|j| w[h * BLOCK + j] as i32 * xs[h * BLOCK + j] as i32)
+                        .sum();
+                    acc += self.factor(r, b, h, p) * isum as f32;
+                }
+            }
+            off += n.div_ceil(2);
+        }
+        acc
+    }
+
+    /// `y = W · mask_t(x)` on one SIMD level (tests compare every level).
+    pub fn matvec_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
+        let level = usable(level);
+        let p = self.prepare(x, threshold);
+        let chunk = rows_per_task(self.rows);
+        y.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(c, out)| self.rows_with(level, c * chunk, &p, out));
+        Ok(())
+    }
+
+    /// `Y = X · Wᵀ` for `n` tokens: each task owns rows and runs them for blocks of
+    /// [`TOKEN_BLOCK`] tokens (bit-identical to `n` matvecs).
+    pub fn matmul_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        check_product_args(self.rows, self.cols, x, n, threshold, y)?;
+        let level = usable(level);
+        let (m, k) = (self.rows, self.cols);
+        if n == 0 || m == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            y.fill(0.0);
+            return Ok(());
+        }
+        let prepared: Vec<Prepared> = x
+            .par_chunks_exact(k)
+            .map(|row| self.prepare(row, threshold))
+            .collect();
+        // Transposed output [row][token], so that tasks own whole weight rows.
+        let mut yt = vec![0f32; m * n];
+        let chunk = rows_per_task(m);
+        yt.par_chunks_mut(chunk * n)
+            .enumerate()
+            .for_each(|(c, out)| {
+                let r0 = c * chunk;
+                for (tb, ps) in prepared.chunks(TOKEN_BLOCK).enumerate() {
+                    for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                        for (j, p) in ps.iter().enumerate() {
+                            let t = tb * TOKEN_BLOCK + j;
+                            self.rows_with(level, r0 + i, p, std::slice::from_mut(&mut o[t]));
+                        }
+                    }
+                }
+            });
+        for (r, o) in yt.chunks_exact(n).enumerate() {
+            for (t, v) in o.iter().enumerate() {
+                y[t * m + r] = *v;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `level` if this CPU can run it, else the portable kernel.
+fn usable(level: SimdLevel) -> SimdLevel {
+    if level.supported() {
+        level
+    } else {
+        SimdLevel::Portable
+    }
+}
+
+/// Rows per parallel task: about four tasks per thread, never fewer than 16 rows.
+fn rows_per_task(rows: usize) -> usize {
+    let tasks = 4 * rayon::current_num_threads().max(1);
+    rows.div_ceil(tasks).max(16)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_vbmi2() -> bool {
+    SimdLevel::Avx512Vbmi2.supported()
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("avx512vbmi")
+}
+
+/// One token's activations, ready for the kernels.
+struct Prepared {
+    /// 8-bit quants offset by 128 (`q ^ 0x80`), `ceil(K / 64) * 64` of them.
+    xu: Vec<u8>,
+    /// The same quants, signed (portable path).
+    xs: Vec<i8>,
+    /// Activation scale per 32-column block.
+    dx: Vec<f32>,
+    /// Per 64-column block: whether any of its activations is nonzero.
+    live: Vec<bool>,
+}
+
+/// The codes of one block (`mask`'s popcount nibbles from the start of `packed`) placed at the
+/// mask's set bits of `w`; other bytes 0.
+#[inline]
+fn expand_scalar(mask: u64, packed: &[u8], w: &mut [i8; COLS]) {
+    *w = [0; COLS];
+    let mut bits = mask;
+    let mut i = 0;
+    while bits != 0 {
+        let c = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        w[c] = signed_nibble(packed[i / 2] >> (4 * (i & 1)));
+        i += 1;
+    }
+}
+
+impl WeightFormat for Int4IeBme {
+    fn kind(&self) -> FormatKind {
+        FormatKind::IeBme
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn storage(&self) -> Storage {
+        self.source.storage()
+    }
+    fn decode(&self) -> DenseMatrix {
+        self.source.decode()
+    }
+    fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+        self.matvec_with(SimdLevel::detect(), x, threshold, y)
+    }
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        self.matmul_with(SimdLevel::detect(), x, n, threshold, y)
+    }
+    fn write_payload(&self, w: &mut ByteWriter) {
+        self.source.write_payload(w)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{expand_scalar, Int4IeBme, Prepared, COLS};
+    use std::arch::x86_64::*;
+
+    /// AVX-512 VNNI + VBMI2 rows (module notes).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL/VBMI/VBMI2/VNNI; `w` built by `Int4IeBme::new`,
+    /// `r0 + y.len() <= w.rows`, `p` prepared for `w`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni")]
+    pub unsafe fn rows_vbmi2(w: &Int4IeBme, r0: usize, p: &Prepared, y: &mut [f32]) {
+        let low = _mm512_set1_epi16(0x000f);
+        let high = _mm512_set1_epi16(0x0f00);
+        let eight = _mm512_set1_epi8(8);
+        let c128 = _mm512_set1_epi8(-128);
+        let bpr = w.blocks_per_row;
+        let codes = w.codes.as_ptr();
+        for (i, out) in y.iter_mut().enumerate() {
+            let r = r0 + i;
+            let masks = &w.masks[r * bpr..(r + 1) * bpr];
+            let mut off = w.row_offsets[r];
+            let mut acc = _mm512_setzero_ps();
+            for (b, &mask) in masks.iter().enumerate() {
+                let bytes = (mask.count_ones() as usize).div_ceil(2);
+                if mask != 0 && *p.live.get_unchecked(b) {
+                    // 32 bytes of nibbles (in bounds: 32 bytes of padding follow the codes).
+                    let packed = _mm256_loadu_si256(codes.add(off) as *const __m256i);
+                    let t = _mm512_cvtepu8_epi16(packed);
+                    let nib = _mm512_or_si512(
+                        _mm512_and_si512(t, low),
+                        _mm512_and_si512(_mm512_slli_epi16::<4>(t), high),
+                    );
+                    // Sign-extend the 4-bit codes: (n ^ 8) - 8.
+                    let signed = _mm512_sub_epi8(_mm512_xor_si512(nib, eight), eight);
+                    let wv = _mm512_maskz_expand_epi8(mask, signed);
+                    let xu = _mm512_loadu_si512(p.xu.as_ptr().add(b * COLS) as *const _);
+                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xu, wv);
+                    let bias = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
+                    let isum = _mm512_sub_epi32(dot, bias);
+                    // Lanes 0..8 hold columns 0..32 (activation block 2b), 8..16 block 2b + 1.
+                    let s = *w
+                        .scales
+                        .get_unchecked(r * w.groups + b * COLS / w.group_size);
+                    let f = _mm512_mask_blend_ps(
+                        0xff00,
+                        _mm512_set1_ps(*p.dx.get_unchecked(2 * b) * s),
+                        _mm512_set1_ps(*p.dx.get_unchecked(2 * b + 1) * s),
+                    );
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), f, acc);
+                }
+                off += bytes;
+            }
+            *out = _mm512_reduce_add_ps(acc);
+        }
+    }
+
+    /// AVX2 rows: codes expanded on the stack, `vpmaddubsw` + `vpmaddwd` dots.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; as for [`rows_vbmi2`] otherwise.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn rows_avx2(w: &Int4IeBme, r0: usize, p: &Prepared, y: &mut [f32]) {
+        let ones = _mm256_set1_epi16(1);
+        let bpr = w.blocks_per_row;
+        let mut wb = [0i8; COLS];
+        for (i, out) in y.iter_mut().enumerate() {
+            let r = r0 + i;
+            let masks = &w.masks[r * bpr..(r + 1) * bpr];
+            let mut off = w.row_offsets[r];
+            let mut acc = _mm256_setzero_ps();
+            for (b, &mask) in masks.iter().enumerate() {
+                let bytes = (mask.count_ones() as usize).div_ceil(2);
+                if mask != 0 && p.live[b] {
+                    expand_scalar(mask, &w.codes[off..], &mut wb);
+                    let s = w.scales[r * w.groups + b * COLS / w.group_size];
+                    for h in 0..2 {
+                        let wv = _mm256_loadu_si256(wb.as_ptr().add(32 * h) as *const __m256i);
+                        let xu = _mm256_loadu_si256(
+                            p.xu.as_ptr().add(b * COLS + 32 * h) as *const __m256i
+                        );
+                        // u8 x s8 pairs: |255 * 7 * 2| fits i16, no saturation.
+                        let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(xu, wv), ones);
+                        let bias = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(_mm256_set1_epi8(-128), wv),
+                            ones,
+                        );
+                        let isum = _mm256_sub_epi32(dot, bias);
+                        let f = _mm256_set1_ps(p.dx[2 * b + h] * s);
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc);
+                    }
+                }
+                off += bytes;
+            }
+            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+            *out = _mm_cvtss_f32(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
