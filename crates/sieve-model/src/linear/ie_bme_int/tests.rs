@@ -7,7 +7,7 @@ fn encode(rows: usize, cols: usize, sp: f64, group_size: usize, seed: u64) -> Ie
     let w = sparse_matrix(rows, cols, sp, Pattern::Unstructured, seed).unwrap();
     let opts = IeBmeOptions {
         payload: Payload::Int4 { group_size },
-        reorder: if seed % 2 == 0 {
+        reorder: if seed.is_multiple_of(2) {
             Reorder::Greedy
         } else {
             Reorder::Off
