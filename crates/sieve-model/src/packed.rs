@@ -19,8 +19,8 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::quantized::QuantMatrix;
 use crate::linear::ie_bme_int::Int4IeBme;
+use crate::linear::quantized::QuantMatrix;
 use crate::linear::sparse::{DequantizedIeBme, FastTiledCbc};
 use crate::linear::{FastDense, Linear};
 use crate::llama::{Layer, Model};
