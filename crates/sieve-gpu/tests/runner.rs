@@ -427,7 +427,42 @@ fn tiny_model(kind: FormatKind, sp: f64, dp: f64, seed: u64) -> Model {
 /// the sequence are within `tol` of the CPU's. Tolerance: the GPU stores the KV cache in f16
 /// (relative rounding 2^-11 per value, the CPU keeps f32) and sums in a different order;
 /// logits here have a spread of ~10, and the measured error is printed.
-fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
+/// Logit error per position (largest absolute difference over the vocabulary), sorted.
+fn position_errors(got: &[f32], want: &[f32], vocab: usize) -> Vec<f32> {
+    let mut errors: Vec<f32> = got
+        .chunks(vocab)
+        .zip(want.chunks(vocab))
+        .map(|(g, w)| max_abs_diff(g, w))
+        .collect();
+    errors.sort_by(f32::total_cmp);
+    errors
+}
+
+/// Relative nudge of every TEAL threshold for the CPU's own sensitivity check: the order of
+/// the bounds by which two correct implementations' activations differ here (f32 sums in a
+/// different order, and an f16 rounding of a K/V element that lands the other way moves it
+/// by up to 2^-11 relative).
+const THRESHOLD_NUDGE: f32 = 1e-4;
+
+/// The CPU's teacher-forced logits of `seq` with every threshold scaled by `1 + nudge`.
+fn logits_with_nudged_thresholds(model: &mut Model, seq: &[u32], nudge: f32) -> Vec<f32> {
+    let originals: Vec<_> = model
+        .linears_mut()
+        .iter()
+        .map(|(_, l)| l.threshold())
+        .collect();
+    for ((_, lin), t) in model.linears_mut().into_iter().zip(&originals) {
+        lin.set_threshold(t.map(|t| t * (1.0 + nudge))).unwrap();
+    }
+    let mut cache = model.new_cache(seq.len());
+    let logits = model.forward(seq, &mut cache, Logits::All).unwrap();
+    for ((_, lin), t) in model.linears_mut().into_iter().zip(originals) {
+        lin.set_threshold(t).unwrap();
+    }
+    logits
+}
+
+fn check_model_against_cpu(name: &str, model: &mut Model, tol: f32) {
     let Some(gpu) = gpu_or_skip(name) else { return };
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
     let steps = 64;
@@ -459,33 +494,44 @@ fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
     let mut cache = model.new_cache(seq.len());
     let want = model.forward(&seq, &mut cache, Logits::All).unwrap();
     let v = model.config().vocab_size;
-    let mut errors = Vec::new();
-    g.logits_all(&seq, |i, l| {
-        errors.push(max_abs_diff(l, &want[i * v..(i + 1) * v]));
+    let mut got = Vec::with_capacity(want.len());
+    g.logits_all(&seq, |_, l| {
+        got.extend_from_slice(l);
         Ok(())
     })
     .unwrap();
-    errors.sort_by(f32::total_cmp);
-    let (median, p90, worst) = (
-        errors[errors.len() / 2],
-        errors[errors.len() * 9 / 10],
-        errors[errors.len() - 1],
-    );
+    let errors = position_errors(&got, &want, v);
+    let quantiles = |e: &[f32]| (e[e.len() / 2], e[e.len() * 9 / 10], e[e.len() - 1]);
+    let (median, p90, worst) = quantiles(&errors);
     eprintln!(
         "{name}: logit error per position over {} positions: median {median}, p90 {p90}, max {worst} (tolerance {tol}); smallest greedy margin {margin}",
         seq.len()
     );
-    // Most positions within `tol`. With TEAL thresholds an input that lands within rounding of
-    // its threshold can be active on one side and not the other: one weight column's
-    // contribution (|x| ~ t) that later layers carry along. That moves a few positions by up
-    // to ~10x `tol` (measured 0.57 at dp 0.5); a wrong kernel moves every position.
-    assert!(p90 < tol, "{name}: p90 logit error {p90}");
-    let cap = if model.layers()[0].q_proj.threshold().is_some() {
-        20.0 * tol
+    // With TEAL thresholds an input that lands within rounding of its threshold is active on
+    // one side and not on the other: one weight column's contribution (|x| ~ t), which the KV
+    // cache then carries to every later position. How far that moves the logits depends on the
+    // model (a heavily pruned 2-layer cut of SmolLM2 moves by ~1 with *any* nudge, 1e-7
+    // included), so the allowance is measured, not guessed: the CPU against itself with every
+    // threshold nudged by THRESHOLD_NUDGE. A wrong kernel moves every position by more, and
+    // the greedy tokens above must match exactly in any case.
+    let (p90_cap, max_cap) = if model.layers()[0].q_proj.threshold().is_some() {
+        let nudged = logits_with_nudged_thresholds(model, &seq, THRESHOLD_NUDGE);
+        let (n_median, n_p90, n_max) = quantiles(&position_errors(&nudged, &want, v));
+        eprintln!(
+            "{name}: the CPU against itself with thresholds x (1 + {THRESHOLD_NUDGE}): median {n_median}, p90 {n_p90}, max {n_max}"
+        );
+        (tol.max(1.5 * n_p90), tol.max(1.5 * n_max))
     } else {
-        tol
+        (tol, tol)
     };
-    assert!(worst < cap, "{name}: max logit error {worst}");
+    assert!(
+        p90 < p90_cap,
+        "{name}: p90 logit error {p90} (allowed {p90_cap})"
+    );
+    assert!(
+        worst < max_cap,
+        "{name}: max logit error {worst} (allowed {max_cap})"
+    );
     // The prompt token by token through the decode step fills the same cache as the batch.
     if g.prefill_is_batched() {
         g.set_batched_prefill(false);
@@ -533,7 +579,7 @@ fn check_model_against_cpu(name: &str, model: &Model, tol: f32) {
 fn tiny_dense_model_matches_cpu() {
     check_model_against_cpu(
         "tiny_dense_model_matches_cpu",
-        &tiny_model(FormatKind::Dense, 0.0, 0.0, 1),
+        &mut tiny_model(FormatKind::Dense, 0.0, 0.0, 1),
         0.05,
     );
 }
@@ -542,7 +588,7 @@ fn tiny_dense_model_matches_cpu() {
 fn tiny_dense_teal_model_matches_cpu() {
     check_model_against_cpu(
         "tiny_dense_teal_model_matches_cpu",
-        &tiny_model(FormatKind::Dense, 0.0, 0.5, 2),
+        &mut tiny_model(FormatKind::Dense, 0.0, 0.5, 2),
         0.05,
     );
 }
@@ -551,7 +597,7 @@ fn tiny_dense_teal_model_matches_cpu() {
 fn tiny_tiled_cbc_model_matches_cpu() {
     check_model_against_cpu(
         "tiny_tiled_cbc_model_matches_cpu",
-        &tiny_model(FormatKind::TiledCbc, 0.5, 0.5, 3),
+        &mut tiny_model(FormatKind::TiledCbc, 0.5, 0.5, 3),
         0.05,
     );
 }
@@ -560,7 +606,7 @@ fn tiny_tiled_cbc_model_matches_cpu() {
 fn tiny_rlc_csc_model_matches_cpu() {
     check_model_against_cpu(
         "tiny_rlc_csc_model_matches_cpu",
-        &tiny_model(FormatKind::RlcCsc, 0.5, 0.5, 4),
+        &mut tiny_model(FormatKind::RlcCsc, 0.5, 0.5, 4),
         0.05,
     );
 }
@@ -621,9 +667,9 @@ fn models_from_env_match_cpu() {
         return;
     };
     for path in list.split(':').filter(|p| !p.is_empty()) {
-        let (model, _tok) =
+        let (mut model, _tok) =
             sieve_model::packed::load_model_and_tokenizer_with(std::path::Path::new(path), true)
                 .unwrap_or_else(|e| panic!("loading {path}: {e}"));
-        check_model_against_cpu(path, &model, 0.25);
+        check_model_against_cpu(path, &mut model, 0.25);
     }
 }

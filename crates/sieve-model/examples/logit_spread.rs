@@ -5,8 +5,33 @@
 //! format kernels are from a plain dense product on this model.
 //! With `--dump FILE`, writes the teacher-forced logits of a fixed 69-token sequence as raw f32
 //! (to compare two builds or two machines).
-//!   cargo run --release -p sieve-model --example logit_spread -- MODEL [--f16-weights] [--vs-dense] [--dump FILE]
+//! With `--nudge F`, the largest logit difference between the model as loaded and the same
+//! model with every TEAL threshold scaled by (1 + F): how far inputs that sit within rounding of
+//! a threshold (active on one side, not on the other) move this model's logits. That is the
+//! scale of the difference two correct implementations may show on a thresholded model.
+//!   cargo run --release -p sieve-model --example logit_spread -- MODEL [--f16-weights] [--vs-dense] [--dump FILE] [--nudge F]
 use sieve_model::llama::Logits;
+
+/// Median, p90 and max over positions of the largest absolute difference between two
+/// teacher-forced logit arrays (`vocab` logits per position).
+fn position_errors(a: &[f32], b: &[f32], vocab: usize) -> (f32, f32, f32) {
+    let mut errs: Vec<f32> = a
+        .chunks(vocab)
+        .zip(b.chunks(vocab))
+        .map(|(x, y)| {
+            x.iter()
+                .zip(y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0.0, f32::max)
+        })
+        .collect();
+    errs.sort_by(f32::total_cmp);
+    (
+        errs[errs.len() / 2],
+        errs[errs.len() * 9 / 10],
+        errs[errs.len() - 1],
+    )
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,22 +63,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut c2 = dense.new_cache(seq.len());
         let a = model.forward(&seq, &mut c1, Logits::All)?;
         let b = dense.forward(&seq, &mut c2, Logits::All)?;
-        let v = model.config().vocab_size;
-        let mut errs: Vec<f32> = (0..seq.len())
-            .map(|i| {
-                a[i * v..(i + 1) * v]
-                    .iter()
-                    .zip(&b[i * v..(i + 1) * v])
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0, f32::max)
-            })
-            .collect();
-        errs.sort_by(f32::total_cmp);
+        let (median, p90, max) = position_errors(&a, &b, model.config().vocab_size);
         println!(
-            "{path}: as loaded vs every linear dense: max logit difference per position median {}, p90 {}, max {}",
-            errs[errs.len() / 2],
-            errs[errs.len() * 9 / 10],
-            errs[errs.len() - 1]
+            "{path}: as loaded vs every linear dense: max logit difference per position median {median}, p90 {p90}, max {max}"
+        );
+    }
+    if let Some(i) = args.iter().position(|a| a == "--nudge") {
+        let factor: f32 = args.get(i + 1).ok_or("--nudge needs a factor")?.parse()?;
+        let (mut nudged, _) =
+            sieve_model::packed::load_model_and_tokenizer_with(path.as_ref(), f16)?;
+        for (_, lin) in nudged.linears_mut() {
+            if let Some(t) = lin.threshold() {
+                lin.set_threshold(Some(t * (1.0 + factor)))?;
+            }
+        }
+        let mut seq = prompt.clone();
+        seq.extend((0..64u32).map(|i| (i * 7919 + 13) % 1000));
+        let a = model.forward(&seq, &mut model.new_cache(seq.len()), Logits::All)?;
+        let b = nudged.forward(&seq, &mut nudged.new_cache(seq.len()), Logits::All)?;
+        let (median, p90, max) = position_errors(&a, &b, model.config().vocab_size);
+        println!(
+            "{path}: thresholds x (1 + {factor}): max logit difference per position median {median}, p90 {p90}, max {max}"
         );
     }
     let mut cache = model.new_cache(prompt.len() + 65);
