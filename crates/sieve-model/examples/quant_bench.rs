@@ -2,7 +2,7 @@
 //! (q/k/v and gate/up grouped as in `Model::forward`), then the LM head, with the model loaded
 //! as quantized blocks and as f16. Prints the best of `REPS` passes (ms per token-step).
 //! `cargo run --release -p sieve-model --example quant_bench -- MODEL.gguf THREADS [REPS [blocks]]`
-//! (`blocks`: skip the f16 model)
+//! (`blocks`: skip the f16 model). A `.sieve` pack is timed as loaded (its formats' kernels).
 
 use sieve_model::generate::run_in_pool;
 use sieve_model::linear::Linear;
@@ -30,10 +30,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args[2].parse()?;
     let reps: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(30);
-    let source = open_model(&args[1])?;
-    let mut models = vec![("blocks", Model::from_source(source.as_ref())?)];
-    if args.get(4).map(String::as_str) != Some("blocks") {
-        models.push(("f16", Model::from_source_f16(source.as_ref())?));
+    let mut models = Vec::new();
+    if args[1].ends_with(".sieve") {
+        let (pack, _) =
+            sieve_model::packed::load_model_and_tokenizer_with(args[1].as_ref(), false)?;
+        models.push(("pack", pack));
+    } else {
+        let source = open_model(&args[1])?;
+        models.push(("blocks", Model::from_source(source.as_ref())?));
+        if args.get(4).map(String::as_str) != Some("blocks") {
+            models.push(("f16", Model::from_source_f16(source.as_ref())?));
+        }
     }
     for (label, model) in models {
         let c = model.config().clone();

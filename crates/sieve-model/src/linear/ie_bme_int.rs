@@ -7,9 +7,9 @@
 //!
 //! * per (row, 64-column block) one `u64` bitmap of the nonzero codes (bit `c` = column
 //!   `64 b + c`), `rows x ceil(K / 64)` words;
-//! * per row, the nonzero codes of each block in column order as two's-complement nibbles
-//!   (value `2i` in the low nibble of byte `i`); each block starts on a byte (an odd count is
-//!   padded with a 0 nibble), each row at `row_offsets[r]`;
+//! * per row, the nonzero codes of each block in column order as offset-binary nibbles
+//!   (`w + 8`, 1..15; value `2i` in the low nibble of byte `i`); each block starts on a byte (an
+//!   odd count is padded with a 0 nibble), each row at `row_offsets[r]`;
 //! * the IE-BME scales as f32, `rows x G` (one per row and `group_size` columns).
 //!
 //! At sp 0.5 that is 0.25 B of codes + 0.125 B of bitmap per weight (+ 1/32 B of scales at
@@ -17,14 +17,19 @@
 //! hardware prefetcher serves best; the union bitmap's padding zeros are not stored).
 //!
 //! The product `y = W · mask_t(x)`: `x` is masked by the TEAL threshold and quantized into the
-//! same 8-bit blocks of 32 as the Q4_1 path ([`Q8Activations`]), stored offset by 128 as `u8`.
-//! Per (row, block) the kernel expands the codes to 64 signed bytes at their columns and takes
-//! `Σ (x_q + 128) w - Σ 128 w` with `vpdpbusd` (exact integers), scales the two 32-column halves
-//! by their activation scales and the group's weight scale, and accumulates in f32. Blocks whose
-//! 64 activations are all zero (TEAL) are skipped without touching their codes (the offset of the
-//! next block is advanced by the popcount). Kernels:
-//! * AVX-512 VNNI + VBMI2: `vpmovzxbw` + shifts turn 32 bytes of nibbles into 64 bytes in order,
-//!   `vpexpandb` places them at the bitmap's set bits, two `vpdpbusd`;
+//! same 8-bit blocks of 32 as the Q4_1 path ([`Q8Activations`]). Blocks whose 64 activations are
+//! all zero (TEAL) are skipped without touching their codes (the offset of the next block is
+//! advanced by the popcount). Kernels:
+//! * AVX-512 VNNI + VBMI2, per (row, block) seven vector instructions: `vpmovzxdq` (from
+//!   memory) + `vpmultishiftqb` + `vpand` turn 32 bytes of nibbles into 64 bytes `w + 8` in order,
+//!   `vpexpandb` places them at the bitmap's set bits and fills the other columns with 8 (a
+//!   weight of 0, offset), one `vpdpbusd` takes `Σ (w + 8) x_q` against the signed activations
+//!   starting from `-8 Σ x_q` of each lane's 4 columns (a per-token table, the same for every
+//!   row), so the lanes hold `Σ w x_q` exactly; one FMA scales the 16 lanes by their halves'
+//!   activation scales (a per-token table) into the weight group's sum, scaled once per group.
+//!   No bias dot, no sign extension and no scalar scale arithmetic per block.
+//! * AVX-512 (no VBMI2) and AVX2: the codes are expanded into 64 signed bytes on the stack by a
+//!   walk of the set bits, then `Σ (x_q + 128) w - Σ 128 w` with `vpmaddubsw` + `vpmaddwd`;
 //! * AVX-512 (no VBMI2) and AVX2: the nibbles are expanded into 64 bytes on the stack by a walk
 //!   of the set bits, then `vpmaddubsw` + `vpmaddwd` (AVX2) do the integer dot;
 //! * portable: the same integers in scalar code.
@@ -69,10 +74,10 @@ pub struct Int4IeBme {
     scales: Vec<f32>,
 }
 
-/// One 4-bit two's-complement code as an integer.
+/// One 4-bit offset-binary code (`w + 8`) as the integer weight `w`.
 #[inline]
 fn signed_nibble(n: u8) -> i8 {
-    (((n & 0x0f) ^ 8) as i8) - 8
+    (n & 0x0f) as i8 - 8
 }
 
 impl Int4IeBme {
@@ -130,8 +135,8 @@ impl Int4IeBme {
                 }
                 masks[r * blocks_per_row + b] = mask;
                 for pair in block_codes[..n].chunks(2) {
-                    let lo_n = pair[0] as u8 & 0x0f;
-                    let hi_n = pair.get(1).map_or(0, |&v| v as u8 & 0x0f);
+                    let lo_n = (pair[0] + 8) as u8;
+                    let hi_n = pair.get(1).map_or(0, |&v| (v + 8) as u8);
                     codes.push(lo_n | (hi_n << 4));
                 }
             }
@@ -179,11 +184,24 @@ impl Int4IeBme {
             .chunks_exact(2)
             .map(|d| d[0] != 0.0 || d[1] != 0.0)
             .collect();
+        // Lane l of a block's 16 i32 dot lanes sums columns 4l..4l+3: half l / 8.
+        let dx16: Vec<f32> = q
+            .scales
+            .chunks_exact(2)
+            .flat_map(|d| [[d[0]; 8], [d[1]; 8]].into_iter().flatten())
+            .collect();
+        let offset16: Vec<i32> = q
+            .quants
+            .chunks_exact(4)
+            .map(|c| -8 * c.iter().map(|&v| v as i32).sum::<i32>())
+            .collect();
         Prepared {
             xu,
             xs: q.quants,
             dx: q.scales,
             live,
+            dx16,
+            offset16,
         }
     }
 
@@ -336,6 +354,12 @@ struct Prepared {
     dx: Vec<f32>,
     /// Per 64-column block: whether any of its activations is nonzero.
     live: Vec<bool>,
+    /// Per 64-column block the activation scale of each of its 16 `vpdpbusd` lanes (8 lanes
+    /// per 32-column half).
+    dx16: Vec<f32>,
+    /// Per 4 columns `-8 Σ x_q`: each `vpdpbusd` lane starts from it, which takes the codes'
+    /// offset (8 per column, absent weights included) off in exact integers.
+    offset16: Vec<i32>,
 }
 
 /// The codes of one block (`mask`'s popcount nibbles from the start of `packed`) placed at the
@@ -398,48 +422,83 @@ mod x86 {
     /// `r0 + y.len() <= w.rows`, `p` prepared for `w`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni")]
     pub unsafe fn rows_vbmi2(w: &Int4IeBme, r0: usize, p: &Prepared, y: &mut [f32]) {
-        let low = _mm512_set1_epi16(0x000f);
-        let high = _mm512_set1_epi16(0x0f00);
+        // Output byte j of qword q is code 8q + j: nibble j of input bytes 4q..4q+3, which
+        // `vpmovzxdq` moves into the qword's low half and `vpmultishiftqb` extracts at bit 4j.
+        let shifts = _mm512_set1_epi64(0x1c18_1410_0c08_0400);
+        let mut pairs = y.chunks_exact_mut(ROWS_TOGETHER);
+        let mut r = r0;
+        for out in &mut pairs {
+            rows_vbmi2_n::<ROWS_TOGETHER>(w, r, p, out, shifts);
+            r += ROWS_TOGETHER;
+        }
+        for out in pairs.into_remainder().chunks_exact_mut(1) {
+            rows_vbmi2_n::<1>(w, r, p, out, shifts);
+            r += 1;
+        }
+    }
+
+    /// Rows decoded side by side by [`rows_vbmi2`]: the activation loads of a block are shared
+    /// and the rows' independent chains (code offsets, sums) overlap.
+    const ROWS_TOGETHER: usize = 4;
+
+    /// `N` consecutive rows from `r0` into `y` (`y.len() == N`).
+    ///
+    /// # Safety
+    /// As for [`rows_vbmi2`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,avx512vnni")]
+    #[inline]
+    unsafe fn rows_vbmi2_n<const N: usize>(
+        w: &Int4IeBme,
+        r0: usize,
+        p: &Prepared,
+        y: &mut [f32],
+        shifts: __m512i,
+    ) {
+        let low = _mm512_set1_epi8(0x0f);
         let eight = _mm512_set1_epi8(8);
-        let c128 = _mm512_set1_epi8(-128);
         let bpr = w.blocks_per_row;
+        let per_group = w.group_size / COLS;
         let codes = w.codes.as_ptr();
-        for (i, out) in y.iter_mut().enumerate() {
-            let r = r0 + i;
-            let masks = &w.masks[r * bpr..(r + 1) * bpr];
-            let mut off = w.row_offsets[r];
-            let mut acc = _mm512_setzero_ps();
-            for (b, &mask) in masks.iter().enumerate() {
-                let bytes = (mask.count_ones() as usize).div_ceil(2);
-                if mask != 0 && *p.live.get_unchecked(b) {
-                    // 32 bytes of nibbles (in bounds: 32 bytes of padding follow the codes).
-                    let packed = _mm256_loadu_si256(codes.add(off) as *const __m256i);
-                    let t = _mm512_cvtepu8_epi16(packed);
-                    let nib = _mm512_or_si512(
-                        _mm512_and_si512(t, low),
-                        _mm512_and_si512(_mm512_slli_epi16::<4>(t), high),
-                    );
-                    // Sign-extend the 4-bit codes: (n ^ 8) - 8.
-                    let signed = _mm512_sub_epi8(_mm512_xor_si512(nib, eight), eight);
-                    let wv = _mm512_maskz_expand_epi8(mask, signed);
-                    let xu = _mm512_loadu_si512(p.xu.as_ptr().add(b * COLS) as *const _);
-                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xu, wv);
-                    let bias = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
-                    let isum = _mm512_sub_epi32(dot, bias);
-                    // Lanes 0..8 hold columns 0..32 (activation block 2b), 8..16 block 2b + 1.
-                    let s = *w
-                        .scales
-                        .get_unchecked(r * w.groups + b * COLS / w.group_size);
-                    let f = _mm512_mask_blend_ps(
-                        0xff00,
-                        _mm512_set1_ps(*p.dx.get_unchecked(2 * b) * s),
-                        _mm512_set1_ps(*p.dx.get_unchecked(2 * b + 1) * s),
-                    );
-                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), f, acc);
+        let xs = p.xs.as_ptr() as *const i32;
+        let dx16 = p.dx16.as_ptr();
+        let offset16 = p.offset16.as_ptr();
+        let mut off = [0usize; N];
+        let mut acc = [_mm512_setzero_ps(); N];
+        for (j, o) in off.iter_mut().enumerate() {
+            *o = *w.row_offsets.get_unchecked(r0 + j);
+        }
+        for g in 0..w.groups {
+            let mut group_acc = [_mm512_setzero_ps(); N];
+            for b in g * per_group..((g + 1) * per_group).min(bpr) {
+                let live = *p.live.get_unchecked(b);
+                let (xv, start, dx) = (
+                    _mm512_loadu_si512(xs.add(b * COLS / 4) as *const _),
+                    _mm512_loadu_si512(offset16.add(16 * b) as *const _),
+                    _mm512_loadu_ps(dx16.add(16 * b)),
+                );
+                for j in 0..N {
+                    let mask = *w.masks.get_unchecked((r0 + j) * bpr + b);
+                    if mask != 0 && live {
+                        // 32 bytes of nibbles (in bounds: 32 bytes of padding follow the codes).
+                        let packed = _mm512_cvtepu32_epi64(_mm256_loadu_si256(
+                            codes.add(off[j]) as *const __m256i
+                        ));
+                        let nib =
+                            _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, packed), low);
+                        let wv = _mm512_mask_expand_epi8(eight, mask, nib);
+                        let dot = _mm512_dpbusd_epi32(start, wv, xv);
+                        group_acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, group_acc[j]);
+                    }
+                    off[j] += (mask.count_ones() as usize).div_ceil(2);
                 }
-                off += bytes;
             }
-            *out = _mm512_reduce_add_ps(acc);
+            for j in 0..N {
+                let s = *w.scales.get_unchecked((r0 + j) * w.groups + g);
+                acc[j] = _mm512_fmadd_ps(group_acc[j], _mm512_set1_ps(s), acc[j]);
+            }
+        }
+        for j in 0..N {
+            y[j] = _mm512_reduce_add_ps(acc[j]);
         }
     }
 
