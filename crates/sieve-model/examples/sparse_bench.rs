@@ -2,6 +2,8 @@
 //! one token through the 30 layers' 7 projections (q, k, v, o: 576 x 576 / 192 x 576;
 //! gate, up: 1536 x 576; down: 576 x 1536), each matrix a fresh random one (so the 30 layers'
 //! weights, like the model's, do not fit in cache), for every SIMD level and format.
+//! `tiled-cbc rows` is the row-major bitmap layout (`RowTiledCbc`, what packs run), `tiled-cbc`
+//! the whole-column one (`FastTiledCbc`, `SIEVE_TCBC_CPU=columns`).
 //! Prints the best of `REPS` passes in ms per token and the GB/s of bytes the format must read.
 //! `cargo run --release -p sieve-model --example sparse_bench -- THREADS SP DP [REPS]`
 
@@ -11,6 +13,7 @@ use sieve_formats::WeightFormat;
 use sieve_model::generate::run_in_pool;
 use sieve_model::linear::simd::SimdLevel;
 use sieve_model::linear::sparse::{DenseColumns, FastTiledCbc};
+use sieve_model::linear::tcbc_rows::RowTiledCbc;
 use sieve_model::linear::FastDense;
 use std::time::Instant;
 
@@ -60,6 +63,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .map(|(w, _, _)| FastTiledCbc::new(TiledCbc::encode(w).unwrap()))
         .collect();
+    let rows: Vec<RowTiledCbc> = mats
+        .iter()
+        .map(|(w, _, _)| RowTiledCbc::new(&TiledCbc::encode(w).unwrap()))
+        .collect();
     let cols: Vec<DenseColumns> = mats.iter().map(|(w, _, _)| DenseColumns::new(w)).collect();
     let dense: Vec<FastDense> = mats
         .iter()
@@ -78,6 +85,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gb = |bytes: &dyn Fn(usize) -> f64| (0..mats.len()).map(bytes).sum::<f64>() / 1e9;
     let tiled_bytes = gb(&|i| tiled[i].storage().total_bytes() as f64 * active[i]);
     let col_bytes = gb(&|i| cols[i].storage().total_bytes() as f64 * active[i]);
+    let rows_bytes = gb(&|i| rows[i].cpu_layout_bytes() as f64);
     let dense_bytes = gb(&|i| dense[i].storage().total_bytes() as f64);
     let mut y: Vec<Vec<f32>> = mats.iter().map(|(w, _, _)| vec![0f32; w.rows()]).collect();
     println!(
@@ -115,6 +123,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 col_bytes,
                 &mut |i, yi| {
                     cols[i]
+                        .matvec_with(level, &mats[i].1, mats[i].2, yi)
+                        .unwrap()
+                },
+            );
+            time(
+                &format!("tiled-cbc rows {}", level.name()),
+                rows_bytes,
+                &mut |i, yi| {
+                    rows[i]
                         .matvec_with(level, &mats[i].1, mats[i].2, yi)
                         .unwrap()
                 },

@@ -24,6 +24,7 @@ pub mod ie_bme_int;
 pub mod quantized;
 pub mod simd;
 pub mod sparse;
+pub mod tcbc_rows;
 
 use quantized::QuantMatrix;
 

@@ -22,6 +22,7 @@ use crate::error::{ModelError, Result};
 use crate::linear::ie_bme_int::Int4IeBme;
 use crate::linear::quantized::QuantMatrix;
 use crate::linear::sparse::{DequantizedIeBme, FastTiledCbc};
+use crate::linear::tcbc_rows::RowTiledCbc;
 use crate::linear::{FastDense, Linear};
 use crate::llama::{Layer, Model};
 use crate::packfile::{PackFile, PackWriter, SectionKind};
@@ -174,6 +175,18 @@ fn ie_bme_layer(
     Ok(Box::new(DequantizedIeBme::new(ie)?))
 }
 
+/// Tiled-CBC gets the row-major bitmap layout ([`RowTiledCbc`]: every stored weight in one
+/// sequential stream); `SIEVE_TCBC_CPU=columns` the whole-column layout ([`FastTiledCbc`],
+/// which skips inactive inputs' columns but breaks the prefetchers' streams), to compare the
+/// two (docs/BENCHMARKS.md, issue 12).
+fn tiled_cbc_layer(tiled: TiledCbc) -> Box<dyn WeightFormat> {
+    if std::env::var("SIEVE_TCBC_CPU").is_ok_and(|v| v == "columns") {
+        Box::new(FastTiledCbc::new(tiled))
+    } else {
+        Box::new(RowTiledCbc::new(&tiled))
+    }
+}
+
 /// A weight blob (`WeightFormat::to_bytes`) read into the format whose CPU product a loaded
 /// pack runs (see [`read_linear`]): what `sieve pack --format auto` times for each candidate.
 pub fn cpu_format_from_blob(
@@ -185,7 +198,7 @@ pub fn cpu_format_from_blob(
         Ok(FormatKind::TiledCbc) => {
             let tiled = TiledCbc::read_payload(&mut r)?;
             r.finish()?;
-            Box::new(FastTiledCbc::new(tiled))
+            tiled_cbc_layer(tiled)
         }
         Ok(FormatKind::IeBme) => {
             let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r)?;
@@ -203,7 +216,7 @@ pub fn cpu_format_from_blob(
 }
 
 /// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
-/// [`FastDense`], Tiled-CBC gets [`FastTiledCbc`], IE-BME INT4 gets [`Int4IeBme`] (integer
+/// [`FastDense`], Tiled-CBC gets [`RowTiledCbc`] (see [`tiled_cbc_layer`]), IE-BME INT4 gets [`Int4IeBme`] (integer
 /// products against 8-bit activations, see [`ie_bme_layer`]); other formats keep their
 /// reference kernels.
 /// The threshold is the one the pack stores for this layer. Dense layers stay row-major even

@@ -532,6 +532,10 @@ impl WeightFormat for DenseColumns {
     }
 }
 
+/// The AVX2 rank table, shared with the row-major kernel of [`super::tcbc_rows`].
+#[cfg(target_arch = "x86_64")]
+pub(super) use x86::RANKS;
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::FastTiledCbc;
@@ -632,7 +636,7 @@ mod x86 {
 
     /// For each byte value `m`, lane `j` holds the rank of bit `j` among the set bits of `m`
     /// (0 for clear bits, which are masked afterwards): `vpermps` by it places the packed values.
-    static RANKS: [[u32; 8]; 256] = {
+    pub(in crate::linear) static RANKS: [[u32; 8]; 256] = {
         let mut t = [[0u32; 8]; 256];
         let mut m = 0;
         while m < 256 {
