@@ -175,10 +175,11 @@ fn ie_bme_layer(
     Ok(Box::new(DequantizedIeBme::new(ie)?))
 }
 
-/// Tiled-CBC gets the row-major bitmap layout ([`RowTiledCbc`]: every stored weight in one
-/// sequential stream); `SIEVE_TCBC_CPU=columns` the whole-column layout ([`FastTiledCbc`],
-/// which skips inactive inputs' columns but breaks the prefetchers' streams), to compare the
-/// two (docs/BENCHMARKS.md, issue 12).
+/// Tiled-CBC gets the row-blocked bitmap layout ([`RowTiledCbc`]: blocks of 32 rows, each one
+/// sequential stream, inactive inputs' columns not visited inside it); `SIEVE_TCBC_CPU=columns`
+/// the whole-column layout ([`FastTiledCbc`], which skips inactive inputs' columns over the
+/// whole matrix but breaks the prefetchers' streams), to compare the two (docs/BENCHMARKS.md,
+/// issue 12).
 fn tiled_cbc_layer(tiled: TiledCbc) -> Box<dyn WeightFormat> {
     if std::env::var("SIEVE_TCBC_CPU").is_ok_and(|v| v == "columns") {
         Box::new(FastTiledCbc::new(tiled))

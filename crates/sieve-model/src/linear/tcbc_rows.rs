@@ -1,4 +1,4 @@
-//! Tiled-CBC multiplied on the CPU through a **row-major bitmap layout** built at load.
+//! Tiled-CBC multiplied on the CPU through a **row-blocked bitmap layout** built at load.
 //!
 //! The Tiled-CBC blob (256 x 1 column tiles, the GPU's layout) stays what a pack stores and what
 //! this layer writes back; only the in-memory copy differs. Why rows: decoding one token streams
@@ -11,37 +11,46 @@
 //! sequential pass: at sp 0.5, 2 x 0.5 B of values + 1/8 B of bitmap per weight, against 2 B
 //! for dense f16 rows.
 //!
-//! Layout, with rows taken in groups of [`GROUP`] (several independent rows in flight hide the
-//! latency of each row's expand-convert-FMA chain) and columns in chunks of [`CHUNK`]:
+//! Layout: rows are cut into blocks of [`BLOCK`] (32); inside a block the columns follow each
+//! other in order, so a block is one contiguous run of memory:
 //!
-//! * `masks[(g · chunks + c) · GROUP + i]`: a `u32` bitmap of the stored weights of row
-//!   `GROUP · g + i` in columns `32 c .. 32 c + 32` (bit `b` = column `32 c + b`); rows past `M`
-//!   have empty bitmaps;
-//! * `values`: the stored f16 values in the order (group, chunk, row of the group, column), so a
-//!   group is one contiguous run starting at `group_starts[g]` and the values of one chunk of
-//!   one row follow those of the previous row; followed by [`PAD`] zeros so that a full-width
-//!   load at any value is in bounds.
+//! * `masks[b · K + c]`: a `u32` bitmap of the stored weights of column `c` in block `b` (bit
+//!   `i` = row `32 b + i`; rows past `M` have no bits);
+//! * `values`: the stored f16 values in the order (block, column, row);
+//! * `offsets[b · K + c]`: where column `c`'s values start, as a `u16` relative to the start of
+//!   its segment of [`SEGMENT`] columns (`segment_starts[b · S + s]`), so that a product can
+//!   jump to any column without counting the bits before it. 32 x 2048 values fit a `u16`.
 //!
-//! The product `y = W · mask_t(x)`: `x` is masked once per call (inactive inputs become 0) and
-//! padded to whole chunks; a chunk whose 32 activations are all zero is skipped without reading
-//! its values (its rows' pointers advance by the bitmaps' popcounts). Per (row, chunk) the kernels:
-//! * AVX-512 + VBMI2: one unaligned 64-byte load at the row's pointer, `vpexpandw` by the bitmap
-//!   (the `popcount` packed values to their columns, zeros elsewhere), two `vcvtph2ps`, two FMAs
-//!   with the chunk of `x`; the pointer advances by the popcount;
-//! * AVX-512 without VBMI2: per 16 columns a load, `vcvtph2ps`, `vexpandps`, one FMA;
-//! * AVX2: per 8 columns a load, `vcvtph2ps`, `vpermps` by a rank table, a mask, one FMA;
+//! At sp 0.5 that is 1 B of values + 1/8 B of bitmap + 1/16 B of offsets per weight, against
+//! 2 B for dense f16 rows, all of it read in one forward pass per block. Why blocks of columns
+//! rather than rows of chunks: a row-major kernel (per row and 32 columns: expand, two
+//! conversions, two FMAs) does the same work for every chunk whatever the activations, and on
+//! Zen 4 that work (512-bit operations take a pipe for two cycles) was slower than dense rows
+//! (`examples/sparse_bench.rs`, docs/BENCHMARKS.md). Within a block, an inactive input (TEAL) is
+//! simply not visited: compute scales with the active inputs, while the bytes are still read as
+//! one sequential stream (the skipped pieces, ~36 bytes, lie between visited ones).
+//!
+//! The product `y = W · mask_t(x)`: the active inputs are listed once per call; per block and
+//! active column the kernels:
+//! * AVX-512 + VBMI2: a masked load of the `popcount` values, `vpexpandw` by the bitmap (the
+//!   values to their rows, zeros elsewhere), two `vcvtph2ps`, two FMAs with the broadcast
+//!   activation into 32 row sums held in registers (two sets, alternating columns, for ILP).
+//!   Not `vpexpandw` from memory: microcoded on Zen 4, 2-3x slower (measured);
+//! * AVX-512 without VBMI2: per 16 rows a masked load, `vcvtph2ps`, `vexpandps`, one FMA;
+//! * AVX2: per 8 rows a load, `vcvtph2ps`, `vpermps` by a rank table, a mask, one FMA;
 //! * portable: a scalar walk of the set bits.
 //!
-//! Rows are split over the thread pool in runs of whole groups. Every path sums the same
-//! products in another order only. Activations that are not finite take the portable path: the
-//! SIMD paths multiply unstored weights as zeros, and `0 · inf` would put a NaN in rows that do
-//! not use that input (the reference kernels skip unstored weights).
+//! Blocks are split over the thread pool. Every path sums the same products in another order
+//! only. Activations that are not finite take the portable path: the SIMD paths multiply
+//! unstored weights as zeros, and `0 · inf` would put a NaN in rows that do not use that input
+//! (the reference kernels skip unstored weights).
 //!
 //! Batched products (prefill) decode the matrix into a per-thread f16 row-major buffer and run
 //! the blocked GEMM on it, the same call and the same numbers as the dense pack's `FastDense`.
 
 use super::gemm;
 use super::simd::SimdLevel;
+use super::sparse::active_inputs;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
@@ -50,39 +59,37 @@ use sieve_formats::matrix::is_zero;
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
 
-/// Columns per bitmap word.
-pub const CHUNK: usize = 32;
-/// Rows interleaved in memory and multiplied together.
-pub const GROUP: usize = 4;
-/// Zero values after the last stored one: a 64-byte load at any value stays in bounds.
-const PAD: usize = 32;
+/// Rows per block: one `u32` bitmap per (block, column), one `vpexpandw`.
+pub const BLOCK: usize = 32;
+/// Columns per offset segment: a block's values in one segment number at most 32 x 2048, so
+/// offsets inside it fit a `u16`.
+pub const SEGMENT: usize = 2048;
 /// Batches of fewer tokens run the matrix-vector kernel once per token: below this, decoding
 /// the matrix for the GEMM costs more than the GEMM saves.
 const GEMM_MIN_TOKENS: usize = 4;
 
-/// Tiled-CBC with SIMD products over a row-major bitmap layout (module notes); kind, storage
+/// Tiled-CBC with SIMD products over a row-blocked bitmap layout (module notes); kind, storage
 /// and blob are those of the [`TiledCbc`] it was built from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowTiledCbc {
     rows: usize,
     cols: usize,
-    /// `ceil(K / 32)`.
-    chunks: usize,
+    /// `ceil(K / SEGMENT)`.
+    segments: usize,
     masks: Vec<u32>,
-    /// Index in `values` of each group's first value, `groups + 1` entries.
-    group_starts: Vec<usize>,
+    offsets: Vec<u16>,
+    /// Index in `values` of each (block, segment)'s first value.
+    segment_starts: Vec<usize>,
     values: Vec<u16>,
     /// The Tiled-CBC storage (what the blob holds).
     storage: Storage,
 }
 
-/// One token's activations, ready for the kernels.
+/// One token's active inputs, ready for the kernels.
 struct Prepared {
-    /// `mask_t(x)` padded with zeros to whole chunks.
-    x: Vec<f32>,
-    /// Per chunk: whether any of its activations is nonzero.
-    live: Vec<bool>,
-    /// Whether every activation is finite (else the portable kernel runs, module notes).
+    cols: Vec<u32>,
+    xs: Vec<f32>,
+    /// Whether every active input is finite (else the portable kernel runs, module notes).
     finite: bool,
 }
 
@@ -94,105 +101,102 @@ impl RowTiledCbc {
 
     fn from_matrix(w: &DenseMatrix, storage: Storage) -> Self {
         let (m, k) = (w.rows(), w.cols());
-        let chunks = k.div_ceil(CHUNK);
-        let groups = m.div_ceil(GROUP);
-        let mut masks = vec![0u32; groups * chunks * GROUP];
-        let mut group_starts = Vec::with_capacity(groups + 1);
-        let mut values = Vec::with_capacity(w.nnz() + PAD);
-        for g in 0..groups {
-            group_starts.push(values.len());
-            for c in 0..chunks {
-                let (lo, hi) = (c * CHUNK, ((c + 1) * CHUNK).min(k));
-                for i in 0..GROUP.min(m - g * GROUP) {
-                    let mut mask = 0u32;
-                    for (b, &v) in w.row(g * GROUP + i)[lo..hi].iter().enumerate() {
-                        // Exactly the entries Tiled-CBC stores (a negative zero is stored).
-                        if !is_zero(v) {
-                            mask |= 1 << b;
-                            values.push(v.to_bits());
-                        }
-                    }
-                    masks[(g * chunks + c) * GROUP + i] = mask;
+        let blocks = m.div_ceil(BLOCK);
+        let segments = k.div_ceil(SEGMENT);
+        let mut masks = Vec::with_capacity(blocks * k);
+        let mut offsets = Vec::with_capacity(blocks * k);
+        let mut segment_starts = Vec::with_capacity(blocks * segments);
+        let mut values = Vec::with_capacity(w.nnz());
+        let data = w.data();
+        for b in 0..blocks {
+            let rows = b * BLOCK..((b + 1) * BLOCK).min(m);
+            for c in 0..k {
+                if c % SEGMENT == 0 {
+                    segment_starts.push(values.len());
                 }
+                let base = segment_starts[segment_starts.len() - 1];
+                // At most 32 x 2047 values precede a column in its segment (constant notes).
+                offsets.push((values.len() - base) as u16);
+                let mut mask = 0u32;
+                for (i, r) in rows.clone().enumerate() {
+                    let v = data[r * k + c];
+                    // Exactly the entries Tiled-CBC stores (a negative zero is stored).
+                    if !is_zero(v) {
+                        mask |= 1 << i;
+                        values.push(v.to_bits());
+                    }
+                }
+                masks.push(mask);
             }
         }
-        group_starts.push(values.len());
-        values.extend_from_slice(&[0u16; PAD]);
         Self {
             rows: m,
             cols: k,
-            chunks,
+            segments,
             masks,
-            group_starts,
+            offsets,
+            segment_starts,
             values,
             storage,
         }
     }
 
-    /// Bytes one matrix-vector product streams (bitmaps + values): what decode reads per token.
+    /// Bytes one matrix-vector product may stream (bitmaps + offsets + values): what decode
+    /// reads per token.
     pub fn cpu_layout_bytes(&self) -> usize {
-        4 * self.masks.len() + 2 * (self.values.len() - PAD)
+        4 * self.masks.len() + 2 * self.offsets.len() + 2 * self.values.len()
     }
 
-    fn groups(&self) -> usize {
-        self.group_starts.len() - 1
+    fn blocks(&self) -> usize {
+        self.rows.div_ceil(BLOCK)
+    }
+
+    /// Index in `values` of the first value of column `c` in block `b`.
+    #[inline(always)]
+    fn start(&self, b: usize, c: usize) -> usize {
+        self.segment_starts[b * self.segments + c / SEGMENT]
+            + self.offsets[b * self.cols + c] as usize
     }
 
     fn prepare(&self, x: &[f32], threshold: Threshold) -> Prepared {
-        let mut xm = vec![0f32; self.chunks * CHUNK];
-        let mut finite = true;
-        for (d, &v) in xm.iter_mut().zip(x) {
-            if is_active(v, threshold) {
-                *d = v;
-                finite &= v.is_finite();
-            }
-        }
-        let live = xm
-            .chunks_exact(CHUNK)
-            .map(|c| c.iter().any(|&v| v != 0.0))
-            .collect();
-        Prepared {
-            x: xm,
-            live,
-            finite,
-        }
+        let (cols, xs) = active_inputs(x, threshold);
+        let finite = xs.iter().all(|v| v.is_finite());
+        Prepared { cols, xs, finite }
     }
 
-    /// `out[i] = W[GROUP · g + i] · x` for the rows of group `g` (`out.len()` of them, at most
-    /// [`GROUP`]).
-    fn group_with(&self, level: SimdLevel, g: usize, p: &Prepared, out: &mut [f32]) {
-        debug_assert!(out.len() <= GROUP && g < self.groups());
-        let mut sums = [0f32; GROUP];
+    /// `out[i] = W[32 b + i] · x` for the rows of block `b` (`out.len()` of them).
+    fn block_with(&self, level: SimdLevel, b: usize, p: &Prepared, out: &mut [f32]) {
+        debug_assert!(out.len() <= BLOCK && b < self.blocks());
+        let mut sums = [0f32; BLOCK];
         match level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the level is supported (callers cap it by `usable`); the layout was built
-            // by `from_matrix` (each group's bitmaps have as many bits as it has values, PAD
-            // zeros follow the last value) and `p` was prepared for this matrix.
-            SimdLevel::Avx512Vbmi2 if p.finite => unsafe { x86::group_vbmi2(self, g, p, &mut sums) },
+            // by `from_matrix` (each column's values start at `start(b, c)` and number its
+            // bitmap's popcount) and `p.cols` are columns of this matrix.
+            SimdLevel::Avx512Vbmi2 if p.finite => unsafe {
+                x86::block_vbmi2(self, b, p, &mut sums)
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            SimdLevel::Avx512 if p.finite => unsafe { x86::group_avx512(self, g, p, &mut sums) },
+            SimdLevel::Avx512 if p.finite => unsafe { x86::block_avx512(self, b, p, &mut sums) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            SimdLevel::Avx2 if p.finite => unsafe { x86::group_avx2(self, g, p, &mut sums) },
-            _ => self.group_portable(g, p, &mut sums),
+            SimdLevel::Avx2 if p.finite => unsafe { x86::block_avx2(self, b, p, &mut sums) },
+            _ => self.block_portable(b, p, &mut sums),
         }
         out.copy_from_slice(&sums[..out.len()]);
     }
 
-    fn group_portable(&self, g: usize, p: &Prepared, sums: &mut [f32; GROUP]) {
-        let mut pos = self.group_starts[g];
-        for c in 0..self.chunks {
-            let masks = &self.masks[(g * self.chunks + c) * GROUP..][..GROUP];
-            let xc = &p.x[c * CHUNK..(c + 1) * CHUNK];
-            for (s, &mask) in sums.iter_mut().zip(masks) {
-                let mut bits = mask;
-                while bits != 0 {
-                    let b = bits.trailing_zeros() as usize;
-                    *s += f16::from_bits(self.values[pos]).to_f32() * xc[b];
-                    pos += 1;
-                    bits &= bits - 1;
-                }
+    fn block_portable(&self, b: usize, p: &Prepared, sums: &mut [f32; BLOCK]) {
+        for (&c, &xv) in p.cols.iter().zip(&p.xs) {
+            let c = c as usize;
+            let mut pos = self.start(b, c);
+            let mut bits = self.masks[b * self.cols + c];
+            while bits != 0 {
+                let i = bits.trailing_zeros() as usize;
+                sums[i] += f16::from_bits(self.values[pos]).to_f32() * xv;
+                pos += 1;
+                bits &= bits - 1;
             }
         }
     }
@@ -208,10 +212,10 @@ impl RowTiledCbc {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
         let level = usable(level);
         let p = self.prepare(x, threshold);
-        let per = GROUP * groups_per_task(self.groups());
+        let per = BLOCK * blocks_per_task(self.blocks());
         y.par_chunks_mut(per).enumerate().for_each(|(t, out)| {
-            for (i, o) in out.chunks_mut(GROUP).enumerate() {
-                self.group_with(level, t * per / GROUP + i, &p, o);
+            for (i, o) in out.chunks_mut(BLOCK).enumerate() {
+                self.block_with(level, t * per / BLOCK + i, &p, o);
             }
         });
         Ok(())
@@ -275,27 +279,24 @@ impl RowTiledCbc {
         })
     }
 
-    /// Writes the dense row-major matrix into `out` (`M · K` entries), groups in parallel.
+    /// Writes the dense row-major matrix into `out` (`M · K` entries), blocks in parallel.
     fn decode_into(&self, out: &mut [f16]) {
         let k = self.cols;
         if k == 0 {
             return;
         }
-        out.par_chunks_mut(GROUP * k)
+        out.par_chunks_mut(BLOCK * k)
             .enumerate()
-            .for_each(|(g, rows)| {
+            .for_each(|(b, rows)| {
                 rows.fill(f16::ZERO);
-                let mut pos = self.group_starts[g];
-                for c in 0..self.chunks {
-                    let masks = &self.masks[(g * self.chunks + c) * GROUP..][..GROUP];
-                    for (i, &mask) in masks.iter().enumerate() {
-                        let mut bits = mask;
-                        while bits != 0 {
-                            let col = c * CHUNK + bits.trailing_zeros() as usize;
-                            rows[i * k + col] = f16::from_bits(self.values[pos]);
-                            pos += 1;
-                            bits &= bits - 1;
-                        }
+                for c in 0..k {
+                    let mut pos = self.start(b, c);
+                    let mut bits = self.masks[b * k + c];
+                    while bits != 0 {
+                        let i = bits.trailing_zeros() as usize;
+                        rows[i * k + c] = f16::from_bits(self.values[pos]);
+                        pos += 1;
+                        bits &= bits - 1;
                     }
                 }
             });
@@ -317,10 +318,11 @@ fn usable(level: SimdLevel) -> SimdLevel {
     }
 }
 
-/// Groups per parallel task: about four tasks per thread, never fewer than 4 groups (16 rows).
-fn groups_per_task(groups: usize) -> usize {
-    let tasks = 4 * rayon::current_num_threads().max(1);
-    groups.div_ceil(tasks).max(4)
+/// Blocks per parallel task: about three tasks per thread (576 rows = 18 blocks: 3 per task
+/// on 2 threads), at least one block.
+fn blocks_per_task(blocks: usize) -> usize {
+    let tasks = 3 * rayon::current_num_threads().max(1);
+    blocks.div_ceil(tasks).max(1)
 }
 
 impl WeightFormat for RowTiledCbc {
@@ -366,135 +368,163 @@ impl WeightFormat for RowTiledCbc {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Prepared, RowTiledCbc, CHUNK, GROUP};
+    use super::{Prepared, RowTiledCbc, BLOCK};
     use crate::linear::sparse::RANKS;
     use std::arch::x86_64::*;
 
-    /// The values of group `g` and the bitmaps of its chunks.
+    /// The bitmap and the first value of column `c` in block `b`.
     #[inline(always)]
-    unsafe fn group_start(w: &RowTiledCbc, g: usize) -> (*const u16, *const u32) {
+    unsafe fn column(w: &RowTiledCbc, b: usize, c: u32) -> (u32, *const u16) {
+        let c = c as usize;
+        let seg = *w
+            .segment_starts
+            .get_unchecked(b * w.segments + c / super::SEGMENT);
+        let off = *w.offsets.get_unchecked(b * w.cols + c) as usize;
         (
-            w.values.as_ptr().add(*w.group_starts.get_unchecked(g)),
-            w.masks.as_ptr().add(g * w.chunks * GROUP),
+            *w.masks.get_unchecked(b * w.cols + c),
+            w.values.as_ptr().add(seg + off),
         )
     }
 
-    /// The values of a skipped chunk's rows.
+    /// Bytes ahead of the current value that are prefetched at each active column, and of the
+    /// current bitmap (half of it for the `u16` offsets). Within a block the visited columns
+    /// skip the pieces of inactive ones (~36 bytes at sp 0.5), which the hardware prefetchers
+    /// follow less well than a plain stream; 2048 / 512 were the best of the few distances
+    /// tried (`sparse_bench` and `sieve bench cpu` on a loaded machine: a weak preference,
+    /// docs/BENCHMARKS.md).
+    const AHEAD_VALUES: usize = 2048;
+    const AHEAD_MASKS: usize = 512;
+
     #[inline(always)]
-    unsafe fn skip(masks: *const u32) -> usize {
-        (0..GROUP)
-            .map(|i| (*masks.add(i)).count_ones() as usize)
-            .sum()
+    unsafe fn prefetch_ahead(w: &RowTiledCbc, b: usize, c: u32, v: *const u16) {
+        // `wrapping_add`: the addresses may lie past the arrays; prefetches do not fault.
+        let i = b * w.cols + c as usize;
+        _mm_prefetch::<_MM_HINT_T0>((v as *const i8).wrapping_add(AHEAD_VALUES));
+        _mm_prefetch::<_MM_HINT_T0>(
+            (w.masks.as_ptr().add(i) as *const i8).wrapping_add(AHEAD_MASKS),
+        );
+        _mm_prefetch::<_MM_HINT_T0>(
+            (w.offsets.as_ptr().add(i) as *const i8).wrapping_add(AHEAD_MASKS / 2),
+        );
     }
 
-    /// Per (row, chunk): a 64-byte load, `vpexpandw` by the bitmap, two `vcvtph2ps`, two FMAs.
+    /// Per active column: a masked load of its values, `vpexpandw`, two `vcvtph2ps`, two FMAs
+    /// with the broadcast activation; two sets of sums for alternate columns.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F/BW/VL/VBMI2; `w` built by `RowTiledCbc::from_matrix`,
-    /// `g < groups`, `p` prepared for `w`.
+    /// The CPU must have AVX-512 F/BW/VL/VBMI2 and BMI2; `w` built by `RowTiledCbc::from_matrix`,
+    /// `b < blocks`, `p` prepared for `w`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,bmi2,popcnt")]
-    pub unsafe fn group_vbmi2(w: &RowTiledCbc, g: usize, p: &Prepared, out: &mut [f32; GROUP]) {
-        let (mut v, masks) = group_start(w, g);
-        let mut acc = [_mm512_setzero_ps(); 2 * GROUP];
-        for c in 0..w.chunks {
-            let ms = masks.add(c * GROUP);
-            if !*p.live.get_unchecked(c) {
-                v = v.add(skip(ms));
-                continue;
-            }
-            let xp = p.x.as_ptr().add(c * CHUNK);
-            let (xlo, xhi) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
-            for i in 0..GROUP {
-                let m = *ms.add(i);
-                let n = m.count_ones();
-                // A masked load the compiler cannot fold into the expand: `vpexpandw` from
-                // memory is microcoded on AMD Zen 4 (3.4x slower in `sparse_bench`, in cache).
-                let raw = _mm512_maskz_loadu_epi16(_bzhi_u32(u32::MAX, n), v as *const i16);
-                let e = _mm512_maskz_expand_epi16(m, raw);
-                let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(e));
-                let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(e));
-                acc[2 * i] = _mm512_fmadd_ps(lo, xlo, acc[2 * i]);
-                acc[2 * i + 1] = _mm512_fmadd_ps(hi, xhi, acc[2 * i + 1]);
+    pub unsafe fn block_vbmi2(w: &RowTiledCbc, b: usize, p: &Prepared, out: &mut [f32; BLOCK]) {
+        #[inline(always)]
+        unsafe fn one(w: &RowTiledCbc, b: usize, c: u32, xv: f32, acc: &mut [__m512; 2]) {
+            let (m, v) = column(w, b, c);
+            prefetch_ahead(w, b, c, v);
+            let raw =
+                _mm512_maskz_loadu_epi16(_bzhi_u32(u32::MAX, m.count_ones()), v as *const i16);
+            let e = _mm512_maskz_expand_epi16(m, raw);
+            let vx = _mm512_set1_ps(xv);
+            let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(e));
+            let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(e));
+            acc[0] = _mm512_fmadd_ps(lo, vx, acc[0]);
+            acc[1] = _mm512_fmadd_ps(hi, vx, acc[1]);
+        }
+        let mut a = [_mm512_setzero_ps(); 2];
+        let mut b2 = [_mm512_setzero_ps(); 2];
+        let pairs = p.cols.len() / 2;
+        for j in 0..pairs {
+            one(
+                w,
+                b,
+                *p.cols.get_unchecked(2 * j),
+                *p.xs.get_unchecked(2 * j),
+                &mut a,
+            );
+            one(
+                w,
+                b,
+                *p.cols.get_unchecked(2 * j + 1),
+                *p.xs.get_unchecked(2 * j + 1),
+                &mut b2,
+            );
+        }
+        if p.cols.len() % 2 == 1 {
+            one(w, b, p.cols[2 * pairs], p.xs[2 * pairs], &mut a);
+        }
+        let o = out.as_mut_ptr();
+        _mm512_storeu_ps(o, _mm512_add_ps(a[0], b2[0]));
+        _mm512_storeu_ps(o.add(16), _mm512_add_ps(a[1], b2[1]));
+    }
+
+    /// [`block_vbmi2`] without VBMI2: per 16 rows a masked load, `vcvtph2ps`, `vexpandps`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL and BMI2; otherwise as for [`block_vbmi2`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,bmi2,popcnt")]
+    pub unsafe fn block_avx512(w: &RowTiledCbc, b: usize, p: &Prepared, out: &mut [f32; BLOCK]) {
+        let mut acc = [_mm512_setzero_ps(); 2];
+        for (&c, &xv) in p.cols.iter().zip(&p.xs) {
+            let (m, mut v) = column(w, b, c);
+            prefetch_ahead(w, b, c, v);
+            let vx = _mm512_set1_ps(xv);
+            for (h, a) in acc.iter_mut().enumerate() {
+                let mh = (m >> (16 * h)) as u16;
+                let n = mh.count_ones();
+                let raw = _mm256_maskz_loadu_epi16(_bzhi_u32(0xffff, n) as u16, v as *const i16);
+                let e = _mm512_maskz_expand_ps(mh, _mm512_cvtph_ps(raw));
+                *a = _mm512_fmadd_ps(e, vx, *a);
                 v = v.add(n as usize);
             }
         }
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
+        _mm512_storeu_ps(out.as_mut_ptr(), acc[0]);
+        _mm512_storeu_ps(out.as_mut_ptr().add(16), acc[1]);
+    }
+
+    /// Loads 8 f16 at `p` as f32; reads at or past `end` (the end of the values) give 0.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load8_f16(p: *const u16, end: *const u16) -> __m256 {
+        if p.add(8) <= end {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            let mut tmp = [0u16; 8];
+            let n = (end.offset_from(p).max(0) as usize).min(8);
+            std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
+            _mm256_cvtph_ps(_mm_loadu_si128(tmp.as_ptr() as *const __m128i))
         }
     }
 
-    /// [`group_vbmi2`] without VBMI2: per 16 columns a 32-byte load, `vcvtph2ps`, `vexpandps`.
+    /// Per active column and 8 rows: a load, `vcvtph2ps`, `vpermps` by the rank of each set
+    /// bit, a mask of the set bits, one FMA.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F/BW/VL; otherwise as for [`group_vbmi2`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,popcnt")]
-    pub unsafe fn group_avx512(w: &RowTiledCbc, g: usize, p: &Prepared, out: &mut [f32; GROUP]) {
-        let (mut v, masks) = group_start(w, g);
-        let mut acc = [_mm512_setzero_ps(); 2 * GROUP];
-        for c in 0..w.chunks {
-            let ms = masks.add(c * GROUP);
-            if !*p.live.get_unchecked(c) {
-                v = v.add(skip(ms));
-                continue;
-            }
-            let xp = p.x.as_ptr().add(c * CHUNK);
-            let xs = [_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16))];
-            for i in 0..GROUP {
-                let m = *ms.add(i);
-                for (h, &xh) in xs.iter().enumerate() {
-                    let mh = (m >> (16 * h)) as u16;
-                    let raw = _mm256_loadu_si256(v as *const __m256i);
-                    let e = _mm512_maskz_expand_ps(mh, _mm512_cvtph_ps(raw));
-                    acc[2 * i + h] = _mm512_fmadd_ps(e, xh, acc[2 * i + h]);
-                    v = v.add(mh.count_ones() as usize);
-                }
-            }
-        }
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
-        }
-    }
-
-    /// Per (row, 8 columns): a 16-byte load, `vcvtph2ps`, `vpermps` by the rank of each set bit,
-    /// a mask of the set bits, one FMA.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2, FMA, F16C and POPCNT; otherwise as for [`group_vbmi2`].
+    /// The CPU must have AVX2, FMA, F16C and POPCNT; otherwise as for [`block_vbmi2`].
     #[target_feature(enable = "avx2,fma,f16c,popcnt")]
-    pub unsafe fn group_avx2(w: &RowTiledCbc, g: usize, p: &Prepared, out: &mut [f32; GROUP]) {
-        let (mut v, masks) = group_start(w, g);
+    pub unsafe fn block_avx2(w: &RowTiledCbc, b: usize, p: &Prepared, out: &mut [f32; BLOCK]) {
+        let end = w.values.as_ptr().add(w.values.len());
         let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        let mut acc = [_mm256_setzero_ps(); GROUP];
-        for c in 0..w.chunks {
-            let ms = masks.add(c * GROUP);
-            if !*p.live.get_unchecked(c) {
-                v = v.add(skip(ms));
-                continue;
-            }
-            let xp = p.x.as_ptr().add(c * CHUNK);
-            for (i, a) in acc.iter_mut().enumerate() {
-                let m = *ms.add(i);
-                for q in 0..4 {
-                    let mb = ((m >> (8 * q)) & 0xff) as usize;
-                    if mb == 0 {
-                        continue;
-                    }
-                    let raw = _mm256_cvtph_ps(_mm_loadu_si128(v as *const __m128i));
-                    let idx = _mm256_loadu_si256(RANKS.as_ptr().add(mb) as *const __m256i);
-                    let placed = _mm256_permutevar8x32_ps(raw, idx);
-                    let sel = _mm256_set1_epi32(mb as i32);
-                    let keep = _mm256_cmpeq_epi32(_mm256_and_si256(sel, lane_bits), lane_bits);
-                    let placed = _mm256_and_ps(placed, _mm256_castsi256_ps(keep));
-                    *a = _mm256_fmadd_ps(placed, _mm256_loadu_ps(xp.add(8 * q)), *a);
-                    v = v.add(mb.count_ones() as usize);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (&c, &xv) in p.cols.iter().zip(&p.xs) {
+            let (m, mut v) = column(w, b, c);
+            prefetch_ahead(w, b, c, v);
+            let vx = _mm256_set1_ps(xv);
+            for (q, a) in acc.iter_mut().enumerate() {
+                let mb = ((m >> (8 * q)) & 0xff) as usize;
+                if mb == 0 {
+                    continue;
                 }
+                let raw = load8_f16(v, end);
+                let idx = _mm256_loadu_si256(RANKS.as_ptr().add(mb) as *const __m256i);
+                let placed = _mm256_permutevar8x32_ps(raw, idx);
+                let sel = _mm256_set1_epi32(mb as i32);
+                let keep = _mm256_cmpeq_epi32(_mm256_and_si256(sel, lane_bits), lane_bits);
+                let placed = _mm256_and_ps(placed, _mm256_castsi256_ps(keep));
+                *a = _mm256_fmadd_ps(placed, vx, *a);
+                v = v.add(mb.count_ones() as usize);
             }
         }
-        for (o, a) in out.iter_mut().zip(acc) {
-            let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-            *o = _mm_cvtss_f32(s);
+        for (q, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * q), *a);
         }
     }
 }

@@ -36,7 +36,7 @@ fn check(rows: usize, cols: usize, sp: f64, dp: f64, tokens: usize, seed: u64) {
 
 #[test]
 fn every_level_matches_the_f64_reference() {
-    // M not a multiple of the row group, K not a multiple of the chunk, a single row or column,
+    // M not a multiple of the row block (and below one), K above one offset segment, a single row or column,
     // empty and full matrices, every threshold regime (none, half, most and nearly all inputs
     // off, so that whole chunks are skipped), batches below and above the GEMM cut.
     for &(m, k) in &[
@@ -48,6 +48,7 @@ fn every_level_matches_the_f64_reference() {
         (513, 17),
         (64, 129),
         (3, 1000),
+        (40, 2 * SEGMENT + 5),
     ] {
         for (i, &sp) in [0.0, 0.5, 0.7, 0.97, 1.0].iter().enumerate() {
             for (j, &dp) in [0.0, 0.5, 0.9, 0.99].iter().enumerate() {
@@ -78,10 +79,10 @@ fn agrees_with_the_reference_kernel_and_the_column_layout_and_keeps_the_blob() {
     assert_eq!(rows.decode(), w);
     assert_eq!(rows.storage(), reference.storage());
     assert_eq!(rows.kind(), FormatKind::TiledCbc);
-    // Values and one u32 per (row, chunk) (rows padded to whole groups): what decode streams.
+    // Values, and a u32 bitmap + u16 offset per (block of 32 rows, column): what decode streams.
     assert_eq!(
         rows.cpu_layout_bytes(),
-        2 * w.nnz() + 4 * 600usize.div_ceil(GROUP) * GROUP * 96usize.div_ceil(CHUNK)
+        2 * w.nnz() + 6 * 600usize.div_ceil(BLOCK) * 96
     );
 }
 
@@ -112,7 +113,11 @@ fn non_finite_activations_reach_only_the_rows_that_store_their_column() {
         let mut y = vec![0f32; 40];
         rows.matvec_with(level, &x, None, &mut y).unwrap();
         for (r, (g, e)) in y.iter().zip(&want).enumerate() {
-            assert_eq!(g.is_finite(), e.is_finite(), "{level:?} row {r}: {g} vs {e}");
+            assert_eq!(
+                g.is_finite(),
+                e.is_finite(),
+                "{level:?} row {r}: {g} vs {e}"
+            );
         }
     }
 }
