@@ -7,9 +7,8 @@
 //! ([`super::sparse::FastTiledCbc`]) reads fewer bytes under a TEAL threshold (it skips inactive
 //! inputs' columns) but every skip breaks the stream: measured 2-3 GB/s against 11-13 GB/s for
 //! dense rows, so it barely beat the dense pack. This layout reads *every* stored weight
-//! (activation sparsity saves no bytes here, only the compute of all-zero chunks) in one
-//! sequential pass: at sp 0.5, 2 x 0.5 B of values + 1/8 B of bitmap per weight, against 2 B
-//! for dense f16 rows.
+//! (activation sparsity saves no bytes here, only compute) block after block, each block one
+//! forward pass over contiguous memory.
 //!
 //! Layout: rows are cut into blocks of [`BLOCK`] (32); inside a block the columns follow each
 //! other in order, so a block is one contiguous run of memory:
