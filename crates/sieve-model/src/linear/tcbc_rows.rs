@@ -44,8 +44,8 @@
 //! unstored weights as zeros, and `0 · inf` would put a NaN in rows that do not use that input
 //! (the reference kernels skip unstored weights).
 //!
-//! Batched products (prefill) decode each block into a K x 32 f16 panel and run the blocked
-//! GEMM on it, blocks spread over the pool.
+//! Batched products (prefill) decode the matrix into a per-thread f16 row-major buffer and run
+//! the blocked GEMM on it, the same call and the same numbers as the dense pack's `FastDense`.
 
 use super::gemm;
 use super::simd::SimdLevel;
@@ -254,51 +254,28 @@ impl RowTiledCbc {
         } else {
             x
         };
-        // Per block: its 32 rows decoded into a K x 32 f16 panel (contiguous writes, L2-sized),
-        // `Y[:, block] = X · panel` by the blocked GEMM on this thread, blocks over the pool.
-        let blocks: Vec<Vec<f32>> = (0..self.blocks())
-            .into_par_iter()
-            .map(|b| {
-                let rows = BLOCK.min(m - b * BLOCK);
-                let mut panel = vec![f16::ZERO; k * BLOCK];
-                self.decode_block(b, &mut panel);
-                let mut out = vec![0f32; n * rows];
-                gemm::gemm(
-                    n,
-                    rows,
-                    k,
-                    gemm::View::row_major(x, k),
-                    gemm::View::row_major(&panel[..], BLOCK),
-                    &mut out,
-                    rows,
-                    false,
-                    false,
-                )
-                .map(|()| out)
-                .map_err(|e| FormatError::Option(e.to_string()))
-            })
-            .collect::<Result<_, _>>()?;
-        for (b, out) in blocks.iter().enumerate() {
-            let rows = out.len() / n;
-            for (t, o) in out.chunks_exact(rows).enumerate() {
-                y[t * m + b * BLOCK..][..rows].copy_from_slice(o);
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes block `b` as a K x 32 matrix (`panel[c · 32 + i]` = `W[32 b + i][c]`), zeros where
-    /// nothing is stored; `panel.len() == 32 K`.
-    fn decode_block(&self, b: usize, panel: &mut [f16]) {
-        for (c, col) in panel.chunks_exact_mut(BLOCK).enumerate() {
-            let mut pos = self.start(b, c);
-            let mut bits = self.masks[b * self.cols + c];
-            while bits != 0 {
-                col[bits.trailing_zeros() as usize] = f16::from_bits(self.values[pos]);
-                pos += 1;
-                bits &= bits - 1;
-            }
-        }
+        let mut run = |w: &mut Vec<f16>| {
+            w.resize(m * k, f16::ZERO);
+            self.decode_into(&mut w[..m * k]);
+            // Y (n x M) = X (n x K) · Wᵀ, the call `FastDense` makes on its rows.
+            gemm::gemm(
+                n,
+                m,
+                k,
+                gemm::View::row_major(x, k),
+                gemm::View::transposed(&w[..m * k], k),
+                y,
+                m,
+                false,
+                true,
+            )
+            .map_err(|e| FormatError::Option(e.to_string()))
+        };
+        PANEL.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut w) => run(&mut w),
+            // A pool thread that picked up this product while waiting inside another one.
+            Err(_) => run(&mut Vec::new()),
+        })
     }
 
     /// Writes the dense row-major matrix into `out` (`M · K` entries), blocks in parallel.
@@ -323,6 +300,12 @@ impl RowTiledCbc {
                 }
             });
     }
+}
+
+thread_local! {
+    /// The decoded matrix of a batched product, reused across calls (fresh multi-MB buffers per
+    /// product cost page faults).
+    static PANEL: std::cell::RefCell<Vec<f16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `level` if this CPU can run it, else the portable kernel.
