@@ -3,8 +3,9 @@
 //! and runs the target under `catch_unwind`, timing it and measuring its peak heap. Inputs the
 //! target accepts whole join the pool (up to 256), so later mutations start from valid variants.
 //!
-//! Findings: a panic (recorded with its message), a hang (an input running longer than
-//! `hang_seconds`: a watchdog saves it and aborts), an abort (the process dies; with a
+//! Findings: a panic (recorded with its message), a hang (an input that has used more than
+//! `hang_seconds` of the fuzzing thread's CPU time, or [`WALL_HANG_FACTOR`] times that in wall
+//! time, e.g. blocked in a read: a watchdog saves it and aborts), an abort (the process dies; with a
 //! `crash_dir` each input is saved to `<target>.current` before it runs, so the file left
 //! behind is the one that did it), and memory: the largest peak heap above the input's own
 //! size, reported as bytes and as a multiple of the input size.
@@ -16,6 +17,44 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// An input blocked for this many times `hang_seconds` of wall time is a hang even when it used
+/// no CPU. The main test is CPU time: at the lowest priority on a loaded machine a fuzzer gets
+/// a few percent of a core, and a 0.1 s input then takes over 10 s of wall time (a run of
+/// 2026-12-02 lost its gguf-real process to that false hang).
+pub const WALL_HANG_FACTOR: u64 = 30;
+
+/// CPU time (user + system) of one thread, read from `/proc` on Linux.
+struct ThreadClock {
+    stat: PathBuf,
+    ticks_per_second: f64,
+}
+
+impl ThreadClock {
+    /// The calling thread's clock; `None` where `/proc/thread-self` is missing.
+    fn of_current_thread() -> Option<Self> {
+        let task = std::fs::read_link("/proc/thread-self").ok()?;
+        let clock = Self {
+            stat: PathBuf::from("/proc")
+                .join(task.strip_prefix("/proc").unwrap_or(&task))
+                .join("stat"),
+            // USER_HZ: 100 on every Linux architecture this runs on (sysconf is not in std).
+            ticks_per_second: 100.0,
+        };
+        clock.seconds().map(|_| clock)
+    }
+
+    fn seconds(&self) -> Option<f64> {
+        let text = std::fs::read_to_string(&self.stat).ok()?;
+        // Fields after the command name (which may hold spaces) in parentheses: state is the
+        // first, utime and stime are the 12th and 13th.
+        let rest = &text[text.rfind(')')? + 1..];
+        let mut fields = rest.split_whitespace().skip(11);
+        let user: f64 = fields.next()?.parse().ok()?;
+        let system: f64 = fields.next()?.parse().ok()?;
+        Some((user + system) / self.ticks_per_second)
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -115,26 +154,54 @@ pub fn fuzz(target: &Target, corpus: &[Vec<u8>], opts: &Options) -> Stats {
     let seeds = pool.len();
     let mut m = Mutator::new(opts.seed ^ fnv(target.name.as_bytes()));
 
-    // Watchdog: an input running past `hang_seconds` is saved and the process aborted.
+    // Watchdog: an input that has used `hang_seconds` of this thread's CPU time (or
+    // WALL_HANG_FACTOR times that in wall time) is saved and the process aborted. The loop
+    // only stores the start time of each input; the watchdog notes the thread's CPU clock the
+    // first time it sees an input running and measures from there (a coarse start, never late
+    // by more than one 200 ms tick).
     let started_ms = Arc::new(AtomicU64::new(0));
     let running = Arc::new(AtomicBool::new(true));
     let in_flight: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(Vec::new()));
     let clock = Instant::now();
+    let cpu_clock = ThreadClock::of_current_thread();
     let watchdog = {
         let (started_ms, running, in_flight) =
             (started_ms.clone(), running.clone(), in_flight.clone());
         let (dir, name, hang) = (opts.crash_dir.clone(), target.name, opts.hang_seconds);
         std::thread::spawn(move || {
+            // (start of the input in flight, the fuzzing thread's CPU seconds when first seen)
+            let mut seen: Option<(u64, f64)> = None;
             while running.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(200));
                 let s = started_ms.load(Ordering::Relaxed);
-                let now = clock.elapsed().as_millis() as u64;
-                if s != 0 && now.saturating_sub(s) > hang * 1000 {
+                if s == 0 {
+                    seen = None;
+                    continue;
+                }
+                let wall_ms = (clock.elapsed().as_millis() as u64).saturating_sub(s);
+                let cpu_now = cpu_clock.as_ref().and_then(ThreadClock::seconds);
+                let cpu_used = match (seen, cpu_now) {
+                    (Some((first, cpu0)), Some(now)) if first == s => now - cpu0,
+                    (_, now) => {
+                        seen = now.map(|now| (s, now));
+                        0.0
+                    }
+                };
+                let over_cpu = match cpu_now {
+                    Some(_) => cpu_used > hang as f64,
+                    // No CPU clock here: wall time is all there is.
+                    None => wall_ms > hang * 1000,
+                };
+                if over_cpu || wall_ms > WALL_HANG_FACTOR * hang * 1000 {
                     let input = in_flight.lock().map(|v| v.clone()).unwrap_or_default();
                     save(&dir, &format!("hang-{name}.bin"), &input);
                     eprintln!(
-                        "sieve-fuzz: {name}: an input ({} bytes) ran over {hang} s; aborting",
-                        input.len()
+                        "sieve-fuzz: {name}: an input ({} bytes) ran over {hang} s of CPU time \
+                         ({:.1} s) or {} s of wall time ({:.1} s); aborting",
+                        input.len(),
+                        cpu_used,
+                        WALL_HANG_FACTOR * hang,
+                        wall_ms as f64 / 1e3
                     );
                     std::process::abort();
                 }
@@ -220,4 +287,31 @@ pub fn fuzz(target: &Target, corpus: &[Vec<u8>], opts: &Options) -> Stats {
 
 fn fnv(b: &[u8]) -> u64 {
     sieve_formats::blob::fnv1a64(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ThreadClock;
+
+    #[test]
+    fn the_thread_clock_counts_this_threads_cpu_time_only() {
+        let Some(clock) = ThreadClock::of_current_thread() else {
+            eprintln!("skipped: no /proc/thread-self here (the watchdog falls back to wall time)");
+            return;
+        };
+        let before = clock.seconds().unwrap();
+        // Sleeping uses no CPU time; spinning does.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let slept = clock.seconds().unwrap() - before;
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while t.elapsed().as_millis() < 400 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        }
+        std::hint::black_box(x);
+        let spun = clock.seconds().unwrap() - before - slept;
+        assert!(slept < 0.1, "sleeping counted {slept} s of CPU");
+        // At least part of the 0.4 s spin ran on a CPU even on a loaded machine.
+        assert!(spun > 0.0, "spinning counted {spun} s of CPU");
+    }
 }
