@@ -125,6 +125,12 @@ pub trait WeightFormat: Send + Sync + std::fmt::Debug {
     /// Appends this format's payload (everything needed to rebuild it) to `out`.
     fn write_payload(&self, out: &mut blob::ByteWriter);
 
+    /// The concrete type, for callers that run several matrices of one implementation
+    /// together (e.g. products that share one quantized input). `None` unless overridden.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
     /// The framed, checksummed serialization (see [`crate::blob`]).
     fn to_bytes(&self) -> Vec<u8> {
         let mut w = blob::ByteWriter::new();

@@ -196,6 +196,15 @@ impl Linear {
                 _ => None,
             })
             .collect();
+        if n == 1 {
+            if let Some(mats) = int4_ie_bme_group(linears) {
+                ie_bme_int::matvec_group(&mats, x, linears[0].threshold, ys)?;
+                for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                    l.add_bias(y);
+                }
+                return Ok(());
+            }
+        }
         match blocks {
             Some(mats) => {
                 let threshold = linears[0].threshold;
@@ -219,6 +228,20 @@ impl Linear {
         }
         Ok(())
     }
+}
+
+/// The IE-BME INT4 matrices of `linears` when every one of them is one and they share a
+/// threshold (what [`ie_bme_int::matvec_group`] needs).
+fn int4_ie_bme_group<'a>(linears: &[&'a Linear]) -> Option<Vec<&'a ie_bme_int::Int4IeBme>> {
+    linears
+        .iter()
+        .map(|l| match &l.weight {
+            Weight::Format(f) if l.threshold == linears[0].threshold => {
+                f.as_any()?.downcast_ref::<ie_bme_int::Int4IeBme>()
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// Dense f16 weights with SIMD kernels; kind, storage and blob payload are those of

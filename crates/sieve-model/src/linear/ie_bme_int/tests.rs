@@ -196,3 +196,54 @@ proptest! {
         check(rows, cols, sp, dp, tokens, if wide { 128 } else { 64 }, seed);
     }
 }
+
+#[test]
+fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
+    // q/k/v-like: different row counts (one not a multiple of the kernel's 4 rows), shared K.
+    let mats: Vec<Int4IeBme> = [(37, 0.5, 64), (12, 0.7, 128), (5, 0.3, 64)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(rows, sp, gs))| {
+            Int4IeBme::new(encode(rows, 200, sp, gs, 40 + i as u64)).unwrap()
+        })
+        .collect();
+    let refs: Vec<&Int4IeBme> = mats.iter().collect();
+    let x = activations(200, 41);
+    for t in [None, threshold_for_sparsity(&x, 0.5).unwrap()] {
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; m.rows()]).collect();
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+        matvec_group(&refs, &x, t, &mut outs).unwrap();
+        for (m, y) in mats.iter().zip(&ys) {
+            let mut want = vec![f32::NAN; m.rows()];
+            m.matvec(&x, t, &mut want).unwrap();
+            assert_eq!(y, &want, "threshold {t:?}");
+        }
+    }
+    let mut short = vec![0f32; 36];
+    let mut y1 = vec![0f32; 12];
+    let mut y2 = vec![0f32; 5];
+    assert!(matvec_group(&refs, &x, None, &mut [&mut short, &mut y1, &mut y2]).is_err());
+    assert!(matvec_group(&refs, &x, None, &mut [&mut y1, &mut y2]).is_err());
+    assert!(matvec_group(&refs, &x[..199], None, &mut [&mut short, &mut y1, &mut y2]).is_err());
+}
+
+#[test]
+fn linear_groups_of_int4_ie_bme_run_as_one_group() {
+    use crate::linear::Linear;
+    let t = Some(0.3);
+    let lin = |rows: usize, seed: u64| {
+        let mut l = Linear::from_format(Box::new(
+            Int4IeBme::new(encode(rows, 130, 0.5, 64, seed)).unwrap(),
+        ));
+        l.set_threshold(t).unwrap();
+        l
+    };
+    let (a, b) = (lin(20, 50), lin(9, 51));
+    let x = activations(130, 52);
+    let (mut ya, mut yb) = (vec![0f32; 20], vec![0f32; 9]);
+    Linear::forward_group(&[&a, &b], &x, 1, &mut [&mut ya, &mut yb]).unwrap();
+    let (mut wa, mut wb) = (vec![0f32; 20], vec![0f32; 9]);
+    a.forward(&x, 1, &mut wa).unwrap();
+    b.forward(&x, 1, &mut wb).unwrap();
+    assert_eq!((ya, yb), (wa, wb));
+}
