@@ -149,6 +149,9 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
                 sum += e;
             }
             sum = warp_sum(sum);
+            // Every lane has read s_m[j] above; order those reads before lane 0 rewrites it
+            // (shuffles converge the lanes but do not order shared memory: racecheck).
+            __syncwarp();
             if (lane == 0) {
                 const float corr = __expf(m_old - m_new);
                 s_corr[j] = corr;
