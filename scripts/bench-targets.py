@@ -5,6 +5,9 @@ best sieve kernel per shape, plus the slowest shape.
 
   scripts/bench-targets.py docs/bench/gpu-run3-7b-13b-l3.json docs/bench/gpu-run3-70b.json
   scripts/bench-targets.py --graph --issue11 RUN.json   # graph-mode figures, issue 11's targets
+  scripts/bench-targets.py --graph --matrix RUN.json...  # also the sp x dp table of medians, and
+      # for matrices over 50 MB: % of copy bandwidth of tiled-cbc/lane8 and whether it beats the
+      # best dense-storage kernel at the same dp on every such shape
 
 `--graph` reads each row's graph-mode speedup (runs made with `sieve bench kernels --graph`;
 rows without graph figures are left out); `--issue11` checks issue 11's targets instead.
@@ -23,9 +26,10 @@ TARGETS_ISSUE11 = [((0.5, 0.5), 2.5), ((0.7, 0.7), 4.0), ((0.5, 0.0), 1.5), ((0.
 
 args = sys.argv[1:]
 graph = "--graph" in args
+matrix = "--matrix" in args
 if "--issue11" in args:
     TARGETS = TARGETS_ISSUE11
-args = [a for a in args if a not in ("--graph", "--issue11")]
+args = [a for a in args if a not in ("--graph", "--issue11", "--matrix")]
 
 def speedup(r):
     if graph:
@@ -73,3 +77,77 @@ for (sp, dp), target in TARGETS:
     )
     ok = "met" if med >= target else "missed"
     print(f"| {sp} / {dp} | >= {target}x | **{med:.2f}x** ({ok}) | {worst:.2f}x ({worst_shape[1]}x{worst_shape[2]}, {wk}) | {kernels} |")
+
+if matrix:
+    def pct(r):
+        g = r.get("graph") if graph else r
+        return g["pct_copy_bw"] if g else None
+
+    sps = sorted({r["sp"] for r in rows})
+    dps = sorted({r["dp"] for r in rows})
+    cell = defaultdict(dict)  # (sp, dp) -> shape -> (speedup, kernel)
+    lane8 = defaultdict(dict)
+    dense_storage = defaultdict(dict)  # dp -> shape -> best dense-storage speedup
+    big = {}
+    for r in rows:
+        if r["format"] == "cublas":
+            big[(r["model"], r["m"], r["k"])] = r["bytes"] > 50e6
+    # A point measured in several runs (dense-storage kernels at sp 0 come with every run of
+    # that dp): the mean of its runs, each against its own run's cuBLAS.
+    seen = defaultdict(list)
+    for r in rows:
+        seen[(r["format"], r["model"], r["m"], r["k"], r["sp"], r["dp"])].append(r)
+    merged = []
+    for same in seen.values():
+        r = dict(same[0])
+        r["_speedup"] = statistics.mean(speedup(x) for x in same)
+        r["_pct"] = statistics.mean(pct(x) for x in same)
+        merged.append(r)
+    for r in merged:
+        f = r["format"]
+        if f == "cublas" or "/no-" in f or "loads-only" in f:
+            continue
+        shape = (r["model"], r["m"], r["k"])
+        v = r["_speedup"]
+        if f.startswith("dense"):
+            # dense-storage kernels ignore the weights' zeros: they count at every sp
+            dense_storage[r["dp"]][shape] = max(v, dense_storage[r["dp"]].get(shape, 0))
+            for sp in sps:
+                if v > cell[(sp, r["dp"])].get(shape, (0, ""))[0]:
+                    cell[(sp, r["dp"])][shape] = (v, family(f))
+        else:
+            if v > cell[(r["sp"], r["dp"])].get(shape, (0, ""))[0]:
+                cell[(r["sp"], r["dp"])][shape] = (v, family(f))
+            if f.startswith("tiled-cbc/lane8"):
+                lane8[(r["sp"], r["dp"])][shape] = (v, r["_pct"])
+    print()
+    print("median speedup over cuBLAS over shapes, best kernel per shape (shapes counted)")
+    print("| sp \\ dp | " + " | ".join(f"{d:g}" for d in dps) + " |")
+    print("|---|" + "---|" * len(dps))
+    for sp in sps:
+        cells = []
+        for dp in dps:
+            c = cell.get((sp, dp), {})
+            cells.append(f"{statistics.median(v for v, _ in c.values()):.2f} ({len(c)})" if c else "-")
+        print(f"| best, sp {sp:g} | " + " | ".join(cells) + " |")
+    for sp in sps:
+        cells = []
+        for dp in dps:
+            c = lane8.get((sp, dp), {})
+            cells.append(f"{statistics.median(v for v, _ in c.values()):.2f}" if c else "-")
+        if any(x != "-" for x in cells):
+            print(f"| tiled-cbc/lane8, sp {sp:g} | " + " | ".join(cells) + " |")
+    print()
+    print("matrices over 50 MB: tiled-cbc/lane8 % of copy bandwidth (min-max), and shapes where it beats")
+    print("the best dense-storage kernel at the same dp")
+    print("| sp / dp | % copy | beats dense storage |")
+    print("|---|---|---|")
+    for (sp, dp), by_shape in sorted(lane8.items()):
+        if sp < 0.3 - 1e-9:
+            continue
+        bs = [s for s in by_shape if big.get(s)]
+        if not bs:
+            continue
+        ps = [by_shape[s][1] for s in bs]
+        wins = sum(1 for s in bs if by_shape[s][0] > dense_storage[dp].get(s, 0))
+        print(f"| {sp:g} / {dp:g} | {min(ps):.0f}-{max(ps):.0f}% | {wins} of {len(bs)} |")
