@@ -9,7 +9,7 @@
 #   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF && ninja -C build llama-bench llama-perplexity
 #   SIEVE_BINARY defaults to $CARGO_TARGET_DIR/release/sieve (or target/release/sieve).
 # environment:
-#   MODEL (default $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf), THREADS (2), REPS (3),
+#   MODEL (default $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf), THREADS (2), REPS (5: interleaved rounds),
 #   IDLE_PCT (90: wait until the CPUs are at least this idle before each measurement, since a
 #   busy-waiting thread pool such as llama.cpp's loses most of its speed to any other process),
 #   IDLE_WAIT_S (900: give up waiting and measure anyway, flagged), PPL=1 to add perplexity over
@@ -21,7 +21,7 @@ llama_build="${1:?usage: $0 LLAMA_CPP_BUILD_DIR [SIEVE_BINARY]}"
 sieve="${2:-${CARGO_TARGET_DIR:-$repo/target}/release/sieve}"
 model="${MODEL:-${SIEVE_HOME:-$HOME/.cache/sieve}/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 threads="${THREADS:-2}"
-reps="${REPS:-3}"
+reps="${REPS:-5}"
 idle_pct="${IDLE_PCT:-90}"
 idle_wait_s="${IDLE_WAIT_S:-900}"
 data="${DATA:-$repo/../shared/data/wikitext-2/test.txt}"
@@ -85,45 +85,62 @@ echo "# model: $model, threads $threads, $reps repetitions (medians)"
 
 median() { python3 -c 'import sys,statistics; v=[float(x) for x in sys.argv[1:]]; print(f"{statistics.median(v):.1f}")' "$@"; }
 
-# llama.cpp: one llama-bench call per test so that each starts on an idle machine.
-declare -A llama
+# Interleaved: each repetition runs every llama.cpp test once and sieve once per prompt, one
+# after the other, so that slow drifts of a shared machine (a VM's neighbours, clocks) hit both
+# sides alike; the ratio of each pair is kept beside the medians.
 # tg128@dN decodes 128 tokens after N tokens already in the KV cache, as sieve does after its prompt.
-for test in "-p 64 -n 0:pp64" "-p 512 -n 0:pp512" "-p 0 -n 128:tg128" "-p 0 -n 128 -d 64:tg128@d64" \
-    "-p 0 -n 128 -d 512:tg128@d512"; do
-    args="${test%%:*}"; name="${test##*:}"
-    state="$(wait_idle)"
+declare -A llama_runs sieve_pp_runs sieve_tg_runs pair_ratios
+run_llama() {  # $1 = llama-bench arguments, prints tok/s of its one sample
     # shellcheck disable=SC2086
-    json="$("$llama_build/bin/llama-bench" -m "$model" -t "$threads" $args -r "$reps" -o json 2>/dev/null)"
-    samples="$(python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print(" ".join(f"{v:.1f}" for v in r["samples_ts"]))' <<< "$json")"
-    # shellcheck disable=SC2086
-    llama[$name]="$(median $samples)"
-    echo "llama.cpp $name: ${llama[$name]} tok/s (runs: $samples) [$state]"
-done
-
-# sieve: prefill of the 64- and 512-token prompts, decode of the 128 tokens after each.
-declare -A sieve_pp sieve_tg
-for p in 64 512; do
-    pps=() tgs=()
-    for _ in $(seq "$reps"); do
+    "$llama_build/bin/llama-bench" -m "$model" -t "$threads" $1 -r 1 -o json 2>/dev/null \
+        | python3 -c 'import json,sys; r=json.load(sys.stdin)[0]; print("%.1f" % r["samples_ts"][0])'
+}
+for rep in $(seq "$reps"); do
+    for test in "-p 64 -n 0:pp64" "-p 512 -n 0:pp512" "-p 0 -n 128:tg128"; do
+        args="${test%%:*}"; name="${test##*:}"
+        state="$(wait_idle)"
+        v="$(run_llama "$args")"
+        llama_runs[$name]+=" $v"
+        echo "rep $rep llama.cpp $name: $v tok/s [$state]"
+    done
+    for p in 64 512; do
+        state="$(wait_idle)"
+        v="$(run_llama "-p 0 -n 128 -d $p")"
+        llama_runs[tg128@d$p]+=" $v"
+        echo "rep $rep llama.cpp tg128@d$p: $v tok/s [$state]"
         state="$(wait_idle)"
         line="$("$sieve" generate --model "$model" --max-tokens 128 --threads "$threads" "$(cat "$work/p$p.txt")" 2>&1 >/dev/null | tail -1)"
-        echo "sieve p$p: $line [$state]"
-        pps+=("$(sed -E 's/.*prefill: ([0-9.]+) tok\/s.*/\1/' <<< "$line")")
-        tgs+=("$(sed -E 's/.*decode: ([0-9.]+) tok\/s.*/\1/' <<< "$line")")
+        echo "rep $rep sieve p$p: $line [$state]"
+        pp="$(sed -E 's/.*prefill: ([0-9.]+) tok\/s.*/\1/' <<< "$line")"
+        tg="$(sed -E 's/.*decode: ([0-9.]+) tok\/s.*/\1/' <<< "$line")"
+        sieve_pp_runs[$p]+=" $pp"
+        sieve_tg_runs[$p]+=" $tg"
+        pair_ratios[$p]+=" $(python3 -c "print(f'{$tg / $v:.3f}')")"
     done
-    sieve_pp[$p]="$(median "${pps[@]}")"
-    sieve_tg[$p]="$(median "${tgs[@]}")"
+done
+declare -A llama sieve_pp sieve_tg
+for name in "${!llama_runs[@]}"; do
+    # shellcheck disable=SC2086
+    llama[$name]="$(median ${llama_runs[$name]})"
+done
+for p in 64 512; do
+    # shellcheck disable=SC2086
+    sieve_pp[$p]="$(median ${sieve_pp_runs[$p]})"
+    # shellcheck disable=SC2086
+    sieve_tg[$p]="$(median ${sieve_tg_runs[$p]})"
 done
 
 ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$1" "$2"; }
 echo
-echo "| test | llama.cpp tok/s | sieve tok/s | sieve / llama.cpp |"
-echo "|---|---|---|---|"
-echo "| prefill 64 | ${llama[pp64]} | ${sieve_pp[64]} | $(ratio "${sieve_pp[64]}" "${llama[pp64]}") |"
-echo "| prefill 512 | ${llama[pp512]} | ${sieve_pp[512]} | $(ratio "${sieve_pp[512]}" "${llama[pp512]}") |"
-echo "| decode 128 after 64 tokens (llama.cpp tg128@d64) | ${llama[tg128@d64]} | ${sieve_tg[64]} | $(ratio "${sieve_tg[64]}" "${llama[tg128@d64]}") |"
-echo "| decode 128 after 512 tokens (llama.cpp tg128@d512) | ${llama[tg128@d512]} | ${sieve_tg[512]} | $(ratio "${sieve_tg[512]}" "${llama[tg128@d512]}") |"
-echo "| (llama.cpp tg128 from an empty cache) | ${llama[tg128]} | | |"
+echo "| test | llama.cpp tok/s | sieve tok/s | sieve / llama.cpp (of medians) | per pair (median; runs) |"
+echo "|---|---|---|---|---|"
+echo "| prefill 64 | ${llama[pp64]} | ${sieve_pp[64]} | $(ratio "${sieve_pp[64]}" "${llama[pp64]}") | |"
+echo "| prefill 512 | ${llama[pp512]} | ${sieve_pp[512]} | $(ratio "${sieve_pp[512]}" "${llama[pp512]}") | |"
+for p in 64 512; do
+    # shellcheck disable=SC2086
+    echo "| decode 128 after $p tokens (llama.cpp tg128@d$p) | ${llama[tg128@d$p]} | ${sieve_tg[$p]} | $(ratio "${sieve_tg[$p]}" "${llama[tg128@d$p]}") | $(python3 -c 'import sys,statistics; print(f"{statistics.median(map(float, sys.argv[1:])):.2f}")' ${pair_ratios[$p]});${pair_ratios[$p]} |"
+done
+echo "| (llama.cpp tg128 from an empty cache) | ${llama[tg128]} | | | |"
 
 if [[ "${PPL:-0}" == 1 ]]; then
     tokens=$((chunks * ctx))
