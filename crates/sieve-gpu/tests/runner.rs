@@ -292,7 +292,11 @@ fn sampler_matches_cpu_rules() {
             assert!(order[..5].contains(&(got as usize)), "top-k 5 drew {got}");
             seen.insert(got);
         }
-        assert_eq!(seen.len(), 5, "{top_k_draws} draws over 5 equal tokens hit them all");
+        assert_eq!(
+            seen.len(),
+            5,
+            "{top_k_draws} draws over 5 equal tokens hit them all"
+        );
         // top-p 0.5 over two dominant tokens of masses ~0.6 / ~0.4: only the first.
         let mut two = vec![-30.0f32; vocab];
         two[order[0]] = 1.0 + (0.6f32 / 0.4).ln();
