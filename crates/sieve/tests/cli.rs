@@ -342,3 +342,63 @@ fn eval_checks_the_window_before_reading_and_reads_only_what_max_tokens_needs() 
         started.elapsed()
     );
 }
+
+/// The report files and the options of the long benchmarks are checked before the GPU is
+/// looked for: on this CPU-only machine each error must name the bad argument, not the
+/// missing GPU, and no file may appear.
+#[test]
+fn bench_and_sim_outputs_and_options_are_checked_before_any_work() {
+    let dir = TempDir::new("bench-outputs");
+    let missing = dir.path("no/such/dir/r.json");
+    let e = fails(&["bench", "kernels", "--json", &missing]);
+    assert!(
+        e.contains("no/such/dir") && e.contains("cannot be used"),
+        "{e}"
+    );
+    let e = fails(&["bench", "kernels", "--plot", &dir.path("r.png")]);
+    assert!(e.contains("must name an .svg file"), "{e}");
+    let same = dir.path("r.svg");
+    let e = fails(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        "llama2-7b",
+        "--json",
+        &same,
+        "--plot",
+        &same,
+    ]);
+    assert!(e.contains("both name"), "{e}");
+    let e = fails(&["bench", "decode", "--synthetic", "llama-9000"]);
+    assert!(e.contains("unknown synthetic model 'llama-9000'"), "{e}");
+    let e = fails(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        "llama2-7b",
+        "--prompt",
+        "40000",
+    ]);
+    assert!(e.contains("positions") && e.contains("32768"), "{e}");
+    let e = fails(&[
+        "bench",
+        "cpu",
+        "--model",
+        &dir.path("absent.gguf"),
+        "--json",
+        &dir.0.display().to_string(),
+    ]);
+    assert!(
+        e.contains("does not exist") || e.contains("directory"),
+        "{e}"
+    );
+    let e = fails(&[
+        "sim", "celty", "--shape", "64x64", "--sp", "0.5", "--dp", "0.5", "--json", &missing,
+    ]);
+    assert!(e.contains("cannot be used"), "{e}");
+    let left: Vec<_> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "files left behind: {left:?}");
+}

@@ -294,13 +294,18 @@ impl Report {
             .map_err(|e| CudaError::Option(format!("serializing the report: {e}")))
     }
 
+    /// The SVG plot of [`svg_plot`] for this run.
+    pub fn plot(&self) -> String {
+        svg_plot(&self.rows, &self.device.name)
+    }
+
     /// Writes the JSON report and the SVG plot where asked.
     pub fn write_outputs(&self, json: Option<&Path>, plot: Option<&Path>) -> Result<()> {
         if let Some(p) = json {
             write_file(p, &self.to_json()?)?;
         }
         if let Some(p) = plot {
-            write_file(p, &svg_plot(&self.rows, &self.device.name))?;
+            write_file(p, &self.plot())?;
         }
         Ok(())
     }

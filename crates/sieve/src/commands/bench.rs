@@ -104,13 +104,17 @@ impl KernelsArgs {
     }
 }
 
+use super::report_files::ReportFiles;
+
 pub fn run_kernels(a: KernelsArgs) -> Result<()> {
     let opts = a.options();
     opts.validate()?;
+    let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &[])?;
     let report = sieve_cuda::bench::run(&opts, &mut |line| eprintln!("{line}"))
         .context("sieve bench kernels (needs a CUDA GPU)")?;
     print!("{}", report.markdown());
-    report.write_outputs(a.json.as_deref(), a.plot.as_deref())?;
+    files.write_json(|| Ok(report.to_json()?))?;
+    files.write_plot(|| Ok(report.plot()))?;
     report.check_correct()?;
     Ok(())
 }

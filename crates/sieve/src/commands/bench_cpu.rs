@@ -7,6 +7,8 @@ use sieve_model::cpu_bench::{self, BenchTarget, CpuBenchOptions};
 use sieve_model::generate::run_in_pool;
 use std::path::PathBuf;
 
+use super::report_files::ReportFiles;
+
 #[derive(Args, Debug)]
 pub struct CpuArgs {
     /// A model to measure (repeatable; `.sieve`, GGUF or safetensors). Default: the default model.
@@ -63,6 +65,8 @@ fn run_on_pool(args: CpuArgs) -> Result<()> {
             bail!("model {} does not exist", t.path.display());
         }
     }
+    let inputs: Vec<&std::path::Path> = targets.iter().map(|t| t.path.as_path()).collect();
+    let mut files = ReportFiles::open(args.json.as_deref(), None, &inputs)?;
     let options = CpuBenchOptions {
         prompt_tokens: args.prompt_tokens,
         decode_tokens: args.decode_tokens,
@@ -73,10 +77,7 @@ fn run_on_pool(args: CpuArgs) -> Result<()> {
     })
     .context("sieve bench cpu")?;
     print!("{}", report.markdown());
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+    files.write_json(|| Ok(serde_json::to_string_pretty(&report)?))?;
     Ok(())
 }
 

@@ -8,6 +8,8 @@ use sieve_formats::FormatKind;
 use sieve_gpu::bench::{self, DecodeBenchOptions, DecodeResult};
 use std::path::PathBuf;
 
+use super::report_files::ReportFiles;
+
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
     /// A synthetic model of a real shape: llama2-7b, llama2-13b, llama3-8b, llama2-70b.
@@ -104,6 +106,23 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     }
     let format = FormatKind::from_name(&a.format)?;
     let pattern: Pattern = a.pattern.parse()?;
+    if let Some(name) = &a.synthetic {
+        // The name and the context, before the GPU is opened.
+        let config = sieve_gpu::synthetic::config(name)?;
+        let needed = (a.prompt.max(1) + a.tokens).max(a.context + 64) + 16;
+        if needed > config.max_position_embeddings {
+            bail!(
+                "--prompt {} + --tokens {} (or --context {}) need {needed} positions; the \
+                 synthetic {name} has {}",
+                a.prompt,
+                a.tokens,
+                a.context,
+                config.max_position_embeddings
+            );
+        }
+    }
+    let inputs: Vec<&std::path::Path> = a.model.iter().map(|p| p.as_path()).collect();
+    let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &inputs)?;
     let opts = DecodeBenchOptions {
         prompt: a.prompt.max(1),
         tokens: a.tokens,
@@ -165,13 +184,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         }
         (None, None) => bail!("give --synthetic NAME or --model PATH"),
     };
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&results)?)
-            .with_context(|| format!("writing {}", p.display()))?;
-    }
-    if let Some(p) = &a.plot {
-        std::fs::write(p, bench::plot_svg(&results))
-            .with_context(|| format!("writing {}", p.display()))?;
-    }
+    files.write_json(|| Ok(serde_json::to_string_pretty(&results)?))?;
+    files.write_plot(|| Ok(bench::plot_svg(&results)))?;
     Ok(())
 }

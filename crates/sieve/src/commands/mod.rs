@@ -7,5 +7,6 @@ pub mod formats;
 pub mod generate;
 pub mod model_path;
 pub mod pack;
+pub mod report_files;
 pub mod serve;
 pub mod sim;

@@ -1,6 +1,7 @@
 //! `sieve sim celty`: the trace-driven model of Celty's sparse SIMT core (crates/sieve-sim).
 //! This file only parses, runs the library and prints.
 
+use super::report_files::ReportFiles;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use serde::Serialize;
@@ -113,11 +114,7 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
             shapes.extend(shapes_of(s)?);
         }
     }
-    if let Some(p) = &a.plot {
-        if p.extension().and_then(|e| e.to_str()) != Some("svg") {
-            bail!("--plot {} must name an .svg file", p.display());
-        }
-    }
+    let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &[])?;
     let gpu = GpuSpec::h200();
     let cost = CostModel::h200();
     let meas = measured::load()?;
@@ -210,7 +207,7 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
         None
     };
 
-    if let Some(p) = &a.plot {
+    files.write_plot(|| {
         let c = comparison
             .as_ref()
             .context("comparison computed for --plot")?;
@@ -220,11 +217,9 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
             a.shapes.join(", ")
         };
         let err = calibration.as_ref().map(|c| c.mean_abs_error);
-        std::fs::write(p, sieve_sim::svg::render(c, &label, err))
-            .with_context(|| format!("writing {}", p.display()))?;
-        println!("plot: {}", p.display());
-    }
-    if let Some(p) = &a.json {
+        Ok(sieve_sim::svg::render(c, &label, err))
+    })?;
+    files.write_json(|| {
         let report = Report {
             gpu,
             cost,
@@ -233,10 +228,8 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
             comparison,
             area,
         };
-        std::fs::write(p, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", p.display()))?;
-        println!("json: {}", p.display());
-    }
+        Ok(serde_json::to_string_pretty(&report)?)
+    })?;
     Ok(())
 }
 
