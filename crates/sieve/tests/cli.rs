@@ -396,6 +396,14 @@ fn bench_and_sim_outputs_and_options_are_checked_before_any_work() {
         "sim", "celty", "--shape", "64x64", "--sp", "0.5", "--dp", "0.5", "--json", &missing,
     ]);
     assert!(e.contains("cannot be used"), "{e}");
+    if let Some(model) = default_model() {
+        let m = model.display().to_string();
+        let e = fails(&["bench", "decode", "--model", &m, "--prompt", "9000"]);
+        assert!(
+            e.contains("positions") && e.contains("context of 8192"),
+            "{e}"
+        );
+    }
     let left: Vec<_> = std::fs::read_dir(&dir.0)
         .unwrap()
         .map(|e| e.unwrap().file_name())

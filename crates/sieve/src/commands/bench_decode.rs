@@ -157,9 +157,20 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         (None, Some(path)) => {
             let (model, _tok) = sieve_model::packed::load_model_and_tokenizer(path)
                 .with_context(|| format!("opening {}", path.display()))?;
+            let capacity = (opts.prompt + opts.tokens).max(opts.context + 64) + 16;
+            let context = model.config().max_position_embeddings;
+            if capacity > context {
+                bail!(
+                    "--prompt {} + --tokens {} (or --context {}) need {capacity} positions; {} \
+                     has a context of {context}",
+                    a.prompt,
+                    a.tokens,
+                    a.context,
+                    path.display()
+                );
+            }
             let gpu = sieve_cuda::Gpu::new(0).context("bench decode needs a GPU")?;
             let copy = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
-            let capacity = (opts.prompt + opts.tokens).max(opts.context + 64) + 16;
             let t = std::time::Instant::now();
             let mut m = sieve_gpu::GpuModel::from_model(gpu, &model, capacity)?;
             drop(model);
