@@ -31,6 +31,28 @@ pub struct DecodeBenchOptions {
     pub pdl: Vec<bool>,
 }
 
+impl DecodeBenchOptions {
+    /// KV-cache positions a measurement uses: the prompt and the timed tokens, or the
+    /// long-context position, with a margin.
+    pub fn positions_needed(&self) -> usize {
+        (self.prompt + self.tokens).max(self.context + 64) + 16
+    }
+
+    /// Refuses, before any GPU work, a run that needs more positions than `context`, the
+    /// context of `model`.
+    pub fn check_context(&self, context: usize, model: &str) -> Result<()> {
+        let needed = self.positions_needed();
+        if needed > context {
+            return Err(GpuError::InvalidArgument(format!(
+                "a prompt of {} + {} tokens (or the position {}) need {needed} positions; {model} \
+                 has a context of {context}",
+                self.prompt, self.tokens, self.context
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One configuration's numbers.
 #[derive(Clone, Debug, Serialize)]
 pub struct DecodeResult {
@@ -213,7 +235,12 @@ pub fn run_synthetic(
     opts: &DecodeBenchOptions,
     mut on_result: impl FnMut(&DecodeResult),
 ) -> Result<Vec<DecodeResult>> {
-    let capacity = (opts.prompt + opts.tokens).max(opts.context + 64) + 16;
+    let config = synthetic::config(name)?;
+    opts.check_context(
+        config.max_position_embeddings,
+        &format!("the synthetic {name}"),
+    )?;
+    let capacity = opts.positions_needed();
     let mut out = Vec::new();
     let mut copy_gbs = 0.0;
     for &(sp, dp) in configs {
@@ -321,4 +348,44 @@ pub fn plot_svg(results: &[DecodeResult]) -> String {
         );
     }
     s + "</svg>\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(prompt: usize, tokens: usize, context: usize) -> DecodeBenchOptions {
+        DecodeBenchOptions {
+            prompt,
+            tokens,
+            context,
+            format: FormatKind::TiledCbc,
+            pattern: Pattern::Unstructured,
+            seed: 0,
+            tcbc_kernels: vec![TcbcKernel::Lane8],
+            pdl: vec![true],
+        }
+    }
+
+    #[test]
+    fn bad_runs_are_refused_before_the_gpu_is_opened() {
+        // These return before `Gpu::new`, so they hold on a machine without a GPU too.
+        let ok = options(128, 256, 8192);
+        assert_eq!(ok.positions_needed(), 8192 + 64 + 16);
+        assert!(ok.check_context(32768, "m").is_ok());
+        let e = options(30000, 3000, 0).check_context(32768, "the synthetic llama2-7b");
+        let e = e.unwrap_err().to_string();
+        assert!(
+            e.contains("33016 positions") && e.contains("context of 32768"),
+            "{e}"
+        );
+        let e = run_synthetic("llama-9000", &[(0.0, 0.0)], &ok, |_| {}).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown synthetic model 'llama-9000'"),
+            "{e}"
+        );
+        let e = run_synthetic("llama2-7b", &[(0.0, 0.0)], &options(1, 1, 40000), |_| {});
+        assert!(e.unwrap_err().to_string().contains("context of 32768"));
+    }
 }

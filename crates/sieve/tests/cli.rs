@@ -379,7 +379,10 @@ fn bench_and_sim_outputs_and_options_are_checked_before_any_work() {
         "--prompt",
         "40000",
     ]);
-    assert!(e.contains("positions") && e.contains("32768"), "{e}");
+    assert!(
+        e.contains("positions") && e.contains("context of 32768"),
+        "{e}"
+    );
     let e = fails(&[
         "bench",
         "cpu",

@@ -106,21 +106,6 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     }
     let format = FormatKind::from_name(&a.format)?;
     let pattern: Pattern = a.pattern.parse()?;
-    if let Some(name) = &a.synthetic {
-        // The name and the context, before the GPU is opened.
-        let config = sieve_gpu::synthetic::config(name)?;
-        let needed = (a.prompt.max(1) + a.tokens).max(a.context + 64) + 16;
-        if needed > config.max_position_embeddings {
-            bail!(
-                "--prompt {} + --tokens {} (or --context {}) need {needed} positions; the \
-                 synthetic {name} has {}",
-                a.prompt,
-                a.tokens,
-                a.context,
-                config.max_position_embeddings
-            );
-        }
-    }
     let inputs: Vec<&std::path::Path> = a.model.iter().map(|p| p.as_path()).collect();
     let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &inputs)?;
     let opts = DecodeBenchOptions {
@@ -157,18 +142,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         (None, Some(path)) => {
             let (model, _tok) = sieve_model::packed::load_model_and_tokenizer(path)
                 .with_context(|| format!("opening {}", path.display()))?;
-            let capacity = (opts.prompt + opts.tokens).max(opts.context + 64) + 16;
             let context = model.config().max_position_embeddings;
-            if capacity > context {
-                bail!(
-                    "--prompt {} + --tokens {} (or --context {}) need {capacity} positions; {} \
-                     has a context of {context}",
-                    a.prompt,
-                    a.tokens,
-                    a.context,
-                    path.display()
-                );
-            }
+            opts.check_context(context, &path.display().to_string())?;
+            let capacity = opts.positions_needed();
             let gpu = sieve_cuda::Gpu::new(0).context("bench decode needs a GPU")?;
             let copy = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
             let t = std::time::Instant::now();
