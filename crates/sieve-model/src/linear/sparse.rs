@@ -341,14 +341,18 @@ impl WeightFormat for FastTiledCbc {
     ) -> Result<(), FormatError> {
         self.matmul_with(SimdLevel::detect(), x, n, threshold, y)
     }
-    /// The Tiled-CBC payload (re-encoded from the same matrix: the encoding is deterministic,
-    /// so the bytes equal those read).
     fn write_payload(&self, w: &mut ByteWriter) {
-        match TiledCbc::encode(&self.decode()) {
-            Ok(t) => t.write_payload(w),
-            // Cannot happen: the matrix came from a valid Tiled-CBC encoding.
-            Err(e) => panic!("tiled-cbc re-encoding failed: {e}"),
-        }
+        write_tiled_cbc_payload(&self.decode(), w)
+    }
+}
+
+/// The Tiled-CBC payload of a CPU layout built from a Tiled-CBC matrix, re-encoded from its
+/// decoded matrix: the encoding is deterministic, so the bytes equal those read.
+pub(crate) fn write_tiled_cbc_payload(matrix: &DenseMatrix, w: &mut ByteWriter) {
+    match TiledCbc::encode(matrix) {
+        Ok(t) => t.write_payload(w),
+        // Cannot happen: the matrix came from a valid Tiled-CBC encoding.
+        Err(e) => panic!("tiled-cbc re-encoding failed: {e}"),
     }
 }
 

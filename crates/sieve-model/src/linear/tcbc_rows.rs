@@ -354,14 +354,8 @@ impl WeightFormat for RowTiledCbc {
     ) -> Result<(), FormatError> {
         self.matmul_with(SimdLevel::detect(), x, n, threshold, y)
     }
-    /// The Tiled-CBC payload (re-encoded from the same matrix: the encoding is deterministic,
-    /// so the bytes equal those read).
     fn write_payload(&self, w: &mut ByteWriter) {
-        match TiledCbc::encode(&self.decode()) {
-            Ok(t) => t.write_payload(w),
-            // Cannot happen: the matrix came from a valid Tiled-CBC encoding.
-            Err(e) => panic!("tiled-cbc re-encoding failed: {e}"),
-        }
+        super::sparse::write_tiled_cbc_payload(&self.decode(), w)
     }
 }
 
