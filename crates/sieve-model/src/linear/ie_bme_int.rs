@@ -264,7 +264,7 @@ impl Int4IeBme {
         y: &mut [f32],
     ) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
-        let level = usable(level);
+        let level = level.or_portable();
         let p = self.prepare(x, threshold);
         let chunk = rows_per_task(self.rows);
         y.par_chunks_mut(chunk)
@@ -284,7 +284,7 @@ impl Int4IeBme {
         y: &mut [f32],
     ) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, n, threshold, y)?;
-        let level = usable(level);
+        let level = level.or_portable();
         let (m, k) = (self.rows, self.cols);
         if n == 0 || m == 0 {
             return Ok(());
@@ -319,15 +319,6 @@ impl Int4IeBme {
             }
         }
         Ok(())
-    }
-}
-
-/// `level` if this CPU can run it, else the portable kernel.
-fn usable(level: SimdLevel) -> SimdLevel {
-    if level.supported() {
-        level
-    } else {
-        SimdLevel::Portable
     }
 }
 
@@ -437,7 +428,7 @@ pub fn matvec_group(
         return Ok(());
     };
     // Every matrix has K = x.len() columns (checked), so one preparation serves them all.
-    let level = usable(SimdLevel::detect());
+    let level = SimdLevel::detect().or_portable();
     let p = first.prepare(x, threshold);
     let chunk = rows_per_task(mats.iter().map(|m| m.rows).sum());
     let mut tasks: Vec<(&Int4IeBme, usize, &mut [f32])> = Vec::new();

@@ -29,6 +29,15 @@ impl SimdLevel {
     }
 
     /// Whether this CPU can run the kernels of `self`.
+    /// This level if this CPU can run it, else the portable kernel.
+    pub fn or_portable(self) -> SimdLevel {
+        if self.supported() {
+            self
+        } else {
+            SimdLevel::Portable
+        }
+    }
+
     pub fn supported(self) -> bool {
         match self {
             SimdLevel::Portable => true,

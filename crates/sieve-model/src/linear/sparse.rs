@@ -550,9 +550,10 @@ impl WeightFormat for DenseColumns {
     }
 }
 
-/// The AVX2 rank table, shared with the row-major kernel of [`super::tcbc_rows`].
+/// The AVX2 rank table and f16 loader, shared with the row-major kernel of
+/// [`super::tcbc_rows`].
 #[cfg(target_arch = "x86_64")]
-pub(super) use x86::RANKS;
+pub(super) use x86::{load8_f16, RANKS};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -675,7 +676,7 @@ mod x86 {
     /// Loads 8 f16 at `p` as f32; reads at or past `end` (the end of the values) give 0.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn load8_f16(p: *const u16, end: *const u16) -> __m256 {
+    pub(crate) unsafe fn load8_f16(p: *const u16, end: *const u16) -> __m256 {
         if p.add(8) <= end {
             _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         } else {

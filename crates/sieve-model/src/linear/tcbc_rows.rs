@@ -209,7 +209,7 @@ impl RowTiledCbc {
         y: &mut [f32],
     ) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
-        let level = usable(level);
+        let level = level.or_portable();
         let p = self.prepare(x, threshold);
         let per = BLOCK * blocks_per_task(self.blocks());
         y.par_chunks_mut(per).enumerate().for_each(|(t, out)| {
@@ -308,15 +308,6 @@ thread_local! {
     static PANEL: std::cell::RefCell<Vec<f16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `level` if this CPU can run it, else the portable kernel.
-fn usable(level: SimdLevel) -> SimdLevel {
-    if level.supported() {
-        level
-    } else {
-        SimdLevel::Portable
-    }
-}
-
 /// Blocks per parallel task: about three tasks per thread (576 rows = 18 blocks: 3 per task
 /// on 2 threads), at least one block.
 fn blocks_per_task(blocks: usize) -> usize {
@@ -362,7 +353,7 @@ impl WeightFormat for RowTiledCbc {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{Prepared, RowTiledCbc, BLOCK};
-    use crate::linear::sparse::RANKS;
+    use crate::linear::sparse::{load8_f16, RANKS};
     use std::arch::x86_64::*;
 
     /// The bitmap and the first value of column `c` in block `b`.
@@ -471,20 +462,6 @@ mod x86 {
         }
         _mm512_storeu_ps(out.as_mut_ptr(), acc[0]);
         _mm512_storeu_ps(out.as_mut_ptr().add(16), acc[1]);
-    }
-
-    /// Loads 8 f16 at `p` as f32; reads at or past `end` (the end of the values) give 0.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn load8_f16(p: *const u16, end: *const u16) -> __m256 {
-        if p.add(8) <= end {
-            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-        } else {
-            let mut tmp = [0u16; 8];
-            let n = (end.offset_from(p).max(0) as usize).min(8);
-            std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
-            _mm256_cvtph_ps(_mm_loadu_si128(tmp.as_ptr() as *const __m128i))
-        }
     }
 
     /// Per active column and 8 rows: a load, `vcvtph2ps`, `vpermps` by the rank of each set
