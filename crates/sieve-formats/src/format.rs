@@ -17,15 +17,17 @@ pub enum FormatKind {
     TiledCbc = 3,
     IeBme = 4,
     Slide = 5,
+    BalancedCbc = 6,
 }
 
 impl FormatKind {
-    pub const ALL: [FormatKind; 5] = [
+    pub const ALL: [FormatKind; 6] = [
         FormatKind::Dense,
         FormatKind::RlcCsc,
         FormatKind::TiledCbc,
         FormatKind::IeBme,
         FormatKind::Slide,
+        FormatKind::BalancedCbc,
     ];
 
     pub fn name(self) -> &'static str {
@@ -35,6 +37,7 @@ impl FormatKind {
             FormatKind::TiledCbc => "tiled-cbc",
             FormatKind::IeBme => "ie-bme",
             FormatKind::Slide => "slide",
+            FormatKind::BalancedCbc => "balanced-cbc",
         }
     }
 
@@ -51,7 +54,7 @@ impl FormatKind {
             .find(|k| k.name() == name)
             .ok_or_else(|| {
                 FormatError::Option(format!(
-                    "unknown format '{name}' (known: dense, rlc-csc, tiled-cbc, ie-bme, slide)"
+                    "unknown format '{name}' (known: dense, rlc-csc, tiled-cbc, ie-bme, slide, balanced-cbc)"
                 ))
             })
     }
@@ -222,7 +225,7 @@ pub(crate) trait ColumnBlocks: Sync {
     fn walk<F: FnMut(usize, f16)>(&self, block: usize, col: usize, f: F);
 }
 
-/// The CPU product of the column-compressed formats (RLC-CSC, Tiled-CBC):
+/// The CPU product of the column-compressed formats (RLC-CSC, Tiled-CBC, Balanced-CBC):
 /// `y (n x M) = mask(x) (n x K) · Wᵀ`. Active columns are compacted first; row blocks run in
 /// parallel, and when there are fewer blocks than threads the active columns are also split
 /// (split-K), each chunk accumulating into its own buffer that is then summed.

@@ -23,6 +23,7 @@ pub fn encode_default(kind: FormatKind, w: &DenseMatrix) -> Result<Box<dyn Weigh
             w,
             &crate::slide::SlideOptions::default(),
         )?),
+        FormatKind::BalancedCbc => Box::new(crate::balanced_cbc::BalancedCbc::encode(w)?),
     })
 }
 
@@ -37,6 +38,9 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Box<dyn WeightFormat>> {
         FormatKind::RlcCsc => Box::new(crate::rlc_csc::RlcCsc::read_payload(&mut r)?),
         FormatKind::TiledCbc => Box::new(crate::tiled_cbc::TiledCbc::read_payload(&mut r)?),
         FormatKind::Slide => Box::new(crate::slide::Slide::read_payload(&mut r)?),
+        FormatKind::BalancedCbc => {
+            Box::new(crate::balanced_cbc::BalancedCbc::read_payload(&mut r)?)
+        }
     };
     r.finish()?;
     Ok(w)

@@ -156,7 +156,7 @@ proptest! {
     /// Random payloads in a valid frame, so the checksum passes and each format's payload
     /// validation is what gets exercised.
     #[test]
-    fn random_payloads_in_valid_frames(tag in 1u16..=5, words in proptest::collection::vec(any::<u64>(), 0..64),
+    fn random_payloads_in_valid_frames(tag in 1u16..=6, words in proptest::collection::vec(any::<u64>(), 0..64),
                                        small in proptest::collection::vec(0u64..64, 0..6)) {
         // Small leading integers make plausible shapes; the rest is noise.
         let mut payload = Vec::new();
