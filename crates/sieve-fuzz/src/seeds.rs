@@ -438,10 +438,36 @@ pub fn blobs() -> Vec<(String, Vec<u8>)> {
         let w = sparse_matrix(rows, cols, sp, Pattern::NM { n: 6, m: 8 }, i as u64)
             .or_else(|_| sparse_matrix(rows, cols, sp, Pattern::Unstructured, i as u64));
         let Ok(w) = w else { continue };
-        for kind in FormatKind::ALL {
+        // A balanced-cbc block covers 512 rows, so these short matrices would be almost all
+        // padding (up to 147 KB a seed); its seeds are the compact ones below.
+        for kind in FormatKind::ALL
+            .into_iter()
+            .filter(|&k| k != FormatKind::BalancedCbc)
+        {
             if let Ok(f) = registry::encode_default(kind, &w) {
                 out.push((format!("{}-{rows}x{cols}", kind.name()), f.to_bytes()));
             }
+        }
+    }
+    // Balanced-CBC: a 520-row matrix (two row tiles, the second with 8 live rows) at N = 2 (words
+    // only) and N = 3 (words and the odd tail), 1.5 and 2 KB.
+    for (n, seed) in [(2usize, 7u64), (3, 8)] {
+        let (rows, cols) = (520usize, 4usize);
+        let mut rng = SplitMix64::new(seed);
+        let mut data = vec![f16::ZERO; rows * cols];
+        for g0 in (0..rows).step_by(16) {
+            for col in 0..cols {
+                for _ in 0..n {
+                    let r = g0 + rng.below(16.min(rows - g0));
+                    data[r * cols + col] = sieve_formats::random::weight_value(&mut rng);
+                }
+            }
+        }
+        let Ok(w) = sieve_formats::DenseMatrix::new(rows, cols, data) else {
+            continue;
+        };
+        if let Ok(f) = sieve_formats::balanced_cbc::BalancedCbc::encode_with_slots(&w, n) {
+            out.push((format!("balanced-cbc-{rows}x{cols}-n{n}"), f.to_bytes()));
         }
     }
     out
@@ -462,6 +488,7 @@ pub fn pack() -> Option<Vec<u8>> {
         FormatKind::IeBme,
         FormatKind::Slide,
         FormatKind::Dense,
+        FormatKind::BalancedCbc,
     ];
     for (i, (_, lin)) in model.layers_mut()[0].linears_mut().into_iter().enumerate() {
         let dense = lin.format().decode();

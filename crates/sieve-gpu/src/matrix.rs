@@ -8,6 +8,7 @@
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme, slide | - | refused: no GPU decode kernel yet |
+//! | balanced-cbc | - | refused for now: its kernel is being written |
 //!
 //! Products add into their output ([`GpuAccumulate`]): the runner zeroes an output in the
 //! RMSNorm launch before it, or lets o_proj and down_proj add straight into the residual.
@@ -56,6 +57,12 @@ impl DeviceMatrix {
                 let f = RlcCsc::encode(m, &RlcCscOptions::default())?;
                 let bytes = f.storage().total_bytes();
                 (DeviceMatrix::RlcCsc(GpuRlcCsc::upload(gpu, &f)?), bytes)
+            }
+            // The balanced-cbc kernel (sieve-cuda) replaces this arm when it lands.
+            FormatKind::BalancedCbc => {
+                return Err(GpuError::Unsupported(
+                    "balanced-cbc has no GPU kernel yet; re-pack with dense, tiled-cbc or rlc-csc, or run on the CPU (--device cpu)".into(),
+                ))
             }
             other => {
                 return Err(GpuError::Unsupported(format!(

@@ -156,7 +156,7 @@ impl TealAllocation {
 pub fn bytes_per_token(kind: FormatKind, storage: Storage, dp: f64) -> f64 {
     let total = storage.total_bytes() as f64;
     match kind {
-        FormatKind::RlcCsc | FormatKind::TiledCbc => total * (1.0 - dp),
+        FormatKind::RlcCsc | FormatKind::TiledCbc | FormatKind::BalancedCbc => total * (1.0 - dp),
         FormatKind::Dense | FormatKind::IeBme | FormatKind::Slide => total,
     }
 }
