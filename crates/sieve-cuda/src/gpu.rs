@@ -284,8 +284,9 @@ fn compile_log(source: &str, options: &[String]) -> Option<String> {
 }
 
 /// All kernel families of this crate.
-pub fn families() -> [KernelFamily; 3] {
+pub fn families() -> [KernelFamily; 4] {
     [
+        crate::balanced_cbc::FAMILY,
         crate::dense::FAMILY,
         crate::rlc_csc::FAMILY,
         crate::tiled_cbc::FAMILY,

@@ -14,12 +14,14 @@
 //! | [`dense`] | row-major f16; column-major f16 | GEMV (warp per row); column-skipping TEAL kernel; cuBLAS GemmEx |
 //! | [`rlc_csc`] | Celty RLC-CSC | warp-per-256-row-tile spMspV, prefix-sum row reconstruction |
 //! | [`tiled_cbc`] | SPDP Tiled-CBC | SPDP's kernel; sieve's lane-per-8-rows kernel (default) |
+//! | [`balanced_cbc`] | Balanced-CBC (N of every 16 rows per column) | lane per 16 rows, fixed-size coalesced blocks, shared-memory accumulators |
 //!
 //! [`graph`] captures launches into CUDA graphs, optionally with programmatic dependent launch.
 //!
 //! [`choice`] picks, per layer, between the dense column-major and the Tiled-CBC kernel from
 //! time models fitted to measured runs.
 
+pub mod balanced_cbc;
 pub mod bench;
 pub mod choice;
 pub mod dense;

@@ -2,11 +2,15 @@
 //! outputs. Without a GPU each test prints a skip reason and passes, unless
 //! `SIEVE_REQUIRE_GPU=1` (then it fails).
 
+use sieve_cuda::balanced_cbc::GpuBalancedCbc;
 use sieve_cuda::dense::{compact_active, GpuDense, GpuDenseColMajor};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, Lane8Shape, TcbcKernel};
-use sieve_cuda::{gpu_or_skip, matvec_host, Gpu, GpuMatVec};
-use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
+use sieve_cuda::{gpu_or_skip, matvec_host, Gpu, GpuAccumulate, GpuMatVec};
+use sieve_formats::balanced_cbc::BalancedCbc;
+use sieve_formats::random::{
+    activations, balanced_matrix, sparse_matrix, threshold_for_sparsity, Pattern,
+};
 use sieve_formats::reference::{matvec_f64, max_rel_error};
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
@@ -267,6 +271,76 @@ fn tiled_cbc_matches_reference() {
     }
 }
 
+/// Balanced-CBC over every slot count, odd shapes (M not a multiple of the 512-row tile or of
+/// the 16-row group, K below one warp slice), column slices from 1 to 64, in both the zeroing
+/// and the accumulating launch; and unstructured matrices (padded slots) through the same kernel.
+#[test]
+fn balanced_cbc_matches_reference() {
+    let Some(gpu) = gpu_or_skip("balanced_cbc_matches_reference") else {
+        return;
+    };
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
+    let mut shapes: Vec<(usize, usize)> = vec![(1, 1), (7, 5), (33, 63), (513, 129), (1000, 300)];
+    if !small_only {
+        shapes.push((4096, 4096));
+    }
+    for &(rows, cols) in &shapes {
+        for slots in 1..=16usize {
+            if rows * cols > 1_000_000 && ![1, 5, 8, 16].contains(&slots) {
+                continue;
+            }
+            let s = seed();
+            let m = balanced_matrix(rows, cols, slots, s).expect("matrix");
+            let f = BalancedCbc::encode_with_slots(&m, slots).expect("encode");
+            let mut g = GpuBalancedCbc::upload(&gpu, &f).expect("upload");
+            for &dp in ACT_SPARSITIES {
+                let x = activations(cols, s ^ 0x77);
+                let t = threshold_for_sparsity(&x, dp).expect("dp");
+                for cpw in [0usize, 1, 13, 32, 64] {
+                    g.cols_per_warp = cpw;
+                    let what = format!("{rows}x{cols} n={slots} dp={dp} c{cpw} seed={s}");
+                    check(&gpu, &g, &m, &x, t, &what);
+                }
+            }
+            // Accumulating launch: y starts at 1.0, must end at 1 + W x.
+            let x = activations(cols, s ^ 0x99);
+            let want: Vec<f64> = matvec_f64(&m, &x, None).iter().map(|v| v + 1.0).collect();
+            let xd = gpu.upload(&x).expect("x");
+            let yd = gpu.upload(&vec![1.0f32; rows]).expect("y");
+            g.cols_per_warp = 0;
+            g.launch_add(
+                &gpu,
+                sieve_cuda::dev_ptr(&gpu, &xd),
+                None,
+                sieve_cuda::dev_ptr(&gpu, &yd),
+            )
+            .expect("launch_add");
+            gpu.synchronize().expect("sync");
+            let got = gpu.download(&yd).expect("download");
+            let err = max_rel_error(&got, &want);
+            assert!(
+                err < TOL,
+                "{rows}x{cols} n={slots} accumulate: rel error {err}"
+            );
+        }
+        // An unstructured matrix is stored with N = its fullest group (padding slots).
+        let s = seed();
+        let m = sparse_matrix(rows, cols, 0.7, Pattern::Unstructured, s).expect("matrix");
+        let f = BalancedCbc::encode(&m).expect("encode");
+        let g = GpuBalancedCbc::upload(&gpu, &f).expect("upload");
+        let x = activations(cols, s ^ 3);
+        let t = threshold_for_sparsity(&x, 0.5).expect("dp");
+        check(
+            &gpu,
+            &g,
+            &m,
+            &x,
+            t,
+            &format!("{rows}x{cols} unstructured seed={s}"),
+        );
+    }
+}
+
 /// Kernels that zero their output themselves (fused zeroing with per-tile epoch flags) must
 /// give the same result when launched again into the same, already written output.
 #[test]
@@ -291,7 +365,9 @@ fn fused_zeroing_survives_relaunch_into_the_same_output() {
         tcbc_rr.kernel = TcbcKernel::RoundRobin;
         let mut cm = GpuDenseColMajor::upload(&gpu, &m).expect("upload");
         cm.cols_per_warp = 32;
-        let kernels: [&dyn GpuMatVec; 3] = [&tcbc, &tcbc_rr, &cm];
+        let bal = GpuBalancedCbc::upload(&gpu, &BalancedCbc::encode(&m).expect("encode"))
+            .expect("upload");
+        let kernels: [&dyn GpuMatVec; 4] = [&tcbc, &tcbc_rr, &cm, &bal];
         for k in kernels {
             let mut y = gpu.poisoned_f32(rows).expect("y");
             for launch in 0..3 {

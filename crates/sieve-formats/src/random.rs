@@ -131,6 +131,34 @@ pub fn sparse_matrix(
     DenseMatrix::new(rows, cols, data)
 }
 
+/// A random M x K matrix with balanced sparsity along the outputs: in every column, each group
+/// of 16 consecutive rows (the last one possibly shorter) holds `slots` nonzeros (at most its
+/// height) at random rows. The pattern `sieve_formats::balanced_cbc` stores without padding.
+pub fn balanced_matrix(rows: usize, cols: usize, slots: usize, seed: u64) -> Result<DenseMatrix> {
+    const GROUP: usize = 16;
+    if slots == 0 || slots > GROUP {
+        return Err(FormatError::Option(format!(
+            "balanced matrix: slots per 16 rows must be in 1..=16, got {slots}"
+        )));
+    }
+    let dense = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed)?;
+    let mut data = dense.data().to_vec();
+    let mut rng = SplitMix64::new(seed ^ 0x6a09_e667_f3bc_c908);
+    let mut idx: Vec<usize> = Vec::with_capacity(GROUP);
+    for c in 0..cols {
+        for g in (0..rows).step_by(GROUP) {
+            let height = GROUP.min(rows - g);
+            idx.clear();
+            idx.extend(0..height);
+            rng.shuffle(&mut idx);
+            for &i in idx.iter().skip(slots.min(height)) {
+                data[(g + i) * cols + c] = f16::ZERO;
+            }
+        }
+    }
+    DenseMatrix::new(rows, cols, data)
+}
+
 /// A random activation vector of length `len`, roughly N(0, 1), never all zero.
 pub fn activations(len: usize, seed: u64) -> Vec<f32> {
     let mut rng = SplitMix64::new(seed ^ 0xa5a5_a5a5_a5a5_a5a5);

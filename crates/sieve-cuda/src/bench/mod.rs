@@ -28,6 +28,7 @@ pub mod shapes;
 pub use fused::{FusedGroup, FusedRow};
 pub use shapes::{shapes_of, Shape};
 
+use crate::balanced_cbc::GpuBalancedCbc;
 use crate::choice::upload_chosen;
 use crate::dense::{to_f16, zeroed_f16, Cublas, GpuDense, GpuDenseColMajor};
 use crate::error::{CudaError, Result};
@@ -38,7 +39,10 @@ use crate::tiled_cbc::{GpuTiledCbc, Lane8Shape, TcbcKernel};
 use crate::timing::{copy_bandwidth_gbs, time_launches, Timing};
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
-use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
+use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
+use sieve_formats::random::{
+    activations, balanced_matrix, sparse_matrix, threshold_for_sparsity, Pattern,
+};
 use sieve_formats::reference::{matvec_f64, max_rel_error};
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
@@ -64,10 +68,14 @@ pub enum KernelFormat {
     TiledCbcRr,
     /// The per-layer choice of [`crate::choice`] between dense-colmajor and tiled-cbc.
     Auto,
+    /// Balanced-CBC (lane per 16 rows, fixed-size blocks), measured on matrices with balanced
+    /// sparsity along the outputs: N = round(16 (1 - sp)) nonzeros in every 16 rows of a column,
+    /// not on the unstructured matrix the other sparse formats are measured on.
+    BalancedCbc,
 }
 
 impl KernelFormat {
-    pub const ALL: [KernelFormat; 7] = [
+    pub const ALL: [KernelFormat; 8] = [
         KernelFormat::Dense,
         KernelFormat::DenseColMajor,
         KernelFormat::RlcCsc,
@@ -75,6 +83,7 @@ impl KernelFormat {
         KernelFormat::TiledCbcSpdp,
         KernelFormat::TiledCbcRr,
         KernelFormat::Auto,
+        KernelFormat::BalancedCbc,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,12 +95,15 @@ impl KernelFormat {
             KernelFormat::TiledCbcSpdp => "tiled-cbc-spdp",
             KernelFormat::TiledCbcRr => "tiled-cbc-rr",
             KernelFormat::Auto => "auto",
+            KernelFormat::BalancedCbc => "balanced-cbc",
         }
     }
 
     /// The formats timed when none are named.
     pub fn defaults() -> Vec<KernelFormat> {
-        KernelFormat::ALL[..5].to_vec()
+        let mut f = KernelFormat::ALL[..5].to_vec();
+        f.push(KernelFormat::BalancedCbc);
+        f
     }
 
     /// Kernels that store the matrix dense (zeros kept): their time does not depend on the
@@ -682,11 +694,34 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
     for (pi, &sp) in opts.sp.iter().enumerate() {
         let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
         let variants = sparse_variants(bench, &w)?;
+        let balanced = if has(KernelFormat::BalancedCbc) {
+            Some(balanced_rotation(
+                bench,
+                m,
+                k,
+                sp,
+                seed ^ (0x30 + pi as u64),
+            )?)
+        } else {
+            None
+        };
         for (di, &dp) in opts.dp.iter().enumerate() {
             let x = activations(k, seed ^ (0x100 + di as u64));
             let t = threshold_for_sparsity(&x, dp)?;
             let xd = gpu.upload(&x)?;
             let mask = active_mask(&x, t);
+            if let Some((wb, first, rest)) = &balanced {
+                let want = vec![matvec_f64(wb, &x, t)];
+                let err = check(gpu, first.as_ref(), &x, t, &want[0])?;
+                let n = rest.len() + 1;
+                let tm = bench.measure(&mut out, Some(&want), n, |i, y| {
+                    let r = i % n;
+                    let f: &dyn GpuMatVec = if r == 0 { first.as_ref() } else { &rest[r - 1] };
+                    f.launch(gpu, &xd, t, &mut y[0])
+                })?;
+                let bytes = first.bytes_for(&mask);
+                bench.record(&base, first.label(), sp, dp, tm, bytes, Some(err));
+            }
             let want = vec![matvec_f64(&w, &x, t)];
             for (first, rest) in &variants {
                 let label = first.label();
@@ -759,8 +794,30 @@ pub(crate) fn upload_format(
             }
             Box::new(g)
         }
+        KernelFormat::BalancedCbc => {
+            Box::new(GpuBalancedCbc::upload(gpu, &BalancedCbc::encode(w)?)?)
+        }
         KernelFormat::Auto => return Ok(None),
     }))
+}
+
+/// A random matrix with balanced sparsity for `sp` (N = round(16 (1 - sp)) of every 16 rows
+/// of a column), encoded as Balanced-CBC and uploaded with its rotation copies.
+fn balanced_rotation(
+    bench: &Bench,
+    m: usize,
+    k: usize,
+    sp: f64,
+    seed: u64,
+) -> Result<(DenseMatrix, Box<GpuBalancedCbc>, Vec<GpuBalancedCbc>)> {
+    let slots = slots_for_sparsity(sp)?;
+    let w = balanced_matrix(m, k, slots, seed)?;
+    let f = BalancedCbc::encode_with_slots(&w, slots)?;
+    let first = Box::new(GpuBalancedCbc::upload(bench.gpu, &f)?);
+    let rest = (1..bench.copies_for(f.blocks().len()))
+        .map(|_| GpuBalancedCbc::upload(bench.gpu, &f))
+        .collect::<Result<_>>()?;
+    Ok((w, first, rest))
 }
 
 /// The RLC-CSC and Tiled-CBC variants the options ask for, uploaded for `w` with their

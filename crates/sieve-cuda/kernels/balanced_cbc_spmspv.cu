@@ -1,0 +1,201 @@
+// spMspV over Balanced-CBC: y = W * mask_t(x), W in the layout of
+// sieve-formats/src/balanced_cbc.rs (read its header first). Summary:
+//
+//   row tile rt = rows 512 rt .. +511; lane j of a warp owns rows 512 rt + 16 j .. +15
+//   every (column k, 16-row group) holds exactly N slots (nonzeros + zero padding)
+//   block (rt, k) at byte (rt * K + k) * (64 N + 64), fixed size, no metadata:
+//
+//      | words: N/2 x 32 u32, word w of lane j = slots 2w | 2w+1 | tail: 32 u16 (N odd) | bits: 32 u16 |
+//        lane:  0 1 2 ... 31 | 0 1 2 ... 31 | ...            lane j's slot N-1                 lane j's rows
+//
+// so a lane reads its N values and its 16-bit row mask with N/2 + 2 coalesced 4- and 2-byte
+// loads (the warp reads the whole 64 N + 64 bytes, nothing else), like the dense column-major
+// kernel reads its 16-byte row slice. Why this layout: the Tiled-CBC kernels place a column's
+// values by a per-lane popcount, so each element costs a shared-memory load at a data-dependent
+// address (ncu, runs 3-8: L1/shared pipe 80-90%, 21-79% of copy bandwidth). Here the count per
+// lane is fixed by the pruning pattern (Balanced Sparsity: N of every 16 rows per column), so the
+// loads are fixed-size and coalesced.
+//
+// Thread mapping: block (rt, ks) = one row tile, 8 warps, each warp a slice of cols_per_warp
+// (<= 64) consecutive columns. A warp reads the slice's activations once (two per lane), forms
+// the active mask with ballots and streams the active columns in batches of U = 4: the loads of
+// batch b + 1 are issued before batch b is processed. Processing column c in lane j:
+//
+//     slots i = 0 .. N-1, rows s_i = positions of the set bits of bits_j (ascending), found
+//     with an ALU-only chain b &= b - 1 (the isolated bit's position is computed off the chain)
+//     acc[warp][s_i][lane] += value_i * x_c      (shared memory, bank = lane: conflict free)
+//
+// All N accumulators of a column are read before any is written (the slots are distinct), so
+// the N read-modify-writes overlap. Accumulators live in shared memory because the row a value
+// lands on is data dependent (a register array indexed at run time would go to local memory).
+// Finally the 8 warps' accumulators are summed and added to y with one atomic per row (split-K
+// over the column slices).
+// Fused zeroing (as dense_colmajor): blocks with blockIdx.y = 0 zero their row tile of y and
+// publish the launch's epoch in flags[rt]; the others wait for it before their atomics.
+// flags == nullptr: no zeroing, the product is added to y (the decode runner's mode).
+
+#define BCBC_TILE 512
+#define BCBC_WARPS 8
+#define BCBC_BATCH 4
+
+__device__ __forceinline__ u32 bcbc_ld32(const unsigned char* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 bcbc_ld16(const unsigned char* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 bcbc_bit_index(u32 one_bit) {
+    u32 s;
+    asm("bfind.u32 %0, %1;" : "=r"(s) : "r"(one_bit));
+    return s;
+}
+
+template <int N>
+__device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ blocks,
+                                            const float* __restrict__ x, float* __restrict__ y,
+                                            int M, int K, float t, int cols_per_warp,
+                                            u32* __restrict__ flags, u32 epoch) {
+    constexpr u32 BLOCK_BYTES = 64 * N + 64;
+    constexpr int WORDS = N / 2 + 1;  // +1: the tail slot of odd N (unused for even N)
+    __shared__ float acc[BCBC_WARPS][16][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rt = blockIdx.x;
+    pdl_release();
+    const unsigned char* tile = blocks + (size_t)rt * (size_t)K * BLOCK_BYTES;
+#pragma unroll
+    for (int s = 0; s < 16; ++s) acc[warp][s][lane] = 0.f;
+    const int begin = (blockIdx.y * BCBC_WARPS + warp) * cols_per_warp;
+    const int end = min(begin + cols_per_warp, K);
+
+    // Activations are written by the previous kernel of a decode step: read them only after it.
+    pdl_wait();
+    if (flags && blockIdx.y == 0) {
+        for (int r = threadIdx.x; r < BCBC_TILE; r += blockDim.x)
+            if (rt * BCBC_TILE + r < M) y[rt * BCBC_TILE + r] = 0.f;
+        publish_zeroed_tile(flags + rt, epoch);
+    }
+    float xw[2];
+    u32 mask[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int k = begin + 32 * h + lane;
+        xw[h] = k < end ? __ldg(x + k) : 0.f;
+        mask[h] = __ballot_sync(FULL_MASK, k < end && active(xw[h], t));
+    }
+
+    u32 words[2][BCBC_BATCH][WORDS];
+    u32 bits[2][BCBC_BATCH];
+    float xs[2][BCBC_BATCH];
+    int count[2];
+    // The next BATCH active columns into stage st; missing columns get no rows' worth of work:
+    // zero values, x = 0 and the N lowest rows (their updates add 0).
+    auto fetch = [&](int st) {
+        int n = 0;
+#pragma unroll
+        for (int u = 0; u < BCBC_BATCH; ++u) {
+            int c = -1;
+            float xv = 0.f;
+            if (mask[0]) {
+                int s = __ffs(mask[0]) - 1;
+                mask[0] &= mask[0] - 1;
+                c = begin + s;
+                xv = __shfl_sync(FULL_MASK, xw[0], s);
+            } else if (mask[1]) {
+                int s = __ffs(mask[1]) - 1;
+                mask[1] &= mask[1] - 1;
+                c = begin + 32 + s;
+                xv = __shfl_sync(FULL_MASK, xw[1], s);
+            }
+            xs[st][u] = xv;
+            if (c >= 0) {
+                n = u + 1;
+                const unsigned char* p = tile + (size_t)c * BLOCK_BYTES;
+#pragma unroll
+                for (int w = 0; w < N / 2; ++w) words[st][u][w] = bcbc_ld32(p + (w * 32 + lane) * 4);
+                if (N & 1) words[st][u][N / 2] = bcbc_ld16(p + (N / 2) * 128 + lane * 2);
+                bits[st][u] = bcbc_ld16(p + 64 * N + lane * 2);
+            } else {
+#pragma unroll
+                for (int w = 0; w < WORDS; ++w) words[st][u][w] = 0u;
+                bits[st][u] = (1u << N) - 1u;
+            }
+        }
+        count[st] = n;
+    };
+    float* lane_acc = &acc[warp][0][lane];
+    auto process = [&](int st) {
+#pragma unroll
+        for (int u = 0; u < BCBC_BATCH; ++u) {
+            u32 b = bits[st][u];
+            u32 row[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                u32 rest = b & (b - 1u);
+                row[i] = bcbc_bit_index(b ^ rest);
+                b = rest;
+            }
+            float a[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) a[i] = lane_acc[row[i] * 32];
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                u32 w = words[st][u][i / 2];
+                float v = h2f((unsigned short)((i & 1) ? (w >> 16) : (w & 0xffffu)));
+                a[i] = fmaf(v, xs[st][u], a[i]);
+            }
+#pragma unroll
+            for (int i = 0; i < N; ++i) lane_acc[row[i] * 32] = a[i];
+        }
+    };
+    fetch(0);
+    while (true) {
+        if (count[0] == 0) break;
+        fetch(1);
+        process(0);
+        if (count[1] == 0) break;
+        fetch(0);
+        process(1);
+    }
+    __syncthreads();
+    if (flags && blockIdx.y != 0) wait_zeroed_tile(flags + rt, epoch);
+    // Thread (s, l): row 16 l + s of the tile, conflict-free reads (bank = l).
+    for (int i = threadIdx.x; i < BCBC_TILE; i += blockDim.x) {
+        int l = i & 31, s = i >> 5;
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < BCBC_WARPS; ++w) sum += acc[w][s][l];
+        int r = rt * BCBC_TILE + l * 16 + s;
+        if (r < M && sum != 0.f) atomicAdd(y + r, sum);
+    }
+}
+
+#define BCBC_ARGS                                                                        \
+    const unsigned char *__restrict__ blocks, const float *__restrict__ x,               \
+        float *__restrict__ y, int M, int K, float t, int cols_per_warp, u32 *__restrict__ flags, \
+        u32 epoch
+#define BCBC_PASS blocks, x, y, M, K, t, cols_per_warp, flags, epoch
+// One kernel per slot count N (bcbc_spmspv_n<N>): N sizes the register arrays.
+#define BCBC_KERNEL(NN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 3) bcbc_spmspv_n##NN(BCBC_ARGS) {  \
+        bcbc_kernel<NN>(BCBC_PASS);                                                     \
+    }
+BCBC_KERNEL(1)
+BCBC_KERNEL(2)
+BCBC_KERNEL(3)
+BCBC_KERNEL(4)
+BCBC_KERNEL(5)
+BCBC_KERNEL(6)
+BCBC_KERNEL(7)
+BCBC_KERNEL(8)
+BCBC_KERNEL(9)
+BCBC_KERNEL(10)
+BCBC_KERNEL(11)
+BCBC_KERNEL(12)
+BCBC_KERNEL(13)
+BCBC_KERNEL(14)
+BCBC_KERNEL(15)
+BCBC_KERNEL(16)
