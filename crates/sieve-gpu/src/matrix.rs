@@ -8,16 +8,18 @@
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme, slide | - | refused: no GPU decode kernel yet |
-//! | balanced-cbc | - | refused for now: its kernel is being written |
+//! | balanced-cbc | any | lane-per-16-rows spMspV (N of every 16 rows per column) |
 //!
 //! Products add into their output ([`GpuAccumulate`]): the runner zeroes an output in the
 //! RMSNorm launch before it, or lets o_proj and down_proj add straight into the residual.
 
 use crate::error::{GpuError, Result};
+use sieve_cuda::balanced_cbc::GpuBalancedCbc;
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
+use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
@@ -28,6 +30,7 @@ pub enum DeviceMatrix {
     DenseCols(GpuDenseColMajor),
     TiledCbc(GpuTiledCbc),
     RlcCsc(GpuRlcCsc),
+    BalancedCbc(GpuBalancedCbc),
 }
 
 impl DeviceMatrix {
@@ -58,15 +61,15 @@ impl DeviceMatrix {
                 let bytes = f.storage().total_bytes();
                 (DeviceMatrix::RlcCsc(GpuRlcCsc::upload(gpu, &f)?), bytes)
             }
-            // The balanced-cbc kernel (sieve-cuda) replaces this arm when it lands.
             FormatKind::BalancedCbc => {
-                return Err(GpuError::Unsupported(
-                    "balanced-cbc has no GPU kernel yet; re-pack with dense, tiled-cbc or rlc-csc, or run on the CPU (--device cpu)".into(),
-                ))
+                // N = the fullest 16-row group of the (possibly joined) matrix.
+                let f = BalancedCbc::encode(m)?;
+                let bytes = f.storage().total_bytes();
+                (DeviceMatrix::BalancedCbc(GpuBalancedCbc::upload(gpu, &f)?), bytes)
             }
             other => {
                 return Err(GpuError::Unsupported(format!(
-                    "format '{}' has no GPU decode kernel yet (GPU formats: dense, tiled-cbc, rlc-csc); re-pack with one of those or run on the CPU (--device cpu)",
+                    "format '{}' has no GPU decode kernel yet (GPU formats: dense, tiled-cbc, rlc-csc, balanced-cbc); re-pack with one of those or run on the CPU (--device cpu)",
                     other.name()
                 )))
             }
@@ -80,6 +83,7 @@ impl DeviceMatrix {
             DeviceMatrix::TiledCbc(m) if m.kernel == TcbcKernel::RoundRobin => "tiled-cbc/rr",
             DeviceMatrix::TiledCbc(_) => "tiled-cbc/lane8",
             DeviceMatrix::RlcCsc(_) => "rlc-csc",
+            DeviceMatrix::BalancedCbc(_) => "balanced-cbc",
         }
     }
 
@@ -89,6 +93,7 @@ impl DeviceMatrix {
             DeviceMatrix::DenseCols(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::TiledCbc(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::RlcCsc(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::BalancedCbc(m) => m.launch_add(gpu, x, t, y)?,
         }
         Ok(())
     }
@@ -101,6 +106,7 @@ impl DeviceMatrix {
             DeviceMatrix::DenseCols(m) => m.bytes_for(active),
             DeviceMatrix::TiledCbc(m) => m.bytes_for(active),
             DeviceMatrix::RlcCsc(m) => m.bytes_for(active),
+            DeviceMatrix::BalancedCbc(m) => m.bytes_for(active),
         }
     }
 }

@@ -80,12 +80,16 @@ impl PrefillBuffers {
     }
 }
 
-/// True when every matrix of `linears` can run as a GEMM.
+/// True when every matrix of `linears` can run as a GEMM (RLC-CSC and Balanced-CBC have no
+/// decode-to-dense kernel yet: their prompts run token by token).
 pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     linears.iter().all(|l| {
-        l.parts
-            .iter()
-            .all(|p| !matches!(p.matrix, DeviceMatrix::RlcCsc(_)))
+        l.parts.iter().all(|p| {
+            !matches!(
+                p.matrix,
+                DeviceMatrix::RlcCsc(_) | DeviceMatrix::BalancedCbc(_)
+            )
+        })
     })
 }
 
@@ -144,6 +148,11 @@ pub fn linear_rows(
             DeviceMatrix::RlcCsc(_) => {
                 return Err(GpuError::Unsupported(
                     "RLC-CSC has no batched prefill path".into(),
+                ))
+            }
+            DeviceMatrix::BalancedCbc(_) => {
+                return Err(GpuError::Unsupported(
+                    "Balanced-CBC has no batched prefill path".into(),
                 ))
             }
         };

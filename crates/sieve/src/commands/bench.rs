@@ -31,11 +31,13 @@ pub struct KernelsArgs {
     /// Kernels: dense (our GEMV), dense-colmajor (TEAL alone), rlc-csc (Celty), tiled-cbc
     /// (sieve's lane-per-8-rows kernel), tiled-cbc-spdp (SPDP's thread-per-row kernel),
     /// tiled-cbc-rr (lane8 with the round-robin decode), auto (the per-layer choice of
-    /// sieve_cuda::choice between dense-colmajor and tiled-cbc).
+    /// sieve_cuda::choice between dense-colmajor and tiled-cbc), balanced-cbc (lane per 16
+    /// rows over balanced sparsity: N = round(16 (1 - sp)) of every 16 rows per column, timed on
+    /// its own balanced random matrix).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "dense,dense-colmajor,rlc-csc,tiled-cbc,tiled-cbc-spdp"
+        default_value = "dense,dense-colmajor,rlc-csc,tiled-cbc,tiled-cbc-spdp,balanced-cbc"
     )]
     formats: Vec<KernelFormat>,
     /// Timed launches per measurement (median reported).
