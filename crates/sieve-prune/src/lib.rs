@@ -4,7 +4,7 @@
 //!
 //! | module | job |
 //! |---|---|
-//! | [`pattern`] | unstructured, N:M and (2N-2):2N patterns, parsing and validation |
+//! | [`pattern`] | unstructured, N:M, (2N-2):2N and balanced (N:M down the outputs) patterns, parsing and validation |
 //! | [`mask`] | mask selection from scores (per row / per group), mask validity checks |
 //! | [`methods`] | magnitude and Wanda scores, [`Method`], the [`prune`] entry point |
 //! | [`sparsegpt`] | streaming Hessian and SparseGPT with error compensation |
@@ -28,7 +28,7 @@ pub mod teal;
 pub use error::{PruneError, Result};
 pub use mask::{select_mask, Mask};
 pub use methods::{prune, Calibration, ColumnNorms, Method, Pruned};
-pub use pattern::Pattern;
+pub use pattern::{balanced_slots_for, Pattern, BALANCED_GROUP};
 pub use sparsegpt::{
     prune_sparsegpt, HessianAccumulator, PreparedHessian, SparseGptOptions, SparseGptResult,
 };

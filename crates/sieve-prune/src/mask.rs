@@ -6,6 +6,10 @@
 //! consecutive inputs of a row and prunes `m - n` of them (a trailing partial group of width
 //! `w` prunes `w - n` when `w > n`). Ties are broken by input index (the lower index is pruned
 //! first) so that masks are deterministic.
+//!
+//! A balanced mask ([`Pattern::Balanced`]) compares within each group of `m` consecutive output
+//! rows of one input column and keeps the `n` highest scores there (a trailing partial group of
+//! `w` rows keeps `min(n, w)`); ties keep the lower row (the higher row is pruned first).
 
 use crate::error::{check_matrix, check_ratio, PruneError, Result};
 use crate::pattern::{unstructured_prune_count, Pattern};
@@ -103,7 +107,9 @@ impl Mask {
 
     /// Checks that the mask obeys `pattern`: unstructured masks must prune exactly
     /// `round(ratio * K)` entries in every row; N:M masks must keep at most `n` entries in every
-    /// group of `m` (pruning more is still a valid N:M matrix; `ratio` is ignored for N:M).
+    /// group of `m` (pruning more is still a valid N:M matrix; `ratio` is ignored for N:M);
+    /// balanced masks must keep at most `n` entries in every group of `m` consecutive rows of
+    /// each column (again, pruning more is valid; `ratio` is ignored).
     pub fn check(&self, pattern: Pattern, ratio: f64) -> Result<()> {
         check_ratio(ratio)?;
         let violation = |detail: String| PruneError::MaskViolation {
@@ -134,6 +140,25 @@ impl Mask {
                                 g * m + group.len()
                             )));
                         }
+                    }
+                }
+            }
+            Pattern::Balanced { n, m } => {
+                let mut kept = vec![0usize; self.cols];
+                for (g, group) in self.keep.chunks(m * self.cols).enumerate() {
+                    kept.iter_mut().for_each(|c| *c = 0);
+                    for row in group.chunks_exact(self.cols) {
+                        for (c, k) in kept.iter_mut().zip(row) {
+                            *c += usize::from(*k);
+                        }
+                    }
+                    if let Some(col) = kept.iter().position(|&c| c > n) {
+                        return Err(violation(format!(
+                            "column {col}, rows {}..{} keeps {} > {n}",
+                            g * m,
+                            g * m + group.len() / self.cols,
+                            kept[col]
+                        )));
                     }
                 }
             }
@@ -180,6 +205,37 @@ pub(crate) fn prune_row_nm(
     }
 }
 
+/// Prunes within one group of rows (`scores`, `keep`: `h x cols` row-major, `h <= m`) for the
+/// balanced pattern: in every column, all but the `n` highest scores. Ties keep the lower row.
+/// `col_scores`, `col_keep` and `idx` are scratch space reused across calls.
+pub(crate) fn prune_group_balanced(
+    scores: &[f32],
+    cols: usize,
+    n: usize,
+    keep: &mut [bool],
+    col_scores: &mut Vec<f32>,
+    col_keep: &mut Vec<bool>,
+    idx: &mut Vec<usize>,
+) {
+    let h = scores.len() / cols;
+    let count = h.saturating_sub(n);
+    if count == 0 {
+        return;
+    }
+    for c in 0..cols {
+        // Rows in reverse order: `prune_lowest` prunes the lower index first among equal
+        // scores, which is then the higher row.
+        col_scores.clear();
+        col_scores.extend((0..h).rev().map(|r| scores[r * cols + c]));
+        col_keep.clear();
+        col_keep.resize(h, true);
+        prune_lowest(col_scores, count, col_keep, idx);
+        for (t, r) in (0..h).rev().enumerate() {
+            keep[r * cols + c] = col_keep[t];
+        }
+    }
+}
+
 /// Chooses the mask of an M x K score matrix (row-major) for `pattern`; `ratio` is the
 /// unstructured sparsity (ignored for N:M, whose sparsity the pattern fixes). Per-layer ratios
 /// are the caller's choice: call this once per matrix.
@@ -194,6 +250,25 @@ pub fn select_mask(
     check_ratio(ratio)?;
     let pattern = pattern.validate()?;
     let mut keep = vec![true; rows * cols];
+    if let Pattern::Balanced { n, m } = pattern {
+        let per_group = |(sg, kg): (&[f32], &mut [bool])| {
+            let (mut col_scores, mut col_keep, mut idx) = (Vec::new(), Vec::new(), Vec::new());
+            prune_group_balanced(sg, cols, n, kg, &mut col_scores, &mut col_keep, &mut idx);
+        };
+        let chunk = m * cols;
+        if rows * cols >= PAR_MIN_ELEMENTS {
+            scores
+                .par_chunks(chunk)
+                .zip(keep.par_chunks_mut(chunk))
+                .for_each(per_group);
+        } else {
+            scores
+                .chunks(chunk)
+                .zip(keep.chunks_mut(chunk))
+                .for_each(per_group);
+        }
+        return Mask::new(rows, cols, keep);
+    }
     let per_row = |(srow, krow): (&[f32], &mut [bool])| {
         let mut idx = Vec::with_capacity(cols);
         match pattern {
@@ -201,6 +276,7 @@ pub fn select_mask(
                 prune_lowest(srow, unstructured_prune_count(ratio, cols), krow, &mut idx)
             }
             Pattern::NM { n, m } => prune_row_nm(srow, n, m, krow, &mut idx),
+            Pattern::Balanced { .. } => unreachable!("balanced masks are chosen above"),
         }
     };
     if rows * cols >= PAR_MIN_ELEMENTS {
@@ -275,6 +351,138 @@ mod tests {
             mask.check(pattern, 0.0).unwrap();
             prop_assert_eq!(mask.sparsity(), 1.0 / big_n as f64);
         }
+    }
+
+    fn balanced_strategy() -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
+        // rows up to 70: several groups of 16 and trailing partial groups of every width
+        (1usize..70, 1usize..12).prop_flat_map(|(r, c)| {
+            (
+                Just(r),
+                Just(c),
+                proptest::collection::vec(-4.0f32..4.0, r * c),
+            )
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn balanced_keeps_the_largest_per_column_group(
+            (rows, cols, scores) in balanced_strategy(),
+            m in prop::sample::select(vec![1usize, 4, 7, 16]),
+            n_frac in 0.0f64..1.0,
+            ratio in 0.0f64..0.99,
+        ) {
+            let n = ((n_frac * m as f64) as usize).clamp(1, m);
+            let pattern = Pattern::balanced(n, m).unwrap();
+            let mask = select_mask(&scores, rows, cols, pattern, ratio).unwrap();
+            mask.check(pattern, ratio).unwrap();
+            prop_assert_eq!(mask.pruned_count(), pattern.pruned_count(ratio, rows, cols).unwrap());
+            for c in 0..cols {
+                for g0 in (0..rows).step_by(m) {
+                    let g1 = (g0 + m).min(rows);
+                    let kept: Vec<usize> = (g0..g1).filter(|&r| mask.is_kept(r, c)).collect();
+                    prop_assert_eq!(kept.len(), n.min(g1 - g0));
+                    // every kept score beats every pruned one, ties going to the lower row
+                    for r in g0..g1 {
+                        if mask.is_kept(r, c) {
+                            continue;
+                        }
+                        for &k in &kept {
+                            let (sk, sr) = (scores[k * cols + c], scores[r * cols + c]);
+                            prop_assert!(sk > sr || (sk == sr && k < r), "col {} kept row {} ({}) over row {} ({})", c, k, sk, r, sr);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn balanced_keeps_largest_in_each_group_of_16() {
+        // 40 x 2: groups rows 0..16, 16..32 and a tail 32..40; 5:16 keeps 5, 5, 5.
+        let (rows, cols) = (40, 2);
+        let scores: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let (r, c) = (i / cols, i % cols);
+                // column 0 grows with the row, column 1 shrinks
+                if c == 0 {
+                    r as f32
+                } else {
+                    -(r as f32)
+                }
+            })
+            .collect();
+        let p = Pattern::balanced_for_sp(0.7).unwrap();
+        let mask = select_mask(&scores, rows, cols, p, 0.0).unwrap();
+        mask.check(p, 0.0).unwrap();
+        let kept = |c: usize| -> Vec<usize> { (0..rows).filter(|&r| mask.is_kept(r, c)).collect() };
+        assert_eq!(
+            kept(0),
+            vec![11, 12, 13, 14, 15, 27, 28, 29, 30, 31, 35, 36, 37, 38, 39]
+        );
+        assert_eq!(
+            kept(1),
+            vec![0, 1, 2, 3, 4, 16, 17, 18, 19, 20, 32, 33, 34, 35, 36]
+        );
+        // ties: the lower rows are kept
+        let mask = select_mask(&[1.0; 16], 16, 1, Pattern::balanced(3, 16).unwrap(), 0.0).unwrap();
+        assert_eq!(
+            (0..16).filter(|&r| mask.is_kept(r, 0)).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        // a large matrix takes the parallel path and chooses the same
+        let (rows, cols) = (100, 400);
+        let mut rng = sieve_formats::random::SplitMix64::new(7);
+        let scores: Vec<f32> = (0..rows * cols).map(|_| rng.normal() as f32).collect();
+        let p = Pattern::balanced(8, 16).unwrap();
+        let mask = select_mask(&scores, rows, cols, p, 0.0).unwrap();
+        mask.check(p, 0.0).unwrap();
+        for c in [0, 199, 399] {
+            let col: Vec<f32> = (0..rows).map(|r| scores[r * cols + c]).collect();
+            let sub = select_mask(&col, rows, 1, p, 0.0).unwrap();
+            for r in 0..rows {
+                assert_eq!(sub.is_kept(r, 0), mask.is_kept(r, c));
+            }
+        }
+    }
+
+    #[test]
+    fn checker_rejects_balanced_violations() {
+        let p = Pattern::balanced(2, 4).unwrap();
+        // 6 x 2: column 1 keeps 3 of rows 0..4
+        let keep = vec![
+            true, true, //
+            false, true, //
+            true, true, //
+            false, false, //
+            true, true, //
+            true, true, //
+        ];
+        let mask = Mask::new(6, 2, keep).unwrap();
+        let err = mask.check(p, 0.0).unwrap_err();
+        assert!(
+            err.to_string().contains("column 1, rows 0..4 keeps 3 > 2"),
+            "{err}"
+        );
+        // a row-wise 2:4 mask is not balanced, and the other way around
+        let rowwise = Mask::new(4, 4, [true, true, false, false].repeat(4)).unwrap();
+        rowwise.check(Pattern::nm(2, 4).unwrap(), 0.0).unwrap();
+        assert!(rowwise.check(p, 0.0).is_err());
+        let mut colwise = vec![false; 16];
+        for c in 0..4 {
+            colwise[c] = true;
+            colwise[4 + c] = true;
+        }
+        let colwise = Mask::new(4, 4, colwise).unwrap();
+        colwise.check(p, 0.0).unwrap();
+        assert!(colwise.check(Pattern::nm(2, 4).unwrap(), 0.0).is_err());
+        // the trailing partial group (rows 4..6, both kept) is within min(n, w)
+        let tail = Mask::new(6, 1, vec![true, true, false, false, true, true]).unwrap();
+        tail.check(p, 0.0).unwrap();
+        let tail = Mask::new(6, 1, vec![true, true, false, false, true, true]).unwrap();
+        assert!(tail.check(Pattern::balanced(1, 4).unwrap(), 0.0).is_err());
     }
 
     #[test]

@@ -216,6 +216,11 @@ pub fn prune_magnitude(
     prune_by_scores(weights, &scores, rows, cols, pattern, ratio)
 }
 
+/// Wanda: prunes by `|W_ij| * ||X_j||_2`. For [`Pattern::Balanced`] every comparison group lies
+/// in one input column and so shares one norm: the choice equals magnitude's (except where the
+/// product rounds two magnitudes to one score, and in dead columns, where every score is 0 and
+/// the lower rows are kept). That is expected; Wanda's per-input weighting only matters across
+/// columns, which the balanced pattern never compares.
 pub fn prune_wanda(
     weights: &[f32],
     rows: usize,
@@ -305,6 +310,27 @@ mod tests {
             let pattern = if nm { Pattern::nm(2, 4).unwrap() } else { Pattern::Unstructured };
             let a = prune_wanda(&w, rows, cols, &norms, pattern, ratio).unwrap();
             let b = prune_magnitude(&w, rows, cols, pattern, ratio).unwrap();
+            prop_assert_eq!(a, b);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+
+        /// Balanced groups lie in one column: whatever the (exact, power-of-two) column norms,
+        /// Wanda chooses magnitude's mask.
+        #[test]
+        fn wanda_balanced_is_magnitude_balanced(rows in 1usize..50, cols in 1usize..9,
+                                               exps in proptest::collection::vec(-3i32..4, 9),
+                                               seed in any::<u64>(), n in 1usize..16) {
+            let w = random(rows * cols, seed);
+            let mut norms = ColumnNorms::new(cols).unwrap();
+            let x: Vec<f32> = (0..cols).map(|c| 2f32.powi(exps[c])).collect();
+            norms.add_rows(&x, 1).unwrap();
+            let pattern = Pattern::balanced(n, 16).unwrap();
+            let a = prune_wanda(&w, rows, cols, &norms, pattern, 0.0).unwrap();
+            let b = prune_magnitude(&w, rows, cols, pattern, 0.0).unwrap();
+            a.mask.check(pattern, 0.0).unwrap();
             prop_assert_eq!(a, b);
         }
     }

@@ -113,6 +113,48 @@ impl fmt::Display for FormatChoice {
     }
 }
 
+/// Name of the GPU format that stores balanced N:16 masks (`balanced-cbc`). It is matched by
+/// name so that [`pattern_for_format`] and [`check_pattern_for_format`] already apply to it
+/// wherever the format is known by that name.
+pub const BALANCED_FORMAT_NAME: &str = "balanced-cbc";
+
+fn is_balanced_format(format: &str) -> bool {
+    format.trim().eq_ignore_ascii_case(BALANCED_FORMAT_NAME)
+}
+
+/// The pattern `sieve pack` prunes with, from `--pattern` (`None` when not given), `--sp` and
+/// the `--format` name:
+/// * `--format balanced-cbc`: balanced N:16 with `N` from `sp` by default (and for bare
+///   `balanced`); an explicit pattern must be `balanced:N:16` ([`check_pattern_for_format`]);
+/// * any other format: unstructured by default, else the pattern as parsed by
+///   [`Pattern::parse_with_sp`] (bare `balanced` is N:16 with `N` from `sp`).
+pub fn pattern_for_format(pattern: Option<&str>, sp: f64, format: &str) -> Result<Pattern> {
+    let chosen = match pattern {
+        Some(p) => Pattern::parse_with_sp(p, sp)?,
+        None if is_balanced_format(format) => Pattern::balanced_for_sp(sp)?,
+        None => Pattern::Unstructured,
+    };
+    check_pattern_for_format(chosen, format)?;
+    Ok(chosen)
+}
+
+/// Refuses a pattern the named format cannot store: `balanced-cbc` needs `balanced:N:16`
+/// (groups of [`crate::pattern::BALANCED_GROUP`] outputs); every other format stores any mask.
+pub fn check_pattern_for_format(pattern: Pattern, format: &str) -> Result<()> {
+    if !is_balanced_format(format) {
+        return Ok(());
+    }
+    let group = crate::pattern::BALANCED_GROUP;
+    match pattern.validate()? {
+        Pattern::Balanced { m, .. } if m == group => Ok(()),
+        other => Err(PruneError::Option(format!(
+            "--format {BALANCED_FORMAT_NAME} stores balanced N:{group} masks (at most N nonzeros in \
+             every {group} consecutive outputs of an input column), not {other}: use --pattern \
+             balanced (N from --sp) or balanced:N:{group}, or leave --pattern out"
+        ))),
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct PipelineOptions {
     pub method: Method,
@@ -613,6 +655,9 @@ pub fn prune_model(
     check_ratio(options.sp)?;
     check_ratio(options.dp)?;
     let pattern = options.pattern.validate()?;
+    if let FormatChoice::Fixed(kind) = options.format {
+        check_pattern_for_format(pattern, kind.name())?;
+    }
     if let TealAllocation::Greedy { step, tokens } = options.teal_allocation {
         if !(step > 0.0 && step <= 1.0) || tokens == 0 {
             return Err(PruneError::Option(format!(
@@ -1215,6 +1260,100 @@ mod tests {
                 assert!(report.linears.iter().all(|r| r.format == FormatKind::Slide));
             }
         }
+    }
+
+    /// Balanced N:16 through the whole pipeline (format dense, which stores any mask): every
+    /// stored matrix obeys the pattern, and the realised sparsity is the pattern's (the test
+    /// model's row counts are multiples of 16; f16 underflows could only add zeros).
+    #[test]
+    fn balanced_pattern_is_valid() {
+        let src = source();
+        for (method, sp) in [
+            (Method::Magnitude, 0.5),
+            (Method::Wanda, 0.7),
+            (Method::SparseGpt, 0.5),
+            (Method::SparseGpt, 0.7),
+        ] {
+            let mut model = Model::from_source(&src).unwrap();
+            let pattern = pattern_for_format(Some("balanced"), sp, "dense").unwrap();
+            let opts = PipelineOptions {
+                pattern,
+                ..options(method, "unstructured", sp, 0.0, "dense")
+            };
+            let report = prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+            let want = pattern.matrix_sparsity(0.0, 16, 1).unwrap();
+            for layer in model.layers() {
+                for (name, lin) in layer.linears() {
+                    let m = lin.format().decode();
+                    let keep: Vec<bool> = m
+                        .data()
+                        .iter()
+                        .map(|v| !sieve_formats::matrix::is_zero(*v))
+                        .collect();
+                    let mask = Mask::new(m.rows(), m.cols(), keep).unwrap();
+                    mask.check(pattern, 0.0).unwrap();
+                    assert!(
+                        (mask.sparsity() - want).abs() < 0.01,
+                        "{method} {sp} {name}: {}",
+                        mask.sparsity()
+                    );
+                }
+            }
+            assert!(
+                (report.static_ratio - want).abs() < 0.01,
+                "{}",
+                report.static_ratio
+            );
+        }
+    }
+
+    #[test]
+    fn pattern_follows_the_format() {
+        let b = |n| Pattern::Balanced { n, m: 16 };
+        assert_eq!(
+            pattern_for_format(None, 0.5, "dense").unwrap(),
+            Pattern::Unstructured
+        );
+        assert_eq!(
+            pattern_for_format(None, 0.5, "auto").unwrap(),
+            Pattern::Unstructured
+        );
+        assert_eq!(
+            pattern_for_format(Some("balanced"), 0.7, "dense").unwrap(),
+            b(5)
+        );
+        assert_eq!(
+            pattern_for_format(Some("2:4"), 0.7, "tiled-cbc").unwrap(),
+            Pattern::NM { n: 2, m: 4 }
+        );
+        // balanced-cbc: the balanced pattern by default, N from --sp
+        assert_eq!(
+            pattern_for_format(None, 0.5, BALANCED_FORMAT_NAME).unwrap(),
+            b(8)
+        );
+        assert_eq!(
+            pattern_for_format(None, 0.3, "Balanced-CBC").unwrap(),
+            b(11)
+        );
+        assert_eq!(
+            pattern_for_format(Some("balanced"), 0.7, BALANCED_FORMAT_NAME).unwrap(),
+            b(5)
+        );
+        assert_eq!(
+            pattern_for_format(Some("balanced:12:16"), 0.5, BALANCED_FORMAT_NAME).unwrap(),
+            b(12)
+        );
+        for bad in ["unstructured", "2:4", "8:16", "balanced:4:8"] {
+            let err = pattern_for_format(Some(bad), 0.5, BALANCED_FORMAT_NAME)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("--format balanced-cbc") && err.contains("--pattern balanced"),
+                "{bad}: {err}"
+            );
+        }
+        assert!(check_pattern_for_format(Pattern::Unstructured, "dense").is_ok());
+        assert!(check_pattern_for_format(b(8), "slide").is_ok());
     }
 
     #[test]

@@ -11,8 +11,8 @@ use sieve_model::packed::{add_model_sections, add_tokenizer_sections};
 use sieve_model::packfile::PackWriter;
 use sieve_model::weights::open_model;
 use sieve_prune::pipeline::{
-    calibration_windows_from_file, check_calibration, prune_model, FormatChoice, PipelineOptions,
-    PipelineReport, TealAllocation,
+    calibration_windows_from_file, check_calibration, pattern_for_format, prune_model,
+    FormatChoice, PipelineOptions, PipelineReport, TealAllocation,
 };
 use sieve_prune::{Method, Pattern, SparseGptOptions};
 use std::path::PathBuf;
@@ -31,12 +31,16 @@ pub struct PackArgs {
     /// magnitude | wanda | sparsegpt
     #[arg(long, default_value = "wanda")]
     method: String,
-    /// Weight sparsity per linear in [0, 1) (unstructured; N:M patterns fix their own).
+    /// Weight sparsity per linear in [0, 1) (unstructured, and bare `--pattern balanced`;
+    /// N:M and balanced:N:M patterns fix their own).
     #[arg(long, default_value_t = 0.5)]
     sp: f64,
-    /// unstructured | N:M (2:4, 6:8, 14:16, ...)
-    #[arg(long, default_value = "unstructured")]
-    pattern: String,
+    /// unstructured | N:M (at most N of every M consecutive inputs of a row: 2:4, 6:8, 14:16,
+    /// ...) | balanced (at most N of every 16 consecutive outputs of an input column, N =
+    /// round(16 (1 - sp)) clamped to 1..=16: sp 0.5 -> 8:16, 0.7 -> 5:16) | balanced:N:M.
+    /// Default: unstructured (balanced with --format balanced-cbc, which takes only balanced:N:16).
+    #[arg(long)]
+    pattern: Option<String>,
     /// Target activation sparsity per linear input in [0, 1) (TEAL thresholds; 0 = none).
     #[arg(long, default_value_t = 0.0)]
     dp: f64,
@@ -95,7 +99,8 @@ pub fn run(args: PackArgs) -> Result<()> {
         init_threads(n)?;
     }
     let method: Method = args.method.parse()?;
-    let pattern: Pattern = args.pattern.parse()?;
+    // Before the format is parsed: the pattern a format needs (balanced-cbc) follows its name.
+    let pattern: Pattern = pattern_for_format(args.pattern.as_deref(), args.sp, &args.format)?;
     let format: FormatChoice = args.format.parse()?;
     for (what, v) in [("--sp", args.sp), ("--dp", args.dp)] {
         if !(0.0..1.0).contains(&v) {
