@@ -8,6 +8,8 @@ best sieve kernel per shape, plus the slowest shape.
   scripts/bench-targets.py --graph --matrix RUN.json...  # also the sp x dp table of medians, and
       # for matrices over 50 MB: % of copy bandwidth of tiled-cbc/lane8 and whether it beats the
       # best dense-storage kernel at the same dp on every such shape
+  scripts/bench-targets.py --graph --matrix --sparse=balanced-cbc RUN.json...  # that last table
+      # for another weight-sparse kernel (rows whose format starts with the given prefix)
 
 `--graph` reads each row's graph-mode speedup (runs made with `sieve bench kernels --graph`;
 rows without graph figures are left out); `--issue11` checks issue 11's targets instead.
@@ -29,7 +31,11 @@ graph = "--graph" in args
 matrix = "--matrix" in args
 if "--issue11" in args:
     TARGETS = TARGETS_ISSUE11
-args = [a for a in args if a not in ("--graph", "--issue11", "--matrix")]
+SPARSE = "tiled-cbc/lane8"
+for a in args:
+    if a.startswith("--sparse="):
+        SPARSE = a.split("=", 1)[1]
+args = [a for a in args if a not in ("--graph", "--issue11", "--matrix") and not a.startswith("--sparse=")]
 
 def speedup(r):
     if graph:
@@ -118,7 +124,7 @@ if matrix:
         else:
             if v > cell[(r["sp"], r["dp"])].get(shape, (0, ""))[0]:
                 cell[(r["sp"], r["dp"])][shape] = (v, family(f))
-            if f.startswith("tiled-cbc/lane8"):
+            if f.startswith(SPARSE):
                 lane8[(r["sp"], r["dp"])][shape] = (v, r["_pct"])
     print()
     print("median speedup over cuBLAS over shapes, best kernel per shape (shapes counted)")
@@ -136,9 +142,9 @@ if matrix:
             c = lane8.get((sp, dp), {})
             cells.append(f"{statistics.median(v for v, _ in c.values()):.2f}" if c else "-")
         if any(x != "-" for x in cells):
-            print(f"| tiled-cbc/lane8, sp {sp:g} | " + " | ".join(cells) + " |")
+            print(f"| {SPARSE}, sp {sp:g} | " + " | ".join(cells) + " |")
     print()
-    print("matrices over 50 MB: tiled-cbc/lane8 % of copy bandwidth (min-max), and shapes where it beats")
+    print(f"matrices over 50 MB: {SPARSE} % of copy bandwidth (min-max), and shapes where it beats")
     print("the best dense-storage kernel at the same dp")
     print("| sp / dp | % copy | beats dense storage |")
     print("|---|---|---|")
