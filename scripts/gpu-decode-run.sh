@@ -4,7 +4,8 @@
 # e.g. `head -c 200000 ../shared/data/wikitext-2/valid.txt > .gpu-model/calib.txt`):
 #   tests  - every staged test executable with SIEVE_REQUIRE_GPU=1
 #   smol   - CPU vs GPU greedy text on the cut SmolLM2 in .gpu-model
-#   packs  - Tiled-CBC packs of the cut SmolLM2 (sp 0.5 with dp 0, and with dp 0.5), calibrated
+#   packs  - FORMAT (default tiled-cbc; balanced-cbc packs get the balanced N:16 pattern) packs
+#            of the cut SmolLM2 (sp 0.5 with dp 0, and with dp 0.5), calibrated
 #            on .gpu-model/calib.txt, each checked against the CPU (models_from_env_match_cpu):
 #            dp 0 checks the kernels at the plain tolerance, dp 0.5 against the CPU's own
 #            threshold sensitivity
@@ -33,9 +34,9 @@ for step in "$@"; do
       models=""
       for m in .gpu-model/*.gguf; do
         for dp in 0 0.5; do
-          p="/tmp/$(basename "$m" .gguf)-tcbc-sp0.5-dp$dp.sieve"
+          p="/tmp/$(basename "$m" .gguf)-${FORMAT:-tiled-cbc}-sp0.5-dp$dp.sieve"
           .gpu/bin/sieve pack --model "$m" --out "$p" --method magnitude --sp 0.5 --dp "$dp" \
-            --format tiled-cbc --calib .gpu-model/calib.txt --calib-samples 4 --calib-len 256 > "$OUT/pack-dp$dp.log" 2>&1 \
+            --format "${FORMAT:-tiled-cbc}" --calib .gpu-model/calib.txt --calib-samples 4 --calib-len 256 > "$OUT/pack-dp$dp.log" 2>&1 \
             && models="$models:$p" || echo "pack $p failed (see $OUT/pack-dp$dp.log)"
         done
       done
