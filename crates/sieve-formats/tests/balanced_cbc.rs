@@ -42,21 +42,58 @@ fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
 }
 
+/// Lanes stored in row tile `rt` of an M-row matrix, from the module documentation.
+fn lanes(m: usize, rt: usize) -> usize {
+    let rt_count = m.div_ceil(512);
+    if rt + 1 < rt_count {
+        32
+    } else {
+        (m - 512 * (rt_count - 1)).div_ceil(16)
+    }
+}
+
+/// Stored bytes of a block with `l` lanes and `n` slots: `l (2 n + 2)` rounded up to 16.
+fn stored(n: usize, l: usize) -> usize {
+    (l * (2 * n + 2)).div_ceil(16) * 16
+}
+
+/// The image length: `(RT - 1) K (64 N + 64) + K stored(L(RT - 1))`.
+fn image_len(m: usize, k: usize, n: usize) -> usize {
+    let rt_count = m.div_ceil(512);
+    (rt_count - 1) * k * (64 * n + 64) + k * stored(n, lanes(m, rt_count - 1))
+}
+
 /// Reads `enc.blocks()` by the layout of the module documentation (independently of the
-/// format's own decoder): checks block sizes, that every bitmap has exactly N bits, that padding
-/// slots are +0 at the lowest rows not holding a nonzero, and rebuilds W bit-exactly.
+/// format's own decoder): checks block sizes and lane counts, that every bitmap has exactly N
+/// bits, that padding slots are +0 at the lowest rows not holding a nonzero, that fill bytes
+/// are zero, and rebuilds W bit-exactly.
 fn check_layout(enc: &BalancedCbc, w: &DenseMatrix) {
     let (m, k, n) = (w.rows(), w.cols(), enc.slots());
-    let bb = 64 * n + 64;
-    assert_eq!(enc.block_bytes(), bb);
+    let full = 64 * n + 64;
+    assert_eq!(enc.block_bytes(), full);
     assert_eq!(enc.row_tiles(), m.div_ceil(512));
-    assert_eq!(enc.blocks().len(), enc.row_tiles() * k * bb);
+    assert_eq!(enc.blocks().len(), image_len(m, k, n));
     let mut data = vec![0u16; m * k];
     for rt in 0..enc.row_tiles() {
+        let l = lanes(m, rt);
+        assert_eq!(enc.lanes_in_tile(rt), l);
+        assert!((1..=32).contains(&l));
+        // Every stored lane holds at least one row < M.
+        assert!(rt * 512 + (l - 1) * 16 < m);
+        let bb = stored(n, l);
+        assert_eq!(enc.tile_block_bytes(rt), bb);
+        if rt + 1 < enc.row_tiles() {
+            assert_eq!(bb, full);
+        }
         for col in 0..k {
-            let block = &enc.blocks()[(rt * k + col) * bb..(rt * k + col + 1) * bb];
-            for lane in 0..32 {
-                let bitmap = u16_at(block, 64 * n + 2 * lane);
+            let at = rt * k * full + col * bb;
+            let block = &enc.blocks()[at..at + bb];
+            assert!(
+                block[l * (2 * n + 2)..].iter().all(|&b| b == 0),
+                "rt {rt} col {col}: fill bytes"
+            );
+            for lane in 0..l {
+                let bitmap = u16_at(block, 2 * l * n + 2 * lane);
                 assert_eq!(
                     bitmap.count_ones() as usize,
                     n,
@@ -64,14 +101,11 @@ fn check_layout(enc: &BalancedCbc, w: &DenseMatrix) {
                 );
                 let slot_value = |i: usize| {
                     if i < n / 2 * 2 {
-                        let word = u32::from_le_bytes(
-                            block[((i / 2) * 32 + lane) * 4..((i / 2) * 32 + lane) * 4 + 4]
-                                .try_into()
-                                .unwrap(),
-                        );
+                        let o = ((i / 2) * l + lane) * 4;
+                        let word = u32::from_le_bytes(block[o..o + 4].try_into().unwrap());
                         (word >> (16 * (i % 2))) as u16
                     } else {
-                        u16_at(block, (n / 2) * 128 + 2 * lane)
+                        u16_at(block, (n / 2) * 4 * l + 2 * lane)
                     }
                 };
                 let row0 = rt * 512 + lane * 16;
@@ -116,9 +150,10 @@ fn check_round_trip(enc: &BalancedCbc, w: &DenseMatrix) {
     let direct = BalancedCbc::read_payload(&mut ByteReader::new(payload)).expect("read_payload");
     assert_eq!(&direct, enc);
     let s = enc.storage();
-    let blocks = enc.row_tiles() * w.cols();
-    assert_eq!(s.payload_bytes, blocks * 32 * enc.slots() * 2);
-    assert_eq!(s.metadata_bytes, blocks * 64);
+    let m = w.rows();
+    let stored_lanes = 32 * (enc.row_tiles() - 1) + lanes(m, enc.row_tiles() - 1);
+    assert_eq!(s.payload_bytes, stored_lanes * w.cols() * enc.slots() * 2);
+    assert!(s.metadata_bytes >= stored_lanes * w.cols() * 2);
     assert_eq!(s.total_bytes(), enc.blocks().len());
 }
 
@@ -242,8 +277,10 @@ proptest! {
     }
 }
 
-/// A fixed case checked byte by byte: M = 520 (two row tiles, the second with 8 live rows),
-/// K = 2, N = 3 (odd: one word per lane plus the tail).
+/// A fixed case checked byte by byte: M = 520 (two row tiles, the second with 8 live rows in
+/// its only lane), K = 2, N = 3 (odd: one word per lane plus the tail). Tile 0 blocks are
+/// 64 N + 64 = 256 bytes at 0 and 256; tile 1 has L = 1: raw 1 (2 N + 2) = 8 bytes, stored 16,
+/// blocks at 512 and 528, 544 bytes in all (the 32-lane layout took 1024).
 #[test]
 fn layout_by_hand() {
     let (m, k) = (520, 2);
@@ -262,33 +299,150 @@ fn layout_by_hand() {
     assert_eq!(enc.slots(), 3);
     assert_eq!(enc.row_tiles(), 2);
     assert_eq!(enc.block_bytes(), 256);
-    assert_eq!(enc.blocks().len(), 4 * 256);
+    assert_eq!((enc.lanes_in_tile(0), enc.lanes_in_tile(1)), (32, 1));
+    assert_eq!(
+        (enc.tile_block_bytes(0), enc.tile_block_bytes(1)),
+        (256, 16)
+    );
+    assert_eq!(enc.blocks().len(), 2 * 256 + 2 * 16);
     let one = f16::from_f32(1.0).to_bits();
-    let block = |b: usize| &enc.blocks()[b * 256..(b + 1) * 256];
+    let b0 = &enc.blocks()[0..256];
+    let b1 = &enc.blocks()[256..512];
+    let b2 = &enc.blocks()[512..528];
+    let b3 = &enc.blocks()[528..544];
     // Block 0 (rt 0, col 0), lane 0: bitmap rows {0, 3, 9}; word 0 = slot0 (+0) | slot1 (1.0)
     // << 16; tail = 2.0.
-    let b0 = block(0);
     assert_eq!(u16_at(b0, 192), 0b10_0000_1001);
     assert_eq!(&b0[0..4], &(u32::from(one) << 16).to_le_bytes());
     assert_eq!(u16_at(b0, 128), f16::from_f32(2.0).to_bits());
     // Lanes without nonzeros pad rows 0, 1, 2.
     assert!((1..32).all(|j| u16_at(b0, 192 + 2 * j) == 0b111));
     // Block 1 (rt 0, col 1), lane 1: rows {0, 1, 15} -> 3.0, 4.0 in word 0, -5.0 in the tail.
-    let b1 = block(1);
     assert_eq!(u16_at(b1, 192 + 2), 0b1000_0000_0000_0011);
     let word =
         u32::from(f16::from_f32(3.0).to_bits()) | (u32::from(f16::from_f32(4.0).to_bits()) << 16);
     assert_eq!(&b1[4..8], &word.to_le_bytes());
     assert_eq!(u16_at(b1, 128 + 2), f16::from_f32(-5.0).to_bits());
-    // Block 3 (rt 1, col 1), lane 0: row 7 plus padding rows 0, 1; lane 1 (rows 528.., all >= M)
-    // pads rows 0..3 with +0.
-    let b3 = block(3);
-    assert_eq!(u16_at(b3, 192), 0b1000_0011);
-    assert_eq!(&b3[0..4], &[0, 0, 0, 0]);
-    assert_eq!(u16_at(b3, 128), f16::from_f32(6.0).to_bits());
-    assert_eq!(u16_at(b3, 194), 0b111);
-    assert_eq!(enc.storage().payload_bytes, 4 * 32 * 3 * 2);
-    assert_eq!(enc.storage().metadata_bytes, 4 * 64);
+    // Block 2 (rt 1, col 0), one lane: word 0 at 0 (padding rows 0, 1), tail at 4 (row 2),
+    // bitmap at 2 L N = 6, fill 8..16.
+    assert_eq!(b2, &[0, 0, 0, 0, 0, 0, 0b111, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    // Block 3 (rt 1, col 1), lane 0: row 7 plus padding rows 0, 1.
+    let six = f16::from_f32(6.0).to_bits().to_le_bytes();
+    assert_eq!(
+        b3,
+        &[
+            0,
+            0,
+            0,
+            0,
+            six[0],
+            six[1],
+            0b1000_0011,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0
+        ]
+    );
+    // 2 K 32 + 1 K 1 stored lanes of N slots; the rest is bitmaps and fill.
+    assert_eq!(enc.storage().payload_bytes, (2 * 32 + 2) * 3 * 2);
+    assert_eq!(enc.storage().metadata_bytes, (2 * 32 + 2) * 2 + 2 * 8);
+    check_round_trip(&enc, &w);
+}
+
+/// M = 576, K = 3, N = 5: tile 1 has 4 lanes (rows 512..575), raw = stored = 4 (2 N + 2) = 48
+/// bytes, at 3 * 384 + 48 k; words at u32 index w * 4 + j, tail at 32 + 2 j, bitmaps at 40 + 2 j.
+#[test]
+fn layout_by_hand_576_rows() {
+    let (m, k) = (576, 3);
+    let mut data = vec![0.0f32; m * k];
+    // Column 2, lane 3 of tile 1 (rows 560..576): rows 0, 2, 5, 10, 15 (a full group).
+    let vals = [1.0f32, 2.0, 3.0, 4.0, 5.0];
+    for (&r, &v) in [560usize, 562, 565, 570, 575].iter().zip(&vals) {
+        data[r * k + 2] = v;
+    }
+    let w = DenseMatrix::from_f32(m, k, &data).unwrap();
+    let enc = BalancedCbc::encode_with_slots(&w, 5).unwrap();
+    assert_eq!((enc.lanes_in_tile(0), enc.lanes_in_tile(1)), (32, 4));
+    assert_eq!(enc.block_bytes(), 384);
+    assert_eq!(enc.tile_block_bytes(1), 48);
+    assert_eq!(enc.blocks().len(), 3 * 384 + 3 * 48);
+    let h = |v: f32| u32::from(f16::from_f32(v).to_bits());
+    let block = &enc.blocks()[3 * 384 + 2 * 48..3 * 384 + 3 * 48];
+    assert_eq!(
+        &block[12..16],
+        &(h(1.0) | h(2.0) << 16).to_le_bytes(),
+        "word 0 lane 3"
+    );
+    assert_eq!(
+        &block[28..32],
+        &(h(3.0) | h(4.0) << 16).to_le_bytes(),
+        "word 1 lane 3"
+    );
+    assert_eq!(u16_at(block, 38), h(5.0) as u16, "tail lane 3");
+    assert_eq!(u16_at(block, 46), 0b1000_0100_0010_0101, "bitmap lane 3");
+    // Lanes 0..3 hold no nonzero: bitmaps pad rows 0..5.
+    assert!((0..3).all(|j| u16_at(block, 40 + 2 * j) == 0b1_1111));
+    check_round_trip(&enc, &w);
+}
+
+/// M = 1000, K = 2, N = 8: tile 1 has 31 lanes (rows 512..1007, rows 1000.. zero rows),
+/// raw = 31 * 18 = 558 bytes, stored 560 (2 fill bytes), at 2 * 576 + 560 k.
+#[test]
+fn layout_by_hand_1000_rows() {
+    let (m, k) = (1000, 2);
+    let mut data = vec![0.0f32; m * k];
+    // Column 1, lane 30 of tile 1 (rows 992..1008): rows 1 (993) and 7 (999).
+    data[993 * k + 1] = 8.0;
+    data[999 * k + 1] = 9.0;
+    let w = DenseMatrix::from_f32(m, k, &data).unwrap();
+    let enc = BalancedCbc::encode_with_slots(&w, 8).unwrap();
+    assert_eq!((enc.lanes_in_tile(0), enc.lanes_in_tile(1)), (32, 31));
+    assert_eq!(enc.block_bytes(), 576);
+    assert_eq!(enc.tile_block_bytes(1), 560);
+    assert_eq!(enc.blocks().len(), 2 * 576 + 2 * 560);
+    let h = |v: f32| u32::from(f16::from_f32(v).to_bits());
+    let block = &enc.blocks()[2 * 576 + 560..2 * 576 + 2 * 560];
+    // Bitmap rows 0..8 (6 padding rows); slot 1 = row 1, slot 7 = row 7.
+    assert_eq!(u16_at(block, 2 * 31 * 8 + 60), 0xff);
+    assert_eq!(
+        &block[30 * 4..31 * 4],
+        &(h(8.0) << 16).to_le_bytes(),
+        "word 0"
+    );
+    let o = (3 * 31 + 30) * 4;
+    assert_eq!(&block[o..o + 4], &(h(9.0) << 16).to_le_bytes(), "word 3");
+    assert_eq!(&block[558..560], &[0, 0], "fill");
+    check_round_trip(&enc, &w);
+}
+
+/// The image size for M = 576, K = 64, N = 8 from the formula: one full tile of 64 blocks of
+/// 64 N + 64 = 576 bytes, and a 4-lane tile of 64 blocks of 4 (2 N + 2) = 72 -> 80 bytes:
+/// 36864 + 5120 = 41984 bytes, against 2 * 64 * 576 = 73728 with 32-lane tiles.
+#[test]
+fn total_bytes_576_rows() {
+    let (m, k, n) = (576, 64, 8);
+    let w = balanced_matrix(m, k, n, 3);
+    let enc = BalancedCbc::encode_with_slots(&w, n).unwrap();
+    let expected = 64 * (64 * n + 64) + 64 * (4 * (2 * n + 2)).next_multiple_of(16);
+    assert_eq!(expected, 41984);
+    assert_eq!(enc.blocks().len(), expected);
+    assert_eq!(enc.storage().total_bytes(), expected);
+    assert_eq!(enc.storage().payload_bytes, (32 + 4) * k * n * 2);
+    // Plus the 24-byte header (M, K, N) in the payload.
+    let mut out = ByteWriter::new();
+    enc.write_payload(&mut out);
+    assert_eq!(out.into_inner().len(), 24 + expected);
+    // k/v-sized: M = 192 is one tile of 12 lanes.
+    let w = balanced_matrix(192, k, n, 4);
+    let enc = BalancedCbc::encode_with_slots(&w, n).unwrap();
+    assert_eq!(enc.lanes_in_tile(0), 12);
+    assert_eq!(enc.blocks().len(), 64 * (12 * 18usize).next_multiple_of(16));
     check_round_trip(&enc, &w);
 }
 
@@ -378,6 +532,7 @@ fn hostile_payloads_are_rejected() {
     let w = DenseMatrix::from_f32(520, 2, &data).unwrap();
     let enc = BalancedCbc::encode_with_slots(&w, 3).unwrap();
     let good = enc.blocks().to_vec();
+    assert_eq!(good.len(), 2 * 256 + 2 * 16);
     assert!(load(&payload(520, 2, 3, &good)).is_ok());
     let corrupt = |what: &str, p: Vec<u8>| match load(&p) {
         Err(FormatError::Corrupt(_)) | Err(FormatError::Truncated { .. }) => {}
@@ -442,20 +597,24 @@ fn hostile_payloads_are_rejected() {
         "padding not lowest",
         Box::new(|b| b[194..196].copy_from_slice(&0b100011u16.to_le_bytes())),
     );
-    // Block 3 (rt 1, col 1) lane 1 covers rows 528.. >= M: a nonzero padding value there.
+    // Tile 1 has one lane (rows 512..528, rows 520.. >= M); its blocks are 16 bytes at 512
+    // (column 0) and 528 (column 1): word 0 at +0, tail at +4, bitmap at +6, fill +8..+16.
+    // Block 2 lane 0 pads rows {0, 1, 2}; move the padding to rows {8, 9, 10} (>= M) with a
+    // nonzero in slot 0.
     edit(
         "nonzero at rows >= M",
         Box::new(|b| {
-            let at = 3 * 256 + 128 + 2;
-            b[at..at + 2].copy_from_slice(&0x3c00u16.to_le_bytes());
+            b[512 + 6..512 + 8].copy_from_slice(&0x0700u16.to_le_bytes());
+            b[512..512 + 2].copy_from_slice(&0x3c00u16.to_le_bytes());
         }),
     );
-    // -0 is a nonzero too, and may not sit at rows >= M either.
+    // -0 is a nonzero too, and may not sit at rows >= M either: bitmap {0, 1, 8} with -0 in
+    // the tail slot (row 520).
     edit(
         "-0 at rows >= M",
         Box::new(|b| {
-            let at = 3 * 256 + 4;
-            b[at..at + 2].copy_from_slice(&0x8000u16.to_le_bytes());
+            b[512 + 6..512 + 8].copy_from_slice(&0b1_0000_0011u16.to_le_bytes());
+            b[512 + 4..512 + 6].copy_from_slice(&0x8000u16.to_le_bytes());
         }),
     );
     // Block 3 lane 0 (rows 512..528): row 7 (519) is live, rows 8.. (>= 520) are not.
@@ -463,8 +622,16 @@ fn hostile_payloads_are_rejected() {
         "bit at a dead row",
         Box::new(|b| {
             // bitmap {0, 1, 7} -> {0, 1, 8}, the value of row 7 now claims row 520.
-            let at = 3 * 256 + 192;
-            b[at..at + 2].copy_from_slice(&0b1_0000_0011u16.to_le_bytes());
+            b[528 + 6..528 + 8].copy_from_slice(&0b1_0000_0011u16.to_le_bytes());
         }),
     );
+    // Fill bytes must be zero, in every block of the last tile.
+    for at in [512 + 8, 512 + 15, 528 + 8, 528 + 15] {
+        edit("nonzero fill byte", Box::new(move |b| b[at] = 1));
+    }
+    // The image length is exact: the old 32-lane length for this shape is refused.
+    let mut padded = good.clone();
+    padded.resize(4 * 256, 0);
+    corrupt("32-lane image length", payload(520, 2, 3, &padded));
+    corrupt("one tile's length", payload(512, 2, 3, &good));
 }

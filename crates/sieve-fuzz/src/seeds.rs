@@ -438,8 +438,7 @@ pub fn blobs() -> Vec<(String, Vec<u8>)> {
         let w = sparse_matrix(rows, cols, sp, Pattern::NM { n: 6, m: 8 }, i as u64)
             .or_else(|_| sparse_matrix(rows, cols, sp, Pattern::Unstructured, i as u64));
         let Ok(w) = w else { continue };
-        // A balanced-cbc block covers 512 rows, so these short matrices would be almost all
-        // padding (up to 147 KB a seed); its seeds are the compact ones below.
+        // Balanced-CBC has its own seeds below (a full row tile plus a one-lane last tile).
         for kind in FormatKind::ALL
             .into_iter()
             .filter(|&k| k != FormatKind::BalancedCbc)
@@ -449,8 +448,9 @@ pub fn blobs() -> Vec<(String, Vec<u8>)> {
             }
         }
     }
-    // Balanced-CBC: a 520-row matrix (two row tiles, the second with 8 live rows) at N = 2 (words
-    // only) and N = 3 (words and the odd tail), 1.5 and 2 KB.
+    // Balanced-CBC: a 520-row matrix (a full 32-lane row tile, then a tile of one lane with 8
+    // live rows, whose blocks carry zero fill) at N = 2 (words only) and N = 3 (words and the
+    // odd tail), 888 and 1144 bytes.
     for (n, seed) in [(2usize, 7u64), (3, 8)] {
         let (rows, cols) = (520usize, 4usize);
         let mut rng = SplitMix64::new(seed);
