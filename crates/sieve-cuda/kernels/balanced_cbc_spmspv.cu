@@ -3,13 +3,15 @@
 //
 //   row tile rt = rows 512 rt .. +511; lane j of a warp owns rows 512 rt + 16 j .. +15
 //   every (column k, 16-row group) holds exactly N slots (nonzeros + zero padding)
-//   block (rt, k) at byte (rt * K + k) * (64 N + 64), fixed size, no metadata:
+//   L lanes per tile: 32, except the last tile, which stores only the lanes holding rows < M
+//   block (rt, k) at byte rt * K * (64 N + 64) + k * B(L), B(L) = L (2 N + 2) rounded up to 16,
+//   fixed size, no metadata:
 //
-//      | words: N/2 x 32 u32, word w of lane j = slots 2w | 2w+1 | tail: 32 u16 (N odd) | bits: 32 u16 |
-//        lane:  0 1 2 ... 31 | 0 1 2 ... 31 | ...            lane j's slot N-1                 lane j's rows
+//      | words: N/2 x L u32, word w of lane j = slots 2w | 2w+1 | tail: L u16 (N odd) | bits: L u16 |
+//        lane:  0 1 2 ... L-1 | 0 1 2 ... L-1 | ...            lane j's slot N-1                lane j's rows
 //
 // so a lane reads its N values and its 16-bit row mask with N/2 + 2 coalesced 4- and 2-byte
-// loads (the warp reads the whole 64 N + 64 bytes, nothing else), like the dense column-major
+// loads (the warp reads the whole block, nothing else), like the dense column-major
 // kernel reads its 16-byte row slice. Why this layout: the Tiled-CBC kernels place a column's
 // values by a per-lane popcount, so each element costs a shared-memory load at a data-dependent
 // address (ncu, runs 3-8: L1/shared pipe 80-90%, 21-79% of copy bandwidth). Here the count per
@@ -58,14 +60,19 @@ template <int N>
 __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ blocks,
                                             const float* __restrict__ x, float* __restrict__ y,
                                             int M, int K, float t, int cols_per_warp,
-                                            u32* __restrict__ flags, u32 epoch) {
-    constexpr u32 BLOCK_BYTES = 64 * N + 64;
+                                            int last_lanes, u32* __restrict__ flags, u32 epoch) {
+    constexpr u32 FULL_BLOCK_BYTES = 64 * N + 64;
     constexpr int WORDS = N / 2 + 1;  // +1: the tail slot of odd N (unused for even N)
     __shared__ float acc[BCBC_WARPS][16][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rt = blockIdx.x;
     pdl_release();
-    const unsigned char* tile = blocks + (size_t)rt * (size_t)K * BLOCK_BYTES;
+    const unsigned char* tile = blocks + (size_t)rt * (size_t)K * FULL_BLOCK_BYTES;
+    // Lanes stored in this tile (the last tile stores only those holding rows < M) and the
+    // tile's block size; lanes past them do no loads and add zeros to rows that are not written.
+    const int lanes = rt == (int)gridDim.x - 1 ? last_lanes : 32;
+    const u32 block_bytes = lanes == 32 ? FULL_BLOCK_BYTES : ((u32)lanes * (2 * N + 2) + 15u) & ~15u;
+    const bool stored = lane < lanes;
 #pragma unroll
     for (int s = 0; s < 16; ++s) acc[warp][s][lane] = 0.f;
     const int begin = (blockIdx.y * BCBC_WARPS + warp) * cols_per_warp;
@@ -111,13 +118,13 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
                 xv = __shfl_sync(FULL_MASK, xw[1], s);
             }
             xs[st][u] = xv;
-            if (c >= 0) {
-                n = u + 1;
-                const unsigned char* p = tile + (size_t)c * BLOCK_BYTES;
+            if (c >= 0) n = u + 1;
+            if (c >= 0 && stored) {
+                const unsigned char* p = tile + (size_t)c * block_bytes;
 #pragma unroll
-                for (int w = 0; w < N / 2; ++w) words[st][u][w] = bcbc_ld32(p + (w * 32 + lane) * 4);
-                if (N & 1) words[st][u][N / 2] = bcbc_ld16(p + (N / 2) * 128 + lane * 2);
-                bits[st][u] = bcbc_ld16(p + 64 * N + lane * 2);
+                for (int w = 0; w < N / 2; ++w) words[st][u][w] = bcbc_ld32(p + (w * lanes + lane) * 4);
+                if (N & 1) words[st][u][N / 2] = bcbc_ld16(p + (N / 2) * 4 * lanes + lane * 2);
+                bits[st][u] = bcbc_ld16(p + 2 * lanes * N + lane * 2);
             } else {
 #pragma unroll
                 for (int w = 0; w < WORDS; ++w) words[st][u][w] = 0u;
@@ -175,12 +182,16 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
 
 #define BCBC_ARGS                                                                        \
     const unsigned char *__restrict__ blocks, const float *__restrict__ x,               \
-        float *__restrict__ y, int M, int K, float t, int cols_per_warp, u32 *__restrict__ flags, \
-        u32 epoch
-#define BCBC_PASS blocks, x, y, M, K, t, cols_per_warp, flags, epoch
-// One kernel per slot count N (bcbc_spmspv_n<N>): N sizes the register arrays.
+        float *__restrict__ y, int M, int K, float t, int cols_per_warp, int last_lanes,        \
+        u32 *__restrict__ flags, u32 epoch
+#define BCBC_PASS blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch
+// One kernel per slot count N (bcbc_spmspv_n<N>): N sizes the register arrays. Up to N = 8
+// the kernel fits 85 registers (3 blocks, 24 warps per SM: more loads in flight); above, the
+// two stages of N/2 + 1 words per column need up to 128 (run 9: N = 11 under the 85-register
+// cap spilled and ran at 0.7x cuBLAS).
 #define BCBC_KERNEL(NN)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 3) bcbc_spmspv_n##NN(BCBC_ARGS) {  \
+    extern "C" __global__ void __launch_bounds__(256, (NN) <= 8 ? 3 : 2)                 \
+        bcbc_spmspv_n##NN(BCBC_ARGS) {                                                   \
         bcbc_kernel<NN>(BCBC_PASS);                                                     \
     }
 BCBC_KERNEL(1)

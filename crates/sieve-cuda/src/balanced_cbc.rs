@@ -25,8 +25,11 @@ pub struct GpuBalancedCbc {
     rows: usize,
     cols: usize,
     slots: usize,
-    block_bytes: usize,
+    /// Bytes per column of the whole matrix: full tiles' blocks plus the last tile's.
+    column_bytes: usize,
     row_tiles: usize,
+    /// Lanes stored in the last row tile (only those holding rows < M).
+    last_lanes: usize,
     /// One per 512-row tile: fused zeroing (see the kernel's header).
     flags: CudaSlice<u32>,
     epoch: LaunchEpoch,
@@ -43,19 +46,26 @@ impl GpuBalancedCbc {
                 "matrix {rows} x {cols} exceeds the kernels' 32-bit dimensions"
             )));
         }
-        let row_tiles = w.row_tiles();
+        let (row_tiles, slots) = (w.row_tiles(), w.slots());
+        // The layout's sizes, recomputed here from its definition (the kernel relies on them):
+        // full tiles of 32 lanes, the last tile with only the lanes that hold rows < M.
+        let last_lanes = (rows - 512 * row_tiles.saturating_sub(1)).div_ceil(16);
+        let full = 64 * slots + 64;
+        let last = (last_lanes * (2 * slots + 2)).div_ceil(16) * 16;
+        let column_bytes = full * row_tiles.saturating_sub(1) + last;
         check_len(
             "balanced-cbc block bytes",
-            row_tiles * cols * w.block_bytes(),
+            column_bytes * cols,
             w.blocks().len(),
         )?;
         Ok(Self {
             blocks: gpu.upload(w.blocks())?,
             rows,
             cols,
-            slots: w.slots(),
-            block_bytes: w.block_bytes(),
+            slots,
+            column_bytes,
             row_tiles,
+            last_lanes,
             flags: gpu.upload(&vec![0u32; row_tiles.max(1)])?,
             epoch: LaunchEpoch::default(),
             cols_per_warp: 0,
@@ -119,6 +129,7 @@ impl GpuBalancedCbc {
         let cfg = self.config(cpw);
         let (m, k) = (self.rows as i32, self.cols as i32);
         let (t, cpw) = (threshold_arg(threshold), cpw as i32);
+        let last_lanes = self.last_lanes as i32;
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&self.blocks)
             .arg(&x)
@@ -127,6 +138,7 @@ impl GpuBalancedCbc {
             .arg(&k)
             .arg(&t)
             .arg(&cpw)
+            .arg(&last_lanes)
             .arg(&flags)
             .arg(&epoch);
         unsafe { b.launch(cfg) }.during("launching bcbc_spmspv")?;
@@ -150,7 +162,7 @@ impl GpuMatVec for GpuBalancedCbc {
     }
     fn bytes_for(&self, active: &[bool]) -> usize {
         let on = active.iter().filter(|a| **a).count();
-        on * self.row_tiles * self.block_bytes + self.cols * 4 + self.rows * 4
+        on * self.column_bytes + self.cols * 4 + self.rows * 4
     }
     fn launch(
         &self,

@@ -280,7 +280,14 @@ fn balanced_cbc_matches_reference() {
         return;
     };
     let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
-    let mut shapes: Vec<(usize, usize)> = vec![(1, 1), (7, 5), (33, 63), (513, 129), (1000, 300)];
+    let mut shapes: Vec<(usize, usize)> = vec![
+        (1, 1),
+        (7, 5),
+        (33, 63),
+        (513, 129),
+        (576, 200),
+        (1000, 300),
+    ];
     if !small_only {
         shapes.push((4096, 4096));
     }
