@@ -276,7 +276,17 @@ pub fn encode_choice(w: &DenseMatrix, choice: FormatChoice, dp: f64) -> Result<E
         FormatChoice::Auto => {
             let candidates: Vec<Box<dyn WeightFormat>> = FormatKind::ALL
                 .par_iter()
-                .filter_map(|&k| sieve_formats::registry::encode_default(k, w).ok())
+                .filter_map(|&k| match k {
+                    // Balanced-CBC stores N slots of every 16 rows, N = the fullest group: on a
+                    // matrix not pruned to the balanced pattern N is 16, more bytes than dense
+                    // f16, and timing it would only cost pack time.
+                    FormatKind::BalancedCbc => {
+                        let b = sieve_formats::balanced_cbc::BalancedCbc::encode(w).ok()?;
+                        (b.slots() < sieve_formats::balanced_cbc::MAX_SLOTS)
+                            .then(|| Box::new(b) as Box<dyn WeightFormat>)
+                    }
+                    _ => sieve_formats::registry::encode_default(k, w).ok(),
+                })
                 .collect();
             // One at a time: the products must not share the machine with each other.
             let mut best: Option<Encoded> = None;
