@@ -19,6 +19,7 @@ use sieve_formats::blob::ByteWriter;
 use sieve_formats::format::{check_product_args, check_threshold, is_active};
 use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
 
+pub mod balanced_rows;
 pub mod gemm;
 pub mod ie_bme_int;
 pub mod quantized;

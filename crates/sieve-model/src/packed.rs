@@ -19,6 +19,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::linear::balanced_rows::FastBalancedCbc;
 use crate::linear::ie_bme_int::Int4IeBme;
 use crate::linear::quantized::QuantMatrix;
 use crate::linear::sparse::{DequantizedIeBme, FastTiledCbc};
@@ -29,6 +30,7 @@ use crate::packfile::{PackFile, PackWriter, SectionKind};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::weights::{TensorSource, TokenizerSource};
 use serde::{Deserialize, Serialize};
+use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{FormatKind, Threshold, WeightFormat};
 use std::collections::BTreeMap;
@@ -201,6 +203,11 @@ pub fn cpu_format_from_blob(
             r.finish()?;
             tiled_cbc_layer(tiled)
         }
+        Ok(FormatKind::BalancedCbc) => {
+            let balanced = BalancedCbc::read_payload(&mut r)?;
+            r.finish()?;
+            Box::new(FastBalancedCbc::new(&balanced))
+        }
         Ok(FormatKind::IeBme) => {
             let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r)?;
             r.finish()?;
@@ -217,7 +224,8 @@ pub fn cpu_format_from_blob(
 }
 
 /// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
-/// [`FastDense`], Tiled-CBC gets [`RowTiledCbc`] (see [`tiled_cbc_layer`]), IE-BME INT4 gets [`Int4IeBme`] (integer
+/// [`FastDense`], Tiled-CBC gets [`RowTiledCbc`] (see [`tiled_cbc_layer`]), Balanced-CBC gets
+/// [`FastBalancedCbc`] (row groups of 16, fixed-size records), IE-BME INT4 gets [`Int4IeBme`] (integer
 /// products against 8-bit activations, see [`ie_bme_layer`]); other formats keep their
 /// reference kernels.
 /// The threshold is the one the pack stores for this layer. Dense layers stay row-major even

@@ -1,0 +1,505 @@
+//! Balanced-CBC multiplied on the CPU through a **row-group-major record layout** built at load.
+//!
+//! The Balanced-CBC blob (512-row tiles of 32 lanes, the GPU's layout) stays what a pack stores
+//! and what this layer writes back; only the in-memory copy differs. Balanced sparsity gives
+//! every group of 16 output rows of one input column at most N nonzeros (N:16, N fixed for the
+//! matrix), so the CPU copy needs no offsets table: column `c` of group `g` is a fixed-size
+//! record at a computed position.
+//!
+//! Layout, one `u16` array: group `g` (rows `16 g .. 16 g + 15`) holds the K columns' records
+//! one after the other, `K (N + 1)` entries, so a group is one contiguous stream (the reason
+//! for rows, see [`super::tcbc_rows`]: a product reads every stored weight block after block,
+//! the stream the prefetchers follow; an inactive input is skipped inside the stream). Two
+//! arrangements of a group, picked at build ([`Arrangement`]):
+//!
+//! * interleaved (the default): record `c` = the `u16` row mask (bit `r` = row `16 g + r`
+//!   stores a nonzero), then N f16 values: the nonzeros in row order, then +0 fill;
+//! * split: the K masks, then the K value runs of N (aligned value loads when N is even).
+//!
+//! Measured on the 2-core Zen 4 (`sieve bench cpu`, SmolLM2-135M, docs/BENCHMARKS.md): split
+//! decoded 44-61 tok/s against 55-123 for interleaved (sp 0.5 and 0.7, a loaded machine, but
+//! split lost every alternating run), so the single-stream interleaved records are the default;
+//! `SIEVE_BCBC_CPU=split` picks the other for comparison. At ~80 tok/s an sp 0.5 pack streams
+//! ~12 GB/s, what dense rows reach on this machine: decode is bound by memory, not the kernel.
+//! Also tried and dropped (same runs): two groups per pass over the active columns (one
+//! broadcast for 32 rows, but two streams; 57-75 tok/s against 72-108) and a software prefetch
+//! 1 KiB ahead at each active column (no gain, 67-91).
+//!
+//! The mask holds the nonzeros only (the format's padding slots are +0 and need no place): the
+//! kernels load all N values with one masked load and place the first `popcount(mask)` of them.
+//! Per group and ACTIVE column (active inputs listed once per call):
+//! * AVX-512 + VBMI2: a masked load of the N values (mask `(1 << N) - 1`), `vpexpandw` (the
+//!   register form; the memory form is microcoded on Zen 4) by the row mask, one `vcvtph2ps`,
+//!   one FMA with the broadcast activation into 16 row sums in one zmm register (two registers
+//!   alternating columns, for ILP);
+//! * AVX-512 without VBMI2: a masked load, `vcvtph2ps`, `vexpandps` by the mask, one FMA;
+//! * AVX2: per 8 rows a load, `vcvtph2ps`, `vpermps` by a rank table, a mask, one FMA;
+//! * portable: a scalar walk of the set bits.
+//!
+//! Groups are split over the thread pool, several per task. Every path sums the same products
+//! in another order only. Activations that are not finite take the portable path (the SIMD
+//! paths multiply unstored weights as zeros, and `0 · inf` would put a NaN in rows that do not
+//! use that input). Batched products (prefill) decode the matrix into a per-thread f16
+//! row-major buffer and run the blocked GEMM, as [`super::tcbc_rows::RowTiledCbc`] does.
+
+use super::gemm;
+use super::simd::SimdLevel;
+use super::sparse::active_inputs;
+use half::f16;
+use rayon::prelude::*;
+use sieve_formats::balanced_cbc::BalancedCbc;
+use sieve_formats::blob::ByteWriter;
+use sieve_formats::format::{check_product_args, is_active};
+use sieve_formats::matrix::is_zero;
+use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
+
+/// Rows per group: one `u16` mask per (group, column), one register of f32 sums.
+pub const GROUP: usize = 16;
+/// Extra `u16` entries after the last group, so that the AVX2 kernel's 8-value loads never
+/// read past the array.
+const TAIL: usize = 16;
+/// Batches of fewer tokens run the matrix-vector kernel once per token (as `RowTiledCbc`).
+const GEMM_MIN_TOKENS: usize = 4;
+
+/// How a group's masks and values are arranged (module notes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrangement {
+    /// Record per column: mask, then N values.
+    Interleaved,
+    /// The group's K masks, then its K runs of N values.
+    Split,
+}
+
+impl Arrangement {
+    /// `SIEVE_BCBC_CPU=split` picks [`Arrangement::Split`], anything else the default.
+    pub fn from_env() -> Self {
+        if std::env::var("SIEVE_BCBC_CPU").is_ok_and(|v| v == "split") {
+            Arrangement::Split
+        } else {
+            Arrangement::Interleaved
+        }
+    }
+}
+
+/// Balanced-CBC with SIMD products over a row-group-major record layout (module notes); kind,
+/// storage and blob are those of the [`BalancedCbc`] it was built from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FastBalancedCbc {
+    rows: usize,
+    cols: usize,
+    /// N, the values per record.
+    slots: usize,
+    arrangement: Arrangement,
+    /// Entries between the masks of consecutive columns of a group.
+    mask_stride: usize,
+    /// Entry of column 0's first value in a group, relative to the group's start.
+    value_start: usize,
+    /// Entries between the first values of consecutive columns of a group.
+    value_stride: usize,
+    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros.
+    data: Vec<u16>,
+    /// The Balanced-CBC storage (what the blob holds).
+    storage: Storage,
+}
+
+/// One token's active inputs, ready for the kernels.
+struct Prepared {
+    cols: Vec<u32>,
+    xs: Vec<f32>,
+    /// Whether every active input is finite (else the portable kernel runs, module notes).
+    finite: bool,
+}
+
+impl FastBalancedCbc {
+    /// Builds the CPU layout from a Balanced-CBC matrix, arranged as `SIEVE_BCBC_CPU` says.
+    pub fn new(balanced: &BalancedCbc) -> Self {
+        Self::with_arrangement(balanced, Arrangement::from_env())
+    }
+
+    /// Builds the CPU layout with the given arrangement of each group.
+    pub fn with_arrangement(balanced: &BalancedCbc, arrangement: Arrangement) -> Self {
+        let w = balanced.decode();
+        let (m, k, n) = (w.rows(), w.cols(), balanced.slots());
+        let (mask_stride, value_start, value_stride) = match arrangement {
+            Arrangement::Interleaved => (n + 1, 1, n + 1),
+            Arrangement::Split => (1, k, n),
+        };
+        let group_len = k * (n + 1);
+        let groups = m.div_ceil(GROUP);
+        let mut data = vec![0u16; groups * group_len + TAIL];
+        let src = w.data();
+        data[..groups * group_len]
+            .par_chunks_mut(group_len.max(1))
+            .enumerate()
+            .for_each(|(g, out)| {
+                let rows = g * GROUP..((g + 1) * GROUP).min(m);
+                for c in 0..k {
+                    let mut mask = 0u16;
+                    let mut at = value_start + c * value_stride;
+                    for (i, r) in rows.clone().enumerate() {
+                        let v = src[r * k + c];
+                        // Exactly the entries Balanced-CBC reports (a negative zero is kept).
+                        if !is_zero(v) {
+                            mask |= 1 << i;
+                            out[at] = v.to_bits();
+                            at += 1;
+                        }
+                    }
+                    debug_assert!(mask.count_ones() as usize <= n);
+                    out[c * mask_stride] = mask;
+                }
+            });
+        Self {
+            rows: m,
+            cols: k,
+            slots: n,
+            arrangement,
+            mask_stride,
+            value_start,
+            value_stride,
+            data,
+            storage: balanced.storage(),
+        }
+    }
+
+    /// N, the values per record.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// The arrangement of each group.
+    pub fn arrangement(&self) -> Arrangement {
+        self.arrangement
+    }
+
+    /// Bytes one matrix-vector product streams (masks + values): what decode reads per token.
+    pub fn cpu_layout_bytes(&self) -> usize {
+        2 * (self.data.len() - TAIL)
+    }
+
+    fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    fn group_len(&self) -> usize {
+        self.cols * (self.slots + 1)
+    }
+
+    fn prepare(&self, x: &[f32], threshold: Threshold) -> Prepared {
+        let (cols, xs) = active_inputs(x, threshold);
+        let finite = xs.iter().all(|v| v.is_finite());
+        Prepared { cols, xs, finite }
+    }
+
+    /// `out[i] = W[16 g + i] · x` for the rows of group `g` (`out.len()` of them).
+    fn group_with(&self, level: SimdLevel, g: usize, p: &Prepared, out: &mut [f32]) {
+        debug_assert!(out.len() <= GROUP && g < self.groups());
+        let mut sums = [0f32; GROUP];
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the level is supported (callers cap it by `or_portable`); the layout was
+            // built by `with_arrangement` (every record has N values inside `data`, TAIL entries
+            // follow the last group) and `p.cols` are columns of this matrix.
+            SimdLevel::Avx512Vbmi2 if p.finite => unsafe {
+                x86::group_vbmi2(self, g, p, &mut sums)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdLevel::Avx512 if p.finite => unsafe { x86::group_avx512(self, g, p, &mut sums) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            SimdLevel::Avx2 if p.finite => unsafe { x86::group_avx2(self, g, p, &mut sums) },
+            _ => self.group_portable(g, p, &mut sums),
+        }
+        out.copy_from_slice(&sums[..out.len()]);
+    }
+
+    fn group_portable(&self, g: usize, p: &Prepared, sums: &mut [f32; GROUP]) {
+        let base = g * self.group_len();
+        for (&c, &xv) in p.cols.iter().zip(&p.xs) {
+            let c = c as usize;
+            let mut bits = self.data[base + c * self.mask_stride];
+            let mut pos = base + self.value_start + c * self.value_stride;
+            while bits != 0 {
+                let i = bits.trailing_zeros() as usize;
+                sums[i] += f16::from_bits(self.data[pos]).to_f32() * xv;
+                pos += 1;
+                bits &= bits - 1;
+            }
+        }
+    }
+
+    /// `y = W · mask_t(x)` through the kernels of `level` (tests compare every level).
+    pub fn matvec_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
+        let level = level.or_portable();
+        let p = self.prepare(x, threshold);
+        let per = GROUP * groups_per_task(self.groups());
+        y.par_chunks_mut(per).enumerate().for_each(|(t, out)| {
+            for (i, o) in out.chunks_mut(GROUP).enumerate() {
+                self.group_with(level, t * per / GROUP + i, &p, o);
+            }
+        });
+        Ok(())
+    }
+
+    /// `Y = mask_t(X) · Wᵀ` for `n` tokens through the kernels of `level`.
+    pub fn matmul_with(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        let (m, k) = (self.rows, self.cols);
+        check_product_args(m, k, x, n, threshold, y)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            y.fill(0.0);
+            return Ok(());
+        }
+        if n < GEMM_MIN_TOKENS {
+            for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(m)) {
+                self.matvec_with(level, xr, threshold, yr)?;
+            }
+            return Ok(());
+        }
+        let xm;
+        let x = if threshold.is_some() {
+            xm = x
+                .iter()
+                .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
+                .collect::<Vec<_>>();
+            &xm[..]
+        } else {
+            x
+        };
+        let mut run = |w: &mut Vec<f16>| {
+            w.resize(m * k, f16::ZERO);
+            self.decode_into(&mut w[..m * k]);
+            // Y (n x M) = X (n x K) · Wᵀ, the call `FastDense` makes on its rows.
+            gemm::gemm(
+                n,
+                m,
+                k,
+                gemm::View::row_major(x, k),
+                gemm::View::transposed(&w[..m * k], k),
+                y,
+                m,
+                false,
+                true,
+            )
+            .map_err(|e| FormatError::Option(e.to_string()))
+        };
+        PANEL.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut w) => run(&mut w),
+            // A pool thread that picked up this product while waiting inside another one.
+            Err(_) => run(&mut Vec::new()),
+        })
+    }
+
+    /// Writes the dense row-major matrix into `out` (`M · K` entries), groups in parallel.
+    fn decode_into(&self, out: &mut [f16]) {
+        let k = self.cols;
+        if k == 0 {
+            return;
+        }
+        let len = self.group_len();
+        out.par_chunks_mut(GROUP * k)
+            .enumerate()
+            .for_each(|(g, rows)| {
+                rows.fill(f16::ZERO);
+                let base = g * len;
+                for c in 0..k {
+                    let mut bits = self.data[base + c * self.mask_stride];
+                    let mut pos = base + self.value_start + c * self.value_stride;
+                    while bits != 0 {
+                        let i = bits.trailing_zeros() as usize;
+                        rows[i * k + c] = f16::from_bits(self.data[pos]);
+                        pos += 1;
+                        bits &= bits - 1;
+                    }
+                }
+            });
+    }
+}
+
+thread_local! {
+    /// The decoded matrix of a batched product, reused across calls.
+    static PANEL: std::cell::RefCell<Vec<f16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Groups per parallel task: about three tasks per thread (576 rows = 36 groups: 6 per task on
+/// 2 threads), at least one group.
+fn groups_per_task(groups: usize) -> usize {
+    let tasks = 3 * rayon::current_num_threads().max(1);
+    groups.div_ceil(tasks).max(1)
+}
+
+impl WeightFormat for FastBalancedCbc {
+    fn kind(&self) -> FormatKind {
+        FormatKind::BalancedCbc
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn storage(&self) -> Storage {
+        self.storage
+    }
+    fn decode(&self) -> DenseMatrix {
+        let mut data = vec![f16::ZERO; self.rows * self.cols];
+        self.decode_into(&mut data);
+        DenseMatrix::new(self.rows, self.cols, data).expect("built from a validated matrix")
+    }
+    fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
+        self.matvec_with(SimdLevel::detect(), x, threshold, y)
+    }
+    fn matmul(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: Threshold,
+        y: &mut [f32],
+    ) -> Result<(), FormatError> {
+        self.matmul_with(SimdLevel::detect(), x, n, threshold, y)
+    }
+    fn write_payload(&self, w: &mut ByteWriter) {
+        // Balanced-CBC places its padding slots deterministically, so re-encoding with the same
+        // N gives back the bytes it was read from.
+        BalancedCbc::encode_with_slots(&self.decode(), self.slots)
+            .expect("every group of the source matrix holds at most N nonzeros")
+            .write_payload(w)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{FastBalancedCbc, Prepared, GROUP};
+    use crate::linear::sparse::RANKS;
+    use std::arch::x86_64::*;
+
+    /// Pointers to the mask and the first value of column `c` of the group starting at `base`.
+    #[inline(always)]
+    unsafe fn record(w: &FastBalancedCbc, base: *const u16, c: u32) -> (u16, *const u16) {
+        let c = c as usize;
+        (
+            *base.add(c * w.mask_stride),
+            base.add(w.value_start + c * w.value_stride),
+        )
+    }
+
+    /// Per active column: a masked load of the N values, `vpexpandw` by the row mask, one
+    /// `vcvtph2ps`, one FMA with the broadcast activation; two sums for alternate columns.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL/VBMI2; `w` built by `FastBalancedCbc::with_arrangement`,
+    /// `g < groups`, `p` prepared for `w`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,f16c")]
+    pub unsafe fn group_vbmi2(w: &FastBalancedCbc, g: usize, p: &Prepared, out: &mut [f32; GROUP]) {
+        let base = w.data.as_ptr().add(g * w.group_len());
+        let load = ((1u32 << w.slots) - 1) as u16;
+        #[inline(always)]
+        unsafe fn one(
+            w: &FastBalancedCbc,
+            base: *const u16,
+            load: u16,
+            c: u32,
+            xv: f32,
+            acc: &mut __m512,
+        ) {
+            let (m, v) = record(w, base, c);
+            let raw = _mm256_maskz_loadu_epi16(load, v as *const i16);
+            let e = _mm256_maskz_expand_epi16(m, raw);
+            *acc = _mm512_fmadd_ps(_mm512_cvtph_ps(e), _mm512_set1_ps(xv), *acc);
+        }
+        let mut a = _mm512_setzero_ps();
+        let mut b = _mm512_setzero_ps();
+        let pairs = p.cols.len() / 2;
+        for j in 0..pairs {
+            let (c0, c1) = (
+                *p.cols.get_unchecked(2 * j),
+                *p.cols.get_unchecked(2 * j + 1),
+            );
+            let (x0, x1) = (*p.xs.get_unchecked(2 * j), *p.xs.get_unchecked(2 * j + 1));
+            one(w, base, load, c0, x0, &mut a);
+            one(w, base, load, c1, x1, &mut b);
+        }
+        if p.cols.len() % 2 == 1 {
+            one(w, base, load, p.cols[2 * pairs], p.xs[2 * pairs], &mut a);
+        }
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(a, b));
+    }
+
+    /// [`group_vbmi2`] without VBMI2: a masked load, `vcvtph2ps`, `vexpandps` by the mask.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL; otherwise as for [`group_vbmi2`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+    pub unsafe fn group_avx512(
+        w: &FastBalancedCbc,
+        g: usize,
+        p: &Prepared,
+        out: &mut [f32; GROUP],
+    ) {
+        let base = w.data.as_ptr().add(g * w.group_len());
+        let load = ((1u32 << w.slots) - 1) as u16;
+        let mut acc = [_mm512_setzero_ps(); 2];
+        for (j, (&c, &xv)) in p.cols.iter().zip(&p.xs).enumerate() {
+            let (m, v) = record(w, base, c);
+            let raw = _mm256_maskz_loadu_epi16(load, v as *const i16);
+            let e = _mm512_maskz_expand_ps(m, _mm512_cvtph_ps(raw));
+            let a = acc.get_unchecked_mut(j & 1);
+            *a = _mm512_fmadd_ps(e, _mm512_set1_ps(xv), *a);
+        }
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc[0], acc[1]));
+    }
+
+    /// Per active column and 8 rows: a load, `vcvtph2ps`, `vpermps` by the rank of each set
+    /// bit, a mask of the set bits, one FMA.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA, F16C and POPCNT; otherwise as for [`group_vbmi2`]. Loads
+    /// of 8 values may run past a record (into the next one or the TAIL entries), never past
+    /// `data`.
+    #[target_feature(enable = "avx2,fma,f16c,popcnt")]
+    pub unsafe fn group_avx2(w: &FastBalancedCbc, g: usize, p: &Prepared, out: &mut [f32; GROUP]) {
+        let base = w.data.as_ptr().add(g * w.group_len());
+        let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for (&c, &xv) in p.cols.iter().zip(&p.xs) {
+            let (m, mut v) = record(w, base, c);
+            let vx = _mm256_set1_ps(xv);
+            for (q, a) in acc.iter_mut().enumerate() {
+                let mb = ((m >> (8 * q)) & 0xff) as usize;
+                if mb == 0 {
+                    continue;
+                }
+                let raw = _mm256_cvtph_ps(_mm_loadu_si128(v as *const __m128i));
+                let idx = _mm256_loadu_si256(RANKS.as_ptr().add(mb) as *const __m256i);
+                let placed = _mm256_permutevar8x32_ps(raw, idx);
+                let sel = _mm256_set1_epi32(mb as i32);
+                let keep = _mm256_cmpeq_epi32(_mm256_and_si256(sel, lane_bits), lane_bits);
+                let placed = _mm256_and_ps(placed, _mm256_castsi256_ps(keep));
+                *a = _mm256_fmadd_ps(placed, vx, *a);
+                v = v.add(mb.count_ones() as usize);
+            }
+        }
+        _mm256_storeu_ps(out.as_mut_ptr(), acc[0]);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), acc[1]);
+    }
+}
+
+#[cfg(test)]
+mod tests;

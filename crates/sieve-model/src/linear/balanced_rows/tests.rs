@@ -1,0 +1,169 @@
+use super::*;
+use proptest::prelude::*;
+use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity};
+use sieve_formats::reference::{matmul_f64, matvec_f64, max_rel_error};
+
+/// The tolerance of the other fast kernels' tests (`tcbc_rows`): f32 sums in another order stay
+/// far inside the reference kernels' own 1e-3, so the fast paths are held to 1e-5.
+const TOL: f64 = 1e-5;
+
+const ARRANGEMENTS: [Arrangement; 2] = [Arrangement::Interleaved, Arrangement::Split];
+
+fn check_error(got: &[f32], want: &[f64], what: &str) {
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: {got:?}");
+    let e = max_rel_error(got, want);
+    assert!(e <= TOL, "{what}: error {e}");
+}
+
+/// Every SIMD level and arrangement against the f64 reference and the format's own kernel,
+/// matvec and batched below and above the GEMM cut, for one matrix and activation draw.
+fn check(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, seed: u64) {
+    let w = balanced_matrix(rows, cols, slots, seed).unwrap();
+    let x = activations(cols * tokens, seed ^ 7);
+    let t = threshold_for_sparsity(&x, dp).unwrap();
+    let want_v = matvec_f64(&w, &x[..cols], t);
+    let want_m = matmul_f64(&w, &x, tokens, t);
+    let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
+    let mut ref_v = vec![0f32; rows];
+    reference.matvec(&x[..cols], t, &mut ref_v).unwrap();
+    let mut ref_m = vec![0f32; rows * tokens];
+    reference.matmul(&x, tokens, t, &mut ref_m).unwrap();
+    let ref_v: Vec<f64> = ref_v.iter().map(|&v| v as f64).collect();
+    let ref_m: Vec<f64> = ref_m.iter().map(|&v| v as f64).collect();
+    for arrangement in ARRANGEMENTS {
+        let fast = FastBalancedCbc::with_arrangement(&reference, arrangement);
+        for level in SimdLevel::available() {
+            let what = format!("{level:?} {arrangement:?} {rows}x{cols} N {slots} dp {dp}");
+            let mut y = vec![f32::NAN; rows];
+            fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
+            check_error(&y, &want_v, &format!("{what} matvec"));
+            check_error(&y, &ref_v, &format!("{what} matvec vs BalancedCbc::matvec"));
+            let mut ym = vec![f32::NAN; rows * tokens];
+            fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
+            check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+            check_error(
+                &ym,
+                &ref_m,
+                &format!("{what} matmul vs BalancedCbc::matmul"),
+            );
+        }
+    }
+}
+
+#[test]
+fn balanced_every_level_matches_the_reference() {
+    // M below one group, not a multiple of 16, several 512-row tiles; N from 1 to 16; every
+    // threshold regime (none, half, most and nearly all inputs off); batches below and above
+    // the GEMM cut.
+    for &(m, k) in &[
+        (1, 1),
+        (7, 13),
+        (16, 33),
+        (45, 70),
+        (192, 576),
+        (300, 40),
+        (513, 17),
+        (1030, 9),
+    ] {
+        for (i, &n) in [1, 5, 8, 16, 3, 11].iter().enumerate() {
+            for (j, &dp) in [0.0, 0.5, 0.9, 0.99].iter().enumerate() {
+                let tokens = [1, 3, 6][(i + j) % 3];
+                check(m, k, n, dp, tokens, (m * 1000 + k + 7 * i + j) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn balanced_keeps_the_blob_kind_and_storage() {
+    for n in [1, 5, 8, 16] {
+        for &(m, k) in &[(600, 96), (45, 7), (512, 3)] {
+            let w = balanced_matrix(m, k, n, (m + k + n) as u64).unwrap();
+            let reference = BalancedCbc::encode_with_slots(&w, n).unwrap();
+            for arrangement in ARRANGEMENTS {
+                let fast = FastBalancedCbc::with_arrangement(&reference, arrangement);
+                assert_eq!(fast.to_bytes(), reference.to_bytes(), "{m}x{k} N {n}");
+                assert_eq!(fast.decode(), w);
+                assert_eq!(fast.storage(), reference.storage());
+                assert_eq!(fast.kind(), FormatKind::BalancedCbc);
+                assert_eq!(fast.slots(), n);
+                // A u16 mask and N values per (group of 16 rows, column).
+                assert_eq!(fast.cpu_layout_bytes(), 2 * m.div_ceil(16) * k * (n + 1));
+            }
+        }
+    }
+    // A matrix sparser than its N (padding slots everywhere) also round-trips.
+    let w = balanced_matrix(100, 30, 2, 5).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, 6).unwrap();
+    let fast = FastBalancedCbc::new(&reference);
+    assert_eq!(fast.to_bytes(), reference.to_bytes());
+    let blob = fast.to_bytes();
+    let loaded = crate::packed::cpu_format_from_blob(&blob).unwrap();
+    assert_eq!(loaded.kind(), FormatKind::BalancedCbc);
+    assert_eq!(loaded.to_bytes(), blob);
+}
+
+#[test]
+fn balanced_negative_zeros_are_kept() {
+    let mut data = vec![f16::ZERO; 20 * 40];
+    data[3] = f16::NEG_ZERO;
+    data[45] = f16::from_f32(1.5);
+    data[799] = f16::from_f32(-2.0);
+    let w = DenseMatrix::new(20, 40, data).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, 2).unwrap();
+    let fast = FastBalancedCbc::new(&reference);
+    assert_eq!(fast.decode(), w);
+    assert_eq!(fast.to_bytes(), reference.to_bytes());
+}
+
+#[test]
+fn balanced_non_finite_activations_reach_only_the_rows_that_store_their_column() {
+    let w = balanced_matrix(40, 70, 5, 11).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, 5).unwrap();
+    let mut x = activations(70, 12);
+    x[33] = f32::INFINITY;
+    x[50] = f32::NAN;
+    let mut want = vec![0f32; 40];
+    reference.matvec(&x, None, &mut want).unwrap();
+    assert!(want.iter().any(|v| v.is_finite()) && want.iter().any(|v| !v.is_finite()));
+    for arrangement in ARRANGEMENTS {
+        let fast = FastBalancedCbc::with_arrangement(&reference, arrangement);
+        for level in SimdLevel::available() {
+            let mut y = vec![0f32; 40];
+            fast.matvec_with(level, &x, None, &mut y).unwrap();
+            for (r, (g, e)) in y.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.is_finite(),
+                    e.is_finite(),
+                    "{level:?} {arrangement:?} row {r}: {g} vs {e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn balanced_bad_arguments_are_errors() {
+    let w = balanced_matrix(40, 20, 8, 1).unwrap();
+    let fast = FastBalancedCbc::new(&BalancedCbc::encode_with_slots(&w, 8).unwrap());
+    let mut y = vec![0f32; 40];
+    assert!(fast.matvec(&[0.0; 19], None, &mut y).is_err());
+    assert!(fast.matvec(&[0.0; 20], None, &mut y[..39]).is_err());
+    assert!(fast.matvec(&[0.0; 20], Some(f32::NAN), &mut y).is_err());
+    assert!(fast.matmul(&[0.0; 40], 2, None, &mut y).is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn balanced_random_shapes_match_the_reference(
+        rows in 1usize..70,
+        cols in 1usize..300,
+        slots in 1usize..=16,
+        dp in 0.0f64..1.0,
+        tokens in 1usize..7,
+        seed in any::<u64>(),
+    ) {
+        check(rows, cols, slots, dp, tokens, seed);
+    }
+}
