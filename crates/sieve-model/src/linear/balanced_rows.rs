@@ -49,7 +49,7 @@ use half::f16;
 use rayon::prelude::*;
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::blob::ByteWriter;
-use sieve_formats::format::{check_product_args, is_active};
+use sieve_formats::format::check_product_args;
 use sieve_formats::matrix::is_zero;
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
 
@@ -58,8 +58,6 @@ pub const GROUP: usize = 16;
 /// Extra `u16` entries after the last group, so that the AVX2 kernel's 8-value loads never
 /// read past the array.
 const TAIL: usize = 16;
-/// Batches of fewer tokens run the matrix-vector kernel once per token (as `RowTiledCbc`).
-const GEMM_MIN_TOKENS: usize = 4;
 
 /// How a group's masks and values are arranged (module notes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -260,51 +258,16 @@ impl FastBalancedCbc {
     ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, n, threshold, y)?;
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
-            y.fill(0.0);
-            return Ok(());
-        }
-        if n < GEMM_MIN_TOKENS {
-            for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(m)) {
-                self.matvec_with(level, xr, threshold, yr)?;
-            }
-            return Ok(());
-        }
-        let xm;
-        let x = if threshold.is_some() {
-            xm = x
-                .iter()
-                .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
-                .collect::<Vec<_>>();
-            &xm[..]
-        } else {
-            x
-        };
-        let mut run = |w: &mut Vec<f16>| {
-            w.resize(m * k, f16::ZERO);
-            self.decode_into(&mut w[..m * k]);
-            // Y (n x M) = X (n x K) · Wᵀ, the call `FastDense` makes on its rows.
-            gemm::gemm(
-                n,
-                m,
-                k,
-                gemm::View::row_major(x, k),
-                gemm::View::transposed(&w[..m * k], k),
-                y,
-                m,
-                false,
-                true,
-            )
-            .map_err(|e| FormatError::Option(e.to_string()))
-        };
-        PANEL.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut w) => run(&mut w),
-            // A pool thread that picked up this product while waiting inside another one.
-            Err(_) => run(&mut Vec::new()),
-        })
+        gemm::decoded_matmul(
+            m,
+            k,
+            x,
+            n,
+            threshold,
+            y,
+            |xr, yr| self.matvec_with(level, xr, threshold, yr),
+            |w| self.decode_into(w),
+        )
     }
 
     /// Writes the dense row-major matrix into `out` (`M · K` entries), groups in parallel.
@@ -331,11 +294,6 @@ impl FastBalancedCbc {
                 }
             });
     }
-}
-
-thread_local! {
-    /// The decoded matrix of a batched product, reused across calls.
-    static PANEL: std::cell::RefCell<Vec<f16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Groups per parallel task: about three tasks per thread (576 rows = 36 groups: 6 per task on

@@ -646,3 +646,76 @@ mod tests {
         assert!(gemm(m, n, k, a, b, &mut c, n - 1, false, false).is_err());
     }
 }
+
+/// Batches of fewer tokens run a sparse layer's matrix-vector kernel once per token: below this,
+/// decoding the matrix for the GEMM costs more than the GEMM saves ([`decoded_matmul`]).
+const DECODE_GEMM_MIN_TOKENS: usize = 4;
+
+thread_local! {
+    /// The decoded matrix of a [`decoded_matmul`], reused across calls.
+    static DECODED: std::cell::RefCell<Vec<half::f16>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `Y = mask_t(X) · Wᵀ` (`X` n x K row-major, `Y` n x M) for a sparse layer that can write
+/// itself as dense f16 rows: fewer than [`DECODE_GEMM_MIN_TOKENS`] tokens run `matvec` once per
+/// token; more decode `W` (M x K, `decode_into` writes all `M · K` entries) into a per-thread
+/// f16 panel and run the blocked GEMM on it, the call `FastDense` makes on its rows. Arguments
+/// are checked by the caller.
+#[allow(clippy::too_many_arguments)]
+pub fn decoded_matmul(
+    m: usize,
+    k: usize,
+    x: &[f32],
+    n: usize,
+    threshold: sieve_formats::Threshold,
+    y: &mut [f32],
+    matvec: impl Fn(&[f32], &mut [f32]) -> std::result::Result<(), sieve_formats::FormatError>,
+    decode_into: impl Fn(&mut [half::f16]),
+) -> std::result::Result<(), sieve_formats::FormatError> {
+    use sieve_formats::format::is_active;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    if n < DECODE_GEMM_MIN_TOKENS {
+        for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(m)) {
+            matvec(xr, yr)?;
+        }
+        return Ok(());
+    }
+    let masked;
+    let x = if threshold.is_some() {
+        masked = x
+            .iter()
+            .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
+            .collect::<Vec<_>>();
+        &masked[..]
+    } else {
+        x
+    };
+    let mut run = |w: &mut Vec<half::f16>| {
+        w.resize(m * k, half::f16::ZERO);
+        decode_into(&mut w[..m * k]);
+        gemm(
+            n,
+            m,
+            k,
+            View::row_major(x, k),
+            View::transposed(&w[..m * k], k),
+            y,
+            m,
+            false,
+            true,
+        )
+        .map_err(|e| sieve_formats::FormatError::Option(e.to_string()))
+    };
+    DECODED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut w) => run(&mut w),
+        // A pool thread that picked up this product while waiting inside another one.
+        Err(_) => run(&mut Vec::new()),
+    })
+}

@@ -53,7 +53,7 @@ use super::sparse::active_inputs;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
-use sieve_formats::format::{check_product_args, is_active};
+use sieve_formats::format::check_product_args;
 use sieve_formats::matrix::is_zero;
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
@@ -63,9 +63,6 @@ pub const BLOCK: usize = 32;
 /// Columns per offset segment: a block's values in one segment number at most 32 x 2048, so
 /// offsets inside it fit a `u16`.
 pub const SEGMENT: usize = 2048;
-/// Batches of fewer tokens run the matrix-vector kernel once per token: below this, decoding
-/// the matrix for the GEMM costs more than the GEMM saves.
-const GEMM_MIN_TOKENS: usize = 4;
 
 /// Tiled-CBC with SIMD products over a row-blocked bitmap layout (module notes); kind, storage
 /// and blob are those of the [`TiledCbc`] it was built from.
@@ -231,51 +228,16 @@ impl RowTiledCbc {
     ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, n, threshold, y)?;
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        if k == 0 {
-            y.fill(0.0);
-            return Ok(());
-        }
-        if n < GEMM_MIN_TOKENS {
-            for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(m)) {
-                self.matvec_with(level, xr, threshold, yr)?;
-            }
-            return Ok(());
-        }
-        let xm;
-        let x = if threshold.is_some() {
-            xm = x
-                .iter()
-                .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
-                .collect::<Vec<_>>();
-            &xm[..]
-        } else {
-            x
-        };
-        let mut run = |w: &mut Vec<f16>| {
-            w.resize(m * k, f16::ZERO);
-            self.decode_into(&mut w[..m * k]);
-            // Y (n x M) = X (n x K) · Wᵀ, the call `FastDense` makes on its rows.
-            gemm::gemm(
-                n,
-                m,
-                k,
-                gemm::View::row_major(x, k),
-                gemm::View::transposed(&w[..m * k], k),
-                y,
-                m,
-                false,
-                true,
-            )
-            .map_err(|e| FormatError::Option(e.to_string()))
-        };
-        PANEL.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut w) => run(&mut w),
-            // A pool thread that picked up this product while waiting inside another one.
-            Err(_) => run(&mut Vec::new()),
-        })
+        gemm::decoded_matmul(
+            m,
+            k,
+            x,
+            n,
+            threshold,
+            y,
+            |xr, yr| self.matvec_with(level, xr, threshold, yr),
+            |w| self.decode_into(w),
+        )
     }
 
     /// Writes the dense row-major matrix into `out` (`M · K` entries), blocks in parallel.
@@ -300,12 +262,6 @@ impl RowTiledCbc {
                 }
             });
     }
-}
-
-thread_local! {
-    /// The decoded matrix of a batched product, reused across calls (fresh multi-MB buffers per
-    /// product cost page faults).
-    static PANEL: std::cell::RefCell<Vec<f16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Blocks per parallel task: about three tasks per thread (576 rows = 18 blocks: 3 per task
