@@ -187,8 +187,8 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
 #define BCBC_PASS blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch
 // One kernel per slot count N (bcbc_spmspv_n<N>): N sizes the register arrays. Up to N = 8
 // the kernel fits 85 registers (3 blocks, 24 warps per SM: more loads in flight); above, the
-// two stages of N/2 + 1 words per column need up to 128 (run 9: N = 11 under the 85-register
-// cap spilled and ran at 0.7x cuBLAS).
+// two stages of N/2 + 1 words per column need up to 128 (N = 11 under the 85-register cap ran at
+// 0.69-0.75x cuBLAS in run 9, with 128 at 0.75-0.85x in run 10, docs/BENCHMARKS.md).
 #define BCBC_KERNEL(NN)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, (NN) <= 8 ? 3 : 2)                 \
         bcbc_spmspv_n##NN(BCBC_ARGS) {                                                   \
