@@ -298,14 +298,22 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn scores_strategy() -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
-        (1usize..6, 1usize..70).prop_flat_map(|(r, c)| {
+    /// (rows, cols, scores) with rows and cols drawn from the given ranges.
+    fn shaped_scores(
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
+        (rows, cols).prop_flat_map(|(r, c)| {
             (
                 Just(r),
                 Just(c),
                 proptest::collection::vec(-4.0f32..4.0, r * c),
             )
         })
+    }
+
+    fn scores_strategy() -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
+        shaped_scores(1..6, 1..70)
     }
 
     proptest! {
@@ -355,13 +363,7 @@ mod tests {
 
     fn balanced_strategy() -> impl Strategy<Value = (usize, usize, Vec<f32>)> {
         // rows up to 70: several groups of 16 and trailing partial groups of every width
-        (1usize..70, 1usize..12).prop_flat_map(|(r, c)| {
-            (
-                Just(r),
-                Just(c),
-                proptest::collection::vec(-4.0f32..4.0, r * c),
-            )
-        })
+        shaped_scores(1..70, 1..12)
     }
 
     proptest! {
