@@ -32,6 +32,12 @@
 // lands on is data dependent (a register array indexed at run time would go to local memory).
 // Finally the 8 warps' accumulators are summed and added to y with one atomic per row (split-K
 // over the column slices).
+//
+// Variant IDX (bcbc_idx_n<N>, `--tune`): the upload replaces each lane's 16-bit mask by its
+// slots' rows as 4-bit indices (slot i in nibble i % 8 of index word i / 8; the words follow
+// the values, IW = ceil(N / 8) x L u32, block rounded up to 16), so a slot's accumulator address
+// is one shift and one LOP3 ((word >> k) & 0x780 | 4 lane) instead of the chain's four ALU
+// operations and an IMAD, at 64 (N <= 8) or 128 more bytes per full block.
 // Fused zeroing (as dense_colmajor): blocks with blockIdx.y = 0 zero their row tile of y and
 // publish the launch's epoch in flags[rt]; the others wait for it before their atomics.
 // flags == nullptr: no zeroing, the product is added to y (the decode runner's mode).
@@ -56,27 +62,38 @@ __device__ __forceinline__ u32 bcbc_bit_index(u32 one_bit) {
     return s;
 }
 
-template <int N>
-__device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ blocks,
-                                            const float* __restrict__ x, float* __restrict__ y,
-                                            int M, int K, float t, int cols_per_warp,
-                                            int last_lanes, u32* __restrict__ flags, u32 epoch) {
-    constexpr u32 FULL_BLOCK_BYTES = 64 * N + 64;
+// The product of one row tile's blocks, one warp slice of columns per warp. LANES is the
+// tile's stored lanes when known at compile time (32: every tile but perhaps the last, so the
+// loads take immediate offsets), 0 for the last tile's run-time `last_lanes`.
+template <int N, bool IDX, int LANES>
+__device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned char* __restrict__ blocks,
+                                          const float* __restrict__ x, float* __restrict__ y,
+                                          int M, int K, float t, int cols_per_warp,
+                                          int last_lanes, u32* __restrict__ flags, u32 epoch) {
+    constexpr int IW = (N + 7) / 8;  // IDX: index words per lane
+    constexpr u32 FULL_BLOCK_BYTES = IDX ? 64 * N + 128 * IW : 64 * N + 64;
     constexpr int WORDS = N / 2 + 1;  // +1: the tail slot of odd N (unused for even N)
-    __shared__ float acc[BCBC_WARPS][16][32];
+    constexpr int META = IDX ? IW : 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rt = blockIdx.x;
-    pdl_release();
     const unsigned char* tile = blocks + (size_t)rt * (size_t)K * FULL_BLOCK_BYTES;
     // Lanes stored in this tile (the last tile stores only those holding rows < M) and the
     // tile's block size; lanes past them do no loads and add zeros to rows that are not written.
-    const int lanes = rt == (int)gridDim.x - 1 ? last_lanes : 32;
-    const u32 block_bytes = lanes == 32 ? FULL_BLOCK_BYTES : ((u32)lanes * (2 * N + 2) + 15u) & ~15u;
-    const bool stored = lane < lanes;
+    const int lanes = LANES ? LANES : last_lanes;
+    // IDX: the index words start at the first 4-byte boundary after the values.
+    const u32 idx_at = ((u32)lanes * 2 * N + 3u) & ~3u;
+    const u32 block_bytes = lanes == 32 ? FULL_BLOCK_BYTES
+                            : IDX      ? (idx_at + 4u * IW * (u32)lanes + 15u) & ~15u
+                                       : ((u32)lanes * (2 * N + 2) + 15u) & ~15u;
+    const bool stored = LANES == 32 || lane < lanes;
+    float* warp_acc = &acc[warp][0][0];
 #pragma unroll
-    for (int s = 0; s < 16; ++s) acc[warp][s][lane] = 0.f;
+    for (int s = 0; s < 16; ++s) warp_acc[s * 32 + lane] = 0.f;
     const int begin = (blockIdx.y * BCBC_WARPS + warp) * cols_per_warp;
     const int end = min(begin + cols_per_warp, K);
+    // Per-lane bases of the 4-byte and the 2-byte loads of a block.
+    const unsigned char* base4 = tile + 4 * lane;
+    const unsigned char* base2 = tile + 2 * lane;
 
     // Activations are written by the previous kernel of a decode step: read them only after it.
     pdl_wait();
@@ -86,68 +103,92 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
         publish_zeroed_tile(flags + rt, epoch);
     }
     float xw[2];
-    u32 mask[2];
+    u32 half_mask[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int k = begin + 32 * h + lane;
         xw[h] = k < end ? __ldg(x + k) : 0.f;
-        mask[h] = __ballot_sync(FULL_MASK, k < end && active(xw[h], t));
+        half_mask[h] = __ballot_sync(FULL_MASK, k < end && active(xw[h], t));
     }
+    // The slice's active columns, bit s = column begin + s (warp-uniform).
+    u64 pending = (u64)half_mask[1] << 32 | half_mask[0];
 
+    // Lanes that store nothing keep zero values on their N lowest rows (their rows are >= M).
     u32 words[2][BCBC_BATCH][WORDS];
-    u32 bits[2][BCBC_BATCH];
+    u32 meta[2][BCBC_BATCH][META];
+#pragma unroll
+    for (int st = 0; st < 2; ++st)
+#pragma unroll
+        for (int u = 0; u < BCBC_BATCH; ++u) {
+#pragma unroll
+            for (int w = 0; w < WORDS; ++w) words[st][u][w] = 0u;
+            if (IDX) {
+                meta[st][u][0] = 0x76543210u;
+                if (IW > 1) meta[st][u][IW - 1] = 0xfedcba98u;
+            } else {
+                meta[st][u][0] = (1u << N) - 1u;
+            }
+        }
     float xs[2][BCBC_BATCH];
     int count[2];
-    // The next BATCH active columns into stage st; missing columns get no rows' worth of work:
-    // zero values, x = 0 and the N lowest rows (their updates add 0).
+    // The next BATCH active columns into stage st; count[st] = how many there were (the rest
+    // of the stage is not processed).
     auto fetch = [&](int st) {
         int n = 0;
 #pragma unroll
         for (int u = 0; u < BCBC_BATCH; ++u) {
-            int c = -1;
-            float xv = 0.f;
-            if (mask[0]) {
-                int s = __ffs(mask[0]) - 1;
-                mask[0] &= mask[0] - 1;
-                c = begin + s;
-                xv = __shfl_sync(FULL_MASK, xw[0], s);
-            } else if (mask[1]) {
-                int s = __ffs(mask[1]) - 1;
-                mask[1] &= mask[1] - 1;
-                c = begin + 32 + s;
-                xv = __shfl_sync(FULL_MASK, xw[1], s);
-            }
+            const bool have = pending != 0;
+            const int s = have ? __ffsll((long long)pending) - 1 : 0;
+            pending &= pending - 1;
+            const float xv = __shfl_sync(FULL_MASK, s < 32 ? xw[0] : xw[1], s & 31);
             xs[st][u] = xv;
-            if (c >= 0) n = u + 1;
-            if (c >= 0 && stored) {
-                const unsigned char* p = tile + (size_t)c * block_bytes;
+            n += have ? 1 : 0;
+            if (have && stored) {
+                const size_t at = (size_t)(begin + s) * block_bytes;
+                const unsigned char* p4 = base4 + at;
+                const unsigned char* p2 = base2 + at;
 #pragma unroll
-                for (int w = 0; w < N / 2; ++w) words[st][u][w] = bcbc_ld32(p + (w * lanes + lane) * 4);
-                if (N & 1) words[st][u][N / 2] = bcbc_ld16(p + (N / 2) * 4 * lanes + lane * 2);
-                bits[st][u] = bcbc_ld16(p + 2 * lanes * N + lane * 2);
-            } else {
+                for (int w = 0; w < N / 2; ++w) words[st][u][w] = bcbc_ld32(p4 + w * lanes * 4);
+                if (N & 1) words[st][u][N / 2] = bcbc_ld16(p2 + (N / 2) * 4 * lanes);
+                if (IDX) {
 #pragma unroll
-                for (int w = 0; w < WORDS; ++w) words[st][u][w] = 0u;
-                bits[st][u] = (1u << N) - 1u;
+                    for (int w = 0; w < IW; ++w) meta[st][u][w] = bcbc_ld32(p4 + idx_at + w * lanes * 4);
+                } else {
+                    meta[st][u][0] = bcbc_ld16(p2 + 2 * lanes * N);
+                }
             }
         }
         count[st] = n;
     };
-    float* lane_acc = &acc[warp][0][lane];
+    // Byte offset of this lane's row 0 within the warp's accumulators (row s at + 128 s).
+    const u32 lane_base = 4u * (u32)lane;
+    char* acc_bytes = (char*)warp_acc;
     auto process = [&](int st) {
 #pragma unroll
         for (int u = 0; u < BCBC_BATCH; ++u) {
-            u32 b = bits[st][u];
-            u32 row[N];
+            if (u >= count[st]) break;
+            // Byte offset of slot i's accumulator: lane_base + 128 row.
+            u32 off[N];
+            if (IDX) {
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                u32 rest = b & (b - 1u);
-                row[i] = bcbc_bit_index(b ^ rest);
-                b = rest;
+                for (int i = 0; i < N; ++i) {
+                    // Nibble i % 8 of word i / 8 shifted to bits 7..10, then one LOP3.
+                    const u32 w = meta[st][u][i / 8];
+                    const int sh = 4 * (i % 8) - 7;
+                    off[i] = ((sh < 0 ? w << -sh : w >> sh) & 0x780u) | lane_base;
+                }
+            } else {
+                u32 b = meta[st][u][0];
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    u32 rest = b & (b - 1u);
+                    off[i] = bcbc_bit_index(b ^ rest) * 128u + lane_base;
+                    b = rest;
+                }
             }
             float a[N];
 #pragma unroll
-            for (int i = 0; i < N; ++i) a[i] = lane_acc[row[i] * 32];
+            for (int i = 0; i < N; ++i) a[i] = *(float*)(acc_bytes + off[i]);
 #pragma unroll
             for (int i = 0; i < N; ++i) {
                 u32 w = words[st][u][i / 2];
@@ -155,7 +196,7 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
                 a[i] = fmaf(v, xs[st][u], a[i]);
             }
 #pragma unroll
-            for (int i = 0; i < N; ++i) lane_acc[row[i] * 32] = a[i];
+            for (int i = 0; i < N; ++i) *(float*)(acc_bytes + off[i]) = a[i];
         }
     };
     fetch(0);
@@ -180,6 +221,19 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
     }
 }
 
+template <int N, bool IDX>
+__device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ blocks,
+                                            const float* __restrict__ x, float* __restrict__ y,
+                                            int M, int K, float t, int cols_per_warp,
+                                            int last_lanes, u32* __restrict__ flags, u32 epoch) {
+    __shared__ float acc[BCBC_WARPS][16][32];
+    pdl_release();
+    if (blockIdx.x == gridDim.x - 1 && last_lanes != 32)
+        bcbc_tile<N, IDX, 0>(acc, blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch);
+    else
+        bcbc_tile<N, IDX, 32>(acc, blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch);
+}
+
 #define BCBC_ARGS                                                                        \
     const unsigned char *__restrict__ blocks, const float *__restrict__ x,               \
         float *__restrict__ y, int M, int K, float t, int cols_per_warp, int last_lanes,        \
@@ -192,7 +246,11 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
 #define BCBC_KERNEL(NN)                                                                  \
     extern "C" __global__ void __launch_bounds__(256, (NN) <= 8 ? 3 : 2)                 \
         bcbc_spmspv_n##NN(BCBC_ARGS) {                                                   \
-        bcbc_kernel<NN>(BCBC_PASS);                                                     \
+        bcbc_kernel<NN, false>(BCBC_PASS);                                              \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, (NN) <= 8 ? 3 : 2)                 \
+        bcbc_idx_n##NN(BCBC_ARGS) {                                                      \
+        bcbc_kernel<NN, true>(BCBC_PASS);                                               \
     }
 BCBC_KERNEL(1)
 BCBC_KERNEL(2)

@@ -20,6 +20,39 @@ const WARPS: u32 = 8;
 /// The kernel reads a warp's activations two per lane: at most 64 columns per warp.
 pub const MAX_COLS_PER_WARP: usize = 64;
 
+/// How a lane finds the rows of its slots (see the kernel's header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BcbcKernel {
+    /// `bcbc_spmspv_n<N>`: an ALU chain over the set bits of the 16-bit mask, on the blob's
+    /// blocks as they are.
+    Chain,
+    /// `bcbc_idx_n<N>`: the upload stores each slot's row as a 4-bit index instead of the
+    /// lane's mask ([`index_blocks`]): two ALU operations per slot instead of five, 64 more
+    /// bytes per full block (128 above N = 8).
+    Idx,
+}
+
+impl BcbcKernel {
+    /// The faster kernel for N slots, as measured on the H200 (docs/BENCHMARKS.md, run 11):
+    /// the index layout up to N = 8 (5-15% faster on the LLaMA shapes), the mask chain above
+    /// (two index words per lane: no faster, more bytes).
+    pub fn for_slots(slots: usize) -> Self {
+        if slots <= 8 {
+            BcbcKernel::Idx
+        } else {
+            BcbcKernel::Chain
+        }
+    }
+
+    /// The kernel [`Self::for_slots`] does not pick (benchmarks time it with `--tune`).
+    pub fn other(self) -> Self {
+        match self {
+            BcbcKernel::Chain => BcbcKernel::Idx,
+            BcbcKernel::Idx => BcbcKernel::Chain,
+        }
+    }
+}
+
 pub struct GpuBalancedCbc {
     blocks: CudaSlice<u8>,
     rows: usize,
@@ -36,10 +69,17 @@ pub struct GpuBalancedCbc {
     /// Columns per warp slice, 1..=64; 0 picks one from the shape so that the grid has about
     /// 24 warps per multiprocessor (the prototype's best on the LLaMA shapes, docs/BENCHMARKS.md).
     pub cols_per_warp: usize,
+    kernel: BcbcKernel,
 }
 
 impl GpuBalancedCbc {
+    /// Uploads `w` for the faster kernel of its slot count ([`BcbcKernel::for_slots`]).
     pub fn upload(gpu: &Gpu, w: &BalancedCbc) -> Result<Self> {
+        Self::upload_for(gpu, w, BcbcKernel::for_slots(w.slots()))
+    }
+
+    /// Uploads `w` in the device layout `kernel` reads.
+    pub fn upload_for(gpu: &Gpu, w: &BalancedCbc, kernel: BcbcKernel) -> Result<Self> {
         let (rows, cols) = (w.rows(), w.cols());
         if rows > i32::MAX as usize || cols > i32::MAX as usize {
             return Err(CudaError::Option(format!(
@@ -58,8 +98,16 @@ impl GpuBalancedCbc {
             column_bytes * cols,
             w.blocks().len(),
         )?;
+        let (blocks, column_bytes) = match kernel {
+            BcbcKernel::Chain => (gpu.upload(w.blocks())?, column_bytes),
+            BcbcKernel::Idx => {
+                let b = index_blocks(w);
+                let per_column = b.len() / cols.max(1);
+                (gpu.upload(&b)?, per_column)
+            }
+        };
         Ok(Self {
-            blocks: gpu.upload(w.blocks())?,
+            blocks,
             rows,
             cols,
             slots,
@@ -69,6 +117,7 @@ impl GpuBalancedCbc {
             flags: gpu.upload(&vec![0u32; row_tiles.max(1)])?,
             epoch: LaunchEpoch::default(),
             cols_per_warp: 0,
+            kernel,
         })
     }
 
@@ -76,8 +125,15 @@ impl GpuBalancedCbc {
         self.slots
     }
 
+    pub fn kernel(&self) -> BcbcKernel {
+        self.kernel
+    }
+
     fn kernel_name(&self) -> String {
-        format!("bcbc_spmspv_n{}", self.slots)
+        match self.kernel {
+            BcbcKernel::Chain => format!("bcbc_spmspv_n{}", self.slots),
+            BcbcKernel::Idx => format!("bcbc_idx_n{}", self.slots),
+        }
     }
 
     fn effective_cols_per_warp(&self, gpu: &Gpu) -> Result<usize> {
@@ -146,12 +202,65 @@ impl GpuBalancedCbc {
     }
 }
 
+/// Bytes of one block of `lanes` lanes in the [`BcbcKernel::Idx`] layout: the values as
+/// Balanced-CBC stores them (`2 N L` bytes), then from the next 4-byte boundary `ceil(N / 8)`
+/// index words per lane (word w of lane j at `4 (w L + j)`: slot i's row in nibble i % 8 of
+/// word i / 8), rounded up to 16.
+fn index_block_bytes(slots: usize, lanes: usize) -> (usize, usize) {
+    let idx_at = (2 * slots * lanes).div_ceil(4) * 4;
+    let words = slots.div_ceil(8);
+    (idx_at, (idx_at + 4 * words * lanes).div_ceil(16) * 16)
+}
+
+/// The [`BcbcKernel::Idx`] device layout of `w`: every block's values copied, its lane masks
+/// replaced by the rows of the lane's slots as 4-bit indices (slot i = the i-th set bit).
+pub fn index_blocks(w: &BalancedCbc) -> Vec<u8> {
+    let (n, cols, tiles) = (w.slots(), w.cols(), w.row_tiles());
+    let src = w.blocks();
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for rt in 0..tiles {
+        let lanes = w.lanes_in_tile(rt);
+        let src_bytes = w.tile_block_bytes(rt);
+        let (idx_at, bytes) = index_block_bytes(n, lanes);
+        for _ in 0..cols {
+            let block = &src[at..at + src_bytes];
+            let mut dst = vec![0u8; bytes];
+            dst[..2 * n * lanes].copy_from_slice(&block[..2 * n * lanes]);
+            for j in 0..lanes {
+                let m = 2 * lanes * n + 2 * j;
+                let mut mask = u16::from_le_bytes([block[m], block[m + 1]]);
+                let mut words = [0u32; 2];
+                for slot in 0..n {
+                    let row = mask.trailing_zeros();
+                    mask &= mask.wrapping_sub(1);
+                    words[slot / 8] |= row << (4 * (slot % 8));
+                }
+                for (wi, word) in words.iter().take(n.div_ceil(8)).enumerate() {
+                    let o = idx_at + 4 * (wi * lanes + j);
+                    dst[o..o + 4].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+            out.extend_from_slice(&dst);
+            at += src_bytes;
+        }
+    }
+    out
+}
+
 impl GpuMatVec for GpuBalancedCbc {
     fn label(&self) -> String {
+        let kernel = match self.kernel {
+            BcbcKernel::Chain => "/chain",
+            BcbcKernel::Idx => "/idx",
+        };
         if self.cols_per_warp == 0 {
-            format!("balanced-cbc/n{}", self.slots)
+            format!("balanced-cbc/n{}{kernel}", self.slots)
         } else {
-            format!("balanced-cbc/n{}/c{}", self.slots, self.cols_per_warp)
+            format!(
+                "balanced-cbc/n{}{kernel}/c{}",
+                self.slots, self.cols_per_warp
+            )
         }
     }
     fn rows(&self) -> usize {
@@ -186,5 +295,72 @@ impl GpuMatVec for GpuBalancedCbc {
 impl GpuAccumulate for GpuBalancedCbc {
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         self.enqueue(gpu, x, threshold, y, 0, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sieve_formats::random::balanced_matrix;
+
+    /// Decodes the [`BcbcKernel::Idx`] layout on its own (values + nibble rows, the kernel's
+    /// reading of it) and compares with the matrix: every slot lands on its row.
+    #[test]
+    fn index_blocks_place_every_value_on_its_row() {
+        for &(rows, cols) in &[(1usize, 1usize), (33, 7), (576, 5), (1100, 3)] {
+            for slots in [1usize, 5, 8, 9, 16] {
+                let w = balanced_matrix(rows, cols, slots, 7 + slots as u64).expect("matrix");
+                let f = BalancedCbc::encode_with_slots(&w, slots).expect("encode");
+                let b = index_blocks(&f);
+                let mut got = vec![0f32; rows * cols];
+                let mut at = 0;
+                for rt in 0..f.row_tiles() {
+                    let lanes = f.lanes_in_tile(rt);
+                    let (idx_at, bytes) = index_block_bytes(slots, lanes);
+                    for c in 0..cols {
+                        let block = &b[at..at + bytes];
+                        for j in 0..lanes {
+                            for i in 0..slots {
+                                let v = if i % 2 == 0 || i == slots - 1 && slots % 2 == 1 {
+                                    // Low half of word i / 2, or the odd-N tail.
+                                    let o = if i == slots - 1 && slots % 2 == 1 {
+                                        (slots / 2) * 4 * lanes + 2 * j
+                                    } else {
+                                        4 * ((i / 2) * lanes + j)
+                                    };
+                                    u16::from_le_bytes([block[o], block[o + 1]])
+                                } else {
+                                    let o = 4 * ((i / 2) * lanes + j) + 2;
+                                    u16::from_le_bytes([block[o], block[o + 1]])
+                                };
+                                let o = idx_at + 4 * ((i / 8) * lanes + j);
+                                let word = u32::from_le_bytes([
+                                    block[o],
+                                    block[o + 1],
+                                    block[o + 2],
+                                    block[o + 3],
+                                ]);
+                                let row =
+                                    512 * rt + 16 * j + ((word >> (4 * (i % 8))) & 15) as usize;
+                                let v = half::f16::from_bits(v).to_f32();
+                                if row < rows {
+                                    got[row * cols + c] += v;
+                                } else {
+                                    assert_eq!(v, 0.0, "a slot past the last row holds a value");
+                                }
+                            }
+                        }
+                        at += bytes;
+                    }
+                }
+                assert_eq!(
+                    at,
+                    b.len(),
+                    "{rows}x{cols} n={slots}: blocks exactly covered"
+                );
+                let want: Vec<f32> = w.data().iter().map(|v| v.to_f32()).collect();
+                assert_eq!(got, want, "{rows}x{cols} n={slots}");
+            }
+        }
     }
 }

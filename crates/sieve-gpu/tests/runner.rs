@@ -6,7 +6,8 @@
 
 use half::f16;
 use sieve_cuda::{dev_ptr, gpu_or_skip, Gpu};
-use sieve_formats::random::{sparse_matrix, Pattern};
+use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
+use sieve_formats::random::{balanced_matrix, sparse_matrix, Pattern};
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, WeightFormat};
@@ -355,7 +356,12 @@ fn tiny_model(kind: FormatKind, sp: f64, dp: f64, seed: u64) -> Model {
     let mut s = seed;
     let mut lin = |rows: usize, cols: usize, scale: f32| -> Linear {
         s += 1;
-        let m = sparse_matrix(rows, cols, sp, Pattern::Unstructured, s).unwrap();
+        let m = if kind == FormatKind::BalancedCbc {
+            let slots = slots_for_sparsity(sp).unwrap();
+            balanced_matrix(rows, cols, slots, s).unwrap()
+        } else {
+            sparse_matrix(rows, cols, sp, Pattern::Unstructured, s).unwrap()
+        };
         // sparse_matrix values are ~N(0, 0.02); scale to unit-variance outputs.
         let data: Vec<f16> = m
             .data()
@@ -375,6 +381,11 @@ fn tiny_model(kind: FormatKind, sp: f64, dp: f64, seed: u64) -> Model {
                 )
                 .unwrap(),
             ),
+            FormatKind::BalancedCbc => {
+                Box::new(sieve_model::linear::balanced_rows::FastBalancedCbc::new(
+                    &BalancedCbc::encode(&m).unwrap(),
+                ))
+            }
             _ => Box::new(sieve_model::linear::FastDense::new(m)),
         };
         Linear::from_format(f)
@@ -623,6 +634,19 @@ fn tiny_rlc_csc_model_matches_cpu() {
         &mut tiny_model(FormatKind::RlcCsc, 0.5, 0.5, 4),
         0.05,
     );
+}
+
+/// Balanced-CBC layers at 8:16 (the index-layout kernel) and 11:16 (the mask-chain kernel),
+/// with thresholds.
+#[test]
+fn tiny_balanced_cbc_model_matches_cpu() {
+    for (sp, seed) in [(0.5, 5), (0.3, 6)] {
+        check_model_against_cpu(
+            "tiny_balanced_cbc_model_matches_cpu",
+            &mut tiny_model(FormatKind::BalancedCbc, sp, 0.5, seed),
+            0.05,
+        );
+    }
 }
 
 #[test]

@@ -28,7 +28,7 @@ pub mod shapes;
 pub use fused::{FusedGroup, FusedRow};
 pub use shapes::{shapes_of, Shape};
 
-use crate::balanced_cbc::GpuBalancedCbc;
+use crate::balanced_cbc::{BcbcKernel, GpuBalancedCbc};
 use crate::choice::upload_chosen;
 use crate::dense::{to_f16, zeroed_f16, Cublas, GpuDense, GpuDenseColMajor};
 use crate::error::{CudaError, Result};
@@ -694,23 +694,26 @@ fn bench_shape(bench: &mut Bench, shape: &Shape, seed: u64) -> Result<Timing> {
     for (pi, &sp) in opts.sp.iter().enumerate() {
         let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x10 + pi as u64))?;
         let variants = sparse_variants(bench, &w)?;
-        let balanced = if has(KernelFormat::BalancedCbc) {
-            Some(balanced_rotation(
-                bench,
-                m,
-                k,
-                sp,
-                seed ^ (0x30 + pi as u64),
-            )?)
-        } else {
-            None
-        };
+        // --tune also times the kernel that is not the default for this N.
+        let mut balanced = Vec::new();
+        if has(KernelFormat::BalancedCbc) {
+            let chosen = BcbcKernel::for_slots(slots_for_sparsity(sp)?);
+            let kernels = if opts.tune {
+                vec![chosen, chosen.other()]
+            } else {
+                vec![chosen]
+            };
+            for kernel in kernels {
+                let bseed = seed ^ (0x30 + pi as u64);
+                balanced.push(balanced_rotation(bench, m, k, sp, bseed, kernel)?);
+            }
+        }
         for (di, &dp) in opts.dp.iter().enumerate() {
             let x = activations(k, seed ^ (0x100 + di as u64));
             let t = threshold_for_sparsity(&x, dp)?;
             let xd = gpu.upload(&x)?;
             let mask = active_mask(&x, t);
-            if let Some((wb, first, rest)) = &balanced {
+            for (wb, first, rest) in &balanced {
                 let want = vec![matvec_f64(wb, &x, t)];
                 let err = check(gpu, first.as_ref(), &x, t, &want[0])?;
                 let n = rest.len() + 1;
@@ -809,13 +812,14 @@ fn balanced_rotation(
     k: usize,
     sp: f64,
     seed: u64,
+    kernel: BcbcKernel,
 ) -> Result<(DenseMatrix, Box<GpuBalancedCbc>, Vec<GpuBalancedCbc>)> {
     let slots = slots_for_sparsity(sp)?;
     let w = balanced_matrix(m, k, slots, seed)?;
     let f = BalancedCbc::encode_with_slots(&w, slots)?;
-    let first = Box::new(GpuBalancedCbc::upload(bench.gpu, &f)?);
+    let first = Box::new(GpuBalancedCbc::upload_for(bench.gpu, &f, kernel)?);
     let rest = (1..bench.copies_for(f.blocks().len()))
-        .map(|_| GpuBalancedCbc::upload(bench.gpu, &f))
+        .map(|_| GpuBalancedCbc::upload_for(bench.gpu, &f, kernel))
         .collect::<Result<_>>()?;
     Ok((w, first, rest))
 }
