@@ -33,11 +33,19 @@
 // Finally the 8 warps' accumulators are summed and added to y with one atomic per row (split-K
 // over the column slices).
 //
-// Variant IDX (bcbc_idx_n<N>, `--tune`): the upload replaces each lane's 16-bit mask by its
-// slots' rows as 4-bit indices (slot i in nibble i % 8 of index word i / 8; the words follow
-// the values, IW = ceil(N / 8) x L u32, block rounded up to 16), so a slot's accumulator address
-// is one shift and one LOP3 ((word >> k) & 0x780 | 4 lane) instead of the chain's four ALU
-// operations and an IMAD, at 64 (N <= 8) or 128 more bytes per full block.
+//
+// Two kernels per N, the upload (GpuBalancedCbc, BcbcKernel::for_slots) picks one:
+// * bcbc_spmspv_n<N> ("chain", above; used for N > 8) reads the blob's blocks as they are;
+// * bcbc_idx_n<N> ("index", used for N <= 8): the upload replaces each lane's 16-bit mask by
+//   its slots' rows as 4-bit indices (slot i in nibble i % 8 of index word i / 8; the words
+//   follow the values from the next 4-byte boundary, IW = ceil(N / 8) x L u32, block rounded
+//   up to 16; a full block is 64 N + 128 IW bytes), so a slot's accumulator address is one
+//   shift and one LOP3, ((word >> k) & 0x780) | 4 lane, instead of the chain's four ALU
+//   operations and an IMAD: 16.5 instead of 20.5 issued instructions per value (ncu, N = 8),
+//   5-15% faster on the LLaMA shapes for 11-17% more bytes (docs/BENCHMARKS.md, run 11).
+// The slice's active columns are one warp-uniform 64-bit mask; a batch that runs out of
+// columns processes only those it has. Full tiles (every tile but maybe the last) are a
+// template instance with 32 lanes, so their loads take immediate offsets.
 // Fused zeroing (as dense_colmajor): blocks with blockIdx.y = 0 zero their row tile of y and
 // publish the launch's epoch in flags[rt]; the others wait for it before their atomics.
 // flags == nullptr: no zeroing, the product is added to y (the decode runner's mode).
