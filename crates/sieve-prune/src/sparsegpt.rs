@@ -39,6 +39,13 @@
 //!    (`rows_per_task` rounded up to a multiple of `m`) and inside a block the loop runs
 //!    group -> column -> row instead of row -> column.
 //!
+//! 6. Optionally ([`PreparedHessian::prune_on_grid`]) the kept weights are quantized in the same
+//!    sweep, the paper's joint sparsification and quantization (§3.5, as GPTQ does for dense
+//!    layers): when column `i` is fixed, a kept weight becomes its nearest grid point
+//!    `q · s_r` (one scale per row, `|q| <= qmax`) and its rounding error `e = (w - q s_r) / U_ii`
+//!    is compensated over the later columns exactly like a pruned weight's. Rounding after
+//!    pruning instead leaves every rounding error uncompensated.
+//!
 //! Arithmetic: `H`, its factorisations and the inverse are f64; the sweep runs in f32 like the
 //! reference implementation.
 
@@ -253,6 +260,54 @@ pub struct SparseGptResult {
     pub estimated_loss: f64,
 }
 
+/// Per-row grids for the weights SparseGPT keeps (module docs, step 6): kept weight `w` of row
+/// `r` becomes `q · scales[r]` with `q = round(w / scales[r])` clamped to `±qmax`; a row with
+/// scale 0 becomes all zeros. Grid points that are 0 are +0.0.
+#[derive(Clone, Copy, Debug)]
+pub struct RowGrid<'a> {
+    pub scales: &'a [f32],
+    pub qmax: i32,
+}
+
+impl RowGrid<'_> {
+    fn validate(&self, rows: usize) -> Result<()> {
+        if self.scales.len() != rows {
+            return Err(PruneError::Shape {
+                what: "grid scales (one per row)",
+                expected: rows,
+                actual: self.scales.len(),
+            });
+        }
+        if self.qmax < 1 {
+            return Err(PruneError::Option(format!(
+                "grid: qmax must be at least 1, got {}",
+                self.qmax
+            )));
+        }
+        if let Some(r) = self.scales.iter().position(|s| !s.is_finite() || *s < 0.0) {
+            return Err(PruneError::Option(format!(
+                "grid: row {r} has scale {}, expected a finite number >= 0",
+                self.scales[r]
+            )));
+        }
+        Ok(())
+    }
+
+    /// The grid point nearest `w` for scale `s`.
+    #[inline]
+    fn snap(w: f32, s: f32, qmax: i32) -> f32 {
+        if s == 0.0 {
+            return 0.0;
+        }
+        let q = (w / s).round().clamp(-(qmax as f32), qmax as f32);
+        if q == 0.0 {
+            0.0
+        } else {
+            q * s
+        }
+    }
+}
+
 /// The factorised Hessian of one layer input: everything SparseGPT needs that does not depend on
 /// the weights. Matrices reading the same input (q/k/v, gate/up) share one.
 #[derive(Clone, Debug)]
@@ -311,7 +366,26 @@ impl PreparedHessian {
         ratio: f64,
         options: &SparseGptOptions,
     ) -> Result<SparseGptResult> {
+        self.prune_on_grid(weights, rows, cols, pattern, ratio, options, None)
+    }
+
+    /// [`Self::prune`], and with `grid` the kept weights quantized in the same sweep (module
+    /// docs, step 6).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prune_on_grid(
+        &self,
+        weights: &[f32],
+        rows: usize,
+        cols: usize,
+        pattern: Pattern,
+        ratio: f64,
+        options: &SparseGptOptions,
+        grid: Option<RowGrid<'_>>,
+    ) -> Result<SparseGptResult> {
         check_matrix("weights", weights, rows, cols)?;
+        if let Some(g) = &grid {
+            g.validate(rows)?;
+        }
         check_ratio(ratio)?;
         options.validate()?;
         let pattern = pattern.validate()?;
@@ -337,7 +411,24 @@ impl PreparedHessian {
         let losses: Vec<f64> = out
             .par_chunks_mut(task)
             .zip(keep.par_chunks_mut(task))
-            .map(|(w, k)| sweep_rows(w, k, cols, &self.upper, &self.dead, pattern, ratio, block))
+            .enumerate()
+            .map(|(t, (w, k))| {
+                // This task's rows' grid.
+                let grid = grid.map(|g| {
+                    let r0 = t * rows_per_task;
+                    (&g.scales[r0..r0 + w.len() / cols.max(1)], g.qmax)
+                });
+                let sweep = Sweep {
+                    cols,
+                    upper: &self.upper,
+                    dead: &self.dead,
+                    pattern,
+                    ratio,
+                    block,
+                    grid,
+                };
+                sweep.rows(w, k)
+            })
             .collect();
         Ok(SparseGptResult {
             weights: out,
@@ -430,26 +521,33 @@ fn inverse_upper_cholesky(h: &Mat<f64>, options: &SparseGptOptions) -> Result<(V
     Err(PruneError::NotPositiveDefinite { damping, attempts })
 }
 
-/// Fixes column `i` (in the block `i1..i2`) of one row: a pruned weight becomes +0.0 and its
-/// error `e = w / U_ii` is stored in `erow[i - i1]` and spread over the rest of the block,
+/// Fixes column `i` (in the block `i1..i2`) of one row: a pruned weight becomes +0.0, a kept
+/// one stays (or, with a grid `(scale, qmax)`, becomes its grid point `g`); the error
+/// `e = (w - g) / U_ii` is stored in `erow[i - i1]` and spread over the rest of the block,
 /// `w_j -= e · U_ij`. `urow` is row `i` of `U`. Returns the loss term `e² / 2`.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn fix_column(
     wrow: &mut [f32],
     kept: bool,
+    grid: Option<(f32, i32)>,
     i: usize,
     i1: usize,
     i2: usize,
     urow: &[f32],
     erow: &mut [f32],
 ) -> f64 {
-    if kept {
-        erow[i - i1] = 0.0;
-        return 0.0;
-    }
-    let e = wrow[i] / urow[i];
+    let target = match (kept, grid) {
+        (false, _) => 0.0,
+        (true, Some((s, qmax))) => RowGrid::snap(wrow[i], s, qmax),
+        (true, None) => {
+            erow[i - i1] = 0.0;
+            return 0.0;
+        }
+    };
+    let e = (wrow[i] - target) / urow[i];
     erow[i - i1] = e;
-    wrow[i] = 0.0;
+    wrow[i] = target;
     if e != 0.0 {
         for (wj, uj) in wrow[i + 1..i2].iter_mut().zip(&urow[i + 1..i2]) {
             *wj -= e * uj;
@@ -458,137 +556,154 @@ fn fix_column(
     f64::from(e) * f64::from(e) / 2.0
 }
 
-/// The column sweep for a contiguous set of rows (`w`, `keep`: R x K row-major).
-/// Returns the rows' loss estimate.
-fn sweep_rows(
-    w: &mut [f32],
-    keep: &mut [bool],
+/// What the column sweep of one task needs besides its rows.
+struct Sweep<'a> {
     cols: usize,
-    upper: &[f32],
-    dead: &[bool],
+    upper: &'a [f32],
+    dead: &'a [bool],
     pattern: Pattern,
     ratio: f64,
     block: usize,
-) -> f64 {
-    let rows = w.len() / cols;
-    let mut err = vec![0f32; rows * block];
-    let mut scores = vec![0f32; cols.max(block)];
-    let mut lookahead = vec![true; cols];
-    let row_budget = unstructured_prune_count(ratio, cols);
-    let mut idx = Vec::with_capacity(block);
-    let mut loss = 0f64;
-    let score = |value: f32, j: usize| {
-        if dead[j] {
-            0.0
-        } else {
-            let d = upper[j * cols + j];
-            value * value / (d * d)
-        }
-    };
-    for i1 in (0..cols).step_by(block) {
-        let i2 = (i1 + block).min(cols);
-        let width = i2 - i1;
-        if let Pattern::Balanced { n, m } = pattern {
-            // Group -> column -> row: column i's choice needs every row of the group updated
-            // through column i - 1 (module docs, step 5).
-            let (mut col_scores, mut col_keep) = (Vec::new(), Vec::new());
-            let mut group_scores = vec![0f32; m.min(rows)];
-            let mut group_keep = vec![true; m.min(rows)];
-            for g0 in (0..rows).step_by(m) {
-                let g1 = (g0 + m).min(rows);
-                let h = g1 - g0;
-                for i in i1..i2 {
-                    for (r, s) in (g0..g1).zip(group_scores.iter_mut()) {
-                        *s = score(w[r * cols + i], i);
+    /// The task's rows' grid scales and `qmax` (module docs, step 6).
+    grid: Option<(&'a [f32], i32)>,
+}
+
+impl Sweep<'_> {
+    /// The column sweep for a contiguous set of rows (`w`, `keep`: R x K row-major).
+    /// Returns the rows' loss estimate.
+    fn rows(&self, w: &mut [f32], keep: &mut [bool]) -> f64 {
+        let Sweep {
+            cols,
+            upper,
+            dead,
+            pattern,
+            ratio,
+            block,
+            grid,
+        } = *self;
+        let row_grid = |r: usize| grid.map(|(s, q)| (s[r], q));
+        let rows = w.len() / cols;
+        let mut err = vec![0f32; rows * block];
+        let mut scores = vec![0f32; cols.max(block)];
+        let mut lookahead = vec![true; cols];
+        let row_budget = unstructured_prune_count(ratio, cols);
+        let mut idx = Vec::with_capacity(block);
+        let mut loss = 0f64;
+        let score = |value: f32, j: usize| {
+            if dead[j] {
+                0.0
+            } else {
+                let d = upper[j * cols + j];
+                value * value / (d * d)
+            }
+        };
+        for i1 in (0..cols).step_by(block) {
+            let i2 = (i1 + block).min(cols);
+            let width = i2 - i1;
+            if let Pattern::Balanced { n, m } = pattern {
+                // Group -> column -> row: column i's choice needs every row of the group updated
+                // through column i - 1 (module docs, step 5).
+                let (mut col_scores, mut col_keep) = (Vec::new(), Vec::new());
+                let mut group_scores = vec![0f32; m.min(rows)];
+                let mut group_keep = vec![true; m.min(rows)];
+                for g0 in (0..rows).step_by(m) {
+                    let g1 = (g0 + m).min(rows);
+                    let h = g1 - g0;
+                    for i in i1..i2 {
+                        for (r, s) in (g0..g1).zip(group_scores.iter_mut()) {
+                            *s = score(w[r * cols + i], i);
+                        }
+                        group_keep[..h].iter_mut().for_each(|k| *k = true);
+                        prune_group_balanced(
+                            &group_scores[..h],
+                            1,
+                            n,
+                            &mut group_keep[..h],
+                            &mut col_scores,
+                            &mut col_keep,
+                            &mut idx,
+                        );
+                        for (r, &kept) in (g0..g1).zip(&group_keep[..h]) {
+                            keep[r * cols + i] = kept;
+                            loss += fix_column(
+                                &mut w[r * cols..(r + 1) * cols],
+                                kept,
+                                row_grid(r),
+                                i,
+                                i1,
+                                i2,
+                                &upper[i * cols..(i + 1) * cols],
+                                &mut err[r * block..r * block + width],
+                            );
+                        }
                     }
-                    group_keep[..h].iter_mut().for_each(|k| *k = true);
-                    prune_group_balanced(
-                        &group_scores[..h],
-                        1,
-                        n,
-                        &mut group_keep[..h],
-                        &mut col_scores,
-                        &mut col_keep,
-                        &mut idx,
-                    );
-                    for (r, &kept) in (g0..g1).zip(&group_keep[..h]) {
-                        keep[r * cols + i] = kept;
+                }
+            } else {
+                for r in 0..rows {
+                    let wrow = &mut w[r * cols..(r + 1) * cols];
+                    let krow = &mut keep[r * cols..(r + 1) * cols];
+                    let erow = &mut err[r * block..r * block + width];
+                    if pattern == Pattern::Unstructured {
+                        // Every column >= i1 already holds all earlier errors (the trailing update
+                        // ran), so the row's remaining budget is chosen among all remaining columns
+                        // and the choices that fall into this block are applied now.
+                        let pruned_so_far = krow[..i1].iter().filter(|k| !**k).count();
+                        let budget = row_budget - pruned_so_far;
+                        for j in i1..cols {
+                            scores[j - i1] = score(wrow[j], j);
+                        }
+                        let rest = cols - i1;
+                        lookahead[..rest].iter_mut().for_each(|k| *k = true);
+                        prune_lowest(&scores[..rest], budget, &mut lookahead[..rest], &mut idx);
+                        krow[i1..i2].copy_from_slice(&lookahead[..width]);
+                    }
+                    for i in i1..i2 {
+                        if let Pattern::NM { n, m } = pattern {
+                            if i % m == 0 {
+                                let g_end = (i + m).min(cols);
+                                for j in i..g_end {
+                                    scores[j - i] = score(wrow[j], j);
+                                }
+                                let g = g_end - i;
+                                prune_lowest(
+                                    &scores[..g],
+                                    g.saturating_sub(n),
+                                    &mut krow[i..g_end],
+                                    &mut idx,
+                                );
+                            }
+                        }
                         loss += fix_column(
-                            &mut w[r * cols..(r + 1) * cols],
-                            kept,
+                            wrow,
+                            krow[i],
+                            row_grid(r),
                             i,
                             i1,
                             i2,
                             &upper[i * cols..(i + 1) * cols],
-                            &mut err[r * block..r * block + width],
+                            erow,
                         );
                     }
                 }
             }
-        } else {
-            for r in 0..rows {
-                let wrow = &mut w[r * cols..(r + 1) * cols];
-                let krow = &mut keep[r * cols..(r + 1) * cols];
-                let erow = &mut err[r * block..r * block + width];
-                if pattern == Pattern::Unstructured {
-                    // Every column >= i1 already holds all earlier errors (the trailing update
-                    // ran), so the row's remaining budget is chosen among all remaining columns
-                    // and the choices that fall into this block are applied now.
-                    let pruned_so_far = krow[..i1].iter().filter(|k| !**k).count();
-                    let budget = row_budget - pruned_so_far;
-                    for j in i1..cols {
-                        scores[j - i1] = score(wrow[j], j);
-                    }
-                    let rest = cols - i1;
-                    lookahead[..rest].iter_mut().for_each(|k| *k = true);
-                    prune_lowest(&scores[..rest], budget, &mut lookahead[..rest], &mut idx);
-                    krow[i1..i2].copy_from_slice(&lookahead[..width]);
-                }
-                for i in i1..i2 {
-                    if let Pattern::NM { n, m } = pattern {
-                        if i % m == 0 {
-                            let g_end = (i + m).min(cols);
-                            for j in i..g_end {
-                                scores[j - i] = score(wrow[j], j);
+            if i2 < cols {
+                // The lazy batch update W[:, i2..] -= E · U[i1..i2, i2..], one contiguous axpy per
+                // (row, block column) so that it stays in safe, vectorisable slices.
+                for r in 0..rows {
+                    let wrest = &mut w[r * cols + i2..(r + 1) * cols];
+                    for (c, &e) in err[r * block..r * block + width].iter().enumerate() {
+                        if e != 0.0 {
+                            let urow = &upper[(i1 + c) * cols + i2..(i1 + c + 1) * cols];
+                            for (wj, uj) in wrest.iter_mut().zip(urow) {
+                                *wj -= e * uj;
                             }
-                            let g = g_end - i;
-                            prune_lowest(
-                                &scores[..g],
-                                g.saturating_sub(n),
-                                &mut krow[i..g_end],
-                                &mut idx,
-                            );
-                        }
-                    }
-                    loss += fix_column(
-                        wrow,
-                        krow[i],
-                        i,
-                        i1,
-                        i2,
-                        &upper[i * cols..(i + 1) * cols],
-                        erow,
-                    );
-                }
-            }
-        }
-        if i2 < cols {
-            // The lazy batch update W[:, i2..] -= E · U[i1..i2, i2..], one contiguous axpy per
-            // (row, block column) so that it stays in safe, vectorisable slices.
-            for r in 0..rows {
-                let wrest = &mut w[r * cols + i2..(r + 1) * cols];
-                for (c, &e) in err[r * block..r * block + width].iter().enumerate() {
-                    if e != 0.0 {
-                        let urow = &upper[(i1 + c) * cols + i2..(i1 + c + 1) * cols];
-                        for (wj, uj) in wrest.iter_mut().zip(urow) {
-                            *wj -= e * uj;
                         }
                     }
                 }
             }
         }
+        loss
     }
-    loss
 }
 
 #[cfg(test)]
@@ -680,6 +795,76 @@ mod tests {
             assert_eq!(sg.damping_used, 0.01);
             assert!(sg.estimated_loss > 0.0);
         }
+    }
+
+    /// Joint pruning and quantization (module docs, step 6): every kept weight lands on its
+    /// row's grid, pruned ones are +0.0, and compensating the rounding errors in the sweep
+    /// reconstructs the layer's output better than rounding the pruned weights afterwards, for
+    /// the unstructured and the balanced patterns and a coarse (4-bit) and a fine (8-bit) grid.
+    #[test]
+    fn quantizing_in_the_sweep_beats_rounding_after() {
+        let (m, k, n) = (40, 96, 400);
+        let x = correlated_activations(n, k, 12, 41);
+        let w = random_weights(m, k, 42);
+        let h = hessian_of(&x, n, k);
+        let opts = SparseGptOptions {
+            block_size: 32,
+            rows_per_task: 7,
+            ..SparseGptOptions::default()
+        };
+        let prepared = PreparedHessian::new(&h, &opts).unwrap();
+        for (pattern, ratio) in [
+            (Pattern::Unstructured, 0.5),
+            (Pattern::Balanced { n: 8, m: 16 }, 0.0),
+        ] {
+            for qmax in [7, 127] {
+                let scales: Vec<f32> = w
+                    .chunks_exact(k)
+                    .map(|row| row.iter().fold(0f32, |a, v| a.max(v.abs())) / qmax as f32)
+                    .collect();
+                let grid = RowGrid {
+                    scales: &scales,
+                    qmax,
+                };
+                let joint = prepared
+                    .prune_on_grid(&w, m, k, pattern, ratio, &opts, Some(grid))
+                    .unwrap();
+                let plain = prepared.prune(&w, m, k, pattern, ratio, &opts).unwrap();
+                let after: Vec<f32> = plain
+                    .weights
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| RowGrid::snap(v, scales[i / k], qmax))
+                    .collect();
+                for (i, (v, keep)) in joint.weights.iter().zip(joint.mask.keep()).enumerate() {
+                    // (q · s is rounded to f32 here: these scales have full mantissas.)
+                    let q = v / scales[i / k];
+                    assert!(
+                        (q - q.round()).abs() < 1e-4 && q.round().abs() <= qmax as f32,
+                        "{pattern} qmax {qmax}: {v} is not on row {}'s grid",
+                        i / k
+                    );
+                    if !keep {
+                        assert_eq!(v.to_bits(), 0, "a pruned weight is not +0.0");
+                    }
+                }
+                let e_joint = reconstruction_error(&w, &joint.weights, &x, m, k);
+                let e_after = reconstruction_error(&w, &after, &x, m, k);
+                assert!(
+                    e_joint < e_after,
+                    "{pattern} qmax {qmax}: joint {e_joint} vs rounding after {e_after}"
+                );
+            }
+        }
+        // A grid for the wrong number of rows is refused.
+        let short = vec![1.0f32; m - 1];
+        let bad = RowGrid {
+            scales: &short,
+            qmax: 127,
+        };
+        assert!(prepared
+            .prune_on_grid(&w, m, k, Pattern::Unstructured, 0.5, &opts, Some(bad))
+            .is_err());
     }
 
     /// Balanced N:16 (groups of output rows down each column), with M not a multiple of 16:
