@@ -357,12 +357,14 @@ impl FastBalancedCbc {
             threshold,
             y,
             |xr, yr| self.matvec_with(level, xr, threshold, yr),
-            |w| self.decode_into(w),
+            |w| self.decode_into(level, w),
         )
     }
 
     /// Writes the dense row-major matrix into `out` (`M · K` entries), groups in parallel.
-    fn decode_into(&self, out: &mut [f16]) {
+    /// (`level` picks the 8-bit records' decoder; the f16 records are copied as they are.)
+    fn decode_into(&self, level: SimdLevel, out: &mut [f16]) {
+        let level = level.or_portable();
         let k = self.cols;
         if k == 0 {
             return;
@@ -373,7 +375,7 @@ impl FastBalancedCbc {
             .for_each(|(g, rows)| {
                 rows.fill(f16::ZERO);
                 if let Some(r) = &self.int8 {
-                    r.decode_group(k, g, rows);
+                    r.decode_group(level, k, g, rows);
                     return;
                 }
                 let base = g * len;
@@ -413,7 +415,7 @@ impl WeightFormat for FastBalancedCbc {
     }
     fn decode(&self) -> DenseMatrix {
         let mut data = vec![f16::ZERO; self.rows * self.cols];
-        self.decode_into(&mut data);
+        self.decode_into(SimdLevel::detect(), &mut data);
         DenseMatrix::new(self.rows, self.cols, data).expect("built from a validated matrix")
     }
     fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {
