@@ -150,8 +150,14 @@ impl FastBalancedCbc {
 
     /// Builds the 8-bit records, or `None` when a row is not on an int8 grid.
     pub fn with_int8(balanced: &BalancedCbc) -> Option<Self> {
+        Self::with_int8_aligned(balanced, 1)
+    }
+
+    /// [`Self::with_int8`] with records padded to a multiple of `align` bytes (the layout
+    /// experiment of `examples/balanced_bench.rs`; the loader uses unpadded records).
+    pub fn with_int8_aligned(balanced: &BalancedCbc, align: usize) -> Option<Self> {
         let w = balanced.decode();
-        let records = Int8Records::build(&w, balanced.slots())?;
+        let records = Int8Records::build(&w, balanced.slots(), align)?;
         Some(Self {
             rows: w.rows(),
             cols: w.cols(),

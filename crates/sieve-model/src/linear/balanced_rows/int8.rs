@@ -32,8 +32,10 @@ const TAIL: usize = 16;
 /// The 8-bit records of a matrix (module notes).
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Int8Records {
-    /// Bytes per record: the mask and N indices.
+    /// Bytes per record: the mask and N indices (and padding, when built with an alignment).
     pub(super) record: usize,
+    /// N, the indices per record.
+    pub(super) slots: usize,
     /// `groups · K · record` bytes, then [`TAIL`] zeros.
     pub(super) data: Vec<u8>,
     /// Per row the grid scale, 0 for rows without values and for the rows past M of the last
@@ -44,7 +46,8 @@ pub(super) struct Int8Records {
 impl Int8Records {
     /// The records of `w` (the decoded matrix, at most `slots` nonzeros per group and column)
     /// when every row lies on an int8 grid, else `None`.
-    pub(super) fn build(w: &DenseMatrix, slots: usize) -> Option<Self> {
+    /// Records are `N + 2` bytes rounded up to a multiple of `align` (1: unpadded).
+    pub(super) fn build(w: &DenseMatrix, slots: usize, align: usize) -> Option<Self> {
         let (m, k) = (w.rows(), w.cols());
         let src = w.data();
         let groups = m.div_ceil(GROUP);
@@ -73,7 +76,7 @@ impl Int8Records {
             scales[r] = s;
             index.push(q);
         }
-        let record = slots + 2;
+        let record = (slots + 2).next_multiple_of(align.max(1));
         let group_len = k * record;
         let mut data = vec![0u8; groups * group_len + TAIL];
         data[..groups * group_len]
@@ -99,6 +102,7 @@ impl Int8Records {
             });
         Some(Self {
             record,
+            slots,
             data,
             scales,
         })
@@ -288,7 +292,7 @@ pub(super) mod x86 {
         rows: &mut [half::f16],
     ) {
         let base = r.data.as_ptr().add(g * r.group_len(cols));
-        let load = ((1u32 << (r.record - 2)) - 1) as u16;
+        let load = ((1u32 << r.slots) - 1) as u16;
         let scales = _mm512_loadu_ps(r.scales.as_ptr().add(g * GROUP));
         let present = rows.len() / cols.max(1);
         let mut tmp = [0u16; GROUP];
