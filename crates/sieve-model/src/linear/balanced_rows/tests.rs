@@ -204,6 +204,20 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
         let mut ym = vec![f32::NAN; rows * tokens];
         fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
         check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+        // Padded records (the layout experiment) give the same products.
+        for align in [2, 8] {
+            let padded = FastBalancedCbc::with_int8_aligned(&reference, align).unwrap();
+            let mut yp = vec![f32::NAN; rows];
+            padded.matvec_with(level, &x[..cols], t, &mut yp).unwrap();
+            check_error(&yp, &want_v, &format!("{what} align {align} matvec"));
+            let mut ym = vec![f32::NAN; rows * tokens];
+            padded.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
+            check_error(
+                &ym,
+                &want_m,
+                &format!("{what} align {align} matmul x{tokens}"),
+            );
+        }
     }
 }
 
