@@ -140,12 +140,14 @@ impl FastBalancedCbc {
     /// int8 grids, else f16 records arranged as `SIEVE_BCBC_CPU` says (`SIEVE_BCBC_CPU=f16` or
     /// `split` forces f16 records).
     pub fn new(balanced: &BalancedCbc) -> Self {
+        // Decoded once for both attempts (a load builds every linear of a pack).
+        let w = balanced.decode();
         if !f16_forced() {
-            if let Some(fast) = Self::with_int8(balanced) {
+            if let Some(fast) = Self::int8_from(balanced, &w, 1) {
                 return fast;
             }
         }
-        Self::with_arrangement(balanced, Arrangement::from_env())
+        Self::f16_from(balanced, &w, Arrangement::from_env())
     }
 
     /// Builds the 8-bit records, or `None` when a row is not on an int8 grid.
@@ -156,8 +158,12 @@ impl FastBalancedCbc {
     /// [`Self::with_int8`] with records padded to a multiple of `align` bytes (the layout
     /// experiment of `examples/balanced_bench.rs`; the loader uses unpadded records).
     pub fn with_int8_aligned(balanced: &BalancedCbc, align: usize) -> Option<Self> {
-        let w = balanced.decode();
-        let records = Int8Records::build(&w, balanced.slots(), align)?;
+        Self::int8_from(balanced, &balanced.decode(), align)
+    }
+
+    /// The 8-bit records of `balanced`, whose decoded matrix is `w`.
+    fn int8_from(balanced: &BalancedCbc, w: &DenseMatrix, align: usize) -> Option<Self> {
+        let records = Int8Records::build(w, balanced.slots(), align)?;
         Some(Self {
             rows: w.rows(),
             cols: w.cols(),
@@ -174,7 +180,11 @@ impl FastBalancedCbc {
 
     /// Builds the CPU layout with the given arrangement of each group.
     pub fn with_arrangement(balanced: &BalancedCbc, arrangement: Arrangement) -> Self {
-        let w = balanced.decode();
+        Self::f16_from(balanced, &balanced.decode(), arrangement)
+    }
+
+    /// The f16 records of `balanced`, whose decoded matrix is `w`.
+    fn f16_from(balanced: &BalancedCbc, w: &DenseMatrix, arrangement: Arrangement) -> Self {
         let (m, k, n) = (w.rows(), w.cols(), balanced.slots());
         let (mask_stride, value_start, value_stride) = match arrangement {
             Arrangement::Interleaved => (n + 1, 1, n + 1),
