@@ -51,31 +51,21 @@ impl Int8Records {
         let (m, k) = (w.rows(), w.cols());
         let src = w.data();
         let groups = m.div_ceil(GROUP);
-        // Per row its scale and the index of every entry (0 where nothing is stored).
-        let rows: Vec<Option<(f32, Vec<i8>)>> = (0..m)
+        // Per row its scale; the first row off its grid stops the search (f16 packs are
+        // refused quickly at load). Buffers reused per worker.
+        let mut scales: Vec<f32> = (0..m)
             .into_par_iter()
-            .map(|r| {
-                let row = &src[r * k..(r + 1) * k];
-                let stored: Vec<f16> = row.iter().copied().filter(|v| !is_zero(*v)).collect();
-                let mut q = vec![0i8; stored.len()];
-                let s = detect_row(&stored, &mut q)?;
-                let mut full = vec![0i8; k];
-                let mut it = q.into_iter();
-                for (c, v) in row.iter().enumerate() {
-                    if !is_zero(*v) {
-                        full[c] = it.next()?;
-                    }
-                }
-                Some((s, full))
-            })
-            .collect();
-        let mut scales = vec![0f32; groups * GROUP];
-        let mut index = Vec::with_capacity(m);
-        for (r, row) in rows.into_iter().enumerate() {
-            let (s, q) = row?;
-            scales[r] = s;
-            index.push(q);
-        }
+            .map_init(
+                || (Vec::with_capacity(k), Vec::with_capacity(k)),
+                |(stored, q): &mut (Vec<f16>, Vec<i8>), r| {
+                    stored.clear();
+                    stored.extend(src[r * k..(r + 1) * k].iter().filter(|v| !is_zero(**v)));
+                    q.resize(stored.len(), 0);
+                    detect_row(stored, q)
+                },
+            )
+            .collect::<Option<_>>()?;
+        scales.resize(groups * GROUP, 0.0);
         let record = (slots + 2).next_multiple_of(align.max(1));
         let group_len = k * record;
         let mut data = vec![0u8; groups * group_len + TAIL];
@@ -92,7 +82,9 @@ impl Int8Records {
                         // Exactly the entries the f16 records hold (module notes of the parent).
                         if !is_zero(src[r * k + c]) {
                             mask |= 1 << i;
-                            out[pos] = index[r][c] as u8;
+                            // v = q · s exactly (detected), so the f32 quotient is q exactly.
+                            let q = (src[r * k + c].to_f32() / scales[r]).round() as i8;
+                            out[pos] = q as u8;
                             pos += 1;
                         }
                     }
