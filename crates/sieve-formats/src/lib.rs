@@ -20,6 +20,7 @@ pub mod dense;
 pub mod error;
 pub mod format;
 pub mod ie_bme;
+pub mod int8_grid;
 pub mod matrix;
 pub mod random;
 pub mod reference;

@@ -113,6 +113,77 @@ impl fmt::Display for FormatChoice {
     }
 }
 
+/// What each kept weight is snapped to before it is stored (`sieve pack --values`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueGrid {
+    /// The f16 the pruning method produced.
+    #[default]
+    F16,
+    /// Each output row on a symmetric int8 grid (`sieve_formats::int8_grid::snap_row`), still
+    /// stored as f16: the CPU product of Balanced-CBC then keeps 8-bit records
+    /// (`sieve_model::linear::balanced_rows`). Only with `--format balanced-cbc`.
+    Int8,
+}
+
+impl FromStr for ValueGrid {
+    type Err = PruneError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f16" => Ok(Self::F16),
+            "int8" => Ok(Self::Int8),
+            other => Err(PruneError::Option(format!(
+                "unknown --values '{other}' (known: f16, int8)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for ValueGrid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F16 => "f16",
+            Self::Int8 => "int8",
+        })
+    }
+}
+
+/// Refuses a value grid the format cannot use: int8 grids pay only with the 8-bit records of
+/// Balanced-CBC on the CPU, so `--values int8` needs `--format balanced-cbc` (not `auto`,
+/// whose candidates would carry the int8 rounding error without the 8-bit product).
+pub fn check_values_for_format(values: ValueGrid, format: FormatChoice) -> Result<()> {
+    match (values, format) {
+        (ValueGrid::F16, _) | (ValueGrid::Int8, FormatChoice::Fixed(FormatKind::BalancedCbc)) => {
+            Ok(())
+        }
+        (ValueGrid::Int8, other) => Err(PruneError::Option(format!(
+            "--values int8 needs --format {BALANCED_FORMAT_NAME} (got --format {other}): only \
+             its CPU product keeps 8-bit values"
+        ))),
+    }
+}
+
+/// Snaps every row of the `rows x cols` row-major `weights` onto its int8 grid; a weight that
+/// is not finite is refused (it is on no grid), with its index in `weights`.
+fn snap_rows_to_int8(weights: &mut [f32], cols: usize) -> Result<()> {
+    for (r, row) in weights.chunks_mut(cols.max(1)).enumerate() {
+        if sieve_formats::int8_grid::snap_row(row).is_none() {
+            let (c, value) = row
+                .iter()
+                .copied()
+                .enumerate()
+                .find(|(_, v)| !v.is_finite())
+                .unwrap_or((0, f32::NAN));
+            return Err(PruneError::NonFinite {
+                what: "pruned weights snapped to int8 grids",
+                index: r * cols + c,
+                value,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Name of the GPU format that stores balanced N:16 masks (`balanced-cbc`). It is matched by
 /// name so that [`pattern_for_format`] and [`check_pattern_for_format`] already apply to it
 /// wherever the format is known by that name.
@@ -169,6 +240,8 @@ pub struct PipelineOptions {
     pub report_tokens: usize,
     /// How `dp` is spread over each layer's input sites.
     pub teal_allocation: TealAllocation,
+    /// What the kept weights are snapped to (int8 grids only with Balanced-CBC).
+    pub values: ValueGrid,
 }
 
 /// How the target dynamic sparsity `dp` is spread over a layer's four input sites.
@@ -599,7 +672,7 @@ impl<'a> LayerPass<'a> {
                 .iter()
                 .map(|v| v.to_f32())
                 .collect();
-            let pruned_weights = match (options.method, &stats, &prepared) {
+            let mut pruned_weights = match (options.method, &stats, &prepared) {
                 (Method::Magnitude, _, _) => {
                     prune_magnitude(&weights, rows, cols, self.pattern, options.sp)?.weights
                 }
@@ -623,6 +696,13 @@ impl<'a> LayerPass<'a> {
                     ))
                 }
             };
+            if options.values == ValueGrid::Int8 {
+                // Here, before the layer's pass goes on: the later sites of this layer and the
+                // later layers calibrate on the weights as stored (GPTQ's sequential order).
+                // Weights whose index rounds to 0 become +0, unstored: a balanced group then
+                // holds fewer than N, which the pattern allows.
+                snap_rows_to_int8(&mut pruned_weights, cols)?;
+            }
             let matrix = DenseMatrix::from_f32(rows, cols, &pruned_weights)?;
             // The mask of what is stored: an f16 underflow after SparseGPT's update also
             // counts as a zero the kernels skip.
@@ -668,6 +748,7 @@ pub fn prune_model(
     if let FormatChoice::Fixed(kind) = options.format {
         check_pattern_for_format(pattern, kind.name())?;
     }
+    check_values_for_format(options.values, options.format)?;
     if let TealAllocation::Greedy { step, tokens } = options.teal_allocation {
         if !(step > 0.0 && step <= 1.0) || tokens == 0 {
             return Err(PruneError::Option(format!(
@@ -1150,6 +1231,7 @@ mod tests {
             sparsegpt: SparseGptOptions::default(),
             report_tokens: 64,
             teal_allocation: TealAllocation::Uniform,
+            values: ValueGrid::F16,
         }
     }
 
@@ -1235,6 +1317,76 @@ mod tests {
             let frac = off as f64 / all as f64;
             assert!((frac - 0.3).abs() <= 0.01, "layer {l} {site:?}: {frac}");
         }
+    }
+
+    /// `--values int8`: every stored row of every packed linear lies on an int8 grid, so the CPU
+    /// product of the loaded pack keeps 8-bit records; the weights move by at most half a grid
+    /// step from the f16 pack's (magnitude pruning: the same kept weights).
+    #[test]
+    fn int8_values_put_every_row_on_its_grid() {
+        use sieve_formats::balanced_cbc::BalancedCbc;
+        use sieve_model::linear::balanced_rows::{FastBalancedCbc, Values};
+        let src = source();
+        for method in [Method::Magnitude, Method::SparseGpt] {
+            let base = options(method, "balanced:8:16", 0.5, 0.0, "balanced-cbc");
+            let mut f16_model = Model::from_source(&src).unwrap();
+            prune_model(&mut f16_model, &windows(), &base, &mut |_| {}).unwrap();
+            let mut model = Model::from_source(&src).unwrap();
+            let opts = PipelineOptions {
+                values: ValueGrid::Int8,
+                ..base
+            };
+            prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+            let mut moved = 0;
+            for (layer, f16_layer) in model.layers().iter().zip(f16_model.layers()) {
+                for ((name, lin), (_, f16_lin)) in
+                    layer.linears().into_iter().zip(f16_layer.linears())
+                {
+                    assert_eq!(lin.format().kind(), FormatKind::BalancedCbc, "{name}");
+                    let m = lin.format().decode();
+                    let balanced = BalancedCbc::encode_with_slots(&m, 8).unwrap();
+                    let fast = FastBalancedCbc::with_int8(&balanced)
+                        .unwrap_or_else(|| panic!("{method} {name}: a row off its int8 grid"));
+                    assert_eq!(fast.values(), Values::Int8);
+                    if method != Method::Magnitude {
+                        continue;
+                    }
+                    let f = f16_lin.format().decode();
+                    for r in 0..m.rows() {
+                        let max = f.row(r).iter().fold(0f32, |a, v| a.max(v.to_f32().abs()));
+                        for (a, b) in m.row(r).iter().zip(f.row(r)) {
+                            let d = (a.to_f32() - b.to_f32()).abs();
+                            // Half a step of at most max / 113, and f16 rounding.
+                            assert!(d <= max / 220.0, "{name} row {r}: {a} vs {b}");
+                            moved += usize::from(d > 0.0);
+                        }
+                    }
+                }
+            }
+            if method == Method::Magnitude {
+                assert!(moved > 0, "int8 snapping changed no weight");
+            }
+        }
+    }
+
+    #[test]
+    fn int8_values_are_refused_for_other_formats() {
+        let src = source();
+        let mut model = Model::from_source(&src).unwrap();
+        for format in ["dense", "tiled-cbc", "auto"] {
+            let opts = PipelineOptions {
+                values: ValueGrid::Int8,
+                ..options(Method::Magnitude, "unstructured", 0.5, 0.0, format)
+            };
+            let err = prune_model(&mut model, &windows(), &opts, &mut |_| {})
+                .err()
+                .unwrap_or_else(|| panic!("--values int8 with --format {format} was accepted"))
+                .to_string();
+            assert!(err.contains("balanced-cbc"), "{format}: {err}");
+        }
+        assert_eq!("INT8".parse::<ValueGrid>().unwrap(), ValueGrid::Int8);
+        assert_eq!("f16".parse::<ValueGrid>().unwrap(), ValueGrid::F16);
+        assert!("int4".parse::<ValueGrid>().is_err());
     }
 
     #[test]

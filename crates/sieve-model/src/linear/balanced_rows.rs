@@ -41,6 +41,13 @@
 //! paths multiply unstored weights as zeros, and `0 · inf` would put a NaN in rows that do not
 //! use that input). Batched products (prefill) decode the matrix into a per-thread f16
 //! row-major buffer and run the blocked GEMM, as [`super::tcbc_rows::RowTiledCbc`] does.
+//!
+//! **8-bit records** ([`int8`]): when every row's stored values lie exactly on a symmetric int8
+//! grid (`sieve pack --values int8`, [`sieve_formats::int8_grid`]), the build keeps one `i8`
+//! per value and one f32 scale per row instead of f16 values: a record is the mask then N
+//! bytes, and matrix-vector products sum `q · x` and scale each row once. Batched products
+//! still decode to f16 (`q · s_r`, the stored value exactly) for the GEMM, so prefill and decode
+//! multiply the same weights. `SIEVE_BCBC_CPU=f16` (or `split`) keeps the f16 records.
 
 use super::gemm;
 use super::simd::SimdLevel;
@@ -58,6 +65,9 @@ pub const GROUP: usize = 16;
 /// Extra `u16` entries after the last group, so that the AVX2 kernel's 8-value loads never
 /// read past the array.
 const TAIL: usize = 16;
+
+mod int8;
+use int8::Int8Records;
 
 /// How a group's masks and values are arranged (module notes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +89,20 @@ impl Arrangement {
     }
 }
 
+/// What a record holds per stored weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Values {
+    /// The f16 value.
+    F16,
+    /// The `i8` index on the row's int8 grid (module notes).
+    Int8,
+}
+
+/// Whether `SIEVE_BCBC_CPU` asks for f16 records (`f16`, or `split`, which only f16 has).
+fn f16_forced() -> bool {
+    std::env::var("SIEVE_BCBC_CPU").is_ok_and(|v| v == "f16" || v == "split")
+}
+
 /// Balanced-CBC with SIMD products over a row-group-major record layout (module notes); kind,
 /// storage and blob are those of the [`BalancedCbc`] it was built from.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,8 +118,11 @@ pub struct FastBalancedCbc {
     value_start: usize,
     /// Entries between the first values of consecutive columns of a group.
     value_stride: usize,
-    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros.
+    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros; only the TAIL when `int8` holds
+    /// the records.
     data: Vec<u16>,
+    /// The 8-bit records, when the build found every row on an int8 grid.
+    int8: Option<Int8Records>,
     /// The Balanced-CBC storage (what the blob holds).
     storage: Storage,
 }
@@ -109,14 +136,55 @@ struct Prepared {
 }
 
 impl FastBalancedCbc {
-    /// Builds the CPU layout from a Balanced-CBC matrix, arranged as `SIEVE_BCBC_CPU` says.
+    /// Builds the CPU layout from a Balanced-CBC matrix: 8-bit records when its rows lie on
+    /// int8 grids, else f16 records arranged as `SIEVE_BCBC_CPU` says (`SIEVE_BCBC_CPU=f16` or
+    /// `split` forces f16 records).
     pub fn new(balanced: &BalancedCbc) -> Self {
-        Self::with_arrangement(balanced, Arrangement::from_env())
+        // Decoded once for both attempts (a load builds every linear of a pack).
+        let w = balanced.decode();
+        if !f16_forced() {
+            if let Some(fast) = Self::int8_from(balanced, &w, 1) {
+                return fast;
+            }
+        }
+        Self::f16_from(balanced, &w, Arrangement::from_env())
+    }
+
+    /// Builds the 8-bit records, or `None` when a row is not on an int8 grid.
+    pub fn with_int8(balanced: &BalancedCbc) -> Option<Self> {
+        Self::with_int8_aligned(balanced, 1)
+    }
+
+    /// [`Self::with_int8`] with records padded to a multiple of `align` bytes (the layout
+    /// experiment of `examples/balanced_bench.rs`; the loader uses unpadded records).
+    pub fn with_int8_aligned(balanced: &BalancedCbc, align: usize) -> Option<Self> {
+        Self::int8_from(balanced, &balanced.decode(), align)
+    }
+
+    /// The 8-bit records of `balanced`, whose decoded matrix is `w`.
+    fn int8_from(balanced: &BalancedCbc, w: &DenseMatrix, align: usize) -> Option<Self> {
+        let records = Int8Records::build(w, balanced.slots(), align)?;
+        Some(Self {
+            rows: w.rows(),
+            cols: w.cols(),
+            slots: balanced.slots(),
+            arrangement: Arrangement::Interleaved,
+            mask_stride: 0,
+            value_start: 0,
+            value_stride: 0,
+            data: vec![0; TAIL],
+            int8: Some(records),
+            storage: balanced.storage(),
+        })
     }
 
     /// Builds the CPU layout with the given arrangement of each group.
     pub fn with_arrangement(balanced: &BalancedCbc, arrangement: Arrangement) -> Self {
-        let w = balanced.decode();
+        Self::f16_from(balanced, &balanced.decode(), arrangement)
+    }
+
+    /// The f16 records of `balanced`, whose decoded matrix is `w`.
+    fn f16_from(balanced: &BalancedCbc, w: &DenseMatrix, arrangement: Arrangement) -> Self {
         let (m, k, n) = (w.rows(), w.cols(), balanced.slots());
         let (mask_stride, value_start, value_stride) = match arrangement {
             Arrangement::Interleaved => (n + 1, 1, n + 1),
@@ -156,6 +224,7 @@ impl FastBalancedCbc {
             value_start,
             value_stride,
             data,
+            int8: None,
             storage: balanced.storage(),
         }
     }
@@ -165,14 +234,26 @@ impl FastBalancedCbc {
         self.slots
     }
 
-    /// The arrangement of each group.
+    /// The arrangement of each group (8-bit records are interleaved).
     pub fn arrangement(&self) -> Arrangement {
         self.arrangement
     }
 
+    /// What the records hold per weight.
+    pub fn values(&self) -> Values {
+        if self.int8.is_some() {
+            Values::Int8
+        } else {
+            Values::F16
+        }
+    }
+
     /// Bytes one matrix-vector product streams (masks + values): what decode reads per token.
     pub fn cpu_layout_bytes(&self) -> usize {
-        2 * (self.data.len() - TAIL)
+        match &self.int8 {
+            Some(r) => r.layout_bytes(),
+            None => 2 * (self.data.len() - TAIL),
+        }
     }
 
     fn groups(&self) -> usize {
@@ -193,6 +274,32 @@ impl FastBalancedCbc {
     fn group_with(&self, level: SimdLevel, g: usize, p: &Prepared, out: &mut [f32]) {
         debug_assert!(out.len() <= GROUP && g < self.groups());
         let mut sums = [0f32; GROUP];
+        if let Some(r) = &self.int8 {
+            let (k, n) = (self.cols, self.slots);
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the level is supported (callers cap it by `or_portable`); the records
+                // were built by `Int8Records::build` for this matrix (K columns, N values per
+                // record, TAIL bytes after the last group) and `p.cols` are its columns.
+                SimdLevel::Avx512Vbmi2 if p.finite => unsafe {
+                    int8::x86::group_vbmi2(r, k, n, g, p, &mut sums)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx512 if p.finite => unsafe {
+                    int8::x86::group_avx512(r, k, n, g, p, &mut sums)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                SimdLevel::Avx2 if p.finite => unsafe {
+                    int8::x86::group_avx2(r, k, g, p, &mut sums)
+                },
+                _ => r.group_portable(k, g, p, &mut sums),
+            }
+            r.scale(g, &mut sums);
+            out.copy_from_slice(&sums[..out.len()]);
+            return;
+        }
         match level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the level is supported (callers cap it by `or_portable`); the layout was
@@ -266,12 +373,14 @@ impl FastBalancedCbc {
             threshold,
             y,
             |xr, yr| self.matvec_with(level, xr, threshold, yr),
-            |w| self.decode_into(w),
+            |w| self.decode_into(level, w),
         )
     }
 
     /// Writes the dense row-major matrix into `out` (`M · K` entries), groups in parallel.
-    fn decode_into(&self, out: &mut [f16]) {
+    /// (`level` picks the 8-bit records' decoder; the f16 records are copied as they are.)
+    fn decode_into(&self, level: SimdLevel, out: &mut [f16]) {
+        let level = level.or_portable();
         let k = self.cols;
         if k == 0 {
             return;
@@ -281,6 +390,10 @@ impl FastBalancedCbc {
             .enumerate()
             .for_each(|(g, rows)| {
                 rows.fill(f16::ZERO);
+                if let Some(r) = &self.int8 {
+                    r.decode_group(level, k, g, rows);
+                    return;
+                }
                 let base = g * len;
                 for c in 0..k {
                     let mut bits = self.data[base + c * self.mask_stride];
@@ -318,7 +431,7 @@ impl WeightFormat for FastBalancedCbc {
     }
     fn decode(&self) -> DenseMatrix {
         let mut data = vec![f16::ZERO; self.rows * self.cols];
-        self.decode_into(&mut data);
+        self.decode_into(SimdLevel::detect(), &mut data);
         DenseMatrix::new(self.rows, self.cols, data).expect("built from a validated matrix")
     }
     fn matvec(&self, x: &[f32], threshold: Threshold, y: &mut [f32]) -> Result<(), FormatError> {

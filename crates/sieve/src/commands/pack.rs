@@ -11,8 +11,8 @@ use sieve_model::packed::{add_model_sections, add_tokenizer_sections};
 use sieve_model::packfile::PackWriter;
 use sieve_model::weights::open_model;
 use sieve_prune::pipeline::{
-    calibration_windows_from_file, check_calibration, pattern_for_format, prune_model,
-    FormatChoice, PipelineOptions, PipelineReport, TealAllocation,
+    calibration_windows_from_file, check_calibration, check_values_for_format, pattern_for_format,
+    prune_model, FormatChoice, PipelineOptions, PipelineReport, TealAllocation, ValueGrid,
 };
 use sieve_prune::{Method, Pattern, SparseGptOptions};
 use std::path::PathBuf;
@@ -47,6 +47,11 @@ pub struct PackArgs {
     /// auto | dense | rlc-csc | tiled-cbc | ie-bme | slide
     #[arg(long, default_value = "auto")]
     format: String,
+    /// f16 | int8: int8 snaps each row's kept weights to a symmetric int8 grid (one scale per
+    /// row, still stored as f16), so that the CPU product of balanced-cbc streams 1-byte values.
+    /// Only with --format balanced-cbc.
+    #[arg(long, default_value = "f16")]
+    values: String,
     /// Calibration text (default: ../shared/data/wikitext-2/valid.txt next to the repository).
     #[arg(long)]
     calib: Option<PathBuf>,
@@ -80,6 +85,7 @@ struct Manifest<'a> {
     dp: f64,
     teal_greedy: bool,
     format: String,
+    values: ValueGrid,
     calibration: CalibrationManifest,
     sieve_version: &'static str,
     report: &'a PipelineReport,
@@ -102,6 +108,8 @@ pub fn run(args: PackArgs) -> Result<()> {
     // Before the format is parsed: the pattern a format needs (balanced-cbc) follows its name.
     let pattern: Pattern = pattern_for_format(args.pattern.as_deref(), args.sp, &args.format)?;
     let format: FormatChoice = args.format.parse()?;
+    let values: ValueGrid = args.values.parse()?;
+    check_values_for_format(values, format)?;
     for (what, v) in [("--sp", args.sp), ("--dp", args.dp)] {
         if !(0.0..1.0).contains(&v) {
             bail!("{what} {v} is outside [0, 1)");
@@ -127,12 +135,13 @@ pub fn run(args: PackArgs) -> Result<()> {
         calibration_windows_from_file(&tokenizer, &calib, args.calib_samples, args.calib_len)
             .with_context(|| format!("calibration windows from {}", calib.display()))?;
     eprintln!(
-        "pack: {} {} sp={} dp={} format={} on {} x {} tokens spread over {text_tokens} tokens of {}",
+        "pack: {} {} sp={} dp={} format={} values={} on {} x {} tokens spread over {text_tokens} tokens of {}",
         method,
         pattern,
         args.sp,
         args.dp,
         format,
+        values,
         windows.len(),
         args.calib_len,
         calib.display()
@@ -158,6 +167,7 @@ pub fn run(args: PackArgs) -> Result<()> {
         } else {
             TealAllocation::Uniform
         },
+        values,
     };
     let bar = ProgressBar::new(1);
     bar.set_style(
@@ -185,6 +195,7 @@ pub fn run(args: PackArgs) -> Result<()> {
         dp: args.dp,
         teal_greedy: args.teal_greedy,
         format: format.to_string(),
+        values,
         calibration: CalibrationManifest {
             text: calib.display().to_string(),
             samples: args.calib_samples,

@@ -167,3 +167,189 @@ proptest! {
         check(rows, cols, slots, dp, tokens, seed);
     }
 }
+
+/// `w` with every row snapped onto its int8 grid (what `sieve pack --values int8` stores).
+fn snapped(w: &DenseMatrix) -> DenseMatrix {
+    let (m, k) = (w.rows(), w.cols());
+    let mut v: Vec<f32> = w.data().iter().map(|x| x.to_f32()).collect();
+    for row in v.chunks_mut(k.max(1)) {
+        sieve_formats::int8_grid::snap_row(row).unwrap();
+    }
+    DenseMatrix::from_f32(m, k, &v).unwrap()
+}
+
+/// The 8-bit records of a snapped balanced matrix, every SIMD level against the f64 reference
+/// on the decoded matrix and against the f16 records, matvec and batched.
+fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, seed: u64) {
+    let w = snapped(&balanced_matrix(rows, cols, slots, seed).unwrap());
+    let x = activations(cols * tokens, seed ^ 7);
+    let t = threshold_for_sparsity(&x, dp).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
+    let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
+    let want_m = matmul_f64(&w, &x, tokens, t);
+    let fast = FastBalancedCbc::with_int8(&reference).expect("a snapped matrix is on its grids");
+    assert_eq!(fast.values(), Values::Int8);
+    let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
+    let mut ref_v = vec![0f32; rows];
+    f16_records
+        .matvec_with(SimdLevel::Portable, &x[..cols], t, &mut ref_v)
+        .unwrap();
+    let ref_v: Vec<f64> = ref_v.iter().map(|&v| v as f64).collect();
+    for level in SimdLevel::available() {
+        let what = format!("int8 {level:?} {rows}x{cols} N {slots} dp {dp}");
+        let mut y = vec![f32::NAN; rows];
+        fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
+        check_error(&y, &want_v, &format!("{what} matvec"));
+        check_error(&y, &ref_v, &format!("{what} matvec vs the f16 records"));
+        let mut ym = vec![f32::NAN; rows * tokens];
+        fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
+        check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+        // Padded records (the layout experiment) give the same products.
+        for align in [2, 8] {
+            let padded = FastBalancedCbc::with_int8_aligned(&reference, align).unwrap();
+            let mut yp = vec![f32::NAN; rows];
+            padded.matvec_with(level, &x[..cols], t, &mut yp).unwrap();
+            check_error(&yp, &want_v, &format!("{what} align {align} matvec"));
+            let mut ym = vec![f32::NAN; rows * tokens];
+            padded.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
+            check_error(
+                &ym,
+                &want_m,
+                &format!("{what} align {align} matmul x{tokens}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn int8_every_level_matches_the_reference() {
+    for &(m, k) in &[
+        (1, 1),
+        (7, 13),
+        (16, 33),
+        (45, 70),
+        (192, 576),
+        (300, 41),
+        (513, 17),
+    ] {
+        for (i, &n) in [1, 5, 8, 16, 3, 11, 2, 15].iter().enumerate() {
+            for (j, &dp) in [0.0, 0.5, 0.9, 0.99].iter().enumerate() {
+                let tokens = [1, 3, 6][(i + j) % 3];
+                check_int8(m, k, n, dp, tokens, (m * 1000 + k + 7 * i + j) as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_records_keep_the_blob_and_halve_the_values() {
+    for n in [1, 5, 8, 16] {
+        for &(m, k) in &[(600, 96), (45, 7), (512, 3)] {
+            let w = snapped(&balanced_matrix(m, k, n, (m + k + n) as u64).unwrap());
+            let reference = BalancedCbc::encode_with_slots(&w, n).unwrap();
+            let fast = FastBalancedCbc::with_int8(&reference).unwrap();
+            assert_eq!(fast.to_bytes(), reference.to_bytes(), "{m}x{k} N {n}");
+            assert_eq!(fast.decode(), w);
+            assert_eq!(fast.storage(), reference.storage());
+            assert_eq!(fast.kind(), FormatKind::BalancedCbc);
+            assert_eq!(fast.slots(), n);
+            // A u16 mask and N bytes per (group of 16 rows, column).
+            assert_eq!(fast.cpu_layout_bytes(), m.div_ceil(16) * k * (n + 2));
+        }
+    }
+}
+
+#[test]
+fn int8_detection_accepts_snapped_and_refuses_off_grid_matrices() {
+    let w = balanced_matrix(100, 64, 8, 3).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, 8).unwrap();
+    // Random f16 weights are on no int8 grid: the f16 records stay.
+    assert!(FastBalancedCbc::with_int8(&reference).is_none());
+    let s = snapped(&w);
+    assert!(FastBalancedCbc::with_int8(&BalancedCbc::encode_with_slots(&s, 8).unwrap()).is_some());
+    // One value off its row's grid (between two grid points) refuses the whole matrix.
+    let mut data = s.data().to_vec();
+    let at = data
+        .iter()
+        .position(|v| v.to_f32().abs() > 0.0 && v.to_f32().abs() < 0.5)
+        .unwrap();
+    data[at] = f16::from_f32(data[at].to_f32() * 1.003);
+    let off = DenseMatrix::new(100, 64, data).unwrap();
+    assert_ne!(off, s);
+    assert!(
+        FastBalancedCbc::with_int8(&BalancedCbc::encode_with_slots(&off, 8).unwrap()).is_none()
+    );
+    // Rows of zeros (scale 0) are on a grid, and their products are zeros.
+    let mut data = s.data().to_vec();
+    for r in [0, 17, 99] {
+        data[r * 64..(r + 1) * 64].fill(f16::ZERO);
+    }
+    let z = DenseMatrix::new(100, 64, data).unwrap();
+    let fast = FastBalancedCbc::with_int8(&BalancedCbc::encode_with_slots(&z, 8).unwrap()).unwrap();
+    let x = activations(64, 4);
+    let want = matvec_f64(&z, &x, None);
+    for level in SimdLevel::available() {
+        let mut y = vec![f32::NAN; 100];
+        fast.matvec_with(level, &x, None, &mut y).unwrap();
+        check_error(&y, &want, &format!("int8 {level:?} zero rows"));
+        assert_eq!((y[0], y[17], y[99]), (0.0, 0.0, 0.0));
+    }
+    // A stored negative zero cannot be rebuilt as 0 · s: f16 records.
+    let mut data = s.data().to_vec();
+    data[3 * 64 + 5] = f16::NEG_ZERO;
+    data[3 * 64 + 6] = f16::ZERO;
+    let nz = DenseMatrix::new(100, 64, data).unwrap();
+    let nz = BalancedCbc::encode_with_slots(&nz, 16).unwrap();
+    assert!(FastBalancedCbc::with_int8(&nz).is_none());
+    // `new` picks the 8-bit records unless SIEVE_BCBC_CPU asks for f16 ones.
+    let picked = FastBalancedCbc::new(&BalancedCbc::encode_with_slots(&s, 8).unwrap());
+    if std::env::var("SIEVE_BCBC_CPU").is_err() {
+        assert_eq!(picked.values(), Values::Int8);
+    }
+    assert_eq!(FastBalancedCbc::new(&reference).values(), Values::F16);
+}
+
+#[test]
+fn int8_non_finite_activations_reach_only_the_rows_that_store_their_column() {
+    let w = snapped(&balanced_matrix(40, 70, 5, 11).unwrap());
+    let reference = BalancedCbc::encode_with_slots(&w, 5).unwrap();
+    let mut x = activations(70, 12);
+    x[33] = f32::INFINITY;
+    x[50] = f32::NAN;
+    let mut want = vec![0f32; 40];
+    reference.matvec(&x, None, &mut want).unwrap();
+    assert!(want.iter().any(|v| v.is_finite()) && want.iter().any(|v| !v.is_finite()));
+    let fast = FastBalancedCbc::with_int8(&reference).unwrap();
+    for level in SimdLevel::available() {
+        let mut y = vec![0f32; 40];
+        fast.matvec_with(level, &x, None, &mut y).unwrap();
+        for (r, (g, e)) in y.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.is_finite(),
+                e.is_finite(),
+                "{level:?} row {r}: {g} vs {e}"
+            );
+            if e.is_finite() {
+                assert!(
+                    (g - e).abs() <= 1e-4 * e.abs().max(1.0),
+                    "{level:?} row {r}: {g} vs {e}"
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn int8_random_shapes_match_the_reference(
+        rows in 1usize..70,
+        cols in 1usize..300,
+        slots in 1usize..=16,
+        dp in 0.0f64..1.0,
+        tokens in 1usize..7,
+        seed in any::<u64>(),
+    ) {
+        check_int8(rows, cols, slots, dp, tokens, seed);
+    }
+}
