@@ -60,8 +60,9 @@ use crate::error::{check_ratio, PruneError, Result};
 use crate::mask::Mask;
 use crate::methods::{prune_magnitude, prune_wanda, ColumnNorms, Method};
 use crate::pattern::Pattern;
-use crate::sparsegpt::{HessianAccumulator, PreparedHessian, SparseGptOptions};
+use crate::sparsegpt::{HessianAccumulator, PreparedHessian, RowGrid, SparseGptOptions};
 use crate::teal::ActivationHistogram;
+use half::f16;
 use rayon::prelude::*;
 use serde::Serialize;
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
@@ -120,8 +121,9 @@ pub enum ValueGrid {
     /// The f16 the pruning method produced.
     #[default]
     F16,
-    /// Each output row on a symmetric int8 grid (`sieve_formats::int8_grid::snap_row`), still
-    /// stored as f16: the CPU product of Balanced-CBC then keeps 8-bit records
+    /// Each output row on a symmetric int8 grid (`sieve_formats::int8_grid`; SparseGPT rounds
+    /// in its sweep and compensates each rounding error, magnitude and Wanda snap the pruned
+    /// rows with `snap_row`), still stored as f16: the CPU product of Balanced-CBC then keeps 8-bit records
     /// (`sieve_model::linear::balanced_rows`). Only with `--format balanced-cbc`.
     Int8,
 }
@@ -182,6 +184,30 @@ fn snap_rows_to_int8(weights: &mut [f32], cols: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The int8 grid scale of every row of `weights` (`sieve_formats::int8_grid::snap_scale` of
+/// its largest magnitude); a weight that is not finite is refused, with its index.
+fn int8_scales(weights: &[f32], cols: usize) -> Result<Vec<f32>> {
+    weights
+        .chunks(cols.max(1))
+        .enumerate()
+        .map(|(r, row)| {
+            let max = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+            match row.iter().position(|v| !v.is_finite()) {
+                Some(c) => Err(PruneError::NonFinite {
+                    what: "weights to put on int8 grids",
+                    index: r * cols + c,
+                    value: row[c],
+                }),
+                None => sieve_formats::int8_grid::snap_scale(max).ok_or(PruneError::NonFinite {
+                    what: "weights to put on int8 grids",
+                    index: r * cols,
+                    value: max,
+                }),
+            }
+        })
+        .collect()
 }
 
 /// Name of the GPU format that stores balanced N:16 masks (`balanced-cbc`). It is matched by
@@ -679,6 +705,37 @@ impl<'a> LayerPass<'a> {
                 (Method::Wanda, SiteStats::Norms(norms), _) => {
                     prune_wanda(&weights, rows, cols, norms, self.pattern, options.sp)?.weights
                 }
+                (Method::SparseGpt, _, Some(h)) if options.values == ValueGrid::Int8 => {
+                    // Quantized in the sweep, each rounding error compensated over the later
+                    // columns (sparsegpt.rs, step 6), on the grids snap_row would choose for
+                    // the unpruned rows (4-bit scales: every q · s is an f16 exactly).
+                    let scales = int8_scales(&weights, cols)?;
+                    let grid = RowGrid {
+                        scales: &scales,
+                        qmax: sieve_formats::int8_grid::QMAX,
+                    };
+                    let w = h
+                        .prune_on_grid(
+                            &weights,
+                            rows,
+                            cols,
+                            self.pattern,
+                            options.sp,
+                            &options.sparsegpt,
+                            Some(grid),
+                        )?
+                        .weights;
+                    // A grid point past f16's range (a row whose largest weight is within 13%
+                    // of 65504) would be stored as infinity.
+                    if let Some(i) = w.iter().position(|v| !f16::from_f32(*v).is_finite()) {
+                        return Err(PruneError::NonFinite {
+                            what: "int8 grid points of SparseGPT's weights (past the f16 range)",
+                            index: i,
+                            value: w[i],
+                        });
+                    }
+                    w
+                }
                 (Method::SparseGpt, _, Some(h)) => {
                     h.prune(
                         &weights,
@@ -696,7 +753,7 @@ impl<'a> LayerPass<'a> {
                     ))
                 }
             };
-            if options.values == ValueGrid::Int8 {
+            if options.values == ValueGrid::Int8 && options.method != Method::SparseGpt {
                 // Here, before the layer's pass goes on: the later sites of this layer and the
                 // later layers calibrate on the weights as stored (GPTQ's sequential order).
                 // Weights whose index rounds to 0 become +0, unstored: a balanced group then
