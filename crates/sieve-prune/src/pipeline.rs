@@ -705,15 +705,19 @@ impl<'a> LayerPass<'a> {
                 (Method::Wanda, SiteStats::Norms(norms), _) => {
                     prune_wanda(&weights, rows, cols, norms, self.pattern, options.sp)?.weights
                 }
-                (Method::SparseGpt, _, Some(h)) if options.values == ValueGrid::Int8 => {
-                    // Quantized in the sweep, each rounding error compensated over the later
-                    // columns (sparsegpt.rs, step 6), on the grids snap_row would choose for
-                    // the unpruned rows (4-bit scales: every q · s is an f16 exactly).
-                    let scales = int8_scales(&weights, cols)?;
-                    let grid = RowGrid {
-                        scales: &scales,
-                        qmax: sieve_formats::int8_grid::QMAX,
+                (Method::SparseGpt, _, Some(h)) => {
+                    // With --values int8 the kept weights are rounded inside the sweep, each
+                    // rounding error compensated over the later columns (sparsegpt.rs, step 6),
+                    // on the grids snap_row would choose for the unpruned rows (4-bit scales:
+                    // every q · s is an f16 exactly).
+                    let scales = match options.values {
+                        ValueGrid::Int8 => Some(int8_scales(&weights, cols)?),
+                        ValueGrid::F16 => None,
                     };
+                    let grid = scales.as_deref().map(|scales| RowGrid {
+                        scales,
+                        qmax: sieve_formats::int8_grid::QMAX,
+                    });
                     let w = h
                         .prune_on_grid(
                             &weights,
@@ -722,12 +726,14 @@ impl<'a> LayerPass<'a> {
                             self.pattern,
                             options.sp,
                             &options.sparsegpt,
-                            Some(grid),
+                            grid,
                         )?
                         .weights;
                     // A grid point past f16's range (a row whose largest weight is within 13%
                     // of 65504) would be stored as infinity.
-                    if let Some(i) = w.iter().position(|v| !f16::from_f32(*v).is_finite()) {
+                    let past_f16 =
+                        grid.and_then(|_| w.iter().position(|v| !f16::from_f32(*v).is_finite()));
+                    if let Some(i) = past_f16 {
                         return Err(PruneError::NonFinite {
                             what: "int8 grid points of SparseGPT's weights (past the f16 range)",
                             index: i,
@@ -735,17 +741,6 @@ impl<'a> LayerPass<'a> {
                         });
                     }
                     w
-                }
-                (Method::SparseGpt, _, Some(h)) => {
-                    h.prune(
-                        &weights,
-                        rows,
-                        cols,
-                        self.pattern,
-                        options.sp,
-                        &options.sparsegpt,
-                    )?
-                    .weights
                 }
                 _ => {
                     return Err(PruneError::NoCalibration(
