@@ -205,6 +205,13 @@ impl Linear {
                 }
                 return Ok(());
             }
+            if let Some(mats) = format_group::<balanced_rows::FastBalancedCbc>(linears) {
+                balanced_rows::matvec_group(&mats, x, linears[0].threshold, ys)?;
+                for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                    l.add_bias(y);
+                }
+                return Ok(());
+            }
         }
         match blocks {
             Some(mats) => {
@@ -234,11 +241,17 @@ impl Linear {
 /// The IE-BME INT4 matrices of `linears` when every one of them is one and they share a
 /// threshold (what [`ie_bme_int::matvec_group`] needs).
 fn int4_ie_bme_group<'a>(linears: &[&'a Linear]) -> Option<Vec<&'a ie_bme_int::Int4IeBme>> {
+    format_group(linears)
+}
+
+/// The weights of `linears` as `F` when every one of them is an `F` and they share a
+/// threshold (what the group products of the fast formats need).
+fn format_group<'a, F: 'static>(linears: &[&'a Linear]) -> Option<Vec<&'a F>> {
     linears
         .iter()
         .map(|l| match &l.weight {
             Weight::Format(f) if l.threshold == linears[0].threshold => {
-                f.as_any()?.downcast_ref::<ie_bme_int::Int4IeBme>()
+                f.as_any()?.downcast_ref::<F>()
             }
             _ => None,
         })

@@ -353,3 +353,59 @@ proptest! {
         check_int8(rows, cols, slots, dp, tokens, seed);
     }
 }
+
+#[test]
+fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
+    // q/k/v-like: different row counts (one below a group, one not a multiple of 16), shared
+    // K; f16 and 8-bit records mixed.
+    let mats: Vec<FastBalancedCbc> = [(37, 8), (12, 5), (200, 3)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(rows, n))| {
+            let w = balanced_matrix(rows, 150, n, 60 + i as u64).unwrap();
+            let w = if i == 1 { snapped(&w) } else { w };
+            FastBalancedCbc::new(&BalancedCbc::encode_with_slots(&w, n).unwrap())
+        })
+        .collect();
+    assert_eq!(mats[1].values(), Values::Int8);
+    let refs: Vec<&FastBalancedCbc> = mats.iter().collect();
+    let x = activations(150, 61);
+    for t in [None, threshold_for_sparsity(&x, 0.5).unwrap()] {
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; m.rows()]).collect();
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+        matvec_group(&refs, &x, t, &mut outs).unwrap();
+        for (m, y) in mats.iter().zip(&ys) {
+            let mut want = vec![f32::NAN; m.rows()];
+            m.matvec(&x, t, &mut want).unwrap();
+            assert_eq!(y, &want, "threshold {t:?}");
+        }
+    }
+    let mut short = vec![0f32; 36];
+    let mut y1 = vec![0f32; 12];
+    let mut y2 = vec![0f32; 200];
+    assert!(matvec_group(&refs, &x, None, &mut [&mut short, &mut y1, &mut y2]).is_err());
+    assert!(matvec_group(&refs, &x, None, &mut [&mut y1, &mut y2]).is_err());
+    assert!(matvec_group(&refs, &x[..149], None, &mut [&mut short, &mut y1, &mut y2]).is_err());
+}
+
+#[test]
+fn linear_groups_of_balanced_cbc_run_as_one_group() {
+    use crate::linear::Linear;
+    let t = Some(0.3);
+    let lin = |rows: usize, seed: u64| {
+        let w = balanced_matrix(rows, 130, 8, seed).unwrap();
+        let mut l = Linear::from_format(Box::new(FastBalancedCbc::new(
+            &BalancedCbc::encode_with_slots(&w, 8).unwrap(),
+        )));
+        l.set_threshold(t).unwrap();
+        l
+    };
+    let (a, b) = (lin(20, 50), lin(9, 51));
+    let x = activations(130, 52);
+    let (mut ya, mut yb) = (vec![0f32; 20], vec![0f32; 9]);
+    Linear::forward_group(&[&a, &b], &x, 1, &mut [&mut ya, &mut yb]).unwrap();
+    let (mut wa, mut wb) = (vec![0f32; 20], vec![0f32; 9]);
+    a.forward(&x, 1, &mut wa).unwrap();
+    b.forward(&x, 1, &mut wb).unwrap();
+    assert_eq!((ya, yb), (wa, wb));
+}
