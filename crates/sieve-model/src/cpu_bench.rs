@@ -120,8 +120,17 @@ fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// One round on one model: (prefill tok/s, decode tok/s).
+/// One round on one model: (prefill tok/s, decode tok/s), with the pool's workers kept hot as
+/// `generate` keeps them.
 pub fn measure(model: &Model, prompt: &[u32], decode_tokens: usize) -> Result<(f64, f64)> {
+    crate::generate::with_hot_workers(|| measure_on_this_thread(model, prompt, decode_tokens))
+}
+
+fn measure_on_this_thread(
+    model: &Model,
+    prompt: &[u32],
+    decode_tokens: usize,
+) -> Result<(f64, f64)> {
     let mut cache = model.new_cache(prompt.len() + decode_tokens + 1);
     if cache.capacity() < prompt.len() + decode_tokens {
         return Err(ModelError::ContextOverflow {

@@ -452,6 +452,20 @@ pub mod kernels {
         }
     }
 
+    /// `row[i] = exp(row[i] - max)` in place, returning `Σ row[i]`: the unnormalised softmax of a
+    /// span whose partial sums are merged later (decode attention). Same exponential as
+    /// [`softmax_scaled`].
+    pub fn exp_shifted_sum(row: &mut [f32], max: f32) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: as above.
+            unsafe { x86::exp_scaled_shifted(row, 1.0, max) };
+            return row.iter().sum();
+        }
+        row.iter_mut().for_each(|v| *v = (*v - max).exp());
+        row.iter().sum()
+    }
+
     /// Softmax of `scale · row` in place: `row[i] = exp(scale · (row[i] - max)) / Σ`.
     /// `scale` must be positive (it is `1/sqrt(head_dim)`), so the maximum of the scaled row is
     /// `scale · max`. The exponential is a polynomial approximation within a few ulp of `expf`

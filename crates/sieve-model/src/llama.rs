@@ -39,6 +39,8 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 mod cached_attention;
+pub mod phases;
+use phases::{Clock, Phase};
 
 /// Query rows per task of the GEMM attention path: a 64 x 1024 score block is 256 KiB.
 const ATTENTION_BLOCK: usize = 64;
@@ -321,10 +323,6 @@ fn apply_rope(buf: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: 
     }
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
 impl Model {
     /// Loads a model for inference: linears the source stores in GGUF Q4_0/Q4_1/Q5_0/Q5_1/
     /// Q8_0/Q4_K/Q5_K/Q6_K blocks
@@ -552,6 +550,7 @@ impl Model {
         let (d, hd) = (c.hidden_size, c.head_dim);
         let (nh, nkv, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
 
+        let mut clock = Clock::start();
         let mut x = vec![0f32; n * d];
         for (t, &tok) in tokens.iter().enumerate() {
             let row = &self.embed_tokens[tok as usize * d..(tok as usize + 1) * d];
@@ -568,14 +567,17 @@ impl Model {
         let mut gate = vec![0f32; n * inter];
         let mut up = vec![0f32; n * inter];
         let row = cache.row;
+        clock.lap(Phase::Embed);
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
+            clock.lap(Phase::NormsResiduals);
             Linear::forward_group(
                 &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
                 &xn,
                 n,
                 &mut [&mut q, &mut k, &mut v],
             )?;
+            clock.lap(Phase::Qkv);
             apply_rope(&mut q, nh, hd, &cos, &sin);
             apply_rope(&mut k, nkv, hd, &cos, &sin);
             let base = cache.layer_offset(l);
@@ -584,26 +586,32 @@ impl Model {
             cache.v[span].convert_from_f32_slice(&v);
             let keys = &cache.k[base..base + (p0 + n) * row];
             let values = &cache.v[base..base + (p0 + n) * row];
+            clock.lap(Phase::RopeCache);
             self.attention_cached(&q, keys, values, p0, n, &mut att);
+            clock.lap(Phase::Attention);
             layer.o_proj.forward(&att, n, &mut proj)?;
+            clock.lap(Phase::OProj);
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;
             }
 
             rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
+            clock.lap(Phase::NormsResiduals);
             Linear::forward_group(
                 &[&layer.gate_proj, &layer.up_proj],
                 &xn,
                 n,
                 &mut [&mut gate, &mut up],
             )?;
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
-            }
+            clock.lap(Phase::GateUp);
+            kernels::silu_mul(&mut gate, &up);
+            clock.lap(Phase::SiluMul);
             layer.down_proj.forward(&gate, n, &mut proj)?;
+            clock.lap(Phase::Down);
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;
             }
+            clock.lap(Phase::NormsResiduals);
         }
         cache.len = p0 + n;
 
@@ -616,6 +624,7 @@ impl Model {
         rms_norm(rows, &self.final_norm, c.rms_norm_eps, &mut normed);
         let mut logits = vec![0f32; m * c.vocab_size];
         self.lm_head.forward(&normed, m, &mut logits)?;
+        clock.lap(Phase::Head);
         Ok(logits)
     }
 
@@ -1170,9 +1179,7 @@ impl Model {
                 n,
                 &mut [&mut gate, &mut up],
             )?;
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
-            }
+            kernels::silu_mul(&mut gate, &up);
             layer.down_proj.forward_rows(&gate, n, &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;

@@ -100,10 +100,7 @@ pub(crate) fn attend_one(
             for g in 0..group {
                 let sc = &mut scores[g * len..(g + 1) * len];
                 max[g] = sc.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-                for v in sc.iter_mut() {
-                    *v = (*v - max[g]).exp();
-                    sum[g] += *v;
-                }
+                sum[g] = kernels::exp_shifted_sum(sc, max[g]);
             }
             #[cfg(target_arch = "x86_64")]
             if done {

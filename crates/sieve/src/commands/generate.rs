@@ -42,6 +42,9 @@ pub struct GenerateArgs {
     /// Where to run: the GPU when one is present (auto), the GPU (cuda) or the CPU.
     #[arg(long, value_enum, default_value_t = super::device::Device::Auto)]
     device: super::device::Device,
+    /// CPU: print where a decode step's time goes (wall time per phase of the forward pass).
+    #[arg(long)]
+    profile: bool,
     prompt: String,
 }
 
@@ -111,6 +114,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         eprintln!("{}", result.summary());
         return Ok(());
     }
+    sieve_model::llama::phases::enable(args.profile);
     let result = generate(&model, &tokenizer, &prompt, &options, |piece| {
         stdout
             .write_all(piece.as_bytes())
@@ -122,5 +126,30 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
     })?;
     println!();
     eprintln!("{}", result.stats.summary());
+    if args.profile {
+        print_profile(result.stats.decode_steps, result.stats.decode_seconds);
+    }
     Ok(())
+}
+
+/// The decode steps' time per phase (`--profile`), per token and as shares of the step.
+fn print_profile(steps: usize, seconds: f64) {
+    let steps = steps.max(1) as f64;
+    let totals = sieve_model::llama::phases::totals();
+    let timed: f64 = totals.iter().map(|(_, s)| s).sum();
+    eprintln!("decode step, per token ({steps} tokens):");
+    for (phase, s) in totals {
+        eprintln!(
+            "  {:16} {:8.1} us  {:5.1}%",
+            phase.name(),
+            s / steps * 1e6,
+            100.0 * s / timed.max(1e-12)
+        );
+    }
+    eprintln!(
+        "  {:16} {:8.1} us  (forward pass; the whole step incl. sampling {:.1} us)",
+        "sum",
+        timed / steps * 1e6,
+        seconds / steps * 1e6
+    );
 }
