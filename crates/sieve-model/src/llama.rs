@@ -323,6 +323,10 @@ fn apply_rope(buf: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: 
     }
 }
 
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
 impl Model {
     /// Loads a model for inference: linears the source stores in GGUF Q4_0/Q4_1/Q5_0/Q5_1/
     /// Q8_0/Q4_K/Q5_K/Q6_K blocks
@@ -604,7 +608,9 @@ impl Model {
                 &mut [&mut gate, &mut up],
             )?;
             clock.lap(Phase::GateUp);
-            kernels::silu_mul(&mut gate, &up);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
+            }
             clock.lap(Phase::SiluMul);
             layer.down_proj.forward(&gate, n, &mut proj)?;
             clock.lap(Phase::Down);
@@ -1179,7 +1185,9 @@ impl Model {
                 n,
                 &mut [&mut gate, &mut up],
             )?;
-            kernels::silu_mul(&mut gate, &up);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
+            }
             layer.down_proj.forward_rows(&gate, n, &mut proj)?;
             for (a, b) in x.iter_mut().zip(&proj) {
                 *a += b;
