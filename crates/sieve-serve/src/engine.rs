@@ -112,6 +112,8 @@ impl DecodeEngine for CpuEngine {
             }
         }
         let tokens: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
-        self.model.decode_batch(&tokens, &mut caches)
+        // One step is ~150 short parallel regions: keep the pool's workers hot through it.
+        let model = &self.model;
+        sieve_model::generate::with_hot_workers(|| model.decode_batch(&tokens, &mut caches))
     }
 }
