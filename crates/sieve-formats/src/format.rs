@@ -169,6 +169,27 @@ pub fn check_product_args(
     Ok(())
 }
 
+/// Checks a one-token product group (matrices sharing the input `x`, as q|k|v): one output
+/// per matrix (`shapes` holds each matrix's `(rows, cols)`), each as [`check_product_args`].
+pub fn check_group_args(
+    shapes: &[(usize, usize)],
+    x: &[f32],
+    threshold: Threshold,
+    ys: &[&mut [f32]],
+) -> Result<()> {
+    if shapes.len() != ys.len() {
+        return Err(FormatError::Shape {
+            what: "outputs of a matrix group",
+            expected: shapes.len(),
+            actual: ys.len(),
+        });
+    }
+    for (&(rows, cols), y) in shapes.iter().zip(ys) {
+        check_product_args(rows, cols, x, 1, threshold, y)?;
+    }
+    Ok(())
+}
+
 /// Default batched product built from `matvec`, for formats without a specialised one.
 pub fn matmul_by_rows<F: WeightFormat + ?Sized>(
     w: &F,

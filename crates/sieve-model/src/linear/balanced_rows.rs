@@ -56,7 +56,7 @@ use half::f16;
 use rayon::prelude::*;
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::blob::ByteWriter;
-use sieve_formats::format::check_product_args;
+use sieve_formats::format::{check_group_args, check_product_args};
 use sieve_formats::matrix::is_zero;
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
 
@@ -419,16 +419,8 @@ pub fn matvec_group(
     threshold: Threshold,
     ys: &mut [&mut [f32]],
 ) -> Result<(), FormatError> {
-    if mats.len() != ys.len() {
-        return Err(FormatError::Shape {
-            what: "outputs of a matrix group",
-            expected: mats.len(),
-            actual: ys.len(),
-        });
-    }
-    for (m, y) in mats.iter().zip(ys.iter()) {
-        check_product_args(m.rows, m.cols, x, 1, threshold, y)?;
-    }
+    let shapes: Vec<(usize, usize)> = mats.iter().map(|m| (m.rows, m.cols)).collect();
+    check_group_args(&shapes, x, threshold, ys)?;
     let Some(first) = mats.first() else {
         return Ok(());
     };

@@ -42,7 +42,7 @@ use super::quantized::{Q8Activations, BLOCK};
 use super::simd::SimdLevel;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
-use sieve_formats::format::{check_product_args, is_active};
+use sieve_formats::format::{check_group_args, check_product_args, is_active};
 use sieve_formats::ie_bme::{IeBme, Payload};
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
 
@@ -414,16 +414,8 @@ pub fn matvec_group(
     threshold: Threshold,
     ys: &mut [&mut [f32]],
 ) -> Result<(), FormatError> {
-    if mats.len() != ys.len() {
-        return Err(FormatError::Shape {
-            what: "outputs of a matrix group",
-            expected: mats.len(),
-            actual: ys.len(),
-        });
-    }
-    for (m, y) in mats.iter().zip(ys.iter()) {
-        check_product_args(m.rows, m.cols, x, 1, threshold, y)?;
-    }
+    let shapes: Vec<(usize, usize)> = mats.iter().map(|m| (m.rows, m.cols)).collect();
+    check_group_args(&shapes, x, threshold, ys)?;
     let Some(first) = mats.first() else {
         return Ok(());
     };
