@@ -20,7 +20,6 @@ pub mod dense;
 pub mod error;
 pub mod format;
 pub mod ie_bme;
-pub mod int8_grid;
 pub mod matrix;
 pub mod random;
 pub mod reference;
@@ -29,6 +28,7 @@ pub mod rlc_csc;
 pub mod size;
 pub mod slide;
 pub mod tiled_cbc;
+pub mod value_grid;
 
 pub use error::{FormatError, Result};
 pub use format::{FormatKind, Storage, Threshold, WeightFormat};

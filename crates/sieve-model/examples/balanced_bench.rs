@@ -7,8 +7,8 @@
 //! `cargo run --release -p sieve-model --example balanced_bench -- THREADS N DP [REPS]`
 
 use sieve_formats::balanced_cbc::BalancedCbc;
-use sieve_formats::int8_grid::snap_row;
 use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity};
+use sieve_formats::value_grid::snap_row;
 use sieve_formats::{DenseMatrix, WeightFormat};
 use sieve_model::generate::run_in_pool;
 use sieve_model::linear::balanced_rows::{Arrangement, FastBalancedCbc};

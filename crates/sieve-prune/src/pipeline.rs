@@ -121,7 +121,7 @@ pub enum ValueGrid {
     /// The f16 the pruning method produced.
     #[default]
     F16,
-    /// Each output row on a symmetric int8 grid (`sieve_formats::int8_grid`; SparseGPT rounds
+    /// Each output row on a symmetric int8 grid (`sieve_formats::value_grid`; SparseGPT rounds
     /// in its sweep and compensates each rounding error, magnitude and Wanda snap the pruned
     /// rows with `snap_row`), still stored as f16: the CPU product of Balanced-CBC then keeps 8-bit records
     /// (`sieve_model::linear::balanced_rows`). Only with `--format balanced-cbc`.
@@ -169,7 +169,7 @@ pub fn check_values_for_format(values: ValueGrid, format: FormatChoice) -> Resul
 /// is not finite is refused (it is on no grid), with its index in `weights`.
 fn snap_rows_to_int8(weights: &mut [f32], cols: usize) -> Result<()> {
     for (r, row) in weights.chunks_mut(cols.max(1)).enumerate() {
-        if sieve_formats::int8_grid::snap_row(row).is_none() {
+        if sieve_formats::value_grid::snap_row(row).is_none() {
             let (c, value) = row
                 .iter()
                 .copied()
@@ -186,7 +186,7 @@ fn snap_rows_to_int8(weights: &mut [f32], cols: usize) -> Result<()> {
     Ok(())
 }
 
-/// The int8 grid scale of every row of `weights` (`sieve_formats::int8_grid::snap_scale` of
+/// The int8 grid scale of every row of `weights` (`sieve_formats::value_grid::snap_scale` of
 /// its largest magnitude); a weight that is not finite is refused, with its index.
 fn int8_scales(weights: &[f32], cols: usize) -> Result<Vec<f32>> {
     weights
@@ -200,7 +200,7 @@ fn int8_scales(weights: &[f32], cols: usize) -> Result<Vec<f32>> {
                     index: r * cols + c,
                     value: row[c],
                 }),
-                None => sieve_formats::int8_grid::snap_scale(max).ok_or(PruneError::NonFinite {
+                None => sieve_formats::value_grid::snap_scale(max).ok_or(PruneError::NonFinite {
                     what: "weights to put on int8 grids",
                     index: r * cols,
                     value: max,
@@ -716,7 +716,7 @@ impl<'a> LayerPass<'a> {
                     };
                     let grid = scales.as_deref().map(|scales| RowGrid {
                         scales,
-                        qmax: sieve_formats::int8_grid::QMAX,
+                        qmax: sieve_formats::value_grid::QMAX,
                     });
                     let w = h
                         .prune_on_grid(

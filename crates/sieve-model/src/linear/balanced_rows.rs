@@ -43,7 +43,7 @@
 //! row-major buffer and run the blocked GEMM, as [`super::tcbc_rows::RowTiledCbc`] does.
 //!
 //! **8-bit records** ([`int8`]): when every row's stored values lie exactly on a symmetric int8
-//! grid (`sieve pack --values int8`, [`sieve_formats::int8_grid`]), the build keeps one `i8`
+//! grid (`sieve pack --values int8`, [`sieve_formats::value_grid`]), the build keeps one `i8`
 //! per value and one f32 scale per row instead of f16 values: a record is the mask then N
 //! bytes, and matrix-vector products sum `q · x` and scale each row once. Batched products
 //! still decode to f16 (`q · s_r`, the stored value exactly) for the GEMM, so prefill and decode

@@ -1,7 +1,7 @@
 //! 8-bit records of [`super::FastBalancedCbc`], for matrices whose rows lie on int8 grids.
 //!
 //! A pack written with `sieve pack --values int8` stores f16 values that are `q · s_r` exactly
-//! (`sieve_formats::int8_grid`: one f32 scale per row, `|q| <= 127`). The blob is unchanged;
+//! (`sieve_formats::value_grid`: one f32 scale per row, `|q| <= 127`). The blob is unchanged;
 //! at load [`Int8Records::build`] detects the grids and, when every row has one, keeps 1 byte
 //! per value instead of 2: per (group of 16 rows, input column) a record of `N + 2` bytes, the
 //! `u16` row mask (little-endian, unaligned) then N `i8` indices, the nonzeros in row order
@@ -22,8 +22,8 @@
 use super::{SimdLevel, GROUP};
 use half::f16;
 use rayon::prelude::*;
-use sieve_formats::int8_grid::detect_row;
 use sieve_formats::matrix::is_zero;
+use sieve_formats::value_grid::detect_row;
 use sieve_formats::DenseMatrix;
 
 /// Bytes after the last group, so that the AVX2 kernel's 8-byte loads never leave the array.

@@ -173,7 +173,7 @@ fn snapped(w: &DenseMatrix) -> DenseMatrix {
     let (m, k) = (w.rows(), w.cols());
     let mut v: Vec<f32> = w.data().iter().map(|x| x.to_f32()).collect();
     for row in v.chunks_mut(k.max(1)) {
-        sieve_formats::int8_grid::snap_row(row).unwrap();
+        sieve_formats::value_grid::snap_row(row).unwrap();
     }
     DenseMatrix::from_f32(m, k, &v).unwrap()
 }
