@@ -66,7 +66,9 @@ pub const GROUP: usize = 16;
 /// read past the array.
 const TAIL: usize = 16;
 
+mod int4;
 mod int8;
+use int4::Int4Records;
 use int8::Int8Records;
 
 /// How a group's masks and values are arranged (module notes).
@@ -96,6 +98,8 @@ pub enum Values {
     F16,
     /// The `i8` index on the row's int8 grid (module notes).
     Int8,
+    /// The 4-bit index on the grid of its row and group of `columns` input columns.
+    Int4 { columns: usize },
 }
 
 /// Whether `SIEVE_BCBC_CPU` asks for f16 records (`f16`, or `split`, which only f16 has).
@@ -118,11 +122,13 @@ pub struct FastBalancedCbc {
     value_start: usize,
     /// Entries between the first values of consecutive columns of a group.
     value_stride: usize,
-    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros; only the TAIL when `int8` holds
-    /// the records.
+    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros; only the TAIL when `int8` or
+    /// `int4` holds the records.
     data: Vec<u16>,
     /// The 8-bit records, when the build found every row on an int8 grid.
     int8: Option<Int8Records>,
+    /// The 4-bit records, when the build found every row on 4-bit grids.
+    int4: Option<Int4Records>,
     /// The Balanced-CBC storage (what the blob holds).
     storage: Storage,
 }
@@ -133,6 +139,9 @@ struct Prepared {
     xs: Vec<f32>,
     /// Whether every active input is finite (else the portable kernel runs, module notes).
     finite: bool,
+    /// How many active inputs lie before each multiple of 32 columns (the 4-bit records'
+    /// column groups, [`int4::bounds`]).
+    bounds: Vec<u32>,
 }
 
 impl FastBalancedCbc {
@@ -143,11 +152,46 @@ impl FastBalancedCbc {
         // Decoded once for both attempts (a load builds every linear of a pack).
         let w = balanced.decode();
         if !f16_forced() {
+            if let Some(fast) = Self::int4_from(balanced, &w) {
+                return fast;
+            }
             if let Some(fast) = Self::int8_from(balanced, &w, 1) {
                 return fast;
             }
         }
         Self::f16_from(balanced, &w, Arrangement::from_env())
+    }
+
+    /// Builds the 4-bit records, or `None` when a row is not on 4-bit grids of 128, 64 or 32
+    /// columns.
+    pub fn with_int4(balanced: &BalancedCbc) -> Option<Self> {
+        Self::int4_from(balanced, &balanced.decode())
+    }
+
+    /// The 4-bit records of `balanced`, whose decoded matrix is `w`.
+    fn int4_from(balanced: &BalancedCbc, w: &DenseMatrix) -> Option<Self> {
+        let records = Int4Records::build(w, balanced.slots())?;
+        Some(Self {
+            int4: Some(records),
+            ..Self::packed_shell(balanced, w)
+        })
+    }
+
+    /// The fields of a layout whose records live in `int8` or `int4` (filled by the caller).
+    fn packed_shell(balanced: &BalancedCbc, w: &DenseMatrix) -> Self {
+        Self {
+            rows: w.rows(),
+            cols: w.cols(),
+            slots: balanced.slots(),
+            arrangement: Arrangement::Interleaved,
+            mask_stride: 0,
+            value_start: 0,
+            value_stride: 0,
+            data: vec![0; TAIL],
+            int8: None,
+            int4: None,
+            storage: balanced.storage(),
+        }
     }
 
     /// Builds the 8-bit records, or `None` when a row is not on an int8 grid.
@@ -165,16 +209,8 @@ impl FastBalancedCbc {
     fn int8_from(balanced: &BalancedCbc, w: &DenseMatrix, align: usize) -> Option<Self> {
         let records = Int8Records::build(w, balanced.slots(), align)?;
         Some(Self {
-            rows: w.rows(),
-            cols: w.cols(),
-            slots: balanced.slots(),
-            arrangement: Arrangement::Interleaved,
-            mask_stride: 0,
-            value_start: 0,
-            value_stride: 0,
-            data: vec![0; TAIL],
             int8: Some(records),
-            storage: balanced.storage(),
+            ..Self::packed_shell(balanced, w)
         })
     }
 
@@ -225,6 +261,7 @@ impl FastBalancedCbc {
             value_stride,
             data,
             int8: None,
+            int4: None,
             storage: balanced.storage(),
         }
     }
@@ -234,25 +271,28 @@ impl FastBalancedCbc {
         self.slots
     }
 
-    /// The arrangement of each group (8-bit records are interleaved).
+    /// The arrangement of each group (8-bit and 4-bit records are interleaved).
     pub fn arrangement(&self) -> Arrangement {
         self.arrangement
     }
 
     /// What the records hold per weight.
     pub fn values(&self) -> Values {
-        if self.int8.is_some() {
-            Values::Int8
-        } else {
-            Values::F16
+        match (&self.int8, &self.int4) {
+            (Some(_), _) => Values::Int8,
+            (None, Some(r)) => Values::Int4 {
+                columns: r.columns(),
+            },
+            (None, None) => Values::F16,
         }
     }
 
     /// Bytes one matrix-vector product streams (masks + values): what decode reads per token.
     pub fn cpu_layout_bytes(&self) -> usize {
-        match &self.int8 {
-            Some(r) => r.layout_bytes(),
-            None => 2 * (self.data.len() - TAIL),
+        match (&self.int8, &self.int4) {
+            (Some(r), _) => r.layout_bytes(),
+            (None, Some(r)) => r.layout_bytes(),
+            (None, None) => 2 * (self.data.len() - TAIL),
         }
     }
 
@@ -267,13 +307,24 @@ impl FastBalancedCbc {
     fn prepare(&self, x: &[f32], threshold: Threshold) -> Prepared {
         let (cols, xs) = active_inputs(x, threshold);
         let finite = xs.iter().all(|v| v.is_finite());
-        Prepared { cols, xs, finite }
+        let bounds = int4::bounds(&cols, self.cols);
+        Prepared {
+            cols,
+            xs,
+            finite,
+            bounds,
+        }
     }
 
     /// `out[i] = W[16 g + i] · x` for the rows of group `g` (`out.len()` of them).
     fn group_with(&self, level: SimdLevel, g: usize, p: &Prepared, out: &mut [f32]) {
         debug_assert!(out.len() <= GROUP && g < self.groups());
         let mut sums = [0f32; GROUP];
+        if let Some(r) = &self.int4 {
+            r.group(level, self.cols, g, p, &mut sums);
+            out.copy_from_slice(&sums[..out.len()]);
+            return;
+        }
         if let Some(r) = &self.int8 {
             let (k, n) = (self.cols, self.slots);
             match level {
@@ -392,6 +443,10 @@ impl FastBalancedCbc {
                 rows.fill(f16::ZERO);
                 if let Some(r) = &self.int8 {
                     r.decode_group(level, k, g, rows);
+                    return;
+                }
+                if let Some(r) = &self.int4 {
+                    r.decode_group(k, g, rows);
                     return;
                 }
                 let base = g * len;

@@ -357,17 +357,22 @@ proptest! {
 #[test]
 fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
     // q/k/v-like: different row counts (one below a group, one not a multiple of 16), shared
-    // K; f16 and 8-bit records mixed.
+    // K; f16, 8-bit and 4-bit records mixed.
     let mats: Vec<FastBalancedCbc> = [(37, 8), (12, 5), (200, 3)]
         .iter()
         .enumerate()
         .map(|(i, &(rows, n))| {
             let w = balanced_matrix(rows, 150, n, 60 + i as u64).unwrap();
-            let w = if i == 1 { snapped(&w) } else { w };
+            let w = match i {
+                1 => snapped(&w),
+                2 => snapped4(&w, 64),
+                _ => w,
+            };
             FastBalancedCbc::new(&BalancedCbc::encode_with_slots(&w, n).unwrap())
         })
         .collect();
     assert_eq!(mats[1].values(), Values::Int8);
+    assert!(matches!(mats[2].values(), Values::Int4 { .. }));
     let refs: Vec<&FastBalancedCbc> = mats.iter().collect();
     let x = activations(150, 61);
     for t in [None, threshold_for_sparsity(&x, 0.5).unwrap()] {
@@ -408,4 +413,213 @@ fn linear_groups_of_balanced_cbc_run_as_one_group() {
     a.forward(&x, 1, &mut wa).unwrap();
     b.forward(&x, 1, &mut wb).unwrap();
     assert_eq!((ya, yb), (wa, wb));
+}
+
+/// `w` with every row's groups of `columns` input columns snapped onto 4-bit grids (what
+/// `sieve pack --values int4:G` stores).
+fn snapped4(w: &DenseMatrix, columns: usize) -> DenseMatrix {
+    let (m, k) = (w.rows(), w.cols());
+    let mut v: Vec<f32> = w.data().iter().map(|x| x.to_f32()).collect();
+    for row in v.chunks_mut(k.max(1)) {
+        for run in row.chunks_mut(columns) {
+            sieve_formats::value_grid::INT4.snap_row(run).unwrap();
+        }
+    }
+    DenseMatrix::from_f32(m, k, &v).unwrap()
+}
+
+/// The 4-bit records of a snapped balanced matrix, every SIMD level against the f64 reference
+/// on the decoded matrix and against the f16 records, matvec and batched.
+#[allow(clippy::too_many_arguments)]
+fn check_int4(
+    rows: usize,
+    cols: usize,
+    slots: usize,
+    columns: usize,
+    dp: f64,
+    tokens: usize,
+    seed: u64,
+) {
+    let w = snapped4(&balanced_matrix(rows, cols, slots, seed).unwrap(), columns);
+    let x = activations(cols * tokens, seed ^ 7);
+    let t = threshold_for_sparsity(&x, dp).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
+    let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
+    let want_m = matmul_f64(&w, &x, tokens, t);
+    let fast = FastBalancedCbc::with_int4(&reference).expect("a snapped matrix is on its grids");
+    // The widest group size that fits is found: at least the one snapped to.
+    let Values::Int4 { columns: found } = fast.values() else {
+        panic!("not int4: {:?}", fast.values());
+    };
+    assert!(found >= columns || found >= cols, "{found} < {columns}");
+    assert_eq!(fast.decode(), w);
+    let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
+    let mut ref_v = vec![0f32; rows];
+    f16_records
+        .matvec_with(SimdLevel::Portable, &x[..cols], t, &mut ref_v)
+        .unwrap();
+    let ref_v: Vec<f64> = ref_v.iter().map(|&v| v as f64).collect();
+    for level in SimdLevel::available() {
+        let what = format!("int4 {level:?} {rows}x{cols} N {slots} G {columns} dp {dp}");
+        let mut y = vec![f32::NAN; rows];
+        fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
+        check_error(&y, &want_v, &format!("{what} matvec"));
+        check_error(&y, &ref_v, &format!("{what} matvec vs the f16 records"));
+        let mut ym = vec![f32::NAN; rows * tokens];
+        fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
+        check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+    }
+}
+
+#[test]
+fn int4_every_level_matches_the_reference() {
+    for &(m, k) in &[
+        (1, 1),
+        (7, 13),
+        (16, 33),
+        (45, 70),
+        (192, 576),
+        (300, 41),
+        (513, 170),
+    ] {
+        for (i, &n) in [1, 5, 8, 16, 3, 11, 2, 9].iter().enumerate() {
+            for (j, &dp) in [0.0, 0.5, 0.9, 0.99].iter().enumerate() {
+                let tokens = [1, 3, 6][(i + j) % 3];
+                let columns = [32, 64, 128][(i + 2 * j) % 3];
+                check_int4(
+                    m,
+                    k,
+                    n,
+                    columns,
+                    dp,
+                    tokens,
+                    (m * 1000 + k + 7 * i + j) as u64,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn int4_records_keep_the_blob_and_quarter_the_values() {
+    for n in [1, 5, 8, 16] {
+        for &(m, k) in &[(600, 96), (45, 7), (512, 130)] {
+            let w = snapped4(&balanced_matrix(m, k, n, (m + k + n) as u64).unwrap(), 64);
+            let reference = BalancedCbc::encode_with_slots(&w, n).unwrap();
+            let fast = FastBalancedCbc::with_int4(&reference).unwrap();
+            assert_eq!(fast.to_bytes(), reference.to_bytes(), "{m}x{k} N {n}");
+            assert_eq!(fast.decode(), w);
+            assert_eq!(fast.storage(), reference.storage());
+            assert_eq!(fast.slots(), n);
+            let Values::Int4 { columns } = fast.values() else {
+                panic!("{m}x{k} N {n}: {:?}", fast.values());
+            };
+            // A u16 mask and N nibbles per (group of 16 rows, column), 16 f16 scales per
+            // (group, column group).
+            let groups = m.div_ceil(16);
+            assert_eq!(
+                fast.cpu_layout_bytes(),
+                groups * k * (2 + n.div_ceil(2)) + groups * k.div_ceil(columns) * 32,
+                "{m}x{k} N {n}"
+            );
+        }
+    }
+}
+
+#[test]
+fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
+    let w = balanced_matrix(100, 200, 8, 3).unwrap();
+    let reference = BalancedCbc::encode_with_slots(&w, 8).unwrap();
+    // Random f16 weights, and rows on int8 grids, are on no 4-bit grid.
+    assert!(FastBalancedCbc::with_int4(&reference).is_none());
+    let s8 = BalancedCbc::encode_with_slots(&snapped(&w), 8).unwrap();
+    assert!(FastBalancedCbc::with_int4(&s8).is_none());
+    assert_eq!(FastBalancedCbc::new(&s8).values(), Values::Int8);
+    // Each group size is found as itself (the grids of 32 columns are on no grid of 64).
+    for columns in [32, 64, 128] {
+        let s = snapped4(&w, columns);
+        let enc = BalancedCbc::encode_with_slots(&s, 8).unwrap();
+        let fast = FastBalancedCbc::with_int4(&enc).unwrap();
+        assert_eq!(fast.values(), Values::Int4 { columns });
+        if std::env::var("SIEVE_BCBC_CPU").is_err() {
+            assert_eq!(
+                FastBalancedCbc::new(&enc).values(),
+                Values::Int4 { columns }
+            );
+        }
+    }
+    // One value off its grid refuses the whole matrix.
+    let s = snapped4(&w, 64);
+    let mut data = s.data().to_vec();
+    let at = data
+        .iter()
+        .position(|v| v.to_f32().abs() > 0.0 && v.to_f32().abs() < 0.5)
+        .unwrap();
+    data[at] = f16::from_f32(data[at].to_f32() * 1.003);
+    let off = DenseMatrix::new(100, 200, data).unwrap();
+    assert!(
+        FastBalancedCbc::with_int4(&BalancedCbc::encode_with_slots(&off, 8).unwrap()).is_none()
+    );
+    // Rows and groups of zeros (scale 0) are on a grid, and their products are zeros.
+    let mut data = s.data().to_vec();
+    for r in [0, 17, 99] {
+        data[r * 200..(r + 1) * 200].fill(f16::ZERO);
+    }
+    data[40 * 200 + 64..40 * 200 + 128].fill(f16::ZERO);
+    let z = DenseMatrix::new(100, 200, data).unwrap();
+    let fast = FastBalancedCbc::with_int4(&BalancedCbc::encode_with_slots(&z, 8).unwrap()).unwrap();
+    let x = activations(200, 4);
+    let want = matvec_f64(&z, &x, None);
+    for level in SimdLevel::available() {
+        let mut y = vec![f32::NAN; 100];
+        fast.matvec_with(level, &x, None, &mut y).unwrap();
+        check_error(&y, &want, &format!("int4 {level:?} zero rows"));
+        assert_eq!((y[0], y[17], y[99]), (0.0, 0.0, 0.0));
+    }
+}
+
+#[test]
+fn int4_non_finite_activations_reach_only_the_rows_that_store_their_column() {
+    let w = snapped4(&balanced_matrix(40, 70, 5, 11).unwrap(), 32);
+    let reference = BalancedCbc::encode_with_slots(&w, 5).unwrap();
+    let mut x = activations(70, 12);
+    x[33] = f32::INFINITY;
+    x[50] = f32::NAN;
+    let mut want = vec![0f32; 40];
+    reference.matvec(&x, None, &mut want).unwrap();
+    assert!(want.iter().any(|v| v.is_finite()) && want.iter().any(|v| !v.is_finite()));
+    let fast = FastBalancedCbc::with_int4(&reference).unwrap();
+    for level in SimdLevel::available() {
+        let mut y = vec![0f32; 40];
+        fast.matvec_with(level, &x, None, &mut y).unwrap();
+        for (r, (g, e)) in y.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g.is_finite(),
+                e.is_finite(),
+                "{level:?} row {r}: {g} vs {e}"
+            );
+            if e.is_finite() {
+                assert!(
+                    (g - e).abs() <= 1e-4 * e.abs().max(1.0),
+                    "{level:?} row {r}: {g} vs {e}"
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn int4_random_shapes_match_the_reference(
+        rows in 1usize..70,
+        cols in 1usize..300,
+        slots in 1usize..=16,
+        columns in prop_oneof![Just(32usize), Just(64), Just(128)],
+        dp in 0.0f64..1.0,
+        tokens in 1usize..7,
+        seed in any::<u64>(),
+    ) {
+        check_int4(rows, cols, slots, columns, dp, tokens, seed);
+    }
 }
