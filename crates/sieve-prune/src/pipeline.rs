@@ -60,11 +60,12 @@ use crate::error::{check_ratio, PruneError, Result};
 use crate::mask::Mask;
 use crate::methods::{prune_magnitude, prune_wanda, ColumnNorms, Method};
 use crate::pattern::Pattern;
-use crate::sparsegpt::{HessianAccumulator, PreparedHessian, RowGrid, SparseGptOptions};
+use crate::sparsegpt::{HessianAccumulator, PreparedHessian, RowGrid, SparseGptOptions, SweepGrid};
 use crate::teal::ActivationHistogram;
 use half::f16;
 use rayon::prelude::*;
 use serde::Serialize;
+use sieve_formats::value_grid::{Grid, INT4, INT8};
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
 use sieve_model::linear::FastDense;
 use sieve_model::llama::{Model, Site};
@@ -115,27 +116,69 @@ impl fmt::Display for FormatChoice {
 }
 
 /// What each kept weight is snapped to before it is stored (`sieve pack --values`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+/// Serialized (in reports) as its `Display` string: `f16`, `int8`, `int4:G`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ValueGrid {
     /// The f16 the pruning method produced.
     #[default]
     F16,
-    /// Each output row on a symmetric int8 grid (`sieve_formats::value_grid`; SparseGPT rounds
-    /// in its sweep and compensates each rounding error, magnitude and Wanda snap the pruned
-    /// rows with `snap_row`), still stored as f16: the CPU product of Balanced-CBC then keeps 8-bit records
-    /// (`sieve_model::linear::balanced_rows`). Only with `--format balanced-cbc`.
+    /// Each output row on a symmetric int8 grid (`sieve_formats::value_grid::INT8`; SparseGPT
+    /// rounds in its sweep and compensates each rounding error, magnitude and Wanda snap the
+    /// pruned rows), still stored as f16: the CPU product of Balanced-CBC then keeps 8-bit
+    /// records (`sieve_model::linear::balanced_rows`). Only with `--format balanced-cbc`.
     Int8,
+    /// Each row's groups of `group` consecutive input columns (`0..G`, `G..2G`, ...; GPTQ's
+    /// groups) on a symmetric 4-bit grid with an f16 scale (`sieve_formats::value_grid::INT4`;
+    /// SparseGPT picks each group's scale when its sweep reaches the group and compensates
+    /// each rounding error, magnitude and Wanda snap the pruned groups), still stored as f16
+    /// for a CPU product with 4-bit records. `group` is one of [`INT4_GROUPS`]. Only with
+    /// `--format balanced-cbc`.
+    Int4 { group: usize },
+}
+
+/// The int4 group widths `--values int4:G` takes: they divide SparseGPT's default block of 128
+/// columns (a group must not straddle two blocks of its sweep).
+pub const INT4_GROUPS: [usize; 3] = [32, 64, 128];
+
+/// The int4 group width of a plain `--values int4`.
+pub const DEFAULT_INT4_GROUP: usize = 64;
+
+const KNOWN_VALUES: &str = "f16, int8, int4, int4:32, int4:64, int4:128";
+
+impl ValueGrid {
+    /// The grid and the width of the runs that share one scale (a whole row of `cols` for
+    /// int8, a group for int4); `None` for f16.
+    fn runs(self, cols: usize) -> Option<(Grid, usize)> {
+        match self {
+            Self::F16 => None,
+            Self::Int8 => Some((INT8, cols.max(1))),
+            Self::Int4 { group } => Some((INT4, group.max(1))),
+        }
+    }
 }
 
 impl FromStr for ValueGrid {
     type Err = PruneError;
     fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f16" => Ok(Self::F16),
-            "int8" => Ok(Self::Int8),
-            other => Err(PruneError::Option(format!(
-                "unknown --values '{other}' (known: f16, int8)"
+        let name = s.trim().to_ascii_lowercase();
+        match name.as_str() {
+            "f16" => return Ok(Self::F16),
+            "int8" => return Ok(Self::Int8),
+            "int4" => {
+                return Ok(Self::Int4 {
+                    group: DEFAULT_INT4_GROUP,
+                })
+            }
+            _ => {}
+        }
+        let group = name
+            .strip_prefix("int4:")
+            .and_then(|g| g.parse::<usize>().ok())
+            .filter(|g| INT4_GROUPS.contains(g));
+        match group {
+            Some(group) => Ok(Self::Int4 { group }),
+            None => Err(PruneError::Option(format!(
+                "unknown --values '{name}' (known: {KNOWN_VALUES})"
             ))),
         }
     }
@@ -143,44 +186,72 @@ impl FromStr for ValueGrid {
 
 impl fmt::Display for ValueGrid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::F16 => "f16",
-            Self::Int8 => "int8",
-        })
-    }
-}
-
-/// Refuses a value grid the format cannot use: int8 grids pay only with the 8-bit records of
-/// Balanced-CBC on the CPU, so `--values int8` needs `--format balanced-cbc` (not `auto`,
-/// whose candidates would carry the int8 rounding error without the 8-bit product).
-pub fn check_values_for_format(values: ValueGrid, format: FormatChoice) -> Result<()> {
-    match (values, format) {
-        (ValueGrid::F16, _) | (ValueGrid::Int8, FormatChoice::Fixed(FormatKind::BalancedCbc)) => {
-            Ok(())
+        match self {
+            Self::F16 => f.write_str("f16"),
+            Self::Int8 => f.write_str("int8"),
+            // The group always shows, also for the default: reports say which one was used.
+            Self::Int4 { group } => write!(f, "int4:{group}"),
         }
-        (ValueGrid::Int8, other) => Err(PruneError::Option(format!(
-            "--values int8 needs --format {BALANCED_FORMAT_NAME} (got --format {other}): only \
-             its CPU product keeps 8-bit values"
-        ))),
     }
 }
 
-/// Snaps every row of the `rows x cols` row-major `weights` onto its int8 grid; a weight that
-/// is not finite is refused (it is on no grid), with its index in `weights`.
-fn snap_rows_to_int8(weights: &mut [f32], cols: usize) -> Result<()> {
+impl Serialize for ValueGrid {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// Refuses a value grid the format cannot use: int8 and int4 grids pay only with the 8-bit and
+/// 4-bit records of Balanced-CBC on the CPU, so `--values int8|int4` needs `--format
+/// balanced-cbc` (not `auto`, whose candidates would carry the rounding error without the
+/// narrow product). An int4 group outside [`INT4_GROUPS`] (set in code, not parsed) is refused
+/// too.
+pub fn check_values_for_format(values: ValueGrid, format: FormatChoice) -> Result<()> {
+    if let ValueGrid::Int4 { group } = values {
+        if !INT4_GROUPS.contains(&group) {
+            return Err(PruneError::Option(format!(
+                "--values int4:{group}: unknown group width (known: {KNOWN_VALUES})"
+            )));
+        }
+    }
+    match (values, format) {
+        (ValueGrid::F16, _) | (_, FormatChoice::Fixed(FormatKind::BalancedCbc)) => Ok(()),
+        (ValueGrid::Int8 | ValueGrid::Int4 { .. }, other) => {
+            let (name, bits) = match values {
+                ValueGrid::Int4 { .. } => ("int4", 4),
+                _ => ("int8", 8),
+            };
+            Err(PruneError::Option(format!(
+                "--values {name} needs --format {BALANCED_FORMAT_NAME} (got --format {other}): \
+                 only its CPU product keeps {bits}-bit values"
+            )))
+        }
+    }
+}
+
+/// Snaps the `rows x cols` row-major `weights` onto `grid`, one scale per run of `run`
+/// consecutive columns of a row (the last run of a row may be shorter; `run >= cols` puts
+/// each whole row on one scale); a weight that is not finite is refused (it is on no grid),
+/// with its index in `weights`.
+fn snap_runs(weights: &mut [f32], cols: usize, grid: Grid, run: usize) -> Result<()> {
     for (r, row) in weights.chunks_mut(cols.max(1)).enumerate() {
-        if sieve_formats::value_grid::snap_row(row).is_none() {
-            let (c, value) = row
-                .iter()
-                .copied()
-                .enumerate()
-                .find(|(_, v)| !v.is_finite())
-                .unwrap_or((0, f32::NAN));
-            return Err(PruneError::NonFinite {
-                what: "pruned weights snapped to int8 grids",
-                index: r * cols + c,
-                value,
-            });
+        for (g, chunk) in row.chunks_mut(run.max(1)).enumerate() {
+            if grid.snap_row(chunk).is_none() {
+                let (c, value) = chunk
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .find(|(_, v)| !v.is_finite())
+                    .unwrap_or((0, f32::NAN));
+                return Err(PruneError::NonFinite {
+                    what: "pruned weights snapped to value grids",
+                    index: r * cols + g * run + c,
+                    value,
+                });
+            }
         }
     }
     Ok(())
@@ -266,7 +337,7 @@ pub struct PipelineOptions {
     pub report_tokens: usize,
     /// How `dp` is spread over each layer's input sites.
     pub teal_allocation: TealAllocation,
-    /// What the kept weights are snapped to (int8 grids only with Balanced-CBC).
+    /// What the kept weights are snapped to (int8 and int4 grids only with Balanced-CBC).
     pub values: ValueGrid,
 }
 
@@ -706,18 +777,25 @@ impl<'a> LayerPass<'a> {
                     prune_wanda(&weights, rows, cols, norms, self.pattern, options.sp)?.weights
                 }
                 (Method::SparseGpt, _, Some(h)) => {
-                    // With --values int8 the kept weights are rounded inside the sweep, each
-                    // rounding error compensated over the later columns (sparsegpt.rs, step 6),
-                    // on the grids snap_row would choose for the unpruned rows (4-bit scales:
-                    // every q · s is an f16 exactly).
+                    // With --values int8|int4 the kept weights are rounded inside the sweep,
+                    // each rounding error compensated over the later columns (sparsegpt.rs,
+                    // step 6). int8: on the row grids snap_row would choose for the unpruned
+                    // rows (4-bit scales: every q · s is an f16 exactly). int4: each group's
+                    // scale from its weights as updated when the sweep reaches it.
                     let scales = match options.values {
                         ValueGrid::Int8 => Some(int8_scales(&weights, cols)?),
-                        ValueGrid::F16 => None,
+                        ValueGrid::F16 | ValueGrid::Int4 { .. } => None,
                     };
-                    let grid = scales.as_deref().map(|scales| RowGrid {
-                        scales,
-                        qmax: sieve_formats::value_grid::QMAX,
-                    });
+                    let grid = match options.values {
+                        ValueGrid::F16 => None,
+                        ValueGrid::Int8 => scales.as_deref().map(|scales| {
+                            SweepGrid::Rows(RowGrid {
+                                scales,
+                                qmax: INT8.qmax,
+                            })
+                        }),
+                        ValueGrid::Int4 { group } => Some(SweepGrid::Groups { grid: INT4, group }),
+                    };
                     let w = h
                         .prune_on_grid(
                             &weights,
@@ -729,13 +807,14 @@ impl<'a> LayerPass<'a> {
                             grid,
                         )?
                         .weights;
-                    // A grid point past f16's range (a row whose largest weight is within 13%
-                    // of 65504) would be stored as infinity.
+                    // A grid point past f16's range (an int8 row whose largest weight is within
+                    // 13% of 65504) would be stored as infinity; int4 snapping steps such
+                    // points back, checked all the same.
                     let past_f16 =
                         grid.and_then(|_| w.iter().position(|v| !f16::from_f32(*v).is_finite()));
                     if let Some(i) = past_f16 {
                         return Err(PruneError::NonFinite {
-                            what: "int8 grid points of SparseGPT's weights (past the f16 range)",
+                            what: "grid points of SparseGPT's weights (past the f16 range)",
                             index: i,
                             value: w[i],
                         });
@@ -748,12 +827,15 @@ impl<'a> LayerPass<'a> {
                     ))
                 }
             };
-            if options.values == ValueGrid::Int8 && options.method != Method::SparseGpt {
+            let snap_after = (options.method != Method::SparseGpt)
+                .then(|| options.values.runs(cols))
+                .flatten();
+            if let Some((grid, run)) = snap_after {
                 // Here, before the layer's pass goes on: the later sites of this layer and the
                 // later layers calibrate on the weights as stored (GPTQ's sequential order).
                 // Weights whose index rounds to 0 become +0, unstored: a balanced group then
                 // holds fewer than N, which the pattern allows.
-                snap_rows_to_int8(&mut pruned_weights, cols)?;
+                snap_runs(&mut pruned_weights, cols, grid, run)?;
             }
             let matrix = DenseMatrix::from_f32(rows, cols, &pruned_weights)?;
             // The mask of what is stored: an f16 underflow after SparseGPT's update also
@@ -1438,7 +1520,140 @@ mod tests {
         }
         assert_eq!("INT8".parse::<ValueGrid>().unwrap(), ValueGrid::Int8);
         assert_eq!("f16".parse::<ValueGrid>().unwrap(), ValueGrid::F16);
-        assert!("int4".parse::<ValueGrid>().is_err());
+    }
+
+    /// `--values int4[:G]`: the stored values of every (row, group of 64 columns) of every
+    /// packed Balanced-CBC linear lie on one INT4 grid (detected from the f16 values alone, as
+    /// the CPU loader does, and rebuilt exactly as `q · s`), for the three methods. The
+    /// magnitude pack keeps the f16 pack's weights up to half a step of their group's grid;
+    /// the f16 pack itself is off INT4 grids (the check has teeth). The linears have 32 or 64
+    /// input columns: one group per row, partial for 32.
+    #[test]
+    fn int4_values_put_every_group_on_its_grid() {
+        use sieve_formats::value_grid::INT4;
+        const G: usize = 64;
+        // The stored (nonzero) f16 values of row r, columns c0..c1, and whether they lie on one
+        // INT4 grid; panics when an index does not rebuild its value.
+        fn on_grid(m: &DenseMatrix, r: usize, c0: usize, c1: usize) -> bool {
+            let stored: Vec<f16> = m.row(r)[c0..c1]
+                .iter()
+                .copied()
+                .filter(|v| !sieve_formats::matrix::is_zero(*v))
+                .collect();
+            let mut q = vec![0i8; stored.len()];
+            let Some(s) = INT4.detect(&stored, &mut q) else {
+                return false;
+            };
+            for (v, &i) in stored.iter().zip(&q) {
+                assert!(i.unsigned_abs() <= 7);
+                assert_eq!(i as f64 * s as f64, v.to_f64());
+            }
+            true
+        }
+        let src = source();
+        for method in [Method::Magnitude, Method::Wanda, Method::SparseGpt] {
+            let base = options(method, "balanced:8:16", 0.5, 0.0, "balanced-cbc");
+            let mut f16_model = Model::from_source(&src).unwrap();
+            prune_model(&mut f16_model, &windows(), &base, &mut |_| {}).unwrap();
+            let mut model = Model::from_source(&src).unwrap();
+            let opts = PipelineOptions {
+                values: ValueGrid::Int4 { group: G },
+                ..base
+            };
+            prune_model(&mut model, &windows(), &opts, &mut |_| {}).unwrap();
+            let (mut moved, mut f16_off_grid, mut groups) = (0, 0, 0);
+            for (layer, f16_layer) in model.layers().iter().zip(f16_model.layers()) {
+                for ((name, lin), (_, f16_lin)) in
+                    layer.linears().into_iter().zip(f16_layer.linears())
+                {
+                    assert_eq!(lin.format().kind(), FormatKind::BalancedCbc, "{name}");
+                    let m = lin.format().decode();
+                    let f = f16_lin.format().decode();
+                    for r in 0..m.rows() {
+                        for c0 in (0..m.cols()).step_by(G) {
+                            let c1 = (c0 + G).min(m.cols());
+                            groups += 1;
+                            assert!(
+                                on_grid(&m, r, c0, c1),
+                                "{method} {name} row {r} columns {c0}..{c1}: off INT4 grids"
+                            );
+                            f16_off_grid += usize::from(!on_grid(&f, r, c0, c1));
+                            if method != Method::Magnitude {
+                                continue;
+                            }
+                            // Same mask: each weight within half a step of its group's grid.
+                            let run = &f.row(r)[c0..c1];
+                            let max = run.iter().fold(0f32, |a, v| a.max(v.to_f32().abs()));
+                            let half_step = INT4.snap_scale(max).unwrap() as f64 / 2.0;
+                            for (a, b) in m.row(r)[c0..c1].iter().zip(run) {
+                                let d = (a.to_f64() - b.to_f64()).abs();
+                                assert!(
+                                    d <= half_step * (1.0 + 1e-6),
+                                    "{name} row {r}: {a} vs {b}"
+                                );
+                                moved += usize::from(d > 0.0);
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(groups > 0);
+            assert!(
+                f16_off_grid > groups / 2,
+                "{method}: f16 pack on INT4 grids"
+            );
+            if method == Method::Magnitude {
+                assert!(moved > 0, "int4 snapping changed no weight");
+            }
+        }
+    }
+
+    /// `--values` names: parsing, display (what the pack report and its JSON show) and
+    /// refusals of unknown names, unknown groups and formats other than Balanced-CBC.
+    #[test]
+    fn int4_values_parse_display_and_refusals() {
+        for (text, want, shown) in [
+            ("int4", ValueGrid::Int4 { group: 64 }, "int4:64"),
+            ("INT4:32", ValueGrid::Int4 { group: 32 }, "int4:32"),
+            (" int4:64", ValueGrid::Int4 { group: 64 }, "int4:64"),
+            ("int4:128", ValueGrid::Int4 { group: 128 }, "int4:128"),
+            ("int8", ValueGrid::Int8, "int8"),
+            ("f16", ValueGrid::F16, "f16"),
+        ] {
+            let v: ValueGrid = text.parse().unwrap();
+            assert_eq!(v, want, "{text}");
+            assert_eq!(v.to_string(), shown);
+            assert_eq!(shown.parse::<ValueGrid>().unwrap(), v);
+            assert_eq!(serde_json::to_string(&v).unwrap(), format!("\"{shown}\""));
+        }
+        for bad in [
+            "int4:48",
+            "int4:",
+            "int4:x",
+            "int4:256",
+            "int2",
+            "int4:64:1",
+        ] {
+            let err = bad.parse::<ValueGrid>().unwrap_err().to_string();
+            assert!(err.contains("int4:32, int4:64, int4:128"), "{bad}: {err}");
+        }
+        let balanced = FormatChoice::Fixed(FormatKind::BalancedCbc);
+        check_values_for_format(ValueGrid::Int4 { group: 32 }, balanced).unwrap();
+        for format in ["dense", "tiled-cbc", "auto"] {
+            let err =
+                check_values_for_format(ValueGrid::Int4 { group: 64 }, format.parse().unwrap())
+                    .unwrap_err()
+                    .to_string();
+            assert!(
+                err.contains("int4") && err.contains("balanced-cbc"),
+                "{format}: {err}"
+            );
+        }
+        // A group set in code rather than parsed is checked too.
+        let err = check_values_for_format(ValueGrid::Int4 { group: 48 }, balanced)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("int4:48"), "{err}");
     }
 
     #[test]

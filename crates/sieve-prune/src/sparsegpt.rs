@@ -41,10 +41,18 @@
 //!
 //! 6. Optionally ([`PreparedHessian::prune_on_grid`]) the kept weights are quantized in the same
 //!    sweep, the paper's joint sparsification and quantization (§3.5, as GPTQ does for dense
-//!    layers): when column `i` is fixed, a kept weight becomes its nearest grid point
-//!    `q · s_r` (one scale per row, `|q| <= qmax`) and its rounding error `e = (w - q s_r) / U_ii`
-//!    is compensated over the later columns exactly like a pruned weight's. Rounding after
-//!    pruning instead leaves every rounding error uncompensated.
+//!    layers): when column `i` is fixed, a kept weight becomes its nearest grid point `q · s`
+//!    (`|q| <= qmax`) and its rounding error `e = (w - q s) / U_ii` is compensated over the
+//!    later columns exactly like a pruned weight's. Rounding after pruning instead leaves every
+//!    rounding error uncompensated. Two kinds of grid ([`SweepGrid`]):
+//!    * one given scale per row ([`RowGrid`], `--values int8`);
+//!    * one scale per row and group of `G` consecutive columns (`0..G`, `G..2G`, ...; the last
+//!      one may be partial), GPTQ's dynamic groups (`--values int4`): when the sweep reaches
+//!      column `i` with `i % G == 0`, each row's scale for columns `i..i + G` is chosen from
+//!      their **current** weights (every earlier column's error already added), as
+//!      `Grid::snap_scale` of their largest magnitude. Only the columns of the current block
+//!      are current (the later ones still wait for the lazy batch update), so `G` must divide
+//!      the block; a group then never straddles two blocks.
 //!
 //! Arithmetic: `H`, its factorisations and the inverse are f64; the sweep runs in f32 like the
 //! reference implementation.
@@ -57,6 +65,7 @@ use faer::linalg::solvers::DenseSolveCore;
 use faer::{Mat, Side};
 use rayon::prelude::*;
 use serde::Serialize;
+use sieve_formats::value_grid::Grid;
 use sieve_model::linear::gemm::{self, gemm, View};
 
 /// Rows of activations folded into one f32 Gram product before it is added to the f64 sum;
@@ -308,6 +317,55 @@ impl RowGrid<'_> {
     }
 }
 
+/// The grid SparseGPT puts the kept weights on in its sweep (module docs, step 6).
+#[derive(Clone, Copy, Debug)]
+pub enum SweepGrid<'a> {
+    /// One given scale per row.
+    Rows(RowGrid<'a>),
+    /// One scale per row and group of `group` consecutive columns (groups start at column 0),
+    /// chosen by the sweep when it reaches the group's first column: `grid.snap_scale` of the
+    /// largest current magnitude in the group; kept weights become `grid.snap(w, scale)`.
+    /// `group` must divide the sweep's block (module docs, step 6).
+    Groups { grid: Grid, group: usize },
+}
+
+impl<'a> From<RowGrid<'a>> for SweepGrid<'a> {
+    fn from(grid: RowGrid<'a>) -> Self {
+        Self::Rows(grid)
+    }
+}
+
+impl SweepGrid<'_> {
+    /// Checks the grid against the matrix (`rows`) and the sweep's effective `block`.
+    fn validate(&self, rows: usize, block: usize, pattern: Pattern) -> Result<()> {
+        match self {
+            Self::Rows(g) => g.validate(rows),
+            Self::Groups { grid, group } => {
+                if grid.qmax < 1 {
+                    return Err(PruneError::Option(format!(
+                        "grid: qmax must be at least 1, got {}",
+                        grid.qmax
+                    )));
+                }
+                if *group == 0 || !block.is_multiple_of(*group) {
+                    let rounded = match pattern {
+                        Pattern::NM { m, .. } => {
+                            format!(" (block_size rounded to a multiple of {m})")
+                        }
+                        _ => String::new(),
+                    };
+                    return Err(PruneError::Option(format!(
+                        "grid groups of {group} columns must divide the SparseGPT block of \
+                         {block} columns{rounded}: a group must not straddle two blocks, whose \
+                         later columns are not yet updated when its scale is chosen"
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// The factorised Hessian of one layer input: everything SparseGPT needs that does not depend on
 /// the weights. Matrices reading the same input (q/k/v, gate/up) share one.
 #[derive(Clone, Debug)]
@@ -370,7 +428,9 @@ impl PreparedHessian {
     }
 
     /// [`Self::prune`], and with `grid` the kept weights quantized in the same sweep (module
-    /// docs, step 6).
+    /// docs, step 6). A group grid whose group does not divide the effective block
+    /// (`options.block_size`, rounded down to a multiple of `m` for N:M) is refused with
+    /// [`PruneError::Option`].
     #[allow(clippy::too_many_arguments)]
     pub fn prune_on_grid(
         &self,
@@ -380,12 +440,9 @@ impl PreparedHessian {
         pattern: Pattern,
         ratio: f64,
         options: &SparseGptOptions,
-        grid: Option<RowGrid<'_>>,
+        grid: Option<SweepGrid<'_>>,
     ) -> Result<SparseGptResult> {
         check_matrix("weights", weights, rows, cols)?;
-        if let Some(g) = &grid {
-            g.validate(rows)?;
-        }
         check_ratio(ratio)?;
         options.validate()?;
         let pattern = pattern.validate()?;
@@ -400,6 +457,9 @@ impl PreparedHessian {
             Pattern::Unstructured | Pattern::Balanced { .. } => options.block_size,
             Pattern::NM { m, .. } => (options.block_size / m).max(1) * m,
         };
+        if let Some(g) = &grid {
+            g.validate(rows, block, pattern)?;
+        }
         let mut out = weights.to_vec();
         let mut keep = vec![true; rows * cols];
         // Balanced groups of rows never straddle two tasks (task starts are multiples of m).
@@ -413,10 +473,13 @@ impl PreparedHessian {
             .zip(keep.par_chunks_mut(task))
             .enumerate()
             .map(|(t, (w, k))| {
+                let row0 = t * rows_per_task;
                 // This task's rows' grid.
-                let grid = grid.map(|g| {
-                    let r0 = t * rows_per_task;
-                    (&g.scales[r0..r0 + w.len() / cols.max(1)], g.qmax)
+                let grid = grid.map(|g| match g {
+                    SweepGrid::Rows(g) => {
+                        TaskGrid::Rows(&g.scales[row0..row0 + w.len() / cols.max(1)], g.qmax)
+                    }
+                    SweepGrid::Groups { grid, group } => TaskGrid::Groups(grid, group),
                 });
                 let sweep = Sweep {
                     cols,
@@ -426,10 +489,11 @@ impl PreparedHessian {
                     ratio,
                     block,
                     grid,
+                    row0,
                 };
                 sweep.rows(w, k)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(SparseGptResult {
             weights: out,
             mask: Mask::new(rows, cols, keep)?,
@@ -521,26 +585,38 @@ fn inverse_upper_cholesky(h: &Mat<f64>, options: &SparseGptOptions) -> Result<(V
     Err(PruneError::NotPositiveDefinite { damping, attempts })
 }
 
+/// Where a kept weight goes when its column is fixed (module docs, step 6).
+#[derive(Clone, Copy)]
+enum Target {
+    /// Stays as it is.
+    Unchanged,
+    /// The nearest point `q · scale`, `|q| <= qmax`, of a row grid ([`RowGrid::snap`]).
+    Row { scale: f32, qmax: i32 },
+    /// The nearest point of a group grid for the group's scale (`Grid::snap`).
+    Group { grid: Grid, scale: f32 },
+}
+
 /// Fixes column `i` (in the block `i1..i2`) of one row: a pruned weight becomes +0.0, a kept
-/// one stays (or, with a grid `(scale, qmax)`, becomes its grid point `g`); the error
-/// `e = (w - g) / U_ii` is stored in `erow[i - i1]` and spread over the rest of the block,
-/// `w_j -= e · U_ij`. `urow` is row `i` of `U`. Returns the loss term `e² / 2`.
+/// one becomes its `target`; the error `e = (w - target) / U_ii` is stored in `erow[i - i1]`
+/// and spread over the rest of the block, `w_j -= e · U_ij`. `urow` is row `i` of `U`. Returns
+/// the loss term `e² / 2`.
 #[inline]
 #[allow(clippy::too_many_arguments)]
 fn fix_column(
     wrow: &mut [f32],
     kept: bool,
-    grid: Option<(f32, i32)>,
+    target: Target,
     i: usize,
     i1: usize,
     i2: usize,
     urow: &[f32],
     erow: &mut [f32],
 ) -> f64 {
-    let target = match (kept, grid) {
+    let target = match (kept, target) {
         (false, _) => 0.0,
-        (true, Some((s, qmax))) => RowGrid::snap(wrow[i], s, qmax),
-        (true, None) => {
+        (true, Target::Row { scale, qmax }) => RowGrid::snap(wrow[i], scale, qmax),
+        (true, Target::Group { grid, scale }) => grid.snap(wrow[i], scale),
+        (true, Target::Unchanged) => {
             erow[i - i1] = 0.0;
             return 0.0;
         }
@@ -556,6 +632,15 @@ fn fix_column(
     f64::from(e) * f64::from(e) / 2.0
 }
 
+/// One task's part of a [`SweepGrid`].
+#[derive(Clone, Copy)]
+enum TaskGrid<'a> {
+    /// The task's rows' scales and `qmax`.
+    Rows(&'a [f32], i32),
+    /// The grid and the group width.
+    Groups(Grid, usize),
+}
+
 /// What the column sweep of one task needs besides its rows.
 struct Sweep<'a> {
     cols: usize,
@@ -564,14 +649,64 @@ struct Sweep<'a> {
     pattern: Pattern,
     ratio: f64,
     block: usize,
-    /// The task's rows' grid scales and `qmax` (module docs, step 6).
-    grid: Option<(&'a [f32], i32)>,
+    /// The task's rows' grid (module docs, step 6).
+    grid: Option<TaskGrid<'a>>,
+    /// The task's first row in the matrix (for error indices).
+    row0: usize,
 }
 
 impl Sweep<'_> {
+    /// At column `i` of row `r` (`wrow`): with a group grid, picks the row's scale for the
+    /// group that starts at `i` from its current weights (module docs, step 6), into
+    /// `group_scales[r]`. A weight that is no longer finite is refused.
+    fn start_group(
+        &self,
+        wrow: &[f32],
+        r: usize,
+        i: usize,
+        group_scales: &mut [f32],
+    ) -> Result<()> {
+        let Some(TaskGrid::Groups(grid, group)) = self.grid else {
+            return Ok(());
+        };
+        if !i.is_multiple_of(group) {
+            return Ok(());
+        }
+        let end = (i + group).min(self.cols);
+        let run = &wrow[i..end];
+        // f32::max skips NaN: look for a non-finite weight first.
+        if let Some(j) = run.iter().position(|v| !v.is_finite()) {
+            return Err(PruneError::NonFinite {
+                what: "SparseGPT weights at the start of a grid group",
+                index: (self.row0 + r) * self.cols + i + j,
+                value: run[j],
+            });
+        }
+        let max = run.iter().fold(0f32, |a, v| a.max(v.abs()));
+        // Finite by the check above, so snap_scale answers.
+        group_scales[r] = grid.snap_scale(max).unwrap_or(0.0);
+        Ok(())
+    }
+
+    /// What a kept weight of row `r` becomes (`group_scales` from [`Self::start_group`]).
+    #[inline]
+    fn target(&self, r: usize, group_scales: &[f32]) -> Target {
+        match self.grid {
+            None => Target::Unchanged,
+            Some(TaskGrid::Rows(scales, qmax)) => Target::Row {
+                scale: scales[r],
+                qmax,
+            },
+            Some(TaskGrid::Groups(grid, _)) => Target::Group {
+                grid,
+                scale: group_scales[r],
+            },
+        }
+    }
+
     /// The column sweep for a contiguous set of rows (`w`, `keep`: R x K row-major).
     /// Returns the rows' loss estimate.
-    fn rows(&self, w: &mut [f32], keep: &mut [bool]) -> f64 {
+    fn rows(&self, w: &mut [f32], keep: &mut [bool]) -> Result<f64> {
         let Sweep {
             cols,
             upper,
@@ -579,10 +714,11 @@ impl Sweep<'_> {
             pattern,
             ratio,
             block,
-            grid,
+            ..
         } = *self;
-        let row_grid = |r: usize| grid.map(|(s, q)| (s[r], q));
         let rows = w.len() / cols;
+        // Each row's scale for its current column group (group grids only).
+        let mut group_scales = vec![0f32; rows];
         let mut err = vec![0f32; rows * block];
         let mut scores = vec![0f32; cols.max(block)];
         let mut lookahead = vec![true; cols];
@@ -604,18 +740,22 @@ impl Sweep<'_> {
                 // Group -> column -> row: column i's choice needs every row of the group updated
                 // through column i - 1 (module docs, step 5).
                 let (mut col_scores, mut col_keep) = (Vec::new(), Vec::new());
-                let mut group_scores = vec![0f32; m.min(rows)];
+                let mut row_scores = vec![0f32; m.min(rows)];
                 let mut group_keep = vec![true; m.min(rows)];
                 for g0 in (0..rows).step_by(m) {
                     let g1 = (g0 + m).min(rows);
                     let h = g1 - g0;
                     for i in i1..i2 {
-                        for (r, s) in (g0..g1).zip(group_scores.iter_mut()) {
+                        for r in g0..g1 {
+                            let wrow = &w[r * cols..(r + 1) * cols];
+                            self.start_group(wrow, r, i, &mut group_scales)?;
+                        }
+                        for (r, s) in (g0..g1).zip(row_scores.iter_mut()) {
                             *s = score(w[r * cols + i], i);
                         }
                         group_keep[..h].iter_mut().for_each(|k| *k = true);
                         prune_group_balanced(
-                            &group_scores[..h],
+                            &row_scores[..h],
                             1,
                             n,
                             &mut group_keep[..h],
@@ -628,7 +768,7 @@ impl Sweep<'_> {
                             loss += fix_column(
                                 &mut w[r * cols..(r + 1) * cols],
                                 kept,
-                                row_grid(r),
+                                self.target(r, &group_scales),
                                 i,
                                 i1,
                                 i2,
@@ -658,6 +798,7 @@ impl Sweep<'_> {
                         krow[i1..i2].copy_from_slice(&lookahead[..width]);
                     }
                     for i in i1..i2 {
+                        self.start_group(wrow, r, i, &mut group_scales)?;
                         if let Pattern::NM { n, m } = pattern {
                             if i % m == 0 {
                                 let g_end = (i + m).min(cols);
@@ -676,7 +817,7 @@ impl Sweep<'_> {
                         loss += fix_column(
                             wrow,
                             krow[i],
-                            row_grid(r),
+                            self.target(r, &group_scales),
                             i,
                             i1,
                             i2,
@@ -702,7 +843,7 @@ impl Sweep<'_> {
                 }
             }
         }
-        loss
+        Ok(loss)
     }
 }
 
@@ -827,7 +968,7 @@ mod tests {
                     qmax,
                 };
                 let joint = prepared
-                    .prune_on_grid(&w, m, k, pattern, ratio, &opts, Some(grid))
+                    .prune_on_grid(&w, m, k, pattern, ratio, &opts, Some(grid.into()))
                     .unwrap();
                 let plain = prepared.prune(&w, m, k, pattern, ratio, &opts).unwrap();
                 let after: Vec<f32> = plain
@@ -863,8 +1004,120 @@ mod tests {
             qmax: 127,
         };
         assert!(prepared
-            .prune_on_grid(&w, m, k, Pattern::Unstructured, 0.5, &opts, Some(bad))
+            .prune_on_grid(
+                &w,
+                m,
+                k,
+                Pattern::Unstructured,
+                0.5,
+                &opts,
+                Some(bad.into())
+            )
             .is_err());
+    }
+
+    /// Joint pruning and quantization on group grids (module docs, step 6; `--values int4`):
+    /// every kept weight of every (row, column group) lies on one INT4 grid (detected from
+    /// the stored f16 values alone, and rebuilt exactly as `q · s`), pruned weights and
+    /// weights rounded to 0 are +0.0, and compensating the rounding errors in the sweep
+    /// reconstructs the layer's output better than rounding each group after pruning. K = 160
+    /// leaves a partial last group (for G = 64, 128) and a partial last block.
+    #[test]
+    fn quantizing_groups_in_the_sweep_beats_rounding_each_group_after() {
+        use half::f16;
+        use sieve_formats::value_grid::INT4;
+        let (m, k, n) = (40, 160, 400);
+        let x = correlated_activations(n, k, 12, 43);
+        let w = random_weights(m, k, 44);
+        let h = hessian_of(&x, n, k);
+        for (block, group) in [(64, 32), (64, 64), (128, 128)] {
+            let opts = SparseGptOptions {
+                block_size: block,
+                rows_per_task: 7,
+                ..SparseGptOptions::default()
+            };
+            let prepared = PreparedHessian::new(&h, &opts).unwrap();
+            for (pattern, ratio) in [
+                (Pattern::Unstructured, 0.5),
+                (Pattern::Balanced { n: 8, m: 16 }, 0.0),
+                (Pattern::nm(2, 4).unwrap(), 0.0),
+            ] {
+                let grid = SweepGrid::Groups { grid: INT4, group };
+                let joint = prepared
+                    .prune_on_grid(&w, m, k, pattern, ratio, &opts, Some(grid))
+                    .unwrap();
+                joint.mask.check(pattern, ratio).unwrap();
+                let mut groups_seen = 0;
+                for r in 0..m {
+                    for g0 in (0..k).step_by(group) {
+                        let g1 = (g0 + group).min(k);
+                        let run = &joint.weights[r * k + g0..r * k + g1];
+                        let kept = &joint.mask.keep()[r * k + g0..r * k + g1];
+                        let mut stored = Vec::new();
+                        for (&v, &keep) in run.iter().zip(kept) {
+                            if !keep || v == 0.0 {
+                                assert_eq!(v.to_bits(), 0, "a zero is not +0.0");
+                                continue;
+                            }
+                            assert_eq!(f16::from_f32(v).to_f32(), v, "{v} is no f16");
+                            stored.push(f16::from_f32(v));
+                        }
+                        let mut q = vec![0i8; stored.len()];
+                        let s = INT4.detect(&stored, &mut q).unwrap_or_else(|| {
+                            panic!("{pattern} G {group}: row {r} group {g0} is off INT4 grids")
+                        });
+                        for (v, &i) in stored.iter().zip(&q) {
+                            assert!(i.unsigned_abs() <= 7);
+                            assert_eq!(i as f64 * s as f64, v.to_f64());
+                        }
+                        groups_seen += usize::from(stored.len() > 2);
+                    }
+                }
+                assert!(groups_seen > 0, "no group held enough values to check");
+                let plain = prepared.prune(&w, m, k, pattern, ratio, &opts).unwrap();
+                let mut after = plain.weights.clone();
+                for row in after.chunks_mut(k) {
+                    for run in row.chunks_mut(group) {
+                        INT4.snap_row(run).unwrap();
+                    }
+                }
+                let e_joint = reconstruction_error(&w, &joint.weights, &x, m, k);
+                let e_after = reconstruction_error(&w, &after, &x, m, k);
+                assert!(
+                    e_joint < e_after,
+                    "{pattern} G {group}: joint {e_joint} vs rounding after {e_after}"
+                );
+            }
+        }
+    }
+
+    /// A group that does not divide the sweep's block (as given, or as rounded to a multiple
+    /// of M for N:M) is refused: its later columns would not hold the block's errors yet when
+    /// its scale is chosen.
+    #[test]
+    fn group_grids_must_divide_the_block() {
+        use sieve_formats::value_grid::INT4;
+        let (m, k, n) = (8, 96, 100);
+        let x = correlated_activations(n, k, 6, 45);
+        let w = random_weights(m, k, 46);
+        let h = hessian_of(&x, n, k);
+        for (block, pattern, group, why) in [
+            (32, Pattern::Unstructured, 64, "block of 32"),
+            (128, Pattern::nm(3, 6).unwrap(), 64, "multiple of 6"),
+            (128, Pattern::Balanced { n: 8, m: 16 }, 48, "groups of 48"),
+            (128, Pattern::Unstructured, 0, "groups of 0"),
+        ] {
+            let opts = SparseGptOptions {
+                block_size: block,
+                ..SparseGptOptions::default()
+            };
+            let prepared = PreparedHessian::new(&h, &opts).unwrap();
+            let grid = SweepGrid::Groups { grid: INT4, group };
+            match prepared.prune_on_grid(&w, m, k, pattern, 0.5, &opts, Some(grid)) {
+                Err(PruneError::Option(msg)) => assert!(msg.contains(why), "{msg}"),
+                other => panic!("{pattern} block {block} G {group}: {other:?}"),
+            }
+        }
     }
 
     /// Balanced N:16 (groups of output rows down each column), with M not a multiple of 16:

@@ -47,9 +47,12 @@ pub struct PackArgs {
     /// auto | dense | rlc-csc | tiled-cbc | ie-bme | slide
     #[arg(long, default_value = "auto")]
     format: String,
-    /// f16 | int8: int8 snaps each row's kept weights to a symmetric int8 grid (one scale per
-    /// row, still stored as f16), so that the CPU product of balanced-cbc streams 1-byte values.
-    /// Only with --format balanced-cbc.
+    /// f16 | int8 | int4 | int4:G: int8 snaps each row's kept weights to a symmetric int8 grid
+    /// (one scale per row, still stored as f16), so that the CPU product of balanced-cbc streams
+    /// 1-byte values; int4:G snaps them to symmetric 4-bit grids with one f16 scale per row and
+    /// group of G consecutive input columns (G = 32, 64 or 128; int4 = int4:64), for 4-bit
+    /// records. SparseGPT rounds in its sweep and compensates the rounding errors. Only with
+    /// --format balanced-cbc.
     #[arg(long, default_value = "f16")]
     values: String,
     /// Calibration text (default: ../shared/data/wikitext-2/valid.txt next to the repository).
