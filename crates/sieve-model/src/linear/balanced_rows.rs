@@ -67,8 +67,10 @@ pub const GROUP: usize = 16;
 const TAIL: usize = 16;
 
 mod int4;
+mod int4_quads;
 mod int8;
 use int4::Int4Records;
+use int4_quads::{Int4Quads, QuadActivations};
 use int8::Int8Records;
 
 /// How a group's masks and values are arranged (module notes).
@@ -98,8 +100,26 @@ pub enum Values {
     F16,
     /// The `i8` index on the row's int8 grid (module notes).
     Int8,
-    /// The 4-bit index on the grid of its row and group of `columns` input columns.
-    Int4 { columns: usize },
+    /// The 4-bit index on the grid of its row and group of `columns` input columns, in
+    /// per-column records or in quads of columns ([`Int4Layout`]).
+    Int4 { columns: usize, layout: Int4Layout },
+}
+
+/// How 4-bit records are laid out (module notes of [`int4`] and [`int4_quads`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int4Layout {
+    /// A record per (group of 16 rows, column), f32 FMAs.
+    Columns,
+    /// A record per (group of 16 rows, 4 columns), 8-bit activations and AVX-512 VNNI.
+    Quads,
+}
+
+/// The 8-bit or 4-bit records of a matrix whose stored values lie on integer grids.
+#[derive(Clone, Debug, PartialEq)]
+enum Packed {
+    Int8(Int8Records),
+    Int4(Int4Records),
+    Int4Quads(Int4Quads),
 }
 
 /// Whether `SIEVE_BCBC_CPU` asks for f16 records (`f16`, or `split`, which only f16 has).
@@ -122,13 +142,11 @@ pub struct FastBalancedCbc {
     value_start: usize,
     /// Entries between the first values of consecutive columns of a group.
     value_stride: usize,
-    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros; only the TAIL when `int8` or
-    /// `int4` holds the records.
+    /// `groups · K · (N + 1)` entries, then [`TAIL`] zeros; only the TAIL when `packed` holds
+    /// the records.
     data: Vec<u16>,
-    /// The 8-bit records, when the build found every row on an int8 grid.
-    int8: Option<Int8Records>,
-    /// The 4-bit records, when the build found every row on 4-bit grids.
-    int4: Option<Int4Records>,
+    /// The 8-bit or 4-bit records, when the build found every row on integer grids.
+    packed: Option<Packed>,
     /// The Balanced-CBC storage (what the blob holds).
     storage: Storage,
 }
@@ -142,6 +160,8 @@ struct Prepared {
     /// How many active inputs lie before each multiple of 32 columns (the 4-bit records'
     /// column groups, [`int4::bounds`]).
     bounds: Vec<u32>,
+    /// The active inputs quantized for the 4-bit quads (when asked for and all finite).
+    quads: Option<QuadActivations>,
 }
 
 impl FastBalancedCbc {
@@ -162,22 +182,44 @@ impl FastBalancedCbc {
         Self::f16_from(balanced, &w, Arrangement::from_env())
     }
 
-    /// Builds the 4-bit records, or `None` when a row is not on 4-bit grids of 128, 64 or 32
-    /// columns.
+    /// Builds the 4-bit records (in quads where this CPU has AVX-512 VBMI2 and VNNI, else per
+    /// column), or `None` when a row is not on 4-bit grids of 128, 64 or 32 columns.
     pub fn with_int4(balanced: &BalancedCbc) -> Option<Self> {
         Self::int4_from(balanced, &balanced.decode())
     }
 
-    /// The 4-bit records of `balanced`, whose decoded matrix is `w`.
+    /// [`Self::with_int4`] in the given layout; `None` also when this CPU cannot run the
+    /// quads' kernel (AVX-512 VBMI2 and VNNI).
+    pub fn with_int4_layout(balanced: &BalancedCbc, layout: Int4Layout) -> Option<Self> {
+        Self::int4_in(balanced, &balanced.decode(), layout)
+    }
+
+    /// The 4-bit records of `balanced`, whose decoded matrix is `w`, in the layout this CPU
+    /// runs fastest.
     fn int4_from(balanced: &BalancedCbc, w: &DenseMatrix) -> Option<Self> {
-        let records = Int4Records::build(w, balanced.slots())?;
+        let layout = if int4_quads::supported() {
+            Int4Layout::Quads
+        } else {
+            Int4Layout::Columns
+        };
+        Self::int4_in(balanced, w, layout)
+    }
+
+    fn int4_in(balanced: &BalancedCbc, w: &DenseMatrix, layout: Int4Layout) -> Option<Self> {
+        let packed = match layout {
+            Int4Layout::Columns => Packed::Int4(Int4Records::build(w, balanced.slots())?),
+            Int4Layout::Quads if int4_quads::supported() => {
+                Packed::Int4Quads(Int4Quads::build(w, balanced.slots())?)
+            }
+            Int4Layout::Quads => return None,
+        };
         Some(Self {
-            int4: Some(records),
+            packed: Some(packed),
             ..Self::packed_shell(balanced, w)
         })
     }
 
-    /// The fields of a layout whose records live in `int8` or `int4` (filled by the caller).
+    /// The fields of a layout whose records live in `packed` (filled by the caller).
     fn packed_shell(balanced: &BalancedCbc, w: &DenseMatrix) -> Self {
         Self {
             rows: w.rows(),
@@ -188,8 +230,7 @@ impl FastBalancedCbc {
             value_start: 0,
             value_stride: 0,
             data: vec![0; TAIL],
-            int8: None,
-            int4: None,
+            packed: None,
             storage: balanced.storage(),
         }
     }
@@ -209,7 +250,7 @@ impl FastBalancedCbc {
     fn int8_from(balanced: &BalancedCbc, w: &DenseMatrix, align: usize) -> Option<Self> {
         let records = Int8Records::build(w, balanced.slots(), align)?;
         Some(Self {
-            int8: Some(records),
+            packed: Some(Packed::Int8(records)),
             ..Self::packed_shell(balanced, w)
         })
     }
@@ -260,8 +301,7 @@ impl FastBalancedCbc {
             value_start,
             value_stride,
             data,
-            int8: None,
-            int4: None,
+            packed: None,
             storage: balanced.storage(),
         }
     }
@@ -278,21 +318,27 @@ impl FastBalancedCbc {
 
     /// What the records hold per weight.
     pub fn values(&self) -> Values {
-        match (&self.int8, &self.int4) {
-            (Some(_), _) => Values::Int8,
-            (None, Some(r)) => Values::Int4 {
+        match &self.packed {
+            Some(Packed::Int8(_)) => Values::Int8,
+            Some(Packed::Int4(r)) => Values::Int4 {
                 columns: r.columns(),
+                layout: Int4Layout::Columns,
             },
-            (None, None) => Values::F16,
+            Some(Packed::Int4Quads(r)) => Values::Int4 {
+                columns: r.columns(),
+                layout: Int4Layout::Quads,
+            },
+            None => Values::F16,
         }
     }
 
     /// Bytes one matrix-vector product streams (masks + values): what decode reads per token.
     pub fn cpu_layout_bytes(&self) -> usize {
-        match (&self.int8, &self.int4) {
-            (Some(r), _) => r.layout_bytes(),
-            (None, Some(r)) => r.layout_bytes(),
-            (None, None) => 2 * (self.data.len() - TAIL),
+        match &self.packed {
+            Some(Packed::Int8(r)) => r.layout_bytes(),
+            Some(Packed::Int4(r)) => r.layout_bytes(),
+            Some(Packed::Int4Quads(r)) => r.layout_bytes(),
+            None => 2 * (self.data.len() - TAIL),
         }
     }
 
@@ -304,15 +350,23 @@ impl FastBalancedCbc {
         self.cols * (self.slots + 1)
     }
 
-    fn prepare(&self, x: &[f32], threshold: Threshold) -> Prepared {
+    /// Whether products need the activations quantized for the 4-bit quads.
+    fn wants_quads(&self) -> bool {
+        matches!(self.packed, Some(Packed::Int4Quads(_)))
+    }
+
+    /// The active inputs of `x` for the kernels; quantized too when `quads` (and all finite).
+    fn prepare(&self, x: &[f32], threshold: Threshold, quads: bool) -> Prepared {
         let (cols, xs) = active_inputs(x, threshold);
         let finite = xs.iter().all(|v| v.is_finite());
         let bounds = int4::bounds(&cols, self.cols);
+        let quads = (quads && finite).then(|| QuadActivations::new(self.cols, &cols, &xs));
         Prepared {
             cols,
             xs,
             finite,
             bounds,
+            quads,
         }
     }
 
@@ -320,12 +374,20 @@ impl FastBalancedCbc {
     fn group_with(&self, level: SimdLevel, g: usize, p: &Prepared, out: &mut [f32]) {
         debug_assert!(out.len() <= GROUP && g < self.groups());
         let mut sums = [0f32; GROUP];
-        if let Some(r) = &self.int4 {
-            r.group(level, self.cols, g, p, &mut sums);
-            out.copy_from_slice(&sums[..out.len()]);
-            return;
+        match &self.packed {
+            Some(Packed::Int4(r)) => {
+                r.group(level, self.cols, g, p, &mut sums);
+                out.copy_from_slice(&sums[..out.len()]);
+                return;
+            }
+            Some(Packed::Int4Quads(r)) => {
+                r.group(level, g, p, p.quads.as_ref(), &mut sums);
+                out.copy_from_slice(&sums[..out.len()]);
+                return;
+            }
+            _ => {}
         }
-        if let Some(r) = &self.int8 {
+        if let Some(Packed::Int8(r)) = &self.packed {
             let (k, n) = (self.cols, self.slots);
             match level {
                 #[cfg(target_arch = "x86_64")]
@@ -395,7 +457,7 @@ impl FastBalancedCbc {
     ) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
         let level = level.or_portable();
-        let p = self.prepare(x, threshold);
+        let p = self.prepare(x, threshold, self.wants_quads());
         let per = GROUP * groups_per_task(self.groups());
         y.par_chunks_mut(per).enumerate().for_each(|(t, out)| {
             for (i, o) in out.chunks_mut(GROUP).enumerate() {
@@ -441,13 +503,11 @@ impl FastBalancedCbc {
             .enumerate()
             .for_each(|(g, rows)| {
                 rows.fill(f16::ZERO);
-                if let Some(r) = &self.int8 {
-                    r.decode_group(level, k, g, rows);
-                    return;
-                }
-                if let Some(r) = &self.int4 {
-                    r.decode_group(k, g, rows);
-                    return;
+                match &self.packed {
+                    Some(Packed::Int8(r)) => return r.decode_group(level, k, g, rows),
+                    Some(Packed::Int4(r)) => return r.decode_group(k, g, rows),
+                    Some(Packed::Int4Quads(r)) => return r.decode_group(k, g, rows),
+                    None => {}
                 }
                 let base = g * len;
                 for c in 0..k {
@@ -481,7 +541,7 @@ pub fn matvec_group(
     };
     // Every matrix has K = x.len() columns (checked), so one preparation serves them all.
     let level = SimdLevel::detect().or_portable();
-    let p = first.prepare(x, threshold);
+    let p = first.prepare(x, threshold, mats.iter().any(|m| m.wants_quads()));
     let per = GROUP * groups_per_task(mats.iter().map(|m| m.groups()).sum());
     let mut tasks: Vec<(&FastBalancedCbc, usize, &mut [f32])> = Vec::new();
     for (m, y) in mats.iter().zip(ys.iter_mut()) {

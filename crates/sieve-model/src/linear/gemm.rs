@@ -649,7 +649,7 @@ mod tests {
 
 /// Batches of fewer tokens run a sparse layer's matrix-vector kernel once per token: below this,
 /// decoding the matrix for the GEMM costs more than the GEMM saves ([`decoded_matmul`]).
-const DECODE_GEMM_MIN_TOKENS: usize = 4;
+pub(crate) const DECODE_GEMM_MIN_TOKENS: usize = 4;
 
 thread_local! {
     /// The decoded matrix of a [`decoded_matmul`], reused across calls.

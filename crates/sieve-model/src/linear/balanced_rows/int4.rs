@@ -251,7 +251,7 @@ impl Int4Records {
 
 /// Per row and column group of `columns`, the scale that puts the row's stored values there on
 /// a 4-bit grid (`m · ceil(K / columns)` entries, row-major), or `None` when one is off grid.
-fn detect_scales(w: &DenseMatrix, columns: usize) -> Option<Vec<f32>> {
+pub(super) fn detect_scales(w: &DenseMatrix, columns: usize) -> Option<Vec<f32>> {
     let (m, k) = (w.rows(), w.cols());
     let src = w.data();
     let per_row: Vec<Vec<f32>> = (0..m)

@@ -15,6 +15,39 @@ fn check_error(got: &[f32], want: &[f64], what: &str) {
     assert!(e <= TOL, "{what}: error {e}");
 }
 
+/// `|W| · |mask_t(x)|` per row: the size of the terms a row sums, against which f32 rounding
+/// is measured where the sum itself may cancel to almost nothing (one row, one weight per
+/// group).
+fn term_sizes(w: &DenseMatrix, x: &[f32], t: Threshold) -> Vec<f64> {
+    let abs: Vec<f32> = w.data().iter().map(|v| v.to_f32().abs()).collect();
+    let wa = DenseMatrix::from_f32(w.rows(), w.cols(), &abs).unwrap();
+    let xa: Vec<f32> = x
+        .iter()
+        .map(|&v| {
+            if sieve_formats::format::is_active(v, t) {
+                v.abs()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    matvec_f64(&wa, &xa, None)
+}
+
+/// [`check_error`] relative to the largest row's terms (`term_sizes`) instead of the largest
+/// result.
+fn check_error_of_terms(got: &[f32], want: &[f64], terms: &[f64], what: &str) {
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: {got:?}");
+    let scale = terms.iter().fold(1e-6f64, |a, v| a.max(*v));
+    let e = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0, f64::max)
+        / scale;
+    assert!(e <= TOL, "{what}: error {e} of the terms");
+}
+
 /// Every SIMD level and arrangement against the f64 reference and the format's own kernel,
 /// matvec and batched below and above the GEMM cut, for one matrix and activation draw.
 fn check(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, seed: u64) {
@@ -187,6 +220,7 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
     let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
     let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
     let want_m = matmul_f64(&w, &x, tokens, t);
+    let terms = term_sizes(&w, &x[..cols], t);
     let fast = FastBalancedCbc::with_int8(&reference).expect("a snapped matrix is on its grids");
     assert_eq!(fast.values(), Values::Int8);
     let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
@@ -199,8 +233,13 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
         let what = format!("int8 {level:?} {rows}x{cols} N {slots} dp {dp}");
         let mut y = vec![f32::NAN; rows];
         fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
-        check_error(&y, &want_v, &format!("{what} matvec"));
-        check_error(&y, &ref_v, &format!("{what} matvec vs the f16 records"));
+        check_error_of_terms(&y, &want_v, &terms, &format!("{what} matvec"));
+        check_error_of_terms(
+            &y,
+            &ref_v,
+            &terms,
+            &format!("{what} matvec vs the f16 records"),
+        );
         let mut ym = vec![f32::NAN; rows * tokens];
         fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
         check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
@@ -209,7 +248,12 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
             let padded = FastBalancedCbc::with_int8_aligned(&reference, align).unwrap();
             let mut yp = vec![f32::NAN; rows];
             padded.matvec_with(level, &x[..cols], t, &mut yp).unwrap();
-            check_error(&yp, &want_v, &format!("{what} align {align} matvec"));
+            check_error_of_terms(
+                &yp,
+                &want_v,
+                &terms,
+                &format!("{what} align {align} matvec"),
+            );
             let mut ym = vec![f32::NAN; rows * tokens];
             padded.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
             check_error(
@@ -428,8 +472,28 @@ fn snapped4(w: &DenseMatrix, columns: usize) -> DenseMatrix {
     DenseMatrix::from_f32(m, k, &v).unwrap()
 }
 
-/// The 4-bit records of a snapped balanced matrix, every SIMD level against the f64 reference
-/// on the decoded matrix and against the f16 records, matvec and batched.
+/// The 4-bit layouts this CPU can build (quads need AVX-512 VBMI2 and VNNI).
+fn int4_layouts() -> Vec<Int4Layout> {
+    let mut layouts = vec![Int4Layout::Columns];
+    if int4_quads::supported() {
+        layouts.push(Int4Layout::Quads);
+    }
+    layouts
+}
+
+/// Whether `fast`'s matrix-vector product at `level` multiplies 8-bit activations (the quads'
+/// VNNI kernel).
+fn quantizes_activations(fast: &FastBalancedCbc, level: SimdLevel) -> bool {
+    matches!(fast.packed, Some(Packed::Int4Quads(_))) && level == SimdLevel::Avx512Vbmi2
+}
+
+/// How far the quads' product (8-bit activations per 32 columns) may lie from the f64 product
+/// of the unquantized activations: a few steps of 1/254 of a block's largest input.
+const QUANTIZED_ACTIVATIONS_TOL: f64 = 2e-2;
+
+/// The 4-bit records of a snapped balanced matrix in every layout, every SIMD level against
+/// the f64 reference on the decoded matrix and against the f16 records, matvec and batched;
+/// the quads' VNNI kernel against the f64 product of its own quantized activations.
 #[allow(clippy::too_many_arguments)]
 fn check_int4(
     rows: usize,
@@ -446,28 +510,64 @@ fn check_int4(
     let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
     let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
     let want_m = matmul_f64(&w, &x, tokens, t);
-    let fast = FastBalancedCbc::with_int4(&reference).expect("a snapped matrix is on its grids");
-    // The widest group size that fits is found: at least the one snapped to.
-    let Values::Int4 { columns: found } = fast.values() else {
-        panic!("not int4: {:?}", fast.values());
-    };
-    assert!(found >= columns || found >= cols, "{found} < {columns}");
-    assert_eq!(fast.decode(), w);
+    let terms = term_sizes(&w, &x[..cols], t);
     let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
     let mut ref_v = vec![0f32; rows];
     f16_records
         .matvec_with(SimdLevel::Portable, &x[..cols], t, &mut ref_v)
         .unwrap();
     let ref_v: Vec<f64> = ref_v.iter().map(|&v| v as f64).collect();
-    for level in SimdLevel::available() {
-        let what = format!("int4 {level:?} {rows}x{cols} N {slots} G {columns} dp {dp}");
-        let mut y = vec![f32::NAN; rows];
-        fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
-        check_error(&y, &want_v, &format!("{what} matvec"));
-        check_error(&y, &ref_v, &format!("{what} matvec vs the f16 records"));
-        let mut ym = vec![f32::NAN; rows * tokens];
-        fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
-        check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+    for layout in int4_layouts() {
+        let fast = FastBalancedCbc::with_int4_layout(&reference, layout)
+            .expect("a snapped matrix is on its grids");
+        // The widest group size that fits is found: at least the one snapped to.
+        let Values::Int4 {
+            columns: found,
+            layout: built,
+        } = fast.values()
+        else {
+            panic!("not int4: {:?}", fast.values());
+        };
+        assert_eq!(built, layout);
+        assert!(found >= columns || found >= cols, "{found} < {columns}");
+        assert_eq!(fast.decode(), w);
+        for level in SimdLevel::available() {
+            let what =
+                format!("int4 {layout:?} {level:?} {rows}x{cols} N {slots} G {columns} dp {dp}");
+            let mut y = vec![f32::NAN; rows];
+            fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
+            if quantizes_activations(&fast, level) {
+                let p = fast.prepare(&x[..cols], t, true);
+                let Some(Packed::Int4Quads(r)) = &fast.packed else {
+                    unreachable!("built as quads");
+                };
+                let qa = p.quads.as_ref().expect("finite activations");
+                let own: Vec<f64> = (0..rows.div_ceil(GROUP))
+                    .flat_map(|g| r.quantized_reference(g, qa))
+                    .take(rows)
+                    .collect();
+                let vs = format!("{what} matvec vs its quantized activations");
+                check_error_of_terms(&y, &own, &terms, &vs);
+                let e = max_rel_error(&y, &want_v);
+                assert!(e <= QUANTIZED_ACTIVATIONS_TOL, "{what}: error {e}");
+            } else {
+                check_error_of_terms(&y, &want_v, &terms, &format!("{what} matvec"));
+                let vs = format!("{what} matvec vs the f16 records");
+                check_error_of_terms(&y, &ref_v, &terms, &vs);
+            }
+            let mut ym = vec![f32::NAN; rows * tokens];
+            fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
+            // Small batches run the matrix-vector kernel per token, larger ones the GEMM.
+            if tokens < gemm::DECODE_GEMM_MIN_TOKENS && quantizes_activations(&fast, level) {
+                let e = max_rel_error(&ym, &want_m);
+                assert!(
+                    e <= QUANTIZED_ACTIVATIONS_TOL,
+                    "{what} matmul x{tokens}: error {e}"
+                );
+            } else {
+                check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+            }
+        }
     }
 }
 
@@ -511,15 +611,22 @@ fn int4_records_keep_the_blob_and_quarter_the_values() {
             assert_eq!(fast.decode(), w);
             assert_eq!(fast.storage(), reference.storage());
             assert_eq!(fast.slots(), n);
-            let Values::Int4 { columns } = fast.values() else {
+            let Values::Int4 { columns, .. } = fast.values() else {
                 panic!("{m}x{k} N {n}: {:?}", fast.values());
             };
-            // A u16 mask and N nibbles per (group of 16 rows, column), 16 f16 scales per
-            // (group, column group).
+            // Per (group of 16 rows, column) a u16 mask and N nibbles, or per (group, quad of
+            // columns) a u64 mask and 4 N nibbles; 16 f16 scales per (group, column group).
             let groups = m.div_ceil(16);
+            let records = match fast.values() {
+                Values::Int4 {
+                    layout: Int4Layout::Columns,
+                    ..
+                } => k * (2 + n.div_ceil(2)),
+                _ => k.div_ceil(4) * (8 + 2 * n),
+            };
             assert_eq!(
                 fast.cpu_layout_bytes(),
-                groups * k * (2 + n.div_ceil(2)) + groups * k.div_ceil(columns) * 32,
+                groups * records + groups * k.div_ceil(columns) * 32,
                 "{m}x{k} N {n}"
             );
         }
@@ -540,11 +647,13 @@ fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
         let s = snapped4(&w, columns);
         let enc = BalancedCbc::encode_with_slots(&s, 8).unwrap();
         let fast = FastBalancedCbc::with_int4(&enc).unwrap();
-        assert_eq!(fast.values(), Values::Int4 { columns });
+        assert!(matches!(fast.values(), Values::Int4 { columns: c, .. } if c == columns));
         if std::env::var("SIEVE_BCBC_CPU").is_err() {
+            // `new` picks the quads where the CPU runs them.
+            let layout = *int4_layouts().last().expect("columns at least");
             assert_eq!(
                 FastBalancedCbc::new(&enc).values(),
-                Values::Int4 { columns }
+                Values::Int4 { columns, layout }
             );
         }
     }
@@ -573,7 +682,15 @@ fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
     for level in SimdLevel::available() {
         let mut y = vec![f32::NAN; 100];
         fast.matvec_with(level, &x, None, &mut y).unwrap();
-        check_error(&y, &want, &format!("int4 {level:?} zero rows"));
+        if quantizes_activations(&fast, level) {
+            let e = max_rel_error(&y, &want);
+            assert!(
+                e <= QUANTIZED_ACTIVATIONS_TOL,
+                "int4 {level:?} zero rows: {e}"
+            );
+        } else {
+            check_error(&y, &want, &format!("int4 {level:?} zero rows"));
+        }
         assert_eq!((y[0], y[17], y[99]), (0.0, 0.0, 0.0));
     }
 }
