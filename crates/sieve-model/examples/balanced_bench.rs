@@ -12,7 +12,7 @@ use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity
 use sieve_formats::value_grid::{INT4, INT8};
 use sieve_formats::{DenseMatrix, WeightFormat};
 use sieve_model::generate::run_in_pool;
-use sieve_model::linear::balanced_rows::{Arrangement, FastBalancedCbc};
+use sieve_model::linear::balanced_rows::{Arrangement, FastBalancedCbc, Int4Layout};
 use sieve_model::linear::simd::SimdLevel;
 use std::time::Instant;
 
@@ -72,11 +72,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         layouts.push((format!("int8 records, align {align}"), fast));
     }
     for (i, columns) in [(1, 64), (2, 128)] {
-        let fast = mats
-            .iter()
-            .map(|(w, _, _)| FastBalancedCbc::with_int4(&w[i]).ok_or("off grid"))
-            .collect::<Result<Vec<_>, _>>()?;
-        layouts.push((format!("int4 records, G {columns}"), fast));
+        for layout in [Int4Layout::Columns, Int4Layout::Quads] {
+            let fast = mats
+                .iter()
+                .map(|(w, _, _)| FastBalancedCbc::with_int4_layout(&w[i], layout))
+                .collect::<Option<Vec<_>>>();
+            match fast {
+                Some(fast) => layouts.push((format!("int4 {layout:?}, G {columns}"), fast)),
+                None => println!("int4 {layout:?}: not on this CPU"),
+            }
+        }
     }
     let mut y: Vec<Vec<f32>> = mats
         .iter()

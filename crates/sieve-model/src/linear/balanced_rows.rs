@@ -48,6 +48,14 @@
 //! bytes, and matrix-vector products sum `q · x` and scale each row once. Batched products
 //! still decode to f16 (`q · s_r`, the stored value exactly) for the GEMM, so prefill and decode
 //! multiply the same weights. `SIEVE_BCBC_CPU=f16` (or `split`) keeps the f16 records.
+//!
+//! **4-bit records** ([`int4`]): when every row lies on 4-bit grids with one f16 scale per
+//! group of 32, 64 or 128 input columns (`sieve pack --values int4[:G]`,
+//! [`sieve_formats::value_grid::INT4`]), the build keeps a nibble per value: a record is the
+//! mask then `ceil(N / 2)` bytes (6 at N = 8), and products scale each column group's 16 sums
+//! once. Tried first at load, then int8, then f16. [`int4_quads`] lays the same values out
+//! as 16 x 4 tiles for AVX-512 VNNI with 8-bit activations (`SIEVE_BCBC_CPU=int4-quads`;
+//! measured slower here, kept for comparison).
 
 use super::gemm;
 use super::simd::SimdLevel;
@@ -182,8 +190,8 @@ impl FastBalancedCbc {
         Self::f16_from(balanced, &w, Arrangement::from_env())
     }
 
-    /// Builds the 4-bit records (in quads where this CPU has AVX-512 VBMI2 and VNNI, else per
-    /// column), or `None` when a row is not on 4-bit grids of 128, 64 or 32 columns.
+    /// Builds the 4-bit records (per column, or in quads as `SIEVE_BCBC_CPU=int4-quads` asks),
+    /// or `None` when a row is not on 4-bit grids of 128, 64 or 32 columns.
     pub fn with_int4(balanced: &BalancedCbc) -> Option<Self> {
         Self::int4_from(balanced, &balanced.decode())
     }
@@ -194,10 +202,15 @@ impl FastBalancedCbc {
         Self::int4_in(balanced, &balanced.decode(), layout)
     }
 
-    /// The 4-bit records of `balanced`, whose decoded matrix is `w`, in the layout this CPU
-    /// runs fastest.
+    /// The 4-bit records of `balanced`, whose decoded matrix is `w`: per column, or in quads
+    /// when `SIEVE_BCBC_CPU=int4-quads` asks and the CPU has AVX-512 VBMI2 and VNNI. Measured
+    /// on the 2-core Zen 4 (`sieve generate --profile`, three alternating runs of an sp 0.5 /
+    /// dp 0.5 pack): the per-column records decoded 215-228 tok/s, the quads 159-204; the
+    /// quads' kernel runs fewer instructions, but quantizing the activations and the 512-bit
+    /// tile expansions cost more than they save at this model's sizes.
     fn int4_from(balanced: &BalancedCbc, w: &DenseMatrix) -> Option<Self> {
-        let layout = if int4_quads::supported() {
+        let quads_asked = std::env::var("SIEVE_BCBC_CPU").is_ok_and(|v| v == "int4-quads");
+        let layout = if int4_quads::supported() && quads_asked {
             Int4Layout::Quads
         } else {
             Int4Layout::Columns
@@ -505,7 +518,7 @@ impl FastBalancedCbc {
                 rows.fill(f16::ZERO);
                 match &self.packed {
                     Some(Packed::Int8(r)) => return r.decode_group(level, k, g, rows),
-                    Some(Packed::Int4(r)) => return r.decode_group(k, g, rows),
+                    Some(Packed::Int4(r)) => return r.decode_group(level, k, g, rows),
                     Some(Packed::Int4Quads(r)) => return r.decode_group(k, g, rows),
                     None => {}
                 }

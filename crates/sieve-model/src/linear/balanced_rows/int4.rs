@@ -229,9 +229,19 @@ impl Int4Records {
     }
 
     /// Writes group `g`'s rows (`rows.len() / cols` of them) as dense f16 (zeros already in
-    /// place): `q · s` is the stored value exactly.
-    pub(super) fn decode_group(&self, cols: usize, g: usize, rows: &mut [f16]) {
+    /// place): `q · s` is the stored value exactly. The AVX-512 levels convert a record's 16
+    /// rows at once (the scalar walk made prefill ~35% slower than with 8-bit records).
+    pub(super) fn decode_group(&self, level: SimdLevel, cols: usize, g: usize, rows: &mut [f16]) {
         debug_assert!(rows.len() <= GROUP * cols);
+        #[cfg(target_arch = "x86_64")]
+        if level >= SimdLevel::Avx512 {
+            // SAFETY: the level is supported (the caller capped it by `or_portable`); the
+            // records were built for `cols` columns (TAIL bytes after the last group), `g <
+            // groups`, and `rows` holds the group's rows, `cols` entries each.
+            unsafe { x86::decode_group_avx512(self, cols, g, rows) };
+            return;
+        }
+        let _ = level;
         let base = g * self.group_len(cols);
         for c in 0..cols {
             let at = base + c * self.record;
@@ -407,6 +417,55 @@ mod x86 {
             out.as_mut_ptr(),
             _mm512_mul_ps(total, _mm512_set1_ps(1.0 / 16.0)),
         );
+    }
+
+    /// [`Int4Records::decode_group`] with AVX-512: per record the nibbles' bytes, `vpmovsxbd`,
+    /// `vcvtdq2ps`, `vexpandps` by the row mask, one multiply by the 16 row scales / 16, one
+    /// `vcvtps2ph`; the set rows' values are then stored one by one (the rows are `cols`
+    /// apart).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL, BMI2 and F16C; `r` built for a matrix of `cols`
+    /// columns, `g < groups`, `rows.len() <= 16 · cols` (the rows of group `g`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,bmi2,f16c")]
+    pub unsafe fn decode_group_avx512(
+        r: &Int4Records,
+        cols: usize,
+        g: usize,
+        rows: &mut [half::f16],
+    ) {
+        let base = r.data.as_ptr().add(g * r.group_len(cols));
+        let present = rows.len() / cols.max(1);
+        let mut tmp = [0u16; GROUP];
+        let mut scales = _mm512_setzero_ps();
+        for c in 0..cols {
+            if c % r.columns == 0 {
+                let sc = r
+                    .scales
+                    .as_ptr()
+                    .add((g * r.column_groups + c / r.columns) * GROUP);
+                let sc = _mm512_cvtph_ps(_mm256_loadu_si256(sc as *const __m256i));
+                scales = _mm512_mul_ps(sc, _mm512_set1_ps(1.0 / 16.0));
+            }
+            let (m, bytes) = if r.slots > 8 {
+                record::<true>(r, base, c as u32)
+            } else {
+                record::<false>(r, base, c as u32)
+            };
+            if m == 0 {
+                continue;
+            }
+            let f = _mm512_maskz_expand_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm512_mul_ps(f, scales));
+            _mm256_storeu_si256(tmp.as_mut_ptr() as *mut __m256i, h);
+            let mut bits = m;
+            while bits != 0 {
+                let i = bits.trailing_zeros() as usize;
+                debug_assert!(i < present);
+                *rows.get_unchecked_mut(i * cols + c) = half::f16::from_bits(tmp[i]);
+                bits &= bits - 1;
+            }
+        }
     }
 
     /// [`group_vbmi2_impl`] without VBMI2: the bytes converted first, then `vexpandps`.

@@ -1,6 +1,8 @@
 //! 4-bit records of [`super::FastBalancedCbc`] over **quads of columns**, multiplied with 8-bit
-//! activations by AVX-512 VNNI (`vpdpbusd`): the layout the loader builds for 4-bit grids on a
-//! CPU with AVX-512 VBMI2 and VNNI.
+//! activations by AVX-512 VNNI (`vpdpbusd`): the layout the loader builds for 4-bit grids when
+//! `SIEVE_BCBC_CPU=int4-quads` asks and the CPU has AVX-512 VBMI2 and VNNI. Not the default:
+//! measured slower end to end than the per-column records on the 2-core Zen 4 (see
+//! `FastBalancedCbc::int4_from`).
 //!
 //! Why: the per-column 4-bit records ([`super::int4`]) spend one expand, one conversion and one
 //! 512-bit FMA on each active (column, group of 16 rows), 16 lanes for N = 8 weights; measured
@@ -102,9 +104,15 @@ impl QuadActivations {
         let d: Vec<f32> = amax.iter().map(|a| a / 127.0).collect();
         let mut bytes = vec![0i8; k.div_ceil(QUAD) * QUAD];
         let mut offset = vec![0i32; blocks];
+        let inv: Vec<f32> = d
+            .iter()
+            .map(|&d| if d > 0.0 { 1.0 / d } else { 0.0 })
+            .collect();
         for (&c, &v) in cols.iter().zip(xs) {
             let b = c as usize / BOUND_STEP;
-            let q = (v / d[b]).round().clamp(-127.0, 127.0) as i8;
+            // Round half away from zero by truncation (`f32::round` is a libm call without
+            // SSE4.1 in the baseline target); |v · inv| <= 127 up to rounding, clamped.
+            let q = (v * inv[b] + 0.5f32.copysign(v)).clamp(-127.0, 127.0) as i8;
             bytes[c as usize] = q;
             offset[b] += 128 * q as i32;
         }
@@ -305,18 +313,32 @@ mod x86 {
     const PREFETCH_AHEAD: usize = 2048;
 
     /// The nibbles at `p` (16 bytes, or 32 when `WIDE`) spread to bytes `16 (q + 8)`, low
-    /// nibble first: per 16-bit word `0x00HL` -> `0xH0L0`.
+    /// nibble first: per 16-bit word `0x00HL` -> `0xH0L0` (256-bit operations for N <= 8:
+    /// 512-bit ones take a pipe for two cycles on Zen 4).
     #[inline(always)]
     unsafe fn spread<const WIDE: bool>(p: *const u8) -> __m512i {
-        let w = if WIDE {
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i))
-        } else {
-            _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)))
-        };
-        let lo = _mm512_slli_epi16::<4>(w);
-        let hi = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0xf0)));
         // (lo & 0x00f0) | hi: ternary-logic table 0xec = A & C | B over (A, B, C).
-        _mm512_ternarylogic_epi32::<0xec>(lo, hi, _mm512_set1_epi16(0x00f0))
+        if WIDE {
+            let w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i));
+            let lo = _mm512_slli_epi16::<4>(w);
+            let hi = _mm512_slli_epi16::<8>(_mm512_and_si512(w, _mm512_set1_epi16(0xf0)));
+            _mm512_ternarylogic_epi32::<0xec>(lo, hi, _mm512_set1_epi16(0x00f0))
+        } else {
+            let w = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+            let lo = _mm256_slli_epi16::<4>(w);
+            let hi = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0xf0)));
+            let bytes = _mm256_ternarylogic_epi32::<0xec>(lo, hi, _mm256_set1_epi16(0x00f0));
+            _mm512_castsi256_si512(bytes)
+        }
+    }
+
+    /// One quad: the tile (`vpexpandb` of its spread nibbles by its mask into 128s) times its
+    /// activations `xq`, added to `acc` by `vpdpbusd`.
+    #[inline(always)]
+    unsafe fn quad<const WIDE: bool>(at: *const u8, xq: u32, acc: &mut __m512i) {
+        let mask = (at as *const u64).read_unaligned();
+        let tile = _mm512_mask_expand_epi8(_mm512_set1_epi8(-128), mask, spread::<WIDE>(at.add(8)));
+        *acc = _mm512_dpbusd_epi32(*acc, tile, _mm512_set1_epi32(xq as i32));
     }
 
     /// Per block of 32 columns: per quad with an active input, the tile (`vpexpandb` of the
@@ -335,7 +357,6 @@ mod x86 {
         out: &mut [f32; GROUP],
     ) {
         let base = r.data.as_ptr().add(g * r.group_len());
-        let zero_point = _mm512_set1_epi8(-128);
         let per_block = BOUND_STEP / QUAD;
         let span = per_block * r.record;
         let mut total = _mm512_setzero_ps();
@@ -350,21 +371,25 @@ mod x86 {
                 continue;
             }
             let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            let u1 = ((b + 1) * per_block).min(r.quads);
-            for u in b * per_block..u1 {
-                let xq = *qa.packed.get_unchecked(u);
-                if xq == 0 {
-                    continue;
+            let (u0, u1) = (b * per_block, ((b + 1) * per_block).min(r.quads));
+            let xs = qa.packed.as_ptr().add(u0);
+            let mut at = base.add(u0 * r.record);
+            // Two quads per step into two sums; a quad whose four activations are 0 adds 0
+            // and is skipped (at dp 0.5 one in 16, at dp 0.9 two in three).
+            let mut i = 0;
+            while i + 2 <= u1 - u0 {
+                let (x0, x1) = (*xs.add(i), *xs.add(i + 1));
+                if x0 != 0 {
+                    quad::<WIDE>(at, x0, &mut s0);
                 }
-                let at = base.add(u * r.record);
-                let mask = (at as *const u64).read_unaligned();
-                let tile = _mm512_mask_expand_epi8(zero_point, mask, spread::<WIDE>(at.add(8)));
-                let x = _mm512_set1_epi32(xq as i32);
-                if u % 2 == 0 {
-                    s0 = _mm512_dpbusd_epi32(s0, tile, x);
-                } else {
-                    s1 = _mm512_dpbusd_epi32(s1, tile, x);
+                if x1 != 0 {
+                    quad::<WIDE>(at.add(r.record), x1, &mut s1);
                 }
+                at = at.add(2 * r.record);
+                i += 2;
+            }
+            if i < u1 - u0 && *xs.add(i) != 0 {
+                quad::<WIDE>(at, *xs.add(i), &mut s0);
             }
             let sums = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(offset));
             let j = b * BOUND_STEP / r.columns;

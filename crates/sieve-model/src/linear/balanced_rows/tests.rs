@@ -649,11 +649,13 @@ fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
         let fast = FastBalancedCbc::with_int4(&enc).unwrap();
         assert!(matches!(fast.values(), Values::Int4 { columns: c, .. } if c == columns));
         if std::env::var("SIEVE_BCBC_CPU").is_err() {
-            // `new` picks the quads where the CPU runs them.
-            let layout = *int4_layouts().last().expect("columns at least");
+            // `new` picks the per-column records unless asked for quads.
             assert_eq!(
                 FastBalancedCbc::new(&enc).values(),
-                Values::Int4 { columns, layout }
+                Values::Int4 {
+                    columns,
+                    layout: Int4Layout::Columns
+                }
             );
         }
     }
