@@ -366,12 +366,74 @@ pub fn tokenizer_from_pack(pack: &PackFile) -> Result<Tokenizer> {
     })
 }
 
+/// The blocks a pack's dense LM head is multiplied in on the CPU (`sieve pack --head`), kept
+/// in the pack's `lm_head.blocks` section (absent: Q8_0, what packs before it used).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum HeadBlocks {
+    /// 8.5 bits per weight; recovers a GGUF's own Q8_0 head exactly.
+    #[default]
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// 5 bits per weight: 40% fewer bytes per token for a head that is a fifth to a quarter of
+    /// every decode step, at some quality (docs/BENCHMARKS.md).
+    #[serde(rename = "q4_1")]
+    Q4_1,
+}
+
+/// Section name of [`HeadBlocks`] in a pack.
+pub const HEAD_BLOCKS_SECTION: &str = "lm_head.blocks";
+
+impl std::str::FromStr for HeadBlocks {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "q8_0" => Ok(Self::Q8_0),
+            "q4_1" => Ok(Self::Q4_1),
+            other => Err(ModelError::InvalidArgument(format!(
+                "unknown LM head blocks '{other}' (known: q8_0, q4_1)"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for HeadBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Q8_0 => "q8_0",
+            Self::Q4_1 => "q4_1",
+        })
+    }
+}
+
+/// Records in the pack which blocks its dense LM head is multiplied in (nothing for Q8_0, so
+/// that such packs stay readable by earlier versions).
+pub fn add_head_blocks(w: &mut PackWriter, blocks: HeadBlocks) -> Result<()> {
+    match blocks {
+        HeadBlocks::Q8_0 => Ok(()),
+        other => w.add_json(HEAD_BLOCKS_SECTION, &other),
+    }
+}
+
+/// The blocks a pack asks its dense LM head to be multiplied in.
+pub fn head_blocks_of(pack: &PackFile) -> Result<HeadBlocks> {
+    if pack.contains(HEAD_BLOCKS_SECTION) {
+        pack.json(HEAD_BLOCKS_SECTION)
+    } else {
+        Ok(HeadBlocks::Q8_0)
+    }
+}
+
 /// Replaces a dense f16 LM head by Q8_0 blocks (8-bit activations, as the GGUF path does).
 /// The head of SmolLM2-135M is 49152 x 576, a fifth of the model's weights and read in full by
 /// every decode step: 56.6 MB in f16 against 30.1 MB in Q8_0. Packs made from a GGUF whose head
 /// was Q8_0 get the file's own quants back (see [`QuantMatrix::quantize_q8_0`]). Heads in
 /// other formats, or with a column count that is not a multiple of 32, stay as they are.
 pub fn quantize_dense_head(model: &mut Model) -> Result<()> {
+    quantize_dense_head_to(model, HeadBlocks::Q8_0)
+}
+
+/// [`quantize_dense_head`] into the given blocks.
+pub fn quantize_dense_head_to(model: &mut Model, blocks: HeadBlocks) -> Result<()> {
     let head = model.lm_head();
     if head.format().kind() != FormatKind::Dense
         || !head.cols().is_multiple_of(32)
@@ -381,7 +443,10 @@ pub fn quantize_dense_head(model: &mut Model) -> Result<()> {
     }
     let threshold = head.threshold();
     let dense = head.format().decode();
-    let q = QuantMatrix::quantize_q8_0(dense.rows(), dense.cols(), dense.data())?;
+    let q = match blocks {
+        HeadBlocks::Q8_0 => QuantMatrix::quantize_q8_0(dense.rows(), dense.cols(), dense.data())?,
+        HeadBlocks::Q4_1 => QuantMatrix::quantize_q4_1(dense.rows(), dense.cols(), dense.data())?,
+    };
     let mut lin = Linear::from_quantized(q);
     lin.set_threshold(threshold)?;
     *model.lm_head_mut() = lin;
@@ -407,8 +472,8 @@ pub fn load_model_and_tokenizer(path: &Path) -> Result<(Model, Tokenizer)> {
 
 /// [`load_model_and_tokenizer`], with `f16_weights` dequantizing GGUF blocks to dense f16
 /// ([`Model::from_source_f16`], the model `sieve pack` prunes). `.sieve` files load as stored,
-/// except that a dense f16 LM head is multiplied as Q8_0 blocks ([`quantize_dense_head`])
-/// unless `f16_weights` is set.
+/// except that a dense f16 LM head is multiplied as Q8_0 (or the pack's [`HeadBlocks`]) blocks
+/// ([`quantize_dense_head_to`]) unless `f16_weights` is set.
 pub fn load_model_and_tokenizer_with(path: &Path, f16_weights: bool) -> Result<(Model, Tokenizer)> {
     crate::weights::check_model_path(path)?;
     if is_pack_file(path) {
@@ -416,7 +481,7 @@ pub fn load_model_and_tokenizer_with(path: &Path, f16_weights: bool) -> Result<(
         let tokenizer = tokenizer_from_pack(&pack)?;
         let mut model = Model::from_pack(&pack)?;
         if !f16_weights {
-            quantize_dense_head(&mut model)?;
+            quantize_dense_head_to(&mut model, head_blocks_of(&pack)?)?;
         }
         return Ok((model, tokenizer));
     }
@@ -481,6 +546,30 @@ mod tests {
             loaded.layers()[1].down_proj.format().kind(),
             FormatKind::RlcCsc
         );
+    }
+
+    #[test]
+    fn head_blocks_round_trip_and_default_to_q8_0() {
+        let (_, bytes) = packed_bytes();
+        let pack = PackFile::from_bytes(bytes).unwrap();
+        assert_eq!(head_blocks_of(&pack).unwrap(), HeadBlocks::Q8_0);
+        for blocks in [HeadBlocks::Q8_0, HeadBlocks::Q4_1] {
+            let mut w = PackWriter::new();
+            add_head_blocks(&mut w, blocks).unwrap();
+            let pack = PackFile::from_bytes(w.to_bytes()).unwrap();
+            assert_eq!(head_blocks_of(&pack).unwrap(), blocks);
+            // Q8_0 writes nothing: such packs read as before.
+            assert_eq!(
+                pack.contains(HEAD_BLOCKS_SECTION),
+                blocks != HeadBlocks::Q8_0
+            );
+            assert_eq!(blocks.to_string().parse::<HeadBlocks>().unwrap(), blocks);
+        }
+        assert!("q4_0".parse::<HeadBlocks>().is_err());
+        let mut w = PackWriter::new();
+        w.add_json(HEAD_BLOCKS_SECTION, &"q2_k").unwrap();
+        let pack = PackFile::from_bytes(w.to_bytes()).unwrap();
+        assert!(head_blocks_of(&pack).is_err());
     }
 
     #[test]

@@ -232,6 +232,43 @@ impl QuantMatrix {
         Self::new(BlockType::Q8_0, rows, cols, blocks)
     }
 
+    /// Quantizes a row-major f16 matrix to Q4_1 blocks the way llama.cpp does: per 32 weights
+    /// `d = (max - min) / 15` and `m = min` as f16, `q = min(15, trunc((w - min) / d + 0.5))`.
+    /// 20 bytes per 32 weights (5 bits each) against Q8_0's 34.
+    pub fn quantize_q4_1(rows: usize, cols: usize, w: &[f16]) -> Result<Self> {
+        if w.len() != rows * cols {
+            return Err(ModelError::InvalidArgument(format!(
+                "{} values for a {rows} x {cols} matrix",
+                w.len()
+            )));
+        }
+        if !cols.is_multiple_of(BLOCK) {
+            return Err(ModelError::InvalidArgument(format!(
+                "Q4_1 needs a multiple of {BLOCK} columns, the matrix has {cols}"
+            )));
+        }
+        if let Some(v) = w.iter().find(|v| !v.is_finite()) {
+            return Err(ModelError::InvalidArgument(format!(
+                "Q4_1 of a matrix with the weight {v}"
+            )));
+        }
+        let mut blocks = Vec::with_capacity(rows * cols / BLOCK * 20);
+        for chunk in w.chunks_exact(BLOCK) {
+            let (min, max) = chunk.iter().fold((f32::MAX, f32::MIN), |(lo, hi), v| {
+                (lo.min(v.to_f32()), hi.max(v.to_f32()))
+            });
+            let d = (max - min) / 15.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            blocks.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            blocks.extend_from_slice(&f16::from_f32(min).to_bits().to_le_bytes());
+            let q = |v: f16| (((v.to_f32() - min) * inv + 0.5) as u8).min(15);
+            for j in 0..BLOCK / 2 {
+                blocks.push(q(chunk[j]) | q(chunk[j + BLOCK / 2]) << 4);
+            }
+        }
+        Self::new(BlockType::Q4_1, rows, cols, blocks)
+    }
+
     pub fn block_type(&self) -> BlockType {
         self.ty
     }

@@ -7,7 +7,9 @@ use serde::Serialize;
 use sieve_model::generate::{init_threads, load_tokenizer};
 use sieve_model::llama::Model;
 use sieve_model::output::PendingOutput;
-use sieve_model::packed::{add_model_sections, add_tokenizer_sections};
+use sieve_model::packed::{
+    add_head_blocks, add_model_sections, add_tokenizer_sections, HeadBlocks,
+};
 use sieve_model::packfile::PackWriter;
 use sieve_model::weights::open_model;
 use sieve_prune::pipeline::{
@@ -55,6 +57,11 @@ pub struct PackArgs {
     /// --format balanced-cbc.
     #[arg(long, default_value = "f16")]
     values: String,
+    /// q8_0 | q4_1: the blocks the CPU multiplies a dense LM head in when the pack is loaded
+    /// (q4_1: 5 bits per weight instead of 8.5, the head being a fifth to a quarter of a
+    /// decode step; costs some quality, docs/BENCHMARKS.md).
+    #[arg(long, default_value = "q8_0")]
+    head: String,
     /// Calibration text (default: ../shared/data/wikitext-2/valid.txt next to the repository).
     #[arg(long)]
     calib: Option<PathBuf>,
@@ -89,6 +96,7 @@ struct Manifest<'a> {
     teal_greedy: bool,
     format: String,
     values: ValueGrid,
+    head: HeadBlocks,
     calibration: CalibrationManifest,
     sieve_version: &'static str,
     report: &'a PipelineReport,
@@ -113,6 +121,7 @@ pub fn run(args: PackArgs) -> Result<()> {
     let format: FormatChoice = args.format.parse()?;
     let values: ValueGrid = args.values.parse()?;
     check_values_for_format(values, format)?;
+    let head: HeadBlocks = args.head.parse()?;
     for (what, v) in [("--sp", args.sp), ("--dp", args.dp)] {
         if !(0.0..1.0).contains(&v) {
             bail!("{what} {v} is outside [0, 1)");
@@ -138,13 +147,14 @@ pub fn run(args: PackArgs) -> Result<()> {
         calibration_windows_from_file(&tokenizer, &calib, args.calib_samples, args.calib_len)
             .with_context(|| format!("calibration windows from {}", calib.display()))?;
     eprintln!(
-        "pack: {} {} sp={} dp={} format={} values={} on {} x {} tokens spread over {text_tokens} tokens of {}",
+        "pack: {} {} sp={} dp={} format={} values={} head={} on {} x {} tokens spread over {text_tokens} tokens of {}",
         method,
         pattern,
         args.sp,
         args.dp,
         format,
         values,
+        head,
         windows.len(),
         args.calib_len,
         calib.display()
@@ -188,6 +198,7 @@ pub fn run(args: PackArgs) -> Result<()> {
 
     let mut writer = PackWriter::new();
     add_model_sections(&mut writer, &model)?;
+    add_head_blocks(&mut writer, head)?;
     add_tokenizer_sections(&mut writer, source.as_ref())?;
     drop(source);
     let manifest = Manifest {
@@ -199,6 +210,7 @@ pub fn run(args: PackArgs) -> Result<()> {
         teal_greedy: args.teal_greedy,
         format: format.to_string(),
         values,
+        head,
         calibration: CalibrationManifest {
             text: calib.display().to_string(),
             samples: args.calib_samples,

@@ -571,6 +571,52 @@ fn q8_0_quantization_recovers_the_quants_of_a_dequantized_q8_0_matrix() {
     assert!(zeros.decode().data().iter().all(|v| v.to_f32() == 0.0));
 }
 
+#[test]
+fn q4_1_quantization_is_within_half_a_step_and_multiplies_as_q4_1() {
+    let (rows, cols) = (5, 96);
+    let mut rng = Lcg(11);
+    let w: Vec<f16> = (0..rows * cols)
+        .map(|i| {
+            let v = (rng.next_u32() % 2001) as f32 / 1000.0 - 1.0;
+            // Blocks of very different ranges, one constant block.
+            if i / BLOCK == 3 {
+                f16::from_f32(0.25)
+            } else {
+                f16::from_f32(v * (1 + i / BLOCK) as f32 * 0.01)
+            }
+        })
+        .collect();
+    let q = QuantMatrix::quantize_q4_1(rows, cols, &w).unwrap();
+    assert_eq!(q.block_type(), BlockType::Q4_1);
+    assert_eq!(q.blocks().len(), rows * cols / BLOCK * 20);
+    let back = q.decode();
+    for (b, (orig, got)) in w.chunks(BLOCK).zip(back.data().chunks(BLOCK)).enumerate() {
+        let d = read_f16(&q.blocks()[b * 20..], 0);
+        for (o, g) in orig.iter().zip(got) {
+            // Half a step, plus the f16 rounding of d, m and the result.
+            let tol = d / 2.0 + 16.0 * d * 1e-3 + o.to_f32().abs() * 2e-3 + 1e-6;
+            assert!(
+                (o.to_f32() - g.to_f32()).abs() <= tol,
+                "block {b}: {o} -> {g} (d {d})"
+            );
+        }
+    }
+    // The product is the GGUF Q4_1 product of those blocks: against the decoded matrix.
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut y = vec![0f32; rows];
+    q.matvec(&x, None, &mut y).unwrap();
+    let want = sieve_formats::reference::matvec_f64(&back, &x, None);
+    let e = sieve_formats::reference::max_rel_error(&y, &want);
+    assert!(e < 2e-2, "error {e} (8-bit activations)");
+    assert!(QuantMatrix::quantize_q4_1(2, 48, &[f16::ZERO; 96]).is_err());
+    assert!(QuantMatrix::quantize_q4_1(2, 64, &[f16::ZERO; 100]).is_err());
+    let mut bad = vec![f16::ZERO; 32];
+    bad[3] = f16::INFINITY;
+    assert!(QuantMatrix::quantize_q4_1(1, 32, &bad).is_err());
+    let zeros = QuantMatrix::quantize_q4_1(1, 32, &[f16::ZERO; 32]).unwrap();
+    assert!(zeros.decode().data().iter().all(|v| v.to_f32() == 0.0));
+}
+
 /// Per element, `|w| + |offset|`: the magnitudes of the two terms the offset kernels add in f32
 /// (the offset being the weight of a zero quant), which bound their rounding.
 fn term_magnitudes(w: &QuantMatrix) -> Vec<f32> {
