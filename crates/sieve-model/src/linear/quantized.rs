@@ -202,17 +202,7 @@ impl QuantMatrix {
     /// was Q8_0, this recovers the file's quants: each `w` is `d·q` rounded to f16 (within
     /// 2^-11 relative), so `w / d` is within 0.07 of `q` and rounds back to it.
     pub fn quantize_q8_0(rows: usize, cols: usize, w: &[f16]) -> Result<Self> {
-        if w.len() != rows * cols {
-            return Err(ModelError::InvalidArgument(format!(
-                "{} values for a {rows} x {cols} matrix",
-                w.len()
-            )));
-        }
-        if !cols.is_multiple_of(BLOCK) {
-            return Err(ModelError::InvalidArgument(format!(
-                "Q8_0 needs a multiple of {BLOCK} columns, the matrix has {cols}"
-            )));
-        }
+        check_to_quantize("Q8_0", rows, cols, w)?;
         let mut blocks = Vec::with_capacity(rows * cols / BLOCK * 34);
         for chunk in w.chunks_exact(BLOCK) {
             let amax = chunk.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
@@ -236,22 +226,7 @@ impl QuantMatrix {
     /// `d = (max - min) / 15` and `m = min` as f16, `q = min(15, trunc((w - min) / d + 0.5))`.
     /// 20 bytes per 32 weights (5 bits each) against Q8_0's 34.
     pub fn quantize_q4_1(rows: usize, cols: usize, w: &[f16]) -> Result<Self> {
-        if w.len() != rows * cols {
-            return Err(ModelError::InvalidArgument(format!(
-                "{} values for a {rows} x {cols} matrix",
-                w.len()
-            )));
-        }
-        if !cols.is_multiple_of(BLOCK) {
-            return Err(ModelError::InvalidArgument(format!(
-                "Q4_1 needs a multiple of {BLOCK} columns, the matrix has {cols}"
-            )));
-        }
-        if let Some(v) = w.iter().find(|v| !v.is_finite()) {
-            return Err(ModelError::InvalidArgument(format!(
-                "Q4_1 of a matrix with the weight {v}"
-            )));
-        }
+        check_to_quantize("Q4_1", rows, cols, w)?;
         let mut blocks = Vec::with_capacity(rows * cols / BLOCK * 20);
         for chunk in w.chunks_exact(BLOCK) {
             let (min, max) = chunk.iter().fold((f32::MAX, f32::MIN), |(lo, hi), v| {
@@ -669,6 +644,29 @@ impl QuantMatrix {
             }
         }
     }
+}
+
+/// Refuses a matrix that cannot be cut into `ty` blocks of 32 weights (`rows x cols` row-major
+/// `w`): a wrong length, a column count that is not a multiple of 32, a weight that is not
+/// finite.
+fn check_to_quantize(ty: &str, rows: usize, cols: usize, w: &[f16]) -> Result<()> {
+    if w.len() != rows * cols {
+        return Err(ModelError::InvalidArgument(format!(
+            "{} values for a {rows} x {cols} matrix",
+            w.len()
+        )));
+    }
+    if !cols.is_multiple_of(BLOCK) {
+        return Err(ModelError::InvalidArgument(format!(
+            "{ty} needs a multiple of {BLOCK} columns, the matrix has {cols}"
+        )));
+    }
+    if let Some(v) = w.iter().find(|v| !v.is_finite()) {
+        return Err(ModelError::InvalidArgument(format!(
+            "{ty} of a matrix with the weight {v}"
+        )));
+    }
+    Ok(())
 }
 
 impl WeightFormat for QuantMatrix {

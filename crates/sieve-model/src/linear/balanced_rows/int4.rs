@@ -54,14 +54,60 @@ pub(super) struct Int4Records {
     record: usize,
     /// N, the values per record.
     slots: usize,
-    /// G, the input columns that share a scale.
-    columns: usize,
-    /// `ceil(K / G)`.
-    column_groups: usize,
     /// `groups · K · record` bytes, then [`TAIL`] zeros.
     data: Vec<u8>,
     /// The scales (module notes).
-    scales: Vec<f16>,
+    scales: GroupScales,
+}
+
+/// The 4-bit grids a matrix's rows lie on, as the kernels read their scales.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct GroupScales {
+    /// G, the input columns that share a scale.
+    pub(super) columns: usize,
+    /// `ceil(K / G)`.
+    pub(super) column_groups: usize,
+    /// f16 (exact: the detector accepts only f16 scales), `[(g · column_groups + j) · 16 + i]`
+    /// = row `16 g + i`, columns `j G .. (j + 1) G`; 0 for rows past M and for runs without
+    /// stored values.
+    per_group: Vec<f16>,
+}
+
+impl GroupScales {
+    /// The grids of the widest [`COLUMN_GROUPS`] size every row of `w` lies on, with the
+    /// scales per row (`M · column_groups` entries, row-major: what a build divides by), or
+    /// `None`.
+    pub(super) fn detect(w: &DenseMatrix) -> Option<(Self, Vec<f32>)> {
+        let (m, k) = (w.rows(), w.cols());
+        let (columns, per_row) = COLUMN_GROUPS
+            .iter()
+            .find_map(|&g| Some((g, detect_scales(w, g)?)))?;
+        let column_groups = k.div_ceil(columns);
+        let mut per_group = vec![f16::ZERO; m.div_ceil(GROUP) * column_groups * GROUP];
+        for (r, rs) in per_row.chunks(column_groups.max(1)).enumerate() {
+            let (g, i) = (r / GROUP, r % GROUP);
+            for (j, &s) in rs.iter().enumerate() {
+                per_group[(g * column_groups + j) * GROUP + i] = f16::from_f32(s);
+            }
+        }
+        let scales = Self {
+            columns,
+            column_groups,
+            per_group,
+        };
+        Some((scales, per_row))
+    }
+
+    /// The 16 scales of column group `j` of row group `g`.
+    pub(super) fn of(&self, g: usize, j: usize) -> &[f16] {
+        let at = (g * self.column_groups + j) * GROUP;
+        &self.per_group[at..at + GROUP]
+    }
+
+    /// The scales' bytes.
+    pub(super) fn bytes(&self) -> usize {
+        2 * self.per_group.len()
+    }
 }
 
 /// The nibble of grid index `q` (`|q| <= 7`).
@@ -82,19 +128,9 @@ impl Int4Records {
             return None;
         }
         let (m, k) = (w.rows(), w.cols());
-        let (columns, row_scales) = COLUMN_GROUPS
-            .iter()
-            .find_map(|&g| Some((g, detect_scales(w, g)?)))?;
-        let column_groups = k.div_ceil(columns);
+        let (scales, row_scales) = GroupScales::detect(w)?;
+        let (columns, column_groups) = (scales.columns, scales.column_groups);
         let groups = m.div_ceil(GROUP);
-        let mut scales = vec![f16::ZERO; groups * column_groups * GROUP];
-        for (r, rs) in row_scales.chunks(column_groups.max(1)).enumerate() {
-            let (g, i) = (r / GROUP, r % GROUP);
-            for (j, &s) in rs.iter().enumerate() {
-                // Exact: the detector only accepts f16 scales.
-                scales[(g * column_groups + j) * GROUP + i] = f16::from_f32(s);
-            }
-        }
         let record = 2 + slots.div_ceil(2);
         let group_len = k * record;
         let mut data = vec![0u8; groups * group_len + TAIL];
@@ -127,8 +163,6 @@ impl Int4Records {
         Some(Self {
             record,
             slots,
-            columns,
-            column_groups,
             data,
             scales,
         })
@@ -136,12 +170,12 @@ impl Int4Records {
 
     /// G, the input columns that share a scale.
     pub(super) fn columns(&self) -> usize {
-        self.columns
+        self.scales.columns
     }
 
     /// Bytes one matrix-vector product streams: records and scales.
     pub(super) fn layout_bytes(&self) -> usize {
-        self.data.len() - TAIL + 2 * self.scales.len()
+        self.data.len() - TAIL + self.scales.bytes()
     }
 
     fn group_len(&self, cols: usize) -> usize {
@@ -150,8 +184,8 @@ impl Int4Records {
 
     /// The active inputs of column group `j`: indices `a..b` into `p.cols`.
     fn active_range(&self, cols: usize, j: usize, p: &Prepared) -> (usize, usize) {
-        let c0 = j * self.columns;
-        let c1 = ((j + 1) * self.columns).min(cols);
+        let c0 = j * self.scales.columns;
+        let c1 = ((j + 1) * self.scales.columns).min(cols);
         (
             p.bounds[c0 / BOUND_STEP] as usize,
             p.bounds[c1.div_ceil(BOUND_STEP)] as usize,
@@ -160,8 +194,7 @@ impl Int4Records {
 
     /// The 16 scales of column group `j` of row group `g`.
     fn scales_of(&self, g: usize, j: usize) -> &[f16] {
-        let at = (g * self.column_groups + j) * GROUP;
-        &self.scales[at..at + GROUP]
+        self.scales.of(g, j)
     }
 
     /// `sums[i] = W[16 g + i] · x` through the kernels of `level`.
@@ -204,7 +237,7 @@ impl Int4Records {
     fn group_portable(&self, cols: usize, g: usize, p: &Prepared, sums: &mut [f32; GROUP]) {
         let base = g * self.group_len(cols);
         *sums = [0.0; GROUP];
-        for j in 0..self.column_groups {
+        for j in 0..self.scales.column_groups {
             let (a, b) = self.active_range(cols, j, p);
             if a == b {
                 continue;
@@ -245,7 +278,7 @@ impl Int4Records {
         let base = g * self.group_len(cols);
         for c in 0..cols {
             let at = base + c * self.record;
-            let scales = self.scales_of(g, c / self.columns);
+            let scales = self.scales_of(g, c / self.scales.columns);
             let mut bits = u16::from_le_bytes([self.data[at], self.data[at + 1]]);
             let mut t = 0;
             while bits != 0 {
@@ -261,7 +294,7 @@ impl Int4Records {
 
 /// Per row and column group of `columns`, the scale that puts the row's stored values there on
 /// a 4-bit grid (`m · ceil(K / columns)` entries, row-major), or `None` when one is off grid.
-pub(super) fn detect_scales(w: &DenseMatrix, columns: usize) -> Option<Vec<f32>> {
+fn detect_scales(w: &DenseMatrix, columns: usize) -> Option<Vec<f32>> {
     let (m, k) = (w.rows(), w.cols());
     let src = w.data();
     let per_row: Vec<Vec<f32>> = (0..m)
@@ -379,8 +412,8 @@ mod x86 {
         }
         let base = r.data.as_ptr().add(g * r.group_len(cols));
         let mut total = _mm512_setzero_ps();
-        let span = r.columns * r.record;
-        for j in 0..r.column_groups {
+        let span = r.scales.columns * r.record;
+        for j in 0..r.scales.column_groups {
             prefetch_ahead(base, j * span, span);
             let (a, e) = r.active_range(cols, j, p);
             if a == e {
@@ -409,7 +442,7 @@ mod x86 {
                     &mut s0,
                 );
             }
-            let sc = r.scales.as_ptr().add((g * r.column_groups + j) * GROUP);
+            let sc = r.scales.of(g, j).as_ptr();
             let sc = _mm512_cvtph_ps(_mm256_loadu_si256(sc as *const __m256i));
             total = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), sc, total);
         }
@@ -439,11 +472,8 @@ mod x86 {
         let mut tmp = [0u16; GROUP];
         let mut scales = _mm512_setzero_ps();
         for c in 0..cols {
-            if c % r.columns == 0 {
-                let sc = r
-                    .scales
-                    .as_ptr()
-                    .add((g * r.column_groups + c / r.columns) * GROUP);
+            if c % r.scales.columns == 0 {
+                let sc = r.scales.of(g, c / r.scales.columns).as_ptr();
                 let sc = _mm512_cvtph_ps(_mm256_loadu_si256(sc as *const __m256i));
                 scales = _mm512_mul_ps(sc, _mm512_set1_ps(1.0 / 16.0));
             }
@@ -482,8 +512,8 @@ mod x86 {
     ) {
         let base = r.data.as_ptr().add(g * r.group_len(cols));
         let mut total = _mm512_setzero_ps();
-        let span = r.columns * r.record;
-        for j in 0..r.column_groups {
+        let span = r.scales.columns * r.record;
+        for j in 0..r.scales.column_groups {
             prefetch_ahead(base, j * span, span);
             let (a, e) = r.active_range(cols, j, p);
             if a == e {
@@ -500,7 +530,7 @@ mod x86 {
                     *s,
                 );
             }
-            let sc = r.scales.as_ptr().add((g * r.column_groups + j) * GROUP);
+            let sc = r.scales.of(g, j).as_ptr();
             let sc = _mm512_cvtph_ps(_mm256_loadu_si256(sc as *const __m256i));
             total = _mm512_fmadd_ps(_mm512_add_ps(acc[0], acc[1]), sc, total);
         }
@@ -548,7 +578,7 @@ mod x86 {
         let high = _mm_set1_epi8(0xf0u8 as i8);
         let mut total = [_mm256_setzero_ps(); 2];
         let mut spread = [0u8; 16];
-        for j in 0..r.column_groups {
+        for j in 0..r.scales.column_groups {
             let (a, e) = r.active_range(cols, j, p);
             if a == e {
                 continue;
@@ -582,7 +612,7 @@ mod x86 {
                     from += mb.count_ones() as usize;
                 }
             }
-            let sc = r.scales.as_ptr().add((g * r.column_groups + j) * GROUP);
+            let sc = r.scales.of(g, j).as_ptr();
             for (h, (tot, s)) in total.iter_mut().zip(&acc).enumerate() {
                 let k = _mm256_cvtph_ps(_mm_loadu_si128(sc.add(8 * h) as *const __m128i));
                 *tot = _mm256_fmadd_ps(*s, k, *tot);

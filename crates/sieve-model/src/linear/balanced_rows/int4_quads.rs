@@ -37,7 +37,7 @@
 //! The portable kernel walks the tiles' bits with f32 activations (the reference, and the path
 //! for activations that are not finite).
 
-use super::int4::{detect_scales, BOUND_STEP, COLUMN_GROUPS};
+use super::int4::{GroupScales, BOUND_STEP};
 use super::{Prepared, SimdLevel, GROUP};
 use half::f16;
 use rayon::prelude::*;
@@ -70,14 +70,10 @@ pub(super) struct Int4Quads {
     slots: usize,
     /// `ceil(K / 4)`.
     quads: usize,
-    /// G, the input columns that share a scale.
-    columns: usize,
-    /// `ceil(K / G)`.
-    column_groups: usize,
     /// `groups · quads · record` bytes, then [`TAIL`] zeros.
     data: Vec<u8>,
     /// The scales (module notes).
-    scales: Vec<f16>,
+    scales: GroupScales,
 }
 
 /// One token's activations quantized for the quad kernel (module notes).
@@ -130,25 +126,15 @@ impl QuadActivations {
 
 impl Int4Quads {
     /// The quad records of `w` when every row lies on 4-bit grids of one of the
-    /// [`COLUMN_GROUPS`] sizes, else `None`.
+    /// [`super::int4::COLUMN_GROUPS`] sizes, else `None`.
     pub(super) fn build(w: &DenseMatrix, slots: usize) -> Option<Self> {
         if slots > GROUP {
             return None;
         }
         let (m, k) = (w.rows(), w.cols());
-        let (columns, row_scales) = COLUMN_GROUPS
-            .iter()
-            .find_map(|&g| Some((g, detect_scales(w, g)?)))?;
-        let column_groups = k.div_ceil(columns);
+        let (scales, row_scales) = GroupScales::detect(w)?;
+        let (columns, column_groups) = (scales.columns, scales.column_groups);
         let groups = m.div_ceil(GROUP);
-        let mut scales = vec![f16::ZERO; groups * column_groups * GROUP];
-        for (r, rs) in row_scales.chunks(column_groups.max(1)).enumerate() {
-            let (g, i) = (r / GROUP, r % GROUP);
-            for (j, &s) in rs.iter().enumerate() {
-                // Exact: the detector only accepts f16 scales.
-                scales[(g * column_groups + j) * GROUP + i] = f16::from_f32(s);
-            }
-        }
         let quads = k.div_ceil(QUAD);
         let record = 8 + 2 * slots;
         let group_len = quads * record;
@@ -184,8 +170,6 @@ impl Int4Quads {
             record,
             slots,
             quads,
-            columns,
-            column_groups,
             data,
             scales,
         })
@@ -193,12 +177,12 @@ impl Int4Quads {
 
     /// G, the input columns that share a scale.
     pub(super) fn columns(&self) -> usize {
-        self.columns
+        self.scales.columns
     }
 
     /// Bytes one matrix-vector product streams: records and scales.
     pub(super) fn layout_bytes(&self) -> usize {
-        self.data.len() - TAIL + 2 * self.scales.len()
+        self.data.len() - TAIL + self.scales.bytes()
     }
 
     fn group_len(&self) -> usize {
@@ -207,8 +191,7 @@ impl Int4Quads {
 
     /// The 16 scales of column group `j` of row group `g`.
     fn scales_of(&self, g: usize, j: usize) -> &[f16] {
-        let at = (g * self.column_groups + j) * GROUP;
-        &self.scales[at..at + GROUP]
+        self.scales.of(g, j)
     }
 
     /// Calls `f(i, c, q)` for every stored weight of group `g` (row `16 g + i`, column `c`,
@@ -263,10 +246,10 @@ impl Int4Quads {
         for (&c, &v) in p.cols.iter().zip(&p.xs) {
             x[c as usize] = v;
         }
-        let mut part = vec![[0f32; GROUP]; self.column_groups];
+        let mut part = vec![[0f32; GROUP]; self.scales.column_groups];
         self.for_each_stored(g, |i, c, q| {
             if x[c] != 0.0 {
-                part[c / self.columns][i] += q as f32 * x[c];
+                part[c / self.scales.columns][i] += q as f32 * x[c];
             }
         });
         *sums = [0.0; GROUP];
@@ -282,7 +265,7 @@ impl Int4Quads {
     pub(super) fn decode_group(&self, cols: usize, g: usize, rows: &mut [f16]) {
         debug_assert!(rows.len() <= GROUP * cols);
         self.for_each_stored(g, |i, c, q| {
-            let s = self.scales_of(g, c / self.columns)[i].to_f32();
+            let s = self.scales_of(g, c / self.scales.columns)[i].to_f32();
             rows[i * cols + c] = f16::from_f32(q as f32 * s);
         });
     }
@@ -295,7 +278,7 @@ impl Int4Quads {
         self.for_each_stored(g, |i, c, q| {
             let xq = (qa.packed[c / QUAD] >> (8 * (c % QUAD))) as u8 as i8;
             let b = c / BOUND_STEP;
-            let s = self.scales_of(g, c / self.columns)[i].to_f64();
+            let s = self.scales_of(g, c / self.scales.columns)[i].to_f64();
             sums[i] += q as f64 * xq as f64 * qa.factor[b] as f64 * 16.0 * s;
         });
         sums
@@ -392,8 +375,8 @@ mod x86 {
                 quad::<WIDE>(at, *xs.add(i), &mut s0);
             }
             let sums = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(offset));
-            let j = b * BOUND_STEP / r.columns;
-            let sc = r.scales.as_ptr().add((g * r.column_groups + j) * GROUP);
+            let j = b * BOUND_STEP / r.scales.columns;
+            let sc = r.scales.of(g, j).as_ptr();
             let sc = _mm512_cvtph_ps(_mm256_loadu_si256(sc as *const __m256i));
             let k = _mm512_mul_ps(sc, _mm512_set1_ps(factor));
             total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), k, total);

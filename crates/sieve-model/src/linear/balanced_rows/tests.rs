@@ -353,9 +353,13 @@ fn int8_detection_accepts_snapped_and_refuses_off_grid_matrices() {
     assert_eq!(FastBalancedCbc::new(&reference).values(), Values::F16);
 }
 
-#[test]
-fn int8_non_finite_activations_reach_only_the_rows_that_store_their_column() {
-    let w = snapped(&balanced_matrix(40, 70, 5, 11).unwrap());
+/// A 40 x 70 N = 5 matrix (`snap` puts it on integer grids) built by `build` at every level:
+/// inputs that are infinite or NaN reach exactly the rows that store their column.
+fn check_non_finite_inputs(
+    snap: impl Fn(&DenseMatrix) -> DenseMatrix,
+    build: impl Fn(&BalancedCbc) -> Option<FastBalancedCbc>,
+) {
+    let w = snap(&balanced_matrix(40, 70, 5, 11).unwrap());
     let reference = BalancedCbc::encode_with_slots(&w, 5).unwrap();
     let mut x = activations(70, 12);
     x[33] = f32::INFINITY;
@@ -363,7 +367,7 @@ fn int8_non_finite_activations_reach_only_the_rows_that_store_their_column() {
     let mut want = vec![0f32; 40];
     reference.matvec(&x, None, &mut want).unwrap();
     assert!(want.iter().any(|v| v.is_finite()) && want.iter().any(|v| !v.is_finite()));
-    let fast = FastBalancedCbc::with_int8(&reference).unwrap();
+    let fast = build(&reference).expect("a snapped matrix is on its grids");
     for level in SimdLevel::available() {
         let mut y = vec![0f32; 40];
         fast.matvec_with(level, &x, None, &mut y).unwrap();
@@ -381,6 +385,11 @@ fn int8_non_finite_activations_reach_only_the_rows_that_store_their_column() {
             }
         }
     }
+}
+
+#[test]
+fn int8_non_finite_activations_reach_only_the_rows_that_store_their_column() {
+    check_non_finite_inputs(snapped, FastBalancedCbc::with_int8);
 }
 
 proptest! {
@@ -699,31 +708,11 @@ fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
 
 #[test]
 fn int4_non_finite_activations_reach_only_the_rows_that_store_their_column() {
-    let w = snapped4(&balanced_matrix(40, 70, 5, 11).unwrap(), 32);
-    let reference = BalancedCbc::encode_with_slots(&w, 5).unwrap();
-    let mut x = activations(70, 12);
-    x[33] = f32::INFINITY;
-    x[50] = f32::NAN;
-    let mut want = vec![0f32; 40];
-    reference.matvec(&x, None, &mut want).unwrap();
-    assert!(want.iter().any(|v| v.is_finite()) && want.iter().any(|v| !v.is_finite()));
-    let fast = FastBalancedCbc::with_int4(&reference).unwrap();
-    for level in SimdLevel::available() {
-        let mut y = vec![0f32; 40];
-        fast.matvec_with(level, &x, None, &mut y).unwrap();
-        for (r, (g, e)) in y.iter().zip(&want).enumerate() {
-            assert_eq!(
-                g.is_finite(),
-                e.is_finite(),
-                "{level:?} row {r}: {g} vs {e}"
-            );
-            if e.is_finite() {
-                assert!(
-                    (g - e).abs() <= 1e-4 * e.abs().max(1.0),
-                    "{level:?} row {r}: {g} vs {e}"
-                );
-            }
-        }
+    for layout in int4_layouts() {
+        check_non_finite_inputs(
+            |w| snapped4(w, 32),
+            |b| FastBalancedCbc::with_int4_layout(b, layout),
+        );
     }
 }
 
