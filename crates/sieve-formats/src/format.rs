@@ -128,6 +128,13 @@ pub trait WeightFormat: Send + Sync + std::fmt::Debug {
     /// Appends this format's payload (everything needed to rebuild it) to `out`.
     fn write_payload(&self, out: &mut blob::ByteWriter);
 
+    /// Bytes this matrix holds in memory for its products: what one matrix-vector product
+    /// streams at most. The stored bytes unless a CPU layout built at load differs from the
+    /// blob (the 8-bit and 4-bit Balanced-CBC records, for instance).
+    fn cpu_bytes(&self) -> usize {
+        self.storage().total_bytes()
+    }
+
     /// The concrete type, for callers that run several matrices of one implementation
     /// together (e.g. products that share one quantized input). `None` unless overridden.
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -9,7 +9,8 @@
 //! and how many columns a product skips depends on the activations.
 //!
 //! Bytes per token: what one decode step reads of the weights in the worst case (every layer's
-//! stored weight bytes plus the LM head); column formats under a threshold read less.
+//! bytes as the CPU holds them, `WeightFormat::cpu_bytes`, plus the LM head); column formats
+//! under a threshold read less.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -53,7 +54,9 @@ pub struct CpuBenchRow {
     pub model: String,
     /// The formats of the layer products, e.g. `tiled-cbc x210, dense x1`.
     pub formats: String,
-    /// Stored bytes of every linear (layers and LM head): one decode step reads at most this.
+    /// Bytes of every linear (layers and LM head) as the CPU holds them (`cpu_bytes`: the
+    /// 8-bit and 4-bit records, not the f16 blob they were built from): one decode step reads
+    /// at most this.
     pub weight_bytes: usize,
     /// Median prefill tokens/s over the rounds, and every round's value.
     pub prefill_tok_s: f64,
@@ -170,7 +173,7 @@ fn describe(model: &Model) -> (String, usize) {
             (false, kind) => kind.name(),
         };
         *counts.entry(name.to_string()).or_default() += 1;
-        bytes += f.storage().total_bytes();
+        bytes += f.cpu_bytes();
     }
     let formats = counts
         .iter()

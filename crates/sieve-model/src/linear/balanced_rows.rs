@@ -578,6 +578,9 @@ fn groups_per_task(groups: usize) -> usize {
 }
 
 impl WeightFormat for FastBalancedCbc {
+    fn cpu_bytes(&self) -> usize {
+        self.cpu_layout_bytes()
+    }
     fn kind(&self) -> FormatKind {
         FormatKind::BalancedCbc
     }

@@ -369,6 +369,9 @@ fn expand_scalar(mask: u64, packed: &[u8], w: &mut [i8; COLS]) {
 }
 
 impl WeightFormat for Int4IeBme {
+    fn cpu_bytes(&self) -> usize {
+        self.cpu_layout_bytes()
+    }
     fn kind(&self) -> FormatKind {
         FormatKind::IeBme
     }

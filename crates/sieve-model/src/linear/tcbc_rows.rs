@@ -272,6 +272,9 @@ fn blocks_per_task(blocks: usize) -> usize {
 }
 
 impl WeightFormat for RowTiledCbc {
+    fn cpu_bytes(&self) -> usize {
+        self.cpu_layout_bytes()
+    }
     fn kind(&self) -> FormatKind {
         FormatKind::TiledCbc
     }
