@@ -168,11 +168,16 @@ fn describe(model: &Model) -> (String, usize) {
         .chain(heads)
     {
         let f = lin.format();
-        let name = match (lin.is_quantized_blocks(), f.kind()) {
-            (true, _) => "gguf-blocks",
-            (false, kind) => kind.name(),
+        let balanced = f
+            .as_any()
+            .and_then(|a| a.downcast_ref::<crate::linear::balanced_rows::FastBalancedCbc>());
+        let name = match (lin.block_type(), balanced, f.kind()) {
+            (Some(ty), _, _) => format!("gguf-blocks {ty:?}"),
+            // Which records the loader built (the blob is the same f16 for all of them).
+            (None, Some(b), kind) => format!("{} {}", kind.name(), b.values()),
+            (None, None, kind) => kind.name().to_string(),
         };
-        *counts.entry(name.to_string()).or_default() += 1;
+        *counts.entry(name).or_default() += 1;
         bytes += f.cpu_bytes();
     }
     let formats = counts

@@ -129,6 +129,13 @@ impl Linear {
     pub fn is_quantized_blocks(&self) -> bool {
         matches!(self.weight, Weight::Blocks(_))
     }
+    /// The GGUF block type, when the weights are quantized blocks.
+    pub fn block_type(&self) -> Option<quantized::BlockType> {
+        match &self.weight {
+            Weight::Blocks(q) => Some(q.block_type()),
+            _ => None,
+        }
+    }
     /// Replaces the weight matrix, keeping bias and threshold; the shape must not change.
     pub fn replace_format(&mut self, weight: Box<dyn WeightFormat>) -> Result<()> {
         if weight.rows() != self.rows() || weight.cols() != self.cols() {

@@ -113,6 +113,24 @@ pub enum Values {
     Int4 { columns: usize, layout: Int4Layout },
 }
 
+impl std::fmt::Display for Values {
+    /// `f16`, `int8`, `int4:G` or `int4:G quads` (as `sieve pack --values` names the grids).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Values::F16 => f.write_str("f16"),
+            Values::Int8 => f.write_str("int8"),
+            Values::Int4 {
+                columns,
+                layout: Int4Layout::Columns,
+            } => write!(f, "int4:{columns}"),
+            Values::Int4 {
+                columns,
+                layout: Int4Layout::Quads,
+            } => write!(f, "int4:{columns} quads"),
+        }
+    }
+}
+
 /// How 4-bit records are laid out (module notes of [`int4`] and [`int4_quads`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Int4Layout {
