@@ -184,7 +184,7 @@ struct Prepared {
     /// Whether every active input is finite (else the portable kernel runs, module notes).
     finite: bool,
     /// How many active inputs lie before each multiple of 32 columns (the 4-bit records'
-    /// column groups, [`int4::bounds`]).
+    /// column groups, [`int4::bounds`]; empty when no 4-bit records use this preparation).
     bounds: Vec<u32>,
     /// The active inputs quantized for the 4-bit quads (when asked for and all finite).
     quads: Option<QuadActivations>,
@@ -381,17 +381,21 @@ impl FastBalancedCbc {
         self.cols * (self.slots + 1)
     }
 
-    /// Whether products need the activations quantized for the 4-bit quads.
-    fn wants_quads(&self) -> bool {
-        matches!(self.packed, Some(Packed::Int4Quads(_)))
-    }
-
-    /// The active inputs of `x` for the kernels; quantized too when `quads` (and all finite).
-    fn prepare(&self, x: &[f32], threshold: Threshold, quads: bool) -> Prepared {
+    /// The active inputs of `x` for the kernels of `users` (matrices of `K = self.cols`
+    /// inputs); only what their records read is computed: the column-group bounds for 4-bit
+    /// records, the quantized activations for 4-bit quads (when all finite).
+    fn prepare(&self, x: &[f32], threshold: Threshold, users: &[&FastBalancedCbc]) -> Prepared {
         let (cols, xs) = active_inputs(x, threshold);
         let finite = xs.iter().all(|v| v.is_finite());
-        let bounds = int4::bounds(&cols, self.cols);
-        let quads = (quads && finite).then(|| QuadActivations::new(self.cols, &cols, &xs));
+        let uses =
+            |want: fn(&Packed) -> bool| users.iter().any(|m| m.packed.as_ref().is_some_and(want));
+        let bounds = if uses(|r| matches!(r, Packed::Int4(_))) {
+            int4::bounds(&cols, self.cols)
+        } else {
+            Vec::new()
+        };
+        let quads = (finite && uses(|r| matches!(r, Packed::Int4Quads(_))))
+            .then(|| QuadActivations::new(self.cols, &cols, &xs));
         Prepared {
             cols,
             xs,
@@ -488,7 +492,7 @@ impl FastBalancedCbc {
     ) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
         let level = level.or_portable();
-        let p = self.prepare(x, threshold, self.wants_quads());
+        let p = self.prepare(x, threshold, &[self]);
         let per = GROUP * groups_per_task(self.groups());
         y.par_chunks_mut(per).enumerate().for_each(|(t, out)| {
             for (i, o) in out.chunks_mut(GROUP).enumerate() {
@@ -572,7 +576,7 @@ pub fn matvec_group(
     };
     // Every matrix has K = x.len() columns (checked), so one preparation serves them all.
     let level = SimdLevel::detect().or_portable();
-    let p = first.prepare(x, threshold, mats.iter().any(|m| m.wants_quads()));
+    let p = first.prepare(x, threshold, mats);
     let per = GROUP * groups_per_task(mats.iter().map(|m| m.groups()).sum());
     let mut tasks: Vec<(&FastBalancedCbc, usize, &mut [f32])> = Vec::new();
     for (m, y) in mats.iter().zip(ys.iter_mut()) {

@@ -192,11 +192,6 @@ impl Int4Records {
         )
     }
 
-    /// The 16 scales of column group `j` of row group `g`.
-    fn scales_of(&self, g: usize, j: usize) -> &[f16] {
-        self.scales.of(g, j)
-    }
-
     /// `sums[i] = W[16 g + i] · x` through the kernels of `level`.
     pub(super) fn group(
         &self,
@@ -255,7 +250,7 @@ impl Int4Records {
                     bits &= bits - 1;
                 }
             }
-            for ((s, p), k) in sums.iter_mut().zip(&part).zip(self.scales_of(g, j)) {
+            for ((s, p), k) in sums.iter_mut().zip(&part).zip(self.scales.of(g, j)) {
                 *s += p * k.to_f32();
             }
         }
@@ -278,7 +273,7 @@ impl Int4Records {
         let base = g * self.group_len(cols);
         for c in 0..cols {
             let at = base + c * self.record;
-            let scales = self.scales_of(g, c / self.scales.columns);
+            let scales = self.scales.of(g, c / self.scales.columns);
             let mut bits = u16::from_le_bytes([self.data[at], self.data[at + 1]]);
             let mut t = 0;
             while bits != 0 {

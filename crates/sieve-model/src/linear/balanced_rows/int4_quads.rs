@@ -189,11 +189,6 @@ impl Int4Quads {
         self.quads * self.record
     }
 
-    /// The 16 scales of column group `j` of row group `g`.
-    fn scales_of(&self, g: usize, j: usize) -> &[f16] {
-        self.scales.of(g, j)
-    }
-
     /// Calls `f(i, c, q)` for every stored weight of group `g` (row `16 g + i`, column `c`,
     /// grid index `q`), quad by quad.
     fn for_each_stored(&self, g: usize, mut f: impl FnMut(usize, usize, i32)) {
@@ -254,7 +249,7 @@ impl Int4Quads {
         });
         *sums = [0.0; GROUP];
         for (j, p) in part.iter().enumerate() {
-            for ((s, p), k) in sums.iter_mut().zip(p).zip(self.scales_of(g, j)) {
+            for ((s, p), k) in sums.iter_mut().zip(p).zip(self.scales.of(g, j)) {
                 *s += p * k.to_f32();
             }
         }
@@ -265,7 +260,7 @@ impl Int4Quads {
     pub(super) fn decode_group(&self, cols: usize, g: usize, rows: &mut [f16]) {
         debug_assert!(rows.len() <= GROUP * cols);
         self.for_each_stored(g, |i, c, q| {
-            let s = self.scales_of(g, c / self.scales.columns)[i].to_f32();
+            let s = self.scales.of(g, c / self.scales.columns)[i].to_f32();
             rows[i * cols + c] = f16::from_f32(q as f32 * s);
         });
     }
@@ -278,7 +273,7 @@ impl Int4Quads {
         self.for_each_stored(g, |i, c, q| {
             let xq = (qa.packed[c / QUAD] >> (8 * (c % QUAD))) as u8 as i8;
             let b = c / BOUND_STEP;
-            let s = self.scales_of(g, c / self.scales.columns)[i].to_f64();
+            let s = self.scales.of(g, c / self.scales.columns)[i].to_f64();
             sums[i] += q as f64 * xq as f64 * qa.factor[b] as f64 * 16.0 * s;
         });
         sums

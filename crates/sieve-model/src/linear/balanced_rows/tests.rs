@@ -580,7 +580,7 @@ fn check_int4(
             let mut y = vec![f32::NAN; rows];
             fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
             if quantizes_activations(&fast, level) {
-                let p = fast.prepare(&x[..cols], t, true);
+                let p = fast.prepare(&x[..cols], t, &[&fast]);
                 let Some(Packed::Int4Quads(r)) = &fast.packed else {
                     unreachable!("built as quads");
                 };
