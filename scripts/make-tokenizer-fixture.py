@@ -9,7 +9,7 @@ Command (from the repository root):
     python3 scripts/make-tokenizer-fixture.py \
         ~/.cache/sieve/models/SmolLM2-135M-Instruct.Q4_1.gguf \
         crates/sieve-model/tests/fixtures/smollm2-tokens.json \
-        ../shared/data/wikitext-2/test.txt
+        data/wikitext-2/test.txt
 
 The primary reference is a from-scratch Python byte-level BPE written here (nothing shared with
 the Rust code under test): the vocabulary and merges come from the GGUF file, the text is split

@@ -1,6 +1,7 @@
 //! `sieve`: sparse LLM inference from the command line. Each subcommand lives in `commands/`.
 
 use clap::{Parser, Subcommand};
+use std::process::ExitCode;
 
 mod commands;
 
@@ -53,9 +54,23 @@ enum BenchCommand {
     Decode(commands::bench_decode::DecodeArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    // The server keeps Rust's ignored SIGPIPE: a client that hangs up must not end it.
+    if !matches!(cli.command, Command::Serve(_)) {
+        restore_sigpipe();
+    }
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            report(&e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Formats { command } => commands::formats::run(command),
         Command::Bench { command } => match command {
             BenchCommand::Other(c) => commands::bench_cpu::run_any(c),
@@ -66,5 +81,28 @@ fn main() -> anyhow::Result<()> {
         Command::Pack(args) => commands::pack::run(args),
         Command::Sim { command } => commands::sim::run(command),
         Command::Serve(args) => commands::serve::run(args),
+    }
+}
+
+/// A user's mistake is a message, not a stack trace: the error and its causes on one line.
+/// `SIEVE_DEBUG=1` adds the backtrace anyhow captured (when `RUST_BACKTRACE` asked for one);
+/// `RUST_BACKTRACE` alone does not, since it is often set globally. Panics keep Rust's report.
+fn report(e: &anyhow::Error) {
+    let debug = std::env::var_os("SIEVE_DEBUG").is_some_and(|v| !v.is_empty() && v != "0");
+    if debug {
+        eprintln!("error: {e:?}");
+    } else {
+        eprintln!("error: {e:#}");
+    }
+}
+
+/// Rust ignores SIGPIPE, so printing into a closed pipe (`sieve formats stats ... | head`) panics
+/// in `println!`. A command-line tool should end quietly instead, as `cat` does: restore the
+/// default action, which ends the process when the reader goes away.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in main, before any thread exists; SIG_DFL is a valid action.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

@@ -413,3 +413,36 @@ fn bench_and_sim_outputs_and_options_are_checked_before_any_work() {
         .collect();
     assert!(left.is_empty(), "files left behind: {left:?}");
 }
+
+/// A user's mistake prints one `error:` line with its causes, never a stack trace, even when
+/// `RUST_BACKTRACE` is set in the environment (issue 24); `SIEVE_DEBUG=1` asks for the trace.
+#[test]
+fn user_errors_print_a_message_not_a_backtrace() {
+    let dir = std::env::temp_dir().join(format!("sieve-cli-bt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let missing = dir.join("no-such-model.gguf");
+    let missing = missing.to_str().expect("utf-8 temp path");
+    for backtrace in ["0", "1", "full"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sieve"))
+            .env("RUST_BACKTRACE", backtrace)
+            .env("RUST_LIB_BACKTRACE", backtrace)
+            .env_remove("SIEVE_DEBUG")
+            .args(["generate", "--device", "cpu", "--model", missing, "hi"])
+            .output()
+            .expect("the sieve binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "RUST_BACKTRACE={backtrace}: {stderr}"
+        );
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains("no-such-model.gguf"),
+            "RUST_BACKTRACE={backtrace}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("backtrace") && !stderr.contains("Backtrace"),
+            "RUST_BACKTRACE={backtrace} printed a trace: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,6 +1,6 @@
 //! `sieve eval ppl`: perplexity over a text file.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -8,7 +8,8 @@ use sieve_model::generate::{init_threads, perplexity};
 use std::path::PathBuf;
 
 /// Evaluation text used when `--data` is not given, relative to the repository root.
-const DEFAULT_DATA: &str = "../shared/data/wikitext-2/test.txt";
+/// WikiText-2's test split (`model_path::default_text` says where it is looked for).
+const DEFAULT_DATA: &str = "test.txt";
 
 #[derive(Subcommand)]
 pub enum EvalCommand {
@@ -18,7 +19,7 @@ pub enum EvalCommand {
         /// Model file or directory (default: $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf).
         #[arg(long)]
         model: Option<PathBuf>,
-        /// Text file (default: ../shared/data/wikitext-2/test.txt next to the repository).
+        /// Text file (default: WikiText-2 test, from $SIEVE_HOME/data/wikitext-2/).
         #[arg(long)]
         data: Option<PathBuf>,
         /// Window length in tokens.
@@ -68,13 +69,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             }
             let data = match data {
                 Some(d) => d,
-                None => match super::model_path::find_near_repo(DEFAULT_DATA) {
-                    Some(p) => p,
-                    None => bail!(
-                        "no --data given and {DEFAULT_DATA} was not found next to the repository \
-                         root (looked from the current directory and the executable)"
-                    ),
-                },
+                None => super::model_path::default_text(DEFAULT_DATA).context("no --data given")?,
             };
             let path = super::model_path::resolve_model(model.as_deref())?;
             // `.sieve` files (by magic) and every other model layout.

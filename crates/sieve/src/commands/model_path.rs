@@ -41,9 +41,37 @@ pub fn resolve_model(explicit: Option<&Path>) -> Result<PathBuf> {
     }
 }
 
-/// Directories that may be the repository root: the current directory and its ancestors, the
-/// executable's ancestors (`target/release/sieve`), and the source tree this binary was built from.
-fn root_candidates() -> Vec<PathBuf> {
+/// The evaluation and calibration text sieve carries: WikiText-2's splits (`test.txt`,
+/// `valid.txt`), from `$SIEVE_HOME/data/wikitext-2/` (where `scripts/fetch-model.sh` puts them),
+/// else from the `data/wikitext-2/` folder of a checkout the command runs in or was built into
+/// (`target/release/sieve`). An installed `sieve` needs the first.
+pub fn default_text(file: &str) -> Result<PathBuf> {
+    let in_home = sieve_home().map(|h| h.join("data").join("wikitext-2").join(file));
+    if let Some(p) = in_home.as_ref().filter(|p| p.is_file()) {
+        return Ok(p.clone());
+    }
+    if let Some(p) = checkout_candidates()
+        .into_iter()
+        .filter(|dir| dir.join("Cargo.toml").is_file())
+        .map(|dir| dir.join("data").join("wikitext-2").join(file))
+        .find(|p| p.is_file())
+    {
+        return Ok(p);
+    }
+    let looked = in_home.map_or_else(
+        || "$SIEVE_HOME/data/wikitext-2".to_string(),
+        |p| p.display().to_string(),
+    );
+    bail!(
+        "the default text {looked} is missing; run `bash scripts/fetch-model.sh` from the sieve \
+         repository (it installs the model and WikiText-2 under $SIEVE_HOME), or pass a file"
+    )
+}
+
+/// Directories that may be a checkout's root: the current directory and its ancestors, and the
+/// executable's ancestors (`target/release/sieve`). Never the source path baked in at build time:
+/// an installed binary must not depend on where it was built.
+fn checkout_candidates() -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Ok(cwd) = std::env::current_dir() {
         out.extend(cwd.ancestors().map(Path::to_path_buf));
@@ -51,19 +79,5 @@ fn root_candidates() -> Vec<PathBuf> {
     if let Ok(exe) = std::env::current_exe() {
         out.extend(exe.ancestors().skip(1).map(Path::to_path_buf));
     }
-    out.extend(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .ancestors()
-            .map(Path::to_path_buf),
-    );
     out
-}
-
-/// Finds `relative` (e.g. `../shared/data/wikitext-2/test.txt`) next to the repository root.
-pub fn find_near_repo(relative: &str) -> Option<PathBuf> {
-    root_candidates()
-        .into_iter()
-        .filter(|dir| dir.join("Cargo.toml").is_file())
-        .map(|dir| dir.join(relative))
-        .find(|p| p.is_file())
 }

@@ -20,7 +20,8 @@ use sieve_prune::{Method, Pattern, SparseGptOptions};
 use std::path::PathBuf;
 
 /// Calibration text used when `--calib` is not given (never the test split).
-const DEFAULT_CALIB: &str = "../shared/data/wikitext-2/valid.txt";
+/// WikiText-2's validation split (`model_path::default_text` says where it is looked for).
+const DEFAULT_CALIB: &str = "valid.txt";
 
 #[derive(Args)]
 pub struct PackArgs {
@@ -62,7 +63,7 @@ pub struct PackArgs {
     /// decode step; costs some quality, docs/BENCHMARKS.md).
     #[arg(long, default_value = "q8_0")]
     head: String,
-    /// Calibration text (default: ../shared/data/wikitext-2/valid.txt next to the repository).
+    /// Calibration text (default: WikiText-2 valid, from $SIEVE_HOME/data/wikitext-2/).
     #[arg(long)]
     calib: Option<PathBuf>,
     /// Calibration windows.
@@ -129,12 +130,7 @@ pub fn run(args: PackArgs) -> Result<()> {
     }
     let calib = match args.calib {
         Some(c) => c,
-        None => match super::model_path::find_near_repo(DEFAULT_CALIB) {
-            Some(p) => p,
-            None => bail!(
-                "no --calib given and {DEFAULT_CALIB} was not found next to the repository root"
-            ),
-        },
+        None => super::model_path::default_text(DEFAULT_CALIB).context("no --calib given")?,
     };
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     // Checked before any work: --out is not an input nor a non-file, its directory takes files.
