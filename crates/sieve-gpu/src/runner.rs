@@ -24,6 +24,7 @@ use sieve_cuda::{dev_ptr, DriverContext, Gpu};
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
+use sieve_model::plan::{self, BlockSupport, Capabilities, Group, LayerOp, Norm, Plan, StepOp};
 
 /// One decoder layer as the runner uploads it.
 pub struct HostLayer {
@@ -69,21 +70,12 @@ pub enum StepPart {
     NoAttention,
 }
 
-/// One group of launches of a decode step.
+/// One group of launches of a decode step: an op of the model's plan
+/// (`sieve_model::plan::step_ops`, whose order this runner does not restate), or the step's end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Op {
-    Embed,
-    InputNorm(usize),
-    Qkv(usize),
-    Rope(usize),
-    Attention(usize),
-    OProj(usize),
-    PostNorm(usize),
-    GateUp(usize),
-    Silu(usize),
-    Down(usize),
-    FinalNorm,
-    LmHead,
+    /// An op of the plan other than [`StepOp::Next`].
+    Plan(StepOp),
     /// Sample the next token, or (false) take the next one from the history.
     Next(bool),
 }
@@ -91,14 +83,26 @@ enum Op {
 impl Op {
     fn category(self) -> Category {
         match self {
-            Op::Qkv(_) | Op::OProj(_) | Op::GateUp(_) | Op::Down(_) | Op::LmHead => {
-                Category::Linear
-            }
-            Op::Rope(_) | Op::Attention(_) => Category::Attention,
+            Op::Plan(StepOp::Layer(_, LayerOp::Product(_)) | StepOp::LmHead) => Category::Linear,
+            Op::Plan(StepOp::Layer(_, LayerOp::RopeKv | LayerOp::Attention)) => Category::Attention,
             _ => Category::Other,
         }
     }
 }
+
+/// What this runner executes of a plan (checked before anything is uploaded).
+pub const GPU_CAPABILITIES: Capabilities = Capabilities {
+    backend: "cuda",
+    formats: &[
+        FormatKind::Dense,
+        FormatKind::TiledCbc,
+        FormatKind::RlcCsc,
+        FormatKind::BalancedCbc,
+    ],
+    blocks: BlockSupport::DequantizedToF16,
+    bias_groups: &[Group::Qkv],
+    mixed_formats_in_layer: false,
+};
 
 /// Device buffers of a step (see `kernels/step.cu` for the layouts).
 struct Buffers {
@@ -181,34 +185,14 @@ impl GpuModel {
     /// cache for `capacity` positions (capped at the model's context).
     pub fn from_model(gpu: Gpu, model: &Model, capacity: usize) -> Result<Self> {
         let c = model.config().clone();
-        let mut notes = Vec::new();
-        let quantized = model
-            .layers()
-            .iter()
-            .any(|l| l.linears().iter().any(|(_, lin)| lin.is_quantized_blocks()))
-            || model.lm_head().is_quantized_blocks();
-        if quantized {
-            notes.push(
-                "GGUF quantized blocks are dequantized to f16 on upload (the GPU has no block kernels yet)".to_string(),
-            );
-        }
+        // What this runner cannot execute is refused here, naming the op and the format,
+        // before anything is decoded or uploaded.
+        let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
         let decode =
             |lin: &sieve_model::linear::Linear| -> Result<(DenseMatrix, Threshold, FormatKind)> {
                 Ok((lin.format().decode(), lin.threshold(), lin.format().kind()))
             };
         let head = decode(model.lm_head())?;
-        if model.lm_head().bias().is_some()
-            || model.layers().iter().any(|l| {
-                l.o_proj.bias().is_some()
-                    || l.gate_proj.bias().is_some()
-                    || l.up_proj.bias().is_some()
-                    || l.down_proj.bias().is_some()
-            })
-        {
-            return Err(GpuError::Unsupported(
-                "biases outside q/k/v are not supported by the GPU runner".into(),
-            ));
-        }
         let layers = model.layers();
         Self::build(
             gpu,
@@ -234,11 +218,6 @@ impl GpuModel {
                     layer.up_proj.format().kind(),
                     layer.down_proj.format().kind(),
                 ];
-                if kinds.iter().any(|k| *k != kinds[0]) {
-                    return Err(GpuError::Unsupported(format!(
-                        "layer {l} mixes weight formats {kinds:?}; the GPU runner uploads one format per layer"
-                    )));
-                }
                 let bias = match (
                     layer.q_proj.bias(),
                     layer.k_proj.bias(),
@@ -539,22 +518,11 @@ impl GpuModel {
     }
 
     fn ops(&self) -> Vec<Op> {
-        let mut ops = vec![Op::Embed];
-        for l in 0..self.layers.len() {
-            ops.extend([
-                Op::InputNorm(l),
-                Op::Qkv(l),
-                Op::Rope(l),
-                Op::Attention(l),
-                Op::OProj(l),
-                Op::PostNorm(l),
-                Op::GateUp(l),
-                Op::Silu(l),
-                Op::Down(l),
-            ]);
-        }
-        ops.extend([Op::FinalNorm, Op::LmHead]);
-        ops
+        plan::step_ops(self.layers.len())
+            .into_iter()
+            .filter(|op| *op != StepOp::Next)
+            .map(Op::Plan)
+            .collect()
     }
 
     fn launches_per_step(&self) -> usize {
@@ -578,10 +546,10 @@ impl GpuModel {
             dev_ptr(g, cache) + (l * self.capacity * row * 2) as u64
         };
         match op {
-            Op::Embed => {
+            Op::Plan(StepOp::Embed) => {
                 kernels::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
             }
-            Op::InputNorm(l) => kernels::rmsnorm_zero(
+            Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Attention))) => kernels::rmsnorm_zero(
                 g,
                 p(&b.x),
                 p(&self.layers[l].input_norm),
@@ -591,8 +559,10 @@ impl GpuModel {
                 p(&b.qkv),
                 b.qkv.len(),
             )?,
-            Op::Qkv(l) => self.layers[l].qkv.launch_add(g, p(&b.xn), p(&b.qkv))?,
-            Op::Rope(l) => kernels::rope_kv(
+            Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Qkv))) => {
+                self.layers[l].qkv.launch_add(g, p(&b.xn), p(&b.qkv))?
+            }
+            Op::Plan(StepOp::Layer(l, LayerOp::RopeKv)) => kernels::rope_kv(
                 g,
                 p(&b.qkv),
                 self.layers[l].qkv_bias.as_ref().map(p).unwrap_or(0),
@@ -605,7 +575,7 @@ impl GpuModel {
                 c.num_kv_heads,
                 c.head_dim,
             )?,
-            Op::Attention(l) => kernels::attention(
+            Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => kernels::attention(
                 g,
                 &self.attention,
                 p(&b.qkv),
@@ -615,8 +585,10 @@ impl GpuModel {
                 p(&b.part),
                 p(&b.att),
             )?,
-            Op::OProj(l) => self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))?,
-            Op::PostNorm(l) => kernels::rmsnorm_zero(
+            Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::O))) => {
+                self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))?
+            }
+            Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Mlp))) => kernels::rmsnorm_zero(
                 g,
                 p(&b.x),
                 p(&self.layers[l].post_norm),
@@ -626,10 +598,16 @@ impl GpuModel {
                 p(&b.gu),
                 b.gu.len(),
             )?,
-            Op::GateUp(l) => self.layers[l].gate_up.launch_add(g, p(&b.xn), p(&b.gu))?,
-            Op::Silu(_) => kernels::silu_mul(g, p(&b.gu), p(&b.h), c.intermediate_size)?,
-            Op::Down(l) => self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))?,
-            Op::FinalNorm => kernels::rmsnorm_zero(
+            Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::GateUp))) => {
+                self.layers[l].gate_up.launch_add(g, p(&b.xn), p(&b.gu))?
+            }
+            Op::Plan(StepOp::Layer(_, LayerOp::SwiGlu)) => {
+                kernels::silu_mul(g, p(&b.gu), p(&b.h), c.intermediate_size)?
+            }
+            Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Down))) => {
+                self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))?
+            }
+            Op::Plan(StepOp::FinalNorm) => kernels::rmsnorm_zero(
                 g,
                 p(&b.x),
                 p(&self.final_norm),
@@ -639,8 +617,8 @@ impl GpuModel {
                 p(&b.logits),
                 b.logits.len(),
             )?,
-            Op::LmHead => self.lm_head.launch_add(g, p(&b.xn), p(&b.logits))?,
-            Op::Next(true) => kernels::sample_token(
+            Op::Plan(StepOp::LmHead) => self.lm_head.launch_add(g, p(&b.xn), p(&b.logits))?,
+            Op::Plan(StepOp::Next) | Op::Next(true) => kernels::sample_token(
                 g,
                 p(&b.logits),
                 c.vocab_size,
@@ -1008,10 +986,12 @@ impl GpuModel {
         for op in self.ops() {
             self.launch(op)?;
             let site = match op {
-                Op::InputNorm(l) => Some((l, 0, &self.bufs.xn)),
-                Op::Attention(l) => Some((l, 1, &self.bufs.att)),
-                Op::PostNorm(l) => Some((l, 2, &self.bufs.xn)),
-                Op::Silu(l) => Some((l, 3, &self.bufs.h)),
+                Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Attention))) => {
+                    Some((l, 0, &self.bufs.xn))
+                }
+                Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => Some((l, 1, &self.bufs.att)),
+                Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Mlp))) => Some((l, 2, &self.bufs.xn)),
+                Op::Plan(StepOp::Layer(l, LayerOp::SwiGlu)) => Some((l, 3, &self.bufs.h)),
                 _ => None,
             };
             if let Some((l, s, buf)) = site {
@@ -1050,11 +1030,16 @@ impl GpuModel {
             end.record(&stream).during("recording an event")?;
             marks.push((op.category(), start, end));
             let input = match op {
-                Op::Qkv(l) => Some((&self.layers[l].qkv, &self.bufs.xn)),
-                Op::OProj(l) => Some((&self.layers[l].o, &self.bufs.att)),
-                Op::GateUp(l) => Some((&self.layers[l].gate_up, &self.bufs.xn)),
-                Op::Down(l) => Some((&self.layers[l].down, &self.bufs.h)),
-                Op::LmHead => Some((&self.lm_head, &self.bufs.xn)),
+                Op::Plan(StepOp::Layer(l, LayerOp::Product(group))) => {
+                    let layer = &self.layers[l];
+                    Some(match group {
+                        Group::Qkv => (&layer.qkv, &self.bufs.xn),
+                        Group::O => (&layer.o, &self.bufs.att),
+                        Group::GateUp => (&layer.gate_up, &self.bufs.xn),
+                        Group::Down => (&layer.down, &self.bufs.h),
+                    })
+                }
+                Op::Plan(StepOp::LmHead) => Some((&self.lm_head, &self.bufs.xn)),
                 _ => None,
             };
             if let Some((lin, buf)) = input {

@@ -711,3 +711,51 @@ fn models_from_env_match_cpu() {
         check_model_against_cpu(path, &mut model, 0.25);
     }
 }
+
+/// What the runner cannot execute is refused by the plan check before any upload (no GPU
+/// needed), naming the layer, the op, the projection and the format.
+#[test]
+fn the_plan_check_refuses_what_the_runner_cannot_execute() {
+    use sieve_formats::ie_bme::{IeBme, IeBmeOptions};
+    use sieve_gpu::runner::GPU_CAPABILITIES;
+    use sieve_model::plan::Plan;
+
+    let mut model = tiny_model(FormatKind::Dense, 0.0, 0.0, 11);
+    assert!(Plan::of(&model).check(&GPU_CAPABILITIES).is_ok());
+
+    // One layer's down_proj in another GPU format: one format per layer on the GPU.
+    let down = model.layers()[1].down_proj.format().decode();
+    model.layers_mut()[1]
+        .down_proj
+        .replace_format(Box::new(TiledCbc::encode(&down).unwrap()))
+        .unwrap();
+    let err = Plan::of(&model)
+        .check(&GPU_CAPABILITIES)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("layer 1") && err.contains("mlp.down_proj is TiledCbc"),
+        "{err}"
+    );
+
+    // A format without a GPU kernel.
+    let mut model = tiny_model(FormatKind::Dense, 0.0, 0.0, 12);
+    let gate = model.layers()[0].gate_proj.format().decode();
+    let ie = IeBme::encode(&gate, &IeBmeOptions::default()).unwrap();
+    model.layers_mut()[0]
+        .gate_proj
+        .replace_format(Box::new(ie))
+        .unwrap();
+    let err = Plan::of(&model)
+        .check(&GPU_CAPABILITIES)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("layer 0 gate|up") && err.contains("mlp.gate_proj") && err.contains("IeBme"),
+        "{err}"
+    );
+    // The CPU runs both.
+    assert!(Plan::of(&model)
+        .check(&sieve_model::plan::Capabilities::CPU)
+        .is_ok());
+}

@@ -11,7 +11,8 @@
 //! | [`tokenizer`] | BPE tokenizer from `tokenizer.json` or GGUF metadata, special tokens |
 //! | [`chat`] | chat templates (ChatML) |
 //! | [`linear`] | `Linear`: the seam where any weight format plugs into the model |
-//! | [`llama`] | the Llama-family forward pass with a KV cache |
+//! | [`plan`] | the model described once: the ops of a step, its products, backend capability checks |
+//! | [`llama`] | the Llama-family forward pass with a KV cache (the CPU executor of the plan) |
 //! | [`packed`] | a whole model (weights, tokenizer, thresholds) in a `.sieve` file |
 //! | [`packfile`] | the `.sieve` container: named, checksummed sections |
 //! | [`output`] | output files checked against the inputs, written via a temporary file |
@@ -29,6 +30,7 @@ pub mod llama;
 pub mod output;
 pub mod packed;
 pub mod packfile;
+pub mod plan;
 pub mod quant;
 pub mod safetensors_dir;
 pub mod sampling;

@@ -33,6 +33,7 @@
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::linear::{gemm, kernels, Linear};
+use crate::plan::{self, Group, LayerOp, Norm};
 use crate::weights::{Tensor, TensorSource};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -73,6 +74,24 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// The weight of one of the layer's two RMSNorms.
+    pub fn norm(&self, which: Norm) -> &[f32] {
+        match which {
+            Norm::Attention => &self.input_norm,
+            Norm::Mlp => &self.post_attention_norm,
+        }
+    }
+
+    /// The projections of a plan group, in [`Group::members`] order.
+    pub fn group(&self, group: Group) -> Vec<&Linear> {
+        match group {
+            Group::Qkv => vec![&self.q_proj, &self.k_proj, &self.v_proj],
+            Group::O => vec![&self.o_proj],
+            Group::GateUp => vec![&self.gate_proj, &self.up_proj],
+            Group::Down => vec![&self.down_proj],
+        }
+    }
+
     /// The layer's linears with their short names, read-only.
     pub fn linears(&self) -> [(&'static str, &Linear); 7] {
         [
@@ -320,6 +339,13 @@ fn apply_rope(buf: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: 
                 b[i] = x1 * c[i] + x0 * s[i];
             }
         }
+    }
+}
+
+/// `x += y`, the residual addition after o_proj and down_proj.
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
     }
 }
 
@@ -572,52 +598,55 @@ impl Model {
         let mut up = vec![0f32; n * inter];
         let row = cache.row;
         clock.lap(Phase::Embed);
+        // The layer as the plan writes it; each arm is this executor's kernel for the op.
         for (l, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            clock.lap(Phase::NormsResiduals);
-            Linear::forward_group(
-                &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
-                &xn,
-                n,
-                &mut [&mut q, &mut k, &mut v],
-            )?;
-            clock.lap(Phase::Qkv);
-            apply_rope(&mut q, nh, hd, &cos, &sin);
-            apply_rope(&mut k, nkv, hd, &cos, &sin);
-            let base = cache.layer_offset(l);
-            let span = base + p0 * row..base + (p0 + n) * row;
-            cache.k[span.clone()].convert_from_f32_slice(&k);
-            cache.v[span].convert_from_f32_slice(&v);
-            let keys = &cache.k[base..base + (p0 + n) * row];
-            let values = &cache.v[base..base + (p0 + n) * row];
-            clock.lap(Phase::RopeCache);
-            self.attention_cached(&q, keys, values, p0, n, &mut att);
-            clock.lap(Phase::Attention);
-            layer.o_proj.forward(&att, n, &mut proj)?;
-            clock.lap(Phase::OProj);
-            for (a, b) in x.iter_mut().zip(&proj) {
-                *a += b;
+            for op in plan::LAYER {
+                match op {
+                    LayerOp::Norm(which) => {
+                        rms_norm(&x, layer.norm(which), c.rms_norm_eps, &mut xn)
+                    }
+                    LayerOp::Product(Group::Qkv) => Linear::forward_group(
+                        &layer.group(Group::Qkv),
+                        &xn,
+                        n,
+                        &mut [&mut q, &mut k, &mut v],
+                    )?,
+                    LayerOp::RopeKv => {
+                        apply_rope(&mut q, nh, hd, &cos, &sin);
+                        apply_rope(&mut k, nkv, hd, &cos, &sin);
+                        let base = cache.layer_offset(l);
+                        let span = base + p0 * row..base + (p0 + n) * row;
+                        cache.k[span.clone()].convert_from_f32_slice(&k);
+                        cache.v[span].convert_from_f32_slice(&v);
+                    }
+                    LayerOp::Attention => {
+                        let base = cache.layer_offset(l);
+                        let keys = &cache.k[base..base + (p0 + n) * row];
+                        let values = &cache.v[base..base + (p0 + n) * row];
+                        self.attention_cached(&q, keys, values, p0, n, &mut att);
+                    }
+                    LayerOp::Product(Group::O) => {
+                        layer.o_proj.forward(&att, n, &mut proj)?;
+                        add_into(&mut x, &proj);
+                    }
+                    LayerOp::Product(Group::GateUp) => Linear::forward_group(
+                        &layer.group(Group::GateUp),
+                        &xn,
+                        n,
+                        &mut [&mut gate, &mut up],
+                    )?,
+                    LayerOp::SwiGlu => {
+                        for (g, u) in gate.iter_mut().zip(&up) {
+                            *g = silu(*g) * u;
+                        }
+                    }
+                    LayerOp::Product(Group::Down) => {
+                        layer.down_proj.forward(&gate, n, &mut proj)?;
+                        add_into(&mut x, &proj);
+                    }
+                }
+                clock.lap(Phase::of(op));
             }
-
-            rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
-            clock.lap(Phase::NormsResiduals);
-            Linear::forward_group(
-                &[&layer.gate_proj, &layer.up_proj],
-                &xn,
-                n,
-                &mut [&mut gate, &mut up],
-            )?;
-            clock.lap(Phase::GateUp);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
-            }
-            clock.lap(Phase::SiluMul);
-            layer.down_proj.forward(&gate, n, &mut proj)?;
-            clock.lap(Phase::Down);
-            for (a, b) in x.iter_mut().zip(&proj) {
-                *a += b;
-            }
-            clock.lap(Phase::NormsResiduals);
         }
         cache.len = p0 + n;
 
@@ -1147,50 +1176,70 @@ impl Model {
         let mut gate = vec![0f32; n * inter];
         let mut up = vec![0f32; n * inter];
         let (qw, kw) = (nh * hd, nkv * hd);
+        // The plan's layer again, with every product over the batch's rows and attention per
+        // sequence over its own cache.
         for (l, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut xn);
-            Linear::forward_rows_group(
-                &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
-                &xn,
-                n,
-                &mut [&mut q, &mut k, &mut v],
-            )?;
-            for (i, (cos, sin)) in tables.iter().enumerate() {
-                apply_rope(&mut q[i * qw..(i + 1) * qw], nh, hd, cos, sin);
-                apply_rope(&mut k[i * kw..(i + 1) * kw], nkv, hd, cos, sin);
-            }
-            caches
-                .par_iter_mut()
-                .zip(att.par_chunks_mut(qw))
-                .enumerate()
-                .for_each(|(i, (cache, out))| {
-                    let (row, p0) = (cache.row, cache.len);
-                    let base = cache.layer_offset(l);
-                    let at = base + p0 * row;
-                    cache.k[at..at + row].convert_from_f32_slice(&k[i * kw..(i + 1) * kw]);
-                    cache.v[at..at + row].convert_from_f32_slice(&v[i * kw..(i + 1) * kw]);
-                    let keys = &cache.k[base..base + (p0 + 1) * row];
-                    let values = &cache.v[base..base + (p0 + 1) * row];
-                    self.attention_cached(&q[i * qw..(i + 1) * qw], keys, values, p0, 1, out);
-                });
-            layer.o_proj.forward_rows(&att, n, &mut proj)?;
-            for (a, b) in x.iter_mut().zip(&proj) {
-                *a += b;
-            }
-
-            rms_norm(&x, &layer.post_attention_norm, c.rms_norm_eps, &mut xn);
-            Linear::forward_rows_group(
-                &[&layer.gate_proj, &layer.up_proj],
-                &xn,
-                n,
-                &mut [&mut gate, &mut up],
-            )?;
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
-            }
-            layer.down_proj.forward_rows(&gate, n, &mut proj)?;
-            for (a, b) in x.iter_mut().zip(&proj) {
-                *a += b;
+            for op in plan::LAYER {
+                match op {
+                    LayerOp::Norm(which) => {
+                        rms_norm(&x, layer.norm(which), c.rms_norm_eps, &mut xn)
+                    }
+                    LayerOp::Product(Group::Qkv) => Linear::forward_rows_group(
+                        &layer.group(Group::Qkv),
+                        &xn,
+                        n,
+                        &mut [&mut q, &mut k, &mut v],
+                    )?,
+                    LayerOp::RopeKv => {
+                        for (i, (cos, sin)) in tables.iter().enumerate() {
+                            apply_rope(&mut q[i * qw..(i + 1) * qw], nh, hd, cos, sin);
+                            apply_rope(&mut k[i * kw..(i + 1) * kw], nkv, hd, cos, sin);
+                        }
+                        for (i, cache) in caches.iter_mut().enumerate() {
+                            let at = cache.layer_offset(l) + cache.len * cache.row;
+                            let row = cache.row;
+                            cache.k[at..at + row].convert_from_f32_slice(&k[i * kw..(i + 1) * kw]);
+                            cache.v[at..at + row].convert_from_f32_slice(&v[i * kw..(i + 1) * kw]);
+                        }
+                    }
+                    LayerOp::Attention => caches
+                        .par_iter()
+                        .zip(att.par_chunks_mut(qw))
+                        .enumerate()
+                        .for_each(|(i, (cache, out))| {
+                            let (row, p0) = (cache.row, cache.len);
+                            let base = cache.layer_offset(l);
+                            let keys = &cache.k[base..base + (p0 + 1) * row];
+                            let values = &cache.v[base..base + (p0 + 1) * row];
+                            self.attention_cached(
+                                &q[i * qw..(i + 1) * qw],
+                                keys,
+                                values,
+                                p0,
+                                1,
+                                out,
+                            );
+                        }),
+                    LayerOp::Product(Group::O) => {
+                        layer.o_proj.forward_rows(&att, n, &mut proj)?;
+                        add_into(&mut x, &proj);
+                    }
+                    LayerOp::Product(Group::GateUp) => Linear::forward_rows_group(
+                        &layer.group(Group::GateUp),
+                        &xn,
+                        n,
+                        &mut [&mut gate, &mut up],
+                    )?,
+                    LayerOp::SwiGlu => {
+                        for (g, u) in gate.iter_mut().zip(&up) {
+                            *g = silu(*g) * u;
+                        }
+                    }
+                    LayerOp::Product(Group::Down) => {
+                        layer.down_proj.forward_rows(&gate, n, &mut proj)?;
+                        add_into(&mut x, &proj);
+                    }
+                }
             }
         }
         for cache in caches.iter_mut() {

@@ -34,6 +34,21 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// The phase an op of the plan's layer is counted in.
+    pub fn of(op: crate::plan::LayerOp) -> Phase {
+        use crate::plan::{Group, LayerOp};
+        match op {
+            LayerOp::Norm(_) => Phase::NormsResiduals,
+            LayerOp::Product(Group::Qkv) => Phase::Qkv,
+            LayerOp::RopeKv => Phase::RopeCache,
+            LayerOp::Attention => Phase::Attention,
+            LayerOp::Product(Group::O) => Phase::OProj,
+            LayerOp::Product(Group::GateUp) => Phase::GateUp,
+            LayerOp::SwiGlu => Phase::SiluMul,
+            LayerOp::Product(Group::Down) => Phase::Down,
+        }
+    }
+
     /// Every phase, in the order of a forward pass.
     pub const ALL: [Phase; 10] = [
         Phase::Embed,
