@@ -112,7 +112,9 @@ impl BalancedLowBit {
     /// stored values lie on the grids of `values` exactly; an error otherwise.
     pub fn from_matrix(w: &DenseMatrix, slots: usize, values: LowBitValues) -> Result<Self> {
         if slots == 0 || slots > LANE_ROWS {
-            return Err(CudaError::Option(format!("slots must be 1..=16, got {slots}")));
+            return Err(CudaError::Option(format!(
+                "slots must be 1..=16, got {slots}"
+            )));
         }
         if let LowBitValues::Int4 { group } = values {
             if !INT4_GROUPS.contains(&group) {
@@ -455,7 +457,11 @@ mod tests {
         let mut out = vec![0f32; m * k];
         let mut at = 0;
         for rt in 0..b.row_tiles {
-            let lanes = if rt + 1 == b.row_tiles { b.last_lanes } else { 32 };
+            let lanes = if rt + 1 == b.row_tiles {
+                b.last_lanes
+            } else {
+                32
+            };
             let bytes = (4 * (vw + iw) * lanes).div_ceil(16) * 16;
             for c in 0..k {
                 let blk = &b.blocks[at..at + bytes];
@@ -470,8 +476,12 @@ mod tests {
                         assert_eq!(seen & (1 << row), 0, "two slots on one row");
                         seen |= 1 << row;
                         let qv = match b.values {
-                            LowBitValues::Int8 => ((word(i / 4, j) >> (8 * (i % 4))) & 255) as i32 - 128,
-                            LowBitValues::Int4 { .. } => ((word(i / 8, j) >> (4 * (i % 8))) & 15) as i32 - 8,
+                            LowBitValues::Int8 => {
+                                ((word(i / 4, j) >> (8 * (i % 4))) & 255) as i32 - 128
+                            }
+                            LowBitValues::Int4 { .. } => {
+                                ((word(i / 8, j) >> (4 * (i % 8))) & 15) as i32 - 8
+                            }
                         };
                         let r = rt * TILE + 16 * j + row as usize;
                         let s = match b.values {

@@ -335,7 +335,8 @@ impl LowBitMatrix {
                                 word |= e[2 * i] << (4 * i);
                                 word |= e[2 * i + 1] << (16 + 4 * i);
                             }
-                            weights[at + 4 * j..at + 4 * j + 4].copy_from_slice(&word.to_le_bytes());
+                            weights[at + 4 * j..at + 4 * j + 4]
+                                .copy_from_slice(&word.to_le_bytes());
                         } else {
                             for (i, v) in e.iter().enumerate() {
                                 weights[at + 8 * j + i] = *v as u8;
@@ -649,7 +650,11 @@ mod tests {
                                 let w = u32::from_le_bytes(
                                     l.weights[at + 4 * j..at + 4 * j + 4].try_into().unwrap(),
                                 );
-                                let shift = if i % 2 == 0 { 4 * (i / 2) } else { 16 + 4 * (i / 2) };
+                                let shift = if i % 2 == 0 {
+                                    4 * (i / 2)
+                                } else {
+                                    16 + 4 * (i / 2)
+                                };
                                 ((w >> shift) & 15) as i32 - 8
                             } else {
                                 l.weights[at + 8 * j + i] as i32 - 128

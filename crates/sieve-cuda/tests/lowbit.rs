@@ -74,7 +74,14 @@ fn gpu_lowbit_kernels_match_reference() {
                 (1..=32).collect()
             };
             for n in ns {
-                check(&gpu, &m, &d, n, seed ^ n as u64, &format!("{} {rows}x{cols}", kind.name()));
+                check(
+                    &gpu,
+                    &m,
+                    &d,
+                    n,
+                    seed ^ n as u64,
+                    &format!("{} {rows}x{cols}", kind.name()),
+                );
             }
         }
     }
@@ -94,8 +101,92 @@ fn gpu_gguf_blocks_match_reference() {
         let m8 = LowBitMatrix::from_q8_0(rows, cols, &b8).unwrap();
         let d8 = GpuLowBit::upload_q8_0(&gpu, rows, cols, &b8).unwrap();
         for n in [1usize, 2, 3, 8, 13, 32] {
-            check(&gpu, &m4, &d4, n, 3 + n as u64, &format!("q4_0 {rows}x{cols}"));
-            check(&gpu, &m8, &d8, n, 4 + n as u64, &format!("q8_0 {rows}x{cols}"));
+            check(
+                &gpu,
+                &m4,
+                &d4,
+                n,
+                3 + n as u64,
+                &format!("q4_0 {rows}x{cols}"),
+            );
+            check(
+                &gpu,
+                &m8,
+                &d8,
+                n,
+                4 + n as u64,
+                &format!("q8_0 {rows}x{cols}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_balanced_lowbit_matches_reference() {
+    use sieve_cuda::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
+    use sieve_cuda::{matvec_host, GpuAccumulate, GpuMatVec};
+    use sieve_formats::random::{balanced_matrix, threshold_for_sparsity};
+    use sieve_formats::reference::matvec_f64;
+    let Some(gpu) = gpu_or_skip("gpu_balanced_lowbit_matches_reference") else {
+        return;
+    };
+    let shapes: &[(usize, usize)] = &[
+        (1, 1),
+        (7, 5),
+        (33, 63),
+        (513, 300),
+        (1100, 129),
+        (4096, 4096),
+    ];
+    for (si, &(rows, cols)) in shapes.iter().enumerate() {
+        let big = rows * cols > 1_000_000;
+        let slot_set: &[usize] = if big {
+            &[8]
+        } else {
+            &[1, 3, 4, 5, 8, 9, 12, 16]
+        };
+        for &slots in slot_set {
+            let w = balanced_matrix(rows, cols, slots, 100 + si as u64 + slots as u64).unwrap();
+            for values in [
+                LowBitValues::Int8,
+                LowBitValues::Int4 { group: 32 },
+                LowBitValues::Int4 { group: 64 },
+                LowBitValues::Int4 { group: 128 },
+            ] {
+                let (enc, snapped) = snap_balanced(&w, slots, values).unwrap();
+                let mut d = GpuBalancedLowBit::upload(&gpu, &enc).unwrap();
+                let cpws: &[usize] = if big { &[0] } else { &[0, 16, 32] };
+                for &cpw in cpws {
+                    d.cols_per_warp = cpw;
+                    for dp in [0.0, 0.5, 0.9] {
+                        let x = activations(cols, 7 + slots as u64);
+                        let t = threshold_for_sparsity(&x, dp).unwrap();
+                        let want = matvec_f64(&snapped, &x, t);
+                        let got = matvec_host(&gpu, &d, &x, t).unwrap();
+                        let e = max_rel_error(&got, &want);
+                        let what = format!(
+                            "{rows}x{cols} n={slots} {} cpw={cpw} dp={dp}",
+                            values.name()
+                        );
+                        assert!(e < TOL, "{what}: rel error {e}");
+                        // Accumulating form: y (holding the product) += product.
+                        let xd = gpu.upload(&x).unwrap();
+                        let y = gpu.upload(&got).unwrap();
+                        d.launch_add(
+                            &gpu,
+                            sieve_cuda::dev_ptr(&gpu, &xd),
+                            t,
+                            sieve_cuda::dev_ptr(&gpu, &y),
+                        )
+                        .unwrap();
+                        gpu.synchronize().unwrap();
+                        let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
+                        let e = max_rel_error(&gpu.download(&y).unwrap(), &twice);
+                        assert!(e < TOL, "{what} accumulate: rel error {e}");
+                        assert_eq!(d.rows(), rows);
+                    }
+                }
+            }
         }
     }
 }

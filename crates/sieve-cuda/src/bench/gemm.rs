@@ -16,8 +16,7 @@ use crate::dense::{Cublas, GpuDense};
 use crate::error::{CudaError, Result};
 use crate::gpu::{DeviceInfo, Gpu};
 use crate::lowbit::{
-    pad_activations, quantize_q4_0, quantize_q8_0, GpuLowBit, LowBitKind, LowBitMatrix,
-    MAX_TOKENS,
+    pad_activations, quantize_q4_0, quantize_q8_0, GpuLowBit, LowBitKind, LowBitMatrix, MAX_TOKENS,
 };
 use crate::timing::{copy_bandwidth_gbs, time_launches, Timing};
 use crate::GpuMatVec;
@@ -159,8 +158,7 @@ impl GemmBenchOptions {
                 return bad(format!("sparsity {v} outside [0, 1)"));
             }
         }
-        if self.reps == 0 || (self.graph && (self.graph_launches == 0 || self.graph_replays == 0))
-        {
+        if self.reps == 0 || (self.graph && (self.graph_launches == 0 || self.graph_replays == 0)) {
             return bad("--reps, --graph-launches and --graph-replays must be positive".into());
         }
         let mut shapes = Vec::new();
@@ -232,7 +230,13 @@ impl Ctx<'_> {
 
     /// Event timing, then (with `graph`) graph replays after which `y` is checked against
     /// `want`.
-    fn time<F>(&self, copies: usize, y: &mut CudaSlice<f32>, want: &[f64], mut launch: F) -> Result<Timed>
+    fn time<F>(
+        &self,
+        copies: usize,
+        y: &mut CudaSlice<f32>,
+        want: &[f64],
+        mut launch: F,
+    ) -> Result<Timed>
     where
         F: FnMut(usize, &mut CudaSlice<f32>) -> Result<()>,
     {
@@ -372,10 +376,13 @@ pub fn run(opts: &GemmBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<Ge
         l2 >> 20
     ));
     let copy_gbs = copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
-    progress(&format!("copy bandwidth (read + write): {copy_gbs:.0} GB/s"));
-    let empty_launch_us =
-        time_launches(&gpu, 10, 200, |_| crate::timing::spin(&gpu, 0))?.median_us;
-    progress(&format!("empty kernel launch (event-bracketed median): {empty_launch_us:.2} µs"));
+    progress(&format!(
+        "copy bandwidth (read + write): {copy_gbs:.0} GB/s"
+    ));
+    let empty_launch_us = time_launches(&gpu, 10, 200, |_| crate::timing::spin(&gpu, 0))?.median_us;
+    progress(&format!(
+        "empty kernel launch (event-bracketed median): {empty_launch_us:.2} µs"
+    ));
     let _workspace = if opts.graph {
         Some(super::graph::CublasWorkspace::bind(
             &gpu,
@@ -568,7 +575,15 @@ impl GemmReport {
             let _ = write!(
                 s,
                 "| {} | {}x{} | {} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} |",
-                r.precision, r.m, r.k, r.n, r.sp, r.dp, r.us, r.speedup_vs_cublas, r.gbs,
+                r.precision,
+                r.m,
+                r.k,
+                r.n,
+                r.sp,
+                r.dp,
+                r.us,
+                r.speedup_vs_cublas,
+                r.gbs,
                 r.pct_copy_bw
             );
             if graph {
