@@ -284,10 +284,12 @@ fn compile_log(source: &str, options: &[String]) -> Option<String> {
 }
 
 /// All kernel families of this crate.
-pub fn families() -> [KernelFamily; 4] {
+pub fn families() -> [KernelFamily; 6] {
     [
         crate::balanced_cbc::FAMILY,
+        crate::balanced_lowbit::FAMILY,
         crate::dense::FAMILY,
+        crate::lowbit::FAMILY,
         crate::rlc_csc::FAMILY,
         crate::tiled_cbc::FAMILY,
     ]

@@ -21,6 +21,7 @@
 //! ([`Report::markdown`], [`Report::write_outputs`], [`Report::check_correct`]).
 
 pub mod fused;
+pub mod gemm;
 pub mod graph;
 pub mod report;
 pub mod shapes;

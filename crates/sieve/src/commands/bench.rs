@@ -9,12 +9,83 @@ use sieve_cuda::bench::{FusedGroup, KernelBenchOptions, KernelFormat};
 pub enum BenchCommand {
     /// Time the GPU kernels of every format against cuBLAS on LLaMA layer shapes.
     Kernels(KernelsArgs),
+    /// Time the low-bit products (W4A16, W8A16, GGUF Q4_0/Q8_0, Balanced-CBC int8/int4)
+    /// against cuBLAS f16 at N = 1..32 tokens.
+    Gemm(GemmArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Kernels(a) => run_kernels(a),
+        BenchCommand::Gemm(a) => run_gemm(a),
     }
+}
+
+#[derive(Args, Debug)]
+pub struct GemmArgs {
+    /// Model shape sets (llama2-7b, llama2-13b, llama3-8b, llama2-70b) or MxK shapes.
+    #[arg(long, value_delimiter = ',', default_value = "llama2-7b")]
+    shapes: Vec<String>,
+    /// Tokens per product (1..=32).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    n: Vec<usize>,
+    /// Weight sparsities of the Balanced-CBC rows (N = round(16 (1 - sp)) of every 16 rows).
+    #[arg(long, value_delimiter = ',', default_value = "0.5")]
+    sp: Vec<f64>,
+    /// Activation sparsities (TEAL) of the Balanced-CBC rows.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.5")]
+    dp: Vec<f64>,
+    /// Precisions: f16 (cuBLAS, always timed as the baseline), w8a16, w4a16 (group 128),
+    /// gguf-q4_0, gguf-q8_0, bcbc-int8, bcbc-int4 (group 128), bcbc-f16 (N = 1 only).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "f16,w8a16,w4a16,gguf-q4_0,gguf-q8_0"
+    )]
+    precision: Vec<sieve_cuda::bench::gemm::Precision>,
+    #[arg(long, default_value_t = 100)]
+    reps: usize,
+    /// Also time every product as CUDA graph replays.
+    #[arg(long)]
+    graph: bool,
+    #[arg(long, default_value_t = 64)]
+    graph_launches: usize,
+    #[arg(long, default_value_t = 20)]
+    graph_replays: usize,
+    /// Write every row (and device facts) as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+impl GemmArgs {
+    fn options(&self) -> sieve_cuda::bench::gemm::GemmBenchOptions {
+        sieve_cuda::bench::gemm::GemmBenchOptions {
+            shapes: self.shapes.clone(),
+            n: self.n.clone(),
+            sp: self.sp.clone(),
+            dp: self.dp.clone(),
+            precisions: self.precision.clone(),
+            reps: self.reps,
+            graph: self.graph,
+            graph_launches: self.graph_launches,
+            graph_replays: self.graph_replays,
+            seed: self.seed,
+        }
+    }
+}
+
+pub fn run_gemm(a: GemmArgs) -> Result<()> {
+    let opts = a.options();
+    opts.validate()?;
+    let mut files = ReportFiles::open(a.json.as_deref(), None, &[])?;
+    let report = sieve_cuda::bench::gemm::run(&opts, &mut |line| eprintln!("{line}"))
+        .context("sieve bench gemm (needs a CUDA GPU)")?;
+    print!("{}", report.markdown());
+    files.write_json(|| Ok(report.to_json()?))?;
+    report.check_correct()?;
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -134,7 +205,9 @@ mod tests {
 
     fn parse(args: &[&str]) -> std::result::Result<KernelBenchOptions, clap::Error> {
         let cli = Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))?;
-        let BenchCommand::Kernels(a) = cli.command;
+        let BenchCommand::Kernels(a) = cli.command else {
+            panic!("not bench kernels");
+        };
         Ok(a.options())
     }
 

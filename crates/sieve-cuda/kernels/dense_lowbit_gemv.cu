@@ -1,0 +1,252 @@
+// Dense low-bit GEMV / small GEMM: Y (N x M, f32) = X (N x K, f16) · Wᵀ, W quantized,
+// N = 1..32 tokens, dequantized in registers and multiplied on the tensor cores
+// (mma.sync m16n8k16, f16 inputs, f32 accumulation). Four weight kinds (src/lowbit.rs):
+//
+//   kind         value of W[r][k]                        scale                      from
+//   w4 g128      s[r][k / 128] · (u - 8), u in 0..15     f16 per row and 128 columns sieve's W4A16
+//   w4 g32       s[r][k / 32]  · (u - 8)                 f16 per row and 32 columns  GGUF Q4_0
+//   w8 row       s[r] · (u - 128), u in 0..255           f32 per row                 sieve's W8A16
+//   w8 g32       s[r][k / 32]  · (u - 128)               f16 per row and 32 columns  GGUF Q8_0
+//
+// (4-bit weights are symmetric with the fixed zero point 8, as GPTQ's symmetric mode and Q4_0.)
+//
+// Device layout (built at upload, src/lowbit.rs `device_layout`): rows padded to Mp = 16 n,
+// columns to Kp = 128 n (padding: value 0, scale 0). Row tile rt = rows 16 rt .. 16 rt + 15;
+// k tile = 16 columns. The mma's A fragment of one (row tile, k tile), for lane (g = lane / 4,
+// c = lane % 4), is the 8 elements
+//
+//      e0 (g, 2c)    e1 (g, 2c+1)    e2 (g+8, 2c)    e3 (g+8, 2c+1)
+//      e4 (g, 2c+8)  e5 (g, 2c+9)    e6 (g+8, 2c+8)  e7 (g+8, 2c+9)      (row, column in tile)
+//
+//   4-bit: one u32, e(2i) in bits 4i..4i+3, e(2i+1) in bits 16+4i..19+4i, so that
+//          ((word >> 4i) & 0x000f000f) | 0x64006400 is the f16 pair (1024 + e(2i), 1024 + e(2i+1))
+//          and one f16x2 subtraction of (1032, 1032) gives the exact values u - 8: A register i;
+//   8-bit: two u32, bytes e0..e3 then e4..e7; a PRMT with 0x64 bytes makes (1024 + u, 1024 + u')
+//          and a subtraction of 1152 gives u - 128.
+//
+// A chunk is 512 bytes: 32 lanes x 16 bytes, lane l's uint4 = its fragments of 4 consecutive
+// k tiles (4-bit: 16 rows x 64 columns) or 2 (8-bit: 16 rows x 32 columns). The chunks of a
+// row tile follow each other along k, the row tiles one after the other:
+//
+//      chunk (rt, kc) at byte 512 (rt · chunks + kc);  lane l reads bytes 16 l .. 16 l + 15
+//      | l0 | l1 | l2 | ... | l31 |   one coalesced 128-bit load per lane, no other weight bytes
+//
+// Group scales (f16 kinds): one u32 per (row tile, group, g) = f16 pair (s[16rt+g], s[16rt+g+8]),
+// at ((rt · groups + group) · 8 + g): a lane loads the scales of its two rows with one 4-byte load.
+// Row scales (w8 row): f32 [Mp].
+//
+// Thread mapping: one block = one row tile, LB_WARPS = 8 warps splitting its K chunks into
+// contiguous ranges of whole scale groups (split-K inside the block, reduced in shared memory:
+// no atomics, no zeroing, each output written once). A warp streams its chunks in stages of
+// LB_BATCH = 4 (the loads of stage s + 1 and of its scales are issued before stage s is used:
+// 4 KB in flight per warp). Per k tile: dequantize the A fragment (4-bit: 4 SHF/LOP3 + 4
+// HSUB2), then per 8-token n tile load the B fragment (x[n = 8 nt + g][k0 + 2c, +1] and
+// [k0 + 2c + 8, +9], two 4-byte loads through L1, skipped for n >= N) and one mma. Group kinds
+// accumulate a group's mmas in `part`, then add part · scale of its row to `acc`: values are the
+// integers u - zero exactly, so the product differs from the CPU reference only by f32 rounding.
+// N tiles: NT = ceil(N / 8) per kernel instance (NT = 1 serves N = 1..8: the tensor cores have
+// the spare throughput; the weight bytes bound N <= 8).
+// x is N x ldx f16 (ldx >= Kp, columns K .. Kp zero), y N x ldy f32; `accumulate` adds to y.
+
+#define LB_WARPS 8
+#define LB_BATCH 4
+
+__device__ __forceinline__ u32 lb_sub_f16x2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 lb_prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ void lb_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 4-bit fragment word -> 4 A registers of exact f16 values u - 8.
+__device__ __forceinline__ void lb_frag4(u32 w, u32 a[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = lb_sub_f16x2(((w >> (4 * i)) & 0x000f000fu) | 0x64006400u, 0x64086408u);
+}
+
+// 8-bit fragment words -> 4 A registers of exact f16 values u - 128.
+__device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
+    a[0] = lb_sub_f16x2(lb_prmt(w0, 0x64646464u, 0x4140u), 0x64806480u);
+    a[1] = lb_sub_f16x2(lb_prmt(w0, 0x64646464u, 0x4342u), 0x64806480u);
+    a[2] = lb_sub_f16x2(lb_prmt(w1, 0x64646464u, 0x4140u), 0x64806480u);
+    a[3] = lb_sub_f16x2(lb_prmt(w1, 0x64646464u, 0x4342u), 0x64806480u);
+}
+
+__device__ __forceinline__ u32 lb_ldx(const f16_bits* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+
+// BITS: 4 or 8. GROUP: columns per scale (0: one f32 scale per row). NT: 8-token n tiles.
+template <int BITS, int GROUP, int NT>
+__device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const u32* __restrict__ gscales,
+                                              const float* __restrict__ rscales, const f16_bits* __restrict__ x,
+                                              int ldx, float* __restrict__ y, int ldy, int M, int N, int chunks,
+                                              int accumulate) {
+    constexpr int KTC = BITS == 4 ? 4 : 2;              // k tiles per chunk
+    constexpr int CK = 16 * KTC;                         // columns per chunk
+    constexpr int KPG = GROUP / 16;                      // k tiles per scale group (0: row scale)
+    constexpr int CPS = GROUP > CK ? GROUP / CK : 1;     // chunks per step (whole groups)
+    constexpr int U = LB_BATCH;                          // chunks per stage (a multiple of CPS)
+    constexpr int SPS = GROUP ? (U * CK) / GROUP : 1;    // scale groups per stage
+    static_assert(U % CPS == 0, "a stage holds whole groups");
+    __shared__ float red[LB_WARPS][NT * 8][17];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int rt = blockIdx.x;
+    const int steps = chunks / CPS;
+    const int spw = (steps + LB_WARPS - 1) / LB_WARPS;
+    const int c0 = min(warp * spw, steps) * CPS;
+    const int c1 = min((warp + 1) * spw, steps) * CPS;
+    const uint4* wp = w + (size_t)rt * chunks * 32 + lane;
+    const int groups = GROUP ? chunks * CK / GROUP : 1;
+    const u32* sp = gscales + (size_t)rt * groups * 8 + g;
+
+    uint4 buf[2][U];
+    u32 sb[2][SPS];
+    auto fetch = [&](int st, int cb) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (cb + u < c1) buf[st][u] = ld_stream16(wp + (size_t)(cb + u) * 32);
+        if (GROUP) {
+#pragma unroll
+            for (int s = 0; s < SPS; ++s) {
+                const int grp = cb * CK / (GROUP ? GROUP : 1) + s;
+                if (grp * GROUP < c1 * CK) sb[st][s] = __ldg(sp + (size_t)grp * 8);
+            }
+        }
+    };
+
+    float acc[NT][4], part[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = part[nt][i] = 0.f;
+
+    auto compute = [&](int st, int cb) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (cb + u >= c1) break;
+            const u32 words[4] = {buf[st][u].x, buf[st][u].y, buf[st][u].z, buf[st][u].w};
+#pragma unroll
+            for (int j = 0; j < KTC; ++j) {
+                u32 a[4];
+                if (BITS == 4)
+                    lb_frag4(words[j], a);
+                else
+                    lb_frag8(words[2 * j], words[2 * j + 1], a);
+                const int k0 = (cb + u) * CK + 16 * j + 2 * c;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int n = nt * 8 + g;
+                    u32 b0 = 0u, b1 = 0u;
+                    if (n < N) {
+                        const f16_bits* xr = x + (size_t)n * ldx + k0;
+                        b0 = lb_ldx(xr);
+                        b1 = lb_ldx(xr + 8);
+                    }
+                    lb_mma(GROUP ? part[nt] : acc[nt], a, b0, b1);
+                }
+                if (GROUP) {
+                    constexpr int kpg = KPG ? KPG : 1;
+                    const int t = u * KTC + j;  // k tile within the stage (stages start on a group)
+                    if ((t + 1) % kpg == 0) {
+                        const u32 s2 = sb[st][(t * 16) / (GROUP ? GROUP : 1)];
+                        const float s_lo = h2f((unsigned short)(s2 & 0xffffu));
+                        const float s_hi = h2f((unsigned short)(s2 >> 16));
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            acc[nt][0] = fmaf(part[nt][0], s_lo, acc[nt][0]);
+                            acc[nt][1] = fmaf(part[nt][1], s_lo, acc[nt][1]);
+                            acc[nt][2] = fmaf(part[nt][2], s_hi, acc[nt][2]);
+                            acc[nt][3] = fmaf(part[nt][3], s_hi, acc[nt][3]);
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) part[nt][i] = 0.f;
+                        }
+                    }
+                }
+            }
+        }
+    };
+
+    // Weights and scales are never written by another kernel: the first stage is fetched
+    // while a programmatic predecessor finishes.
+    pdl_release();
+    if (c0 < c1) fetch(0, c0);
+    pdl_wait();
+    for (int cb = c0; cb < c1; cb += 2 * U) {
+        if (cb + U < c1) fetch(1, cb + U);
+        compute(0, cb);
+        if (cb + U >= c1) break;
+        if (cb + 2 * U < c1) fetch(0, cb + 2 * U);
+        compute(1, cb + U);
+    }
+    if (!GROUP) {
+        const float s_lo = __ldg(rscales + 16 * rt + g), s_hi = __ldg(rscales + 16 * rt + g + 8);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            acc[nt][0] *= s_lo;
+            acc[nt][1] *= s_lo;
+            acc[nt][2] *= s_hi;
+            acc[nt][3] *= s_hi;
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        red[warp][nt * 8 + 2 * c][g] = acc[nt][0];
+        red[warp][nt * 8 + 2 * c + 1][g] = acc[nt][1];
+        red[warp][nt * 8 + 2 * c][g + 8] = acc[nt][2];
+        red[warp][nt * 8 + 2 * c + 1][g + 8] = acc[nt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NT * 8 * 16; i += blockDim.x) {
+        const int n = i >> 4, r = i & 15;
+        const int row = 16 * rt + r;
+        if (n >= N || row >= M) continue;
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < LB_WARPS; ++q) s += red[q][n][r];
+        float* o = y + (size_t)n * ldy + row;
+        *o = accumulate ? *o + s : s;
+    }
+}
+
+#define LB_ARGS                                                                                        \
+    const uint4 *__restrict__ w, const u32 *__restrict__ gscales, const float *__restrict__ rscales,   \
+        const f16_bits *__restrict__ x, int ldx, float *__restrict__ y, int ldy, int M, int N, int chunks, \
+        int accumulate
+#define LB_PASS w, gscales, rscales, x, ldx, y, ldy, M, N, chunks, accumulate
+#define LB_KERNEL(NAME, BITS, GROUP, NT)                                            \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME##_nt##NT(LB_ARGS) { \
+        lowbit_kernel<BITS, GROUP, NT>(LB_PASS);                                   \
+    }
+#define LB_KERNELS(NAME, BITS, GROUP) \
+    LB_KERNEL(NAME, BITS, GROUP, 1)   \
+    LB_KERNEL(NAME, BITS, GROUP, 2)   \
+    LB_KERNEL(NAME, BITS, GROUP, 3)   \
+    LB_KERNEL(NAME, BITS, GROUP, 4)
+LB_KERNELS(lowbit_w4g128, 4, 128)
+LB_KERNELS(lowbit_w4g32, 4, 32)
+LB_KERNELS(lowbit_w8row, 8, 0)
+LB_KERNELS(lowbit_w8g32, 8, 32)
+
+// f32 activations (n x K, row-major) -> f16 (n x ldx, columns K .. ldx zero): the decode
+// runner's activations into the low-bit kernels' input.
+extern "C" __global__ void lowbit_x_to_f16(const float* __restrict__ x, f16_bits* __restrict__ out, int K,
+                                           int ldx, int n) {
+    pdl_wait_then_release();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * ldx) return;
+    int row = i / ldx, k = i - row * ldx;
+    out[i] = k < K ? f2h(x[(size_t)row * K + k]) : (f16_bits)0;
+}

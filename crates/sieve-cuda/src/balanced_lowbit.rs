@@ -1,0 +1,530 @@
+//! Balanced-CBC with 8-bit or 4-bit values on the GPU: the packs `sieve pack --values
+//! int8|int4[:G]` make (every stored value `q · s` exactly, [`sieve_formats::value_grid`]) are
+//! detected at upload, as the CPU's records detect them, and multiplied from their integers by
+//! `kernels/balanced_cbc_lowbit.cu` (read its header for the block layout and thread mapping).
+//!
+//! [`BalancedLowBit`] is the CPU side: detection (or snapping, for benchmarks), the integers
+//! and scales, and the device blocks. The reference a kernel must match is the f64 product of
+//! the (snapped) f16 matrix: its values are the integers times the scales exactly.
+
+use crate::error::{CudaError, DriverContext, Result};
+use crate::gpu::{Gpu, KernelFamily};
+use crate::product::{check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use half::f16;
+use sieve_formats::balanced_cbc::BalancedCbc;
+use sieve_formats::matrix::is_zero;
+use sieve_formats::value_grid::{INT4, INT8};
+use sieve_formats::{DenseMatrix, Threshold, WeightFormat};
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "balanced_cbc_lowbit",
+    source: include_str!("../kernels/balanced_cbc_lowbit.cu"),
+};
+
+const TILE: usize = 512;
+const LANE_ROWS: usize = 16;
+const WARPS: u32 = 8;
+/// Column-group sizes tried for int4, widest first (as the CPU records do).
+pub const INT4_GROUPS: [usize; 3] = [128, 64, 32];
+
+/// What a stored value is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LowBitValues {
+    /// `s[r] · q`, |q| <= 127, one f32 scale per row.
+    Int8,
+    /// `s[r][k / group] · q`, |q| <= 7, one f16 scale per row and `group` columns.
+    Int4 { group: usize },
+}
+
+impl LowBitValues {
+    fn bits(self) -> usize {
+        match self {
+            LowBitValues::Int8 => 8,
+            LowBitValues::Int4 { .. } => 4,
+        }
+    }
+    fn value_words(self, slots: usize) -> usize {
+        match self {
+            LowBitValues::Int8 => slots.div_ceil(4),
+            LowBitValues::Int4 { .. } => slots.div_ceil(8),
+        }
+    }
+    pub fn name(self) -> String {
+        match self {
+            LowBitValues::Int8 => "int8".into(),
+            LowBitValues::Int4 { group } => format!("int4:{group}"),
+        }
+    }
+}
+
+/// A Balanced-CBC matrix with low-bit values, in the device layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BalancedLowBit {
+    values: LowBitValues,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+    row_tiles: usize,
+    last_lanes: usize,
+    /// Bytes per column over all row tiles.
+    column_bytes: usize,
+    blocks: Vec<u8>,
+    /// int8: `row_tiles · 512` f32; int4: `groups · row_tiles · 512`, `[group · mp + row]`.
+    scales: Vec<f32>,
+}
+
+/// The integers of `w` on the grids of `values` (row-major, 0 where nothing is stored) and
+/// the scales (int8: per row; int4: `[row · groups + group]`), or `None` when a row (group) is
+/// on no such grid.
+fn detect_grids(w: &DenseMatrix, values: LowBitValues) -> Option<(Vec<i8>, Vec<f32>)> {
+    let (m, k) = (w.rows(), w.cols());
+    let mut q = vec![0i8; m * k];
+    let (grid, span) = match values {
+        LowBitValues::Int8 => (INT8, k.max(1)),
+        LowBitValues::Int4 { group } => (INT4, group),
+    };
+    let groups = k.div_ceil(span).max(1);
+    let mut scales = vec![0f32; m * groups];
+    let mut stored = Vec::new();
+    let mut qs = Vec::new();
+    for r in 0..m {
+        let row = w.row(r);
+        for g in 0..groups {
+            let cols = g * span..((g + 1) * span).min(k);
+            stored.clear();
+            stored.extend(row[cols.clone()].iter().copied().filter(|v| !is_zero(*v)));
+            qs.resize(stored.len(), 0);
+            scales[r * groups + g] = grid.detect(&stored, &mut qs)?;
+            let mut it = qs.iter();
+            for c in cols {
+                if !is_zero(row[c]) {
+                    q[r * k + c] = *it.next()?;
+                }
+            }
+        }
+    }
+    Some((q, scales))
+}
+
+impl BalancedLowBit {
+    /// The device layout of `w` (at most `slots` nonzeros in every 16 rows of a column), whose
+    /// stored values lie on the grids of `values` exactly; an error otherwise.
+    pub fn from_matrix(w: &DenseMatrix, slots: usize, values: LowBitValues) -> Result<Self> {
+        if slots == 0 || slots > LANE_ROWS {
+            return Err(CudaError::Option(format!(
+                "slots must be 1..=16, got {slots}"
+            )));
+        }
+        if let LowBitValues::Int4 { group } = values {
+            if !INT4_GROUPS.contains(&group) {
+                return Err(CudaError::Option(format!(
+                    "int4 groups are 32, 64 or 128 columns, got {group}"
+                )));
+            }
+        }
+        let (q, scales) = detect_grids(w, values).ok_or_else(|| {
+            CudaError::Option(format!(
+                "the matrix's values are not on {} grids",
+                values.name()
+            ))
+        })?;
+        Self::build(w, slots, values, &q, &scales)
+    }
+
+    /// Detects the grids of a Balanced-CBC matrix as the CPU records do: int4 with the widest
+    /// group (128, 64, 32), then int8; `None` for f16 values.
+    pub fn detect(b: &BalancedCbc) -> Option<Self> {
+        let w = b.decode();
+        for group in INT4_GROUPS {
+            if let Ok(m) = Self::from_matrix(&w, b.slots(), LowBitValues::Int4 { group }) {
+                return Some(m);
+            }
+        }
+        Self::from_matrix(&w, b.slots(), LowBitValues::Int8).ok()
+    }
+
+    fn build(
+        w: &DenseMatrix,
+        slots: usize,
+        values: LowBitValues,
+        q: &[i8],
+        scales: &[f32],
+    ) -> Result<Self> {
+        let (m, k) = (w.rows(), w.cols());
+        if m > i32::MAX as usize || k > i32::MAX as usize {
+            return Err(CudaError::Option(format!(
+                "matrix {m} x {k} exceeds the kernels' 32-bit dimensions"
+            )));
+        }
+        let row_tiles = m.div_ceil(TILE);
+        let mp = row_tiles * TILE;
+        let last_lanes = if m == 0 {
+            32
+        } else {
+            (m - TILE * (row_tiles - 1)).div_ceil(LANE_ROWS)
+        };
+        let vw = values.value_words(slots);
+        let iw = slots.div_ceil(8);
+        let block = |lanes: usize| (4 * (vw + iw) * lanes).div_ceil(16) * 16;
+        let column_bytes = if row_tiles == 0 {
+            0
+        } else {
+            block(32) * (row_tiles - 1) + block(last_lanes)
+        };
+        let mut blocks = Vec::with_capacity(column_bytes * k);
+        let zero_code: u32 = if values.bits() == 8 { 128 } else { 8 };
+        for rt in 0..row_tiles {
+            let lanes = if rt + 1 == row_tiles { last_lanes } else { 32 };
+            let bytes = block(lanes);
+            for c in 0..k {
+                let mut b = vec![0u8; bytes];
+                for j in 0..lanes {
+                    let r0 = rt * TILE + j * LANE_ROWS;
+                    let mut rows_of = Vec::with_capacity(slots);
+                    let mut codes = Vec::with_capacity(slots);
+                    for s in 0..LANE_ROWS {
+                        let r = r0 + s;
+                        if r < m && !is_zero(w.get(r, c)) {
+                            rows_of.push(s as u32);
+                            codes.push((q[r * k + c] as i32 + zero_code as i32) as u32);
+                        }
+                    }
+                    if rows_of.len() > slots {
+                        return Err(CudaError::Option(format!(
+                            "column {c}, rows {r0}..{}: {} nonzeros, more than {slots} slots",
+                            r0 + 15,
+                            rows_of.len()
+                        )));
+                    }
+                    // Padding slots: zero codes on rows of their own (distinct accumulators).
+                    let free: Vec<u32> = (0..LANE_ROWS as u32)
+                        .filter(|s| !rows_of.contains(s))
+                        .collect();
+                    let pad = slots - rows_of.len();
+                    rows_of.extend_from_slice(&free[..pad]);
+                    codes.resize(slots, zero_code);
+                    let mut put = |word: usize, v: u32| {
+                        let o = 4 * (word * lanes + j);
+                        let cur = u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+                        b[o..o + 4].copy_from_slice(&(cur | v).to_le_bytes());
+                    };
+                    for (i, (&row, &code)) in rows_of.iter().zip(&codes).enumerate() {
+                        if values.bits() == 8 {
+                            put(i / 4, code << (8 * (i % 4)));
+                        } else {
+                            put(i / 8, code << (4 * (i % 8)));
+                        }
+                        put(vw + i / 8, row << (4 * (i % 8)));
+                    }
+                }
+                blocks.extend_from_slice(&b);
+            }
+        }
+        let dev_scales = match values {
+            LowBitValues::Int8 => (0..mp)
+                .map(|r| if r < m { scales[r] } else { 0.0 })
+                .collect(),
+            LowBitValues::Int4 { group } => {
+                let groups = k.div_ceil(group).max(1);
+                let mut s = vec![0f32; groups * mp];
+                for r in 0..m {
+                    for g in 0..groups {
+                        s[g * mp + r] = scales[r * groups + g];
+                    }
+                }
+                s
+            }
+        };
+        Ok(Self {
+            values,
+            rows: m,
+            cols: k,
+            slots,
+            row_tiles,
+            last_lanes,
+            column_bytes,
+            blocks,
+            scales: dev_scales,
+        })
+    }
+
+    pub fn values(&self) -> LowBitValues {
+        self.values
+    }
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+    /// Device bytes: blocks and scales.
+    pub fn device_bytes(&self) -> usize {
+        self.blocks.len() + 4 * self.scales.len()
+    }
+}
+
+/// Snaps a balanced matrix onto the grids of `values` (as `sieve pack --values` does: int8 per
+/// row, int4 per row and group; zeros stay zero, a value that rounds to 0 is dropped) and
+/// returns its device layout and the snapped f16 matrix (what the reference multiplies).
+pub fn snap_balanced(
+    w: &DenseMatrix,
+    slots: usize,
+    values: LowBitValues,
+) -> Result<(BalancedLowBit, DenseMatrix)> {
+    let (m, k) = (w.rows(), w.cols());
+    let (grid, span) = match values {
+        LowBitValues::Int8 => (INT8, k.max(1)),
+        LowBitValues::Int4 { group } => (INT4, group),
+    };
+    let mut out = Vec::with_capacity(m * k);
+    for r in 0..m {
+        let mut row: Vec<f32> = w.row(r).iter().map(|v| v.to_f32()).collect();
+        for chunk in row.chunks_mut(span) {
+            grid.snap_row(chunk)
+                .ok_or_else(|| CudaError::Option("a weight is not finite".into()))?;
+        }
+        out.extend(row.into_iter().map(f16::from_f32));
+    }
+    let snapped = DenseMatrix::new(m, k, out)?;
+    let enc = BalancedLowBit::from_matrix(&snapped, slots, values)?;
+    Ok((enc, snapped))
+}
+
+/// A [`BalancedLowBit`] on the device with its kernel.
+pub struct GpuBalancedLowBit {
+    values: LowBitValues,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+    row_tiles: usize,
+    last_lanes: usize,
+    column_bytes: usize,
+    scale_bytes: usize,
+    blocks: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+    flags: CudaSlice<u32>,
+    epoch: LaunchEpoch,
+    /// Columns per warp slice (0: chosen from the shape; int4: must divide the group).
+    pub cols_per_warp: usize,
+}
+
+impl GpuBalancedLowBit {
+    pub fn upload(gpu: &Gpu, b: &BalancedLowBit) -> Result<Self> {
+        Ok(Self {
+            values: b.values,
+            rows: b.rows,
+            cols: b.cols,
+            slots: b.slots,
+            row_tiles: b.row_tiles,
+            last_lanes: b.last_lanes,
+            column_bytes: b.column_bytes,
+            scale_bytes: 4 * b.scales.len(),
+            blocks: gpu.upload(&b.blocks)?,
+            scales: gpu.upload(&b.scales)?,
+            flags: gpu.upload(&vec![0u32; b.row_tiles.max(1)])?,
+            epoch: LaunchEpoch::default(),
+            cols_per_warp: 0,
+        })
+    }
+
+    fn effective_cols_per_warp(&self, gpu: &Gpu) -> Result<usize> {
+        let group = match self.values {
+            LowBitValues::Int4 { group } => group,
+            LowBitValues::Int8 => 64,
+        };
+        if self.cols_per_warp > 0 {
+            if self.cols_per_warp > 64 || !group.is_multiple_of(self.cols_per_warp) {
+                return Err(CudaError::Option(format!(
+                    "cols_per_warp must divide {} and be at most 64, got {}",
+                    group.min(64),
+                    self.cols_per_warp
+                )));
+            }
+            return Ok(self.cols_per_warp);
+        }
+        let target_warps = gpu.info().multiprocessors as usize * 24;
+        let per_warp = (self.cols * self.row_tiles).div_ceil(target_warps.max(1));
+        Ok(match self.values {
+            LowBitValues::Int8 => per_warp.div_ceil(8).saturating_mul(8).clamp(16, 64),
+            // A power of two dividing the group, nearest above the target.
+            LowBitValues::Int4 { group } => per_warp.next_power_of_two().clamp(16, group.min(64)),
+        })
+    }
+
+    fn enqueue(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        threshold: Threshold,
+        y: DevPtr,
+        flags: DevPtr,
+        epoch: u32,
+    ) -> Result<()> {
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        let name = match self.values {
+            LowBitValues::Int8 => format!("bcbc_int8_n{}", self.slots),
+            LowBitValues::Int4 { .. } => format!("bcbc_int4_n{}", self.slots),
+        };
+        let f = gpu.function(&FAMILY, &name)?;
+        let cpw = self.effective_cols_per_warp(gpu)?;
+        let slices = self.cols.div_ceil(cpw);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                self.row_tiles as u32,
+                (slices as u32).div_ceil(WARPS).max(1),
+                1,
+            ),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (m, k, t) = (self.rows as i32, self.cols as i32, threshold_arg(threshold));
+        let (cpw, last) = (cpw as i32, self.last_lanes as i32);
+        let group = match self.values {
+            LowBitValues::Int4 { group } => group as i32,
+            LowBitValues::Int8 => 0,
+        };
+        let mp = (self.row_tiles * TILE) as i32;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.blocks)
+            .arg(&self.scales)
+            .arg(&x)
+            .arg(&y)
+            .arg(&m)
+            .arg(&k)
+            .arg(&t)
+            .arg(&cpw)
+            .arg(&last)
+            .arg(&group)
+            .arg(&mp)
+            .arg(&flags)
+            .arg(&epoch);
+        unsafe { b.launch(cfg) }.during("launching bcbc low-bit spMspV")?;
+        Ok(())
+    }
+}
+
+impl GpuMatVec for GpuBalancedLowBit {
+    fn label(&self) -> String {
+        format!("balanced-cbc/n{}/{}", self.slots, self.values.name())
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn bytes_for(&self, active: &[bool]) -> usize {
+        let on = active.iter().filter(|a| **a).count();
+        on * self.column_bytes + self.scale_bytes + self.cols * 4 + self.rows * 4
+    }
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        threshold: Threshold,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_io(self, x, y)?;
+        if self.cols == 0 {
+            return gpu.zero_f32(y);
+        }
+        let epoch = self.epoch.next();
+        let (xp, yp) = (crate::dev_ptr(gpu, x), crate::dev_ptr(gpu, y));
+        let flags = crate::dev_ptr(gpu, &self.flags);
+        self.enqueue(gpu, xp, threshold, yp, flags, epoch)
+    }
+}
+
+impl GpuAccumulate for GpuBalancedLowBit {
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
+        self.enqueue(gpu, x, threshold, y, 0, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use sieve_formats::random::balanced_matrix;
+
+    /// Reads the blocks back the way the kernel does (codes, row nibbles, scales) into f32
+    /// weights.
+    fn read_back(b: &BalancedLowBit) -> Vec<f32> {
+        let (m, k, n) = (b.rows, b.cols, b.slots);
+        let vw = b.values.value_words(n);
+        let iw = n.div_ceil(8);
+        let mp = b.row_tiles * TILE;
+        let mut out = vec![0f32; m * k];
+        let mut at = 0;
+        for rt in 0..b.row_tiles {
+            let lanes = if rt + 1 == b.row_tiles {
+                b.last_lanes
+            } else {
+                32
+            };
+            let bytes = (4 * (vw + iw) * lanes).div_ceil(16) * 16;
+            for c in 0..k {
+                let blk = &b.blocks[at..at + bytes];
+                let word = |w: usize, j: usize| {
+                    let o = 4 * (w * lanes + j);
+                    u32::from_le_bytes(blk[o..o + 4].try_into().unwrap())
+                };
+                for j in 0..lanes {
+                    let mut seen = 0u32;
+                    for i in 0..n {
+                        let row = (word(vw + i / 8, j) >> (4 * (i % 8))) & 15;
+                        assert_eq!(seen & (1 << row), 0, "two slots on one row");
+                        seen |= 1 << row;
+                        let qv = match b.values {
+                            LowBitValues::Int8 => {
+                                ((word(i / 4, j) >> (8 * (i % 4))) & 255) as i32 - 128
+                            }
+                            LowBitValues::Int4 { .. } => {
+                                ((word(i / 8, j) >> (4 * (i % 8))) & 15) as i32 - 8
+                            }
+                        };
+                        let r = rt * TILE + 16 * j + row as usize;
+                        let s = match b.values {
+                            LowBitValues::Int8 => b.scales[r],
+                            LowBitValues::Int4 { group } => b.scales[(c / group) * mp + r],
+                        };
+                        if r < m {
+                            out[r * k + c] += qv as f32 * s;
+                        } else {
+                            assert_eq!(qv, 0);
+                        }
+                    }
+                }
+                at += bytes;
+            }
+        }
+        assert_eq!(at, b.blocks.len());
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+        /// Snapped matrices are detected, and the blocks hold exactly the snapped values.
+        #[test]
+        fn blocks_hold_the_snapped_values(rows in 1usize..1100, cols in 1usize..70, slots in 1usize..=16, seed in 0u64..1000, kind in 0usize..4) {
+            let values = [LowBitValues::Int8, LowBitValues::Int4 { group: 32 }, LowBitValues::Int4 { group: 64 }, LowBitValues::Int4 { group: 128 }][kind];
+            let w = balanced_matrix(rows, cols, slots, seed).unwrap();
+            let (enc, snapped) = snap_balanced(&w, slots, values).unwrap();
+            let got = read_back(&enc);
+            let want: Vec<f32> = snapped.data().iter().map(|v| v.to_f32()).collect();
+            prop_assert_eq!(got, want);
+            // Detection from the Balanced-CBC encoding finds a grid the values lie on.
+            let b = BalancedCbc::encode_with_slots(&snapped, slots).unwrap();
+            let d = BalancedLowBit::detect(&b).expect("detected");
+            let want2: Vec<f32> = b.decode().data().iter().map(|v| v.to_f32()).collect();
+            prop_assert_eq!(read_back(&d), want2);
+        }
+    }
+
+    #[test]
+    fn f16_values_are_not_detected() {
+        let w = balanced_matrix(40, 50, 8, 3).unwrap();
+        let b = BalancedCbc::encode_with_slots(&w, 8).unwrap();
+        assert!(BalancedLowBit::detect(&b).is_none());
+    }
+}

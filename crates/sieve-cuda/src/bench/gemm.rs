@@ -1,0 +1,654 @@
+//! `sieve bench gemm`: the low-bit products (dense W4A16 / W8A16, GGUF Q4_0 / Q8_0 blocks,
+//! Balanced-CBC with int8 / int4 values) against cuBLAS f16 at N = 1..32 tokens, with the
+//! rules of `sieve bench kernels` ([`super`]): weights rotate over device copies that together
+//! exceed 4x the L2, event-timed medians after warm-up (and with `graph` CUDA-graph replays),
+//! cuBLAS f16 on the same shape and N in the same run, and every kernel's output checked
+//! against its f64 CPU reference (with the same quantization) before it is timed.
+//!
+//! Activations are N x K f16 (one random matrix per shape; N tokens = its first N rows), outputs
+//! N x M f32. Balanced-CBC rows are matrix-vector products (N = 1) over f32 activations with a
+//! TEAL threshold that masks a fraction `dp`, on a balanced matrix of sparsity `sp`.
+
+use super::shapes::{shapes_of, Shape};
+use crate::balanced_cbc::GpuBalancedCbc;
+use crate::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
+use crate::dense::{Cublas, GpuDense};
+use crate::error::{CudaError, Result};
+use crate::gpu::{DeviceInfo, Gpu};
+use crate::lowbit::{
+    pad_activations, quantize_q4_0, quantize_q8_0, GpuLowBit, LowBitKind, LowBitMatrix, MAX_TOKENS,
+};
+use crate::timing::{copy_bandwidth_gbs, time_launches, Timing};
+use crate::GpuMatVec;
+use cudarc::driver::CudaSlice;
+use half::f16;
+use serde::Serialize;
+use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
+use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
+use sieve_formats::reference::max_rel_error;
+use std::fmt::Write as _;
+
+/// Largest relative error (max |got - want| / max |want|) that counts as correct.
+pub const MAX_REL_ERROR: f64 = 1e-3;
+const WARMUP: usize = 10;
+const GRAPH_WARMUP: usize = 2;
+
+/// A weight precision (`--precision`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Precision {
+    /// cuBLAS GemmEx, f16 weights (always timed: the baseline).
+    F16,
+    W8A16,
+    W4A16,
+    GgufQ4_0,
+    GgufQ8_0,
+    /// Balanced-CBC, int8 values with per-row scales (N = 1, sp / dp).
+    BcbcInt8,
+    /// Balanced-CBC, int4 values with f16 scales per row and 128 columns (N = 1, sp / dp).
+    BcbcInt4,
+    /// Balanced-CBC, f16 values (the existing kernel, for comparison; N = 1, sp / dp).
+    BcbcF16,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 8] = [
+        Precision::F16,
+        Precision::W8A16,
+        Precision::W4A16,
+        Precision::GgufQ4_0,
+        Precision::GgufQ8_0,
+        Precision::BcbcInt8,
+        Precision::BcbcInt4,
+        Precision::BcbcF16,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F16 => "f16",
+            Precision::W8A16 => "w8a16",
+            Precision::W4A16 => "w4a16",
+            Precision::GgufQ4_0 => "gguf-q4_0",
+            Precision::GgufQ8_0 => "gguf-q8_0",
+            Precision::BcbcInt8 => "bcbc-int8",
+            Precision::BcbcInt4 => "bcbc-int4",
+            Precision::BcbcF16 => "bcbc-f16",
+        }
+    }
+    fn is_balanced(self) -> bool {
+        matches!(
+            self,
+            Precision::BcbcInt8 | Precision::BcbcInt4 | Precision::BcbcF16
+        )
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = CudaError;
+    fn from_str(s: &str) -> Result<Self> {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Precision::ALL.iter().map(|p| p.name()).collect();
+                CudaError::Option(format!(
+                    "unknown precision '{s}' (known: {})",
+                    known.join(", ")
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What to measure.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GemmBenchOptions {
+    pub shapes: Vec<String>,
+    /// Tokens per product, each 1..=32.
+    pub n: Vec<usize>,
+    /// Weight sparsities of the Balanced-CBC rows.
+    pub sp: Vec<f64>,
+    /// Activation sparsities of the Balanced-CBC rows.
+    pub dp: Vec<f64>,
+    pub precisions: Vec<Precision>,
+    pub reps: usize,
+    pub graph: bool,
+    pub graph_launches: usize,
+    pub graph_replays: usize,
+    pub seed: u64,
+}
+
+impl Default for GemmBenchOptions {
+    fn default() -> Self {
+        Self {
+            shapes: vec!["llama2-7b".into()],
+            n: vec![1, 2, 4, 8, 16, 32],
+            sp: vec![0.5],
+            dp: vec![0.0, 0.5],
+            precisions: vec![
+                Precision::F16,
+                Precision::W8A16,
+                Precision::W4A16,
+                Precision::GgufQ4_0,
+                Precision::GgufQ8_0,
+            ],
+            reps: 100,
+            graph: false,
+            graph_launches: 64,
+            graph_replays: 20,
+            seed: 1,
+        }
+    }
+}
+
+impl GemmBenchOptions {
+    pub fn validate(&self) -> Result<Vec<Shape>> {
+        let bad = |m: String| Err(CudaError::Option(m));
+        if self.n.is_empty() || self.n.iter().any(|&n| n == 0 || n > MAX_TOKENS) {
+            return bad(format!("--n takes 1..={MAX_TOKENS} tokens"));
+        }
+        if self.precisions.is_empty() {
+            return bad("no precision given".into());
+        }
+        for v in self.sp.iter().chain(&self.dp) {
+            if !(0.0..1.0).contains(v) {
+                return bad(format!("sparsity {v} outside [0, 1)"));
+            }
+        }
+        if self.reps == 0 || (self.graph && (self.graph_launches == 0 || self.graph_replays == 0)) {
+            return bad("--reps, --graph-launches and --graph-replays must be positive".into());
+        }
+        let mut shapes = Vec::new();
+        for s in &self.shapes {
+            shapes.extend(shapes_of(s)?);
+        }
+        if shapes.is_empty() {
+            return bad("no shapes given".into());
+        }
+        Ok(shapes)
+    }
+}
+
+/// One measured product.
+#[derive(Serialize, Clone, Debug)]
+pub struct GemmRow {
+    pub precision: String,
+    pub model: String,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub sp: f64,
+    pub dp: f64,
+    pub us: f64,
+    pub us_min: f64,
+    /// cuBLAS f16's event time on the same shape and N over this one.
+    pub speedup_vs_cublas: f64,
+    /// Bytes one product reads and writes (weights, scales, metadata of the columns it reads,
+    /// activations, output).
+    pub bytes: usize,
+    pub gbs: f64,
+    pub pct_copy_bw: f64,
+    pub rel_error: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_speedup_vs_cublas: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_rel_error: Option<f64>,
+}
+
+#[derive(Serialize, Clone, Debug)]
+pub struct GemmReport {
+    pub device: DeviceInfo,
+    pub copy_gbs: f64,
+    pub empty_launch_us: f64,
+    pub reps: usize,
+    pub rows: Vec<GemmRow>,
+}
+
+struct Timed {
+    event: Timing,
+    graph: Option<(Timing, f64)>,
+}
+
+struct Ctx<'a> {
+    gpu: &'a Gpu,
+    opts: &'a GemmBenchOptions,
+    l2: usize,
+    copy_gbs: f64,
+    rows: Vec<GemmRow>,
+    progress: &'a mut dyn FnMut(&str),
+}
+
+impl Ctx<'_> {
+    fn copies(&self, bytes: usize) -> usize {
+        super::copies_for(bytes, self.l2)
+    }
+
+    /// Event timing, then (with `graph`) graph replays after which `y` is checked against
+    /// `want`.
+    fn time<F>(
+        &self,
+        copies: usize,
+        y: &mut CudaSlice<f32>,
+        want: &[f64],
+        mut launch: F,
+    ) -> Result<Timed>
+    where
+        F: FnMut(usize, &mut CudaSlice<f32>) -> Result<()>,
+    {
+        let gpu = self.gpu;
+        let event = time_launches(gpu, WARMUP, self.opts.reps, |i| launch(i, y))?;
+        if !self.opts.graph {
+            return Ok(Timed { event, graph: None });
+        }
+        let launches = super::graph::graph_launches(self.opts.graph_launches, copies);
+        let g = super::graph::capture(gpu, launches, |i| launch(i, y))?;
+        for _ in 0..GRAPH_WARMUP {
+            g.launch()?;
+        }
+        super::graph::poison(gpu, y)?;
+        let t = super::graph::time_replays(gpu, &g, launches, self.opts.graph_replays)?;
+        let got = gpu.download(y)?;
+        let err = max_rel_error(&got[..want.len()], want);
+        Ok(Timed {
+            event,
+            graph: Some((t, err)),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &mut self,
+        p: Precision,
+        shape: &Shape,
+        n: usize,
+        sp: f64,
+        dp: f64,
+        t: &Timed,
+        base: &Timed,
+        bytes: usize,
+        rel_error: f64,
+    ) {
+        let gbs = bytes as f64 / (t.event.median_us * 1e-6) / 1e9;
+        let row = GemmRow {
+            precision: p.name().into(),
+            model: shape.model.clone(),
+            m: shape.m,
+            k: shape.k,
+            n,
+            sp,
+            dp,
+            us: t.event.median_us,
+            us_min: t.event.min_us,
+            speedup_vs_cublas: base.event.median_us / t.event.median_us,
+            bytes,
+            gbs,
+            pct_copy_bw: 100.0 * gbs / self.copy_gbs,
+            rel_error,
+            graph_us: t.graph.map(|g| g.0.median_us),
+            graph_speedup_vs_cublas: match (t.graph, base.graph) {
+                (Some(g), Some(b)) => Some(b.0.median_us / g.0.median_us),
+                _ => None,
+            },
+            graph_rel_error: t.graph.map(|g| g.1),
+        };
+        (self.progress)(&format!(
+            "{:<10} {:>5}x{:<5} n={:<2} sp={:.2} dp={:.2} {:>8.2} µs {:>5.2}x cuBLAS {:>6.0} GB/s ({:>3.0}% copy){} err {:.1e}",
+            row.precision,
+            row.m,
+            row.k,
+            n,
+            sp,
+            dp,
+            row.us,
+            row.speedup_vs_cublas,
+            row.gbs,
+            row.pct_copy_bw,
+            match (row.graph_us, row.graph_speedup_vs_cublas) {
+                (Some(g), Some(s)) => format!(", graph {g:.2} µs {s:.2}x"),
+                _ => String::new(),
+            },
+            rel_error
+        ));
+        self.rows.push(row);
+    }
+}
+
+/// f64 products of the dequantized weights `w` (M x K row-major) with the first `n` rows of
+/// `x` (N x K), on all cores: `y` n x M.
+fn reference_product(w: &[f64], m: usize, k: usize, x: &[f64], n: usize) -> Vec<f64> {
+    let mut y = vec![0f64; n * m];
+    let threads = std::thread::available_parallelism()
+        .map(|t| t.get())
+        .unwrap_or(1)
+        .min(32);
+    let per = m.div_ceil(threads).max(1);
+    let parts: Vec<Vec<f64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..m.div_ceil(per))
+            .map(|ti| {
+                s.spawn(move || {
+                    let rows = ti * per..((ti + 1) * per).min(m);
+                    let mut out = vec![0f64; rows.len() * n];
+                    for (ri, r) in rows.enumerate() {
+                        let wr = &w[r * k..(r + 1) * k];
+                        for t in 0..n {
+                            let xr = &x[t * k..(t + 1) * k];
+                            out[ri * n + t] = wr.iter().zip(xr).map(|(a, b)| a * b).sum();
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (ti, part) in parts.iter().enumerate() {
+        for (ri, chunk) in part.chunks(n).enumerate() {
+            let r = ti * per + ri;
+            for t in 0..n {
+                y[t * m + r] = chunk[t];
+            }
+        }
+    }
+    y
+}
+
+/// The first `n` tokens' part of a reference computed for more tokens (`y` is tokens x M).
+fn first_tokens(y: &[f64], m: usize, n: usize) -> &[f64] {
+    &y[..n * m]
+}
+
+pub fn run(opts: &GemmBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<GemmReport> {
+    let shapes = opts.validate()?;
+    let gpu = Gpu::new(0)?;
+    let info = gpu.info().clone();
+    let l2 = info.l2_bytes.max(1 << 20);
+    progress(&format!(
+        "device: {} (sm_{}{}), {} SMs, L2 {} MB",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.multiprocessors,
+        l2 >> 20
+    ));
+    let copy_gbs = copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
+    progress(&format!(
+        "copy bandwidth (read + write): {copy_gbs:.0} GB/s"
+    ));
+    let empty_launch_us = time_launches(&gpu, 10, 200, |_| crate::timing::spin(&gpu, 0))?.median_us;
+    progress(&format!(
+        "empty kernel launch (event-bracketed median): {empty_launch_us:.2} µs"
+    ));
+    let _workspace = if opts.graph {
+        Some(super::graph::CublasWorkspace::bind(
+            &gpu,
+            super::graph::CublasWorkspace::BYTES,
+        )?)
+    } else {
+        None
+    };
+    let mut ctx = Ctx {
+        gpu: &gpu,
+        opts,
+        l2,
+        copy_gbs,
+        rows: Vec::new(),
+        progress,
+    };
+    for (si, shape) in shapes.iter().enumerate() {
+        bench_shape(&mut ctx, shape, opts.seed.wrapping_add(1000 * si as u64))?;
+    }
+    Ok(GemmReport {
+        device: info,
+        copy_gbs,
+        empty_launch_us,
+        reps: opts.reps,
+        rows: ctx.rows,
+    })
+}
+
+fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let (m, k) = (shape.m, shape.k);
+    let nmax = *opts.n.iter().max().unwrap_or(&1);
+    let w0 = sparse_matrix(m, k, 0.0, Pattern::Unstructured, seed)?;
+    let x16: Vec<f16> = activations(nmax * k, seed ^ 7)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let xf: Vec<f64> = x16.iter().map(|v| v.to_f64()).collect();
+
+    // cuBLAS f16: the baseline of every row of this shape.
+    let dense: Vec<GpuDense> = (0..ctx.copies(m * k * 2))
+        .map(|_| GpuDense::upload(gpu, &w0))
+        .collect::<Result<_>>()?;
+    let blas = Cublas::new(gpu, &dense[0])?;
+    let w0f: Vec<f64> = w0.data().iter().map(|v| v.to_f64()).collect();
+    let want0 = reference_product(&w0f, m, k, &xf, nmax);
+    let mut bases = Vec::new();
+    for &n in &opts.n {
+        let xd = gpu.upload(&x16[..n * k])?;
+        let mut y = gpu.poisoned_f32(n * m)?;
+        let want = first_tokens(&want0, m, n);
+        blas.gemm(gpu, &dense[0], &xd, n, &mut y)?;
+        let err = max_rel_error(&gpu.download(&y)?, want);
+        let nd = dense.len();
+        let t = ctx.time(nd, &mut y, want, |i, y| {
+            blas.gemm(gpu, &dense[i % nd], &xd, n, y)
+        })?;
+        let bytes = m * k * 2 + n * k * 2 + n * m * 4;
+        if opts.precisions.contains(&Precision::F16) {
+            ctx.record(Precision::F16, shape, n, 0.0, 0.0, &t, &t, bytes, err);
+        }
+        bases.push(t);
+    }
+    drop(dense);
+
+    for &p in &opts.precisions {
+        let lb = match p {
+            Precision::W8A16 => LowBitMatrix::quantize(&w0, LowBitKind::W8Row),
+            Precision::W4A16 => LowBitMatrix::quantize(&w0, LowBitKind::W4G128),
+            Precision::GgufQ4_0 => LowBitMatrix::from_q4_0(m, k, &quantize_q4_0(&w0)?)?,
+            Precision::GgufQ8_0 => LowBitMatrix::from_q8_0(m, k, &quantize_q8_0(&w0)?)?,
+            _ => continue,
+        };
+        let wq: Vec<f64> = lb.dequantize().into_iter().map(|v| v as f64).collect();
+        let want_all = reference_product(&wq, m, k, &xf, nmax);
+        let bytes_w = lb.device_bytes();
+        let copies: Vec<GpuLowBit> = (0..ctx.copies(bytes_w))
+            .map(|_| GpuLowBit::upload(gpu, &lb))
+            .collect::<Result<_>>()?;
+        let kp = copies[0].padded_cols();
+        for (ni, &n) in opts.n.iter().enumerate() {
+            let xd = gpu.upload(&pad_activations(&x16[..n * k], n, k, kp))?;
+            let mut y = gpu.poisoned_f32(n * m)?;
+            let want = first_tokens(&want_all, m, n);
+            copies[0].launch(gpu, &xd, n, &mut y, false)?;
+            let err = max_rel_error(&gpu.download(&y)?, want);
+            let nc = copies.len();
+            let t = ctx.time(nc, &mut y, want, |i, y| {
+                copies[i % nc].launch(gpu, &xd, n, y, false)
+            })?;
+            let bytes = bytes_w + n * kp * 2 + n * m * 4;
+            ctx.record(p, shape, n, 0.0, 0.0, &t, &bases[ni], bytes, err);
+        }
+    }
+
+    // Balanced-CBC rows: matrix-vector products with TEAL thresholds.
+    let balanced: Vec<Precision> = opts
+        .precisions
+        .iter()
+        .copied()
+        .filter(|p| p.is_balanced())
+        .collect();
+    if balanced.is_empty() {
+        return Ok(());
+    }
+    let Some(ni) = opts.n.iter().position(|&n| n == 1) else {
+        return Err(CudaError::Option(
+            "Balanced-CBC precisions are matrix-vector products: --n must include 1".into(),
+        ));
+    };
+    for (pi, &sp) in opts.sp.iter().enumerate() {
+        let slots = slots_for_sparsity(sp)?;
+        let wb = sieve_formats::random::balanced_matrix(m, k, slots, seed ^ (0x20 + pi as u64))?;
+        for &p in &balanced {
+            // The f16 kernel runs on the int8-snapped matrix (same nonzeros, f16 values).
+            let values = match p {
+                Precision::BcbcInt4 => LowBitValues::Int4 { group: 128 },
+                _ => LowBitValues::Int8,
+            };
+            let (enc, wq) = snap_balanced(&wb, slots, values)?;
+            let wqf: Vec<f64> = wq.data().iter().map(|v| v.to_f64()).collect();
+            let f16_blocks = if p == Precision::BcbcF16 {
+                Some(BalancedCbc::encode_with_slots(&wq, slots)?)
+            } else {
+                None
+            };
+            let upload = || -> Result<Box<dyn GpuMatVec>> {
+                Ok(match &f16_blocks {
+                    Some(b) => Box::new(GpuBalancedCbc::upload(gpu, b)?),
+                    None => Box::new(GpuBalancedLowBit::upload(gpu, &enc)?),
+                })
+            };
+            let first = upload()?;
+            let bytes_all = first.bytes_for(&vec![true; k]);
+            let mut copies = vec![first];
+            for _ in 1..ctx.copies(bytes_all) {
+                copies.push(upload()?);
+            }
+            for (di, &dp) in opts.dp.iter().enumerate() {
+                let x = activations(k, seed ^ (0x100 + di as u64));
+                let thr = threshold_for_sparsity(&x, dp)?;
+                let xm: Vec<f64> = x
+                    .iter()
+                    .map(|&v| {
+                        if sieve_formats::format::is_active(v, thr) {
+                            v as f64
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let want = reference_product(&wqf, m, k, &xm, 1);
+                let xd = gpu.upload(&x)?;
+                let mut y = gpu.poisoned_f32(m)?;
+                copies[0].launch(gpu, &xd, thr, &mut y)?;
+                gpu.synchronize()?;
+                let err = max_rel_error(&gpu.download(&y)?, &want);
+                let nc = copies.len();
+                let t = ctx.time(nc, &mut y, &want, |i, y| {
+                    copies[i % nc].launch(gpu, &xd, thr, y)
+                })?;
+                let bytes = copies[0].bytes_for(&crate::product::active_mask(&x, thr));
+                ctx.record(p, shape, 1, sp, dp, &t, &bases[ni], bytes, err);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl GemmReport {
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{}; copy bandwidth {:.0} GB/s; empty launch {:.2} µs; {} reps (median)\n",
+            self.device.name, self.copy_gbs, self.empty_launch_us, self.reps
+        );
+        let graph = self.rows.iter().any(|r| r.graph_us.is_some());
+        s += "| precision | M x K | N | sp | dp | µs | x cuBLAS | GB/s | % copy |";
+        if graph {
+            s += " graph µs | graph x cuBLAS |";
+        }
+        s += " rel err |\n|---|---|---|---|---|---|---|---|---|";
+        if graph {
+            s += "---|---|";
+        }
+        s += "---|\n";
+        for r in &self.rows {
+            let _ = write!(
+                s,
+                "| {} | {}x{} | {} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} |",
+                r.precision,
+                r.m,
+                r.k,
+                r.n,
+                r.sp,
+                r.dp,
+                r.us,
+                r.speedup_vs_cublas,
+                r.gbs,
+                r.pct_copy_bw
+            );
+            if graph {
+                let _ = write!(
+                    s,
+                    " {} | {} |",
+                    r.graph_us.map_or("-".into(), |v| format!("{v:.2}")),
+                    r.graph_speedup_vs_cublas
+                        .map_or("-".into(), |v| format!("{v:.2}"))
+                );
+            }
+            let _ = writeln!(s, " {:.1e} |", r.rel_error);
+        }
+        s
+    }
+
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string_pretty(self)
+            .map_err(|e| CudaError::Option(format!("serializing the report: {e}")))
+    }
+
+    /// Fails when any product disagreed with its reference (or left an output unwritten).
+    pub fn check_correct(&self) -> Result<()> {
+        let worst = super::worst_error(
+            self.rows
+                .iter()
+                .flat_map(|r| std::iter::once(r.rel_error).chain(r.graph_rel_error)),
+        );
+        if worst >= MAX_REL_ERROR || worst.is_nan() {
+            return Err(CudaError::Option(format!(
+                "a kernel disagreed with the reference: max rel error {worst:.2e}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_checked() {
+        let mut o = GemmBenchOptions::default();
+        assert!(o.validate().is_ok());
+        o.n = vec![33];
+        assert!(o.validate().is_err());
+        o.n = vec![1];
+        o.sp = vec![1.0];
+        assert!(o.validate().is_err());
+        assert!("w4a16".parse::<Precision>().is_ok());
+        assert!("w3a16".parse::<Precision>().is_err());
+    }
+
+    #[test]
+    fn reference_product_splits_rows_and_tokens() {
+        let (m, k, n) = (37, 5, 3);
+        let w: Vec<f64> = (0..m * k).map(|i| (i % 7) as f64 - 3.0).collect();
+        let x: Vec<f64> = (0..n * k).map(|i| (i % 5) as f64 * 0.5).collect();
+        let y = reference_product(&w, m, k, &x, n);
+        for t in 0..n {
+            for r in 0..m {
+                let want: f64 = (0..k).map(|c| w[r * k + c] * x[t * k + c]).sum();
+                assert_eq!(y[t * m + r], want);
+            }
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! The low-bit kernels against their f64 CPU references with the same quantization (odd
+//! shapes, every N = 1..32, partial row tiles and K groups), NaN-poisoned outputs. Without a
+//! GPU each test prints a skip reason and passes, unless `SIEVE_REQUIRE_GPU=1`.
+
+use half::f16;
+use sieve_cuda::gpu_or_skip;
+use sieve_cuda::lowbit::{
+    pad_activations, quantize_q4_0, quantize_q8_0, GpuLowBit, LowBitKind, LowBitMatrix,
+};
+use sieve_formats::random::{activations, sparse_matrix, Pattern};
+use sieve_formats::reference::max_rel_error;
+
+const TOL: f64 = 1e-4;
+
+fn x16(n: usize, k: usize, seed: u64) -> Vec<f16> {
+    activations(n * k, seed)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect()
+}
+
+/// Runs `m` on `n` tokens (plain and accumulating) and compares with the reference.
+fn check(gpu: &sieve_cuda::Gpu, m: &LowBitMatrix, d: &GpuLowBit, n: usize, seed: u64, what: &str) {
+    let (rows, cols) = (m.rows(), m.cols());
+    let x = x16(n, cols, seed);
+    let want = m.reference(&x, n);
+    let xp = gpu
+        .upload(&pad_activations(&x, n, cols, d.padded_cols()))
+        .unwrap();
+    let mut y = gpu.poisoned_f32(n * rows).unwrap();
+    d.launch(gpu, &xp, n, &mut y, false).unwrap();
+    gpu.synchronize().unwrap();
+    let got = gpu.download(&y).unwrap();
+    let e = max_rel_error(&got[..n * rows], &want);
+    assert!(e < TOL, "{what} n={n}: rel error {e}");
+    // Accumulate: y += W x on top of the first product.
+    d.launch(gpu, &xp, n, &mut y, true).unwrap();
+    gpu.synchronize().unwrap();
+    let got = gpu.download(&y).unwrap();
+    let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
+    let e = max_rel_error(&got[..n * rows], &twice);
+    assert!(e < TOL, "{what} n={n} accumulate: rel error {e}");
+}
+
+const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (7, 5),
+    (17, 130),
+    (33, 200),
+    (300, 1000),
+    (257, 4104),
+    (4096, 4096),
+];
+
+#[test]
+fn gpu_lowbit_kernels_match_reference() {
+    let Some(gpu) = gpu_or_skip("gpu_lowbit_kernels_match_reference") else {
+        return;
+    };
+    for kind in [
+        LowBitKind::W4G128,
+        LowBitKind::W4G32,
+        LowBitKind::W8Row,
+        LowBitKind::W8G32,
+    ] {
+        for (si, &(rows, cols)) in SHAPES.iter().enumerate() {
+            let seed = 11 + si as u64;
+            let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed).unwrap();
+            let m = LowBitMatrix::quantize(&w, kind);
+            let d = GpuLowBit::upload(&gpu, &m).unwrap();
+            let ns: Vec<usize> = if rows * cols > 1_000_000 {
+                vec![1, 4, 9, 32]
+            } else {
+                (1..=32).collect()
+            };
+            for n in ns {
+                check(
+                    &gpu,
+                    &m,
+                    &d,
+                    n,
+                    seed ^ n as u64,
+                    &format!("{} {rows}x{cols}", kind.name()),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_gguf_blocks_match_reference() {
+    let Some(gpu) = gpu_or_skip("gpu_gguf_blocks_match_reference") else {
+        return;
+    };
+    for &(rows, cols) in &[(1usize, 32usize), (19, 96), (300, 1024), (4096, 4096)] {
+        let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, 5).unwrap();
+        let b4 = quantize_q4_0(&w).unwrap();
+        let m4 = LowBitMatrix::from_q4_0(rows, cols, &b4).unwrap();
+        let d4 = GpuLowBit::upload_q4_0(&gpu, rows, cols, &b4).unwrap();
+        let b8 = quantize_q8_0(&w).unwrap();
+        let m8 = LowBitMatrix::from_q8_0(rows, cols, &b8).unwrap();
+        let d8 = GpuLowBit::upload_q8_0(&gpu, rows, cols, &b8).unwrap();
+        for n in [1usize, 2, 3, 8, 13, 32] {
+            check(
+                &gpu,
+                &m4,
+                &d4,
+                n,
+                3 + n as u64,
+                &format!("q4_0 {rows}x{cols}"),
+            );
+            check(
+                &gpu,
+                &m8,
+                &d8,
+                n,
+                4 + n as u64,
+                &format!("q8_0 {rows}x{cols}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_balanced_lowbit_matches_reference() {
+    use sieve_cuda::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
+    use sieve_cuda::{matvec_host, GpuAccumulate, GpuMatVec};
+    use sieve_formats::random::{balanced_matrix, threshold_for_sparsity};
+    use sieve_formats::reference::matvec_f64;
+    let Some(gpu) = gpu_or_skip("gpu_balanced_lowbit_matches_reference") else {
+        return;
+    };
+    let shapes: &[(usize, usize)] = &[
+        (1, 1),
+        (7, 5),
+        (33, 63),
+        (513, 300),
+        (1100, 129),
+        (4096, 4096),
+    ];
+    for (si, &(rows, cols)) in shapes.iter().enumerate() {
+        let big = rows * cols > 1_000_000;
+        let slot_set: &[usize] = if big {
+            &[8]
+        } else {
+            &[1, 3, 4, 5, 8, 9, 12, 16]
+        };
+        for &slots in slot_set {
+            let w = balanced_matrix(rows, cols, slots, 100 + si as u64 + slots as u64).unwrap();
+            for values in [
+                LowBitValues::Int8,
+                LowBitValues::Int4 { group: 32 },
+                LowBitValues::Int4 { group: 64 },
+                LowBitValues::Int4 { group: 128 },
+            ] {
+                let (enc, snapped) = snap_balanced(&w, slots, values).unwrap();
+                let mut d = GpuBalancedLowBit::upload(&gpu, &enc).unwrap();
+                let cpws: &[usize] = if big { &[0] } else { &[0, 16, 32] };
+                for &cpw in cpws {
+                    d.cols_per_warp = cpw;
+                    for dp in [0.0, 0.5, 0.9] {
+                        let x = activations(cols, 7 + slots as u64);
+                        let t = threshold_for_sparsity(&x, dp).unwrap();
+                        let want = matvec_f64(&snapped, &x, t);
+                        let got = matvec_host(&gpu, &d, &x, t).unwrap();
+                        let e = max_rel_error(&got, &want);
+                        let what = format!(
+                            "{rows}x{cols} n={slots} {} cpw={cpw} dp={dp}",
+                            values.name()
+                        );
+                        assert!(e < TOL, "{what}: rel error {e}");
+                        // Accumulating form: y (holding the product) += product.
+                        let xd = gpu.upload(&x).unwrap();
+                        let y = gpu.upload(&got).unwrap();
+                        d.launch_add(
+                            &gpu,
+                            sieve_cuda::dev_ptr(&gpu, &xd),
+                            t,
+                            sieve_cuda::dev_ptr(&gpu, &y),
+                        )
+                        .unwrap();
+                        gpu.synchronize().unwrap();
+                        let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
+                        let e = max_rel_error(&gpu.download(&y).unwrap(), &twice);
+                        assert!(e < TOL, "{what} accumulate: rel error {e}");
+                        assert_eq!(d.rows(), rows);
+                    }
+                }
+            }
+        }
+    }
+}
