@@ -4,7 +4,7 @@
 //! `cargo run --release -p sieve-model --example gemm_bench -- [tokens] [threads]`
 
 use sieve_formats::{DenseMatrix, WeightFormat};
-use sieve_model::linear::FastDense;
+use sieve_cpu::dense::FastDense;
 use std::time::Instant;
 
 fn main() {

@@ -11,10 +11,11 @@ use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, 
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::WeightFormat;
 use sieve_model::generate::run_in_pool;
-use sieve_model::linear::simd::SimdLevel;
-use sieve_model::linear::sparse::{DenseColumns, FastTiledCbc};
-use sieve_model::linear::tcbc_rows::RowTiledCbc;
-use sieve_model::linear::FastDense;
+use sieve_cpu::simd::SimdLevel;
+use sieve_cpu::dense::DenseColumns;
+use sieve_cpu::tiled_cbc::FastTiledCbc;
+use sieve_cpu::tiled_cbc::RowTiledCbc;
+use sieve_cpu::dense::FastDense;
 use std::time::Instant;
 
 /// CPU time of the calling thread (`/proc/thread-self/schedstat`, ns on the CPU): with one

@@ -26,7 +26,7 @@
 use super::GgufFile;
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::linear::quantized::{BlockType, QuantMatrix};
+use sieve_cpu::gguf_blocks::{BlockType, QuantMatrix};
 use crate::tokenizer::GgufTokenizerSpec;
 use crate::weights::{Tensor, TensorSource, TokenizerSource};
 use std::collections::BTreeMap;

@@ -13,7 +13,7 @@
 //! `M = max m_s`. So two threads share even a model with fewer KV heads than threads, and the
 //! result equals the single-pass softmax up to f32 rounding.
 
-use crate::linear::kernels;
+use sieve_cpu::kernels;
 use half::f16;
 use rayon::prelude::*;
 

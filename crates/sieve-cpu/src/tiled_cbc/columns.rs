@@ -47,8 +47,8 @@
 //!
 //! The portable kernels are scalar walks of the same layouts, used where AVX2 is missing.
 
-use super::gemm;
-use super::simd::SimdLevel;
+use crate::gemm;
+use crate::simd::SimdLevel;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
@@ -553,7 +553,7 @@ impl WeightFormat for DenseColumns {
 /// The AVX2 rank table and f16 loader, shared with the row-major kernel of
 /// [`super::tcbc_rows`].
 #[cfg(target_arch = "x86_64")]
-pub(super) use x86::{load8_f16, RANKS};
+pub(crate) use x86::{load8_f16, RANKS};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -655,7 +655,7 @@ mod x86 {
 
     /// For each byte value `m`, lane `j` holds the rank of bit `j` among the set bits of `m`
     /// (0 for clear bits, which are masked afterwards): `vpermps` by it places the packed values.
-    pub(in crate::linear) static RANKS: [[u32; 8]; 256] = {
+    pub(crate) static RANKS: [[u32; 8]; 256] = {
         let mut t = [[0u32; 8]; 256];
         let mut m = 0;
         while m < 256 {
