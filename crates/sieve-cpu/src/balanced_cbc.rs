@@ -8,7 +8,7 @@
 //!
 //! Layout, one `u16` array: group `g` (rows `16 g .. 16 g + 15`) holds the K columns' records
 //! one after the other, `K (N + 1)` entries, so a group is one contiguous stream (the reason
-//! for rows, see [`super::tcbc_rows`]: a product reads every stored weight block after block,
+//! for rows, see [`crate::tiled_cbc::rows`]: a product reads every stored weight block after block,
 //! the stream the prefetchers follow; an inactive input is skipped inside the stream). Two
 //! arrangements of a group, picked at build ([`Arrangement`]):
 //!
@@ -40,7 +40,7 @@
 //! in another order only. Activations that are not finite take the portable path (the SIMD
 //! paths multiply unstored weights as zeros, and `0 · inf` would put a NaN in rows that do not
 //! use that input). Batched products (prefill) decode the matrix into a per-thread f16
-//! row-major buffer and run the blocked GEMM, as [`super::tcbc_rows::RowTiledCbc`] does.
+//! row-major buffer and run the blocked GEMM, as [`crate::tiled_cbc::RowTiledCbc`] does.
 //!
 //! **8-bit records** ([`int8`]): when every row's stored values lie exactly on a symmetric int8
 //! grid (`sieve pack --values int8`, [`sieve_formats::value_grid`]), the build keeps one `i8`

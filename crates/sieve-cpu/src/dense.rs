@@ -196,7 +196,6 @@ mod tests {
         }
     }
 
-
     #[test]
     fn fast_dense_agrees_with_the_formats_dense_and_shares_its_blob() {
         let (m, k) = (19, 45);
@@ -212,5 +211,4 @@ mod tests {
         assert_eq!(back.decode(), w);
         assert_eq!(fast.storage(), plain.storage());
     }
-
 }

@@ -35,8 +35,8 @@
 //! [`WeightFormat::write_payload`] writes the f16 dense payload of [`WeightFormat::decode`] and
 //! the layer reads back as dense f16 (what loading with dequantization gives).
 
-use crate::gemm;
 use crate::error::{CpuError, Result};
+use crate::gemm;
 use dequant::GgmlType;
 use half::f16;
 use rayon::prelude::*;

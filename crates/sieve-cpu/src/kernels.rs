@@ -179,8 +179,7 @@ mod x86 {
         while i + 32 <= len {
             for (j, c) in acc.iter_mut().enumerate() {
                 let o = i + 8 * j;
-                *c =
-                    _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(o)), _mm256_loadu_ps(bp.add(o)), *c);
+                *c = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(o)), _mm256_loadu_ps(bp.add(o)), *c);
             }
             i += 32;
         }
@@ -337,7 +336,6 @@ mod tests {
         (0..len).map(|_| lcg(&mut s)).collect()
     }
 
-
     #[test]
     fn softmax_matches_f64_exp() {
         for len in [1usize, 7, 8, 9, 40, 1000] {
@@ -385,5 +383,4 @@ mod tests {
         assert!(extreme[0].abs() < 1e-30 && extreme[1] == 200.0 && extreme[2] == 0.0);
         assert!(extreme.iter().all(|v| v.is_finite()));
     }
-
 }

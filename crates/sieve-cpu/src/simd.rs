@@ -1,11 +1,12 @@
 //! Which SIMD instruction set the fast products use, chosen once per process.
 //!
-//! The kernels of the packed formats ([`crate::tiled_cbc`], [`crate::balanced_cbc`], [`crate::ie_bme`], [`crate::gguf_blocks`]) come in three versions: AVX-512
-//! (F + BW + VL, for `vexpandps` and masked loads; with VBMI2, `vpexpandw`), AVX2 (+ FMA, F16C, BMI2) and a portable one.
-//! [`SimdLevel::detect`] picks the best the CPU supports; `SIEVE_CPU_SIMD=avx512|avx2|portable` caps it
-//! ([`crate::options`])
-//! (to compare the paths on one machine, or to rule a path out when debugging). A level above
-//! what the CPU supports is never used, whatever the variable says.
+//! The kernels of the packed formats ([`crate::tiled_cbc`], [`crate::balanced_cbc`],
+//! [`crate::ie_bme`], [`crate::gguf_blocks`]) come in three versions: AVX-512 (F + BW + VL, for
+//! `vexpandps` and masked loads; with VBMI2, `vpexpandw`), AVX2 (+ FMA, F16C, BMI2) and a
+//! portable one. [`SimdLevel::detect`] picks the best the CPU supports;
+//! `SIEVE_CPU_SIMD=avx512|avx2|portable` ([`crate::options`]) caps it (to compare the paths on
+//! one machine, or to rule a path out when debugging). A level above what the CPU supports is
+//! never used, whatever the variable says.
 
 use crate::options::CpuKernelOptions;
 use std::sync::OnceLock;

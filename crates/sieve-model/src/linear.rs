@@ -252,7 +252,6 @@ fn format_group<'a, F: 'static>(linears: &[&'a Linear]) -> Option<Vec<&'a F>> {
         .collect()
 }
 
-
 /// Products over the rows of several independent sequences (one decode token each), where
 /// every output row must equal a one-row [`Linear::forward`] of that row bit for bit: a
 /// batched server's greedy answer is then the single-request answer. GGUF blocks run the
@@ -470,9 +469,10 @@ mod tests {
         let t = Some(0.3);
         let lin = |rows: usize, seed: u64| {
             let w = sieve_formats::random::balanced_matrix(rows, 130, 8, seed).unwrap();
-            let mut l = Linear::from_format(Box::new(sieve_cpu::balanced_cbc::FastBalancedCbc::new(
-                &sieve_formats::balanced_cbc::BalancedCbc::encode_with_slots(&w, 8).unwrap(),
-            )));
+            let mut l =
+                Linear::from_format(Box::new(sieve_cpu::balanced_cbc::FastBalancedCbc::new(
+                    &sieve_formats::balanced_cbc::BalancedCbc::encode_with_slots(&w, 8).unwrap(),
+                )));
             l.set_threshold(t).unwrap();
             l
         };

@@ -33,12 +33,12 @@
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
-use sieve_cpu::{gemm, kernels};
 use crate::plan::{self, Group, LayerOp, Norm};
 use crate::weights::{Tensor, TensorSource};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+use sieve_cpu::{gemm, kernels};
 
 mod cached_attention;
 pub mod phases;

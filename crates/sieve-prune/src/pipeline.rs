@@ -65,9 +65,9 @@ use crate::teal::ActivationHistogram;
 use half::f16;
 use rayon::prelude::*;
 use serde::Serialize;
+use sieve_cpu::dense::FastDense;
 use sieve_formats::value_grid::{Grid, INT4, INT8};
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
-use sieve_cpu::dense::FastDense;
 use sieve_model::llama::{Model, Site};
 use std::collections::HashMap;
 use std::fmt;
@@ -1458,8 +1458,8 @@ mod tests {
     /// step from the f16 pack's (magnitude pruning: the same kept weights).
     #[test]
     fn int8_values_put_every_row_on_its_grid() {
-        use sieve_formats::balanced_cbc::BalancedCbc;
         use sieve_cpu::balanced_cbc::{FastBalancedCbc, Values};
+        use sieve_formats::balanced_cbc::BalancedCbc;
         let src = source();
         for method in [Method::Magnitude, Method::SparseGpt] {
             let base = options(method, "balanced:8:16", 0.5, 0.0, "balanced-cbc");

@@ -3,7 +3,7 @@ use proptest::prelude::*;
 use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity};
 use sieve_formats::reference::{matmul_f64, matvec_f64, max_rel_error};
 
-/// The tolerance of the other fast kernels' tests (`tcbc_rows`): f32 sums in another order stay
+/// The tolerance of the other fast kernels' tests (`tiled_cbc::rows`): f32 sums in another order stay
 /// far inside the reference kernels' own 1e-3, so the fast paths are held to 1e-5.
 const TOL: f64 = 1e-5;
 
@@ -347,7 +347,9 @@ fn int8_detection_accepts_snapped_and_refuses_off_grid_matrices() {
     assert!(FastBalancedCbc::with_int8(&nz).is_none());
     // `new` picks the 8-bit records unless SIEVE_BCBC_CPU (`CpuKernelOptions`) asks for f16 ones.
     let picked = FastBalancedCbc::new(&BalancedCbc::encode_with_slots(&s, 8).unwrap());
-    if crate::options::CpuKernelOptions::global().balanced_cbc == crate::options::BalancedCbcRecords::Auto {
+    if crate::options::CpuKernelOptions::global().balanced_cbc
+        == crate::options::BalancedCbcRecords::Auto
+    {
         assert_eq!(picked.values(), Values::Int8);
     }
     assert_eq!(FastBalancedCbc::new(&reference).values(), Values::F16);
@@ -445,7 +447,6 @@ fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
     assert!(matvec_group(&refs, &x, None, &mut [&mut y1, &mut y2]).is_err());
     assert!(matvec_group(&refs, &x[..149], None, &mut [&mut short, &mut y1, &mut y2]).is_err());
 }
-
 
 /// `w` with every row's groups of `columns` input columns snapped onto 4-bit grids (what
 /// `sieve pack --values int4:G` stores).
@@ -669,7 +670,9 @@ fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
         let enc = BalancedCbc::encode_with_slots(&s, 8).unwrap();
         let fast = FastBalancedCbc::with_int4(&enc).unwrap();
         assert!(matches!(fast.values(), Values::Int4 { columns: c, .. } if c == columns));
-        if crate::options::CpuKernelOptions::global().balanced_cbc == crate::options::BalancedCbcRecords::Auto {
+        if crate::options::CpuKernelOptions::global().balanced_cbc
+            == crate::options::BalancedCbcRecords::Auto
+        {
             // `new` picks the per-column records unless asked for quads.
             assert_eq!(
                 FastBalancedCbc::new(&enc).values(),

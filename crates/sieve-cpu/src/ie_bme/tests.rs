@@ -226,4 +226,3 @@ fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
     assert!(matvec_group(&refs, &x, None, &mut [&mut y1, &mut y2]).is_err());
     assert!(matvec_group(&refs, &x[..199], None, &mut [&mut short, &mut y1, &mut y2]).is_err());
 }
-

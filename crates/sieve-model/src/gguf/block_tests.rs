@@ -3,8 +3,8 @@
 
 use sieve_cpu::gguf_blocks::dequant::GgmlType;
 use sieve_cpu::gguf_blocks::test_blocks::{random_blocks, random_x};
-use sieve_formats::WeightFormat;
 use sieve_cpu::gguf_blocks::BlockType;
+use sieve_formats::WeightFormat;
 /// A two-layer llama GGUF (hidden 32, 2 heads of 16, 1 KV head, FFN 64, vocab 4) whose linears
 /// are Q4_1 and Q8_0 blocks, with v_proj left in f32 and the tied embedding in Q8_0.
 fn quantized_gguf() -> crate::gguf::GgufModel {

@@ -16,9 +16,9 @@ mod model;
 pub use model::GgufModel;
 
 use crate::error::{ModelError, Result};
-use sieve_cpu::gguf_blocks::dequant::{self as quant, GgmlType};
 use crate::tokenizer::GgufTokenizerSpec;
 use memmap2::Mmap;
+use sieve_cpu::gguf_blocks::dequant::{self as quant, GgmlType};
 use std::collections::HashMap;
 use std::path::Path;
 
