@@ -4,10 +4,10 @@
 //! `sieve-fuzz seeds DIR` writes them; `crates/sieve-fuzz/corpus/` holds the committed copy.
 
 use half::f16;
+use sieve_cpu::gguf_blocks::dequant::GgmlType;
 use sieve_formats::random::{sparse_matrix, Pattern, SplitMix64};
 use sieve_formats::{registry, FormatKind, WeightFormat};
 use sieve_model::gguf::{GgufFile, MetaValue};
-use sieve_model::quant::GgmlType;
 
 /// A minimal GGUF v3 writer.
 #[derive(Default)]

@@ -381,12 +381,10 @@ fn tiny_model(kind: FormatKind, sp: f64, dp: f64, seed: u64) -> Model {
                 )
                 .unwrap(),
             ),
-            FormatKind::BalancedCbc => {
-                Box::new(sieve_model::linear::balanced_rows::FastBalancedCbc::new(
-                    &BalancedCbc::encode(&m).unwrap(),
-                ))
-            }
-            _ => Box::new(sieve_model::linear::FastDense::new(m)),
+            FormatKind::BalancedCbc => Box::new(sieve_cpu::balanced_cbc::FastBalancedCbc::new(
+                &BalancedCbc::encode(&m).unwrap(),
+            )),
+            _ => Box::new(sieve_cpu::dense::FastDense::new(m)),
         };
         Linear::from_format(f)
     };

@@ -7,13 +7,13 @@
 //! read.
 //! `cargo run --release -p sieve-model --example balanced_bench -- THREADS N DP [REPS]`
 
+use sieve_cpu::balanced_cbc::{Arrangement, FastBalancedCbc, Int4Layout};
+use sieve_cpu::simd::SimdLevel;
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity};
 use sieve_formats::value_grid::{INT4, INT8};
 use sieve_formats::{DenseMatrix, WeightFormat};
 use sieve_model::generate::run_in_pool;
-use sieve_model::linear::balanced_rows::{Arrangement, FastBalancedCbc, Int4Layout};
-use sieve_model::linear::simd::SimdLevel;
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

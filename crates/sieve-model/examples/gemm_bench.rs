@@ -3,8 +3,8 @@
 //!
 //! `cargo run --release -p sieve-model --example gemm_bench -- [tokens] [threads]`
 
+use sieve_cpu::dense::FastDense;
 use sieve_formats::{DenseMatrix, WeightFormat};
-use sieve_model::linear::FastDense;
 use std::time::Instant;
 
 fn main() {

@@ -17,13 +17,13 @@
 //! [PROMPT [DECODE]]]`
 
 use half::f16;
+use sieve_cpu::gguf_blocks::dequant::dequantize;
+use sieve_cpu::gguf_blocks::{BlockType, QuantMatrix};
 use sieve_formats::WeightFormat;
 use sieve_model::config::ModelConfig;
 use sieve_model::cpu_bench::measure;
 use sieve_model::generate::run_in_pool;
-use sieve_model::linear::quantized::{BlockType, QuantMatrix};
 use sieve_model::llama::Model;
-use sieve_model::quant::dequantize;
 use sieve_model::weights::{open_model, Tensor, TensorSource};
 use std::collections::HashMap;
 

@@ -7,14 +7,15 @@
 //! Prints the best of `REPS` passes in ms per token and the GB/s of bytes the format must read.
 //! `cargo run --release -p sieve-model --example sparse_bench -- THREADS SP DP [REPS]`
 
+use sieve_cpu::dense::DenseColumns;
+use sieve_cpu::dense::FastDense;
+use sieve_cpu::simd::SimdLevel;
+use sieve_cpu::tiled_cbc::FastTiledCbc;
+use sieve_cpu::tiled_cbc::RowTiledCbc;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::WeightFormat;
 use sieve_model::generate::run_in_pool;
-use sieve_model::linear::simd::SimdLevel;
-use sieve_model::linear::sparse::{DenseColumns, FastTiledCbc};
-use sieve_model::linear::tcbc_rows::RowTiledCbc;
-use sieve_model::linear::FastDense;
 use std::time::Instant;
 
 /// CPU time of the calling thread (`/proc/thread-self/schedstat`, ns on the CPU): with one

@@ -170,7 +170,7 @@ fn describe(model: &Model) -> (String, usize) {
         let f = lin.format();
         let balanced = f
             .as_any()
-            .and_then(|a| a.downcast_ref::<crate::linear::balanced_rows::FastBalancedCbc>());
+            .and_then(|a| a.downcast_ref::<sieve_cpu::balanced_cbc::FastBalancedCbc>());
         let name = match (lin.block_type(), balanced, f.kind()) {
             (Some(ty), _, _) => format!("gguf-blocks {ty:?}"),
             // Which records the loader built (the blob is the same f16 for all of them).
@@ -255,7 +255,7 @@ pub fn run(
         .collect();
     Ok(CpuBenchReport {
         threads: rayon::current_num_threads(),
-        simd: crate::linear::simd::SimdLevel::detect().name(),
+        simd: sieve_cpu::simd::SimdLevel::detect().name(),
         prompt_tokens: options.prompt_tokens,
         decode_tokens: options.decode_tokens,
         repeats: options.repeats,

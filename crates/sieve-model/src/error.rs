@@ -42,6 +42,18 @@ pub enum ModelError {
     Format(#[from] sieve_formats::FormatError),
 }
 
+/// The CPU kernels' errors keep their variant here (a GGUF block type without a kernel stays
+/// `Unsupported`, a bad argument `InvalidArgument`), so messages and matches are unchanged.
+impl From<sieve_cpu::CpuError> for ModelError {
+    fn from(e: sieve_cpu::CpuError) -> Self {
+        match e {
+            sieve_cpu::CpuError::Unsupported(m) => ModelError::Unsupported(m),
+            sieve_cpu::CpuError::InvalidArgument(m) => ModelError::InvalidArgument(m),
+            sieve_cpu::CpuError::Format(f) => ModelError::Format(f),
+        }
+    }
+}
+
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
 impl ModelError {

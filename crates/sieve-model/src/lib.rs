@@ -1,4 +1,5 @@
-//! Model files, tokenizer, Llama-family forward pass and sampling.
+//! Model files, tokenizer, Llama-family forward pass and sampling. The CPU kernels of the weight
+//! formats live in `sieve-cpu`; this crate plugs them in through [`linear::Linear`].
 //!
 //! | module | job |
 //! |---|---|
@@ -6,7 +7,6 @@
 //! | [`cpu_bench`] | `sieve bench cpu`: prefill and decode tok/s of several models in one run |
 //! | [`weights`] | `TensorSource`: named f32 tensors from any model file |
 //! | [`gguf`] | GGUF v2/v3 reader (memory-mapped) and its metadata -> `ModelConfig` |
-//! | [`quant`] | dequantization of GGUF block formats |
 //! | [`safetensors_dir`] | Hugging Face model directories (`config.json` + safetensors shards) |
 //! | [`tokenizer`] | BPE tokenizer from `tokenizer.json` or GGUF metadata, special tokens |
 //! | [`chat`] | chat templates (ChatML) |
@@ -31,7 +31,6 @@ pub mod output;
 pub mod packed;
 pub mod packfile;
 pub mod plan;
-pub mod quant;
 pub mod safetensors_dir;
 pub mod sampling;
 pub mod sequence;

@@ -5,29 +5,16 @@
 //! loaded from a packed blob all look the same to the forward pass. An optional TEAL threshold
 //! `t` makes the format skip inputs with `|x| <= t`.
 //!
-//! Dense layers built here use [`FastDense`]: the same f16 row-major matrix and the same blob
-//! payload as `sieve_formats::dense::Dense` (so a blob written by one reads back as the other),
-//! but with explicit AVX2/F16C kernels. Decoding one token is bound by memory bandwidth, and f16
-//! halves the bytes per token against an f32 copy; converting with `vcvtph2ps` in the kernel
-//! costs nothing measurable, while `half`'s per-element `to_f32` (a runtime CPU check per value)
-//! blocks vectorisation and was several times slower.
+//! Dense layers built here use `sieve_cpu::dense::FastDense` (f16 rows, AVX2/F16C kernels); the
+//! kernels of every format are in the `sieve-cpu` crate.
 
 use crate::error::{ModelError, Result};
 use crate::weights::Tensor;
-use rayon::prelude::*;
-use sieve_formats::blob::ByteWriter;
-use sieve_formats::format::{check_product_args, check_threshold, is_active};
-use sieve_formats::{DenseMatrix, FormatKind, Storage, Threshold, WeightFormat};
-
-pub mod balanced_rows;
-pub mod gemm;
-pub mod ie_bme_int;
-pub mod quantized;
-pub mod simd;
-pub mod sparse;
-pub mod tcbc_rows;
-
-use quantized::QuantMatrix;
+use sieve_cpu::dense::FastDense;
+use sieve_cpu::gguf_blocks::{self, QuantMatrix};
+use sieve_cpu::{balanced_cbc, ie_bme};
+use sieve_formats::format::{check_product_args, check_threshold};
+use sieve_formats::{DenseMatrix, Threshold, WeightFormat};
 
 /// One linear layer: a packed weight matrix, an optional bias and an optional activation threshold.
 #[derive(Debug)]
@@ -130,7 +117,7 @@ impl Linear {
         matches!(self.weight, Weight::Blocks(_))
     }
     /// The GGUF block type, when the weights are quantized blocks.
-    pub fn block_type(&self) -> Option<quantized::BlockType> {
+    pub fn block_type(&self) -> Option<gguf_blocks::BlockType> {
         match &self.weight {
             Weight::Blocks(q) => Some(q.block_type()),
             _ => None,
@@ -206,14 +193,14 @@ impl Linear {
             .collect();
         if n == 1 {
             if let Some(mats) = int4_ie_bme_group(linears) {
-                ie_bme_int::matvec_group(&mats, x, linears[0].threshold, ys)?;
+                ie_bme::matvec_group(&mats, x, linears[0].threshold, ys)?;
                 for (l, y) in linears.iter().zip(ys.iter_mut()) {
                     l.add_bias(y);
                 }
                 return Ok(());
             }
-            if let Some(mats) = format_group::<balanced_rows::FastBalancedCbc>(linears) {
-                balanced_rows::matvec_group(&mats, x, linears[0].threshold, ys)?;
+            if let Some(mats) = format_group::<balanced_cbc::FastBalancedCbc>(linears) {
+                balanced_cbc::matvec_group(&mats, x, linears[0].threshold, ys)?;
                 for (l, y) in linears.iter().zip(ys.iter_mut()) {
                     l.add_bias(y);
                 }
@@ -227,9 +214,9 @@ impl Linear {
                     check_product_args(m.rows(), m.cols(), x, n, threshold, y)?;
                 }
                 if n == 1 {
-                    quantized::matvec_group(&mats, x, threshold, ys);
+                    gguf_blocks::matvec_group(&mats, x, threshold, ys);
                 } else {
-                    quantized::matmul_group(&mats, x, n, threshold, ys)?;
+                    gguf_blocks::matmul_group(&mats, x, n, threshold, ys)?;
                 }
                 for (l, y) in linears.iter().zip(ys.iter_mut()) {
                     l.add_bias(y);
@@ -246,8 +233,8 @@ impl Linear {
 }
 
 /// The IE-BME INT4 matrices of `linears` when every one of them is one and they share a
-/// threshold (what [`ie_bme_int::matvec_group`] needs).
-fn int4_ie_bme_group<'a>(linears: &[&'a Linear]) -> Option<Vec<&'a ie_bme_int::Int4IeBme>> {
+/// threshold (what [`ie_bme::matvec_group`] needs).
+fn int4_ie_bme_group<'a>(linears: &[&'a Linear]) -> Option<Vec<&'a ie_bme::Int4IeBme>> {
     format_group(linears)
 }
 
@@ -265,448 +252,11 @@ fn format_group<'a, F: 'static>(linears: &[&'a Linear]) -> Option<Vec<&'a F>> {
         .collect()
 }
 
-/// Dense f16 weights with SIMD kernels; kind, storage and blob payload are those of
-/// `sieve_formats::dense::Dense`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FastDense {
-    matrix: DenseMatrix,
-}
-
-/// Weight rows per parallel task in the products: enough work per task to amortise rayon's
-/// scheduling, few enough tasks to balance two to a few dozen threads.
-const ROWS_PER_TASK: usize = 32;
-
-impl FastDense {
-    pub fn new(matrix: DenseMatrix) -> Self {
-        Self { matrix }
-    }
-    pub fn matrix(&self) -> &DenseMatrix {
-        &self.matrix
-    }
-}
-
-fn masked(x: &[f32], threshold: Threshold) -> Vec<f32> {
-    x.iter()
-        .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
-        .collect()
-}
-
-impl WeightFormat for FastDense {
-    fn kind(&self) -> FormatKind {
-        FormatKind::Dense
-    }
-    fn rows(&self) -> usize {
-        self.matrix.rows()
-    }
-    fn cols(&self) -> usize {
-        self.matrix.cols()
-    }
-    fn storage(&self) -> Storage {
-        Storage {
-            payload_bytes: self.matrix.dense_bytes(),
-            metadata_bytes: 0,
-        }
-    }
-    fn decode(&self) -> DenseMatrix {
-        self.matrix.clone()
-    }
-
-    fn matvec(
-        &self,
-        x: &[f32],
-        threshold: Threshold,
-        y: &mut [f32],
-    ) -> Result<(), sieve_formats::FormatError> {
-        let (m, k) = (self.rows(), self.cols());
-        check_product_args(m, k, x, 1, threshold, y)?;
-        let xm;
-        let x = if threshold.is_some() {
-            xm = masked(x, threshold);
-            &xm[..]
-        } else {
-            x
-        };
-        let w = self.matrix.data();
-        y.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(chunk, out)| {
-                let r0 = chunk * ROWS_PER_TASK;
-                for (i, o) in out.iter_mut().enumerate() {
-                    let r = r0 + i;
-                    *o = kernels::dot_f16_f32(&w[r * k..(r + 1) * k], x);
-                }
-            });
-        Ok(())
-    }
-
-    fn matmul(
-        &self,
-        x: &[f32],
-        n: usize,
-        threshold: Threshold,
-        y: &mut [f32],
-    ) -> Result<(), sieve_formats::FormatError> {
-        let (m, k) = (self.rows(), self.cols());
-        check_product_args(m, k, x, n, threshold, y)?;
-        let xm;
-        let x = if threshold.is_some() {
-            xm = masked(x, threshold);
-            &xm[..]
-        } else {
-            x
-        };
-        // Y (n x M) = X (n x K) · Wᵀ: the GEMM reads W (M x K row-major) as its transpose and
-        // converts it to f32 once while packing.
-        let w = self.matrix.data();
-        gemm::gemm(
-            n,
-            m,
-            k,
-            gemm::View::row_major(x, k),
-            gemm::View::transposed(w, k),
-            y,
-            m,
-            false,
-            true,
-        )
-        .map_err(|e| sieve_formats::FormatError::Option(e.to_string()))?;
-        Ok(())
-    }
-
-    fn write_payload(&self, w: &mut ByteWriter) {
-        w.u64(self.rows() as u64);
-        w.u64(self.cols() as u64);
-        w.f16s(self.matrix.data());
-    }
-}
-
-/// Dot products and conversions with a runtime-selected AVX2/FMA/F16C path and a portable one.
-pub mod kernels {
-    use half::f16;
-
-    #[cfg(target_arch = "x86_64")]
-    fn has_avx2() -> bool {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    }
-
-    /// `Σ w[i] · x[i]` with f16 weights; `w.len() == x.len()`.
-    pub fn dot_f16_f32(w: &[f16], x: &[f32]) -> f32 {
-        debug_assert_eq!(w.len(), x.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: the CPU supports the features the function is compiled for.
-            return unsafe { x86::dot_f16_f32(w, x) };
-        }
-        w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
-    }
-
-    /// `Σ a[i] · b[i]` in f32.
-    pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-        debug_assert_eq!(a.len(), b.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: as above.
-            return unsafe { x86::dot_f32(a, b) };
-        }
-        let mut acc = [0f32; 8];
-        let chunks = a.len() / 8;
-        for c in 0..chunks {
-            for l in 0..8 {
-                acc[l] += a[c * 8 + l] * b[c * 8 + l];
-            }
-        }
-        let mut s: f32 = acc.iter().sum();
-        for i in chunks * 8..a.len() {
-            s += a[i] * b[i];
-        }
-        s
-    }
-
-    /// `y[i] += alpha · x[i]`.
-    pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-        for (o, v) in y.iter_mut().zip(x) {
-            *o += alpha * v;
-        }
-    }
-
-    /// Converts f16 to f32; `dst.len() == src.len()`.
-    pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-        debug_assert_eq!(src.len(), dst.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: as above.
-            return unsafe { x86::f16_to_f32(src, dst) };
-        }
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
-    }
-
-    /// `gate[i] = silu(gate[i]) · up[i]`, the SwiGLU product (`silu(g) = g / (1 + e^-g)`);
-    /// `gate.len() == up.len()`. Vectorised like [`softmax_scaled`]: a scalar `exp` per element
-    /// was a visible share of prefill and calibration.
-    pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-        debug_assert_eq!(gate.len(), up.len());
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: as above.
-            return unsafe { x86::silu_mul(gate, up) };
-        }
-        for (g, u) in gate.iter_mut().zip(up) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
-    }
-
-    /// `row[i] = exp(row[i] - max)` in place, returning `Σ row[i]`: the unnormalised softmax of a
-    /// span whose partial sums are merged later (decode attention). Same exponential as
-    /// [`softmax_scaled`].
-    pub fn exp_shifted_sum(row: &mut [f32], max: f32) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: as above.
-            unsafe { x86::exp_scaled_shifted(row, 1.0, max) };
-            return row.iter().sum();
-        }
-        row.iter_mut().for_each(|v| *v = (*v - max).exp());
-        row.iter().sum()
-    }
-
-    /// Softmax of `scale · row` in place: `row[i] = exp(scale · (row[i] - max)) / Σ`.
-    /// `scale` must be positive (it is `1/sqrt(head_dim)`), so the maximum of the scaled row is
-    /// `scale · max`. The exponential is a polynomial approximation within a few ulp of `expf`
-    /// on AVX2 machines: a scalar `exp` per score was a large share of long-window attention.
-    pub fn softmax_scaled(row: &mut [f32], scale: f32) {
-        if row.is_empty() {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: as above.
-            unsafe {
-                let max = x86::max(row);
-                x86::exp_scaled_shifted(row, scale, max);
-            }
-        } else {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-            row.iter_mut().for_each(|v| *v = (scale * (*v - max)).exp());
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-            row.iter_mut().for_each(|v| *v = (scale * (*v - max)).exp());
-        }
-        let sum: f32 = row.iter().sum();
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|v| *v *= inv);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    mod x86 {
-        use half::f16;
-        use std::arch::x86_64::*;
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn hsum(v: __m256) -> f32 {
-            let lo = _mm256_castps256_ps128(v);
-            let hi = _mm256_extractf128_ps(v, 1);
-            let s = _mm_add_ps(lo, hi);
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-            _mm_cvtss_f32(s)
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_f16(p: *const f16) -> __m256 {
-            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn dot_f16_f32(w: &[f16], x: &[f32]) -> f32 {
-            let len = w.len().min(x.len());
-            let (wp, xp) = (w.as_ptr(), x.as_ptr());
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut i = 0;
-            while i + 32 <= len {
-                for (j, a) in acc.iter_mut().enumerate() {
-                    let o = i + 8 * j;
-                    *a = _mm256_fmadd_ps(load_f16(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
-                }
-                i += 32;
-            }
-            while i + 8 <= len {
-                acc[0] = _mm256_fmadd_ps(load_f16(wp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
-                i += 8;
-            }
-            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-            let mut s = hsum(sum);
-            while i < len {
-                s += w[i].to_f32() * x[i];
-                i += 1;
-            }
-            s
-        }
-
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-            let len = a.len().min(b.len());
-            let (ap, bp) = (a.as_ptr(), b.as_ptr());
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut i = 0;
-            while i + 32 <= len {
-                for (j, c) in acc.iter_mut().enumerate() {
-                    let o = i + 8 * j;
-                    *c =
-                        _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(o)), _mm256_loadu_ps(bp.add(o)), *c);
-                }
-                i += 32;
-            }
-            while i + 8 <= len {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(ap.add(i)),
-                    _mm256_loadu_ps(bp.add(i)),
-                    acc[0],
-                );
-                i += 8;
-            }
-            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-            let mut s = hsum(sum);
-            while i < len {
-                s += a[i] * b[i];
-                i += 1;
-            }
-            s
-        }
-
-        /// `exp(x)` for `x` in [-87, 88] (clamped): Cephes-style range reduction
-        /// `x = n·ln2 + r`, a degree-5 polynomial for `exp(r)` on |r| <= ln2/2, and `2^n` built
-        /// in the exponent bits; within a few ulp of `expf`.
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn exp256(x: __m256) -> __m256 {
-            let x = _mm256_min_ps(
-                _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
-                _mm256_set1_ps(88.0),
-            );
-            let n = _mm256_round_ps(
-                _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-            );
-            let r = _mm256_fnmadd_ps(
-                n,
-                _mm256_set1_ps(-2.121_944_4e-4),
-                _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x),
-            );
-            let mut y = _mm256_set1_ps(1.987_569_1e-4);
-            for c in [
-                1.398_199_9e-3f32,
-                8.333_452e-3,
-                4.166_579_6e-2,
-                1.666_666_5e-1,
-                0.5,
-            ] {
-                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-            }
-            y = _mm256_fmadd_ps(
-                y,
-                _mm256_mul_ps(r, r),
-                _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-            );
-            let bits = _mm256_slli_epi32(
-                _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-                23,
-            );
-            _mm256_mul_ps(y, _mm256_castsi256_ps(bits))
-        }
-
-        /// `row[i] = exp(scale · (row[i] - max))`, flushed to 0 below `exp(-87)`.
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn exp_scaled_shifted(row: &mut [f32], scale: f32, max: f32) {
-            let len = row.len();
-            let p = row.as_mut_ptr();
-            let (vs, vm, lo) = (
-                _mm256_set1_ps(scale),
-                _mm256_set1_ps(max),
-                _mm256_set1_ps(-87.0),
-            );
-            let mut i = 0;
-            while i + 8 <= len {
-                let x = _mm256_mul_ps(vs, _mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
-                let underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-                _mm256_storeu_ps(p.add(i), _mm256_andnot_ps(underflow, exp256(x)));
-                i += 8;
-            }
-            while i < len {
-                *p.add(i) = (scale * (*p.add(i) - max)).exp();
-                i += 1;
-            }
-        }
-
-        /// The largest element (`-inf` for an empty slice; NaN-free inputs).
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn max(row: &[f32]) -> f32 {
-            let len = row.len();
-            let p = row.as_ptr();
-            let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
-            let mut i = 0;
-            while i + 8 <= len {
-                acc = _mm256_max_ps(acc, _mm256_loadu_ps(p.add(i)));
-                i += 8;
-            }
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-            let mut m = lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-            for v in &row[i..] {
-                m = m.max(*v);
-            }
-            m
-        }
-
-        /// `gate[i] = silu(gate[i]) · up[i]` with `silu(g) = g / (1 + exp(-g))`.
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
-            let len = gate.len().min(up.len());
-            let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
-            let one = _mm256_set1_ps(1.0);
-            let mut i = 0;
-            while i + 8 <= len {
-                let gv = _mm256_loadu_ps(g.add(i));
-                let e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-                let s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-                _mm256_storeu_ps(g.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.add(i))));
-                i += 8;
-            }
-            while i < len {
-                let gv = *g.add(i);
-                *g.add(i) = gv / (1.0 + (-gv).exp()) * *u.add(i);
-                i += 1;
-            }
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-            let len = src.len().min(dst.len());
-            let mut i = 0;
-            while i + 8 <= len {
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), load_f16(src.as_ptr().add(i)));
-                i += 8;
-            }
-            while i < len {
-                dst[i] = src[i].to_f32();
-                i += 1;
-            }
-        }
-    }
-}
-
 /// Products over the rows of several independent sequences (one decode token each), where
 /// every output row must equal a one-row [`Linear::forward`] of that row bit for bit: a
 /// batched server's greedy answer is then the single-request answer. GGUF blocks run the
 /// small-batch integer kernel (each weight row read once for up to
-/// [`quantized::SMALL_BATCH`] tokens); any other format runs one `matvec` per row.
+/// [`gguf_blocks::SMALL_BATCH`] tokens); any other format runs one `matvec` per row.
 impl Linear {
     /// `Y = X · Wᵀ + b` for `n` independent rows, each bit-identical to `forward(row, 1)`.
     pub fn forward_rows(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
@@ -744,7 +294,7 @@ impl Linear {
         match blocks {
             Some(mats) => {
                 // Chunks of at most SMALL_BATCH rows take the per-token decode kernel.
-                let step = quantized::SMALL_BATCH;
+                let step = gguf_blocks::SMALL_BATCH;
                 for r0 in (0..n).step_by(step) {
                     let rows = step.min(n - r0);
                     let mut chunk: Vec<&mut [f32]> = ys
@@ -752,7 +302,7 @@ impl Linear {
                         .zip(&mats)
                         .map(|(y, m)| &mut y[r0 * m.rows()..(r0 + rows) * m.rows()])
                         .collect();
-                    quantized::matmul_group(
+                    gguf_blocks::matmul_group(
                         &mats,
                         &x[r0 * k..(r0 + rows) * k],
                         rows,
@@ -780,8 +330,6 @@ impl Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sieve_formats::dense::Dense;
-    use sieve_formats::registry;
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
@@ -793,117 +341,6 @@ mod tests {
     fn random(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..len).map(|_| lcg(&mut s)).collect()
-    }
-
-    /// f64 reference of `Y = X · Wᵀ` with the f16-rounded weights.
-    fn reference(w: &DenseMatrix, x: &[f32], n: usize, t: Threshold) -> Vec<f32> {
-        let (m, k) = (w.rows(), w.cols());
-        let mut y = vec![0f32; n * m];
-        for tok in 0..n {
-            for r in 0..m {
-                let mut s = 0f64;
-                for c in 0..k {
-                    let xv = x[tok * k + c];
-                    if is_active(xv, t) {
-                        s += w.get(r, c).to_f32() as f64 * xv as f64;
-                    }
-                }
-                y[tok * m + r] = s as f32;
-            }
-        }
-        y
-    }
-
-    fn close(a: &[f32], b: &[f32], tol: f32) {
-        assert_eq!(a.len(), b.len());
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!(
-                (x - y).abs() <= tol * (1.0 + y.abs()),
-                "element {i}: {x} vs {y}"
-            );
-        }
-    }
-
-    #[test]
-    fn fast_dense_matches_reference_on_odd_shapes() {
-        // Shapes with remainders in every blocking dimension (rows % 4, tokens % 2, K % 8, K % 32).
-        for &(m, k, n) in &[(1, 1, 1), (7, 13, 3), (37, 70, 5), (64, 96, 2), (33, 41, 1)] {
-            let w = DenseMatrix::from_f32(m, k, &random(m * k, m as u64 * 31 + k as u64)).unwrap();
-            let x = random(n * k, 99 + n as u64);
-            let fast = FastDense::new(w.clone());
-            for t in [None, Some(0.2f32)] {
-                let mut y = vec![f32::NAN; n * m];
-                fast.matmul(&x, n, t, &mut y).unwrap();
-                close(&y, &reference(&w, &x, n, t), 1e-5);
-                let mut yv = vec![f32::NAN; m];
-                fast.matvec(&x[..k], t, &mut yv).unwrap();
-                close(&yv, &reference(&w, &x[..k], 1, t), 1e-5);
-            }
-        }
-    }
-
-    #[test]
-    fn softmax_matches_f64_exp() {
-        for len in [1usize, 7, 8, 9, 40, 1000] {
-            let mut row: Vec<f32> = random(len, len as u64).iter().map(|v| 60.0 * v).collect();
-            let scale = 0.125f32;
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
-            let e: Vec<f64> = row
-                .iter()
-                .map(|v| (0.125 * (*v as f64 - max)).exp())
-                .collect();
-            let sum: f64 = e.iter().sum();
-            kernels::softmax_scaled(&mut row, scale);
-            for (got, want) in row.iter().zip(&e) {
-                let want = want / sum;
-                assert!(
-                    (*got as f64 - want).abs() <= 1e-6 * want + 1e-30,
-                    "{got} vs {want}"
-                );
-            }
-        }
-        // Far below the maximum the weights underflow to exactly 0.
-        let mut row = vec![
-            0.0f32, -2000.0, -2000.0, -2000.0, -2000.0, -2000.0, -2000.0, -2000.0,
-        ];
-        kernels::softmax_scaled(&mut row, 1.0);
-        assert_eq!(row, [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
-    }
-
-    #[test]
-    fn silu_mul_matches_f64() {
-        let gate: Vec<f32> = random(203, 4).iter().map(|v| 40.0 * v).collect();
-        let up = random(203, 5);
-        let mut got = gate.clone();
-        kernels::silu_mul(&mut got, &up);
-        for ((g, u), o) in gate.iter().zip(&up).zip(&got) {
-            let (g, u) = (*g as f64, *u as f64);
-            let want = g / (1.0 + (-g).exp()) * u;
-            assert!(
-                (*o as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                "{o} vs {want}"
-            );
-        }
-        let mut extreme = vec![-200.0f32, 200.0, 0.0, -90.0, 90.0, 1.0, -1.0, 3.0];
-        kernels::silu_mul(&mut extreme, &[1.0; 8]);
-        assert!(extreme[0].abs() < 1e-30 && extreme[1] == 200.0 && extreme[2] == 0.0);
-        assert!(extreme.iter().all(|v| v.is_finite()));
-    }
-
-    #[test]
-    fn fast_dense_agrees_with_the_formats_dense_and_shares_its_blob() {
-        let (m, k) = (19, 45);
-        let w = DenseMatrix::from_f32(m, k, &random(m * k, 5)).unwrap();
-        let fast = FastDense::new(w.clone());
-        let plain = Dense::encode(&w).unwrap();
-        let x = random(3 * k, 6);
-        let (mut a, mut b) = (vec![0f32; 3 * m], vec![0f32; 3 * m]);
-        fast.matmul(&x, 3, None, &mut a).unwrap();
-        plain.matmul(&x, 3, None, &mut b).unwrap();
-        close(&a, &b, 1e-5);
-        let back = registry::from_bytes(&fast.to_bytes()).unwrap();
-        assert_eq!(back.decode(), w);
-        assert_eq!(fast.storage(), plain.storage());
     }
 
     #[test]
@@ -942,7 +379,7 @@ mod tests {
             bytes.extend((0..32).map(|_| (lcg(&mut s) * 255.0) as i8 as u8));
         }
         Linear::from_quantized(
-            QuantMatrix::new(quantized::BlockType::Q8_0, rows, cols, bytes).unwrap(),
+            QuantMatrix::new(gguf_blocks::BlockType::Q8_0, rows, cols, bytes).unwrap(),
         )
     }
 
@@ -983,7 +420,7 @@ mod tests {
         );
         let dense = Linear::from_dense_f32(32, 64, &random(32 * 64, 14)).unwrap();
         // More rows than one small batch, so the chunking is exercised too.
-        let n = quantized::SMALL_BATCH + 3;
+        let n = gguf_blocks::SMALL_BATCH + 3;
         let x = random(n * 64, 15);
         for group in [vec![&q, &k], vec![&q, &dense], vec![&dense]] {
             let mut got: Vec<Vec<f32>> =
@@ -1025,5 +462,70 @@ mod tests {
         let mut lin = lin;
         let other = FastDense::new(DenseMatrix::zeros(3, 2).unwrap());
         assert!(lin.replace_format(Box::new(other)).is_err());
+    }
+
+    #[test]
+    fn linear_groups_of_balanced_cbc_run_as_one_group() {
+        let t = Some(0.3);
+        let lin = |rows: usize, seed: u64| {
+            let w = sieve_formats::random::balanced_matrix(rows, 130, 8, seed).unwrap();
+            let mut l =
+                Linear::from_format(Box::new(sieve_cpu::balanced_cbc::FastBalancedCbc::new(
+                    &sieve_formats::balanced_cbc::BalancedCbc::encode_with_slots(&w, 8).unwrap(),
+                )));
+            l.set_threshold(t).unwrap();
+            l
+        };
+        let (a, b) = (lin(20, 50), lin(9, 51));
+        let x = sieve_formats::random::activations(130, 52);
+        let (mut ya, mut yb) = (vec![0f32; 20], vec![0f32; 9]);
+        Linear::forward_group(&[&a, &b], &x, 1, &mut [&mut ya, &mut yb]).unwrap();
+        let (mut wa, mut wb) = (vec![0f32; 20], vec![0f32; 9]);
+        a.forward(&x, 1, &mut wa).unwrap();
+        b.forward(&x, 1, &mut wb).unwrap();
+        assert_eq!((ya, yb), (wa, wb));
+    }
+
+    /// An IE-BME INT4 matrix of random unstructured weights (as `sieve_cpu::ie_bme`'s tests build them).
+    fn ie_bme_int4(
+        rows: usize,
+        cols: usize,
+        sp: f64,
+        group_size: usize,
+        seed: u64,
+    ) -> sieve_formats::ie_bme::IeBme {
+        use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
+        use sieve_formats::random::{sparse_matrix, Pattern};
+        let w = sparse_matrix(rows, cols, sp, Pattern::Unstructured, seed).unwrap();
+        let opts = IeBmeOptions {
+            payload: Payload::Int4 { group_size },
+            reorder: if seed.is_multiple_of(2) {
+                Reorder::Greedy
+            } else {
+                Reorder::Off
+            },
+            ..IeBmeOptions::default()
+        };
+        IeBme::encode(&w, &opts).unwrap()
+    }
+
+    #[test]
+    fn linear_groups_of_int4_ie_bme_run_as_one_group() {
+        let t = Some(0.3);
+        let lin = |rows: usize, seed: u64| {
+            let mut l = Linear::from_format(Box::new(
+                sieve_cpu::ie_bme::Int4IeBme::new(ie_bme_int4(rows, 130, 0.5, 64, seed)).unwrap(),
+            ));
+            l.set_threshold(t).unwrap();
+            l
+        };
+        let (a, b) = (lin(20, 50), lin(9, 51));
+        let x = sieve_formats::random::activations(130, 52);
+        let (mut ya, mut yb) = (vec![0f32; 20], vec![0f32; 9]);
+        Linear::forward_group(&[&a, &b], &x, 1, &mut [&mut ya, &mut yb]).unwrap();
+        let (mut wa, mut wb) = (vec![0f32; 20], vec![0f32; 9]);
+        a.forward(&x, 1, &mut wa).unwrap();
+        b.forward(&x, 1, &mut wb).unwrap();
+        assert_eq!((ya, yb), (wa, wb));
     }
 }

@@ -32,12 +32,13 @@
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::linear::{gemm, kernels, Linear};
+use crate::linear::Linear;
 use crate::plan::{self, Group, LayerOp, Norm};
 use crate::weights::{Tensor, TensorSource};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+use sieve_cpu::{gemm, kernels};
 
 mod cached_attention;
 pub mod phases;
@@ -356,7 +357,7 @@ fn silu(x: f32) -> f32 {
 impl Model {
     /// Loads a model for inference: linears the source stores in GGUF Q4_0/Q4_1/Q5_0/Q5_1/
     /// Q8_0/Q4_K/Q5_K/Q6_K blocks
-    /// keep them ([`crate::linear::quantized::QuantMatrix`], multiplied with 8-bit activation
+    /// keep them ([`sieve_cpu::gguf_blocks::QuantMatrix`], multiplied with 8-bit activation
     /// blocks: a third of the f16 bytes per decoded token), every other linear is dense f16.
     pub fn from_source(source: &dyn TensorSource) -> Result<Self> {
         Self::assemble(source, &mut |name, stored_as, shape, loaded| {

@@ -19,19 +19,14 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::balanced_rows::FastBalancedCbc;
-use crate::linear::ie_bme_int::Int4IeBme;
-use crate::linear::quantized::QuantMatrix;
-use crate::linear::sparse::{DequantizedIeBme, FastTiledCbc};
-use crate::linear::tcbc_rows::RowTiledCbc;
-use crate::linear::{FastDense, Linear};
+use crate::linear::Linear;
 use crate::llama::{Layer, Model};
 use crate::packfile::{PackFile, PackWriter, SectionKind};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::weights::{TensorSource, TokenizerSource};
 use serde::{Deserialize, Serialize};
-use sieve_formats::balanced_cbc::BalancedCbc;
-use sieve_formats::tiled_cbc::TiledCbc;
+use sieve_cpu::dense::FastDense;
+use sieve_cpu::gguf_blocks::QuantMatrix;
 use sieve_formats::{FormatKind, Threshold, WeightFormat};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -164,69 +159,10 @@ pub fn add_model_sections(w: &mut PackWriter, model: &Model) -> Result<()> {
     w.add_json("thresholds", &thresholds)
 }
 
-/// IE-BME INT4 gets the integer kernel ([`Int4IeBme`]); other payloads, or every IE-BME layer
-/// when `SIEVE_IEBME_KERNEL=columns` (to compare the two paths), the f16 column kernel over the
-/// dequantized matrix ([`DequantizedIeBme`]).
-fn ie_bme_layer(
-    ie: sieve_formats::ie_bme::IeBme,
-) -> std::result::Result<Box<dyn WeightFormat>, sieve_formats::FormatError> {
-    let columns = std::env::var("SIEVE_IEBME_KERNEL").is_ok_and(|v| v == "columns");
-    if !columns && matches!(ie.payload(), sieve_formats::ie_bme::Payload::Int4 { .. }) {
-        return Ok(Box::new(Int4IeBme::new(ie)?));
-    }
-    Ok(Box::new(DequantizedIeBme::new(ie)?))
-}
-
-/// Tiled-CBC gets the row-blocked bitmap layout ([`RowTiledCbc`]: blocks of 32 rows, each one
-/// sequential stream, inactive inputs' columns not visited inside it); `SIEVE_TCBC_CPU=columns`
-/// the whole-column layout ([`FastTiledCbc`], which skips inactive inputs' columns over the
-/// whole matrix but breaks the prefetchers' streams), to compare the two (docs/BENCHMARKS.md,
-/// issue 12).
-fn tiled_cbc_layer(tiled: TiledCbc) -> Box<dyn WeightFormat> {
-    if std::env::var("SIEVE_TCBC_CPU").is_ok_and(|v| v == "columns") {
-        Box::new(FastTiledCbc::new(tiled))
-    } else {
-        Box::new(RowTiledCbc::new(&tiled))
-    }
-}
-
-/// A weight blob (`WeightFormat::to_bytes`) read into the format whose CPU product a loaded
-/// pack runs (see [`read_linear`]): what `sieve pack --format auto` times for each candidate.
-pub fn cpu_format_from_blob(
-    bytes: &[u8],
-) -> std::result::Result<Box<dyn WeightFormat>, sieve_formats::FormatError> {
-    let (tag, payload) = sieve_formats::blob::unframe(bytes)?;
-    let mut r = sieve_formats::blob::ByteReader::new(payload);
-    Ok(match FormatKind::from_tag(tag) {
-        Ok(FormatKind::TiledCbc) => {
-            let tiled = TiledCbc::read_payload(&mut r)?;
-            r.finish()?;
-            tiled_cbc_layer(tiled)
-        }
-        Ok(FormatKind::BalancedCbc) => {
-            let balanced = BalancedCbc::read_payload(&mut r)?;
-            r.finish()?;
-            Box::new(FastBalancedCbc::new(&balanced))
-        }
-        Ok(FormatKind::IeBme) => {
-            let ie = sieve_formats::ie_bme::IeBme::read_payload(&mut r)?;
-            r.finish()?;
-            ie_bme_layer(ie)?
-        }
-        _ => {
-            let format = sieve_formats::registry::from_bytes(bytes)?;
-            match format.kind() {
-                FormatKind::Dense => Box::new(FastDense::new(format.decode())),
-                _ => format,
-            }
-        }
-    })
-}
-
 /// Reads a weight blob into the format with the fastest CPU product for it: dense layers get
-/// [`FastDense`], Tiled-CBC gets [`RowTiledCbc`] (see [`tiled_cbc_layer`]), Balanced-CBC gets
-/// [`FastBalancedCbc`] (row groups of 16, fixed-size records), IE-BME INT4 gets [`Int4IeBme`] (integer
-/// products against 8-bit activations, see [`ie_bme_layer`]); other formats keep their
+/// [`FastDense`], Tiled-CBC gets `RowTiledCbc`, Balanced-CBC gets `FastBalancedCbc` (row groups of
+/// 16, fixed-size records), IE-BME INT4 gets `Int4IeBme` (integer products against 8-bit
+/// activations): [`sieve_cpu::format_from_blob`] picks them; other formats keep their
 /// reference kernels.
 /// The threshold is the one the pack stores for this layer. Dense layers stay row-major even
 /// under a threshold: the column-major `DenseColumns` reads only active columns but was slower
@@ -234,7 +170,7 @@ pub fn cpu_format_from_blob(
 /// docs/BENCHMARKS.md), faster only from dp ~0.9.
 fn read_linear(pack: &PackFile, name: &str, threshold: Threshold) -> Result<Linear> {
     let bytes = pack.section(name, SectionKind::Weight)?;
-    let format = cpu_format_from_blob(bytes).map_err(|e| ModelError::Malformed {
+    let format = sieve_cpu::format_from_blob(bytes).map_err(|e| ModelError::Malformed {
         path: pack.path().display().to_string(),
         reason: format!("section '{name}': {e}"),
     })?;

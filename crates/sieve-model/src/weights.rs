@@ -13,7 +13,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::linear::quantized::QuantMatrix;
+use sieve_cpu::gguf_blocks::QuantMatrix;
 
 /// A dense f32 tensor, row-major. A 2-D weight has `shape == [out_features, in_features]`.
 #[derive(Clone, Debug, PartialEq)]

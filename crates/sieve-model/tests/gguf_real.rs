@@ -3,8 +3,8 @@
 //! model when it has been fetched (scripts/fetch-model.sh; CI fetches it).
 
 use serde_json::Value;
+use sieve_cpu::gguf_blocks::dequant::{dequantize, GgmlType};
 use sieve_model::gguf::{GgufFile, GgufModel};
-use sieve_model::quant::{dequantize, GgmlType};
 use sieve_model::weights::{open_model, TensorSource, TokenizerSource};
 use std::path::PathBuf;
 

@@ -38,7 +38,7 @@
 //! # Format choice (`--format auto`)
 //!
 //! Each linear is encoded in every format that accepts it, and the one whose CPU product (the
-//! kernel a loaded pack runs: `sieve_model::packed::cpu_format_from_blob`) is fastest on this
+//! kernel a loaded pack runs: `sieve_cpu::format_from_blob`) is fastest on this
 //! machine is kept: a short calibration times one matrix-vector product of each candidate,
 //! best of [`PRODUCT_REPS`], with the matrix pushed out of the caches first (decode streams
 //! weights from memory), on the pack's threads, against a synthetic input whose fraction `dp`
@@ -65,9 +65,9 @@ use crate::teal::ActivationHistogram;
 use half::f16;
 use rayon::prelude::*;
 use serde::Serialize;
+use sieve_cpu::dense::FastDense;
 use sieve_formats::value_grid::{Grid, INT4, INT8};
 use sieve_formats::{DenseMatrix, FormatKind, Storage, WeightFormat};
-use sieve_model::linear::FastDense;
 use sieve_model::llama::{Model, Site};
 use std::collections::HashMap;
 use std::fmt;
@@ -125,7 +125,7 @@ pub enum ValueGrid {
     /// Each output row on a symmetric int8 grid (`sieve_formats::value_grid::INT8`; SparseGPT
     /// rounds in its sweep and compensates each rounding error, magnitude and Wanda snap the
     /// pruned rows), still stored as f16: the CPU product of Balanced-CBC then keeps 8-bit
-    /// records (`sieve_model::linear::balanced_rows`). Only with `--format balanced-cbc`.
+    /// records (`sieve_cpu::balanced_cbc`). Only with `--format balanced-cbc`.
     Int8,
     /// Each row's groups of `group` consecutive input columns (`0..G`, `G..2G`, ...; GPTQ's
     /// groups) on a symmetric 4-bit grid with an f16 scale (`sieve_formats::value_grid::INT4`;
@@ -421,7 +421,7 @@ fn timing_input(cols: usize, dp: f64) -> (Vec<f32>, Option<f32>) {
 /// The cold-cache time of one matrix-vector product of `format`'s CPU kernel (best of
 /// [`PRODUCT_REPS`], after one untimed run).
 pub fn time_cpu_product(format: &dyn WeightFormat, dp: f64) -> Result<f64> {
-    let fast = sieve_model::packed::cpu_format_from_blob(&format.to_bytes())?;
+    let fast = sieve_cpu::format_from_blob(&format.to_bytes())?;
     let (x, threshold) = timing_input(fast.cols(), dp);
     let mut y = vec![0f32; fast.rows()];
     fast.matvec(&x, threshold, &mut y)?;
@@ -1458,8 +1458,8 @@ mod tests {
     /// step from the f16 pack's (magnitude pruning: the same kept weights).
     #[test]
     fn int8_values_put_every_row_on_its_grid() {
+        use sieve_cpu::balanced_cbc::{FastBalancedCbc, Values};
         use sieve_formats::balanced_cbc::BalancedCbc;
-        use sieve_model::linear::balanced_rows::{FastBalancedCbc, Values};
         let src = source();
         for method in [Method::Magnitude, Method::SparseGpt] {
             let base = options(method, "balanced:8:16", 0.5, 0.0, "balanced-cbc");

@@ -65,8 +65,8 @@ use faer::linalg::solvers::DenseSolveCore;
 use faer::{Mat, Side};
 use rayon::prelude::*;
 use serde::Serialize;
+use sieve_cpu::gemm::{self, gemm, View};
 use sieve_formats::value_grid::Grid;
-use sieve_model::linear::gemm::{self, gemm, View};
 
 /// Rows of activations folded into one f32 Gram product before it is added to the f64 sum;
 /// bounds the f32 rounding error of each partial sum.

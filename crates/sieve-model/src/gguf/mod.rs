@@ -16,9 +16,9 @@ mod model;
 pub use model::GgufModel;
 
 use crate::error::{ModelError, Result};
-use crate::quant::{self, GgmlType};
 use crate::tokenizer::GgufTokenizerSpec;
 use memmap2::Mmap;
+use sieve_cpu::gguf_blocks::dequant::{self as quant, GgmlType};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -436,8 +436,10 @@ impl GgufFile {
             .tensor_info(name)
             .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
         quant::dequantize(info.ggml_type, bytes, info.n_elements() as usize).map_err(|e| match e {
-            ModelError::Unsupported(m) => ModelError::Unsupported(format!("tensor '{name}': {m}")),
-            other => other,
+            sieve_cpu::CpuError::Unsupported(m) => {
+                ModelError::Unsupported(format!("tensor '{name}': {m}"))
+            }
+            other => other.into(),
         })
     }
 
@@ -804,5 +806,7 @@ fn parse_header<'a>(bytes: &'a [u8], path: &'a str) -> Result<Header> {
 #[cfg(test)]
 pub(crate) mod test_support;
 
+#[cfg(test)]
+mod block_tests;
 #[cfg(test)]
 mod tests;

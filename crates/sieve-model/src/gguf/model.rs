@@ -26,9 +26,9 @@
 use super::GgufFile;
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::linear::quantized::{BlockType, QuantMatrix};
 use crate::tokenizer::GgufTokenizerSpec;
 use crate::weights::{Tensor, TensorSource, TokenizerSource};
+use sieve_cpu::gguf_blocks::{BlockType, QuantMatrix};
 use std::collections::BTreeMap;
 use std::path::Path;
 

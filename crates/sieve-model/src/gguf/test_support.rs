@@ -1,7 +1,7 @@
 //! A minimal GGUF v3 writer for tests: builds small valid files to read back, truncate and corrupt.
 
 use super::MetaValue;
-use crate::quant::GgmlType;
+use sieve_cpu::gguf_blocks::dequant::GgmlType;
 
 pub(crate) struct GgufBuilder {
     pub metadata: Vec<(String, MetaValue)>,

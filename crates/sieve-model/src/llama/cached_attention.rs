@@ -13,9 +13,9 @@
 //! `M = max m_s`. So two threads share even a model with fewer KV heads than threads, and the
 //! result equals the single-pass softmax up to f32 rounding.
 
-use crate::linear::kernels;
 use half::f16;
 use rayon::prelude::*;
+use sieve_cpu::kernels;
 
 /// The fewest positions a task takes: below this the task's fixed costs (a rayon split, the
 /// merge) outweigh the rows it reads.

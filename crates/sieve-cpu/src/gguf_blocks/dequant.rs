@@ -17,7 +17,7 @@
 //! high nibble. In the K formats, each 64-element chunk uses 32 bytes of nibbles: low nibbles for
 //! its first 32 elements, high nibbles for the next 32.
 
-use crate::error::{ModelError, Result};
+use crate::error::{CpuError, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -270,7 +270,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
 /// Dequantizes `data` into `out`; `data` must hold exactly `out.len()` elements of `ty`.
 pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
     let Some(kernel) = block_kernel(ty) else {
-        return Err(ModelError::Unsupported(format!(
+        return Err(CpuError::Unsupported(format!(
             "dequantization of ggml type {} (id {}); supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, \
              Q5_1, Q8_0, Q4_K, Q5_K, Q6_K",
             ty.name(),
@@ -284,7 +284,7 @@ pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()>
             Some(bytes) => format!("{bytes} bytes"),
             None => format!("a multiple of {block_elems} elements"),
         };
-        return Err(ModelError::InvalidArgument(format!(
+        return Err(CpuError::InvalidArgument(format!(
             "{} elements of {} need {need}, got {} bytes",
             out.len(),
             ty.name(),
@@ -676,7 +676,7 @@ mod tests {
     #[test]
     fn unsupported_type_and_bad_length_are_errors() {
         let err = dequantize(GgmlType::IQ2_XXS, &[0u8; 66], 256).unwrap_err();
-        assert!(matches!(err, ModelError::Unsupported(ref m) if m.contains("IQ2_XXS")));
+        assert!(matches!(err, CpuError::Unsupported(ref m) if m.contains("IQ2_XXS")));
         assert!(dequantize(GgmlType::Q8_0, &[0u8; 33], 32).is_err());
         assert!(dequantize(GgmlType::Q8_0, &[0u8; 34], 31).is_err());
     }

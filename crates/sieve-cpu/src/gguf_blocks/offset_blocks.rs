@@ -1,6 +1,6 @@
 //! Products of the GGUF block types whose weights carry an offset or several scales per block:
 //! Q5_0 and Q5_1 (blocks of 32), Q4_K, Q5_K and Q6_K (super-blocks of 256, ggml's K-quants; the
-//! layouts are listed in [`crate::quant`]).
+//! layouts are listed in [`crate::gguf_blocks::dequant`]).
 //!
 //! Every one of them is, over each 32-element sub-block `j` of a row, unsigned integers `u`
 //! (4, 5 or 6 bits) times a scale, plus an offset:
@@ -28,8 +28,8 @@
 //! only in the order of their f32 additions.
 
 use super::{read_f16, BlockType, Q8Activations, BLOCK};
-use crate::linear::simd::SimdLevel;
-use crate::quant::k_scales_and_mins;
+use crate::gguf_blocks::dequant::k_scales_and_mins;
+use crate::simd::SimdLevel;
 
 /// Which kernel multiplies the offset block types, chosen once per process from
 /// [`SimdLevel::detect`] (so `SIEVE_CPU_SIMD` caps it too).
@@ -265,7 +265,7 @@ pub fn dot_row(path: DotPath, ty: BlockType, row: &[u8], xq: &Q8Activations) -> 
 }
 
 /// Row dequantization with ggml's arithmetic: the AVX2 kernels (prefill unpacks every weight
-/// row for the GEMM) give exactly the values of [`crate::quant`]'s block kernels.
+/// row for the GEMM) give exactly the values of [`crate::gguf_blocks::dequant`]'s block kernels.
 pub fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if DotPath::detect() >= DotPath::Avx2 {
@@ -276,10 +276,10 @@ pub fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
     dequantize_row_portable(ty, row, out)
 }
 
-/// [`dequantize_row`] with [`crate::quant`]'s block kernels.
+/// [`dequantize_row`] with [`crate::gguf_blocks::dequant`]'s block kernels.
 pub fn dequantize_row_portable(ty: BlockType, row: &[u8], out: &mut [f32]) {
-    let kernel =
-        crate::quant::block_kernel(ty.ggml()).expect("every BlockType has a dequantization kernel");
+    let kernel = crate::gguf_blocks::dequant::block_kernel(ty.ggml())
+        .expect("every BlockType has a dequantization kernel");
     for (b, o) in row
         .chunks_exact(ty.block_bytes())
         .zip(out.chunks_exact_mut(ty.block_elems()))
@@ -483,10 +483,9 @@ mod x86 {
                     let sums = _mm256_loadu_ps(xq.sums.as_ptr().add(b0));
                     for r in 0..R {
                         let blk = rows[r].add(s * bb);
-                        let pairs = crate::quant::k_scales_and_mins(std::slice::from_raw_parts(
-                            blk.add(4),
-                            12,
-                        ));
+                        let pairs = crate::gguf_blocks::dequant::k_scales_and_mins(
+                            std::slice::from_raw_parts(blk.add(4), 12),
+                        );
                         let (mut sc, mut mn) = ([0u8; 16], [0u8; 16]);
                         for j in 0..8 {
                             sc[j] = pairs[j].0;
@@ -641,8 +640,9 @@ mod x86 {
                 BlockType::Q4_K | BlockType::Q5_K => {
                     let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
                     let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
-                    let pairs =
-                        crate::quant::k_scales_and_mins(std::slice::from_raw_parts(blk.add(4), 12));
+                    let pairs = crate::gguf_blocks::dequant::k_scales_and_mins(
+                        std::slice::from_raw_parts(blk.add(4), 12),
+                    );
                     let (qh, qs) = if ty == BlockType::Q5_K {
                         (
                             _mm256_loadu_si256(blk.add(16) as *const __m256i),

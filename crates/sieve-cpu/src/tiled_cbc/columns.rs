@@ -2,15 +2,15 @@
 //! kernels of `sieve_formats` they are tested against.
 //!
 //! **The CPU layouts of the packed formats, and which one a loaded pack runs**
-//! (`crate::packed::cpu_format_from_blob`):
+//! ([`crate::format_from_blob`]):
 //!
 //! | blob | CPU layout (built at load; the blob stays what it was) | where |
 //! |---|---|---|
-//! | Tiled-CBC | blocks of 32 rows, column-major inside: per (block, column) a `u32` bitmap, a `u16` offset, the values; active columns visited, every block streamed | [`super::tcbc_rows::RowTiledCbc`], **the default** |
+//! | Tiled-CBC | blocks of 32 rows, column-major inside: per (block, column) a `u32` bitmap, a `u16` offset, the values; active columns visited, every block streamed | [`super::rows::RowTiledCbc`], **the default** |
 //! | Tiled-CBC | whole columns: per column an `M`-bit bitmap and its values; inactive columns skipped over the whole matrix | [`FastTiledCbc`], `SIEVE_TCBC_CPU=columns` |
-//! | IE-BME INT4 | rows of 64-column blocks: `u64` bitmap + nibbles, integer products | `super::ie_bme_int::Int4IeBme`, the default |
+//! | IE-BME INT4 | rows of 64-column blocks: `u64` bitmap + nibbles, integer products | [`crate::ie_bme::Int4IeBme`], the default |
 //! | IE-BME other payloads | the whole-column layout over the exact dequantized matrix | [`DequantizedIeBme`] (`SIEVE_IEBME_KERNEL=columns` for INT4 too) |
-//! | dense | f16 rows (`FastDense`); [`DenseColumns`] column-major, not used by default | `super::FastDense` |
+//! | dense | f16 rows (`FastDense`); [`DenseColumns`] column-major, not used by default | [`crate::dense::FastDense`] |
 //!
 //! Decoding one token is bound by the bytes of weights streamed *and how they are streamed*:
 //! the hardware prefetchers follow sequential streams and fetch whole runs ahead, so skipping
@@ -22,7 +22,7 @@
 //! contiguous**: a skipped input skips one contiguous run of `M` weights, and a task reads a
 //! contiguous range of columns. That reads the fewest bytes, but each skip restarts a stream, so
 //! from DRAM it moved 2-3 GB/s against 11-13 GB/s for dense rows; packs now run Tiled-CBC
-//! through the row-blocked layout of `tcbc_rows` instead, which streams every stored weight and
+//! through the row-blocked layout of [`super::rows`] instead, which streams every stored weight and
 //! saves compute, not bytes, on inactive inputs. The column layout stays selectable to compare.
 //!
 //! * [`FastTiledCbc`] converts a Tiled-CBC blob at load into that layout (the blob, and what it
@@ -47,8 +47,8 @@
 //!
 //! The portable kernels are scalar walks of the same layouts, used where AVX2 is missing.
 
-use super::gemm;
-use super::simd::SimdLevel;
+use crate::gemm;
+use crate::simd::SimdLevel;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
@@ -551,9 +551,9 @@ impl WeightFormat for DenseColumns {
 }
 
 /// The AVX2 rank table and f16 loader, shared with the row-major kernel of
-/// [`super::tcbc_rows`].
+/// [`super::rows`].
 #[cfg(target_arch = "x86_64")]
-pub(super) use x86::{load8_f16, RANKS};
+pub(crate) use x86::{load8_f16, RANKS};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -655,7 +655,7 @@ mod x86 {
 
     /// For each byte value `m`, lane `j` holds the rank of bit `j` among the set bits of `m`
     /// (0 for clear bits, which are masked afterwards): `vpermps` by it places the packed values.
-    pub(in crate::linear) static RANKS: [[u32; 8]; 256] = {
+    pub(crate) static RANKS: [[u32; 8]; 256] = {
         let mut t = [[0u32; 8]; 256];
         let mut m = 0;
         while m < 256 {

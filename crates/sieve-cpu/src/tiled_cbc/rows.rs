@@ -4,7 +4,7 @@
 //! this layer writes back; only the in-memory copy differs. Why rows: decoding one token streams
 //! every weight from DRAM, and on the 2-core machine what moves bytes fast is a few long
 //! sequential streams that the hardware prefetchers can run ahead of. The column layout
-//! ([`super::sparse::FastTiledCbc`]) reads fewer bytes under a TEAL threshold (it skips inactive
+//! ([`super::columns::FastTiledCbc`]) reads fewer bytes under a TEAL threshold (it skips inactive
 //! inputs' columns) but every skip breaks the stream: measured 2-3 GB/s against 11-13 GB/s for
 //! dense rows, so it barely beat the dense pack. This layout reads *every* stored weight
 //! (activation sparsity saves no bytes here, only compute) block after block, each block one
@@ -47,9 +47,9 @@
 //! Batched products (prefill) decode the matrix into a per-thread f16 row-major buffer and run
 //! the blocked GEMM on it, the same call and the same numbers as the dense pack's `FastDense`.
 
-use super::gemm;
-use super::simd::SimdLevel;
-use super::sparse::active_inputs;
+use crate::gemm;
+use crate::simd::SimdLevel;
+use crate::tiled_cbc::columns::active_inputs;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
@@ -305,14 +305,14 @@ impl WeightFormat for RowTiledCbc {
         self.matmul_with(SimdLevel::detect(), x, n, threshold, y)
     }
     fn write_payload(&self, w: &mut ByteWriter) {
-        super::sparse::write_tiled_cbc_payload(&self.decode(), w)
+        crate::tiled_cbc::columns::write_tiled_cbc_payload(&self.decode(), w)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{Prepared, RowTiledCbc, BLOCK};
-    use crate::linear::sparse::{load8_f16, RANKS};
+    use crate::tiled_cbc::columns::{load8_f16, RANKS};
     use std::arch::x86_64::*;
 
     /// The bitmap and the first value of column `c` in block `b`.

@@ -181,7 +181,7 @@ impl Int8Records {
 pub(super) mod x86 {
     use super::super::{Prepared, GROUP};
     use super::Int8Records;
-    use crate::linear::sparse::RANKS;
+    use crate::tiled_cbc::columns::RANKS;
     use std::arch::x86_64::*;
 
     /// The mask and a pointer to the first index of column `c` of the group at `base`.

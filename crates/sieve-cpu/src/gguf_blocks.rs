@@ -35,9 +35,9 @@
 //! [`WeightFormat::write_payload`] writes the f16 dense payload of [`WeightFormat::decode`] and
 //! the layer reads back as dense f16 (what loading with dequantization gives).
 
-use super::gemm;
-use crate::error::{ModelError, Result};
-use crate::quant::GgmlType;
+use crate::error::{CpuError, Result};
+use crate::gemm;
+use dequant::GgmlType;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
@@ -48,7 +48,10 @@ use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, We
 /// K types have super-blocks of 256 made of eight such sub-blocks).
 pub const BLOCK: usize = 32;
 
+pub mod dequant;
 mod offset_blocks;
+#[doc(hidden)]
+pub mod test_blocks;
 pub use offset_blocks::DotPath;
 
 /// The GGUF block types kept quantized.
@@ -157,7 +160,7 @@ impl QuantMatrix {
     pub fn new(ty: BlockType, rows: usize, cols: usize, blocks: Vec<u8>) -> Result<Self> {
         let elems = ty.block_elems();
         if rows == 0 || cols == 0 || !cols.is_multiple_of(elems) {
-            return Err(ModelError::InvalidArgument(format!(
+            return Err(CpuError::InvalidArgument(format!(
                 "a {rows} x {cols} matrix of {ty:?} blocks needs rows > 0 and a positive \
                  multiple of {elems} columns"
             )));
@@ -166,7 +169,7 @@ impl QuantMatrix {
             .checked_mul(cols / elems)
             .and_then(|b| b.checked_mul(ty.block_bytes()));
         if expected != Some(blocks.len()) {
-            return Err(ModelError::InvalidArgument(format!(
+            return Err(CpuError::InvalidArgument(format!(
                 "a {rows} x {cols} matrix of {ty:?} needs {expected:?} bytes, got {}",
                 blocks.len()
             )));
@@ -181,7 +184,7 @@ impl QuantMatrix {
             };
             if !bound.is_finite() || bound > limit {
                 let per_row = cols / elems;
-                return Err(ModelError::InvalidArgument(format!(
+                return Err(CpuError::InvalidArgument(format!(
                     "{ty:?} block {} of row {}: its scales give weights outside the f16 range \
                      (up to {bound})",
                     i % per_row,
@@ -259,7 +262,7 @@ impl QuantMatrix {
     }
 
     /// Row `r` dequantized to f32 (`out.len() == cols`), with the arithmetic of
-    /// `crate::quant::dequantize`.
+    /// `crate::gguf_blocks::dequant::dequantize`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         if offset_blocks::handles(self.ty) {
             return offset_blocks::dequantize_row(self.ty, self.row(r), out);
@@ -651,18 +654,18 @@ impl QuantMatrix {
 /// finite.
 fn check_to_quantize(ty: &str, rows: usize, cols: usize, w: &[f16]) -> Result<()> {
     if w.len() != rows * cols {
-        return Err(ModelError::InvalidArgument(format!(
+        return Err(CpuError::InvalidArgument(format!(
             "{} values for a {rows} x {cols} matrix",
             w.len()
         )));
     }
     if !cols.is_multiple_of(BLOCK) {
-        return Err(ModelError::InvalidArgument(format!(
+        return Err(CpuError::InvalidArgument(format!(
             "{ty} needs a multiple of {BLOCK} columns, the matrix has {cols}"
         )));
     }
     if let Some(v) = w.iter().find(|v| !v.is_finite()) {
-        return Err(ModelError::InvalidArgument(format!(
+        return Err(CpuError::InvalidArgument(format!(
             "{ty} of a matrix with the weight {v}"
         )));
     }

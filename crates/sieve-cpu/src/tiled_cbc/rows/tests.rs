@@ -1,5 +1,5 @@
 use super::*;
-use crate::linear::sparse::FastTiledCbc;
+use crate::tiled_cbc::columns::FastTiledCbc;
 use proptest::prelude::*;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::{matmul_f64, matvec_f64, max_rel_error};

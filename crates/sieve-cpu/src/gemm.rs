@@ -106,7 +106,7 @@ impl Element for f16 {
         f16::to_f32(self)
     }
     fn convert(src: &[f16], dst: &mut [f32]) {
-        super::kernels::f16_to_f32(src, dst);
+        crate::kernels::f16_to_f32(src, dst);
     }
 }
 

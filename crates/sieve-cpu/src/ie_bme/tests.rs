@@ -226,24 +226,3 @@ fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
     assert!(matvec_group(&refs, &x, None, &mut [&mut y1, &mut y2]).is_err());
     assert!(matvec_group(&refs, &x[..199], None, &mut [&mut short, &mut y1, &mut y2]).is_err());
 }
-
-#[test]
-fn linear_groups_of_int4_ie_bme_run_as_one_group() {
-    use crate::linear::Linear;
-    let t = Some(0.3);
-    let lin = |rows: usize, seed: u64| {
-        let mut l = Linear::from_format(Box::new(
-            Int4IeBme::new(encode(rows, 130, 0.5, 64, seed)).unwrap(),
-        ));
-        l.set_threshold(t).unwrap();
-        l
-    };
-    let (a, b) = (lin(20, 50), lin(9, 51));
-    let x = activations(130, 52);
-    let (mut ya, mut yb) = (vec![0f32; 20], vec![0f32; 9]);
-    Linear::forward_group(&[&a, &b], &x, 1, &mut [&mut ya, &mut yb]).unwrap();
-    let (mut wa, mut wb) = (vec![0f32; 20], vec![0f32; 9]);
-    a.forward(&x, 1, &mut wa).unwrap();
-    b.forward(&x, 1, &mut wb).unwrap();
-    assert_eq!((ya, yb), (wa, wb));
-}

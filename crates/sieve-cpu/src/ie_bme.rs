@@ -38,13 +38,17 @@
 //! additions. Error against the f64 product over the original activations is the 8-bit
 //! activation step (tested with the bound the Q4_1 tests use).
 
-use super::quantized::{Q8Activations, BLOCK};
-use super::simd::SimdLevel;
+use crate::gguf_blocks::{Q8Activations, BLOCK};
+use crate::simd::SimdLevel;
 use rayon::prelude::*;
 use sieve_formats::blob::ByteWriter;
 use sieve_formats::format::{check_group_args, check_product_args, is_active};
 use sieve_formats::ie_bme::{IeBme, Payload};
 use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, WeightFormat};
+
+/// The f16 column kernel over the dequantized matrix (other payloads, `SIEVE_IEBME_KERNEL=columns`),
+/// which runs the whole-column kernels of [`crate::tiled_cbc::columns`].
+pub use crate::tiled_cbc::columns::DequantizedIeBme;
 
 /// Columns per bitmap word.
 const COLS: usize = 64;
@@ -82,7 +86,7 @@ fn signed_nibble(n: u8) -> i8 {
 
 impl Int4IeBme {
     /// Builds the CPU layout. Only the INT4 payload has one; other payloads are an error (use
-    /// the column kernel of `sparse::DequantizedIeBme` for them).
+    /// the column kernel of `DequantizedIeBme` for them).
     pub fn new(source: IeBme) -> Result<Self, FormatError> {
         let group_size = match source.payload() {
             Payload::Int4 { group_size } => group_size,

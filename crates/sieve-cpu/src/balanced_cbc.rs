@@ -8,7 +8,7 @@
 //!
 //! Layout, one `u16` array: group `g` (rows `16 g .. 16 g + 15`) holds the K columns' records
 //! one after the other, `K (N + 1)` entries, so a group is one contiguous stream (the reason
-//! for rows, see [`super::tcbc_rows`]: a product reads every stored weight block after block,
+//! for rows, see [`crate::tiled_cbc::rows`]: a product reads every stored weight block after block,
 //! the stream the prefetchers follow; an inactive input is skipped inside the stream). Two
 //! arrangements of a group, picked at build ([`Arrangement`]):
 //!
@@ -40,7 +40,7 @@
 //! in another order only. Activations that are not finite take the portable path (the SIMD
 //! paths multiply unstored weights as zeros, and `0 · inf` would put a NaN in rows that do not
 //! use that input). Batched products (prefill) decode the matrix into a per-thread f16
-//! row-major buffer and run the blocked GEMM, as [`super::tcbc_rows::RowTiledCbc`] does.
+//! row-major buffer and run the blocked GEMM, as [`crate::tiled_cbc::RowTiledCbc`] does.
 //!
 //! **8-bit records** ([`int8`]): when every row's stored values lie exactly on a symmetric int8
 //! grid (`sieve pack --values int8`, [`sieve_formats::value_grid`]), the build keeps one `i8`
@@ -57,9 +57,10 @@
 //! as 16 x 4 tiles for AVX-512 VNNI with 8-bit activations (`SIEVE_BCBC_CPU=int4-quads`;
 //! measured slower here, kept for comparison).
 
-use super::gemm;
-use super::simd::SimdLevel;
-use super::sparse::active_inputs;
+use crate::gemm;
+use crate::options::{BalancedCbcRecords, CpuKernelOptions};
+use crate::simd::SimdLevel;
+use crate::tiled_cbc::columns::active_inputs;
 use half::f16;
 use rayon::prelude::*;
 use sieve_formats::balanced_cbc::BalancedCbc;
@@ -91,9 +92,10 @@ pub enum Arrangement {
 }
 
 impl Arrangement {
-    /// `SIEVE_BCBC_CPU=split` picks [`Arrangement::Split`], anything else the default.
-    pub fn from_env() -> Self {
-        if std::env::var("SIEVE_BCBC_CPU").is_ok_and(|v| v == "split") {
+    /// `SIEVE_BCBC_CPU=split` ([`BalancedCbcRecords::Split`]) picks [`Arrangement::Split`],
+    /// anything else the default.
+    pub fn of(options: &CpuKernelOptions) -> Self {
+        if options.balanced_cbc == BalancedCbcRecords::Split {
             Arrangement::Split
         } else {
             Arrangement::Interleaved
@@ -149,8 +151,11 @@ enum Packed {
 }
 
 /// Whether `SIEVE_BCBC_CPU` asks for f16 records (`f16`, or `split`, which only f16 has).
-fn f16_forced() -> bool {
-    std::env::var("SIEVE_BCBC_CPU").is_ok_and(|v| v == "f16" || v == "split")
+fn f16_forced(options: &CpuKernelOptions) -> bool {
+    matches!(
+        options.balanced_cbc,
+        BalancedCbcRecords::F16 | BalancedCbcRecords::Split
+    )
 }
 
 /// Balanced-CBC with SIMD products over a row-group-major record layout (module notes); kind,
@@ -195,23 +200,28 @@ impl FastBalancedCbc {
     /// int8 grids, else f16 records arranged as `SIEVE_BCBC_CPU` says (`SIEVE_BCBC_CPU=f16` or
     /// `split` forces f16 records).
     pub fn new(balanced: &BalancedCbc) -> Self {
+        Self::with_options(balanced, CpuKernelOptions::global())
+    }
+
+    /// [`Self::new`] with the switches of `options` instead of the process's.
+    pub fn with_options(balanced: &BalancedCbc, options: &CpuKernelOptions) -> Self {
         // Decoded once for both attempts (a load builds every linear of a pack).
         let w = balanced.decode();
-        if !f16_forced() {
-            if let Some(fast) = Self::int4_from(balanced, &w) {
+        if !f16_forced(options) {
+            if let Some(fast) = Self::int4_from(balanced, &w, options) {
                 return fast;
             }
             if let Some(fast) = Self::int8_from(balanced, &w, 1) {
                 return fast;
             }
         }
-        Self::f16_from(balanced, &w, Arrangement::from_env())
+        Self::f16_from(balanced, &w, Arrangement::of(options))
     }
 
     /// Builds the 4-bit records (per column, or in quads as `SIEVE_BCBC_CPU=int4-quads` asks),
     /// or `None` when a row is not on 4-bit grids of 128, 64 or 32 columns.
     pub fn with_int4(balanced: &BalancedCbc) -> Option<Self> {
-        Self::int4_from(balanced, &balanced.decode())
+        Self::int4_from(balanced, &balanced.decode(), CpuKernelOptions::global())
     }
 
     /// [`Self::with_int4`] in the given layout; `None` also when this CPU cannot run the
@@ -226,8 +236,12 @@ impl FastBalancedCbc {
     /// dp 0.5 pack): the per-column records decoded 215-228 tok/s, the quads 159-204; the
     /// quads' kernel runs fewer instructions, but quantizing the activations and the 512-bit
     /// tile expansions cost more than they save at this model's sizes.
-    fn int4_from(balanced: &BalancedCbc, w: &DenseMatrix) -> Option<Self> {
-        let quads_asked = std::env::var("SIEVE_BCBC_CPU").is_ok_and(|v| v == "int4-quads");
+    fn int4_from(
+        balanced: &BalancedCbc,
+        w: &DenseMatrix,
+        options: &CpuKernelOptions,
+    ) -> Option<Self> {
+        let quads_asked = options.balanced_cbc == BalancedCbcRecords::Int4Quads;
         let layout = if int4_quads::supported() && quads_asked {
             Int4Layout::Quads
         } else {
@@ -647,7 +661,7 @@ impl WeightFormat for FastBalancedCbc {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{FastBalancedCbc, Prepared, GROUP};
-    use crate::linear::sparse::RANKS;
+    use crate::tiled_cbc::columns::RANKS;
     use std::arch::x86_64::*;
 
     /// Pointers to the mask and the first value of column `c` of the group starting at `base`.

@@ -3,7 +3,7 @@ use proptest::prelude::*;
 use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity};
 use sieve_formats::reference::{matmul_f64, matvec_f64, max_rel_error};
 
-/// The tolerance of the other fast kernels' tests (`tcbc_rows`): f32 sums in another order stay
+/// The tolerance of the other fast kernels' tests (`tiled_cbc::rows`): f32 sums in another order stay
 /// far inside the reference kernels' own 1e-3, so the fast paths are held to 1e-5.
 const TOL: f64 = 1e-5;
 
@@ -131,7 +131,7 @@ fn balanced_keeps_the_blob_kind_and_storage() {
     let fast = FastBalancedCbc::new(&reference);
     assert_eq!(fast.to_bytes(), reference.to_bytes());
     let blob = fast.to_bytes();
-    let loaded = crate::packed::cpu_format_from_blob(&blob).unwrap();
+    let loaded = crate::format_from_blob(&blob).unwrap();
     assert_eq!(loaded.kind(), FormatKind::BalancedCbc);
     assert_eq!(loaded.to_bytes(), blob);
 }
@@ -345,9 +345,11 @@ fn int8_detection_accepts_snapped_and_refuses_off_grid_matrices() {
     let nz = DenseMatrix::new(100, 64, data).unwrap();
     let nz = BalancedCbc::encode_with_slots(&nz, 16).unwrap();
     assert!(FastBalancedCbc::with_int8(&nz).is_none());
-    // `new` picks the 8-bit records unless SIEVE_BCBC_CPU asks for f16 ones.
+    // `new` picks the 8-bit records unless SIEVE_BCBC_CPU (`CpuKernelOptions`) asks for f16 ones.
     let picked = FastBalancedCbc::new(&BalancedCbc::encode_with_slots(&s, 8).unwrap());
-    if std::env::var("SIEVE_BCBC_CPU").is_err() {
+    if crate::options::CpuKernelOptions::global().balanced_cbc
+        == crate::options::BalancedCbcRecords::Auto
+    {
         assert_eq!(picked.values(), Values::Int8);
     }
     assert_eq!(FastBalancedCbc::new(&reference).values(), Values::F16);
@@ -444,28 +446,6 @@ fn a_group_equals_one_product_per_matrix_and_checks_its_shapes() {
     assert!(matvec_group(&refs, &x, None, &mut [&mut short, &mut y1, &mut y2]).is_err());
     assert!(matvec_group(&refs, &x, None, &mut [&mut y1, &mut y2]).is_err());
     assert!(matvec_group(&refs, &x[..149], None, &mut [&mut short, &mut y1, &mut y2]).is_err());
-}
-
-#[test]
-fn linear_groups_of_balanced_cbc_run_as_one_group() {
-    use crate::linear::Linear;
-    let t = Some(0.3);
-    let lin = |rows: usize, seed: u64| {
-        let w = balanced_matrix(rows, 130, 8, seed).unwrap();
-        let mut l = Linear::from_format(Box::new(FastBalancedCbc::new(
-            &BalancedCbc::encode_with_slots(&w, 8).unwrap(),
-        )));
-        l.set_threshold(t).unwrap();
-        l
-    };
-    let (a, b) = (lin(20, 50), lin(9, 51));
-    let x = activations(130, 52);
-    let (mut ya, mut yb) = (vec![0f32; 20], vec![0f32; 9]);
-    Linear::forward_group(&[&a, &b], &x, 1, &mut [&mut ya, &mut yb]).unwrap();
-    let (mut wa, mut wb) = (vec![0f32; 20], vec![0f32; 9]);
-    a.forward(&x, 1, &mut wa).unwrap();
-    b.forward(&x, 1, &mut wb).unwrap();
-    assert_eq!((ya, yb), (wa, wb));
 }
 
 /// `w` with every row's groups of `columns` input columns snapped onto 4-bit grids (what
@@ -690,7 +670,9 @@ fn int4_detection_accepts_snapped_and_refuses_off_grid_matrices() {
         let enc = BalancedCbc::encode_with_slots(&s, 8).unwrap();
         let fast = FastBalancedCbc::with_int4(&enc).unwrap();
         assert!(matches!(fast.values(), Values::Int4 { columns: c, .. } if c == columns));
-        if std::env::var("SIEVE_BCBC_CPU").is_err() {
+        if crate::options::CpuKernelOptions::global().balanced_cbc
+            == crate::options::BalancedCbcRecords::Auto
+        {
             // `new` picks the per-column records unless asked for quads.
             assert_eq!(
                 FastBalancedCbc::new(&enc).values(),

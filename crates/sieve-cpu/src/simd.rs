@@ -1,11 +1,14 @@
 //! Which SIMD instruction set the fast products use, chosen once per process.
 //!
-//! The kernels of the packed formats ([`super::sparse`]) come in three versions: AVX-512
-//! (F + BW + VL, for `vexpandps` and masked loads; with VBMI2, `vpexpandw`), AVX2 (+ FMA, F16C, BMI2) and a portable one.
-//! [`SimdLevel::detect`] picks the best the CPU supports; `SIEVE_CPU_SIMD=avx512|avx2|portable` caps it
-//! (to compare the paths on one machine, or to rule a path out when debugging). A level above
-//! what the CPU supports is never used, whatever the variable says.
+//! The kernels of the packed formats ([`crate::tiled_cbc`], [`crate::balanced_cbc`],
+//! [`crate::ie_bme`], [`crate::gguf_blocks`]) come in three versions: AVX-512 (F + BW + VL, for
+//! `vexpandps` and masked loads; with VBMI2, `vpexpandw`), AVX2 (+ FMA, F16C, BMI2) and a
+//! portable one. [`SimdLevel::detect`] picks the best the CPU supports;
+//! `SIEVE_CPU_SIMD=avx512|avx2|portable` ([`crate::options`]) caps it (to compare the paths on
+//! one machine, or to rule a path out when debugging). A level above what the CPU supports is
+//! never used, whatever the variable says.
 
+use crate::options::CpuKernelOptions;
 use std::sync::OnceLock;
 
 /// An instruction-set level of the fast products, ordered from the least to the most capable.
@@ -78,7 +81,8 @@ impl SimdLevel {
         .collect()
     }
 
-    /// The level the products use: the best supported one, capped by `SIEVE_CPU_SIMD`.
+    /// The level the products use: the best supported one, capped by `SIEVE_CPU_SIMD`
+    /// ([`CpuKernelOptions::simd_cap`]).
     pub fn detect() -> SimdLevel {
         static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
         *LEVEL.get_or_init(|| {
@@ -86,13 +90,7 @@ impl SimdLevel {
                 .into_iter()
                 .max()
                 .unwrap_or(SimdLevel::Portable);
-            let cap = match std::env::var("SIEVE_CPU_SIMD").as_deref() {
-                Ok("portable") => SimdLevel::Portable,
-                Ok("avx2") => SimdLevel::Avx2,
-                Ok("avx512") => SimdLevel::Avx512,
-                _ => SimdLevel::Avx512Vbmi2,
-            };
-            best.min(cap)
+            best.min(CpuKernelOptions::global().simd_cap)
         })
     }
 }

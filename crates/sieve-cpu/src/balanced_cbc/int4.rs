@@ -334,7 +334,7 @@ pub(super) fn bounds(cols: &[u32], k: usize) -> Vec<u32> {
 mod x86 {
     use super::super::{Prepared, GROUP};
     use super::Int4Records;
-    use crate::linear::sparse::RANKS;
+    use crate::tiled_cbc::columns::RANKS;
     use std::arch::x86_64::*;
 
     /// The high nibbles of 8 bytes: `pdep` there puts nibble t of the source at byte t, as
