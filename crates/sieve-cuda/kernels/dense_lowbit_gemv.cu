@@ -240,13 +240,16 @@ LB_KERNELS(lowbit_w4g32, 4, 32)
 LB_KERNELS(lowbit_w8row, 8, 0)
 LB_KERNELS(lowbit_w8g32, 8, 32)
 
-// f32 activations (n x K, row-major) -> f16 (n x ldx, columns K .. ldx zero): the decode
-// runner's activations into the low-bit kernels' input.
+// f32 activations (n rows of K, `ldin` apart) -> f16 (n x ldx, columns K .. ldx zero), each input
+// kept only where it is active under the TEAL threshold t (|x| > t; t < 0 keeps all): the
+// runner's activations into the low-bit kernels' input. The dense low-bit kernels read every
+// column, so a threshold here gives the masked product's value, not a skip.
 extern "C" __global__ void lowbit_x_to_f16(const float* __restrict__ x, f16_bits* __restrict__ out, int K,
-                                           int ldx, int n) {
+                                           int ldin, int ldx, int n, float t) {
     pdl_wait_then_release();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n * ldx) return;
     int row = i / ldx, k = i - row * ldx;
-    out[i] = k < K ? f2h(x[(size_t)row * K + k]) : (f16_bits)0;
+    float v = k < K ? x[(size_t)row * ldin + k] : 0.f;
+    out[i] = active(v, t) ? f2h(v) : (f16_bits)0;
 }

@@ -261,6 +261,20 @@ impl BalancedLowBit {
     }
 }
 
+/// Snaps one matrix row onto the grids of `values` in place (int8: one scale for the row;
+/// int4: one per group of columns): zeros stay zero, a value that rounds to 0 is dropped.
+pub fn snap_row(values: LowBitValues, row: &mut [f32]) -> Result<()> {
+    let (grid, span) = match values {
+        LowBitValues::Int8 => (INT8, row.len().max(1)),
+        LowBitValues::Int4 { group } => (INT4, group.max(1)),
+    };
+    for chunk in row.chunks_mut(span) {
+        grid.snap_row(chunk)
+            .ok_or_else(|| CudaError::Option("a weight is not finite".into()))?;
+    }
+    Ok(())
+}
+
 /// Snaps a balanced matrix onto the grids of `values` (as `sieve pack --values` does: int8 per
 /// row, int4 per row and group; zeros stay zero, a value that rounds to 0 is dropped) and
 /// returns its device layout and the snapped f16 matrix (what the reference multiplies).
@@ -270,17 +284,10 @@ pub fn snap_balanced(
     values: LowBitValues,
 ) -> Result<(BalancedLowBit, DenseMatrix)> {
     let (m, k) = (w.rows(), w.cols());
-    let (grid, span) = match values {
-        LowBitValues::Int8 => (INT8, k.max(1)),
-        LowBitValues::Int4 { group } => (INT4, group),
-    };
     let mut out = Vec::with_capacity(m * k);
     for r in 0..m {
         let mut row: Vec<f32> = w.row(r).iter().map(|v| v.to_f32()).collect();
-        for chunk in row.chunks_mut(span) {
-            grid.snap_row(chunk)
-                .ok_or_else(|| CudaError::Option("a weight is not finite".into()))?;
-        }
+        snap_row(values, &mut row)?;
         out.extend(row.into_iter().map(f16::from_f32));
     }
     let snapped = DenseMatrix::new(m, k, out)?;
@@ -307,6 +314,10 @@ pub struct GpuBalancedLowBit {
 }
 
 impl GpuBalancedLowBit {
+    pub fn values(&self) -> LowBitValues {
+        self.values
+    }
+
     pub fn upload(gpu: &Gpu, b: &BalancedLowBit) -> Result<Self> {
         Ok(Self {
             values: b.values,

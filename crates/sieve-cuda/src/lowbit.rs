@@ -228,6 +228,33 @@ impl LowBitMatrix {
         Self::new(LowBitKind::W8G32, rows, cols, q, scales)
     }
 
+    /// The matrices' rows one after the other (q|k|v, gate|up as one product): same kind and
+    /// column count required.
+    pub fn concat_rows(parts: &[&LowBitMatrix]) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            return Err(CudaError::Option("no matrices to join".into()));
+        };
+        if let Some(p) = parts
+            .iter()
+            .find(|p| p.kind != first.kind || p.cols != first.cols)
+        {
+            return Err(CudaError::Option(format!(
+                "joining {} ({} columns) with {} ({} columns)",
+                first.kind.name(),
+                first.cols,
+                p.kind.name(),
+                p.cols
+            )));
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let q = parts.iter().flat_map(|p| p.q.iter().copied()).collect();
+        let scales = parts
+            .iter()
+            .flat_map(|p| p.scales.iter().copied())
+            .collect();
+        Self::new(first.kind, rows, first.cols, q, scales)
+    }
+
     pub fn kind(&self) -> LowBitKind {
         self.kind
     }
@@ -590,16 +617,24 @@ pub fn pad_activations(x: &[f16], n: usize, k: usize, padded: usize) -> Vec<f16>
     out
 }
 
-/// Converts f32 activations (n x K) on the device to the kernels' f16 input (n x `ldx`, zeros
-/// past K).
+/// Converts f32 activations on the device (n rows of K, `ldin` floats apart) to the kernels'
+/// f16 input (n x `ldx`, zeros past K), zeroing the inputs `threshold` marks inactive.
+#[allow(clippy::too_many_arguments)]
 pub fn activations_to_f16(
     gpu: &Gpu,
     x: DevPtr,
     k: usize,
+    ldin: usize,
     ldx: usize,
     n: usize,
+    threshold: sieve_formats::Threshold,
     out: DevPtr,
 ) -> Result<()> {
+    if k > ldx || k > ldin {
+        return Err(CudaError::Option(format!(
+            "activations of {k} columns in rows of {ldin} (input) / {ldx} (output)"
+        )));
+    }
     let f = gpu.function(&FAMILY, "lowbit_x_to_f16")?;
     let total = (n * ldx) as u32;
     let cfg = LaunchConfig {
@@ -607,9 +642,16 @@ pub fn activations_to_f16(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (k, ldx, n) = (k as i32, ldx as i32, n as i32);
+    let (k, ldin, ldx, n) = (k as i32, ldin as i32, ldx as i32, n as i32);
+    let t = crate::product::threshold_arg(threshold);
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&x).arg(&out).arg(&k).arg(&ldx).arg(&n);
+    b.arg(&x)
+        .arg(&out)
+        .arg(&k)
+        .arg(&ldin)
+        .arg(&ldx)
+        .arg(&n)
+        .arg(&t);
     unsafe { b.launch(cfg) }.during("launching lowbit_x_to_f16")?;
     Ok(())
 }

@@ -7,7 +7,7 @@
 
 use crate::error::{GpuError, Result};
 use crate::runner::{GpuModel, StepPart, StepProfile};
-use crate::synthetic::{self, SyntheticOptions};
+use crate::synthetic::{self, SyntheticOptions, SyntheticValues};
 use serde::Serialize;
 use sieve_cuda::tiled_cbc::TcbcKernel;
 use sieve_cuda::Gpu;
@@ -23,6 +23,8 @@ pub struct DecodeBenchOptions {
     pub context: usize,
     pub format: FormatKind,
     pub pattern: Pattern,
+    /// What the synthetic models' kept weights are stored as, one model each (empty: f16).
+    pub values: Vec<SyntheticValues>,
     pub seed: u64,
     /// Tiled-CBC kernels to measure on each sparse Tiled-CBC model, one result each (the
     /// model is built once).
@@ -60,6 +62,8 @@ pub struct DecodeResult {
     pub sp: f64,
     pub dp: f64,
     pub format: String,
+    /// What the kept weights are stored as (f16, int8, int4:G, q4_0, ...).
+    pub values: String,
     pub kernels: Vec<String>,
     pub setup_s: f64,
     pub ttft_ms: f64,
@@ -88,6 +92,21 @@ pub struct DecodeResult {
     pub share_linear: f64,
     pub share_attention: f64,
     pub share_other: f64,
+}
+
+/// What the weights are stored as, read from the q|k|v kernel's label (`q|k|v: lowbit/q4_0`,
+/// `q|k|v: balanced-cbc/int8`).
+fn values_of(label: Option<&str>) -> String {
+    let kernel = label.and_then(|l| l.split(": ").nth(1)).unwrap_or("");
+    if let Some(kind) = kernel.strip_prefix("lowbit/") {
+        return kind.to_string();
+    }
+    for bits in ["int8", "int4"] {
+        if kernel.ends_with(bits) {
+            return bits.to_string();
+        }
+    }
+    "f16".to_string()
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -201,6 +220,7 @@ pub fn measure(
             }
             _ => opts.format.name().to_string(),
         },
+        values: values_of(model.report().kernels.first().map(String::as_str)),
         kernels: model.report().kernels.clone(),
         setup_s,
         ttft_ms,
@@ -243,46 +263,65 @@ pub fn run_synthetic(
     let capacity = opts.positions_needed();
     let mut out = Vec::new();
     let mut copy_gbs = 0.0;
-    for &(sp, dp) in configs {
-        let gpu = Gpu::new(0)?;
-        if copy_gbs == 0.0 {
-            copy_gbs = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
-        }
+    let values = if opts.values.is_empty() {
+        vec![SyntheticValues::F16]
+    } else {
+        opts.values.clone()
+    };
+    for &(sp, _) in configs {
         // A dense configuration is stored dense whatever --format says.
         let format = if sp == 0.0 {
             FormatKind::Dense
         } else {
             opts.format
         };
-        let synth = SyntheticOptions {
-            sp,
-            pattern: opts.pattern,
-            dp,
-            format,
-            seed: opts.seed,
-            calib_tokens: 16,
-        };
-        let t = Instant::now();
-        let mut model = synthetic::build(gpu, name, &synth, capacity)?;
-        let setup_s = t.elapsed().as_secs_f64();
-        let o = DecodeBenchOptions {
-            format,
-            ..opts.clone()
-        };
-        let kernels = if format == FormatKind::TiledCbc && !opts.tcbc_kernels.is_empty() {
-            opts.tcbc_kernels.clone()
+        for &v in &values {
+            v.check(format)?;
+        }
+    }
+    for &(sp, dp) in configs {
+        let format = if sp == 0.0 {
+            FormatKind::Dense
         } else {
-            vec![TcbcKernel::Lane8]
+            opts.format
         };
-        for kernel in kernels {
-            if format == FormatKind::TiledCbc {
-                model.set_tcbc_kernel(kernel)?;
+        for &v in &values {
+            let gpu = Gpu::new(0)?;
+            if copy_gbs == 0.0 {
+                copy_gbs = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
             }
-            for &pdl in pdl_settings(opts) {
-                model.set_pdl(pdl);
-                let r = measure(&mut model, name, sp, dp, setup_s, &o, copy_gbs)?;
-                on_result(&r);
-                out.push(r);
+            let synth = SyntheticOptions {
+                sp,
+                pattern: opts.pattern,
+                dp,
+                format,
+                values: v,
+                seed: opts.seed,
+                calib_tokens: 16,
+            };
+            let t = Instant::now();
+            let mut model = synthetic::build(gpu, name, &synth, capacity)?;
+            let setup_s = t.elapsed().as_secs_f64();
+            let o = DecodeBenchOptions {
+                format,
+                ..opts.clone()
+            };
+            let kernels = if format == FormatKind::TiledCbc && !opts.tcbc_kernels.is_empty() {
+                opts.tcbc_kernels.clone()
+            } else {
+                vec![TcbcKernel::Lane8]
+            };
+            for kernel in kernels {
+                if format == FormatKind::TiledCbc {
+                    model.set_tcbc_kernel(kernel)?;
+                }
+                for &pdl in pdl_settings(opts) {
+                    model.set_pdl(pdl);
+                    let mut r = measure(&mut model, name, sp, dp, setup_s, &o, copy_gbs)?;
+                    r.values = v.name();
+                    on_result(&r);
+                    out.push(r);
+                }
             }
         }
     }
@@ -361,6 +400,7 @@ mod tests {
             context,
             format: FormatKind::TiledCbc,
             pattern: Pattern::Unstructured,
+            values: vec![],
             seed: 0,
             tcbc_kernels: vec![TcbcKernel::Lane8],
             pdl: vec![true],

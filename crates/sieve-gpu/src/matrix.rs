@@ -3,19 +3,25 @@
 //!
 //! | host format | threshold | device kernel (sieve-cuda) |
 //! |---|---|---|
-//! | dense (or GGUF blocks, dequantized to f16) | none | row-major GEMV |
+//! | dense (or GGUF blocks of types without a block kernel, dequantized to f16) | none | row-major GEMV |
 //! | dense | TEAL | column-major GEMV that skips inactive columns |
+//! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q8_0 blocks, W4A16 g128, W8A16) | any | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme, slide | - | refused: no GPU decode kernel yet |
 //! | balanced-cbc | any | lane-per-16-rows spMspV (N of every 16 rows per column) |
+//! | balanced-cbc, values on an int8 / int4 grid (`sieve pack --values`) | any | the same from 8- / 4-bit values |
 //!
 //! Products add into their output ([`GpuAccumulate`]): the runner zeroes an output in the
 //! RMSNorm launch before it, or lets o_proj and down_proj add straight into the residual.
 
 use crate::error::{GpuError, Result};
+use cudarc::driver::CudaSlice;
+use half::f16;
 use sieve_cuda::balanced_cbc::GpuBalancedCbc;
+use sieve_cuda::balanced_lowbit::{BalancedLowBit, GpuBalancedLowBit};
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
+use sieve_cuda::lowbit::{GpuLowBit, LowBitMatrix};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
@@ -24,6 +30,45 @@ use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
 
+/// A weight matrix as the host hands it to the runner.
+pub enum HostMatrix {
+    /// f16 values, encoded on upload in the layer's format.
+    Values(DenseMatrix),
+    /// Dense integers and scales (GGUF Q4_0 / Q8_0 blocks, W4A16, W8A16), multiplied as they
+    /// are: never widened to f16 on the device.
+    LowBit(LowBitMatrix),
+}
+
+impl HostMatrix {
+    pub fn rows(&self) -> usize {
+        match self {
+            HostMatrix::Values(m) => m.rows(),
+            HostMatrix::LowBit(m) => m.rows(),
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            HostMatrix::Values(m) => m.cols(),
+            HostMatrix::LowBit(m) => m.cols(),
+        }
+    }
+    /// Whether `self` and `other` can be joined by rows into one device matrix.
+    fn joins_with(&self, other: &HostMatrix) -> bool {
+        match (self, other) {
+            (HostMatrix::Values(_), HostMatrix::Values(_)) => true,
+            (HostMatrix::LowBit(a), HostMatrix::LowBit(b)) => a.kind() == b.kind(),
+            _ => false,
+        }
+    }
+}
+
+/// A dense low-bit matrix with the f16 copy of its input the kernel reads.
+pub struct LowBitProduct {
+    pub matrix: GpuLowBit,
+    /// `padded_cols` f16: the masked input, written by the conversion launch.
+    x16: CudaSlice<f16>,
+}
+
 /// One matrix in device memory with the kernel that multiplies it.
 pub enum DeviceMatrix {
     DenseRows(GpuDense),
@@ -31,6 +76,8 @@ pub enum DeviceMatrix {
     TiledCbc(GpuTiledCbc),
     RlcCsc(GpuRlcCsc),
     BalancedCbc(GpuBalancedCbc),
+    BalancedLowBit(GpuBalancedLowBit),
+    LowBit(LowBitProduct),
 }
 
 impl DeviceMatrix {
@@ -62,10 +109,23 @@ impl DeviceMatrix {
                 (DeviceMatrix::RlcCsc(GpuRlcCsc::upload(gpu, &f)?), bytes)
             }
             FormatKind::BalancedCbc => {
-                // N = the fullest 16-row group of the (possibly joined) matrix.
+                // N = the fullest 16-row group of the (possibly joined) matrix. Values that
+                // lie on an int8 or int4 grid (packs made with `--values`) go to the device
+                // as those integers and their scales.
                 let f = BalancedCbc::encode(m)?;
-                let bytes = f.storage().total_bytes();
-                (DeviceMatrix::BalancedCbc(GpuBalancedCbc::upload(gpu, &f)?), bytes)
+                match BalancedLowBit::detect(&f) {
+                    Some(low) => {
+                        let bytes = low.device_bytes();
+                        (
+                            DeviceMatrix::BalancedLowBit(GpuBalancedLowBit::upload(gpu, &low)?),
+                            bytes,
+                        )
+                    }
+                    None => {
+                        let bytes = f.storage().total_bytes();
+                        (DeviceMatrix::BalancedCbc(GpuBalancedCbc::upload(gpu, &f)?), bytes)
+                    }
+                }
             }
             other => {
                 return Err(GpuError::Unsupported(format!(
@@ -76,6 +136,35 @@ impl DeviceMatrix {
         })
     }
 
+    /// Uploads a dense low-bit matrix with its input buffer.
+    pub fn upload_low_bit(gpu: &Gpu, m: &LowBitMatrix) -> Result<(Self, usize)> {
+        let matrix = GpuLowBit::upload(gpu, m)?;
+        let bytes = matrix.device_bytes();
+        let x16 = gpu.upload(&vec![f16::ZERO; matrix.padded_cols()])?;
+        Ok((DeviceMatrix::LowBit(LowBitProduct { matrix, x16 }), bytes))
+    }
+
+    /// Uploads `m` as it comes: values in `kind`, low-bit matrices as they are.
+    pub fn upload_host(
+        gpu: &Gpu,
+        kind: FormatKind,
+        m: &HostMatrix,
+        threshold: Threshold,
+    ) -> Result<(Self, usize)> {
+        match m {
+            HostMatrix::Values(v) => Self::upload(gpu, kind, v, threshold),
+            HostMatrix::LowBit(q) => Self::upload_low_bit(gpu, q),
+        }
+    }
+
+    /// Kernel launches per product.
+    pub fn launches(&self) -> usize {
+        match self {
+            DeviceMatrix::LowBit(_) => 2,
+            _ => 1,
+        }
+    }
+
     pub fn label(&self) -> &'static str {
         match self {
             DeviceMatrix::DenseRows(_) => "dense-gemv",
@@ -84,6 +173,16 @@ impl DeviceMatrix {
             DeviceMatrix::TiledCbc(_) => "tiled-cbc/lane8",
             DeviceMatrix::RlcCsc(_) => "rlc-csc",
             DeviceMatrix::BalancedCbc(_) => "balanced-cbc",
+            DeviceMatrix::BalancedLowBit(m) => match m.values() {
+                sieve_cuda::balanced_lowbit::LowBitValues::Int8 => "balanced-cbc/int8",
+                sieve_cuda::balanced_lowbit::LowBitValues::Int4 { .. } => "balanced-cbc/int4",
+            },
+            DeviceMatrix::LowBit(m) => match m.matrix.kind() {
+                sieve_cuda::lowbit::LowBitKind::W4G128 => "lowbit/w4a16-g128",
+                sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0",
+                sieve_cuda::lowbit::LowBitKind::W8Row => "lowbit/w8a16",
+                sieve_cuda::lowbit::LowBitKind::W8G32 => "lowbit/q8_0",
+            },
         }
     }
 
@@ -94,6 +193,13 @@ impl DeviceMatrix {
             DeviceMatrix::TiledCbc(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::RlcCsc(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::BalancedCbc(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::BalancedLowBit(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::LowBit(p) => {
+                let (k, ldx) = (p.matrix.cols(), p.matrix.padded_cols());
+                let x16 = sieve_cuda::dev_ptr(gpu, &p.x16);
+                sieve_cuda::lowbit::activations_to_f16(gpu, x, k, k, ldx, 1, t, x16)?;
+                p.matrix.launch_ptr(gpu, x16, 1, y, p.matrix.rows(), true)?;
+            }
         }
         Ok(())
     }
@@ -107,6 +213,13 @@ impl DeviceMatrix {
             DeviceMatrix::TiledCbc(m) => m.bytes_for(active),
             DeviceMatrix::RlcCsc(m) => m.bytes_for(active),
             DeviceMatrix::BalancedCbc(m) => m.bytes_for(active),
+            DeviceMatrix::BalancedLowBit(m) => m.bytes_for(active),
+            // Every weight and scale, the f32 input read and its f16 copy written and read,
+            // the f32 output read and written.
+            DeviceMatrix::LowBit(p) => {
+                let (m, k) = (p.matrix.rows(), p.matrix.cols());
+                p.matrix.device_bytes() + k * 4 + 2 * p.matrix.padded_cols() * 2 + m * 8
+            }
         }
     }
 }
@@ -130,11 +243,12 @@ pub struct DeviceLinear {
 }
 
 impl DeviceLinear {
-    /// Uploads `mats` (same K, outputs in this order) in `kind`.
+    /// Uploads `mats` (same K, outputs in this order): values in `kind`, low-bit matrices as
+    /// they are.
     pub fn upload_group(
         gpu: &Gpu,
         kind: FormatKind,
-        mats: &[(&DenseMatrix, Threshold)],
+        mats: &[(&HostMatrix, Threshold)],
     ) -> Result<Self> {
         let Some(&(first, _)) = mats.first() else {
             return Err(GpuError::InvalidArgument(
@@ -149,15 +263,33 @@ impl DeviceLinear {
             )));
         }
         let rows: usize = mats.iter().map(|(m, _)| m.rows()).sum();
-        let same_threshold = mats.iter().all(|(_, t)| *t == mats[0].1);
+        let joinable = mats
+            .iter()
+            .all(|(m, t)| *t == mats[0].1 && m.joins_with(first));
         let mut parts = Vec::new();
-        if same_threshold && mats.len() > 1 {
-            let mut data = Vec::with_capacity(rows * cols);
-            for (m, _) in mats {
-                data.extend_from_slice(m.data());
-            }
-            let joined = DenseMatrix::new(rows, cols, data)?;
-            let (matrix, stored_bytes) = DeviceMatrix::upload(gpu, kind, &joined, mats[0].1)?;
+        if joinable && mats.len() > 1 {
+            let (matrix, stored_bytes) = match first {
+                HostMatrix::Values(_) => {
+                    let mut data = Vec::with_capacity(rows * cols);
+                    for (m, _) in mats {
+                        if let HostMatrix::Values(v) = m {
+                            data.extend_from_slice(v.data());
+                        }
+                    }
+                    let joined = DenseMatrix::new(rows, cols, data)?;
+                    DeviceMatrix::upload(gpu, kind, &joined, mats[0].1)?
+                }
+                HostMatrix::LowBit(_) => {
+                    let low: Vec<&LowBitMatrix> = mats
+                        .iter()
+                        .filter_map(|(m, _)| match m {
+                            HostMatrix::LowBit(q) => Some(q),
+                            HostMatrix::Values(_) => None,
+                        })
+                        .collect();
+                    DeviceMatrix::upload_low_bit(gpu, &LowBitMatrix::concat_rows(&low)?)?
+                }
+            };
             parts.push(Part {
                 matrix,
                 row_offset: 0,
@@ -168,7 +300,7 @@ impl DeviceLinear {
         } else {
             let mut offset = 0;
             for (m, t) in mats {
-                let (matrix, stored_bytes) = DeviceMatrix::upload(gpu, kind, m, *t)?;
+                let (matrix, stored_bytes) = DeviceMatrix::upload_host(gpu, kind, m, *t)?;
                 parts.push(Part {
                     matrix,
                     row_offset: offset,
@@ -192,7 +324,7 @@ impl DeviceLinear {
     }
 
     pub fn launches(&self) -> usize {
-        self.parts.len()
+        self.parts.iter().map(|p| p.matrix.launches()).sum()
     }
     /// Runs the Tiled-CBC parts with `kernel` (lane8 or rr: same device arrays, same launch).
     pub fn set_tcbc_kernel(&mut self, kernel: TcbcKernel) -> Result<()> {

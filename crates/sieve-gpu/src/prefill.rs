@@ -8,7 +8,8 @@
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
 //! | Tiled-CBC | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
-//! | RLC-CSC | no decoder: the prompt runs token by token through the decode step |
+//! | dense low-bit (GGUF Q4_0 / Q8_0, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
+//! | RLC-CSC, Balanced-CBC | no decoder: the prompt runs token by token through the decode step |
 //!
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
 //! (the CPU path's `matmul` semantics); GEMMs accumulate in f32, o_proj and down_proj with
@@ -87,7 +88,9 @@ pub fn batchable(linears: &[&DeviceLinear]) -> bool {
         l.parts.iter().all(|p| {
             !matches!(
                 p.matrix,
-                DeviceMatrix::RlcCsc(_) | DeviceMatrix::BalancedCbc(_)
+                DeviceMatrix::RlcCsc(_)
+                    | DeviceMatrix::BalancedCbc(_)
+                    | DeviceMatrix::BalancedLowBit(_)
             )
         })
     })
@@ -124,8 +127,28 @@ pub fn linear_rows(
     let blas = gpu.cublas()?;
     let k = lin.cols;
     let mut masked: Option<Threshold> = None;
-    for (i, p) in lin.parts.iter().enumerate() {
-        if i == 0 || masked != Some(p.threshold) {
+    for p in &lin.parts {
+        if let DeviceMatrix::LowBit(q) = &p.matrix {
+            // The low-bit kernel reads rows padded to 128 columns, at most 32 tokens a launch.
+            use sieve_cuda::lowbit::{activations_to_f16, MAX_TOKENS};
+            let kp = q.matrix.padded_cols();
+            activations_to_f16(gpu, x, k, ldx, kp, n, p.threshold, a16)?;
+            masked = None;
+            let yp = y + (p.row_offset * 4) as u64;
+            for t0 in (0..n).step_by(MAX_TOKENS) {
+                let nt = (n - t0).min(MAX_TOKENS);
+                q.matrix.launch_ptr(
+                    gpu,
+                    a16 + (t0 * kp * 2) as u64,
+                    nt,
+                    yp + (t0 * ldy * 4) as u64,
+                    ldy,
+                    beta != 0.0,
+                )?;
+            }
+            continue;
+        }
+        if masked != Some(p.threshold) {
             kernels::rows_to_f16(gpu, x, ldx, a16, n, k, p.threshold)?;
             masked = Some(p.threshold);
         }
@@ -150,9 +173,14 @@ pub fn linear_rows(
                     "RLC-CSC has no batched prefill path".into(),
                 ))
             }
-            DeviceMatrix::BalancedCbc(_) => {
+            DeviceMatrix::BalancedCbc(_) | DeviceMatrix::BalancedLowBit(_) => {
                 return Err(GpuError::Unsupported(
                     "Balanced-CBC has no batched prefill path".into(),
+                ))
+            }
+            DeviceMatrix::LowBit(_) => {
+                return Err(GpuError::Unsupported(
+                    "a low-bit matrix reached the GEMM path".into(),
                 ))
             }
         };

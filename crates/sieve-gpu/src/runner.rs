@@ -15,13 +15,13 @@
 
 use crate::error::{GpuError, Result};
 use crate::kernels::{self, AttentionShape, SampleArgs};
-use crate::matrix::DeviceLinear;
+use crate::matrix::{DeviceLinear, HostMatrix};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::graph::StepGraph;
 use sieve_cuda::{dev_ptr, DriverContext, Gpu};
-use sieve_formats::{DenseMatrix, FormatKind, Threshold};
+use sieve_formats::{FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
 use sieve_model::plan::{self, BlockSupport, Capabilities, Group, LayerOp, Norm, Plan, StepOp};
@@ -31,13 +31,13 @@ pub struct HostLayer {
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
     /// q, k, v in that order.
-    pub qkv: Vec<(DenseMatrix, Threshold)>,
+    pub qkv: Vec<(HostMatrix, Threshold)>,
     /// The concatenated q|k|v bias (Qwen2), if any.
     pub qkv_bias: Option<Vec<f32>>,
-    pub o: (DenseMatrix, Threshold),
+    pub o: (HostMatrix, Threshold),
     /// gate, up in that order.
-    pub gate_up: Vec<(DenseMatrix, Threshold)>,
-    pub down: (DenseMatrix, Threshold),
+    pub gate_up: Vec<(HostMatrix, Threshold)>,
+    pub down: (HostMatrix, Threshold),
     /// The format the weights go to the device in.
     pub kind: FormatKind,
 }
@@ -99,7 +99,7 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
         FormatKind::RlcCsc,
         FormatKind::BalancedCbc,
     ],
-    blocks: BlockSupport::DequantizedToF16,
+    blocks: BlockSupport::NativeFor(&["Q4_0", "Q8_0"]),
     bias_groups: &[Group::Qkv],
     mixed_formats_in_layer: false,
 };
@@ -188,9 +188,23 @@ impl GpuModel {
         // What this runner cannot execute is refused here, naming the op and the format,
         // before anything is decoded or uploaded.
         let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
+        // GGUF Q4_0 / Q8_0 blocks go to the device as their integers and scales; every other
+        // matrix as its values, encoded there in its format.
         let decode =
-            |lin: &sieve_model::linear::Linear| -> Result<(DenseMatrix, Threshold, FormatKind)> {
-                Ok((lin.format().decode(), lin.threshold(), lin.format().kind()))
+            |lin: &sieve_model::linear::Linear| -> Result<(HostMatrix, Threshold, FormatKind)> {
+                use sieve_cpu::gguf_blocks::BlockType;
+                use sieve_cuda::lowbit::LowBitMatrix;
+                use sieve_formats::WeightFormat;
+                let weights = match lin.quant_blocks() {
+                    Some(q) if q.block_type() == BlockType::Q4_0 => {
+                        HostMatrix::LowBit(LowBitMatrix::from_q4_0(q.rows(), q.cols(), q.blocks())?)
+                    }
+                    Some(q) if q.block_type() == BlockType::Q8_0 => {
+                        HostMatrix::LowBit(LowBitMatrix::from_q8_0(q.rows(), q.cols(), q.blocks())?)
+                    }
+                    _ => HostMatrix::Values(lin.format().decode()),
+                };
+                Ok((weights, lin.threshold(), lin.format().kind()))
             };
         let head = decode(model.lm_head())?;
         let layers = model.layers();
@@ -268,7 +282,7 @@ impl GpuModel {
         capacity: usize,
         embed: Vec<f16>,
         final_norm: Vec<f32>,
-        lm_head: (DenseMatrix, Threshold, FormatKind),
+        lm_head: (HostMatrix, Threshold, FormatKind),
         mut notes: Vec<String>,
         mut layer: impl FnMut(usize) -> Result<HostLayer>,
     ) -> Result<Self> {
@@ -347,8 +361,8 @@ impl GpuModel {
         for l in 0..c.num_layers {
             let hl = layer(l)?;
             check_layer(c, l, &hl)?;
-            let group = |mats: &[(DenseMatrix, Threshold)]| -> Result<DeviceLinear> {
-                let refs: Vec<(&DenseMatrix, Threshold)> =
+            let group = |mats: &[(HostMatrix, Threshold)]| -> Result<DeviceLinear> {
+                let refs: Vec<(&HostMatrix, Threshold)> =
                     mats.iter().map(|(m, t)| (m, *t)).collect();
                 DeviceLinear::upload_group(&gpu, hl.kind, &refs)
             };
@@ -751,7 +765,11 @@ impl GpuModel {
         let c = &self.config;
         let (d, hd) = (c.hidden_size, c.head_dim);
         let qkv_w = (c.num_heads + 2 * c.num_kv_heads) * hd;
-        let max_k = d.max(c.intermediate_size).max(c.num_heads * hd);
+        // Rounded up to the low-bit kernels' 128-column rows (their input is padded).
+        let max_k = d
+            .max(c.intermediate_size)
+            .max(c.num_heads * hd)
+            .next_multiple_of(sieve_cuda::lowbit::K_ALIGN);
         let max_m = qkv_w.max(2 * c.intermediate_size);
         let mut all: Vec<&DeviceLinear> = Vec::new();
         for l in &self.layers {
@@ -1104,7 +1122,7 @@ fn check_layer(c: &ModelConfig, l: usize, hl: &HostLayer) -> Result<()> {
         c.intermediate_size,
     );
     let want = [(nh * hd, d), (nkv * hd, d), (nkv * hd, d)];
-    let shape = |m: &DenseMatrix| (m.rows(), m.cols());
+    let shape = |m: &HostMatrix| (m.rows(), m.cols());
     let ok = hl.qkv.len() == 3
         && hl.qkv.iter().zip(want).all(|((m, _), w)| shape(m) == w)
         && shape(&hl.o.0) == (d, nh * hd)

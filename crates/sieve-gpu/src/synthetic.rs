@@ -9,9 +9,12 @@
 //! an N:M pattern keeps N random weights of every M along a row.
 
 use crate::error::{GpuError, Result};
+use crate::matrix::HostMatrix;
 use crate::runner::{GpuModel, HostLayer};
 use half::f16;
 use rayon::prelude::*;
+use sieve_cuda::balanced_lowbit::{snap_row, LowBitValues, INT4_GROUPS};
+use sieve_cuda::lowbit::{quantize_q4_0, quantize_q8_0, LowBitKind, LowBitMatrix};
 use sieve_cuda::Gpu;
 use sieve_formats::random::Pattern;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
@@ -61,6 +64,132 @@ pub fn dense_weight_bytes(c: &ModelConfig) -> usize {
     2 * (c.num_layers * per_layer + 2 * c.vocab_size * d)
 }
 
+/// What a synthetic model's kept weights are stored as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyntheticValues {
+    F16,
+    /// Dense: W8A16 (one scale per row); Balanced-CBC: int8 values, one scale per row.
+    Int8,
+    /// Dense: W4A16 with groups of 128 (the only dense 4-bit group); Balanced-CBC: int4
+    /// values with one scale per row and `group` columns (32, 64, 128).
+    Int4 {
+        group: usize,
+    },
+    /// Dense only: GGUF Q4_0 blocks (4-bit, an f16 scale per 32).
+    Q4_0,
+    /// Dense only: GGUF Q8_0 blocks (8-bit, an f16 scale per 32).
+    Q8_0,
+}
+
+impl std::str::FromStr for SyntheticValues {
+    type Err = GpuError;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "f16" => Self::F16,
+            "int8" | "w8a16" => Self::Int8,
+            "int4" | "w4a16" => Self::Int4 { group: 128 },
+            "q4_0" => Self::Q4_0,
+            "q8_0" => Self::Q8_0,
+            other => match other.strip_prefix("int4:").map(str::parse::<usize>) {
+                Some(Ok(group)) if INT4_GROUPS.contains(&group) => Self::Int4 { group },
+                _ => {
+                    return Err(GpuError::InvalidArgument(format!(
+                        "values '{other}': expected f16, int8, int4, int4:32, int4:64, int4:128, \
+                         q4_0 or q8_0"
+                    )))
+                }
+            },
+        })
+    }
+}
+
+impl SyntheticValues {
+    pub fn name(self) -> String {
+        match self {
+            Self::F16 => "f16".into(),
+            Self::Int8 => "int8".into(),
+            Self::Int4 { group } => format!("int4:{group}"),
+            Self::Q4_0 => "q4_0".into(),
+            Self::Q8_0 => "q8_0".into(),
+        }
+    }
+
+    /// Refuses, before anything is built, values the GPU has no kernel for in `format`.
+    pub fn check(self, format: FormatKind) -> Result<()> {
+        let ok = match (self, format) {
+            (Self::F16, _) => true,
+            (Self::Int4 { group }, FormatKind::Dense) => group == 128,
+            (_, FormatKind::Dense) => true,
+            (Self::Int8 | Self::Int4 { .. }, FormatKind::BalancedCbc) => true,
+            _ => false,
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(GpuError::Unsupported(format!(
+            "{} values in {}: the GPU multiplies low-bit values in dense (int8, int4 with \
+             groups of 128, q4_0, q8_0) and balanced-cbc (int8, int4:32/64/128)",
+            self.name(),
+            format.name()
+        )))
+    }
+
+    /// The dense low-bit kind of a dense matrix with these values (`None`: f16).
+    fn dense_kind(self) -> Option<LowBitKind> {
+        match self {
+            Self::F16 => None,
+            Self::Int8 => Some(LowBitKind::W8Row),
+            Self::Int4 { .. } => Some(LowBitKind::W4G128),
+            Self::Q4_0 => Some(LowBitKind::W4G32),
+            Self::Q8_0 => Some(LowBitKind::W8G32),
+        }
+    }
+}
+
+/// `m` quantized to `kind` (the GGUF kinds through ggml's reference quantizers), in parallel
+/// over bands of rows.
+pub fn quantize_dense(m: &DenseMatrix, kind: LowBitKind) -> Result<LowBitMatrix> {
+    const BAND: usize = 256;
+    let (rows, cols) = (m.rows(), m.cols());
+    let bands: Vec<LowBitMatrix> = (0..rows.div_ceil(BAND))
+        .into_par_iter()
+        .map(|b| -> Result<LowBitMatrix> {
+            let r0 = b * BAND;
+            let r1 = (r0 + BAND).min(rows);
+            let band = DenseMatrix::new(r1 - r0, cols, m.data()[r0 * cols..r1 * cols].to_vec())?;
+            Ok(match kind {
+                LowBitKind::W4G32 => {
+                    LowBitMatrix::from_q4_0(r1 - r0, cols, &quantize_q4_0(&band)?)?
+                }
+                LowBitKind::W8G32 => {
+                    LowBitMatrix::from_q8_0(r1 - r0, cols, &quantize_q8_0(&band)?)?
+                }
+                other => LowBitMatrix::quantize(&band, other),
+            })
+        })
+        .collect::<Result<_>>()?;
+    let refs: Vec<&LowBitMatrix> = bands.iter().collect();
+    Ok(LowBitMatrix::concat_rows(&refs)?)
+}
+
+/// `m`'s values snapped onto the int8 / int4 grids (as `sieve pack --values` makes them), in
+/// parallel over rows.
+pub fn snap_dense(m: &DenseMatrix, values: LowBitValues) -> Result<DenseMatrix> {
+    let cols = m.cols();
+    let mut data = m.data().to_vec();
+    data.par_chunks_mut(cols.max(1))
+        .map(|row| -> Result<()> {
+            let mut f: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
+            snap_row(values, &mut f)?;
+            for (o, v) in row.iter_mut().zip(f) {
+                *o = f16::from_f32(v);
+            }
+            Ok(())
+        })
+        .collect::<Result<()>>()?;
+    Ok(DenseMatrix::new(m.rows(), cols, data)?)
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct SyntheticOptions {
     /// Weight sparsity of the layers' projections (the head stays dense, as `sieve pack` leaves it).
@@ -69,6 +198,9 @@ pub struct SyntheticOptions {
     /// Activation sparsity: per-site TEAL thresholds at this quantile of |x|.
     pub dp: f64,
     pub format: FormatKind,
+    /// What the kept weights are stored as; the LM head follows in dense form (f16, or the
+    /// 8-bit kind for q4_0 / q8_0 / int8, W4A16 for int4).
+    pub values: SyntheticValues,
     pub seed: u64,
     /// Random tokens of the calibration run.
     pub calib_tokens: usize,
@@ -148,8 +280,36 @@ pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> 
     // active until the calibrated thresholds replace it.
     let upload_t: Threshold = if opts.dp > 0.0 { Some(0.0) } else { None };
     let seed = opts.seed;
+    opts.values.check(opts.format)?;
+    let values = opts.values;
+    let stored = move |w: DenseMatrix| -> Result<HostMatrix> {
+        Ok(match (opts.format, values) {
+            (_, SyntheticValues::F16) => HostMatrix::Values(w),
+            (FormatKind::Dense, v) => match v.dense_kind() {
+                Some(kind) => HostMatrix::LowBit(quantize_dense(&w, kind)?),
+                None => HostMatrix::Values(w),
+            },
+            (_, SyntheticValues::Int8) => HostMatrix::Values(snap_dense(&w, LowBitValues::Int8)?),
+            (_, SyntheticValues::Int4 { group }) => {
+                HostMatrix::Values(snap_dense(&w, LowBitValues::Int4 { group })?)
+            }
+            (format, v) => {
+                return Err(GpuError::Unsupported(format!(
+                    "{} values in {}",
+                    v.name(),
+                    format.name()
+                )))
+            }
+        })
+    };
     let m = |id: u64, rows: usize, cols: usize| {
-        random_matrix(rows, cols, opts.sp, opts.pattern, mix(seed ^ mix(id)))
+        stored(random_matrix(
+            rows,
+            cols,
+            opts.sp,
+            opts.pattern,
+            mix(seed ^ mix(id)),
+        )?)
     };
     let mut embed = vec![f16::ZERO; c.vocab_size * d];
     embed.par_chunks_mut(d).enumerate().for_each(|(r, row)| {
@@ -166,15 +326,27 @@ pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> 
         Pattern::Unstructured,
         mix(seed ^ 0x4ead),
     )?;
+    let head_kind = match values {
+        SyntheticValues::F16 => None,
+        SyntheticValues::Int4 { .. } => Some(LowBitKind::W4G128),
+        SyntheticValues::Int8 => Some(LowBitKind::W8Row),
+        SyntheticValues::Q4_0 | SyntheticValues::Q8_0 => Some(LowBitKind::W8G32),
+    };
+    let head = match head_kind {
+        Some(kind) => HostMatrix::LowBit(quantize_dense(&head, kind)?),
+        None => HostMatrix::Values(head),
+    };
     let notes = vec![format!(
-        "synthetic {name}: random weights, sp {} ({}), dp {}, format {}",
+        "synthetic {name}: random weights, sp {} ({}), dp {}, format {}, values {}, head {}",
         opts.sp,
         match opts.pattern {
             Pattern::Unstructured => "unstructured".to_string(),
             Pattern::NM { n, m } => format!("{n}:{m}"),
         },
         opts.dp,
-        opts.format.name()
+        opts.format.name(),
+        values.name(),
+        head_kind.map(|k| k.name()).unwrap_or("f16")
     )];
     let mut model = GpuModel::build(
         gpu,

@@ -123,6 +123,14 @@ impl Linear {
             _ => None,
         }
     }
+    /// The GGUF blocks themselves, when the weights are quantized blocks (for backends that
+    /// multiply them as they are).
+    pub fn quant_blocks(&self) -> Option<&QuantMatrix> {
+        match &self.weight {
+            Weight::Blocks(q) => Some(q),
+            _ => None,
+        }
+    }
     /// Replaces the weight matrix, keeping bias and threshold; the shape must not change.
     pub fn replace_format(&mut self, weight: Box<dyn WeightFormat>) -> Result<()> {
         if weight.rows() != self.rows() || weight.cols() != self.cols() {

@@ -192,6 +192,20 @@ pub enum BlockSupport {
     Native,
     /// Dequantized to f16 when the model is loaded onto the backend (a note, not an error).
     DequantizedToF16,
+    /// The named block types (`"Q4_0"`) multiplied from their blocks, every other type
+    /// dequantized to f16 on load (a note).
+    NativeFor(&'static [&'static str]),
+}
+
+impl BlockSupport {
+    /// Whether a matrix in blocks of type `ty` is dequantized to f16 on this backend.
+    pub fn dequantizes(self, ty: &str) -> bool {
+        match self {
+            BlockSupport::Native => false,
+            BlockSupport::DequantizedToF16 => true,
+            BlockSupport::NativeFor(types) => !types.contains(&ty),
+        }
+    }
 }
 
 /// What a backend can execute; [`Plan::check`] compares the plan with it.
@@ -287,6 +301,7 @@ impl Plan {
     pub fn check(&self, caps: &Capabilities) -> Result<Vec<String>> {
         let mut notes = Vec::new();
         let mut dequantized = 0usize;
+        let mut dequantized_types: Vec<String> = Vec::new();
         for product in &self.products {
             for m in &product.members {
                 if !caps.formats.contains(&m.format) {
@@ -300,8 +315,11 @@ impl Plan {
                         caps.formats
                     )));
                 }
-                if m.blocks.is_some() && caps.blocks == BlockSupport::DequantizedToF16 {
+                if let Some(ty) = m.blocks.as_deref().filter(|ty| caps.blocks.dequantizes(ty)) {
                     dequantized += 1;
+                    if !dequantized_types.iter().any(|t| t == ty) {
+                        dequantized_types.push(ty.to_string());
+                    }
                 }
                 let bias_ok = product.group.is_some_and(|g| caps.bias_groups.contains(&g));
                 if m.bias && !bias_ok {
@@ -338,8 +356,9 @@ impl Plan {
         }
         if dequantized > 0 {
             notes.push(format!(
-                "{dequantized} matrices in GGUF quantized blocks are dequantized to f16 on the {} \
-                 backend (no block kernels there yet)",
+                "{dequantized} matrices in GGUF quantized blocks ({}) are dequantized to f16 on the \
+                 {} backend (no block kernels there for these types yet)",
+                dequantized_types.join(", "),
                 caps.backend
             ));
         }

@@ -24,9 +24,14 @@ pub struct DecodeArgs {
     /// Activation sparsities, paired with --sp.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7")]
     dp: Vec<f64>,
-    /// Format of the sparse configurations: tiled-cbc, rlc-csc, dense.
+    /// Format of the sparse configurations: tiled-cbc, rlc-csc, balanced-cbc, dense.
     #[arg(long, default_value = "tiled-cbc")]
     format: String,
+    /// What the synthetic models' kept weights are stored as, one model each: f16, int8, int4
+    /// (dense: W8A16, W4A16 g128; balanced-cbc: int8, int4[:32|64|128] values), q4_0, q8_0
+    /// (dense GGUF blocks).
+    #[arg(long, value_delimiter = ',', default_value = "f16")]
+    values: Vec<String>,
     /// Pruning pattern of the synthetic weights: unstructured or N:M.
     #[arg(long, default_value = "unstructured")]
     pattern: String,
@@ -62,11 +67,12 @@ fn print_row(r: &DecodeResult) {
         String::new()
     };
     println!(
-        "{:<11} sp {:<4} dp {:<4} {:<15} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
         r.model,
         r.sp,
         r.dp,
         r.format,
+        r.values,
         if r.pdl { "on" } else { "off" },
         r.tpot_ms_median,
         r.tpot_ms_p10,
@@ -114,6 +120,11 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         context: a.context,
         format,
         pattern,
+        values: a
+            .values
+            .iter()
+            .map(|v| v.parse())
+            .collect::<std::result::Result<_, _>>()?,
         seed: a.seed,
         tcbc_kernels: a
             .tcbc_kernel
