@@ -6,7 +6,8 @@ shapes, types and magnitudes do. No f16 stage: each tensor's quantized blocks ar
 (random quants, with scales picked so that the weights have magnitudes around sqrt(3/K), K the
 row length, like a uniform init) and streamed to the file one tensor at a time.
 
-usage: random_gguf.py --shape llama2-7b|tiny --type f16|q8_0|q4_0|q4_k_m -o PATH [--seed N]
+usage: random_gguf.py --shape llama2-7b|tiny --type f16|q8_0|q4_0|q4_k_m -o PATH
+                     [--tokenizer gpt2|llama] [--seed N]
 
 Types:
   f16     every matrix F16 (uniform in [-sqrt(3/K), sqrt(3/K)], 256 levels)
@@ -24,8 +25,15 @@ Shapes: llama2-7b (hidden 4096, intermediate 11008, 32 layers, 32 heads, vocab 3
 (hidden 256, intermediate 768, 2 layers, 4 heads, vocab 512; intermediate 768 rather than 688
 so that every row length is a multiple of 256, which the k-quant blocks need).
 
-Tokenizer: tokenizer.ggml.model "llama" with a synthetic SentencePiece-style vocab: <unk>,
-<s>, </s>, the 256 byte tokens <0x00>..<0xFF>, then unique filler pieces "▁a", "▁b", ...
+Tokenizer (--tokenizer; both are read by llama.cpp):
+  gpt2 (default)  byte-level BPE, tokenizer.ggml.pre "gpt2": <unk>, <s>, </s> (control), the 256
+                  byte-level symbols of GPT-2's byte->unicode map, then two-symbol tokens with
+                  their merges ("a b" -> "ab"), letters and the space symbol first. sieve reads
+                  only byte-level BPE, so this is the one both engines load.
+  llama           SentencePiece-style: <unk>, <s>, </s>, the 256 byte tokens <0x00>..<0xFF>
+                  (type 6), then unique filler pieces "▁a", "▁b", ... (sieve refuses it:
+                  "SentencePiece tokenizers are not supported").
+Both: bos 1, eos 2, unk 0.
 
 Uses the gguf-py of the llama.cpp tree that scripts/llama-cpp/fetch.sh puts in
 vendor/llama.cpp (or GGUF_PY=/path/to/gguf-py); needs numpy.
@@ -186,11 +194,46 @@ def vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores[:n], types
 
 
+def byte_symbols() -> list[str]:
+    """GPT-2's byte -> printable unicode symbol map, as a list indexed by byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def vocab_bpe(n: int) -> tuple[list[str], list[float], list[int], list[str]]:
+    sym = byte_symbols()
+    tokens = ["<unk>", "<s>", "</s>"] + sym
+    types = [3, 3, 3] + [1] * 256
+    # two-symbol tokens: the space symbol and letters first, then the rest of the byte symbols
+    first = [sym[ord(" ")]] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    order = first + [x for x in sym if x not in first]
+    merges: list[str] = []
+    need = n - len(tokens)
+    assert need <= len(order) ** 2, "vocab too large for two-symbol tokens"
+    for a in order:
+        for b in order:
+            if len(merges) == need:
+                break
+            merges.append(f"{a} {b}")
+            tokens.append(a + b)
+            types.append(1)
+    scores = [0.0] * len(tokens)
+    return tokens[:n], scores[:n], types[:n], merges
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=SHAPES, required=True)
     ap.add_argument("--type", choices=FILE_TYPE, required=True)
     ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--tokenizer", choices=["gpt2", "llama"], default="gpt2")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -213,15 +256,21 @@ def main() -> None:
     w.add_rope_dimension_count(h // heads)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(s["vocab"])
-    tokens, scores, types = vocab(s["vocab"])
-    w.add_tokenizer_model("llama")
+    if args.tokenizer == "llama":
+        tokens, scores, types = vocab(s["vocab"])
+        w.add_tokenizer_model("llama")
+    else:
+        tokens, scores, types, merges = vocab_bpe(s["vocab"])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_merges(merges)
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    w.add_add_bos_token(args.tokenizer == "llama")
     w.add_add_eos_token(False)
 
     # Declare every tensor (shape and size only), write the header, then stream the data.
