@@ -7,108 +7,19 @@ use half::f16;
 use sieve_cpu::gguf_blocks::dequant::GgmlType;
 use sieve_formats::random::{sparse_matrix, Pattern, SplitMix64};
 use sieve_formats::{registry, FormatKind, WeightFormat};
+use sieve_model::gguf::writer::GgufWriter;
 use sieve_model::gguf::{GgufFile, MetaValue};
 
-/// A minimal GGUF v3 writer.
-#[derive(Default)]
-pub struct Gguf {
-    pub metadata: Vec<(String, MetaValue)>,
-    pub tensors: Vec<(String, Vec<u64>, GgmlType, Vec<u8>)>,
-}
-
-impl Gguf {
-    pub fn meta(&mut self, key: &str, v: MetaValue) -> &mut Self {
-        self.metadata.retain(|(k, _)| k != key);
-        self.metadata.push((key.into(), v));
-        self
-    }
-
-    pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, rng: &mut SplitMix64) {
-        let n: u64 = dims.iter().product();
-        self.tensors.push((
-            name.into(),
-            dims.to_vec(),
-            ty,
-            tensor_bytes(ty, n as usize, rng),
-        ));
-    }
-
-    pub fn build(&self) -> Vec<u8> {
-        const ALIGN: usize = 32;
-        let mut out = b"GGUF".to_vec();
-        out.extend_from_slice(&3u32.to_le_bytes());
-        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
-        for (k, v) in &self.metadata {
-            string(&mut out, k);
-            out.extend_from_slice(&type_id(v).to_le_bytes());
-            value(&mut out, v);
-        }
-        let mut offset = 0usize;
-        let mut offsets = Vec::new();
-        for (name, dims, ty, data) in &self.tensors {
-            string(&mut out, name);
-            out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-            for d in dims {
-                out.extend_from_slice(&d.to_le_bytes());
-            }
-            out.extend_from_slice(&ty.id().to_le_bytes());
-            out.extend_from_slice(&(offset as u64).to_le_bytes());
-            offsets.push(offset);
-            offset = (offset + data.len()).div_ceil(ALIGN) * ALIGN;
-        }
-        let start = out.len().div_ceil(ALIGN) * ALIGN;
-        for ((_, _, _, data), off) in self.tensors.iter().zip(offsets) {
-            out.resize(start + off, 0);
-            out.extend_from_slice(data);
-        }
-        out
-    }
-}
-
-fn string(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-fn type_id(v: &MetaValue) -> u32 {
-    match v {
-        MetaValue::U8(_) => 0,
-        MetaValue::I8(_) => 1,
-        MetaValue::U16(_) => 2,
-        MetaValue::I16(_) => 3,
-        MetaValue::U32(_) => 4,
-        MetaValue::I32(_) => 5,
-        MetaValue::F32(_) => 6,
-        MetaValue::Bool(_) => 7,
-        MetaValue::String(_) => 8,
-        MetaValue::Array(_) => 9,
-        MetaValue::U64(_) => 10,
-        MetaValue::I64(_) => 11,
-        MetaValue::F64(_) => 12,
-    }
-}
-
-fn value(out: &mut Vec<u8>, v: &MetaValue) {
-    match v {
-        MetaValue::U8(x) => out.push(*x),
-        MetaValue::I8(x) => out.push(*x as u8),
-        MetaValue::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
-        MetaValue::Bool(x) => out.push(*x as u8),
-        MetaValue::String(s) => string(out, s),
-        MetaValue::Array(items) => {
-            out.extend_from_slice(&items.first().map_or(0, type_id).to_le_bytes());
-            out.extend_from_slice(&(items.len() as u64).to_le_bytes());
-            items.iter().for_each(|i| value(out, i));
-        }
-    }
+/// Appends a tensor of `dims` (innermost-first) filled with valid random bytes of `ty`.
+fn add_random_tensor(
+    g: &mut GgufWriter,
+    name: &str,
+    dims: &[u64],
+    ty: GgmlType,
+    rng: &mut SplitMix64,
+) {
+    let elements: u64 = dims.iter().product();
+    g.push_tensor(name, dims, ty, tensor_bytes(ty, elements as usize, rng));
 }
 
 /// Valid bytes for `n` elements of `ty` (finite block scales); unknown types fall back to F32.
@@ -158,7 +69,7 @@ fn byte_tokens() -> Vec<String> {
 }
 
 /// A small byte-level vocabulary: 3 control tokens, 256 byte tokens, a few merges.
-pub fn tiny_tokenizer(g: &mut Gguf) -> usize {
+pub fn tiny_tokenizer(g: &mut GgufWriter) -> usize {
     let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         .map(String::from)
         .to_vec();
@@ -178,20 +89,20 @@ pub fn tiny_tokenizer(g: &mut Gguf) -> usize {
     let mut types = vec![MetaValue::I32(3); 3];
     types.extend(std::iter::repeat_n(MetaValue::I32(1), tokens.len() - 3));
     let n = tokens.len();
-    g.meta("tokenizer.ggml.model", s("gpt2"))
-        .meta("tokenizer.ggml.pre", s("smollm"))
-        .meta(
+    g.set_meta("tokenizer.ggml.model", s("gpt2"))
+        .set_meta("tokenizer.ggml.pre", s("smollm"))
+        .set_meta(
             "tokenizer.ggml.tokens",
             MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect()),
         )
-        .meta(
+        .set_meta(
             "tokenizer.ggml.merges",
             MetaValue::Array(merges.into_iter().map(MetaValue::String).collect()),
         )
-        .meta("tokenizer.ggml.token_type", MetaValue::Array(types))
-        .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
-        .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
-        .meta(
+        .set_meta("tokenizer.ggml.token_type", MetaValue::Array(types))
+        .set_meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
+        .set_meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
+        .set_meta(
             "tokenizer.chat_template",
             s("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"),
         );
@@ -201,40 +112,59 @@ pub fn tiny_tokenizer(g: &mut Gguf) -> usize {
 /// A tiny Llama-family GGUF: 32 wide, 2 layers, matrices in `matrix_type`.
 pub fn tiny_gguf(arch: &str, matrix_type: GgmlType, seed: u64) -> Vec<u8> {
     let mut rng = SplitMix64::new(seed);
-    let mut g = Gguf::default();
+    let mut g = GgufWriter::new();
     let vocab = tiny_tokenizer(&mut g) as u64;
     let (d, ff, heads, kv) = (32u64, 64u64, 2u64, 1u64);
     let hd = d / heads;
     let k = |x: &str| format!("{arch}.{x}");
-    g.meta("general.architecture", s(arch))
-        .meta(&k("block_count"), MetaValue::U32(2))
-        .meta(&k("context_length"), MetaValue::U32(256))
-        .meta(&k("embedding_length"), MetaValue::U32(d as u32))
-        .meta(&k("feed_forward_length"), MetaValue::U32(ff as u32))
-        .meta(&k("attention.head_count"), MetaValue::U32(heads as u32))
-        .meta(&k("attention.head_count_kv"), MetaValue::U32(kv as u32))
-        .meta(&k("rope.freq_base"), MetaValue::F32(10000.0))
-        .meta(&k("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5));
-    g.tensor("token_embd.weight", &[d, vocab], matrix_type, &mut rng);
-    g.tensor("output_norm.weight", &[d], GgmlType::F32, &mut rng);
+    g.set_meta("general.architecture", s(arch))
+        .set_meta(&k("block_count"), MetaValue::U32(2))
+        .set_meta(&k("context_length"), MetaValue::U32(256))
+        .set_meta(&k("embedding_length"), MetaValue::U32(d as u32))
+        .set_meta(&k("feed_forward_length"), MetaValue::U32(ff as u32))
+        .set_meta(&k("attention.head_count"), MetaValue::U32(heads as u32))
+        .set_meta(&k("attention.head_count_kv"), MetaValue::U32(kv as u32))
+        .set_meta(&k("rope.freq_base"), MetaValue::F32(10000.0))
+        .set_meta(&k("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5));
+    add_random_tensor(
+        &mut g,
+        "token_embd.weight",
+        &[d, vocab],
+        matrix_type,
+        &mut rng,
+    );
+    add_random_tensor(&mut g, "output_norm.weight", &[d], GgmlType::F32, &mut rng);
     for l in 0..2 {
         let t = |n: &str| format!("blk.{l}.{n}.weight");
-        g.tensor(&t("attn_norm"), &[d], GgmlType::F32, &mut rng);
-        g.tensor(&t("ffn_norm"), &[d], GgmlType::F32, &mut rng);
-        g.tensor(&t("attn_q"), &[d, heads * hd], matrix_type, &mut rng);
-        g.tensor(&t("attn_k"), &[d, kv * hd], matrix_type, &mut rng);
-        g.tensor(&t("attn_v"), &[d, kv * hd], matrix_type, &mut rng);
-        g.tensor(&t("attn_output"), &[heads * hd, d], matrix_type, &mut rng);
-        g.tensor(&t("ffn_gate"), &[d, ff], matrix_type, &mut rng);
-        g.tensor(&t("ffn_up"), &[d, ff], matrix_type, &mut rng);
-        g.tensor(&t("ffn_down"), &[ff, d], matrix_type, &mut rng);
+        add_random_tensor(&mut g, &t("attn_norm"), &[d], GgmlType::F32, &mut rng);
+        add_random_tensor(&mut g, &t("ffn_norm"), &[d], GgmlType::F32, &mut rng);
+        add_random_tensor(
+            &mut g,
+            &t("attn_q"),
+            &[d, heads * hd],
+            matrix_type,
+            &mut rng,
+        );
+        add_random_tensor(&mut g, &t("attn_k"), &[d, kv * hd], matrix_type, &mut rng);
+        add_random_tensor(&mut g, &t("attn_v"), &[d, kv * hd], matrix_type, &mut rng);
+        add_random_tensor(
+            &mut g,
+            &t("attn_output"),
+            &[heads * hd, d],
+            matrix_type,
+            &mut rng,
+        );
+        add_random_tensor(&mut g, &t("ffn_gate"), &[d, ff], matrix_type, &mut rng);
+        add_random_tensor(&mut g, &t("ffn_up"), &[d, ff], matrix_type, &mut rng);
+        add_random_tensor(&mut g, &t("ffn_down"), &[ff, d], matrix_type, &mut rng);
         if arch == "qwen2" {
             for (n, rows) in [
                 ("attn_q", heads * hd),
                 ("attn_k", kv * hd),
                 ("attn_v", kv * hd),
             ] {
-                g.tensor(
+                add_random_tensor(
+                    &mut g,
                     &format!("blk.{l}.{n}.bias"),
                     &[rows],
                     GgmlType::F32,
@@ -267,7 +197,7 @@ pub fn cut_real_gguf(path: &std::path::Path) -> Option<Vec<u8>> {
             })
         })
         .collect();
-    let mut g = Gguf::default();
+    let mut g = GgufWriter::new();
     for (k, v) in file.metadata() {
         let v = match (k, v) {
             ("tokenizer.ggml.tokens", _) => {
@@ -281,23 +211,23 @@ pub fn cut_real_gguf(path: &std::path::Path) -> Option<Vec<u8>> {
             }
             _ => v.clone(),
         };
-        g.meta(k, v);
+        g.set_meta(k, v);
     }
     let k = |x: &str| format!("{arch}.{x}");
     let (d, ff, heads, kv) = (64u64, 128u64, 2u64, 1u64);
-    g.meta(&k("block_count"), MetaValue::U32(2))
-        .meta(&k("embedding_length"), MetaValue::U32(d as u32))
-        .meta(&k("feed_forward_length"), MetaValue::U32(ff as u32))
-        .meta(&k("attention.head_count"), MetaValue::U32(heads as u32))
-        .meta(&k("attention.head_count_kv"), MetaValue::U32(kv as u32));
+    g.set_meta(&k("block_count"), MetaValue::U32(2))
+        .set_meta(&k("embedding_length"), MetaValue::U32(d as u32))
+        .set_meta(&k("feed_forward_length"), MetaValue::U32(ff as u32))
+        .set_meta(&k("attention.head_count"), MetaValue::U32(heads as u32))
+        .set_meta(&k("attention.head_count_kv"), MetaValue::U32(kv as u32));
     if file.get(&k("rope.dimension_count")).is_some() {
-        g.meta(
+        g.set_meta(
             &k("rope.dimension_count"),
             MetaValue::U32((d / heads) as u32),
         );
     }
     if file.get(&k("vocab_size")).is_some() {
-        g.meta(&k("vocab_size"), MetaValue::U32(KEEP as u32));
+        g.set_meta(&k("vocab_size"), MetaValue::U32(KEEP as u32));
     }
     let mut rng = SplitMix64::new(13);
     let hd = d / heads;
@@ -332,14 +262,14 @@ pub fn cut_real_gguf(path: &std::path::Path) -> Option<Vec<u8>> {
             _ => GgmlType::Q8_0,
         };
         let ty = if dims.len() == 1 { GgmlType::F32 } else { ty };
-        g.tensor(name, &dims, ty, &mut rng);
+        add_random_tensor(&mut g, name, &dims, ty, &mut rng);
     }
     Some(g.build())
 }
 
 /// A tokenizer-only GGUF (what the tokenizer target parses).
 pub fn tokenizer_gguf() -> Vec<u8> {
-    let mut g = Gguf::default();
+    let mut g = GgufWriter::new();
     tiny_tokenizer(&mut g);
     g.build()
 }

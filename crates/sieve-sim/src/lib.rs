@@ -20,6 +20,7 @@
 //! | [`paper`] | Celty's published numbers and the predictions beside them |
 //! | [`area`] | Table 1: the decoder's area overhead per GPU generation |
 //! | [`svg`] | the plot against the paper's figures |
+//! | [`sweep`] | the `sieve sim celty` sweep: points, calibration, comparison, area |
 
 pub mod area;
 pub mod cost;
@@ -32,6 +33,7 @@ pub mod shapes;
 pub mod sim;
 pub mod sm;
 pub mod svg;
+pub mod sweep;
 pub mod trace;
 
 pub use cost::CostModel;
@@ -39,3 +41,4 @@ pub use error::{Result, SimError};
 pub use gpu::GpuSpec;
 pub use kernel::{Features, KernelConfig, Mapping, Stage};
 pub use sim::{simulate, Point, SimResult};
+pub use sweep::{run_sweep, Sweep, SweepOptions, SweepPoint};

@@ -8,10 +8,11 @@ use sieve_formats::WeightFormat;
 /// A two-layer llama GGUF (hidden 32, 2 heads of 16, 1 KV head, FFN 64, vocab 4) whose linears
 /// are Q4_1 and Q8_0 blocks, with v_proj left in f32 and the tied embedding in Q8_0.
 fn quantized_gguf() -> crate::gguf::GgufModel {
-    use crate::gguf::test_support::{s, strings, GgufBuilder};
+    use crate::gguf::test_support::{s, strings};
+    use crate::gguf::writer::GgufWriter;
     use crate::gguf::{GgufFile, MetaValue};
     let norm: Vec<f32> = vec![1.0; 32];
-    let mut b = GgufBuilder::new()
+    let mut b = GgufWriter::new()
         .meta("general.architecture", s("llama"))
         .meta("llama.block_count", MetaValue::U32(2))
         .meta("llama.context_length", MetaValue::U32(64))
@@ -156,7 +157,8 @@ fn a_model_on_gguf_blocks_agrees_with_its_f16_twin() {
 /// A one-layer llama GGUF of the K-quant era (hidden 256, 2 heads of 128, 1 KV head, FFN 512,
 /// vocab 4) with a different offset block type in every linear and a Q6_K tied embedding.
 fn offset_gguf() -> crate::gguf::GgufModel {
-    use crate::gguf::test_support::{s, strings, GgufBuilder};
+    use crate::gguf::test_support::{s, strings};
+    use crate::gguf::writer::GgufWriter;
     use crate::gguf::{GgufFile, MetaValue};
     let norm: Vec<f32> = vec![1.0; 256];
     let t = |n: &str| format!("blk.0.{n}.weight");
@@ -172,7 +174,7 @@ fn offset_gguf() -> crate::gguf::GgufModel {
         ("ffn_up", [256, 512], q(BlockType::Q4_K, 512, 256, 7)),
         ("ffn_down", [512, 256], q(BlockType::Q6_K, 256, 512, 8)),
     ];
-    let mut b = GgufBuilder::new()
+    let mut b = GgufWriter::new()
         .meta("general.architecture", s("llama"))
         .meta("llama.block_count", MetaValue::U32(1))
         .meta("llama.context_length", MetaValue::U32(64))

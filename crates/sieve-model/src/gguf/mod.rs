@@ -805,6 +805,8 @@ fn parse_header<'a>(bytes: &'a [u8], path: &'a str) -> Result<Header> {
 
 #[cfg(test)]
 pub(crate) mod test_support;
+#[cfg(any(test, feature = "gguf-writer"))]
+pub mod writer;
 
 #[cfg(test)]
 mod block_tests;

@@ -1,12 +1,13 @@
-use super::test_support::{s, strings, GgufBuilder};
+use super::test_support::{s, strings};
+use super::writer::GgufWriter;
 use super::*;
 use crate::weights::TensorSource;
 use proptest::prelude::*;
 
 /// A tiny two-layer llama: hidden 8, 2 heads of 4, 1 KV head, FFN 16, vocab 4.
-fn tiny_llama() -> GgufBuilder {
+fn tiny_llama() -> GgufWriter {
     let ramp = |n: usize, scale: f32| (0..n).map(|i| i as f32 * scale).collect::<Vec<_>>();
-    let mut b = GgufBuilder::new()
+    let mut b = GgufWriter::new()
         .meta("general.architecture", s("llama"))
         .meta("general.alignment", MetaValue::U32(64))
         .meta("llama.block_count", MetaValue::U32(2))
@@ -315,24 +316,24 @@ fn structural_corruption_is_reported_by_name() {
     let cut = open(good[..700].to_vec());
     assert!(cut.contains("truncated") || cut.contains("claims"), "{cut}");
 
-    let b = GgufBuilder::new().meta("general.alignment", MetaValue::U32(24));
+    let b = GgufWriter::new().meta("general.alignment", MetaValue::U32(24));
     assert!(open(b.build()).contains("power of two"));
-    let b = GgufBuilder::new()
+    let b = GgufWriter::new()
         .meta("a", MetaValue::U8(1))
         .meta("a", MetaValue::U8(2));
     assert!(open(b.build()).contains("duplicate metadata key"));
-    let b = GgufBuilder::new().tensor("q", &[31], GgmlType::Q8_0, vec![0; 34]);
+    let b = GgufWriter::new().tensor("q", &[31], GgmlType::Q8_0, vec![0; 34]);
     assert!(open(b.build()).contains("block size"));
-    let b = GgufBuilder::new().f32_tensor("a", &[1, 1, 1, 1, 1], &[0.0]);
+    let b = GgufWriter::new().f32_tensor("a", &[1, 1, 1, 1, 1], &[0.0]);
     assert!(open(b.build()).contains("dimensions"));
-    let b = GgufBuilder::new().f32_tensor("a", &[u64::MAX, 2], &[0.0]);
+    let b = GgufWriter::new().f32_tensor("a", &[u64::MAX, 2], &[0.0]);
     assert!(open(b.build()).contains("overflow"));
     let mut deep = MetaValue::U8(0);
     for _ in 0..10 {
         deep = MetaValue::Array(vec![deep]);
     }
-    assert!(open(GgufBuilder::new().meta("deep", deep).build()).contains("nests"));
-    let mut bad_bool = GgufBuilder::new().meta("b", MetaValue::Bool(true)).build();
+    assert!(open(GgufWriter::new().meta("deep", deep).build()).contains("nests"));
+    let mut bad_bool = GgufWriter::new().meta("b", MetaValue::Bool(true)).build();
     // header (24) + key "b" (8 + 1) + value type (4), then the bool byte.
     bad_bool[37] = 2;
     assert!(open(bad_bool).contains("not 0 or 1"));
@@ -340,7 +341,7 @@ fn structural_corruption_is_reported_by_name() {
 
 #[test]
 fn unknown_tensor_type_is_unsupported_and_unknown_quant_cannot_dequantize() {
-    let mut b = GgufBuilder::new().tensor("t", &[256], GgmlType::IQ2_XXS, vec![0; 66]);
+    let mut b = GgufWriter::new().tensor("t", &[256], GgmlType::IQ2_XXS, vec![0; 66]);
     let file = GgufFile::from_bytes(b.build(), "x").unwrap();
     let err = file.tensor_f32("t").unwrap_err();
     assert!(
@@ -368,7 +369,7 @@ fn small_valid_file() -> Vec<u8> {
         b.extend((0..32).map(|i| i as u8));
         b
     };
-    GgufBuilder::new()
+    GgufWriter::new()
         .meta("general.architecture", s("llama"))
         .meta(
             "k.arr",

@@ -1,15 +1,14 @@
 //! `sieve sim celty`: the trace-driven model of Celty's sparse SIMT core (crates/sieve-sim).
-//! This file only parses, runs the library and prints.
+//! This file only parses, runs the library's sweep (`sieve_sim::sweep`) and prints.
 
 use super::report_files::ReportFiles;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
-use serde::Serialize;
-use sieve_sim::area::{overhead_percent, DecoderDesign, GENERATIONS, PAPER_HOPPER_PERCENT};
-use sieve_sim::measured::{self, Calibration};
-use sieve_sim::paper::{self, Comparison};
+use sieve_sim::area::{DecoderDesign, PAPER_HOPPER_PERCENT};
+use sieve_sim::measured::Calibration;
+use sieve_sim::paper::Comparison;
 use sieve_sim::shapes::{parse_shape, shapes_of};
-use sieve_sim::{simulate, CostModel, Features, GpuSpec, KernelConfig, Point, SimResult, Stage};
+use sieve_sim::{run_sweep, GpuSpec, KernelConfig, SimResult, SweepOptions};
 
 #[derive(Subcommand, Debug)]
 pub enum SimCommand {
@@ -79,55 +78,33 @@ pub struct CeltyArgs {
     seed: u64,
 }
 
-#[derive(Serialize)]
-struct Report {
-    gpu: GpuSpec,
-    cost: CostModel,
-    results: Vec<PointReport>,
-    calibration: Option<Calibration>,
-    comparison: Option<Comparison>,
-    area: Vec<(String, f64)>,
-}
-
-#[derive(Serialize)]
-struct PointReport {
-    result: SimResult,
-    measured_us: Option<f64>,
-    cublas_us: f64,
-    cublas_measured: bool,
-}
-
 fn run_celty(a: CeltyArgs) -> Result<()> {
-    for v in a.sp.iter().chain(&a.dp) {
-        if !(0.0..1.0).contains(v) {
-            bail!("sparsity {v} outside [0, 1)");
-        }
-    }
-    if !(0.0..=1.0).contains(&a.reg_fraction) {
-        bail!("--reg-fraction {} outside [0, 1]", a.reg_fraction);
-    }
-    let mut shapes = Vec::new();
+    let mut options = SweepOptions {
+        shapes: Vec::new(),
+        weight_sparsities: a.sp.clone(),
+        activation_sparsities: a.dp.clone(),
+        reg_fraction: a.reg_fraction,
+        decoder: a.decoder == OnOff::On,
+        config: match a.mapping {
+            MappingArg::Kernel => KernelConfig::measured(),
+            MappingArg::Celty => KernelConfig::celty(),
+        },
+        calibrate: a.calibrate,
+        compare_with_paper: a.paper || a.plot.is_some(),
+        seed: a.seed,
+    };
+    // Ranges first, then shapes, then the report files: the order of refusals is unchanged.
+    options.validate()?;
     if let Some(s) = &a.shape {
-        shapes.push(parse_shape(s)?);
+        options.shapes.push(parse_shape(s)?);
     } else {
         for s in &a.shapes {
-            shapes.extend(shapes_of(s)?);
+            options.shapes.extend(shapes_of(s)?);
         }
     }
     let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &[])?;
     let gpu = GpuSpec::h200();
-    let cost = CostModel::h200();
-    let meas = measured::load()?;
-    let cfg = match a.mapping {
-        MappingArg::Kernel => KernelConfig::measured(),
-        MappingArg::Celty => KernelConfig::celty(),
-    };
-    let feat = Features {
-        decoder: a.decoder == OnOff::On,
-        reg_fraction: a.reg_fraction,
-        stage: Stage::Full,
-    };
-    let is_measured_config = cfg == KernelConfig::measured() && feat == Features::baseline();
+    let features = options.features();
     println!(
         "model: {} ({} SMs x {} sub-partitions, {:.0} MHz, copy {:.0} GB/s measured); mapping {:?}, \
          decoder {}, registers {:.0}%",
@@ -136,62 +113,19 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
         gpu.sub_partitions,
         gpu.clock_mhz,
         gpu.copy_gbs,
-        cfg.mapping,
-        if feat.decoder { "on" } else { "off" },
-        100.0 * feat.reg_fraction
+        options.config.mapping,
+        if features.decoder { "on" } else { "off" },
+        100.0 * features.reg_fraction
     );
 
-    let mut results = Vec::new();
-    for &(m, k) in &shapes {
-        for &sp in &a.sp {
-            for &dp in &a.dp {
-                let point = Point { m, k, sp, dp };
-                let r = simulate(point, &cfg, &feat, &cost, &gpu, a.seed)
-                    .with_context(|| format!("simulating {m}x{k} sp {sp} dp {dp}"))?;
-                let measured_us = if is_measured_config {
-                    meas.rlc_csc.iter().find(|x| x.point == point).map(|x| x.us)
-                } else {
-                    None
-                };
-                let (cublas_us, cublas_measured) = paper::cublas_us(&meas, &cost, &gpu, m, k);
-                print_point(&r, measured_us, cublas_us, cublas_measured);
-                results.push(PointReport {
-                    result: r,
-                    measured_us,
-                    cublas_us,
-                    cublas_measured,
-                });
-            }
-        }
+    let sweep = run_sweep(&options, &mut |p| {
+        print_point(&p.result, p.measured_us, p.cublas_us, p.cublas_measured)
+    })?;
+    if let Some(c) = &sweep.calibration {
+        print_calibration(c);
     }
-
-    let calibration = if a.calibrate {
-        let c = measured::calibrate(
-            &meas,
-            &cost,
-            &gpu,
-            &|p: &Point| shapes.contains(&(p.m, p.k)),
-            true,
-            a.seed,
-        )?;
-        print_calibration(&c);
-        Some(c)
-    } else {
-        None
-    };
-
-    let area: Vec<(String, f64)> = GENERATIONS
-        .iter()
-        .map(|g| {
-            (
-                format!("{} {}", g.name, g.chip),
-                overhead_percent(g, &DecoderDesign::celty()),
-            )
-        })
-        .collect();
-    let comparison = if a.paper || a.plot.is_some() {
-        let c = paper::compare(&shapes, &meas, &cost, &gpu, a.seed)?;
-        print_comparison(&c);
+    if let Some(c) = &sweep.comparison {
+        print_comparison(c);
         let d = DecoderDesign::celty();
         println!(
             "\nTable 1 (area): decoder {:.0} gate equivalents, {:.1} µm² at N7; paper: at most \
@@ -199,16 +133,14 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
             d.gate_equivalents(),
             d.area_um2(sieve_sim::area::NAND2_UM2_N7, sieve_sim::area::UTILIZATION)
         );
-        for (name, pct) in &area {
+        for (name, pct) in &sweep.area {
             println!("  {name:<32} {pct:.4}%");
         }
-        Some(c)
-    } else {
-        None
-    };
+    }
 
     files.write_plot(|| {
-        let c = comparison
+        let c = sweep
+            .comparison
             .as_ref()
             .context("comparison computed for --plot")?;
         let label = if a.shape.is_some() {
@@ -216,20 +148,10 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
         } else {
             a.shapes.join(", ")
         };
-        let err = calibration.as_ref().map(|c| c.mean_abs_error);
+        let err = sweep.calibration.as_ref().map(|c| c.mean_abs_error);
         Ok(sieve_sim::svg::render(c, &label, err))
     })?;
-    files.write_json(|| {
-        let report = Report {
-            gpu,
-            cost,
-            results,
-            calibration,
-            comparison,
-            area,
-        };
-        Ok(serde_json::to_string_pretty(&report)?)
-    })?;
+    files.write_json(|| Ok(serde_json::to_string_pretty(&sweep)?))?;
     Ok(())
 }
 
