@@ -122,6 +122,10 @@ fn run_celty(a: CeltyArgs) -> Result<()> {
         MappingArg::Kernel => KernelConfig::measured(),
         MappingArg::Celty => KernelConfig::celty(),
     };
+    // Every shape's grid is checked before anything is simulated or allocated.
+    for &(m, k) in &shapes {
+        sieve_sim::sim::check_grid(&cfg, m, k)?;
+    }
     let feat = Features {
         decoder: a.decoder == OnOff::On,
         reg_fraction: a.reg_fraction,
