@@ -9,10 +9,11 @@
 //
 // Penalty: the last `window` positions, each id once (an id also seen later in the window is
 // skipped), logit / r if positive else logit * r (the CPU sampler's rule).
-// Sampling: logits / T; top-k keeps values >= the k-th largest (found by bisection on the
-// value, so ties at the boundary are all kept); top-p keeps the largest values whose softmax
-// mass reaches p (bisection on the value again); then u ~ U[0,1) from a hash of (seed, p)
-// picks the token by the running sum of the kept weights in id order.
+// Sampling (T >= 1e-6; below it greedy, as on the CPU): logits / T; top-k keeps values >= the
+// k-th largest (found by bisection on the value, so ties at the boundary are all kept); top-p
+// keeps the largest values whose softmax mass reaches p (bisection on the value again); then
+// u ~ U[0,1) from a hash of (seed, p) picks the token by the running sum of the kept weights
+// in id order.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_BISECT 48
@@ -109,7 +110,9 @@ sample_token(float* __restrict__ logits, int V, float temperature, int top_k, fl
     }
     __syncthreads();
 
-    if (temperature > 0.f) {
+    // Below 1e-6 (sieve_model::sampling::GREEDY_BELOW_TEMPERATURE, which the host already
+    // sends as 0) the draw is greedy: 1 / T would overflow f32 and (l - top) * inv_t be NaN.
+    if (temperature >= 1e-6f) {
         const float inv_t = 1.f / temperature;
         float cut = __int_as_float(0xff800000);
         if (top_k > 0 && top_k < V) {

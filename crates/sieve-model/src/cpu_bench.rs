@@ -134,7 +134,8 @@ fn measure_on_this_thread(
     prompt: &[u32],
     decode_tokens: usize,
 ) -> Result<(f64, f64)> {
-    let mut cache = model.new_cache(prompt.len() + decode_tokens + 1);
+    let mut cache =
+        model.try_new_cache(prompt.len().saturating_add(decode_tokens).saturating_add(1))?;
     if cache.capacity() < prompt.len() + decode_tokens {
         return Err(ModelError::ContextOverflow {
             tokens: prompt.len() + decode_tokens,
@@ -206,6 +207,33 @@ impl BenchTarget {
     }
 }
 
+/// Refuses a model given twice (the same file, by path, symlink or hard link, with the same
+/// `f16_weights`): each copy would be loaded and held in memory for nothing.
+fn check_distinct(targets: &[BenchTarget]) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen: Vec<((u64, u64), bool, &BenchTarget)> = Vec::with_capacity(targets.len());
+    for t in targets {
+        let meta = std::fs::metadata(&t.path).map_err(|source| ModelError::Io {
+            path: t.path.display().to_string(),
+            source,
+        })?;
+        let id = (meta.dev(), meta.ino());
+        if let Some((_, _, first)) = seen
+            .iter()
+            .find(|(other, f16, _)| *other == id && *f16 == t.f16_weights)
+        {
+            return Err(ModelError::InvalidArgument(format!(
+                "the model {} is given twice (also as {}); each model is measured once, give it \
+                 once",
+                t.path.display(),
+                first.path.display()
+            )));
+        }
+        seen.push((id, t.f16_weights, t));
+    }
+    Ok(())
+}
+
 /// Loads every target, then measures them in interleaved rounds on the current rayon pool.
 /// `progress` is called after each measurement.
 pub fn run(
@@ -221,9 +249,35 @@ pub fn run(
             "prompt tokens, decode tokens and repeats must all be at least 1".into(),
         ));
     }
+    // Every size is checked before anything is loaded or built: the positions against the
+    // largest context any model may have, then (below) against each model's own.
+    let positions = options
+        .prompt_tokens
+        .checked_add(options.decode_tokens)
+        .filter(|&n| n <= crate::config::limits::MAX_CONTEXT)
+        .ok_or_else(|| {
+            ModelError::InvalidArgument(format!(
+                "--prompt-tokens {} + --decode-tokens {} is more than any model's context \
+                 (at most {} positions)",
+                options.prompt_tokens,
+                options.decode_tokens,
+                crate::config::limits::MAX_CONTEXT
+            ))
+        })?;
+    check_distinct(targets)?;
     let mut models = Vec::with_capacity(targets.len());
     for t in targets {
         let (model, tokenizer) = load(&t.path, t.f16_weights)?;
+        let context = model.config().max_position_embeddings;
+        if positions > context {
+            return Err(ModelError::InvalidArgument(format!(
+                "{}: --prompt-tokens {} + --decode-tokens {} = {positions} positions, more than \
+                 the model's context of {context}",
+                t.path.display(),
+                options.prompt_tokens,
+                options.decode_tokens
+            )));
+        }
         let prompt = bench_prompt(&tokenizer, options.prompt_tokens)?;
         models.push((t.label(), model, prompt));
     }
@@ -327,5 +381,58 @@ mod tests {
         assert!(p > 0.0 && d > 0.0 && p.is_finite() && d.is_finite());
         let err = run(&[], &CpuBenchOptions::default(), |_, _, _| {});
         assert!(err.is_err());
+    }
+
+    #[test]
+    fn sizes_and_duplicates_are_refused_before_any_model_loads() {
+        // Not a model: reaching the loader would fail differently.
+        let dir = std::env::temp_dir().join(format!("sieve-cpu-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("m.gguf");
+        std::fs::write(&file, b"not a model").unwrap();
+        let link = dir.join("link.gguf");
+        let _ = std::fs::remove_file(&link);
+        std::fs::hard_link(&file, &link).unwrap();
+        let target = |path: &std::path::Path, f16_weights| BenchTarget {
+            path: path.to_path_buf(),
+            f16_weights,
+        };
+        // Issue 30: --prompt-tokens 18446744073709551615 built a 6.9 GB prompt first.
+        let huge = CpuBenchOptions {
+            prompt_tokens: usize::MAX,
+            decode_tokens: 4,
+            repeats: 1,
+        };
+        let err = run(&[target(&file, false)], &huge, |_, _, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("context") && err.contains("--prompt-tokens"),
+            "{err}"
+        );
+        // Issue 30: 100 copies of --model M loaded 100 models.
+        let copies: Vec<BenchTarget> = (0..100).map(|_| target(&file, false)).collect();
+        let err = run(&copies, &CpuBenchOptions::default(), |_, _, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("given twice"), "{err}");
+        let err = run(
+            &[target(&file, false), target(&link, false)],
+            &CpuBenchOptions::default(),
+            |_, _, _| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("given twice"), "{err}");
+        // The same file as f16 and as itself is two measurements: it reaches the loader.
+        let err = run(
+            &[target(&file, false), target(&file, true)],
+            &CpuBenchOptions::default(),
+            |_, _, _| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(!err.contains("given twice"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

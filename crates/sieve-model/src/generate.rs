@@ -278,6 +278,12 @@ pub fn check_threads(threads: usize) -> Result<()> {
 /// the pool and joined with sleeping/waking hand-offs (28% of decode CPU time in `perf`, see
 /// docs/BENCHMARKS.md); started from a worker, the caller works on the region itself.
 pub fn run_in_pool<R: Send>(threads: Option<usize>, work: impl FnOnce() -> R + Send) -> Result<R> {
+    Ok(thread_pool(threads)?.install(work))
+}
+
+/// The pool [`run_in_pool`] runs in, built (and `threads` checked) without running anything
+/// yet: a caller that must report start-up failures before it starts serving builds it first.
+pub fn thread_pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
     if let Some(n) = threads {
         check_threads(n)?;
     }
@@ -285,10 +291,9 @@ pub fn run_in_pool<R: Send>(threads: Option<usize>, work: impl FnOnce() -> R + S
     if let Some(n) = threads {
         builder = builder.num_threads(n);
     }
-    let pool = builder
+    builder
         .build()
-        .map_err(|e| ModelError::InvalidArgument(format!("thread pool: {e}")))?;
-    Ok(pool.install(work))
+        .map_err(|e| ModelError::InvalidArgument(format!("thread pool: {e}")))
 }
 
 /// Sizes rayon's global pool; call before any model work. Fails if the pool already exists.

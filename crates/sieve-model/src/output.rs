@@ -21,6 +21,49 @@ pub struct PendingOutput {
     tmp: PathBuf,
     file: Option<std::fs::File>,
     cleanup_slot: Option<usize>,
+    stale_removed: Vec<PathBuf>,
+}
+
+/// Removes `.NAME.PID.part` files in `dir` (this target's temporary files) whose process is
+/// gone, and returns them. A process is gone when `/proc/PID` does not exist while `/proc` is
+/// mounted; where that cannot be told (no `/proc`), nothing is removed. A live process with a
+/// reused PID keeps its file: it may be another sieve writing the same target.
+fn remove_stale_parts(dir: &Path, file_name: &std::ffi::OsStr) -> Vec<PathBuf> {
+    let proc = Path::new("/proc");
+    if !proc.join("self").exists() {
+        return Vec::new();
+    }
+    let mut prefix = String::from(".");
+    let Some(name) = file_name.to_str() else {
+        return Vec::new();
+    };
+    prefix.push_str(name);
+    prefix.push('.');
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let entry_name = entry.file_name();
+        let Some(pid) = entry_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.strip_suffix(".part"))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || proc.join(pid.to_string()).exists() {
+            continue;
+        }
+        // Only plain files, never through a symlink.
+        let path = entry.path();
+        let is_file = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_file());
+        if is_file && std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed
 }
 
 fn refuse(target: &Path, reason: impl Into<String>) -> ModelError {
@@ -99,6 +142,7 @@ impl PendingOutput {
                 ))
             }
         }
+        let stale_removed = remove_stale_parts(&dir, file_name);
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(file_name);
         tmp_name.push(format!(".{}.part", std::process::id()));
@@ -119,7 +163,14 @@ impl PendingOutput {
             tmp,
             file: Some(file),
             cleanup_slot,
+            stale_removed,
         })
+    }
+
+    /// Temporary files of this target left by processes that no longer run (a `kill -9`, a
+    /// power cut), removed when this output was created.
+    pub fn stale_removed(&self) -> &[PathBuf] {
+        &self.stale_removed
     }
 
     pub fn target(&self) -> &Path {
@@ -278,6 +329,51 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn part_files_of_dead_processes_are_removed_at_the_next_start() {
+        // Issue 30: `kill -9` during `sieve pack` left `.NAME.PID.part` behind for good.
+        let d = TempDir::new("stale");
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        dead.wait().unwrap();
+        let mut live = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let write = |name: String| {
+            std::fs::write(d.0.join(name), b"partial").unwrap();
+        };
+        write(format!(".out.sieve.{}.part", dead.id()));
+        write(format!(".out.sieve.{}.part", live.id()));
+        write(format!(".other.sieve.{}.part", dead.id()));
+        write(".out.sieve.notapid.part".into());
+        let target = d.0.join("out.sieve");
+        let out = PendingOutput::create(&target, &[]).unwrap();
+        assert_eq!(
+            out.stale_removed(),
+            &[d.0.join(format!(".out.sieve.{}.part", dead.id()))]
+        );
+        let left = entries(&d.0);
+        assert!(
+            left.contains(&format!(".out.sieve.{}.part", live.id())),
+            "{left:?}"
+        );
+        assert!(
+            left.contains(&format!(".other.sieve.{}.part", dead.id())),
+            "{left:?}"
+        );
+        assert!(
+            left.contains(&".out.sieve.notapid.part".to_string()),
+            "{left:?}"
+        );
+        assert!(
+            !left.contains(&format!(".out.sieve.{}.part", dead.id())),
+            "{left:?}"
+        );
+        drop(out);
+        let _ = live.kill();
+        let _ = live.wait();
     }
 
     #[test]

@@ -7,12 +7,32 @@ use sieve_formats::random::SplitMix64;
 
 use crate::error::{ModelError, Result};
 
+/// Temperatures below this decode greedily (on the CPU and the GPU sampler alike): at
+/// `T = 1e-6` a logit gap of 0.0001 already weighs `e^-100`, so the draw is the argmax in all
+/// but exact ties, and `1 / T` stays far from overflowing f32 (at `T = 1e-40` it is `inf`, and
+/// `0 * inf` is NaN). At and above it the CPU scales `(logit - max) / T` in f64 and the GPU
+/// `(logit - max) * (1 / T)` in f32, neither of which can overflow.
+pub const GREEDY_BELOW_TEMPERATURE: f32 = 1e-6;
+
+/// A `top_p` given in f64 (JSON, the command line) as the f32 the samplers take. A positive
+/// value below f32's smallest normal keeps only the most likely token, exactly as that
+/// smallest normal does, so it becomes that instead of rounding to 0 (which is refused).
+/// Anything else converts as is (NaN and out-of-range values stay refused by `validate`).
+pub fn top_p_from_f64(top_p: f64) -> f32 {
+    if top_p > 0.0 && top_p < f64::from(f32::MIN_POSITIVE) {
+        f32::MIN_POSITIVE
+    } else {
+        top_p as f32
+    }
+}
+
 /// How the next token is drawn. The neutral value of every filter switches it off:
-/// `temperature = 0` is greedy, `top_k = 0` keeps every token, `top_p = 1` keeps the whole
+/// `temperature = 0` (or below [`GREEDY_BELOW_TEMPERATURE`]) is greedy, `top_k = 0` keeps every token, `top_p = 1` keeps the whole
 /// distribution, `repetition_penalty = 1` leaves logits alone.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// Logits are divided by it before the softmax; 0 means argmax.
+    /// Logits are divided by it before the softmax; 0 (or anything below
+    /// [`GREEDY_BELOW_TEMPERATURE`]) means argmax.
     pub temperature: f32,
     /// Keep only the k most likely tokens (0 = no limit).
     pub top_k: usize,
@@ -64,8 +84,9 @@ impl SamplingParams {
         Ok(())
     }
 
+    /// Argmax decoding: a temperature below [`GREEDY_BELOW_TEMPERATURE`] or `top_k = 1`.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
+        self.temperature < GREEDY_BELOW_TEMPERATURE || self.top_k == 1
     }
 }
 
@@ -137,10 +158,16 @@ impl Sampler {
         };
         let adjusted = |id: usize, logit: f32| -> f32 {
             if penalized.contains(&(id as u32)) {
-                if logit > 0.0 {
+                let value = if logit > 0.0 {
                     logit / penalty
                 } else {
                     logit * penalty
+                };
+                // A tiny or huge penalty must not turn a finite logit into an infinity.
+                if logit.is_finite() {
+                    value.clamp(-f32::MAX, f32::MAX)
+                } else {
+                    value
                 }
             } else {
                 logit
@@ -161,13 +188,13 @@ impl Sampler {
                 .ok_or_else(|| ModelError::InvalidArgument("every logit is -inf".into()));
         }
 
-        let inverse_temperature = 1.0 / self.params.temperature;
+        // Candidates keep their (penalized) logits; dividing by T > 0 keeps the order.
         self.candidates.clear();
         self.candidates.extend(
             logits
                 .iter()
                 .enumerate()
-                .map(|(id, &l)| (adjusted(id, l) * inverse_temperature, id as u32))
+                .map(|(id, &l)| (adjusted(id, l), id as u32))
                 .filter(|(l, _)| *l > f32::NEG_INFINITY),
         );
         if self.candidates.is_empty() {
@@ -182,12 +209,16 @@ impl Sampler {
         }
         self.candidates.sort_unstable_by(by_likelihood);
 
+        // (l - max) / T in f64: the difference is finite and <= 0, and f64 holds its quotient
+        // by any accepted temperature (>= 1e-6), so the largest weight is exactly 1 and no
+        // weight is NaN.
         let max = f64::from(self.candidates[0].0);
+        let temperature = f64::from(self.params.temperature);
         self.probabilities.clear();
         self.probabilities.extend(
             self.candidates
                 .iter()
-                .map(|(l, _)| (f64::from(*l) - max).exp()),
+                .map(|(l, _)| ((f64::from(*l) - max) / temperature).exp()),
         );
         let total: f64 = self.probabilities.iter().sum();
 
@@ -416,6 +447,93 @@ mod tests {
             seed: 3
         })
         .is_ok());
+    }
+
+    #[test]
+    fn tiny_temperatures_draw_the_argmax_never_garbage() {
+        // Issue 30: 1 / 1e-40 is inf in f32 and 0 * inf is NaN, which drew arbitrary tokens.
+        let mut rng = SplitMix64::new(5);
+        let temperatures = [
+            f32::from_bits(1), // the smallest positive f32 (a subnormal)
+            1e-45,
+            1e-40,
+            1e-38,
+            f32::MIN_POSITIVE,
+            1e-30,
+            1e-7,
+            GREEDY_BELOW_TEMPERATURE * 0.5,
+            GREEDY_BELOW_TEMPERATURE,
+            1e-5,
+            1e-3,
+        ];
+        for &t in &temperatures {
+            assert!(
+                SamplingParams {
+                    temperature: t,
+                    ..SamplingParams::greedy()
+                }
+                .validate()
+                .is_ok(),
+                "{t} refused"
+            );
+            let mut greedy = sampler(0.0, 0, 1.0, 0);
+            for seed in 0..20 {
+                let mut s = sampler(t, 0, 1.0, seed);
+                let mut nucleus = sampler(t, 0, 1e-30, seed);
+                // Model-like logits: the best leads the second by at least 0.05.
+                let mut logits: Vec<f32> = (0..500).map(|_| rng.normal() as f32 * 4.0).collect();
+                let best = draw(&mut greedy, &logits) as usize;
+                logits[best] += 0.05;
+                assert_eq!(draw(&mut s, &logits) as usize, best, "T = {t:e}");
+                assert_eq!(draw(&mut nucleus, &logits) as usize, best, "T = {t:e}");
+            }
+        }
+        // Huge logits at a tiny temperature: still the argmax.
+        let mut s = sampler(GREEDY_BELOW_TEMPERATURE, 0, 1.0, 3);
+        assert_eq!(draw(&mut s, &[-f32::MAX, f32::MAX, 3.0e38, 0.0]), 1);
+        assert!(SamplingParams {
+            temperature: 1e-7,
+            ..SamplingParams::greedy()
+        }
+        .is_greedy());
+        assert!(!SamplingParams {
+            temperature: GREEDY_BELOW_TEMPERATURE,
+            ..SamplingParams::greedy()
+        }
+        .is_greedy());
+    }
+
+    #[test]
+    fn tiny_top_p_keeps_the_best_token_and_is_not_rounded_to_zero() {
+        for v in [1e-300, 1e-45, 1e-39] {
+            let top_p = top_p_from_f64(v);
+            assert!(top_p > 0.0, "{v}");
+            let mut s = sampler(1.0, 0, top_p, 9);
+            for _ in 0..100 {
+                assert_eq!(draw(&mut s, &[0.0, 2.0, 1.9]), 1);
+            }
+        }
+        assert_eq!(top_p_from_f64(0.5), 0.5);
+        assert_eq!(top_p_from_f64(0.0), 0.0);
+        assert!(top_p_from_f64(f64::NAN).is_nan());
+    }
+
+    #[test]
+    fn extreme_repetition_penalties_keep_logits_finite() {
+        for penalty in [1e-38f32, 1e38] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                repetition_penalty: penalty,
+                seed: 1,
+                ..SamplingParams::greedy()
+            })
+            .ok()
+            .unwrap_or_else(|| panic!("refused"));
+            for _ in 0..100 {
+                let id = s.sample(&[1e3, -1e3, 0.5], &[0, 1]);
+                assert!(matches!(id, Ok(0..=2)), "{penalty}: {id:?}");
+            }
+        }
     }
 
     #[test]

@@ -159,6 +159,9 @@ pub struct Tokenizer {
     /// True when token strings are GPT-2 byte-level text, so a token maps to exact bytes and
     /// the stream decoder can work byte by byte.
     byte_level: bool,
+    /// `inner` with special tokens encoded as plain text, built on first use
+    /// ([`Tokenizer::encode_literal`]).
+    literal: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -417,6 +420,7 @@ impl Tokenizer {
             chat_template,
             special_ids,
             byte_level,
+            literal: std::sync::OnceLock::new(),
         }
     }
 
@@ -439,6 +443,21 @@ impl Tokenizer {
         }
         ids.extend_from_slice(encoding.get_ids());
         Ok(ids)
+    }
+
+    /// Token ids for `text` taken literally: a special token's text written in it
+    /// (`<|im_start|>`) is encoded as ordinary characters, not as the special id. For text from
+    /// users placed inside a chat template, so that it cannot open or close turns. No BOS.
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>> {
+        let literal = self.literal.get_or_init(|| {
+            let mut plain = self.inner.clone();
+            plain.set_encode_special_tokens(true);
+            plain
+        });
+        let encoding = literal
+            .encode_fast(text, false)
+            .map_err(|e| tokenizer_error("encoding", e))?;
+        Ok(encoding.get_ids().to_vec())
     }
 
     /// Token ids of the UTF-8 text file `path`, read and tokenized in chunks, stopping as soon as

@@ -306,9 +306,23 @@ pub fn pattern_for_format(pattern: Option<&str>, sp: f64, format: &str) -> Resul
     Ok(chosen)
 }
 
-/// Refuses a pattern the named format cannot store: `balanced-cbc` needs `balanced:N:16`
-/// (groups of [`crate::pattern::BALANCED_GROUP`] outputs); every other format stores any mask.
+/// Refuses a pattern the named format cannot store, before any pruning: `balanced-cbc` needs
+/// `balanced:N:16` (groups of [`crate::pattern::BALANCED_GROUP`] outputs); `slide` needs a mask
+/// with at most 6 nonzeros in every aligned 8 inputs of a row (6:8, or an N:M whose groups tile
+/// 8 inputs within that, e.g. 2:4); every other format stores any mask.
 pub fn check_pattern_for_format(pattern: Pattern, format: &str) -> Result<()> {
+    if format.trim().eq_ignore_ascii_case("slide") {
+        let block = 2 * sieve_formats::slide::SlideOptions::default().n;
+        let kept = block - 2;
+        return match pattern.validate()? {
+            Pattern::NM { n, m } if block % m == 0 && n * (block / m) <= kept => Ok(()),
+            other => Err(PruneError::Option(format!(
+                "--format slide stores {kept}:{block} masks (at most {kept} nonzeros in every \
+                 {block} consecutive inputs of a row), which {other} does not guarantee: use \
+                 --pattern {kept}:{block} (or 2:4)"
+            ))),
+        };
+    }
     if !is_balanced_format(format) {
         return Ok(());
     }
@@ -1782,7 +1796,31 @@ mod tests {
             );
         }
         assert!(check_pattern_for_format(Pattern::Unstructured, "dense").is_ok());
-        assert!(check_pattern_for_format(b(8), "slide").is_ok());
+        // Slide: checked before pruning (issue 30: refused only after it).
+        for good in ["6:8", "2:4", "3:4", "1:2", "4:8"] {
+            let p = Pattern::parse_with_sp(good, 0.5).unwrap();
+            assert!(check_pattern_for_format(p, "slide").is_ok(), "{good}");
+        }
+        for bad in [
+            "unstructured",
+            "7:8",
+            "12:16",
+            "14:16",
+            "2:3",
+            "balanced:8:16",
+        ] {
+            let err = pattern_for_format(Some(bad), 0.5, "slide")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("--format slide") && err.contains("6:8"),
+                "{bad}: {err}"
+            );
+        }
+        let err = pattern_for_format(None, 0.5, "Slide")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--pattern 6:8"), "{err}");
     }
 
     #[test]

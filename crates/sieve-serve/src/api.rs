@@ -302,8 +302,70 @@ fn chat_messages(body: &Map<String, Value>) -> Result<Vec<(String, String)>, Api
         .collect()
 }
 
-/// Reads a request body. Unknown fields are ignored (clients send many optional ones); a
-/// known field of the wrong type or out of range is an error naming it.
+/// OpenAI request fields this server does not implement, each with the values that ask for
+/// nothing (absent and `null` always do). A request giving any other value is refused with a
+/// 400 naming the field, rather than answered as if the field had been honoured.
+pub const UNSUPPORTED_FIELDS: &[(&str, &str)] = &[
+    ("logprobs", "null or false"),
+    ("top_logprobs", "null or 0"),
+    ("echo", "null or false"),
+    ("best_of", "null or 1"),
+    ("suffix", "null or \"\""),
+    ("logit_bias", "null or {}"),
+    ("presence_penalty", "null or 0"),
+    ("frequency_penalty", "null or 0"),
+    ("tools", "null or []"),
+    ("tool_choice", "null or \"none\""),
+    ("functions", "null or []"),
+    ("function_call", "null or \"none\""),
+    ("response_format", "null or {\"type\": \"text\"}"),
+    ("modalities", "null or [\"text\"]"),
+    ("audio", "null"),
+    ("prediction", "null"),
+];
+
+/// Whether `value` of the unsupported field `name` asks for nothing.
+fn asks_for_nothing(name: &str, value: &Value) -> bool {
+    let zero = || value.as_f64() == Some(0.0);
+    match (name, value) {
+        (_, Value::Null) => true,
+        ("logprobs" | "echo", Value::Bool(false)) => true,
+        ("top_logprobs" | "presence_penalty" | "frequency_penalty", Value::Number(_)) => zero(),
+        ("best_of", Value::Number(n)) => n.as_f64() == Some(1.0),
+        ("suffix", Value::String(s)) => s.is_empty(),
+        ("logit_bias", Value::Object(o)) => o.is_empty(),
+        ("tools" | "functions", Value::Array(a)) => a.is_empty(),
+        ("tool_choice" | "function_call", Value::String(s)) => s == "none",
+        ("response_format", Value::Object(o)) => {
+            o.get("type").and_then(Value::as_str) == Some("text") && o.len() == 1
+        }
+        ("modalities", Value::Array(a)) => a.iter().all(|m| m.as_str() == Some("text")),
+        _ => false,
+    }
+}
+
+fn refuse_unsupported(body: &Map<String, Value>) -> Result<(), ApiError> {
+    for &(name, neutral) in UNSUPPORTED_FIELDS {
+        if let Some(value) = body.get(name) {
+            if !asks_for_nothing(name, value) {
+                return Err(ApiError::invalid(
+                    format!(
+                        "'{name}' is not supported by this server (accepted only as {neutral}), \
+                         got {value}"
+                    ),
+                    Some(name),
+                )
+                .with_code("unsupported_parameter"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a request body. Unknown fields are ignored (clients send many optional ones, e.g.
+/// `user`); the OpenAI fields the server does not implement ([`UNSUPPORTED_FIELDS`]) are
+/// refused unless they ask for nothing; a known field of the wrong type or out of range is an
+/// error naming it.
 pub fn parse_request(endpoint: Endpoint, bytes: &[u8]) -> Result<GenerationRequest, ApiError> {
     let value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
@@ -313,6 +375,7 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8]) -> Result<GenerationReque
             None,
         ));
     };
+    refuse_unsupported(&body)?;
     let input = match endpoint {
         Endpoint::Completions => PromptInput::Text(completion_prompt(&body)?),
         Endpoint::ChatCompletions => PromptInput::Chat(chat_messages(&body)?),
@@ -362,7 +425,7 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8]) -> Result<GenerationReque
         input,
         max_tokens: max_tokens.map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
         temperature: temperature as f32,
-        top_p: top_p as f32,
+        top_p: sieve_model::sampling::top_p_from_f64(top_p),
         stop: stop_strings(&body)?,
         seed: opt_unsigned(&body, "seed")?,
         stream: opt_bool(&body, "stream")?.unwrap_or(false),
@@ -629,6 +692,55 @@ mod tests {
             assert!(e.message.contains(needle), "{body}: {}", e.message);
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
         }
+    }
+
+    #[test]
+    fn unsupported_openai_fields_are_refused_by_name_unless_neutral() {
+        let refused = [
+            ("logprobs", "true"),
+            ("logprobs", "5"),
+            ("top_logprobs", "2"),
+            ("echo", "true"),
+            ("best_of", "3"),
+            ("suffix", "\"end\""),
+            ("logit_bias", "{\"50256\": -100}"),
+            ("presence_penalty", "0.5"),
+            ("frequency_penalty", "-1"),
+            ("tools", "[{\"type\": \"function\"}]"),
+            ("tool_choice", "\"auto\""),
+            ("functions", "[{}]"),
+            ("function_call", "\"auto\""),
+            ("response_format", "{\"type\": \"json_object\"}"),
+            ("modalities", "[\"audio\"]"),
+            ("audio", "{}"),
+        ];
+        for endpoint in [Endpoint::Completions, Endpoint::ChatCompletions] {
+            let base = match endpoint {
+                Endpoint::Completions => r#""prompt": "a""#,
+                Endpoint::ChatCompletions => r#""messages": [{"role": "user", "content": "a"}]"#,
+            };
+            for (field, value) in refused {
+                let body = format!("{{{base}, \"{field}\": {value}}}");
+                let e = parse(endpoint, &body).unwrap_err();
+                assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+                assert_eq!(e.param.as_deref(), Some(field), "{body}");
+                assert!(e.message.contains(field), "{}", e.message);
+            }
+            let neutral = format!(
+                "{{{base}, \"logprobs\": null, \"echo\": false, \"best_of\": 1, \
+                 \"suffix\": null, \"logit_bias\": {{}}, \"presence_penalty\": 0, \
+                 \"frequency_penalty\": 0.0, \"tools\": [], \"tool_choice\": \"none\", \
+                 \"response_format\": {{\"type\": \"text\"}}, \"top_logprobs\": 0, \
+                 \"user\": \"someone\"}}"
+            );
+            assert!(parse(endpoint, &neutral).is_ok(), "{neutral}");
+        }
+    }
+
+    #[test]
+    fn a_tiny_top_p_is_not_reported_as_zero() {
+        let r = parse(Endpoint::Completions, r#"{"prompt": "a", "top_p": 1e-300}"#).unwrap();
+        assert!(r.top_p > 0.0);
     }
 
     #[test]

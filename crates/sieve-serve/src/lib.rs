@@ -7,18 +7,22 @@
 //! | [`scheduler`] | the bounded queue and the continuous-batching loop that owns the engine |
 //! | [`metrics`] | counters, gauges and histograms in the Prometheus text format |
 //! | [`server`] | axum routes, API key, limits, SSE streaming |
+//! | [`connections`] | the accept loop: connection cap, header/idle and write timeouts |
 //!
 //! Threads: one scheduler thread (inside a rayon pool, which the model's products use) owns
 //! the engine; a small tokio runtime runs HTTP. They meet in the [`scheduler::Queue`] (jobs in)
 //! and one unbounded channel per request (events out), so HTTP never waits on the model.
+//! Start-up fails (with the message) if the scheduler cannot start; if it stops later, `/health`
+//! answers 503, queued requests fail, and the server shuts down with the scheduler's error.
 
 pub mod api;
+pub mod connections;
 pub mod engine;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -27,6 +31,7 @@ use std::time::Duration;
 use sieve_model::tokenizer::Tokenizer;
 use thiserror::Error;
 
+use crate::connections::{ConnectionLimits, Connections};
 use crate::engine::{CpuEngine, DecodeEngine};
 use crate::metrics::Metrics;
 use crate::scheduler::Queue;
@@ -73,6 +78,15 @@ pub struct ServeConfig {
     pub threads: Option<usize>,
     /// After a shutdown signal, how long in-flight requests may take to finish.
     pub drain_timeout: Duration,
+    /// Connections served at once (lowered to stay below the open-file limit); beyond it new
+    /// connections get 503.
+    pub max_connections: usize,
+    /// Time to receive a request's headers; also how long an idle keep-alive connection stays.
+    pub header_timeout: Duration,
+    /// Time to receive a request's whole body once its headers are in.
+    pub body_timeout: Duration,
+    /// Longest a response write may make no progress (a client that stopped reading).
+    pub write_timeout: Duration,
 }
 
 impl Default for ServeConfig {
@@ -89,6 +103,10 @@ impl Default for ServeConfig {
             body_limit: 1 << 20,
             threads: None,
             drain_timeout: Duration::from_secs(30),
+            max_connections: 512,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -111,11 +129,25 @@ impl ServeConfig {
         if self.body_limit < 64 {
             return bad("--body-limit must be at least 64 bytes");
         }
-        if self.threads == Some(0) {
-            return bad("--threads must be at least 1");
+        if let Some(threads) = self.threads {
+            sieve_model::generate::check_threads(threads)
+                .map_err(|e| ServeError::Config(e.to_string()))?;
         }
         if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
-            return bad("the API key is empty");
+            return bad(
+                "the API key (--api-key or SIEVE_API_KEY) is empty or blank; give a key, or \
+                 leave both unset to serve without one",
+            );
+        }
+        connections::connection_cap(self.max_connections, None).map_err(ServeError::Config)?;
+        for (name, value) in [
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+            ("--write-timeout", self.write_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ServeError::Config(format!("{name} must be positive")));
+            }
         }
         Ok(())
     }
@@ -147,6 +179,7 @@ pub fn load_cpu_engine(path: &Path, config: &ServeConfig) -> Result<(CpuEngine, 
 pub struct Server {
     addr: SocketAddr,
     metrics: Arc<Metrics>,
+    limits: ConnectionLimits,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     http: Option<std::thread::JoinHandle<Result<()>>>,
 }
@@ -169,6 +202,11 @@ impl Server {
     }
 
     /// [`Server::start`], draining when `shutdown` completes (e.g. on SIGTERM).
+    ///
+    /// Start-up order: settings checked; the scheduler thread builds its thread pool and
+    /// reports back (a failure there, e.g. a pool that cannot be built, is this function's
+    /// error and nothing listens); the open-file limit is raised and the connection cap set
+    /// below it; then the port is bound.
     pub fn start_with_shutdown(
         mut engine: Box<dyn DecodeEngine>,
         tokenizer: Tokenizer,
@@ -176,25 +214,84 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<Self> {
         config.validate()?;
-        let listener =
-            std::net::TcpListener::bind((config.host.as_str(), config.port)).map_err(|source| {
-                ServeError::Bind {
-                    addr: format!("{}:{}", config.host, config.port),
-                    source,
-                }
-            })?;
-        let addr = listener.local_addr().map_err(|source| ServeError::Bind {
-            addr: format!("{}:{}", config.host, config.port),
-            source,
-        })?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| ServeError::Runtime(format!("listener: {e}")))?;
+        let max_connections = connections::connection_cap(
+            config.max_connections,
+            connections::raise_open_file_limit(),
+        )
+        .map_err(ServeError::Config)?;
+        let limits = ConnectionLimits {
+            max_connections,
+            header_timeout: config.header_timeout,
+            write_timeout: config.write_timeout,
+        };
 
         let metrics = Arc::new(Metrics::new());
         let queue = Arc::new(Queue::new(config.queue_capacity, metrics.clone()));
         let tokenizer = Arc::new(tokenizer);
         let context = engine.slot_capacity();
+        metrics
+            .slots_total
+            .store(engine.slots() as u64, std::sync::atomic::Ordering::Relaxed);
+
+        // The scheduler starts first and says whether it could; its end (normal or not) is
+        // seen by the HTTP side through `exited`.
+        let threads = config.threads;
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+        let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
+        let scheduler = {
+            let (queue, metrics, tokenizer) = (queue.clone(), metrics.clone(), tokenizer.clone());
+            std::thread::Builder::new()
+                .name("sieve-scheduler".into())
+                .spawn(move || -> sieve_model::Result<()> {
+                    let _exited = exited_tx;
+                    let pool = match sieve_model::generate::thread_pool(threads) {
+                        Ok(pool) => pool,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.to_string()));
+                            return Err(e);
+                        }
+                    };
+                    let _life = scheduler::SchedulerLife::start(&queue);
+                    let _ = ready_tx.send(Ok(()));
+                    pool.install(|| scheduler::run(engine.as_mut(), &tokenizer, &queue, &metrics));
+                    Ok(())
+                })
+                .map_err(|e| ServeError::Runtime(format!("scheduler thread: {e}")))?
+        };
+        let stop_scheduler = |scheduler: std::thread::JoinHandle<_>| {
+            queue.close();
+            let _ = scheduler.join();
+        };
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(message)) => {
+                stop_scheduler(scheduler);
+                return Err(ServeError::Runtime(format!(
+                    "the scheduler could not start: {message}"
+                )));
+            }
+            Err(_) => {
+                stop_scheduler(scheduler);
+                return Err(ServeError::Runtime(
+                    "the scheduler thread ended during start-up".into(),
+                ));
+            }
+        }
+
+        let bound = std::net::TcpListener::bind((config.host.as_str(), config.port))
+            .and_then(|l| l.local_addr().map(|a| (l, a)))
+            .and_then(|(l, a)| l.set_nonblocking(true).map(|()| (l, a)));
+        let (listener, addr) = match bound {
+            Ok(bound) => bound,
+            Err(source) => {
+                stop_scheduler(scheduler);
+                return Err(ServeError::Bind {
+                    addr: format!("{}:{}", config.host, config.port),
+                    source,
+                });
+            }
+        };
+
         let state = Arc::new(AppState::new(
             queue.clone(),
             metrics.clone(),
@@ -203,24 +300,12 @@ impl Server {
             config.api_key.clone(),
             context,
             config.max_tokens_cap,
+            config.body_limit,
+            config.body_timeout,
         ));
-        metrics
-            .slots_total
-            .store(engine.slots() as u64, std::sync::atomic::Ordering::Relaxed);
-
-        let threads = config.threads;
-        let scheduler = {
-            let (queue, metrics, tokenizer) = (queue.clone(), metrics.clone(), tokenizer.clone());
-            std::thread::Builder::new()
-                .name("sieve-scheduler".into())
-                .spawn(move || {
-                    scheduler::run_in_pool(engine.as_mut(), &tokenizer, &queue, &metrics, threads)
-                })
-                .map_err(|e| ServeError::Runtime(format!("scheduler thread: {e}")))?
-        };
-
         let app = server::router(state, config.body_limit);
         let drain_timeout = config.drain_timeout;
+        let http_metrics = metrics.clone();
         let http = std::thread::Builder::new()
             .name("sieve-http".into())
             .spawn(move || -> Result<()> {
@@ -230,11 +315,14 @@ impl Server {
                     .build()
                     .map_err(|e| ServeError::Runtime(format!("tokio runtime: {e}")))
                     .and_then(|runtime| {
+                        let connections = Connections::new(limits, http_metrics);
                         runtime.block_on(serve(
                             listener,
                             app,
                             queue.clone(),
+                            connections,
                             shutdown,
+                            exited_rx,
                             drain_timeout,
                         ))
                     });
@@ -242,7 +330,10 @@ impl Server {
                 queue.close();
                 let scheduled = match scheduler.join() {
                     Ok(result) => result.map_err(ServeError::from),
-                    Err(_) => Err(ServeError::Runtime("the scheduler thread panicked".into())),
+                    Err(panic) => Err(ServeError::Runtime(format!(
+                        "the scheduler thread panicked: {}",
+                        panic_message(panic.as_ref())
+                    ))),
                 };
                 served.and(scheduled)
             })
@@ -250,6 +341,7 @@ impl Server {
         Ok(Self {
             addr,
             metrics,
+            limits,
             stop: None,
             http: Some(http),
         })
@@ -263,6 +355,12 @@ impl Server {
         &self.metrics
     }
 
+    /// The connection limits in force (`max_connections` already lowered below the open-file
+    /// limit).
+    pub fn limits(&self) -> ConnectionLimits {
+        self.limits
+    }
+
     /// Stops accepting, lets in-flight requests finish (within the drain timeout), and waits.
     pub fn shutdown(mut self) -> Result<()> {
         if let Some(stop) = self.stop.take() {
@@ -271,7 +369,8 @@ impl Server {
         self.wait()
     }
 
-    /// Waits until the server has stopped (after its shutdown future completed).
+    /// Waits until the server has stopped (after its shutdown future completed, or after the
+    /// scheduler stopped on its own: then its error).
     pub fn wait(mut self) -> Result<()> {
         match self.http.take().map(std::thread::JoinHandle::join) {
             Some(Ok(result)) => result,
@@ -292,56 +391,48 @@ impl Drop for Server {
     }
 }
 
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// Serves until `shutdown` completes or the scheduler exits, then drains: the queue is closed
+/// (new generation requests get 503), connections finish their request in flight, and after
+/// `drain_timeout` what is left is failed.
 async fn serve(
     listener: std::net::TcpListener,
     app: axum::Router,
     queue: Arc<Queue>,
+    connections: Connections,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    scheduler_exited: tokio::sync::oneshot::Receiver<()>,
     drain_timeout: Duration,
 ) -> Result<()> {
     let listener = tokio::net::TcpListener::from_std(listener)
         .map_err(|e| ServeError::Runtime(format!("listener: {e}")))?;
-    let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
-    let closing = queue.clone();
-    let graceful = async move {
-        shutdown.await;
-        // New generation requests get 503 from now on; queued and running ones finish.
-        closing.close();
-        let _ = draining_tx.send(());
-    };
-    let mut server = tokio::spawn(
-        axum::serve(listener, app)
-            .with_graceful_shutdown(graceful)
-            .into_future(),
-    );
-    let finished = tokio::select! {
-        result = &mut server => Some(result),
-        _ = draining_rx => None,
-    };
-    let result = match finished {
-        Some(result) => result,
-        None => match tokio::time::timeout(drain_timeout, &mut server).await {
-            Ok(result) => result,
-            Err(_) => {
-                // Out of time: fail what is left so its connections end, then stop.
-                queue.abort();
-                match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
-                    Ok(result) => result,
-                    Err(_) => {
-                        server.abort();
-                        return Ok(());
-                    }
-                }
-            }
-        },
-    };
+    tokio::select! {
+        () = connections.accept_loop(&listener, &app) => {}
+        () = shutdown => {}
+        _ = scheduler_exited => {}
+    }
+    drop(listener);
+    // New generation requests get 503 from now on; queued and running ones finish.
+    queue.close();
+    connections.shutdown();
+    if tokio::time::timeout(drain_timeout, connections.closed())
+        .await
+        .is_err()
+    {
+        // Out of time: fail what is left so its connections end, then stop.
+        queue.abort();
+        let _ = tokio::time::timeout(Duration::from_secs(5), connections.closed()).await;
+    }
     // The scheduler exits once the queue is closed and empty.
     queue.close();
-    match result {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(ServeError::Runtime(format!("server: {e}"))),
-        Err(e) => Err(ServeError::Runtime(format!("server task: {e}"))),
-    }
+    Ok(())
 }
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT).

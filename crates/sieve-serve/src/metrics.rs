@@ -88,6 +88,14 @@ pub struct Metrics {
     pub decode_steps: AtomicU64,
     /// Largest decode batch seen.
     pub max_batch: AtomicU64,
+    /// 1 while the scheduler thread runs, 0 before it started and after it stopped.
+    pub scheduler_up: AtomicU64,
+    /// TCP connections being served.
+    pub connections_open: AtomicU64,
+    /// Connections answered 503 and closed because `max_connections` were open.
+    pub connections_rejected: AtomicU64,
+    /// Connections ended by the header/idle or body timeout.
+    pub timeouts: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
     pub latency: Histogram,
@@ -115,6 +123,10 @@ impl Metrics {
             queue_depth: AtomicU64::new(0),
             decode_steps: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
+            scheduler_up: AtomicU64::new(0),
+            connections_open: AtomicU64::new(0),
+            connections_rejected: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
             ttft: Histogram::new(SECONDS),
             tpot: Histogram::new(SECONDS),
             latency: Histogram::new(SECONDS),
@@ -224,6 +236,30 @@ impl Metrics {
             "sieve_kv_slots_total",
             "KV cache slots in the pool.",
             &self.slots_total,
+        );
+        gauge(
+            &mut out,
+            "sieve_scheduler_up",
+            "1 while the scheduler (the model loop) runs.",
+            &self.scheduler_up,
+        );
+        gauge(
+            &mut out,
+            "sieve_connections_open",
+            "TCP connections being served.",
+            &self.connections_open,
+        );
+        counter(
+            &mut out,
+            "sieve_connections_rejected_total",
+            "Connections answered 503 because the connection limit was reached.",
+            &self.connections_rejected,
+        );
+        counter(
+            &mut out,
+            "sieve_timeouts_total",
+            "Requests or connections ended by the header, idle or body timeout.",
+            &self.timeouts,
         );
         gauge(
             &mut out,

@@ -5,7 +5,7 @@
 //! slot at once; waiting requests sit in a bounded [`Queue`].
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -53,7 +53,10 @@ struct QueueState {
     closed: bool,
 }
 
-/// The bounded queue between the HTTP handlers and the scheduler.
+/// The bounded queue between the HTTP handlers and the scheduler. Admission counts free cache
+/// slots too: a job is refused only when the jobs already waiting fill every free slot and the
+/// queue's own `capacity` beyond them, so a burst no larger than the pool is never refused
+/// while slots are free.
 pub struct Queue {
     state: Mutex<QueueState>,
     ready: Condvar,
@@ -61,6 +64,10 @@ pub struct Queue {
     metrics: Arc<Metrics>,
     /// Set when draining ran out of time: running sequences are failed and the loop exits.
     abort: AtomicBool,
+    /// Cache slots not held by a running sequence (published by the scheduler).
+    free_slots: AtomicUsize,
+    /// True while the scheduler thread runs ([`SchedulerLife`]).
+    alive: AtomicBool,
 }
 
 impl Queue {
@@ -71,7 +78,19 @@ impl Queue {
             capacity,
             metrics,
             abort: AtomicBool::new(false),
+            free_slots: AtomicUsize::new(0),
+            alive: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the scheduler thread is running (false before it started and after it ended,
+    /// normally or not).
+    pub fn scheduler_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    fn set_free_slots(&self, free: usize) {
+        self.free_slots.store(free, Ordering::Relaxed);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
@@ -84,7 +103,8 @@ impl Queue {
         if s.closed {
             return Err(Rejected::ShuttingDown);
         }
-        if s.jobs.len() >= self.capacity {
+        let free = self.free_slots.load(Ordering::Relaxed);
+        if s.jobs.len() >= self.capacity.saturating_add(free) {
             return Err(Rejected::Full);
         }
         s.jobs.push_back(job);
@@ -149,6 +169,37 @@ impl Queue {
     }
 }
 
+/// Marks the scheduler alive for as long as it lives. Dropped when the scheduler thread ends
+/// for any reason (its loop returned, a panic unwound it): the queue is closed, jobs still
+/// queued are failed with a message, and `/health` reports it, so no request waits for a
+/// scheduler that is gone.
+pub struct SchedulerLife<'q> {
+    queue: &'q Queue,
+}
+
+impl<'q> SchedulerLife<'q> {
+    pub fn start(queue: &'q Queue) -> Self {
+        queue.alive.store(true, Ordering::SeqCst);
+        queue.metrics.scheduler_up.store(1, Ordering::Relaxed);
+        Self { queue }
+    }
+}
+
+impl Drop for SchedulerLife<'_> {
+    fn drop(&mut self) {
+        let queue = self.queue;
+        queue.alive.store(false, Ordering::SeqCst);
+        queue.metrics.scheduler_up.store(0, Ordering::Relaxed);
+        queue.set_free_slots(0);
+        queue.close();
+        for job in queue.drain() {
+            let _ = job.events.send(Event::Failed(
+                "the server's model scheduler stopped before this started".into(),
+            ));
+        }
+    }
+}
+
 /// Prompt tokens admitted per scheduler step beyond the first prompt: bounds how long one
 /// step's prefills hold up the running sequences' next token.
 pub const PREFILL_BUDGET: usize = 256;
@@ -180,7 +231,9 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
         metrics
             .slots_in_use
             .store(running.len() as u64, Ordering::Relaxed);
+        queue.set_free_slots(slots.saturating_sub(running.len()));
     };
+    publish(&running);
     loop {
         if queue.aborted() {
             for r in running.drain(..) {

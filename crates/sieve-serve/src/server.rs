@@ -4,16 +4,16 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::StreamExt;
 use serde_json::{json, Value};
 use sieve_model::chat::{render_chat, ChatMessage};
 use sieve_model::generate::GenerateOptions;
@@ -38,11 +38,16 @@ pub struct AppState {
     /// Positions per cache slot: prompt and generated tokens together.
     pub context: usize,
     pub max_tokens_cap: usize,
+    /// Largest request body, bytes.
+    pub body_limit: usize,
+    /// Time to receive a request's whole body.
+    pub body_timeout: Duration,
     pub created: u64,
     next_id: AtomicU64,
 }
 
 impl AppState {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         queue: Arc<Queue>,
         metrics: Arc<Metrics>,
@@ -51,6 +56,8 @@ impl AppState {
         api_key: Option<String>,
         context: usize,
         max_tokens_cap: usize,
+        body_limit: usize,
+        body_timeout: Duration,
     ) -> Self {
         Self {
             queue,
@@ -60,6 +67,8 @@ impl AppState {
             api_key,
             context,
             max_tokens_cap,
+            body_limit,
+            body_timeout,
             created: unix_now(),
             next_id: AtomicU64::new(1),
         }
@@ -104,6 +113,10 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(middleware::from_fn_with_state(
             state.clone(),
+            refuse_oversize_bodies,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
             count_requests,
         ))
         .with_state(state)
@@ -138,6 +151,53 @@ async fn count_requests(
     response
 }
 
+/// A body the request itself declares too large (`Content-Length`) is refused before any of
+/// it is read: at once, and without the `100 Continue` that reading would send to a client
+/// that asked with `Expect: 100-continue`.
+async fn refuse_oversize_bodies(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(length) = declared {
+        if length > state.body_limit as u64 {
+            return too_large(length, state.body_limit);
+        }
+    }
+    next.run(request).await
+}
+
+fn too_large(length: u64, limit: usize) -> Response {
+    let mut response = ApiError::invalid(
+        format!("the request body is {length} bytes; this server accepts at most {limit}"),
+        None,
+    )
+    .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+    .with_code("request_too_large")
+    .into_response();
+    // The body was not read: the connection cannot carry another request.
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// The credentials of an `Authorization: Bearer KEY` header: the scheme is matched without
+/// regard to case (RFC 7235), the key is what follows the spaces after it.
+fn bearer_credentials(value: &str) -> Option<&str> {
+    let value = value.trim_start();
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || !rest.starts_with([' ', '\t']) {
+        return None;
+    }
+    Some(rest.trim())
+}
+
 async fn require_api_key(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -148,13 +208,13 @@ async fn require_api_key(
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(bearer_credentials);
         match given {
             None => {
                 return ApiError::unauthorized("missing API key: send 'Authorization: Bearer KEY'")
                     .into_response()
             }
-            Some(k) if !constant_time_eq(k.trim().as_bytes(), key.as_bytes()) => {
+            Some(k) if !constant_time_eq(k.as_bytes(), key.as_bytes()) => {
                 return ApiError::unauthorized("incorrect API key").into_response()
             }
             Some(_) => {}
@@ -177,7 +237,13 @@ async fn index() -> Response {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    if state.queue.is_closed() {
+    if !state.queue.scheduler_alive() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "scheduler stopped"})),
+        )
+            .into_response()
+    } else if state.queue.is_closed() {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "draining"})),
@@ -237,18 +303,61 @@ async fn not_found(request: Request) -> Response {
     .into_response()
 }
 
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    generate(state, Endpoint::Completions, body).await
+async fn completions(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    match read_body(&state, request.into_body()).await {
+        Ok(body) => generate(state, Endpoint::Completions, &body).await,
+        Err(response) => response,
+    }
 }
 
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    generate(state, Endpoint::ChatCompletions, body).await
+async fn chat_completions(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    match read_body(&state, request.into_body()).await {
+        Ok(body) => generate(state, Endpoint::ChatCompletions, &body).await,
+        Err(response) => response,
+    }
+}
+
+/// Reads a request body of at most `body_limit` bytes within `body_timeout`: 413 beyond the
+/// size (chunked bodies, whose size is not declared), 408 when it does not arrive in time, 400
+/// when the framing is broken or the client goes away.
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
+    let limit = state.body_limit;
+    let read = async {
+        let mut chunks = body.into_data_stream();
+        let mut bytes: Vec<u8> = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::invalid(format!("could not read the request body: {e}"), None)
+                    .into_response()
+            })?;
+            if bytes.len().saturating_add(chunk.len()) > limit {
+                let seen = bytes.len().saturating_add(chunk.len()) as u64;
+                return Err(too_large(seen, limit));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(bytes))
+    };
+    match tokio::time::timeout(state.body_timeout, read).await {
+        Ok(result) => result,
+        Err(_) => {
+            state.metrics.timeouts.fetch_add(1, Ordering::Relaxed);
+            let mut response = ApiError::invalid(
+                format!(
+                    "the request body did not arrive within {} s",
+                    state.body_timeout.as_secs_f64()
+                ),
+                None,
+            )
+            .with_status(StatusCode::REQUEST_TIMEOUT)
+            .with_code("request_timeout")
+            .into_response();
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            Err(response)
+        }
+    }
 }
 
 /// A request checked and turned into prompt tokens and generation options.
@@ -259,21 +368,8 @@ struct Prepared {
     include_usage: bool,
 }
 
-fn prepare(
-    state: &AppState,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Prepared, ApiError> {
-    let bytes = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::invalid(format!("the request body is too large: {e}"), None)
-                .with_status(StatusCode::PAYLOAD_TOO_LARGE)
-                .with_code("request_too_large")
-        } else {
-            ApiError::invalid(format!("could not read the request body: {e}"), None)
-        }
-    })?;
-    let request: GenerationRequest = api::parse_request(endpoint, &bytes)?;
+fn prepare(state: &AppState, endpoint: Endpoint, bytes: &[u8]) -> Result<Prepared, ApiError> {
+    let request: GenerationRequest = api::parse_request(endpoint, bytes)?;
     if let Some(name) = &request.model {
         if name != &state.model_name {
             return Err(unknown_model(state, name));
@@ -287,8 +383,10 @@ fn prepare(
                 .iter()
                 .map(|(role, content)| ChatMessage::new(role.clone(), content.clone()))
                 .collect();
+            // Message content is text: a "<|im_start|>" a user writes stays characters, so
+            // only the template's own markers are special tokens (no forged turns).
             render_chat(tokenizer.chat_template(), &messages, true)
-                .and_then(|rendered| tokenizer.encode(&rendered.text, false))
+                .and_then(|rendered| rendered.encode(tokenizer))
         }
     }
     .map_err(|e| ApiError::invalid(format!("could not tokenize the prompt: {e}"), None))?;
@@ -363,11 +461,7 @@ fn prepare(
     })
 }
 
-async fn generate(
-    state: Arc<AppState>,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn generate(state: Arc<AppState>, endpoint: Endpoint, body: &[u8]) -> Response {
     let prepared = match prepare(&state, endpoint, body) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -388,6 +482,17 @@ async fn generate(
                 .fetch_add(1, Ordering::Relaxed);
             return ApiError::overloaded("the server is at capacity; retry shortly", 1)
                 .into_response();
+        }
+        Err(Rejected::ShuttingDown) if !state.queue.scheduler_alive() => {
+            state
+                .metrics
+                .rejected_shutdown
+                .fetch_add(1, Ordering::Relaxed);
+            return ApiError::overloaded(
+                "the server's model scheduler has stopped; the server is shutting down",
+                5,
+            )
+            .into_response();
         }
         Err(Rejected::ShuttingDown) => {
             state

@@ -85,6 +85,33 @@ pub fn grid(cfg: &KernelConfig, m: usize, k: usize) -> (usize, usize) {
     (k.div_ceil(cfg.cols_per_block), m.div_ceil(cfg.block_rows))
 }
 
+/// Most thread blocks a simulated grid may have: the grid of a 65536 x 65536 product under the
+/// measured configuration (64 columns x 1024 rows per block), of which the busiest SM's 1/132
+/// (at most 497 blocks) is built and run. The weight count alone does not bound the work: a
+/// 1 x 10^9 shape has 10^9 weights but 15.6 million one-row blocks (it grew to 7.6 GB).
+pub const MAX_GRID_BLOCKS: usize = 1 << 16;
+
+/// Checks the grid of an `m x k` product before anything is allocated for it.
+pub fn check_grid(cfg: &KernelConfig, m: usize, k: usize) -> Result<()> {
+    cfg.validate()?;
+    if m == 0 || k == 0 {
+        return Err(SimError::Option(format!(
+            "shape {m}x{k} has a zero dimension"
+        )));
+    }
+    let (gx, gy) = grid(cfg, m, k);
+    let blocks = gx.checked_mul(gy).unwrap_or(usize::MAX);
+    if blocks > MAX_GRID_BLOCKS {
+        return Err(SimError::Option(format!(
+            "shape {m}x{k} needs a grid of {gx} x {gy} = {blocks} thread blocks ({} columns x \
+             {} rows each); the simulator runs at most {MAX_GRID_BLOCKS} (e.g. 65536x65536, \
+             4096x1048576)",
+            cfg.cols_per_block, cfg.block_rows
+        )));
+    }
+    Ok(())
+}
+
 fn mix(seed: u64, a: u64) -> u64 {
     let mut z = seed ^ a.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -102,6 +129,7 @@ pub fn simulate(
     point.validate()?;
     cfg.validate()?;
     feat.validate()?;
+    check_grid(cfg, point.m, point.k)?;
     let (gx, gy) = grid(cfg, point.m, point.k);
     let nblocks = gx * gy;
     let sm_blocks: Vec<usize> = (0..nblocks).step_by(gpu.sms).collect();
@@ -179,6 +207,38 @@ mod tests {
         assert!(p(5, 5, f64::NAN, 0.5).validate().is_err());
         assert!(p(1 << 20, 1 << 20, 0.5, 0.5).validate().is_err());
         assert!(p(28672, 8192, 0.5, 0.5).validate().is_ok());
+    }
+
+    #[test]
+    fn grids_too_large_to_simulate_are_refused_before_any_allocation() {
+        let cfg = KernelConfig::measured();
+        let point = |m, k| Point {
+            m,
+            k,
+            sp: 0.5,
+            dp: 0.5,
+        };
+        // Issue 30: 1x1000000000 has fewer than 2^32 weights but grew to 7.6 GB.
+        for (m, k) in [(1, 1_000_000_000), (1_000_000_000, 1), (1, 1 << 23)] {
+            let started = std::time::Instant::now();
+            let err = simulate(
+                point(m, k),
+                &cfg,
+                &Features::baseline(),
+                &CostModel::h200(),
+                &GpuSpec::h200(),
+                1,
+            )
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+            assert!(err.contains("thread blocks"), "{m}x{k}: {err}");
+            assert!(started.elapsed().as_secs_f64() < 1.0);
+        }
+        for (m, k) in [(65536, 65536), (4096, 1 << 20), (1, 1 << 22), (28672, 8192)] {
+            assert!(check_grid(&cfg, m, k).is_ok(), "{m}x{k}");
+        }
+        assert!(check_grid(&cfg, 0, 5).is_err());
     }
 
     #[test]

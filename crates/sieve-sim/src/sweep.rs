@@ -99,6 +99,10 @@ pub fn run_sweep(options: &SweepOptions, on_point: &mut dyn FnMut(&SweepPoint)) 
     let is_measured_config =
         options.config == KernelConfig::measured() && features == Features::baseline();
 
+    // Every shape's grid is checked before anything is simulated or allocated.
+    for &(m, k) in &options.shapes {
+        crate::sim::check_grid(&options.config, m, k)?;
+    }
     let mut results = Vec::new();
     for &(m, k) in &options.shapes {
         for &sp in &options.weight_sparsities {

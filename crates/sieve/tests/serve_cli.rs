@@ -51,9 +51,26 @@ struct ServeProcess {
 
 impl ServeProcess {
     fn start(extra: &[&str]) -> Self {
-        let mut child = sieve()
-            .args(["serve", "--port", "0", "--max-batch", "2"])
-            .args(extra)
+        let mut cmd = sieve();
+        cmd.args(["serve", "--port", "0", "--max-batch", "2"])
+            .args(extra);
+        Self::spawn(cmd)
+    }
+
+    /// `sieve serve ARGS` under `ulimit -n FILES` (soft and hard).
+    fn start_with_file_limit(files: u32, extra: &[&str]) -> Self {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!(
+                "ulimit -n {files} && exec \"$0\" serve --port 0 --max-batch 2 \"$@\""
+            ))
+            .arg(env!("CARGO_BIN_EXE_sieve"))
+            .args(extra);
+        Self::spawn(cmd)
+    }
+
+    fn spawn(mut cmd: Command) -> Self {
+        let mut child = cmd
             .env_remove("SIEVE_API_KEY")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -267,4 +284,121 @@ fn serve_refuses_bad_settings_before_loading() {
         .expect("runs");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-batch"));
+}
+
+/// A start-up failure is `sieve serve`'s exit with the message, before it listens (issue 30:
+/// `--threads 257` listened, answered `/health` 200, and hung every POST).
+#[test]
+fn start_up_failures_stop_start_up_with_the_message() {
+    for threads in ["257", "100000", "18446744073709551615"] {
+        let started = Instant::now();
+        let out = sieve()
+            .args(["serve", "--port", "0", "--threads", threads])
+            .env_remove("SIEVE_API_KEY")
+            .output()
+            .expect("runs");
+        assert!(!out.status.success(), "--threads {threads} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("outside 1..=256"), "{threads}: {err}");
+        assert!(!err.contains("listening"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(20));
+    }
+}
+
+/// An empty or blank API key is an error, however it is given (issue 30: `--api-key ''` and
+/// `SIEVE_API_KEY=` served /v1/* without a key).
+#[test]
+fn an_empty_api_key_fails_closed() {
+    let cases: [(&[&str], Option<&str>); 4] = [
+        (&["--api-key", ""], None),
+        (&["--api-key", "   "], None),
+        (&[], Some("")),
+        (&[], Some(" \t")),
+    ];
+    for (args, env) in cases {
+        let mut cmd = sieve();
+        cmd.args(["serve", "--port", "0"]).args(args);
+        match env {
+            Some(v) => cmd.env("SIEVE_API_KEY", v),
+            None => cmd.env_remove("SIEVE_API_KEY"),
+        };
+        let out = cmd.output().expect("runs");
+        assert!(!out.status.success(), "{args:?} {env:?} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("API key") && err.contains("empty"),
+            "{args:?} {env:?}: {err}"
+        );
+    }
+}
+
+/// Issue 30: with the open-file limit at 256, 300 silent connections made `/health` and every
+/// POST time out for as long as they stayed open. Now connections beyond the cap (kept below
+/// the file limit) get an immediate 503, and the silent ones are closed by the header timeout.
+#[test]
+fn silent_connections_cannot_starve_the_server() {
+    if !model_present() {
+        return;
+    }
+    let server = ServeProcess::start_with_file_limit(256, &["--header-timeout", "2"]);
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let silent: Vec<std::net::TcpStream> = (0..300)
+        .filter_map(|_| std::net::TcpStream::connect(&addr).ok())
+        .collect();
+    assert!(silent.len() >= 250, "{} connected", silent.len());
+    let client = http();
+    runtime().block_on(async {
+        // Over the cap: an answer at once, not a hang.
+        let started = Instant::now();
+        let health = client.get(format!("{}/health", server.base)).send().await;
+        if let Ok(r) = health {
+            assert!(matches!(r.status().as_u16(), 200 | 503), "{}", r.status());
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // After the header timeout the silent connections are gone and the server serves.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let health = client
+            .get(format!("{}/health", server.base))
+            .send()
+            .await
+            .expect("health answers");
+        assert_eq!(health.status(), 200);
+        let got: Value = client
+            .post(format!("{}/v1/completions", server.base))
+            .json(&json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(got["choices"][0]["text"].is_string(), "{got}");
+    });
+    // Every silent connection was closed by the server (EOF) or refused.
+    for mut s in silent {
+        use std::io::Read;
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = Vec::new();
+        if let Err(e) = s.read_to_end(&mut buf) {
+            assert!(
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "a silent connection was left open: {e}"
+            );
+        }
+        let text = String::from_utf8_lossy(&buf);
+        assert!(
+            buf.is_empty() || text.starts_with("HTTP/1.1 503") || text.starts_with("HTTP/1.1 408"),
+            "{text}"
+        );
+    }
+    server.signal("TERM");
+    let (status, rest) = server.wait(Duration::from_secs(30));
+    assert!(status.success(), "{status}: {rest:?}");
 }

@@ -285,6 +285,17 @@ fn config_from_metadata(file: &GgufFile) -> Result<ModelConfig> {
     let num_kv_heads = file
         .get_usize(&key("attention.head_count_kv"))?
         .unwrap_or(num_heads);
+    // Zero counts are refused here, naming their key, before anything derives from them (a
+    // zero embedding length used to surface as "partial rotary embeddings (64 of 0 ...)").
+    for (name, value) in [
+        ("block_count", num_layers),
+        ("embedding_length", hidden_size),
+        ("feed_forward_length", intermediate_size),
+    ] {
+        if value == 0 {
+            return Err(meta_err(&key(name), "must be positive, got 0"));
+        }
+    }
     if num_heads == 0 {
         return Err(meta_err(
             &key("attention.head_count"),
@@ -298,6 +309,12 @@ fn config_from_metadata(file: &GgufFile) -> Result<ModelConfig> {
         ));
     }
     let head_dim = match file.get_usize(&key("attention.key_length"))? {
+        Some(0) => {
+            return Err(meta_err(
+                &key("attention.key_length"),
+                "must be positive, got 0",
+            ))
+        }
         Some(d) => d,
         None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
         None => {

@@ -512,6 +512,34 @@ fn tiny_llama_with(key: &str, value: MetaValue) -> Vec<u8> {
 }
 
 #[test]
+fn a_zero_embedding_length_names_its_key() {
+    // Issue 30: with a rope dimension count present this said "partial rotary embeddings (64
+    // of 0 head dimensions)".
+    for (key, value) in [
+        ("llama.embedding_length", MetaValue::U32(0)),
+        ("llama.feed_forward_length", MetaValue::U64(0)),
+        ("llama.block_count", MetaValue::U32(0)),
+    ] {
+        let mut b = tiny_llama().meta("llama.rope.dimension_count", MetaValue::U32(4));
+        for (k, v) in b.metadata.iter_mut() {
+            if k == key {
+                *v = value.clone();
+            }
+        }
+        let file = GgufFile::from_bytes(b.build(), "tiny").unwrap();
+        let err = GgufModel::from_file(file).unwrap_err().to_string();
+        assert!(
+            err.contains(key) && err.contains("must be positive"),
+            "{key}: {err}"
+        );
+    }
+    let b = tiny_llama().meta("llama.attention.key_length", MetaValue::U32(0));
+    let file = GgufFile::from_bytes(b.build(), "tiny").unwrap();
+    let err = GgufModel::from_file(file).unwrap_err().to_string();
+    assert!(err.contains("llama.attention.key_length"), "{err}");
+}
+
+#[test]
 fn layer_and_context_counts_are_checked_before_they_size_anything() {
     for (key, value, want) in [
         (

@@ -25,7 +25,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
+    top_p: f64,
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 0)]
@@ -80,7 +80,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         sampling: SamplingParams {
             temperature: args.temperature,
             top_k: args.top_k,
-            top_p: args.top_p,
+            top_p: sieve_model::sampling::top_p_from_f64(args.top_p),
             repetition_penalty: args.repetition_penalty,
             seed: args.seed,
         },

@@ -135,6 +135,12 @@ pub fn run(args: PackArgs) -> Result<()> {
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     // Checked before any work: --out is not an input nor a non-file, its directory takes files.
     let out = PendingOutput::create(&args.out, &[&path, &calib])?;
+    for stale in out.stale_removed() {
+        eprintln!(
+            "pack: removed {}, a partial output left by a process that no longer runs",
+            stale.display()
+        );
+    }
     let source = open_model(&path).with_context(|| format!("opening {}", path.display()))?;
     check_calibration(source.config(), args.calib_samples, args.calib_len)?;
     let tokenizer = load_tokenizer(source.as_ref())?;

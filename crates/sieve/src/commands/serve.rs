@@ -41,7 +41,8 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     body_limit: usize,
-    /// Require `Authorization: Bearer KEY` on /v1/* (default: $SIEVE_API_KEY when set).
+    /// Require `Authorization: Bearer KEY` on /v1/* (default: $SIEVE_API_KEY when set). An
+    /// empty or blank key is an error, not "no key".
     #[arg(long, env = "SIEVE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Model worker threads (default: one per core).
@@ -50,6 +51,18 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Connections served at once (lowered to stay below the open-file limit); more get 503.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Seconds to receive a request's headers; also how long an idle keep-alive connection stays.
+    #[arg(long, default_value_t = 10)]
+    header_timeout: u64,
+    /// Seconds to receive a request's body once its headers are in (408 beyond).
+    #[arg(long, default_value_t = 30)]
+    body_timeout: u64,
+    /// Seconds a response write may make no progress (a client that stopped reading).
+    #[arg(long, default_value_t = 60)]
+    write_timeout: u64,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -67,10 +80,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         context: args.ctx,
         max_tokens_cap: args.max_tokens_cap,
         queue_capacity: args.queue,
-        api_key: args.api_key.filter(|k| !k.is_empty()),
+        // Given but empty (`--api-key ''`, `SIEVE_API_KEY=`) stays given: `validate` refuses it.
+        api_key: args.api_key,
         body_limit: args.body_limit,
         threads: args.threads,
         drain_timeout: Duration::from_secs(args.drain_timeout),
+        max_connections: args.max_connections,
+        header_timeout: Duration::from_secs(args.header_timeout),
+        body_timeout: Duration::from_secs(args.body_timeout),
+        write_timeout: Duration::from_secs(args.write_timeout),
     };
     config.validate()?;
     let path = super::model_path::resolve_model(args.model.as_deref())?;
@@ -82,11 +100,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         shutdown_signal().await;
         eprintln!("sieve serve: shutting down, finishing requests in flight");
     })?;
+    let limits = server.limits();
     eprintln!(
-        "sieve serve: model {} on cpu, {} slots of {} positions, listening on http://{}",
+        "sieve serve: model {} on cpu, {} slots of {} positions, at most {} connections, \
+         listening on http://{}",
         config.model_name,
         config.max_batch,
         positions,
+        limits.max_connections,
         server.addr()
     );
     server.wait()?;
