@@ -48,8 +48,21 @@
 // the spare throughput; the weight bytes bound N <= 8).
 // x is N x ldx f16 (ldx >= Kp, columns K .. Kp zero), y N x ldy f32; `accumulate` adds to y.
 
+// Overridable for tuning experiments (dev/lowbit-tune, results in its README); the library
+// uses the defaults. Blocks per SM (the launch bounds' minimum) is chosen per kind there:
+// W4A16 g128 runs best at 3, the others at 2.
+#ifndef LB_WARPS
 #define LB_WARPS 8
+#endif
+#ifndef LB_BATCH
 #define LB_BATCH 4
+#endif
+#ifndef LB_MIN_BLOCKS_W4G128
+#define LB_MIN_BLOCKS_W4G128 3
+#endif
+#ifndef LB_MIN_BLOCKS
+#define LB_MIN_BLOCKS 2
+#endif
 
 __device__ __forceinline__ u32 lb_sub_f16x2(u32 a, u32 b) {
     u32 d;
@@ -226,19 +239,19 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
         const f16_bits *__restrict__ x, int ldx, float *__restrict__ y, int ldy, int M, int N, int chunks, \
         int accumulate
 #define LB_PASS w, gscales, rscales, x, ldx, y, ldy, M, N, chunks, accumulate
-#define LB_KERNEL(NAME, BITS, GROUP, NT)                                            \
-    extern "C" __global__ void __launch_bounds__(256, 2) NAME##_nt##NT(LB_ARGS) { \
-        lowbit_kernel<BITS, GROUP, NT>(LB_PASS);                                   \
+#define LB_KERNEL(NAME, BITS, GROUP, NT, MINB)                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * LB_WARPS, MINB) NAME##_nt##NT(LB_ARGS) { \
+        lowbit_kernel<BITS, GROUP, NT>(LB_PASS);                                              \
     }
-#define LB_KERNELS(NAME, BITS, GROUP) \
-    LB_KERNEL(NAME, BITS, GROUP, 1)   \
-    LB_KERNEL(NAME, BITS, GROUP, 2)   \
-    LB_KERNEL(NAME, BITS, GROUP, 3)   \
-    LB_KERNEL(NAME, BITS, GROUP, 4)
-LB_KERNELS(lowbit_w4g128, 4, 128)
-LB_KERNELS(lowbit_w4g32, 4, 32)
-LB_KERNELS(lowbit_w8row, 8, 0)
-LB_KERNELS(lowbit_w8g32, 8, 32)
+#define LB_KERNELS(NAME, BITS, GROUP, MINB) \
+    LB_KERNEL(NAME, BITS, GROUP, 1, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, 2, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, 3, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, 4, MINB)
+LB_KERNELS(lowbit_w4g128, 4, 128, LB_MIN_BLOCKS_W4G128)
+LB_KERNELS(lowbit_w4g32, 4, 32, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w8row, 8, 0, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w8g32, 8, 32, LB_MIN_BLOCKS)
 
 // f32 activations (n rows of K, `ldin` apart) -> f16 (n x ldx, columns K .. ldx zero), each input
 // kept only where it is active under the TEAL threshold t (|x| > t; t < 0 keeps all): the
