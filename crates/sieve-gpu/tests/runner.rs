@@ -471,6 +471,10 @@ fn position_errors(got: &[f32], want: &[f32], vocab: usize) -> Vec<f32> {
 /// by up to 2^-11 relative).
 const THRESHOLD_NUDGE: f32 = 1e-4;
 
+/// Relative rounding of an f16 (2^-11): the nudge for products that round their activations
+/// to f16 before multiplying (the low-bit kernels).
+const F16_ROUNDING: f32 = 1.0 / 2048.0;
+
 /// The CPU's teacher-forced logits of `seq` with every threshold scaled by `1 + nudge`.
 fn logits_with_nudged_thresholds(model: &mut Model, seq: &[u32], nudge: f32) -> Vec<f32> {
     let originals: Vec<_> = model
@@ -490,7 +494,7 @@ fn logits_with_nudged_thresholds(model: &mut Model, seq: &[u32], nudge: f32) -> 
 }
 
 fn check_model_against_cpu(name: &str, model: &mut Model, tol: f32) {
-    check_gpu_model_against_cpu(name, None, model, tol, 0.0);
+    check_gpu_model_against_cpu(name, None, model, tol, 0.0, THRESHOLD_NUDGE);
 }
 
 /// As [`check_model_against_cpu`], with the GPU model built from `gpu_source` (when given)
@@ -498,13 +502,15 @@ fn check_model_against_cpu(name: &str, model: &mut Model, tol: f32) {
 /// activations as llama.cpp does while the GPU's use f16 ones, the reference is the same
 /// weights dequantized (exact) and multiplied in f32. Greedy tokens must agree up to the first
 /// CPU step whose top-2 logit margin is below `near_tie` (0: every step); the teacher-forced
-/// logits are checked at every position regardless.
+/// logits are checked at every position regardless, within the larger of `tol` and 1.5 x how
+/// far the CPU moves from itself with every TEAL threshold scaled by 1 ± `nudge`.
 fn check_gpu_model_against_cpu(
     name: &str,
     gpu_source: Option<&Model>,
     model: &mut Model,
     tol: f32,
     near_tie: f32,
+    nudge: f32,
 ) {
     let Some(gpu) = gpu_or_skip(name) else { return };
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
@@ -570,11 +576,16 @@ fn check_gpu_model_against_cpu(
     // threshold nudged by THRESHOLD_NUDGE. A wrong kernel moves every position by more, and
     // the greedy tokens above must match exactly in any case.
     let (p90_cap, max_cap) = if model.layers()[0].q_proj.threshold().is_some() {
-        let nudged = logits_with_nudged_thresholds(model, &seq, THRESHOLD_NUDGE);
-        let (n_median, n_p90, n_max) = quantiles(&position_errors(&nudged, &want, v));
-        eprintln!(
-            "{name}: the CPU against itself with thresholds x (1 + {THRESHOLD_NUDGE}): median {n_median}, p90 {n_p90}, max {n_max}"
-        );
+        let (mut n_p90, mut n_max) = (0f32, 0f32);
+        for signed in [nudge, -nudge] {
+            let nudged = logits_with_nudged_thresholds(model, &seq, signed);
+            let (n_median, n_p90_s, n_max_s) = quantiles(&position_errors(&nudged, &want, v));
+            eprintln!(
+                "{name}: the CPU against itself with thresholds x (1 + {signed}): median {n_median}, p90 {n_p90_s}, max {n_max_s}"
+            );
+            n_p90 = n_p90.max(n_p90_s);
+            n_max = n_max.max(n_max_s);
+        }
         (tol.max(1.5 * n_p90), tol.max(1.5 * n_max))
     } else {
         (tol, tol)
@@ -752,9 +763,18 @@ fn tiny_gguf_block_models_match_cpu() {
             Some(&model),
             &mut reference,
             0.05,
-            // With TEAL, an input within rounding of its threshold (the GPU's activations come
-            // from f16 K/V) is active on one side only; steps that close may go either way.
-            if dp > 0.0 { 0.05 } else { 0.0 },
+            // With TEAL, an input within rounding of its threshold is active on one side only,
+            // and the low-bit kernels multiply f16-rounded activations (relative 2^-11), so
+            // the allowance is the CPU's own sensitivity to thresholds moved by 2^-11: this
+            // model's is large (p90 1.5-2.4 logits; the CPU's 8-bit-activation block kernels
+            // differ from the same reference by p90 2.7; measured 2026-12-04). Greedy paths
+            // then part at any step, so its tokens are not compared.
+            if dp > 0.0 { f32::INFINITY } else { 0.0 },
+            if dp > 0.0 {
+                F16_ROUNDING
+            } else {
+                THRESHOLD_NUDGE
+            },
         );
     }
 }

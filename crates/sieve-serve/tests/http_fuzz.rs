@@ -224,12 +224,13 @@ fn hostile_request(rng: &mut Rng) -> Vec<u8> {
         head.push_str("content-type: application/json\r\n");
     }
     if rng.chance(30) {
-        head.push_str(*rng.pick(&[
+        let auth: &&str = rng.pick(&[
             "authorization: Bearer nope\r\n",
             "authorization: bearer\r\n",
             "authorization: \r\n",
             "authorization: Basic Zm9vOmJhcg==\r\n",
-        ]));
+        ]);
+        head.push_str(auth);
     }
     if rng.chance(20) {
         head.push_str("expect: 100-continue\r\n");
@@ -630,7 +631,7 @@ async fn http_fuzz_keeps_the_server_serving_and_answers_with_their_clients() {
             &base,
             &reference.prompts[i],
             MAX_TOKENS,
-            batch % 2 == 0,
+            batch.is_multiple_of(2),
         )
         .await
         .unwrap_or_else(|e| panic!("batch {batch}: greedy request: {e}"));

@@ -100,7 +100,7 @@ pub fn check_grid(cfg: &KernelConfig, m: usize, k: usize) -> Result<()> {
         )));
     }
     let (gx, gy) = grid(cfg, m, k);
-    let blocks = gx.checked_mul(gy).unwrap_or(usize::MAX);
+    let blocks = gx.saturating_mul(gy);
     if blocks > MAX_GRID_BLOCKS {
         return Err(SimError::Option(format!(
             "shape {m}x{k} needs a grid of {gx} x {gy} = {blocks} thread blocks ({} columns x \
