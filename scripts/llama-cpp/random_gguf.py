@@ -26,7 +26,7 @@ Shapes: llama2-7b (hidden 4096, intermediate 11008, 32 layers, 32 heads, vocab 3
 so that every row length is a multiple of 256, which the k-quant blocks need).
 
 Tokenizer (--tokenizer; both are read by llama.cpp):
-  gpt2 (default)  byte-level BPE, tokenizer.ggml.pre "gpt2": <unk>, <s>, </s> (control), the 256
+  gpt2 (default)  byte-level BPE, tokenizer.ggml.pre "gpt-2": <unk>, <s>, </s> (control), the 256
                   byte-level symbols of GPT-2's byte->unicode map, then two-symbol tokens with
                   their merges ("a b" -> "ab"), letters and the space symbol first. sieve reads
                   only byte-level BPE, so this is the one both engines load.
@@ -262,7 +262,10 @@ def main() -> None:
     else:
         tokens, scores, types, merges = vocab_bpe(s["vocab"])
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt2")
+        # "gpt-2" with a hyphen: llama.cpp's llama_vocab::impl::load knows "gpt-2" but not "gpt2"
+        # and throws "unknown pre-tokenizer type: 'gpt2'" (llama-bench then only says "failed to
+        # load model"); sieve accepts both spellings for the GPT-2 regex.
+        w.add_tokenizer_pre("gpt-2")
         w.add_token_merges(merges)
     w.add_token_list(tokens)
     w.add_token_scores(scores)
