@@ -12,10 +12,10 @@ use crate::gpu::{Gpu, KernelFamily};
 use crate::product::{check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::f16;
-use sieve_formats::balanced_cbc::BalancedCbc;
+use rayon::prelude::*;
 use sieve_formats::matrix::is_zero;
 use sieve_formats::value_grid::{INT4, INT8};
-use sieve_formats::{DenseMatrix, Threshold, WeightFormat};
+use sieve_formats::{DenseMatrix, Threshold};
 
 pub const FAMILY: KernelFamily = KernelFamily {
     name: "balanced_cbc_lowbit",
@@ -86,25 +86,105 @@ fn detect_grids(w: &DenseMatrix, values: LowBitValues) -> Option<(Vec<i8>, Vec<f
     };
     let groups = k.div_ceil(span).max(1);
     let mut scales = vec![0f32; m * groups];
-    let mut stored = Vec::new();
-    let mut qs = Vec::new();
-    for r in 0..m {
-        let row = w.row(r);
-        for g in 0..groups {
-            let cols = g * span..((g + 1) * span).min(k);
-            stored.clear();
-            stored.extend(row[cols.clone()].iter().copied().filter(|v| !is_zero(*v)));
-            qs.resize(stored.len(), 0);
-            scales[r * groups + g] = grid.detect(&stored, &mut qs)?;
-            let mut it = qs.iter();
-            for c in cols {
-                if !is_zero(row[c]) {
-                    q[r * k + c] = *it.next()?;
+    // Rows are independent: one task each (a 7B model has 6.5 billion weights to check).
+    let all_on_grids = q
+        .par_chunks_mut(k.max(1))
+        .zip(scales.par_chunks_mut(groups))
+        .enumerate()
+        .all(|(r, (q_row, scale_row))| {
+            let row = w.row(r);
+            let mut stored = Vec::with_capacity(span);
+            let mut qs = Vec::with_capacity(span);
+            (0..groups).all(|g| {
+                let cols = g * span..((g + 1) * span).min(k);
+                stored.clear();
+                stored.extend(row[cols.clone()].iter().copied().filter(|v| !is_zero(*v)));
+                qs.resize(stored.len(), 0);
+                let Some(scale) = grid.detect(&stored, &mut qs) else {
+                    return false;
+                };
+                scale_row[g] = scale;
+                let mut it = qs.iter();
+                cols.into_iter()
+                    .filter(|&c| !is_zero(row[c]))
+                    .all(|c| it.next().map(|&v| q_row[c] = v).is_some())
+            })
+        });
+    all_on_grids.then_some((q, scales))
+}
+
+/// The blocks of row tile `rt` (`lanes` lanes of 16 rows, `bytes` per column), column after
+/// column. The matrix is read row by row (each lane's 16 rows gathered per column first), not
+/// column by column: a column walk of a row-major matrix misses the cache on every weight.
+fn encode_row_tile(
+    w: &DenseMatrix,
+    q: &[i8],
+    rt: usize,
+    lanes: usize,
+    bytes: usize,
+    slots: usize,
+    values: LowBitValues,
+) -> Result<Vec<u8>> {
+    let (m, k) = (w.rows(), w.cols());
+    let vw = values.value_words(slots);
+    let zero_code: u32 = if values.bits() == 8 { 128 } else { 8 };
+    let mut out = vec![0u8; bytes * k];
+    // Per column: how many rows of the lane hold a value, their local rows and codes.
+    let mut count = vec![0usize; k];
+    let mut local_rows = vec![0u32; k * LANE_ROWS];
+    let mut codes = vec![0u32; k * LANE_ROWS];
+    for j in 0..lanes {
+        count.fill(0);
+        let r0 = rt * TILE + j * LANE_ROWS;
+        for s in 0..LANE_ROWS.min(m.saturating_sub(r0)) {
+            let r = r0 + s;
+            let row = w.row(r);
+            for (c, v) in row.iter().enumerate() {
+                if !is_zero(*v) {
+                    let n = count[c];
+                    local_rows[c * LANE_ROWS + n] = s as u32;
+                    codes[c * LANE_ROWS + n] = (q[r * k + c] as i32 + zero_code as i32) as u32;
+                    count[c] = n + 1;
                 }
             }
         }
+        for c in 0..k {
+            let n = count[c];
+            if n > slots {
+                return Err(CudaError::Option(format!(
+                    "column {c}, rows {r0}..{}: {n} nonzeros, more than {slots} slots",
+                    r0 + 15
+                )));
+            }
+            let b = &mut out[c * bytes..(c + 1) * bytes];
+            let mut put = |word: usize, v: u32| {
+                let o = 4 * (word * lanes + j);
+                let cur = u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+                b[o..o + 4].copy_from_slice(&(cur | v).to_le_bytes());
+            };
+            // Padding slots: zero codes on rows of their own (distinct accumulators), the
+            // unused rows in increasing order.
+            let used = local_rows[c * LANE_ROWS..c * LANE_ROWS + n]
+                .iter()
+                .fold(0u32, |acc, &r| acc | 1 << r);
+            let mut free = (0..LANE_ROWS as u32).filter(|s| used & (1 << s) == 0);
+            for i in 0..slots {
+                let (row, code) = if i < n {
+                    (local_rows[c * LANE_ROWS + i], codes[c * LANE_ROWS + i])
+                } else {
+                    // 16 - n >= slots - n rows are free, so this never runs out.
+                    (free.next().unwrap_or(0), zero_code)
+                };
+                if values.bits() == 8 {
+                    put(i / 4, code << (8 * (i % 4)));
+                } else {
+                    put(i / 8, code << (4 * (i % 8)));
+                }
+                put(vw + i / 8, row << (4 * (i % 8)));
+            }
+        }
     }
-    Some((q, scales))
+    Ok(out)
 }
 
 impl BalancedLowBit {
@@ -132,16 +212,17 @@ impl BalancedLowBit {
         Self::build(w, slots, values, &q, &scales)
     }
 
-    /// Detects the grids of a Balanced-CBC matrix as the CPU records do: int4 with the widest
-    /// group (128, 64, 32), then int8; `None` for f16 values.
-    pub fn detect(b: &BalancedCbc) -> Option<Self> {
-        let w = b.decode();
+    /// Detects the grids of `w`, to be stored with `slots` slots (the Balanced-CBC encoding's),
+    /// as the CPU records do: int4 with the widest group (128, 64, 32), then int8; `None` for
+    /// f16 values. Takes the dense matrix the encoding was made from: decoding a 7B model's
+    /// Balanced-CBC matrices again costs minutes.
+    pub fn detect(w: &DenseMatrix, slots: usize) -> Option<Self> {
         for group in INT4_GROUPS {
-            if let Ok(m) = Self::from_matrix(&w, b.slots(), LowBitValues::Int4 { group }) {
+            if let Ok(m) = Self::from_matrix(w, slots, LowBitValues::Int4 { group }) {
                 return Some(m);
             }
         }
-        Self::from_matrix(&w, b.slots(), LowBitValues::Int8).ok()
+        Self::from_matrix(w, slots, LowBitValues::Int8).ok()
     }
 
     fn build(
@@ -172,55 +253,15 @@ impl BalancedLowBit {
         } else {
             block(32) * (row_tiles - 1) + block(last_lanes)
         };
-        let mut blocks = Vec::with_capacity(column_bytes * k);
-        let zero_code: u32 = if values.bits() == 8 { 128 } else { 8 };
-        for rt in 0..row_tiles {
-            let lanes = if rt + 1 == row_tiles { last_lanes } else { 32 };
-            let bytes = block(lanes);
-            for c in 0..k {
-                let mut b = vec![0u8; bytes];
-                for j in 0..lanes {
-                    let r0 = rt * TILE + j * LANE_ROWS;
-                    let mut rows_of = Vec::with_capacity(slots);
-                    let mut codes = Vec::with_capacity(slots);
-                    for s in 0..LANE_ROWS {
-                        let r = r0 + s;
-                        if r < m && !is_zero(w.get(r, c)) {
-                            rows_of.push(s as u32);
-                            codes.push((q[r * k + c] as i32 + zero_code as i32) as u32);
-                        }
-                    }
-                    if rows_of.len() > slots {
-                        return Err(CudaError::Option(format!(
-                            "column {c}, rows {r0}..{}: {} nonzeros, more than {slots} slots",
-                            r0 + 15,
-                            rows_of.len()
-                        )));
-                    }
-                    // Padding slots: zero codes on rows of their own (distinct accumulators).
-                    let free: Vec<u32> = (0..LANE_ROWS as u32)
-                        .filter(|s| !rows_of.contains(s))
-                        .collect();
-                    let pad = slots - rows_of.len();
-                    rows_of.extend_from_slice(&free[..pad]);
-                    codes.resize(slots, zero_code);
-                    let mut put = |word: usize, v: u32| {
-                        let o = 4 * (word * lanes + j);
-                        let cur = u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-                        b[o..o + 4].copy_from_slice(&(cur | v).to_le_bytes());
-                    };
-                    for (i, (&row, &code)) in rows_of.iter().zip(&codes).enumerate() {
-                        if values.bits() == 8 {
-                            put(i / 4, code << (8 * (i % 4)));
-                        } else {
-                            put(i / 8, code << (4 * (i % 8)));
-                        }
-                        put(vw + i / 8, row << (4 * (i % 8)));
-                    }
-                }
-                blocks.extend_from_slice(&b);
-            }
-        }
+        // Row tiles are independent and each is a contiguous run of the blocks: one task each.
+        let tiles = (0..row_tiles)
+            .into_par_iter()
+            .map(|rt| {
+                let lanes = if rt + 1 == row_tiles { last_lanes } else { 32 };
+                encode_row_tile(w, q, rt, lanes, block(lanes), slots, values)
+            })
+            .collect::<Result<Vec<Vec<u8>>>>()?;
+        let blocks = tiles.concat();
         let dev_scales = match values {
             LowBitValues::Int8 => (0..mp)
                 .map(|r| if r < m { scales[r] } else { 0.0 })
@@ -284,12 +325,15 @@ pub fn snap_balanced(
     values: LowBitValues,
 ) -> Result<(BalancedLowBit, DenseMatrix)> {
     let (m, k) = (w.rows(), w.cols());
-    let mut out = Vec::with_capacity(m * k);
-    for r in 0..m {
-        let mut row: Vec<f32> = w.row(r).iter().map(|v| v.to_f32()).collect();
-        snap_row(values, &mut row)?;
-        out.extend(row.into_iter().map(f16::from_f32));
-    }
+    let rows = (0..m)
+        .into_par_iter()
+        .map(|r| {
+            let mut row: Vec<f32> = w.row(r).iter().map(|v| v.to_f32()).collect();
+            snap_row(values, &mut row)?;
+            Ok(row.into_iter().map(f16::from_f32).collect::<Vec<f16>>())
+        })
+        .collect::<Result<Vec<Vec<f16>>>>()?;
+    let out = rows.concat();
     let snapped = DenseMatrix::new(m, k, out)?;
     let enc = BalancedLowBit::from_matrix(&snapped, slots, values)?;
     Ok((enc, snapped))
@@ -456,7 +500,9 @@ impl GpuAccumulate for GpuBalancedLowBit {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use sieve_formats::balanced_cbc::BalancedCbc;
     use sieve_formats::random::balanced_matrix;
+    use sieve_formats::WeightFormat;
 
     /// Reads the blocks back the way the kernel does (codes, row nibbles, scales) into f32
     /// weights.
@@ -524,9 +570,10 @@ mod tests {
             let got = read_back(&enc);
             let want: Vec<f32> = snapped.data().iter().map(|v| v.to_f32()).collect();
             prop_assert_eq!(got, want);
-            // Detection from the Balanced-CBC encoding finds a grid the values lie on.
+            // Detection (as the upload does it: from the matrix, with the encoding's slots) finds
+            // a grid the values lie on, and its blocks decode to what Balanced-CBC stores.
             let b = BalancedCbc::encode_with_slots(&snapped, slots).unwrap();
-            let d = BalancedLowBit::detect(&b).expect("detected");
+            let d = BalancedLowBit::detect(&snapped, b.slots()).expect("detected");
             let want2: Vec<f32> = b.decode().data().iter().map(|v| v.to_f32()).collect();
             prop_assert_eq!(read_back(&d), want2);
         }
@@ -536,6 +583,6 @@ mod tests {
     fn f16_values_are_not_detected() {
         let w = balanced_matrix(40, 50, 8, 3).unwrap();
         let b = BalancedCbc::encode_with_slots(&w, 8).unwrap();
-        assert!(BalancedLowBit::detect(&b).is_none());
+        assert!(BalancedLowBit::detect(&w, b.slots()).is_none());
     }
 }

@@ -1,5 +1,5 @@
 //! `sieve-fuzz seeds [DIR]` writes the seed corpus (default: this crate's `corpus/`).
-//! `sieve-fuzz run [--targets gguf,pack,...] [--seconds S] [--seed N] [--corpus DIR]
+//! `sieve-fuzz run [--targets gguf,pack,...] [--seconds S] [--cpu-seconds S] [--seed N] [--corpus DIR]
 //! [--crashes DIR] [--hang-seconds H]` fuzzes each target for S seconds and prints one JSON
 //! line per target (see `runner::Stats`). Exit status 1 when any target panicked.
 
@@ -47,6 +47,7 @@ fn main() {
             let seconds: f64 = arg(&args, "--seconds")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(60.0);
+            let cpu_seconds: Option<f64> = arg(&args, "--cpu-seconds").and_then(|s| s.parse().ok());
             let seed: u64 = arg(&args, "--seed")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(1);
@@ -87,6 +88,7 @@ fn main() {
                 }
                 let opts = runner::Options {
                     seconds,
+                    cpu_seconds,
                     max_inputs: u64::MAX,
                     seed,
                     hang_seconds: hang,
@@ -103,7 +105,7 @@ fn main() {
             std::process::exit(i32::from(failed));
         }
         _ => {
-            eprintln!("usage: sieve-fuzz seeds [DIR] | sieve-fuzz run [--targets a,b] [--seconds S] [--seed N] [--corpus DIR] [--crashes DIR] [--hang-seconds H]");
+            eprintln!("usage: sieve-fuzz seeds [DIR] | sieve-fuzz run [--targets a,b] [--seconds S] [--cpu-seconds S] [--seed N] [--corpus DIR] [--crashes DIR] [--hang-seconds H]");
             std::process::exit(2);
         }
     }

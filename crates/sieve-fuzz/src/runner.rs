@@ -58,7 +58,11 @@ impl ThreadClock {
 
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// Wall-time budget.
     pub seconds: f64,
+    /// CPU-time budget of the fuzzing thread (the run stops at whichever budget ends first):
+    /// on a shared machine a run of "30 CPU minutes" cannot be sized in wall time.
+    pub cpu_seconds: Option<f64>,
     pub max_inputs: u64,
     pub seed: u64,
     pub hang_seconds: u64,
@@ -75,6 +79,8 @@ pub struct Stats {
     pub refused: u64,
     pub panics: Vec<String>,
     pub seconds: f64,
+    /// CPU time (user + system) of the fuzzing thread, where `/proc/thread-self` exists.
+    pub cpu_seconds: Option<f64>,
     pub slowest_ms: f64,
     /// Largest peak heap of one input above the heap before it, and that input's size.
     pub peak_bytes: usize,
@@ -97,6 +103,7 @@ impl Stats {
             "panics": self.panics.len(),
             "panic_messages": self.panics.iter().take(5).collect::<Vec<_>>(),
             "seconds": (self.seconds * 10.0).round() / 10.0,
+            "thread_cpu_seconds": self.cpu_seconds.map(|s| (s * 10.0).round() / 10.0),
             "inputs_per_second": (self.inputs as f64 / self.seconds.max(1e-9)).round(),
             "slowest_ms": (self.slowest_ms * 10.0).round() / 10.0,
             "peak_heap_bytes": self.peak_bytes,
@@ -164,6 +171,14 @@ pub fn fuzz(target: &Target, corpus: &[Vec<u8>], opts: &Options) -> Stats {
     let in_flight: Arc<Mutex<Vec<u8>>> = Arc::new(Mutex::new(Vec::new()));
     let clock = Instant::now();
     let cpu_clock = ThreadClock::of_current_thread();
+    // A second clock of this thread for the CPU budget (the first moves into the watchdog).
+    let own_clock = ThreadClock::of_current_thread();
+    let cpu_at_start = own_clock.as_ref().and_then(ThreadClock::seconds);
+    let cpu_used = || match (&own_clock, cpu_at_start) {
+        (Some(c), Some(start)) => c.seconds().map(|now| now - start),
+        _ => None,
+    };
+    let mut cpu_budget_left = true;
     let watchdog = {
         let (started_ms, running, in_flight) =
             (started_ms.clone(), running.clone(), in_flight.clone());
@@ -211,7 +226,11 @@ pub fn fuzz(target: &Target, corpus: &[Vec<u8>], opts: &Options) -> Stats {
 
     let begin = Instant::now();
     let mut i: u64 = 0;
-    while i < opts.max_inputs && begin.elapsed().as_secs_f64() < opts.seconds {
+    while i < opts.max_inputs && begin.elapsed().as_secs_f64() < opts.seconds && cpu_budget_left {
+        // Reading /proc costs a system call and a parse: every 64 inputs is often enough.
+        if let (Some(limit), 0) = (opts.cpu_seconds, i % 64) {
+            cpu_budget_left = cpu_used().is_none_or(|used| used < limit);
+        }
         // The seeds run unmutated first.
         let mut input = if (i as usize) < seeds {
             pool[i as usize].clone()
@@ -276,6 +295,7 @@ pub fn fuzz(target: &Target, corpus: &[Vec<u8>], opts: &Options) -> Stats {
         i += 1;
     }
     stats.seconds = begin.elapsed().as_secs_f64();
+    stats.cpu_seconds = cpu_used();
     running.store(false, Ordering::Relaxed);
     let _ = watchdog.join();
     if let Some(d) = &opts.crash_dir {

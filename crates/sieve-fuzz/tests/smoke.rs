@@ -28,6 +28,7 @@ fn every_target_survives_a_short_fuzz_run() {
         }
         let inputs: Vec<Vec<u8>> = corpus.into_iter().map(|(_, b)| b).collect();
         let opts = runner::Options {
+            cpu_seconds: None,
             seconds,
             max_inputs: u64::MAX,
             seed: 0x5eed,
@@ -63,6 +64,7 @@ fn every_target_survives_a_short_fuzz_run() {
                 "the default model's header is refused"
             );
             let opts = runner::Options {
+                cpu_seconds: None,
                 seconds: seconds / 2.0,
                 max_inputs: u64::MAX,
                 seed: 0x5eed,

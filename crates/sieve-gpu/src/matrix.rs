@@ -113,7 +113,7 @@ impl DeviceMatrix {
                 // lie on an int8 or int4 grid (packs made with `--values`) go to the device
                 // as those integers and their scales.
                 let f = BalancedCbc::encode(m)?;
-                match BalancedLowBit::detect(&f) {
+                match BalancedLowBit::detect(m, f.slots()) {
                     Some(low) => {
                         let bytes = low.device_bytes();
                         (

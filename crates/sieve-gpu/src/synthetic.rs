@@ -265,6 +265,50 @@ pub fn random_matrix(
     Ok(DenseMatrix::new(rows, cols, data)?)
 }
 
+/// Kept weights per 16 rows of a column at weight sparsity `sp` (`sieve pack`'s rule:
+/// round(16 (1 - sp)), at least 1).
+pub fn balanced_slots(sp: f64) -> usize {
+    ((16.0 * (1.0 - sp)).round() as usize).clamp(1, 16)
+}
+
+/// A random `rows x cols` matrix pruned balanced N:16 down the outputs: in every column, each
+/// group of 16 consecutive rows keeps [`balanced_slots`]`(sp)` weights at random (in parallel
+/// over the groups of rows).
+pub fn balanced_matrix(rows: usize, cols: usize, sp: f64, seed: u64) -> Result<DenseMatrix> {
+    if !(0.0..1.0).contains(&sp) {
+        return Err(GpuError::InvalidArgument(format!(
+            "weight sparsity {sp} is outside [0, 1)"
+        )));
+    }
+    let n = balanced_slots(sp);
+    let scale = (3.0 / cols as f64).sqrt() as f32;
+    let mut data = vec![f16::ZERO; rows * cols];
+    data.par_chunks_mut(16 * cols.max(1))
+        .enumerate()
+        .for_each(|(g, band)| {
+            let band_rows = band.len() / cols.max(1);
+            let mut state = mix(seed ^ mix(g as u64 + 1));
+            let mut next = || {
+                state = mix(state);
+                state
+            };
+            let mut idx: Vec<usize> = Vec::with_capacity(16);
+            for c in 0..cols {
+                idx.clear();
+                idx.extend(0..band_rows);
+                for i in (1..idx.len()).rev() {
+                    idx.swap(i, (next() % (i as u64 + 1)) as usize);
+                }
+                for &r in idx.iter().take(n) {
+                    let z = next();
+                    let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
+                    band[r * cols + c] = f16::from_f32(u * scale);
+                }
+            }
+        });
+    Ok(DenseMatrix::new(rows, cols, data)?)
+}
+
 /// Builds the synthetic model `name` on the GPU and calibrates its thresholds.
 pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> Result<GpuModel> {
     let c = config(name)?;
@@ -302,14 +346,17 @@ pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> 
             }
         })
     };
+    // Balanced-CBC holds as many slots per 16 rows of a column as its fullest group needs, so
+    // its synthetic weights are balanced N:16 (as `sieve pack --pattern balanced` makes them):
+    // unstructured weights at sp 0.5 fill 14-16 slots and measure a denser matrix.
+    let balanced = opts.format == FormatKind::BalancedCbc && opts.pattern == Pattern::Unstructured;
     let m = |id: u64, rows: usize, cols: usize| {
-        stored(random_matrix(
-            rows,
-            cols,
-            opts.sp,
-            opts.pattern,
-            mix(seed ^ mix(id)),
-        )?)
+        let w = if balanced {
+            balanced_matrix(rows, cols, opts.sp, mix(seed ^ mix(id)))?
+        } else {
+            random_matrix(rows, cols, opts.sp, opts.pattern, mix(seed ^ mix(id)))?
+        };
+        stored(w)
     };
     let mut embed = vec![f16::ZERO; c.vocab_size * d];
     embed.par_chunks_mut(d).enumerate().for_each(|(r, row)| {
@@ -340,6 +387,7 @@ pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> 
         "synthetic {name}: random weights, sp {} ({}), dp {}, format {}, values {}, head {}",
         opts.sp,
         match opts.pattern {
+            Pattern::Unstructured if balanced => format!("balanced:{}:16", balanced_slots(opts.sp)),
             Pattern::Unstructured => "unstructured".to_string(),
             Pattern::NM { n, m } => format!("{n}:{m}"),
         },
@@ -408,4 +456,34 @@ pub fn calibrate(model: &mut GpuModel, dp: f64, tokens: usize, seed: u64) -> Res
         thresholds.push(row);
     }
     model.set_thresholds(&thresholds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balanced_matrices_keep_n_of_every_16_rows_of_a_column() {
+        for (rows, cols, sp) in [(48, 7, 0.5), (37, 5, 0.7), (16, 3, 0.0), (5, 4, 0.5)] {
+            let w = balanced_matrix(rows, cols, sp, 9).unwrap();
+            let n = balanced_slots(sp);
+            for c in 0..cols {
+                for g in (0..rows).step_by(16) {
+                    let group = g..(g + 16).min(rows);
+                    let kept = group
+                        .clone()
+                        .filter(|&r| w.get(r, c).to_f32() != 0.0)
+                        .count();
+                    // A partial last group keeps min(n, its rows); f16 may flush a tiny value.
+                    let want = n.min(group.len());
+                    assert!(
+                        kept <= want && kept + 1 >= want,
+                        "{rows}x{cols} sp {sp}: column {c} rows {group:?} keep {kept}, want {want}"
+                    );
+                }
+            }
+        }
+        assert_eq!(balanced_slots(0.5), 8);
+        assert_eq!(balanced_slots(0.7), 5);
+    }
 }

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The "Low-bit values" table of docs/QUALITY.md (issue 26): perplexity on wikitext-2 test of
+# Balanced-CBC packs whose kept values are snapped to 4-bit grids (`--values int4:128`, one f16
+# scale per row and 128 columns; SparseGPT rounds in its sweep and compensates), dense (16:16)
+# and SparseGPT 50% (8:16) with TEAL 0 / 0.3 / 0.5, beside the f16-valued packs of the same
+# settings, and optionally a GGUF file as it is (GGUF=path). Same helpers and settings as
+# scripts/quality-table.sh (calibration on wikitext-2 *valid*).
+#
+# Environment: as scripts/quality-table.sh (SIEVE, MODEL, TOKENS, CALIB_SAMPLES, CALIB_LEN,
+# OUT), plus GGUF. The documented run used TOKENS=4096 CALIB_SAMPLES=16 CALIB_LEN=512.
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+sieve=${SIEVE:-target/release/sieve}
+tokens=${TOKENS:-16384}
+samples=${CALIB_SAMPLES:-32}
+len=${CALIB_LEN:-1024}
+out=${OUT:-/tmp/sieve-quality-lowbit}
+mkdir -p "$out"
+model_args=()
+[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
+
+ppl() { # ppl FILE -> prints the perplexity
+  "$sieve" eval ppl --model "$1" --max-tokens "$tokens" | python3 -c 'import json,sys; print("%.3f" % json.loads(sys.stdin.read())["ppl"])'
+}
+
+row() { # row METHOD SP DP VALUES
+  local method=$1 sp=$2 dp=$3 values=$4
+  local file="$out/${method}-sp${sp}-dp${dp}-${values//:/-}.sieve"
+  local t0 t1 stats
+  t0=$(date +%s)
+  stats=$("$sieve" pack "${model_args[@]}" --out "$file" --method "$method" --pattern balanced \
+    --sp "$sp" --dp "$dp" --format balanced-cbc --values "$values" --calib-samples "$samples" \
+    --calib-len "$len" 2>/dev/null | awk '$1 == "all" {print $2}')
+  t1=$(date +%s)
+  echo "| $method | $sp | $dp | $values | $stats | $(ppl "$file") | $((t1 - t0)) s |"
+}
+
+echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid; format balanced-cbc"
+echo "started $(date -u '+%Y-%m-%d %H:%M UTC') on $(nproc) cores, $(uptime | sed 's/.*load/load/')"
+echo
+echo "| method | sp | dp | values | measured sp | ppl | pack time |"
+echo "|---|---|---|---|---|---|---|"
+row magnitude 0 0 int4:128
+row sparsegpt 0 0 int4:128
+row sparsegpt 0.5 0 int4:128
+row sparsegpt 0.5 0.3 int4:128
+row sparsegpt 0.5 0.5 int4:128
+row sparsegpt 0.5 0.5 f16
+if [ -n "${GGUF:-}" ]; then
+  echo "| GGUF file as it is: $(basename "$GGUF") | | | | | $(ppl "$GGUF") | - |"
+fi
+echo
+echo "finished $(date -u '+%Y-%m-%d %H:%M UTC'), $(uptime | sed 's/.*load/load/')"
