@@ -3,7 +3,67 @@
 use crate::error::{DriverContext, Result};
 use crate::gpu::Gpu;
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 use serde::Serialize;
+
+/// Two CUDA events around work enqueued on a [`Gpu`]'s stream: the one place that creates,
+/// records and reads events (the kernel benchmarks, graph replays and the decode runner's
+/// step timing and profile all use it).
+pub struct EventPair {
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+impl EventPair {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        let ctx = gpu.context();
+        let event = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .during("creating an event")
+        };
+        Ok(Self {
+            start: event()?,
+            end: event()?,
+        })
+    }
+    /// Records the start on the GPU's stream.
+    pub fn start(&self, gpu: &Gpu) -> Result<()> {
+        self.start.record(gpu.stream()).during("recording an event")
+    }
+    /// Records the end on the GPU's stream.
+    pub fn end(&self, gpu: &Gpu) -> Result<()> {
+        self.end.record(gpu.stream()).during("recording an event")
+    }
+    /// Microseconds between the two records (both must have completed: synchronize first).
+    pub fn elapsed_us(&self) -> Result<f64> {
+        Ok(self
+            .start
+            .elapsed_ms(&self.end)
+            .during("reading an event")? as f64
+            * 1000.0)
+    }
+}
+
+/// Runs `each(i)` for `i` in `0..count`, an event pair around each, behind a spin kernel of
+/// `spin_ns` that keeps the GPU busy while the host enqueues the batch (so that no repetition
+/// waits for the host and each pair brackets GPU work only); the microseconds of each.
+pub fn time_each<F>(gpu: &Gpu, count: usize, spin_ns: u64, mut each: F) -> Result<Vec<f64>>
+where
+    F: FnMut(usize) -> Result<()>,
+{
+    let events = (0..count)
+        .map(|_| EventPair::new(gpu))
+        .collect::<Result<Vec<_>>>()?;
+    gpu.synchronize()?;
+    spin(gpu, spin_ns)?;
+    for (i, pair) in events.iter().enumerate() {
+        pair.start(gpu)?;
+        each(i)?;
+        pair.end(gpu)?;
+    }
+    gpu.synchronize()?;
+    events.iter().map(EventPair::elapsed_us).collect()
+}
 
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Timing {
@@ -22,32 +82,9 @@ where
     for i in 0..warmup {
         launch(i)?;
     }
-    gpu.synchronize()?;
-    let ctx = gpu.context();
-    let stream = gpu.stream();
-    let mut events = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let start = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during("creating an event")?;
-        let end = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during("creating an event")?;
-        events.push((start, end));
-    }
-    // Busy the GPU while the host enqueues the batch, so that no launch waits for the host
-    // and each event pair brackets GPU work only.
-    spin(gpu, 2_000_000 + 30_000 * reps as u64)?;
-    for (i, (start, end)) in events.iter().enumerate() {
-        start.record(stream).during("recording an event")?;
-        launch(warmup + i)?;
-        end.record(stream).during("recording an event")?;
-    }
-    gpu.synchronize()?;
-    let mut us = Vec::with_capacity(reps);
-    for (s, e) in &events {
-        us.push(s.elapsed_ms(e).during("reading an event")? as f64 * 1000.0);
-    }
+    let mut us = time_each(gpu, reps, 2_000_000 + 30_000 * reps as u64, |i| {
+        launch(warmup + i)
+    })?;
     Ok(summarize(&mut us))
 }
 

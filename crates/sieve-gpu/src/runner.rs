@@ -16,10 +16,10 @@
 use crate::error::{GpuError, Result};
 use crate::kernels::{self, AttentionShape, SampleArgs};
 use crate::matrix::{DeviceLinear, HostMatrix};
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::graph::StepGraph;
+use sieve_cuda::timing::EventPair;
 use sieve_cuda::{dev_ptr, DriverContext, Gpu};
 use sieve_formats::{FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
@@ -729,23 +729,15 @@ impl GpuModel {
         let graph = self.capture_ops(&ops)?;
         graph.launch()?;
         self.gpu.synchronize()?;
-        let ctx = self.gpu.context().clone();
-        let start = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during("creating an event")?;
-        let end = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during("creating an event")?;
-        start
-            .record(self.gpu.stream())
-            .during("recording an event")?;
+        let events = EventPair::new(&self.gpu)?;
+        events.start(&self.gpu)?;
         for _ in 0..reps {
             graph.launch()?;
         }
-        end.record(self.gpu.stream()).during("recording an event")?;
+        events.end(&self.gpu)?;
         self.gpu.synchronize()?;
         self.len += reps + 1;
-        Ok(start.elapsed_ms(&end).during("reading an event")? as f64 * 1000.0 / reps as f64)
+        Ok(events.elapsed_us()? / reps as f64)
     }
 
     fn warm_kernels(&self) -> Result<()> {
@@ -1030,23 +1022,16 @@ impl GpuModel {
     /// One eager step with CUDA events around every launch group: time by category and the
     /// bytes the products read. Teacher-forced (the state advances to the next history entry).
     pub fn profile_step(&mut self) -> Result<StepProfile> {
-        let ctx = self.gpu.context().clone();
-        let stream = self.gpu.stream().clone();
         let mut marks = Vec::new();
         let mut prof = StepProfile::default();
         let ops = self.ops();
         self.gpu.synchronize()?;
         for &op in &ops {
-            let start = ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .during("creating an event")?;
-            let end = ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .during("creating an event")?;
-            start.record(&stream).during("recording an event")?;
+            let events = EventPair::new(&self.gpu)?;
+            events.start(&self.gpu)?;
             self.launch(op)?;
-            end.record(&stream).during("recording an event")?;
-            marks.push((op.category(), start, end));
+            events.end(&self.gpu)?;
+            marks.push((op.category(), events));
             let input = match op {
                 Op::Plan(StepOp::Layer(l, LayerOp::Product(group))) => {
                     let layer = &self.layers[l];
@@ -1067,8 +1052,8 @@ impl GpuModel {
         }
         self.launch(Op::Next(false))?;
         self.gpu.synchronize()?;
-        for (cat, s, e) in &marks {
-            let us = s.elapsed_ms(e).during("reading an event")? as f64 * 1000.0;
+        for (cat, events) in &marks {
+            let us = events.elapsed_us()?;
             match cat {
                 Category::Linear => prof.linear_us += us,
                 Category::Attention => prof.attention_us += us,

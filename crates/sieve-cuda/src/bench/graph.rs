@@ -15,8 +15,7 @@
 use crate::error::{DriverContext, Result};
 use crate::gpu::Gpu;
 use crate::graph::StepGraph;
-use crate::timing::{spin, summarize, Timing};
-use cudarc::driver::sys::CUevent_flags;
+use crate::timing::{summarize, time_each, Timing};
 use cudarc::driver::CudaSlice;
 
 /// Launches one graph holds when its launches rotate over `copies` device copies: at least
@@ -53,29 +52,11 @@ pub fn time_replays(
     launches: usize,
     replays: usize,
 ) -> Result<Timing> {
-    let ctx = gpu.context();
-    let stream = gpu.stream();
-    let mut events = Vec::with_capacity(replays);
-    for _ in 0..replays {
-        let start = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during("creating an event")?;
-        let end = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .during("creating an event")?;
-        events.push((start, end));
-    }
-    gpu.synchronize()?;
-    spin(gpu, 2_000_000 + 50_000 * replays as u64)?;
-    for (start, end) in &events {
-        start.record(stream).during("recording an event")?;
-        graph.launch()?;
-        end.record(stream).during("recording an event")?;
-    }
-    gpu.synchronize()?;
-    let mut us = Vec::with_capacity(replays);
-    for (s, e) in &events {
-        us.push(s.elapsed_ms(e).during("reading an event")? as f64 * 1000.0 / launches as f64);
+    let mut us = time_each(gpu, replays, 2_000_000 + 50_000 * replays as u64, |_| {
+        graph.launch()
+    })?;
+    for t in &mut us {
+        *t /= launches as f64;
     }
     Ok(summarize(&mut us))
 }
