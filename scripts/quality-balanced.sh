@@ -7,21 +7,8 @@
 # Environment: as scripts/quality-table.sh (SIEVE, MODEL, TOKENS, CALIB_SAMPLES, CALIB_LEN,
 # FORMAT, OUT). The documented run used TOKENS=4096 CALIB_SAMPLES=16 CALIB_LEN=512.
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-sieve=${SIEVE:-target/release/sieve}
-tokens=${TOKENS:-16384}
-samples=${CALIB_SAMPLES:-32}
-len=${CALIB_LEN:-1024}
+source "$(dirname "$0")/quality-common.sh" /tmp/sieve-quality
 format=${FORMAT:-dense}
-out=${OUT:-/tmp/sieve-quality}
-mkdir -p "$out"
-model_args=()
-[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
-
-ppl() { # ppl FILE -> prints the perplexity
-  "$sieve" eval ppl --model "$1" --max-tokens "$tokens" | python3 -c 'import json,sys; print("%.3f" % json.loads(sys.stdin.read())["ppl"])'
-}
 
 row() { # row METHOD PATTERN SP
   local method=$1 pattern=$2 sp=$3
@@ -32,7 +19,7 @@ row() { # row METHOD PATTERN SP
     --sp "$sp" --dp 0 --format "$format" --calib-samples "$samples" --calib-len "$len" \
     2>/dev/null | awk '$1 == "all" {print $2}')
   t1=$(date +%s)
-  echo "| $method | $pattern | $sp | $stats | $(ppl "$file") | $((t1 - t0)) s |"
+  echo "| $method | $pattern | $sp | $stats | $(ppl_of "$file") | $((t1 - t0)) s |"
 }
 
 echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid; format $format"

@@ -9,20 +9,7 @@
 # Environment: as scripts/quality-table.sh (SIEVE, MODEL, TOKENS, CALIB_SAMPLES, CALIB_LEN,
 # OUT), plus GGUF. The documented run used TOKENS=4096 CALIB_SAMPLES=16 CALIB_LEN=512.
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-sieve=${SIEVE:-target/release/sieve}
-tokens=${TOKENS:-16384}
-samples=${CALIB_SAMPLES:-32}
-len=${CALIB_LEN:-1024}
-out=${OUT:-/tmp/sieve-quality-lowbit}
-mkdir -p "$out"
-model_args=()
-[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
-
-ppl() { # ppl FILE -> prints the perplexity
-  "$sieve" eval ppl --model "$1" --max-tokens "$tokens" | python3 -c 'import json,sys; print("%.3f" % json.loads(sys.stdin.read())["ppl"])'
-}
+source "$(dirname "$0")/quality-common.sh" /tmp/sieve-quality-lowbit
 
 row() { # row METHOD SP DP VALUES
   local method=$1 sp=$2 dp=$3 values=$4
@@ -33,7 +20,7 @@ row() { # row METHOD SP DP VALUES
     --sp "$sp" --dp "$dp" --format balanced-cbc --values "$values" --calib-samples "$samples" \
     --calib-len "$len" 2>/dev/null | awk '$1 == "all" {print $2}')
   t1=$(date +%s)
-  echo "| $method | $sp | $dp | $values | $stats | $(ppl "$file") | $((t1 - t0)) s |"
+  echo "| $method | $sp | $dp | $values | $stats | $(ppl_of "$file") | $((t1 - t0)) s |"
 }
 
 echo "ppl on the first $tokens tokens of wikitext-2 test (ctx 1024); calibration $samples x $len tokens of wikitext-2 valid; format balanced-cbc"
@@ -48,7 +35,7 @@ row sparsegpt 0.5 0.3 int4:128
 row sparsegpt 0.5 0.5 int4:128
 row sparsegpt 0.5 0.5 f16
 if [ -n "${GGUF:-}" ]; then
-  echo "| GGUF file as it is: $(basename "$GGUF") | | | | | $(ppl "$GGUF") | - |"
+  echo "| GGUF file as it is: $(basename "$GGUF") | | | | | $(ppl_of "$GGUF") | - |"
 fi
 echo
 echo "finished $(date -u '+%Y-%m-%d %H:%M UTC'), $(uptime | sed 's/.*load/load/')"

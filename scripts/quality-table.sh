@@ -12,17 +12,8 @@
 # FORMAT (default dense: every format stores the same values except ie-bme's INT4 payload, and
 # dense evaluates fastest), OUT (folder for the .sieve files, default /tmp/sieve-quality).
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-sieve=${SIEVE:-target/release/sieve}
-tokens=${TOKENS:-16384}
-samples=${CALIB_SAMPLES:-32}
-len=${CALIB_LEN:-1024}
+source "$(dirname "$0")/quality-common.sh" /tmp/sieve-quality
 format=${FORMAT:-dense}
-out=${OUT:-/tmp/sieve-quality}
-mkdir -p "$out"
-model_args=()
-[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
 
 ppl() { # ppl FILE|"" -> prints the perplexity
   local m=()

@@ -213,6 +213,13 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// 24 random bits of `z` to a uniform value in (-scale, scale), never exactly 0 before f16
+/// rounding.
+fn random_weight(z: u64, scale: f32) -> f16 {
+    let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
+    f16::from_f32(u * scale)
+}
+
 /// A random `rows x cols` matrix (in parallel over rows), pruned as `opts` says.
 pub fn random_matrix(
     rows: usize,
@@ -240,9 +247,7 @@ pub fn random_matrix(
                 for v in row.iter_mut() {
                     let z = next();
                     if (z >> 32) < keep {
-                        // 24 random bits to a uniform value in (-1, 1), never exactly 0.
-                        let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
-                        *v = f16::from_f32(u * scale);
+                        *v = random_weight(z, scale);
                     }
                 }
             }
@@ -254,8 +259,7 @@ pub fn random_matrix(
                     }
                     for &i in idx.iter().take(n) {
                         let z = next();
-                        let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
-                        group[i] = f16::from_f32(u * scale);
+                        group[i] = random_weight(z, scale);
                     }
                 }
             }
@@ -301,8 +305,7 @@ pub fn balanced_matrix(rows: usize, cols: usize, sp: f64, seed: u64) -> Result<D
                 }
                 for &r in idx.iter().take(n) {
                     let z = next();
-                    let u = ((z & 0xff_ffff) as f32 + 0.5) / (1u32 << 23) as f32 - 1.0;
-                    band[r * cols + c] = f16::from_f32(u * scale);
+                    band[r * cols + c] = random_weight(z, scale);
                 }
             }
         });
