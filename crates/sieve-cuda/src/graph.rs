@@ -35,6 +35,13 @@ pub struct StepGraph {
     programmatic_edges: usize,
 }
 
+// SAFETY: CUDA graph and graph-exec handles are not tied to the thread that created them: the
+// driver accepts them from any thread on which their context is current, and `launch` (like
+// the destructor) binds the stream's context first. A `StepGraph` is moved, never shared: it
+// is not `Sync`, so two threads cannot launch or destroy it at once. This lets a model with
+// captured steps be handed to the serving scheduler's thread.
+unsafe impl Send for StepGraph {}
+
 impl StepGraph {
     /// Starts capturing `stream`: launches enqueued from here on go into the graph that
     /// [`StepGraph::end_capture`] returns (call it even when enqueueing failed, to leave
@@ -107,9 +114,11 @@ impl StepGraph {
 
 impl Drop for StepGraph {
     fn drop(&mut self) {
+        // Bound also for the template's destructor (cudarc's `CudaGraph` drop, which runs
+        // after this one, does not bind): the graph may be dropped on another thread than
+        // the one that captured it. Nothing useful can be done with a failure while dropping.
+        let _ = self.stream.context().bind_to_thread();
         if let Some(exec) = self.pdl_exec.take() {
-            // Nothing useful can be done with a failure while dropping.
-            let _ = self.stream.context().bind_to_thread();
             unsafe {
                 let _ = sys::cuGraphExecDestroy(exec);
             }

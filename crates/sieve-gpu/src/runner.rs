@@ -178,6 +178,12 @@ pub struct GpuModel {
     prefill_bufs: Option<crate::prefill::PrefillBuffers>,
     /// Run prompts through cuBLAS GEMMs (else token by token through the decode step).
     batched_prefill: bool,
+    /// KV cache slots (one sequence each, [`Self::with_slots`]); the generation path uses 0.
+    slots: usize,
+    /// The slot whose cache the launches address now.
+    slot: usize,
+    /// Per slot, the captured step that ends at the logits (the serving path).
+    slot_graphs: Vec<Option<StepGraph>>,
 }
 
 impl GpuModel {
@@ -428,6 +434,9 @@ impl GpuModel {
             len: 0,
             prefill_bufs: None,
             batched_prefill: true,
+            slots: 1,
+            slot: 0,
+            slot_graphs: vec![None],
         };
         model.report.launches_per_step = model.launches_per_step();
         Ok(model)
@@ -462,7 +471,7 @@ impl GpuModel {
             }
         }
         self.lm_head.set_tcbc_kernel(kernel)?;
-        self.graphs = [None, None];
+        self.drop_graphs();
         if let Some(l) = self.layers.first() {
             let mut kernels: Vec<String> = [
                 ("q|k|v", &l.qkv),
@@ -484,7 +493,7 @@ impl GpuModel {
     pub fn set_pdl(&mut self, on: bool) {
         if on != self.pdl {
             self.pdl = on;
-            self.graphs = [None, None];
+            self.drop_graphs();
         }
     }
     pub fn pdl(&self) -> bool {
@@ -527,7 +536,7 @@ impl GpuModel {
                 }
             }
         }
-        self.graphs = [None, None];
+        self.drop_graphs();
         Ok(())
     }
 
@@ -555,10 +564,8 @@ impl GpuModel {
         let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let state = dev_ptr(g, &b.state);
-        let row = c.num_kv_heads * c.head_dim;
-        let cache_at = |cache: &CudaSlice<f16>, l: usize| {
-            dev_ptr(g, cache) + (l * self.capacity * row * 2) as u64
-        };
+        let cache_at =
+            |cache: &CudaSlice<f16>, l: usize| dev_ptr(g, cache) + self.cache_offset_bytes(l);
         match op {
             Op::Plan(StepOp::Embed) => {
                 kernels::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
@@ -809,14 +816,13 @@ impl GpuModel {
             c.intermediate_size,
         );
         let qkv_w = (nh + 2 * nkv) * hd;
-        let row = nkv * hd;
         let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
         let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
         kernels::embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
         for (l, layer) in self.layers.iter().enumerate() {
-            let kc = dev_ptr(g, &self.bufs.k_cache) + (l * self.capacity * row * 2) as u64;
-            let vc = dev_ptr(g, &self.bufs.v_cache) + (l * self.capacity * row * 2) as u64;
+            let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes(l);
+            let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes(l);
             kernels::rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?;
             linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?;
             kernels::rope_rows(
@@ -1080,6 +1086,162 @@ impl GpuModel {
             .memcpy_htod(&[len as i32, token as i32], &mut self.bufs.state)
             .during("writing the step state")?;
         self.len = len;
+        Ok(())
+    }
+}
+
+/// Serving: a pool of KV cache slots, one sequence each, and steps that end at the logits.
+///
+/// The serving engine (`sieve-serve`) samples on the host, so its step is the plan's ops
+/// without the sampler: the host writes `[position, token]` into the step state, replays the
+/// slot's graph (the slot's cache addresses are captured in it, one graph per slot) and reads
+/// the `[vocab]` logits back.
+impl GpuModel {
+    /// Gives the model `slots` KV caches of `capacity()` positions each (replacing the one it
+    /// was built with; what that cache held is gone). Fails, before allocating, when the pool
+    /// does not fit in the free GPU memory.
+    pub fn with_slots(mut self, slots: usize) -> Result<Self> {
+        if slots == 0 {
+            return Err(GpuError::InvalidArgument(
+                "the KV cache pool needs at least one slot".into(),
+            ));
+        }
+        let c = &self.config;
+        let per_slot = c.num_layers * self.capacity * c.num_kv_heads * c.head_dim;
+        let elems = per_slot.checked_mul(slots).ok_or_else(|| {
+            GpuError::InvalidArgument(format!("{slots} KV cache slots overflow the address space"))
+        })?;
+        let bytes = elems.saturating_mul(4);
+        // The current caches are freed first, so only the growth must fit.
+        check_memory(&self.gpu, bytes.saturating_sub(self.report.kv_cache_bytes))?;
+        let stream = self.gpu.stream().clone();
+        self.bufs.k_cache = stream.alloc_zeros::<f16>(1).during("freeing the K cache")?;
+        self.bufs.v_cache = stream.alloc_zeros::<f16>(1).during("freeing the V cache")?;
+        self.bufs.k_cache = stream
+            .alloc_zeros::<f16>(elems)
+            .during("allocating the K cache pool")?;
+        self.bufs.v_cache = stream
+            .alloc_zeros::<f16>(elems)
+            .during("allocating the V cache pool")?;
+        self.report.kv_cache_bytes = bytes;
+        self.slots = slots;
+        self.slot = 0;
+        self.slot_graphs = (0..slots).map(|_| None).collect();
+        self.drop_graphs();
+        self.len = 0;
+        Ok(self)
+    }
+
+    /// Forgets every captured step (after a change to what the launches do).
+    fn drop_graphs(&mut self) {
+        self.graphs = [None, None];
+        self.slot_graphs.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// KV cache slots in the pool.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Byte offset of layer `l`'s cache rows of the current slot.
+    fn cache_offset_bytes(&self, l: usize) -> u64 {
+        let c = &self.config;
+        let row = c.num_kv_heads * c.head_dim;
+        ((self.slot * c.num_layers + l) * self.capacity * row * 2) as u64
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.slots {
+            return Err(GpuError::InvalidArgument(format!(
+                "slot {slot} does not exist (the pool has {})",
+                self.slots
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `prompt` into slot `slot` from position 0 (what the slot held is overwritten) and
+    /// returns the logits after its last token, `[vocab]`.
+    pub fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>> {
+        self.check_slot(slot)?;
+        if prompt.is_empty() {
+            return Err(GpuError::InvalidArgument("the prompt has no tokens".into()));
+        }
+        if prompt.len() > self.capacity {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: prompt.len(),
+                context: self.capacity,
+            }
+            .into());
+        }
+        self.check_tokens(prompt)?;
+        self.slot = slot;
+        let result = self.prefill_current_slot(prompt);
+        self.slot = 0;
+        result
+    }
+
+    fn prefill_current_slot(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
+        let n = prompt.len();
+        if n > 1 && self.prefill_is_batched() {
+            for (c, chunk) in prompt[..n - 1].chunks(crate::prefill::CHUNK).enumerate() {
+                self.prefill_chunk(chunk, c * crate::prefill::CHUNK)?;
+            }
+        } else {
+            for (pos, &token) in prompt[..n - 1].iter().enumerate() {
+                self.run_logits_step(pos, token)?;
+            }
+        }
+        self.run_logits_step(n - 1, prompt[n - 1])?;
+        Ok(self.gpu.download(&self.bufs.logits)?)
+    }
+
+    /// Runs `token` at `position` of slot `slot` (positions before it must hold the sequence)
+    /// and returns the logits, `[vocab]`.
+    pub fn step_slot(&mut self, slot: usize, position: usize, token: u32) -> Result<Vec<f32>> {
+        self.check_slot(slot)?;
+        if position >= self.capacity {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: position + 1,
+                context: self.capacity,
+            }
+            .into());
+        }
+        self.check_tokens(&[token])?;
+        self.slot = slot;
+        let result = self
+            .run_logits_step(position, token)
+            .and_then(|()| Ok(self.gpu.download(&self.bufs.logits)?));
+        self.slot = 0;
+        result
+    }
+
+    /// One step of the current slot up to the logits: a replay of the slot's graph (captured
+    /// on first use) or eager launches.
+    fn run_logits_step(&mut self, position: usize, token: u32) -> Result<()> {
+        let stream = self.gpu.stream().clone();
+        stream
+            .memcpy_htod(&[position as i32, token as i32], &mut self.bufs.state)
+            .during("writing the step state")?;
+        if !self.use_graphs {
+            return self.ops().into_iter().try_for_each(|op| self.launch(op));
+        }
+        if self.slot_graphs[self.slot].is_none() {
+            match self.capture_ops(&self.ops()) {
+                Ok(graph) => self.slot_graphs[self.slot] = Some(graph),
+                Err(e) => {
+                    self.report.notes.push(format!(
+                        "CUDA graph capture failed ({e}); steps run as eager launches"
+                    ));
+                    self.use_graphs = false;
+                    self.gpu.synchronize().ok();
+                    return self.ops().into_iter().try_for_each(|op| self.launch(op));
+                }
+            }
+        }
+        if let Some(graph) = &self.slot_graphs[self.slot] {
+            graph.launch()?;
+        }
         Ok(())
     }
 }

@@ -965,3 +965,93 @@ fn the_plan_check_refuses_what_the_runner_cannot_execute() {
         .check(&sieve_model::plan::Capabilities::CPU)
         .is_ok());
 }
+
+/// The serving path: a pool of KV cache slots, prompts of different lengths prefilled into
+/// them out of order, then decode steps interleaving the slots in changing orders. Every
+/// slot's logits must equal the CPU's for its own sequence (one CPU cache per sequence), so a
+/// slot's cache is never read or written by another's step; a slot prefilled again starts
+/// over; bad slots, positions and tokens are refused.
+#[test]
+fn slot_pool_matches_cpu_per_sequence() {
+    let name = "slot_pool_matches_cpu_per_sequence";
+    let Some(gpu) = gpu_or_skip(name) else { return };
+    let model = tiny_model(FormatKind::Dense, 0.0, 0.0, 11);
+    let v = model.config().vocab_size;
+    let context = 40;
+    let mut g = GpuModel::from_model(gpu, &model, context)
+        .unwrap()
+        .with_slots(3)
+        .unwrap();
+    assert_eq!(g.slots(), 3);
+    let prompts: [Vec<u32>; 3] = [vec![5, 17, 42, 99, 250, 7, 8], vec![3], vec![200, 1, 64]];
+    let mut caches: Vec<_> = (0..3).map(|_| model.new_cache(context)).collect();
+    let mut lens = [0usize; 3];
+    let mut next = [0u32; 3];
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    let mut worst = 0f32;
+    let mut check = |slot: usize, got: &[f32], want: &[f32], what: &str| {
+        assert_eq!(got.len(), v, "{what}: logits length");
+        let err = max_abs_diff(got, want);
+        worst = worst.max(err);
+        assert!(err < 0.05, "{what}: slot {slot} logit error {err}");
+    };
+    for slot in [2usize, 0, 1] {
+        let got = g.prefill_slot(slot, &prompts[slot]).unwrap();
+        let want = model
+            .forward(&prompts[slot], &mut caches[slot], Logits::Last)
+            .unwrap();
+        check(slot, &got, &want, "prefill");
+        lens[slot] = prompts[slot].len();
+        next[slot] = argmax(&want);
+    }
+    let orders = [[0usize, 1, 2], [2, 1, 0], [1, 0, 2], [0, 2, 1]];
+    for step in 0..12 {
+        for &slot in &orders[step % orders.len()] {
+            let got = g.step_slot(slot, lens[slot], next[slot]).unwrap();
+            let want = model
+                .forward(&[next[slot]], &mut caches[slot], Logits::Last)
+                .unwrap();
+            check(slot, &got, &want, "decode");
+            lens[slot] += 1;
+            next[slot] = argmax(&want);
+        }
+    }
+    // Slot 1 starts a new sequence; the others go on untouched.
+    let fresh: Vec<u32> = vec![9, 10, 11, 12];
+    let mut fresh_cache = model.new_cache(context);
+    let got = g.prefill_slot(1, &fresh).unwrap();
+    let want = model
+        .forward(&fresh, &mut fresh_cache, Logits::Last)
+        .unwrap();
+    check(1, &got, &want, "prefill again");
+    for slot in [0usize, 2] {
+        let got = g.step_slot(slot, lens[slot], next[slot]).unwrap();
+        let want = model
+            .forward(&[next[slot]], &mut caches[slot], Logits::Last)
+            .unwrap();
+        check(slot, &got, &want, "after another slot's prefill");
+    }
+    eprintln!("{name}: max logit error {worst}");
+    // Refusals, before anything runs.
+    assert!(g.step_slot(3, 0, 1).is_err(), "slot outside the pool");
+    assert!(
+        g.step_slot(0, context, 1).is_err(),
+        "position past the context"
+    );
+    assert!(
+        g.step_slot(0, 0, v as u32).is_err(),
+        "token outside the vocabulary"
+    );
+    assert!(g.prefill_slot(0, &[]).is_err(), "empty prompt");
+    assert!(
+        g.prefill_slot(0, &vec![1; context + 1]).is_err(),
+        "prompt longer than the context"
+    );
+    assert!(
+        GpuModel::from_model(Gpu::new(0).unwrap(), &model, context)
+            .unwrap()
+            .with_slots(0)
+            .is_err(),
+        "a pool of 0 slots"
+    );
+}

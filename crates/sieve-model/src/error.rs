@@ -38,6 +38,9 @@ pub enum ModelError {
     ContextOverflow { tokens: usize, context: usize },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A failure of the device running the model (a GPU engine), with its causes.
+    #[error("device: {0}")]
+    Device(String),
     #[error(transparent)]
     Format(#[from] sieve_formats::FormatError),
 }

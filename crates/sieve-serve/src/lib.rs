@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`api`] | the OpenAI wire format: request parsing, JSON errors, responses and stream chunks |
 //! | [`engine`] | `DecodeEngine`, the seam a model runner implements (CPU: `CpuEngine`) |
+//! | [`gpu_engine`] | `GpuEngine`: the GPU runner's slots behind the same seam (`--device cuda`) |
 //! | [`scheduler`] | the bounded queue and the continuous-batching loop that owns the engine |
 //! | [`metrics`] | counters, gauges and histograms in the Prometheus text format |
 //! | [`server`] | axum routes, API key, limits, SSE streaming |
@@ -18,6 +19,7 @@
 pub mod api;
 pub mod connections;
 pub mod engine;
+pub mod gpu_engine;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
@@ -172,6 +174,19 @@ pub fn load_cpu_engine(path: &Path, config: &ServeConfig) -> Result<(CpuEngine, 
     config.validate()?;
     let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
     let engine = CpuEngine::new(model, config.max_batch, config.context)?;
+    Ok((engine, tokenizer))
+}
+
+/// Loads a model file into a GPU engine on `gpu` with `config.max_batch` device KV cache
+/// slots of `config.context` positions.
+pub fn load_gpu_engine(
+    path: &Path,
+    config: &ServeConfig,
+    gpu: sieve_cuda::Gpu,
+) -> Result<(gpu_engine::GpuEngine, Tokenizer)> {
+    config.validate()?;
+    let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    let engine = gpu_engine::GpuEngine::new(&model, gpu, config.max_batch, config.context)?;
     Ok((engine, tokenizer))
 }
 

@@ -13,7 +13,7 @@ use sieve_model::generate::{generate, GenerateOptions};
 use sieve_model::llama::Model;
 use sieve_model::tokenizer::Tokenizer;
 pub use sieve_serve::ServeConfig;
-use sieve_serve::{load_cpu_engine, model_name_for, Server};
+use sieve_serve::{load_cpu_engine, load_gpu_engine, model_name_for, Server};
 
 /// The tests load several models and run them; one at a time keeps them quick on 2 cores.
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -90,8 +90,15 @@ pub fn config() -> ServeConfig {
     }
 }
 
+/// A server on the CPU engine, or with `SIEVE_SERVE_TEST_DEVICE=cuda` (the GPU machine) on the
+/// GPU engine, so that every server test also runs against `sieve serve --device cuda`.
 pub fn start(config: &ServeConfig) -> Server {
     let path = model_path().expect("checked by the caller");
+    if std::env::var("SIEVE_SERVE_TEST_DEVICE").as_deref() == Ok("cuda") {
+        let gpu = sieve_cuda::Gpu::new(0).expect("SIEVE_SERVE_TEST_DEVICE=cuda needs a GPU");
+        let (engine, tokenizer) = load_gpu_engine(&path, config, gpu).expect("GPU engine");
+        return Server::start(Box::new(engine), tokenizer, config).expect("server starts");
+    }
     let (engine, tokenizer) = load_cpu_engine(&path, config).expect("engine");
     Server::start(Box::new(engine), tokenizer, config).expect("server starts")
 }

@@ -1,18 +1,14 @@
 //! `sieve serve`: the OpenAI-compatible HTTP server (the server itself is `sieve-serve`).
 
-use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
-use sieve_serve::{load_cpu_engine, model_name_for, shutdown_signal, ServeConfig, Server};
+use super::device::{self, Device};
+use anyhow::{Context, Result};
+use clap::Args;
+use sieve_serve::engine::DecodeEngine;
+use sieve_serve::{
+    load_cpu_engine, load_gpu_engine, model_name_for, shutdown_signal, ServeConfig, Server,
+};
 use std::path::PathBuf;
 use std::time::Duration;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Device {
-    /// The CPU today; the GPU once its decode runner serves.
-    Auto,
-    Cuda,
-    Cpu,
-}
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -66,12 +62,6 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.device == Device::Cuda {
-        bail!(
-            "--device cuda: sieve serve has no GPU decode engine yet (the seam is \
-             sieve_serve::engine::DecodeEngine); use --device cpu"
-        );
-    }
     let mut config = ServeConfig {
         host: args.host,
         port: args.port,
@@ -93,16 +83,32 @@ pub fn run(args: ServeArgs) -> Result<()> {
     config.validate()?;
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     config.model_name = model_name_for(&path);
-    let (engine, tokenizer) =
-        load_cpu_engine(&path, &config).with_context(|| format!("opening {}", path.display()))?;
-    let positions = sieve_serve::engine::DecodeEngine::slot_capacity(&engine);
-    let server = Server::start_with_shutdown(Box::new(engine), tokenizer, &config, async {
+    let gpu = device::open(args.device)?;
+    let on = match &gpu {
+        Some(g) => g.info().name.clone(),
+        None => "cpu".to_owned(),
+    };
+    let (engine, tokenizer): (Box<dyn DecodeEngine>, _) = match gpu {
+        Some(gpu) => {
+            let (engine, tokenizer) = load_gpu_engine(&path, &config, gpu)
+                .with_context(|| format!("opening {} on the GPU", path.display()))?;
+            device::print_report(engine.model());
+            (Box::new(engine), tokenizer)
+        }
+        None => {
+            let (engine, tokenizer) = load_cpu_engine(&path, &config)
+                .with_context(|| format!("opening {}", path.display()))?;
+            (Box::new(engine), tokenizer)
+        }
+    };
+    let positions = engine.slot_capacity();
+    let server = Server::start_with_shutdown(engine, tokenizer, &config, async {
         shutdown_signal().await;
         eprintln!("sieve serve: shutting down, finishing requests in flight");
     })?;
     let limits = server.limits();
     eprintln!(
-        "sieve serve: model {} on cpu, {} slots of {} positions, at most {} connections, \
+        "sieve serve: model {} on {on}, {} slots of {} positions, at most {} connections, \
          listening on http://{}",
         config.model_name,
         config.max_batch,

@@ -1,0 +1,117 @@
+//! The GPU engine: [`DecodeEngine`] over `sieve-gpu`'s [`GpuModel`] with a pool of KV cache
+//! slots on the device.
+//!
+//! Each slot's step is the model's plan up to the logits, captured once as a CUDA graph with
+//! that slot's cache addresses; a decode step of the batch replays the graph of every running
+//! slot in turn and reads each sequence's logits back for the scheduler to sample on the host.
+//! The batch therefore costs one single-sequence step per sequence: the products are not yet
+//! batched across sequences (issue 28's batched kernels), so throughput equals one stream's
+//! and per-sequence TPOT grows with the batch.
+
+use crate::engine::DecodeEngine;
+use sieve_gpu::{GpuError, GpuModel};
+use sieve_model::llama::Model;
+use sieve_model::{ModelError, Result};
+
+pub struct GpuEngine {
+    model: GpuModel,
+    /// Positions each slot holds.
+    lens: Vec<usize>,
+}
+
+/// The serving seam speaks `ModelError`: a device error keeps its message and cause chain.
+fn model_error(e: GpuError) -> ModelError {
+    match e {
+        GpuError::Model(e) => e,
+        other => {
+            let mut message = other.to_string();
+            let mut cause = std::error::Error::source(&other);
+            while let Some(c) = cause {
+                message.push_str(": ");
+                message.push_str(&c.to_string());
+                cause = c.source();
+            }
+            ModelError::Device(message)
+        }
+    }
+}
+
+impl GpuEngine {
+    /// Uploads `model` to `gpu` with `slots` KV caches of `context` positions (capped at the
+    /// model's context). Fails with the bytes needed when model and pool do not fit.
+    pub fn new(model: &Model, gpu: sieve_cuda::Gpu, slots: usize, context: usize) -> Result<Self> {
+        if slots == 0 {
+            return Err(ModelError::InvalidArgument(
+                "the KV cache pool needs at least one slot".into(),
+            ));
+        }
+        if context < 2 {
+            return Err(ModelError::InvalidArgument(format!(
+                "the context must hold at least 2 positions, got {context}"
+            )));
+        }
+        let model = GpuModel::from_model(gpu, model, context)
+            .and_then(|m| m.with_slots(slots))
+            .map_err(model_error)?;
+        Ok(Self {
+            lens: vec![0; slots],
+            model,
+        })
+    }
+
+    /// The device model (upload report, configuration).
+    pub fn model(&self) -> &GpuModel {
+        &self.model
+    }
+}
+
+impl DecodeEngine for GpuEngine {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+    fn slots(&self) -> usize {
+        self.model.slots()
+    }
+    fn slot_capacity(&self) -> usize {
+        self.model.capacity()
+    }
+    fn slot_len(&self, slot: usize) -> usize {
+        self.lens.get(slot).copied().unwrap_or(0)
+    }
+
+    fn prefill(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>> {
+        if let Some(len) = self.lens.get_mut(slot) {
+            *len = 0;
+        }
+        let logits = self.model.prefill_slot(slot, prompt).map_err(model_error)?;
+        self.lens[slot] = prompt.len();
+        Ok(logits)
+    }
+
+    fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>> {
+        for (i, &(slot, _)) in batch.iter().enumerate() {
+            if slot >= self.lens.len() {
+                return Err(ModelError::InvalidArgument(format!(
+                    "slot {slot} does not exist (the pool has {})",
+                    self.lens.len()
+                )));
+            }
+            if batch[..i].iter().any(|&(s, _)| s == slot) {
+                return Err(ModelError::InvalidArgument(format!(
+                    "slot {slot} appears twice in one decode step"
+                )));
+            }
+        }
+        let mut logits = Vec::with_capacity(batch.len() * self.vocab_size());
+        for &(slot, token) in batch {
+            let position = self.lens[slot];
+            let row = self
+                .model
+                .step_slot(slot, position, token)
+                .map_err(model_error)?;
+            logits.extend_from_slice(&row);
+            self.lens[slot] = position + 1;
+        }
+        Ok(logits)
+    }
+}
