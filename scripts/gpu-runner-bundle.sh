@@ -4,6 +4,8 @@
 # (bin/, tests/, tests.tsv, run-tests), small enough to travel with a cut model.
 #   scripts/gpu-runner-bundle.sh && (on the GPU machine) .gpu/run-tests
 #   FUZZ=1 scripts/gpu-runner-bundle.sh   also stages bin/sieve-fuzz for scripts/fuzz-bg.sh
+#   SERVE=1 scripts/gpu-runner-bundle.sh  also stages the server tests (tests/serve.rs), which
+#     run against the GPU engine there with SIEVE_SERVE_TEST_DEVICE=cuda and the default model
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -14,7 +16,10 @@ rm -rf .gpu && mkdir -p .gpu/bin .gpu/tests
 : > .gpu/tests.tsv
 cargo build --release -p sieve --quiet
 cp "$target/release/sieve" .gpu/bin/
-(cargo test --release -p sieve-gpu -p sieve-cuda --no-run --message-format=json 2>/dev/null || true) \
+{ cargo test --release -p sieve-gpu -p sieve-cuda --no-run --message-format=json 2>/dev/null || true
+  if [ "${SERVE:-0}" = 1 ]; then
+    cargo test --release -p sieve-serve --test serve --no-run --message-format=json 2>/dev/null || true
+  fi; } \
   | python3 -c '
 import json, os, sys
 for line in sys.stdin:

@@ -1216,6 +1216,36 @@ impl GpuModel {
         result
     }
 
+    /// Captures the step graph of every slot that has none yet (each holds its slot's cache
+    /// addresses), so that no request pays for a capture; returns how many were captured.
+    /// Nothing runs. Without graphs (or when the driver refuses a capture, noted in the report
+    /// as in [`Self::prefill`]) steps run as eager launches and nothing is captured.
+    pub fn capture_slots(&mut self) -> Result<usize> {
+        let mut captured = 0;
+        for slot in 0..self.slots {
+            if !self.use_graphs || self.slot_graphs[slot].is_some() {
+                continue;
+            }
+            self.slot = slot;
+            let graph = self.capture_ops(&self.ops());
+            self.slot = 0;
+            match graph {
+                Ok(graph) => {
+                    self.slot_graphs[slot] = Some(graph);
+                    captured += 1;
+                }
+                Err(e) => {
+                    self.report.notes.push(format!(
+                        "CUDA graph capture failed ({e}); steps run as eager launches"
+                    ));
+                    self.use_graphs = false;
+                    self.gpu.synchronize().ok();
+                }
+            }
+        }
+        Ok(captured)
+    }
+
     /// One step of the current slot up to the logits: a replay of the slot's graph (captured
     /// on first use) or eager launches.
     fn run_logits_step(&mut self, position: usize, token: u32) -> Result<()> {

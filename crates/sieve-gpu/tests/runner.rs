@@ -983,6 +983,9 @@ fn slot_pool_matches_cpu_per_sequence() {
         .with_slots(3)
         .unwrap();
     assert_eq!(g.slots(), 3);
+    // Every slot's graph captured ahead of its first step; a second call captures nothing.
+    assert_eq!(g.capture_slots().unwrap(), 3);
+    assert_eq!(g.capture_slots().unwrap(), 0, "already captured");
     let prompts: [Vec<u32>; 3] = [vec![5, 17, 42, 99, 250, 7, 8], vec![3], vec![200, 1, 64]];
     let mut caches: Vec<_> = (0..3).map(|_| model.new_cache(context)).collect();
     let mut lens = [0usize; 3];

@@ -50,9 +50,11 @@ impl GpuEngine {
                 "the context must hold at least 2 positions, got {context}"
             )));
         }
-        let model = GpuModel::from_model(gpu, model, context)
+        let mut model = GpuModel::from_model(gpu, model, context)
             .and_then(|m| m.with_slots(slots))
             .map_err(model_error)?;
+        // Every slot's graph now (about a tenth of a second each), not in a request's TTFT.
+        model.capture_slots().map_err(model_error)?;
         Ok(Self {
             lens: vec![0; slots],
             model,

@@ -72,6 +72,24 @@ pub fn greedy_answer(prompt: &Prompt, max_tokens: usize) -> (String, usize, usiz
         max_tokens,
         ..GenerateOptions::default()
     };
+    if on_gpu() {
+        // The GPU engine's single-request answer is the GPU runner's `generate` (its products
+        // round differently from the CPU's 8-bit-activation block kernels, so greedy text may
+        // part from the CPU's after some tokens; each device must agree with itself).
+        static GPU_REFERENCE: OnceLock<std::sync::Mutex<sieve_gpu::GpuModel>> = OnceLock::new();
+        let gpu_model = GPU_REFERENCE.get_or_init(|| {
+            let gpu = sieve_cuda::Gpu::new(0).expect("SIEVE_SERVE_TEST_DEVICE=cuda needs a GPU");
+            std::sync::Mutex::new(
+                sieve_gpu::GpuModel::from_model(gpu, model, 2048).expect("the model uploads"),
+            )
+        });
+        let mut gpu_model = gpu_model.lock().expect("the reference GPU model");
+        let g =
+            sieve_gpu::generate::generate(&mut gpu_model, tokenizer, &ids, &options, |_| Ok(()))
+                .expect("generates on the GPU");
+        let finish = sieve_serve::api::finish_reason(g.stop_reason);
+        return (g.text, ids.len(), g.tokens.len(), finish);
+    }
     let g = sieve_model::generate::run_in_pool(None, || {
         generate(model, tokenizer, &ids, &options, |_| Ok(()))
     })
@@ -90,11 +108,16 @@ pub fn config() -> ServeConfig {
     }
 }
 
+/// True when the tests run against the GPU engine (`SIEVE_SERVE_TEST_DEVICE=cuda`).
+pub fn on_gpu() -> bool {
+    std::env::var("SIEVE_SERVE_TEST_DEVICE").as_deref() == Ok("cuda")
+}
+
 /// A server on the CPU engine, or with `SIEVE_SERVE_TEST_DEVICE=cuda` (the GPU machine) on the
 /// GPU engine, so that every server test also runs against `sieve serve --device cuda`.
 pub fn start(config: &ServeConfig) -> Server {
     let path = model_path().expect("checked by the caller");
-    if std::env::var("SIEVE_SERVE_TEST_DEVICE").as_deref() == Ok("cuda") {
+    if on_gpu() {
         let gpu = sieve_cuda::Gpu::new(0).expect("SIEVE_SERVE_TEST_DEVICE=cuda needs a GPU");
         let (engine, tokenizer) = load_gpu_engine(&path, config, gpu).expect("GPU engine");
         return Server::start(Box::new(engine), tokenizer, config).expect("server starts");
