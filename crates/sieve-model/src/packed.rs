@@ -12,7 +12,7 @@
 //! | `model.layers.{l}.{proj}.bias` | F32 | when the layer has one |
 //! | `lm_head.weight` | Weight | only when the head is not tied to the embeddings |
 //! | `thresholds` | Json | `{linear weight name: threshold or null}` (TEAL) |
-//! | `manifest` | Json | how the file was made (free-form, written by `sieve pack`) |
+//! | `manifest` | Json | how the file was made (`sieve_prune::pack::Manifest`; not read at load) |
 //!
 //! The container checks every section's checksum on open, so a truncated or tampered file is
 //! refused before any of it reaches the model.

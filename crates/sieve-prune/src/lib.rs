@@ -12,6 +12,7 @@
 //! | [`dual`] | static x dynamic sparsity report (SPDP's overlap analysis) |
 //! | [`quant`] | INT4 per-group weight and INT8 per-token activation quantization |
 //! | [`pipeline`] | whole-model pruning layer by layer on calibration windows (`sieve pack`) |
+//! | [`pack`] | a `.sieve` file from a model file: the pipeline's run, the sections and the manifest (`sieve pack`) |
 //! | [`calib`] | calibration windows from a token stream |
 
 pub mod calib;
@@ -19,6 +20,7 @@ pub mod dual;
 pub mod error;
 pub mod mask;
 pub mod methods;
+pub mod pack;
 pub mod pattern;
 pub mod pipeline;
 pub mod quant;

@@ -1,22 +1,14 @@
 //! `sieve pack`: prune a model on calibration text, set TEAL thresholds, write a `.sieve` file.
+//! This file only parses, runs the library's assembly (`sieve_prune::pack`) and prints.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
-use sieve_model::generate::{init_threads, load_tokenizer};
-use sieve_model::llama::Model;
-use sieve_model::output::PendingOutput;
-use sieve_model::packed::{
-    add_head_blocks, add_model_sections, add_tokenizer_sections, HeadBlocks,
-};
-use sieve_model::packfile::PackWriter;
-use sieve_model::weights::open_model;
-use sieve_prune::pipeline::{
-    calibration_windows_from_file, check_calibration, check_values_for_format, pattern_for_format,
-    prune_model, FormatChoice, PipelineOptions, PipelineReport, TealAllocation, ValueGrid,
-};
-use sieve_prune::{Method, Pattern, SparseGptOptions};
+use sieve_model::generate::init_threads;
+use sieve_model::packed::HeadBlocks;
+use sieve_prune::pack::{pack, PackEvent, PackOptions};
+use sieve_prune::pipeline::{check_values_for_format, pattern_for_format, FormatChoice, ValueGrid};
+use sieve_prune::{Method, Pattern};
 use std::path::PathBuf;
 
 /// Calibration text used when `--calib` is not given (never the test split).
@@ -87,31 +79,6 @@ pub struct PackArgs {
     verbose: bool,
 }
 
-#[derive(Serialize)]
-struct Manifest<'a> {
-    source_model: String,
-    method: Method,
-    pattern: String,
-    sp: f64,
-    dp: f64,
-    teal_greedy: bool,
-    format: String,
-    values: ValueGrid,
-    head: HeadBlocks,
-    calibration: CalibrationManifest,
-    sieve_version: &'static str,
-    report: &'a PipelineReport,
-}
-
-#[derive(Serialize)]
-struct CalibrationManifest {
-    text: String,
-    samples: usize,
-    len: usize,
-    placement: &'static str,
-    report_tokens: usize,
-}
-
 pub fn run(args: PackArgs) -> Result<()> {
     if let Some(n) = args.threads {
         init_threads(n)?;
@@ -133,100 +100,56 @@ pub fn run(args: PackArgs) -> Result<()> {
         None => super::model_path::default_text(DEFAULT_CALIB).context("no --calib given")?,
     };
     let path = super::model_path::resolve_model(args.model.as_deref())?;
-    // Checked before any work: --out is not an input nor a non-file, its directory takes files.
-    let out = PendingOutput::create(&args.out, &[&path, &calib])?;
-    for stale in out.stale_removed() {
-        eprintln!(
+    let options = PackOptions {
+        model: path,
+        calib,
+        out: args.out,
+        method,
+        pattern,
+        sp: args.sp,
+        dp: args.dp,
+        format,
+        values,
+        head,
+        calib_samples: args.calib_samples,
+        calib_len: args.calib_len,
+        teal_greedy: args.teal_greedy,
+        report_tokens: args.report_tokens,
+    };
+    let mut bar: Option<ProgressBar> = None;
+    let report = pack(&options, &mut |event| match event {
+        PackEvent::StaleOutputRemoved(stale) => eprintln!(
             "pack: removed {}, a partial output left by a process that no longer runs",
             stale.display()
-        );
-    }
-    let source = open_model(&path).with_context(|| format!("opening {}", path.display()))?;
-    check_calibration(source.config(), args.calib_samples, args.calib_len)?;
-    let tokenizer = load_tokenizer(source.as_ref())?;
-    let mut model = Model::from_source_f16(source.as_ref())?;
-    let (windows, text_tokens) =
-        calibration_windows_from_file(&tokenizer, &calib, args.calib_samples, args.calib_len)
-            .with_context(|| format!("calibration windows from {}", calib.display()))?;
-    eprintln!(
-        "pack: {} {} sp={} dp={} format={} values={} head={} on {} x {} tokens spread over {text_tokens} tokens of {}",
-        method,
-        pattern,
-        args.sp,
-        args.dp,
-        format,
-        values,
-        head,
-        windows.len(),
-        args.calib_len,
-        calib.display()
-    );
-    if pattern.is_balanced() && method != Method::SparseGpt {
-        // Within one column group every score carries the same activation norm, so Wanda
-        // chooses what magnitude does (docs/QUALITY.md: 3.6x the unstructured perplexity at 8:16).
-        eprintln!(
-            "pack: note: with the balanced pattern {method} keeps the largest weights of each group; \
-             sparsegpt compensates the pruned ones and loses far less perplexity (docs/QUALITY.md)"
-        );
-    }
-    let options = PipelineOptions {
-        method,
-        pattern,
-        sp: args.sp,
-        dp: args.dp,
-        format,
-        sparsegpt: SparseGptOptions::default(),
-        report_tokens: args.report_tokens,
-        teal_allocation: if args.teal_greedy {
-            TealAllocation::GREEDY_DEFAULT
-        } else {
-            TealAllocation::Uniform
-        },
-        values,
-    };
-    let bar = ProgressBar::new(1);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let report = prune_model(&mut model, &windows, &options, &mut |p| {
-        bar.set_length(p.total);
-        bar.set_position(p.done);
-        bar.set_message(format!("layer {} {}", p.layer, p.stage));
+        ),
+        PackEvent::Calibrated {
+            windows,
+            text_tokens,
+        } => {
+            print_start(&options, windows, text_tokens);
+            let b = ProgressBar::new(1);
+            b.set_style(
+                ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar = Some(b);
+        }
+        PackEvent::Progress(p) => {
+            if let Some(bar) = &bar {
+                bar.set_length(p.total);
+                bar.set_position(p.done);
+                bar.set_message(format!("layer {} {}", p.layer, p.stage));
+            }
+        }
+        PackEvent::Pruned => {
+            if let Some(bar) = bar.take() {
+                bar.finish_and_clear();
+            }
+        }
     })?;
-    bar.finish_and_clear();
-
-    let mut writer = PackWriter::new();
-    add_model_sections(&mut writer, &model)?;
-    add_head_blocks(&mut writer, head)?;
-    add_tokenizer_sections(&mut writer, source.as_ref())?;
-    drop(source);
-    let manifest = Manifest {
-        source_model: path.display().to_string(),
-        method,
-        pattern: pattern.to_string(),
-        sp: args.sp,
-        dp: args.dp,
-        teal_greedy: args.teal_greedy,
-        format: format.to_string(),
-        values,
-        head,
-        calibration: CalibrationManifest {
-            text: calib.display().to_string(),
-            samples: args.calib_samples,
-            len: args.calib_len,
-            placement: "spread",
-            report_tokens: args.report_tokens,
-        },
-        sieve_version: env!("CARGO_PKG_VERSION"),
-        report: &report,
-    };
-    writer.add_json("manifest", &manifest)?;
-    writer
-        .write_to(out)
-        .with_context(|| format!("writing {}", args.out.display()))?;
+    let out = &options.out;
     if args.verbose {
         for l in &report.linears {
             println!("{}", serde_json::to_string(l)?);
@@ -244,12 +167,38 @@ pub fn run(args: PackArgs) -> Result<()> {
             1.0 / products.max(1e-12)
         );
     }
-    let size = std::fs::metadata(&args.out).map(|m| m.len()).unwrap_or(0);
+    let size = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     println!(
         "wrote {} ({:.1} MB) in {:.1} s of pruning",
-        args.out.display(),
+        out.display(),
         size as f64 / 1e6,
         report.seconds
     );
     Ok(())
+}
+
+/// What is about to be pruned, on what calibration (stderr), and the note on balanced patterns.
+fn print_start(o: &PackOptions, windows: usize, text_tokens: usize) {
+    eprintln!(
+        "pack: {} {} sp={} dp={} format={} values={} head={} on {} x {} tokens spread over {text_tokens} tokens of {}",
+        o.method,
+        o.pattern,
+        o.sp,
+        o.dp,
+        o.format,
+        o.values,
+        o.head,
+        windows,
+        o.calib_len,
+        o.calib.display()
+    );
+    if o.pattern.is_balanced() && o.method != Method::SparseGpt {
+        // Within one column group every score carries the same activation norm, so Wanda
+        // chooses what magnitude does (docs/QUALITY.md: 3.6x the unstructured perplexity at 8:16).
+        eprintln!(
+            "pack: note: with the balanced pattern {} keeps the largest weights of each group; \
+             sparsegpt compensates the pruned ones and loses far less perplexity (docs/QUALITY.md)",
+            o.method
+        );
+    }
 }
