@@ -105,6 +105,28 @@ pub struct Calibration {
     pub stages: Vec<(Point, [f64; 4], [f64; 4])>,
 }
 
+impl Calibration {
+    /// Fig. 5: each stage point's reconstruction share of the full kernel time, `(full -
+    /// no-reconstruction) / full`, as (measured, model), in the order of [`Self::stages`].
+    pub fn reconstruction_shares(&self) -> Vec<(f64, f64)> {
+        self.stages
+            .iter()
+            .map(|(_, m, s)| ((m[0] - m[1]) / m[0], (s[0] - s[1]) / s[0]))
+            .collect()
+    }
+
+    /// The mean of [`Self::reconstruction_shares`], (measured, model); (0, 0) without stage
+    /// points.
+    pub fn mean_reconstruction_share(&self) -> (f64, f64) {
+        let shares = self.reconstruction_shares();
+        let (measured, model) = shares
+            .iter()
+            .fold((0.0, 0.0), |(a, b), (m, s)| (a + m, b + s));
+        let n = shares.len().max(1) as f64;
+        (measured / n, model / n)
+    }
+}
+
 /// Runs the measured configuration (decoder off, no register accumulation) at every measured
 /// point accepted by `filter`, and the stage variants when `with_stages`.
 pub fn calibrate(
@@ -156,4 +178,34 @@ pub fn calibrate(
         points,
         stages,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconstruction_shares_and_their_mean() {
+        let p = Point {
+            m: 64,
+            k: 64,
+            sp: 0.5,
+            dp: 0.5,
+        };
+        let mut c = Calibration {
+            points: Vec::new(),
+            mean_abs_error: 0.0,
+            max_abs_error: 0.0,
+            within_20pct: 0,
+            stages: vec![
+                (p, [10.0, 6.0, 5.0, 4.0], [8.0, 6.0, 5.0, 4.0]),
+                (p, [10.0, 8.0, 5.0, 4.0], [8.0, 2.0, 5.0, 4.0]),
+            ],
+        };
+        assert_eq!(c.reconstruction_shares(), vec![(0.4, 0.25), (0.2, 0.75)]);
+        let (measured, model) = c.mean_reconstruction_share();
+        assert!((measured - 0.3).abs() < 1e-12 && (model - 0.5).abs() < 1e-12);
+        c.stages.clear();
+        assert_eq!(c.mean_reconstruction_share(), (0.0, 0.0));
+    }
 }

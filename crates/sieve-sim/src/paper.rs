@@ -171,6 +171,32 @@ pub struct Comparison {
     pub tpot: Vec<Tpot>,
 }
 
+impl Comparison {
+    /// The variants, in the order their rows first appear.
+    pub fn variant_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for r in &self.rows {
+            if !names.contains(&r.variant.as_str()) {
+                names.push(&r.variant);
+            }
+        }
+        names
+    }
+
+    /// One variant's rows (one per sparsity), in order.
+    pub fn rows_of<'a>(&'a self, variant: &'a str) -> impl Iterator<Item = &'a VariantRow> + 'a {
+        self.rows.iter().filter(move |r| r.variant == variant)
+    }
+
+    /// One variant's largest speedup over cuBLAS, over its sparsities and shapes (0 without
+    /// rows).
+    pub fn max_speedup_of(&self, variant: &str) -> f64 {
+        self.rows_of(variant)
+            .map(|r| r.max_speedup)
+            .fold(0.0, f64::max)
+    }
+}
+
 /// LLaMA-2-7B's linear layers per decoder layer: q, k, v, o (4096x4096), gate, up
 /// (11008x4096), down (4096x11008); 32 layers.
 pub const LLAMA2_7B_LAYER: [(usize, usize, usize); 3] =
@@ -364,4 +390,41 @@ pub fn compare(
         fig5,
         tpot,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(variant: &str, sparsity: f64, mean: f64, max: f64) -> VariantRow {
+        VariantRow {
+            variant: variant.into(),
+            sparsity,
+            per_shape: Vec::new(),
+            mean_speedup: mean,
+            max_speedup: max,
+            mean_vs_macko_bound: 1.0,
+        }
+    }
+
+    #[test]
+    fn rows_grouped_by_variant_in_first_appearance_order() {
+        let c = Comparison {
+            rows: vec![
+                row("b", 0.3, 1.1, 1.2),
+                row("a", 0.3, 1.3, 1.4),
+                row("b", 0.5, 1.5, 1.9),
+                row("a", 0.5, 1.6, 1.7),
+            ],
+            fig12: Vec::new(),
+            fig5: Vec::new(),
+            tpot: Vec::new(),
+        };
+        assert_eq!(c.variant_names(), ["b", "a"]);
+        let b: Vec<f64> = c.rows_of("b").map(|r| r.mean_speedup).collect();
+        assert_eq!(b, [1.1, 1.5]);
+        assert_eq!(c.max_speedup_of("b"), 1.9);
+        assert_eq!(c.max_speedup_of("a"), 1.7);
+        assert_eq!(c.max_speedup_of("none"), 0.0);
+    }
 }

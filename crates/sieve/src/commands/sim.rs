@@ -249,22 +249,17 @@ fn print_calibration(c: &Calibration) {
     );
     if !c.stages.is_empty() {
         println!("\nFig. 5 stage variants (µs, measured / model): full, no reconstruction, no accumulation, loads only; reconstruction share");
-        let mut shares = (0.0, 0.0, 0usize);
-        for (p, m, s) in &c.stages {
-            let (rm, rs) = ((m[0] - m[1]) / m[0], (s[0] - s[1]) / s[0]);
-            shares.0 += rm;
-            shares.1 += rs;
-            shares.2 += 1;
+        for ((p, m, s), (rm, rs)) in c.stages.iter().zip(c.reconstruction_shares()) {
             println!(
                 "  {}x{} sp {:.1} dp {:.1}: {:.1}/{:.1}  {:.1}/{:.1}  {:.1}/{:.1}  {:.1}/{:.1}; recon {:.0}%/{:.0}%",
                 p.m, p.k, p.sp, p.dp, m[0], s[0], m[1], s[1], m[2], s[2], m[3], s[3], 100.0 * rm, 100.0 * rs
             );
         }
-        let n = shares.2.max(1) as f64;
+        let (measured, model) = c.mean_reconstruction_share();
         println!(
             "  mean reconstruction share: measured {:.0}%, model {:.0}%",
-            100.0 * shares.0 / n,
-            100.0 * shares.1 / n
+            100.0 * measured,
+            100.0 * model
         );
     }
 }
@@ -273,27 +268,19 @@ fn print_comparison(c: &Comparison) {
     println!("\nspeedup over cuBLAS (mean over the shapes; paper: Fig. 6 SMEM kernel 1.49x/2.19x at 50/70%, sparse SIMT core 1.78x/2.73x/4.06x at 30/50/70%):");
     println!("| variant | 30% | 50% | 70% | max |");
     println!("|---|---|---|---|---|");
-    let mut names: Vec<&str> = Vec::new();
-    for r in &c.rows {
-        if !names.contains(&r.variant.as_str()) {
-            names.push(&r.variant);
-        }
-    }
+    let names = c.variant_names();
     for n in &names {
-        let rows: Vec<_> = c.rows.iter().filter(|r| r.variant == *n).collect();
-        let cells: Vec<String> = rows
-            .iter()
+        let cells: Vec<String> = c
+            .rows_of(n)
             .map(|r| format!("{:.2}x", r.mean_speedup))
             .collect();
-        let max = rows.iter().map(|r| r.max_speedup).fold(0.0, f64::max);
+        let max = c.max_speedup_of(n);
         println!("| {n} | {} | {max:.2}x |", cells.join(" | "));
     }
     println!("\nover Macko's bandwidth bound (weight-only SpMV at copy bandwidth; paper Fig. 11: 2.3x / 2.5x at 50/70%):");
     for n in &names {
         let cells: Vec<String> = c
-            .rows
-            .iter()
-            .filter(|r| r.variant == *n)
+            .rows_of(n)
             .map(|r| format!("{:.2}x", r.mean_vs_macko_bound))
             .collect();
         println!("  {n}: {}", cells.join(" / "));
