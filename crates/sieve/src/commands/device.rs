@@ -18,7 +18,7 @@ pub fn open(device: Device) -> Result<Option<Gpu>> {
         Device::Cpu => Ok(None),
         Device::Cuda => Gpu::new(0)
             .map(Some)
-            .context("--device cuda: no usable GPU"),
+            .context("--device cuda: no usable GPU (--device cpu runs on the CPU)"),
         Device::Auto => match Gpu::new(0) {
             Ok(g) => Ok(Some(g)),
             Err(e) => {
