@@ -6,7 +6,7 @@ shapes, types and magnitudes do. No f16 stage: each tensor's quantized blocks ar
 (random quants, with scales picked so that the weights have magnitudes around sqrt(3/K), K the
 row length, like a uniform init) and streamed to the file one tensor at a time.
 
-usage: random_gguf.py --shape llama2-7b|tiny --type f16|q8_0|q4_0|q4_k_m -o PATH
+usage: random_gguf.py --shape llama2-7b|tiny --type f16|q8_0|q4_0|q4_k_m|q6_k -o PATH
                      [--tokenizer gpt2|llama] [--seed N]
 
 Types:
@@ -18,6 +18,7 @@ Types:
           eighth of the layers and every third layer between: 16 of 32 for 7B). This follows
           llama.cpp's rule for a model with no GQA; the finer cases (GQA, MoE, imatrix) don't
           apply here.
+  q6_k    every matrix Q6_K
 Norms are F32 ones; token_embd.weight has the same type as the other matrices (Q4_K for
 q4_k_m, as llama.cpp's Q4_K_M has).
 
@@ -58,8 +59,8 @@ SHAPES = {
     "tiny": dict(hidden=256, intermediate=768, layers=2, heads=4, kv_heads=4, vocab=512),
 }
 # llama.cpp's llama_ftype numbers, for general.file_type
-FILE_TYPE = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
-BASE_TYPE = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k_m": Q.Q4_K}
+FILE_TYPE = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q6_k": 18}
+BASE_TYPE = {"f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k_m": Q.Q4_K, "q6_k": Q.Q6_K}
 
 
 def f16_bytes(x: np.ndarray) -> np.ndarray:

@@ -1,14 +1,20 @@
 // Dense low-bit GEMV / small GEMM: Y (N x M, f32) = X (N x K, f16) · Wᵀ, W quantized,
 // N = 1..32 tokens, dequantized in registers and multiplied on the tensor cores
-// (mma.sync m16n8k16, f16 inputs, f32 accumulation). Four weight kinds (src/lowbit.rs):
+// (mma.sync m16n8k16, f16 inputs, f32 accumulation). Eight weight kinds (src/lowbit.rs):
 //
-//   kind         value of W[r][k]                        scale                      from
+//   kind         value of W[r][k]                        scale (and min)            from
 //   w4 g128      s[r][k / 128] · (u - 8), u in 0..15     f16 per row and 128 columns sieve's W4A16
 //   w4 g32       s[r][k / 32]  · (u - 8)                 f16 per row and 32 columns  GGUF Q4_0
 //   w8 row       s[r] · (u - 128), u in 0..255           f32 per row                 sieve's W8A16
 //   w8 g32       s[r][k / 32]  · (u - 128)               f16 per row and 32 columns  GGUF Q8_0
+//   w4 g32 a     s[r][k / 32] · u - m[r][k / 32]         f16 s and m per 32 columns  GGUF Q4_K, Q4_1
+//   w5 g32       s[r][k / 32]  · (u - 16), u in 0..31    f16 per row and 32 columns  GGUF Q5_0
+//   w5 g32 a     s[r][k / 32] · u - m[r][k / 32]         f16 s and m per 32 columns  GGUF Q5_K, Q5_1
+//   w6 g16       s[r][k / 16]  · (u - 32), u in 0..63    f16 per row and 16 columns  GGUF Q6_K
 //
-// (4-bit weights are symmetric with the fixed zero point 8, as GPTQ's symmetric mode and Q4_0.)
+// (Symmetric kinds have the fixed zero points 8, 16, 32, 128, as GPTQ's symmetric mode and
+// Q4_0 / Q5_0 / Q6_K. The K-quants' scales d · sc and mins dmin · m are rounded to f16 at
+// upload: relative 2^-11, the rounding the f16 dequantization of the same blocks has per weight.)
 //
 // Device layout (built at upload, src/lowbit.rs `device_layout`): rows padded to Mp = 16 n,
 // columns to Kp = 128 n (padding: value 0, scale 0). Row tile rt = rows 16 rt .. 16 rt + 15;
@@ -23,6 +29,8 @@
 //          and one f16x2 subtraction of (1032, 1032) gives the exact values u - 8: A register i;
 //   8-bit: two u32, bytes e0..e3 then e4..e7; a PRMT with 0x64 bytes makes (1024 + u, 1024 + u')
 //          and a subtraction of 1152 gives u - 128.
+//   5- and 6-bit: the low nibbles as the 4-bit word, the HB = 1 or 2 high bits in a second
+//          plane (below), OR-ed in at bit 4 before the same subtraction (1024 + Z).
 //
 // A chunk is 512 bytes: 32 lanes x 16 bytes, lane l's uint4 = its fragments of 4 consecutive
 // k tiles (4-bit: 16 rows x 64 columns) or 2 (8-bit: 16 rows x 32 columns). The chunks of a
@@ -31,9 +39,13 @@
 //      chunk (rt, kc) at byte 512 (rt · chunks + kc);  lane l reads bytes 16 l .. 16 l + 15
 //      | l0 | l1 | l2 | ... | l31 |   one coalesced 128-bit load per lane, no other weight bytes
 //
+// High plane (5- and 6-bit kinds): HB u32 words per lane and chunk, at word HB (32 (rt · chunks
+// + kc) + l). k tile j of the chunk has its field at bit 4 j (HB = 1) or in word j / 2 at bit 8 (j % 2)
+// (HB = 2); within a field, element e(2i)'s high bits sit at bit HB i, e(2i+1)'s at 16 + HB i.
+//
 // Group scales (f16 kinds): one u32 per (row tile, group, g) = f16 pair (s[16rt+g], s[16rt+g+8]),
 // at ((rt · groups + group) · 8 + g): a lane loads the scales of its two rows with one 4-byte load.
-// Row scales (w8 row): f32 [Mp].
+// Group mins (affine kinds): the same pairs, same index. Row scales (w8 row): f32 [Mp].
 //
 // Thread mapping: one block = one row tile, LB_WARPS = 8 warps splitting its K chunks into
 // contiguous ranges of whole scale groups (split-K inside the block, reduced in shared memory:
@@ -44,6 +56,7 @@
 // [k0 + 2c + 8, +9], two 4-byte loads through L1, skipped for n >= N) and one mma. Group kinds
 // accumulate a group's mmas in `part`, then add part · scale of its row to `acc`: values are the
 // integers u - zero exactly, so the product differs from the CPU reference only by f32 rounding.
+// Affine kinds also sum the group's x per token (one more mma, A all ones) and add -m · sum.
 // N tiles: NT = ceil(N / 8) per kernel instance (NT = 1 serves N = 1..8: the tensor cores have
 // the spare throughput; the weight bytes bound N <= 8).
 // x is N x ldx f16 (ldx >= Kp, columns K .. Kp zero), y N x ldy f32; `accumulate` adds to y.
@@ -83,10 +96,24 @@ __device__ __forceinline__ void lb_mma(float c[4], const u32 a[4], u32 b0, u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 4-bit fragment word -> 4 A registers of exact f16 values u - 8.
+// 4-bit fragment word -> 4 A registers of exact f16 values u - Z (Z = 8, or 0 for affine kinds).
+template <int Z>
 __device__ __forceinline__ void lb_frag4(u32 w, u32 a[4]) {
+    constexpr u32 sub = (0x6400u + Z) * 0x10001u;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = lb_sub_f16x2(((w >> (4 * i)) & 0x000f000fu) | 0x64006400u, 0x64086408u);
+    for (int i = 0; i < 4; ++i) a[i] = lb_sub_f16x2(((w >> (4 * i)) & 0x000f000fu) | 0x64006400u, sub);
+}
+
+// 5- or 6-bit fragment: the low nibbles as lb_frag4, the HB = BITS - 4 high bits of the k tile
+// from `t` (the tile's field shifted down to bit 0: register i's pair at bits HB i and 16 + HB i),
+// exact f16 values u - Z.
+template <int HB, int Z>
+__device__ __forceinline__ void lb_frag_hi(u32 w, u32 t, u32 a[4]) {
+    constexpr u32 sub = (0x6400u + Z) * 0x10001u;
+    constexpr u32 mask = HB == 1 ? 0x00010001u : 0x00030003u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        a[i] = lb_sub_f16x2(((w >> (4 * i)) & 0x000f000fu) | (((t >> (HB * i)) & mask) << 4) | 0x64006400u, sub);
 }
 
 // 8-bit fragment words -> 4 A registers of exact f16 values u - 128.
@@ -99,19 +126,26 @@ __device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
 
 __device__ __forceinline__ u32 lb_ldx(const f16_bits* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
-// BITS: 4 or 8. GROUP: columns per scale (0: one f32 scale per row). NT: 8-token n tiles.
-template <int BITS, int GROUP, int NT>
-__device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const u32* __restrict__ gscales,
+// BITS: 4, 5, 6 or 8. GROUP: columns per scale (0: one f32 scale per row). AFFINE: value
+// s · u - m with u unsigned (zero point 0) and a per-group f16 min m; else s · (u - Z).
+// NT: 8-token n tiles.
+template <int BITS, int GROUP, bool AFFINE, int NT>
+__device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const u32* __restrict__ hi,
+                                              const u32* __restrict__ gscales, const u32* __restrict__ gmins,
                                               const float* __restrict__ rscales, const f16_bits* __restrict__ x,
                                               int ldx, float* __restrict__ y, int ldy, int M, int N, int chunks,
                                               int accumulate) {
-    constexpr int KTC = BITS == 4 ? 4 : 2;              // k tiles per chunk
+    constexpr int HB = BITS == 5 ? 1 : BITS == 6 ? 2 : 0;  // high bits beside the nibble plane
+    constexpr int Z = AFFINE ? 0 : BITS == 4 ? 8 : BITS == 5 ? 16 : 32;
+    constexpr int KTC = BITS == 8 ? 2 : 4;               // k tiles per chunk
     constexpr int CK = 16 * KTC;                         // columns per chunk
     constexpr int KPG = GROUP / 16;                      // k tiles per scale group (0: row scale)
     constexpr int CPS = GROUP > CK ? GROUP / CK : 1;     // chunks per step (whole groups)
     constexpr int U = LB_BATCH;                          // chunks per stage (a multiple of CPS)
     constexpr int SPS = GROUP ? (U * CK) / GROUP : 1;    // scale groups per stage
+    constexpr int HW = HB ? HB : 1;                      // high-plane words per lane and chunk
     static_assert(U % CPS == 0, "a stage holds whole groups");
+    static_assert(!AFFINE || GROUP, "affine kinds have group scales");
     __shared__ float red[LB_WARPS][NT * 8][17];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -122,29 +156,44 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
     const int c0 = min(warp * spw, steps) * CPS;
     const int c1 = min((warp + 1) * spw, steps) * CPS;
     const uint4* wp = w + (size_t)rt * chunks * 32 + lane;
+    const u32* hp = hi + ((size_t)rt * chunks * 32 + lane) * HW;
     const int groups = GROUP ? chunks * CK / GROUP : 1;
     const u32* sp = gscales + (size_t)rt * groups * 8 + g;
+    const u32* mp = gmins + (size_t)rt * groups * 8 + g;
 
     uint4 buf[2][U];
-    u32 sb[2][SPS];
+    u32 hb[2][U][HW];
+    u32 sb[2][SPS], mb[2][AFFINE ? SPS : 1];
     auto fetch = [&](int st, int cb) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (cb + u < c1) buf[st][u] = ld_stream16(wp + (size_t)(cb + u) * 32);
+            if (cb + u < c1) {
+                buf[st][u] = ld_stream16(wp + (size_t)(cb + u) * 32);
+                if (HB) {
+#pragma unroll
+                    for (int h = 0; h < HW; ++h) hb[st][u][h] = __ldg(hp + (size_t)(cb + u) * 32 * HW + h);
+                }
+            }
         if (GROUP) {
 #pragma unroll
             for (int s = 0; s < SPS; ++s) {
                 const int grp = cb * CK / (GROUP ? GROUP : 1) + s;
-                if (grp * GROUP < c1 * CK) sb[st][s] = __ldg(sp + (size_t)grp * 8);
+                if (grp * GROUP < c1 * CK) {
+                    sb[st][s] = __ldg(sp + (size_t)grp * 8);
+                    if (AFFINE) mb[st][AFFINE ? s : 0] = __ldg(mp + (size_t)grp * 8);
+                }
             }
         }
     };
 
-    float acc[NT][4], part[NT][4];
+    // part: the current group's integer products; xs (affine kinds): the group's sums of x
+    // per token, from one more mma with an all-ones A (the tensor cores have the spare issue).
+    float acc[NT][4], part[NT][4], xs[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = part[nt][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[nt][i] = part[nt][i] = xs[nt][i] = 0.f;
+    const u32 ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
 
     auto compute = [&](int st, int cb) {
 #pragma unroll
@@ -155,9 +204,13 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
             for (int j = 0; j < KTC; ++j) {
                 u32 a[4];
                 if (BITS == 4)
-                    lb_frag4(words[j], a);
-                else
+                    lb_frag4<Z>(words[j], a);
+                else if (BITS == 8)
                     lb_frag8(words[2 * j], words[2 * j + 1], a);
+                else if (HB == 1)
+                    lb_frag_hi<1, Z>(words[j], hb[st][u][0] >> (4 * j), a);
+                else
+                    lb_frag_hi<2, Z>(words[j], hb[st][u][(j >> 1) % HW] >> (8 * (j & 1)), a);
                 const int k0 = (cb + u) * CK + 16 * j + 2 * c;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
@@ -169,22 +222,36 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                         b1 = lb_ldx(xr + 8);
                     }
                     lb_mma(GROUP ? part[nt] : acc[nt], a, b0, b1);
+                    if (AFFINE) lb_mma(xs[nt], ones, b0, b1);
                 }
                 if (GROUP) {
                     constexpr int kpg = KPG ? KPG : 1;
                     const int t = u * KTC + j;  // k tile within the stage (stages start on a group)
                     if ((t + 1) % kpg == 0) {
-                        const u32 s2 = sb[st][(t * 16) / (GROUP ? GROUP : 1)];
+                        const int s = (t * 16) / (GROUP ? GROUP : 1);
+                        const u32 s2 = sb[st][s];
                         const float s_lo = h2f((unsigned short)(s2 & 0xffffu));
                         const float s_hi = h2f((unsigned short)(s2 >> 16));
+                        float m_lo = 0.f, m_hi = 0.f;
+                        if (AFFINE) {
+                            const u32 m2 = mb[st][AFFINE ? s : 0];
+                            m_lo = -h2f((unsigned short)(m2 & 0xffffu));
+                            m_hi = -h2f((unsigned short)(m2 >> 16));
+                        }
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
                             acc[nt][0] = fmaf(part[nt][0], s_lo, acc[nt][0]);
                             acc[nt][1] = fmaf(part[nt][1], s_lo, acc[nt][1]);
                             acc[nt][2] = fmaf(part[nt][2], s_hi, acc[nt][2]);
                             acc[nt][3] = fmaf(part[nt][3], s_hi, acc[nt][3]);
+                            if (AFFINE) {
+                                acc[nt][0] = fmaf(xs[nt][0], m_lo, acc[nt][0]);
+                                acc[nt][1] = fmaf(xs[nt][1], m_lo, acc[nt][1]);
+                                acc[nt][2] = fmaf(xs[nt][2], m_hi, acc[nt][2]);
+                                acc[nt][3] = fmaf(xs[nt][3], m_hi, acc[nt][3]);
+                            }
 #pragma unroll
-                            for (int i = 0; i < 4; ++i) part[nt][i] = 0.f;
+                            for (int i = 0; i < 4; ++i) part[nt][i] = xs[nt][i] = 0.f;
                         }
                     }
                 }
@@ -235,23 +302,27 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
 }
 
 #define LB_ARGS                                                                                        \
-    const uint4 *__restrict__ w, const u32 *__restrict__ gscales, const float *__restrict__ rscales,   \
-        const f16_bits *__restrict__ x, int ldx, float *__restrict__ y, int ldy, int M, int N, int chunks, \
-        int accumulate
-#define LB_PASS w, gscales, rscales, x, ldx, y, ldy, M, N, chunks, accumulate
-#define LB_KERNEL(NAME, BITS, GROUP, NT, MINB)                                                 \
+    const uint4 *__restrict__ w, const u32 *__restrict__ hi, const u32 *__restrict__ gscales,          \
+        const u32 *__restrict__ gmins, const float *__restrict__ rscales, const f16_bits *__restrict__ x, \
+        int ldx, float *__restrict__ y, int ldy, int M, int N, int chunks, int accumulate
+#define LB_PASS w, hi, gscales, gmins, rscales, x, ldx, y, ldy, M, N, chunks, accumulate
+#define LB_KERNEL(NAME, BITS, GROUP, AFFINE, NT, MINB)                                         \
     extern "C" __global__ void __launch_bounds__(32 * LB_WARPS, MINB) NAME##_nt##NT(LB_ARGS) { \
-        lowbit_kernel<BITS, GROUP, NT>(LB_PASS);                                              \
+        lowbit_kernel<BITS, GROUP, AFFINE, NT>(LB_PASS);                                      \
     }
-#define LB_KERNELS(NAME, BITS, GROUP, MINB) \
-    LB_KERNEL(NAME, BITS, GROUP, 1, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, 2, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, 3, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, 4, MINB)
-LB_KERNELS(lowbit_w4g128, 4, 128, LB_MIN_BLOCKS_W4G128)
-LB_KERNELS(lowbit_w4g32, 4, 32, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w8row, 8, 0, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w8g32, 8, 32, LB_MIN_BLOCKS)
+#define LB_KERNELS(NAME, BITS, GROUP, AFFINE, MINB) \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 1, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 2, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 3, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 4, MINB)
+LB_KERNELS(lowbit_w4g128, 4, 128, false, LB_MIN_BLOCKS_W4G128)
+LB_KERNELS(lowbit_w4g32, 4, 32, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w8row, 8, 0, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w8g32, 8, 32, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w4g32a, 4, 32, true, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w5g32, 5, 32, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w5g32a, 5, 32, true, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w6g16, 6, 16, false, LB_MIN_BLOCKS)
 
 // f32 activations (n rows of K, `ldin` apart) -> f16 (n x ldx, columns K .. ldx zero), each input
 // kept only where it is active under the TEAL threshold t (|x| > t; t < 0 keeps all): the

@@ -16,7 +16,7 @@
 //! | [`tiled_cbc`] | SPDP Tiled-CBC | SPDP's kernel; sieve's lane-per-8-rows kernel (default) |
 //! | [`balanced_cbc`] | Balanced-CBC (N of every 16 rows per column) | lane per 16 rows, fixed-size coalesced blocks, shared-memory accumulators |
 //! | [`balanced_lowbit`] | Balanced-CBC with int8 / int4 values (`sieve pack --values`) | the Balanced-CBC index kernel decoding bytes / nibbles, scales per row (group) at the reduction |
-//! | [`lowbit`] | W4A16 g128, W8A16, GGUF Q4_0 / Q8_0 repacked into mma fragment order | N = 1..32 tokens, in-register dequantization, mma.sync m16n8k16 |
+//! | [`lowbit`] | W4A16 g128, W8A16, GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into mma fragment order | N = 1..32 tokens, in-register dequantization, mma.sync m16n8k16 |
 //!
 //! [`graph`] captures launches into CUDA graphs, optionally with programmatic dependent launch.
 //!

@@ -1,6 +1,7 @@
 //! Dense low-bit weights on the GPU: W4A16 (group 128, f16 scales, zero point 8), W8A16 (per-row
-//! f32 scales), and GGUF Q4_0 / Q8_0 blocks repacked at upload into the same fragment layout
-//! (Q4_0 = 4-bit with groups of 32, Q8_0 = 8-bit with groups of 32; never dequantized to f16).
+//! f32 scales), and the GGUF blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at
+//! upload into the same fragment layout (never dequantized to f16): 4-, 5-, 6- or 8-bit integers
+//! with f16 scales per 16 or 32 columns, and an f16 min per group for the affine types.
 //! Kernels: `kernels/dense_lowbit_gemv.cu` (read its header for the layout and thread mapping):
 //! `Y (N x M) = X (N x K, f16) · Wᵀ` for N = 1..32 on the tensor cores, f32 output.
 //!
@@ -32,6 +33,20 @@ pub const GGUF_BLOCK: usize = 32;
 pub const Q4_0_BYTES: usize = 18;
 /// Bytes of a GGUF Q8_0 block: f16 scale, 32 `i8`.
 pub const Q8_0_BYTES: usize = 34;
+/// Bytes of a GGUF Q4_1 block: f16 scale and offset, 16 bytes of nibbles.
+pub const Q4_1_BYTES: usize = 20;
+/// Bytes of a GGUF Q5_0 block: f16 scale, u32 of fifth bits, 16 bytes of nibbles.
+pub const Q5_0_BYTES: usize = 22;
+/// Bytes of a GGUF Q5_1 block: f16 scale and offset, u32 of fifth bits, 16 bytes of nibbles.
+pub const Q5_1_BYTES: usize = 24;
+/// Weights of a GGUF K-quant super-block.
+pub const K_BLOCK: usize = 256;
+/// Bytes of a GGUF Q4_K super-block.
+pub const Q4_K_BYTES: usize = 144;
+/// Bytes of a GGUF Q5_K super-block.
+pub const Q5_K_BYTES: usize = 176;
+/// Bytes of a GGUF Q6_K super-block.
+pub const Q6_K_BYTES: usize = 210;
 
 /// How the weights are quantized (the kernel header's table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -44,12 +59,32 @@ pub enum LowBitKind {
     W8Row,
     /// 8-bit symmetric, one f16 scale per row and 32 columns (GGUF Q8_0).
     W8G32,
+    /// 4-bit affine `s · u - m`, f16 `s` and `m` per row and 32 columns (GGUF Q4_K, Q4_1).
+    W4G32Affine,
+    /// 5-bit, zero point 16, one f16 scale per row and 32 columns (GGUF Q5_0).
+    W5G32,
+    /// 5-bit affine `s · u - m`, f16 `s` and `m` per row and 32 columns (GGUF Q5_K, Q5_1).
+    W5G32Affine,
+    /// 6-bit, zero point 32, one f16 scale per row and 16 columns (GGUF Q6_K).
+    W6G16,
 }
 
 impl LowBitKind {
+    pub const ALL: [LowBitKind; 8] = [
+        LowBitKind::W4G128,
+        LowBitKind::W4G32,
+        LowBitKind::W8Row,
+        LowBitKind::W8G32,
+        LowBitKind::W4G32Affine,
+        LowBitKind::W5G32,
+        LowBitKind::W5G32Affine,
+        LowBitKind::W6G16,
+    ];
     pub fn bits(self) -> usize {
         match self {
-            LowBitKind::W4G128 | LowBitKind::W4G32 => 4,
+            LowBitKind::W4G128 | LowBitKind::W4G32 | LowBitKind::W4G32Affine => 4,
+            LowBitKind::W5G32 | LowBitKind::W5G32Affine => 5,
+            LowBitKind::W6G16 => 6,
             LowBitKind::W8Row | LowBitKind::W8G32 => 8,
         }
     }
@@ -57,21 +92,43 @@ impl LowBitKind {
     pub fn group(self) -> usize {
         match self {
             LowBitKind::W4G128 => 128,
-            LowBitKind::W4G32 | LowBitKind::W8G32 => 32,
+            LowBitKind::W4G32
+            | LowBitKind::W8G32
+            | LowBitKind::W4G32Affine
+            | LowBitKind::W5G32
+            | LowBitKind::W5G32Affine => 32,
+            LowBitKind::W6G16 => 16,
             LowBitKind::W8Row => 0,
         }
     }
-    /// The integer range of `q` (the value is `scale · q`).
-    pub fn q_range(self) -> (i32, i32) {
-        if self.bits() == 4 {
-            (-8, 7)
+    /// Whether a weight is `s · u - m` (unsigned `u`, a min per group) rather than `s · q`.
+    pub fn affine(self) -> bool {
+        matches!(self, LowBitKind::W4G32Affine | LowBitKind::W5G32Affine)
+    }
+    /// What the device adds to `q` to store it unsigned (0 for the affine kinds).
+    fn zero_point(self) -> i32 {
+        if self.affine() {
+            0
         } else {
-            (-128, 127)
+            1 << (self.bits() - 1)
         }
+    }
+    /// The integer range of `q` (the value is `scale · q`, or `scale · q - min` when affine).
+    pub fn q_range(self) -> (i32, i32) {
+        let levels = 1i32 << self.bits();
+        (-self.zero_point(), levels - 1 - self.zero_point())
     }
     /// Whether the device stores the scales as f16 (else f32).
     pub fn f16_scales(self) -> bool {
         self.group() > 0
+    }
+    /// High bits per weight stored beside the 4-bit plane (5- and 6-bit kinds).
+    fn high_bits(self) -> usize {
+        match self.bits() {
+            5 => 1,
+            6 => 2,
+            _ => 0,
+        }
     }
     fn kernel_prefix(self) -> &'static str {
         match self {
@@ -79,14 +136,18 @@ impl LowBitKind {
             LowBitKind::W4G32 => "lowbit_w4g32",
             LowBitKind::W8Row => "lowbit_w8row",
             LowBitKind::W8G32 => "lowbit_w8g32",
+            LowBitKind::W4G32Affine => "lowbit_w4g32a",
+            LowBitKind::W5G32 => "lowbit_w5g32",
+            LowBitKind::W5G32Affine => "lowbit_w5g32a",
+            LowBitKind::W6G16 => "lowbit_w6g16",
         }
     }
     /// Columns per 512-byte chunk of the device layout.
     fn chunk_cols(self) -> usize {
-        if self.bits() == 4 {
-            64
-        } else {
+        if self.bits() == 8 {
             32
+        } else {
+            64
         }
     }
     pub fn name(self) -> &'static str {
@@ -95,11 +156,16 @@ impl LowBitKind {
             LowBitKind::W4G32 => "w4a16-g32",
             LowBitKind::W8Row => "w8a16",
             LowBitKind::W8G32 => "w8a16-g32",
+            LowBitKind::W4G32Affine => "w4a16-g32-affine",
+            LowBitKind::W5G32 => "w5a16-g32",
+            LowBitKind::W5G32Affine => "w5a16-g32-affine",
+            LowBitKind::W6G16 => "w6a16-g16",
         }
     }
 }
 
-/// A quantized matrix on the CPU: `W[r][k] = scale(r, k) · q[r][k]`.
+/// A quantized matrix on the CPU: `W[r][k] = scale(r, k) · q[r][k]`, or for the affine kinds
+/// `scale(r, k) · q[r][k] - min(r, k)`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LowBitMatrix {
     kind: LowBitKind,
@@ -109,10 +175,12 @@ pub struct LowBitMatrix {
     q: Vec<i8>,
     /// `rows · groups` (row-major); f16 values exactly for the f16-scale kinds.
     scales: Vec<f32>,
+    /// Affine kinds: `rows · groups` f16 values, what each group subtracts; else empty.
+    mins: Vec<f32>,
 }
 
 impl LowBitMatrix {
-    /// Builds a matrix from its integers and scales (checked).
+    /// Builds a symmetric matrix from its integers and scales (checked).
     pub fn new(
         kind: LowBitKind,
         rows: usize,
@@ -120,19 +188,43 @@ impl LowBitMatrix {
         q: Vec<i8>,
         scales: Vec<f32>,
     ) -> Result<Self> {
+        Self::with_mins(kind, rows, cols, q, scales, Vec::new())
+    }
+
+    /// Builds a matrix from its integers, scales and (affine kinds only) mins (checked).
+    pub fn with_mins(
+        kind: LowBitKind,
+        rows: usize,
+        cols: usize,
+        q: Vec<i8>,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+    ) -> Result<Self> {
         let bad = |m: String| Err(CudaError::Option(m));
-        check_len("low-bit integers", rows * cols, q.len())?;
+        let cells = rows
+            .checked_mul(cols)
+            .ok_or_else(|| CudaError::Option(format!("matrix {rows} x {cols} is too large")))?;
+        check_len("low-bit integers", cells, q.len())?;
         let groups = groups_of(kind, cols);
         check_len("low-bit scales", rows * groups, scales.len())?;
+        check_len(
+            "low-bit mins",
+            if kind.affine() { rows * groups } else { 0 },
+            mins.len(),
+        )?;
         let (lo, hi) = kind.q_range();
         if q.iter().any(|&v| (v as i32) < lo || (v as i32) > hi) {
             return bad(format!("{}: an integer outside {lo}..={hi}", kind.name()));
         }
-        if scales.iter().any(|s| !s.is_finite()) {
-            return bad("low-bit scales must be finite".into());
+        if scales.iter().chain(&mins).any(|s| !s.is_finite()) {
+            return bad(format!("{}: scales and mins must be finite", kind.name()));
         }
-        if kind.f16_scales() && scales.iter().any(|&s| f16::from_f32(s).to_f32() != s) {
-            return bad(format!("{}: scales must be f16 values", kind.name()));
+        let f16_exact = |v: &f32| f16::from_f32(*v).to_f32() == *v;
+        if kind.f16_scales() && !scales.iter().chain(&mins).all(f16_exact) {
+            return bad(format!(
+                "{}: scales and mins must be f16 values",
+                kind.name()
+            ));
         }
         if rows > i32::MAX as usize || cols > i32::MAX as usize {
             return bad(format!("matrix {rows} x {cols} exceeds 32-bit dimensions"));
@@ -143,11 +235,14 @@ impl LowBitMatrix {
             cols,
             q,
             scales,
+            mins,
         })
     }
 
-    /// Round-to-nearest quantization of `w`: per scale group `s = max|w| / qmax` (qmax = 7 or
-    /// 127; rounded to f16 for the f16-scale kinds), `q = round(w / s)` clamped to the range.
+    /// Round-to-nearest quantization of `w`. Symmetric kinds: per scale group `s = max|w| / qmax`
+    /// (qmax = 7, 15, 31 or 127), `q = round(w / s)` clamped to the range. Affine kinds: `s =
+    /// (max - min) / (2^bits - 1)`, `m = -min`, `u = round((w + m) / s)`. Scales and mins are
+    /// rounded to f16 for the f16-scale kinds.
     pub fn quantize(w: &DenseMatrix, kind: LowBitKind) -> Self {
         let (rows, cols) = (w.rows(), w.cols());
         let group = if kind.group() == 0 {
@@ -157,25 +252,37 @@ impl LowBitMatrix {
         };
         let groups = groups_of(kind, cols);
         let (lo, hi) = kind.q_range();
+        let round = |v: f32| {
+            if kind.f16_scales() {
+                f16::from_f32(v).to_f32()
+            } else {
+                v
+            }
+        };
         let mut q = vec![0i8; rows * cols];
         let mut scales = vec![0f32; rows * groups];
+        let mut mins = vec![0f32; if kind.affine() { rows * groups } else { 0 }];
         for r in 0..rows {
             let row = w.row(r);
             for gi in 0..groups {
                 let span = gi * group..((gi + 1) * group).min(cols);
-                let max = row[span.clone()]
-                    .iter()
-                    .fold(0f32, |a, v| a.max(v.to_f32().abs()));
-                let mut s = max / hi as f32;
-                if kind.f16_scales() {
-                    s = f16::from_f32(s).to_f32();
-                }
-                if !s.is_finite() || s == 0.0 {
+                let vals = row[span.clone()].iter().map(|v| v.to_f32());
+                let (s, m) = if kind.affine() {
+                    let (min, max) = vals.fold((0f32, 0f32), |(a, b), v| (a.min(v), b.max(v)));
+                    (round((max - min) / hi as f32), round(-min))
+                } else {
+                    let max = vals.fold(0f32, |a, v| a.max(v.abs()));
+                    (round(max / hi as f32), 0.0)
+                };
+                if !s.is_finite() || s == 0.0 || !m.is_finite() {
                     continue;
                 }
                 scales[r * groups + gi] = s;
+                if kind.affine() {
+                    mins[r * groups + gi] = m;
+                }
                 for k in span {
-                    let v = (row[k].to_f32() / s).round() as i32;
+                    let v = ((row[k].to_f32() + m) / s).round() as i32;
                     q[r * cols + k] = v.clamp(lo, hi) as i8;
                 }
             }
@@ -186,46 +293,166 @@ impl LowBitMatrix {
             cols,
             q,
             scales,
+            mins,
         }
     }
 
     /// Parses GGUF Q4_0 blocks (`rows · cols / 32` blocks of 18 bytes, row-major: f16 `d`, then
     /// 16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31; weight = d (u - 8)).
     pub fn from_q4_0(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        gguf_shape(cols)?;
-        let nb = cols / GGUF_BLOCK;
-        check_len("Q4_0 bytes", rows * nb * Q4_0_BYTES, blocks.len())?;
-        let mut q = vec![0i8; rows * cols];
-        let mut scales = vec![0f32; rows * nb];
+        let mut p = BlockParse::new(LowBitKind::W4G32, "Q4_0", rows, cols, blocks)?;
         for (b, blk) in blocks.chunks_exact(Q4_0_BYTES).enumerate() {
-            let (r, j) = (b / nb, b % nb);
-            scales[r * nb + j] = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-            let base = r * cols + j * GGUF_BLOCK;
+            let at = b * GGUF_BLOCK;
+            p.scales[at / 32] = read_f16(blk, 0);
             for (i, &byte) in blk[2..].iter().enumerate() {
-                q[base + i] = (byte & 15) as i8 - 8;
-                q[base + i + 16] = (byte >> 4) as i8 - 8;
+                p.q[at + i] = (byte & 15) as i8 - 8;
+                p.q[at + i + 16] = (byte >> 4) as i8 - 8;
             }
         }
-        Self::new(LowBitKind::W4G32, rows, cols, q, scales)
+        p.finish()
     }
 
     /// Parses GGUF Q8_0 blocks (`rows · cols / 32` blocks of 34 bytes: f16 `d`, 32 `i8`;
     /// weight = d q).
     pub fn from_q8_0(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        gguf_shape(cols)?;
-        let nb = cols / GGUF_BLOCK;
-        check_len("Q8_0 bytes", rows * nb * Q8_0_BYTES, blocks.len())?;
-        let mut q = vec![0i8; rows * cols];
-        let mut scales = vec![0f32; rows * nb];
+        let mut p = BlockParse::new(LowBitKind::W8G32, "Q8_0", rows, cols, blocks)?;
         for (b, blk) in blocks.chunks_exact(Q8_0_BYTES).enumerate() {
-            let (r, j) = (b / nb, b % nb);
-            scales[r * nb + j] = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-            let base = r * cols + j * GGUF_BLOCK;
+            let at = b * GGUF_BLOCK;
+            p.scales[at / 32] = read_f16(blk, 0);
             for (i, &byte) in blk[2..].iter().enumerate() {
-                q[base + i] = byte as i8;
+                p.q[at + i] = byte as i8;
             }
         }
-        Self::new(LowBitKind::W8G32, rows, cols, q, scales)
+        p.finish()
+    }
+
+    /// Parses GGUF Q4_1 blocks (20 bytes: f16 `d`, f16 `m`, 16 bytes of nibbles as Q4_0;
+    /// weight = d u + m, so the group's min is `-m`).
+    pub fn from_q4_1(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        let mut p = BlockParse::new(LowBitKind::W4G32Affine, "Q4_1", rows, cols, blocks)?;
+        for (b, blk) in blocks.chunks_exact(Q4_1_BYTES).enumerate() {
+            let at = b * GGUF_BLOCK;
+            p.scales[at / 32] = read_f16(blk, 0);
+            p.mins[at / 32] = -read_f16(blk, 2);
+            for (i, &byte) in blk[4..].iter().enumerate() {
+                p.q[at + i] = (byte & 15) as i8;
+                p.q[at + i + 16] = (byte >> 4) as i8;
+            }
+        }
+        p.finish()
+    }
+
+    /// Parses GGUF Q5_0 blocks (22 bytes: f16 `d`, u32 of fifth bits, 16 bytes of nibbles;
+    /// weight i = d (u - 16), its fifth bit bit i of the u32).
+    pub fn from_q5_0(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        let mut p = BlockParse::new(LowBitKind::W5G32, "Q5_0", rows, cols, blocks)?;
+        for (b, blk) in blocks.chunks_exact(Q5_0_BYTES).enumerate() {
+            let at = b * GGUF_BLOCK;
+            p.scales[at / 32] = read_f16(blk, 0);
+            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+            for (i, u) in q5_codes(qh, &blk[6..22]).into_iter().enumerate() {
+                p.q[at + i] = u as i8 - 16;
+            }
+        }
+        p.finish()
+    }
+
+    /// Parses GGUF Q5_1 blocks (24 bytes: f16 `d`, f16 `m`, u32 of fifth bits, 16 bytes of
+    /// nibbles; weight = d u + m).
+    pub fn from_q5_1(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        let mut p = BlockParse::new(LowBitKind::W5G32Affine, "Q5_1", rows, cols, blocks)?;
+        for (b, blk) in blocks.chunks_exact(Q5_1_BYTES).enumerate() {
+            let at = b * GGUF_BLOCK;
+            p.scales[at / 32] = read_f16(blk, 0);
+            p.mins[at / 32] = -read_f16(blk, 2);
+            let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
+            for (i, u) in q5_codes(qh, &blk[8..24]).into_iter().enumerate() {
+                p.q[at + i] = u as i8;
+            }
+        }
+        p.finish()
+    }
+
+    /// Parses GGUF Q4_K super-blocks (144 bytes per 256 weights: f16 `d`, f16 `dmin`, 12 bytes
+    /// of 6-bit (sc, m) pairs for the 8 sub-blocks of 32, 128 bytes of nibbles: bytes 32 c ..
+    /// 32 c + 31 hold sub-block 2c in their low and 2c + 1 in their high nibbles; weight = d sc
+    /// u - dmin m). `d · sc` and `dmin · m` are rounded to f16 (the kernel header says why).
+    pub fn from_q4_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        let mut p = BlockParse::new(LowBitKind::W4G32Affine, "Q4_K", rows, cols, blocks)?;
+        for (b, blk) in blocks.chunks_exact(Q4_K_BYTES).enumerate() {
+            let at = b * K_BLOCK;
+            let (d, dmin) = (read_f16(blk, 0), read_f16(blk, 2));
+            let pairs = k_scales_and_mins(&blk[4..16]);
+            for c in 0..4 {
+                let qs = &blk[16 + 32 * c..48 + 32 * c];
+                for (half, shift) in [(0, 0), (1, 4)] {
+                    let sub = 2 * c + half;
+                    let (sc, m) = pairs[sub];
+                    let base = at + 32 * sub;
+                    p.scales[base / 32] = f16_round(d * sc as f32);
+                    p.mins[base / 32] = f16_round(dmin * m as f32);
+                    for (i, &byte) in qs.iter().enumerate() {
+                        p.q[base + i] = ((byte >> shift) & 15) as i8;
+                    }
+                }
+            }
+        }
+        p.finish()
+    }
+
+    /// Parses GGUF Q5_K super-blocks (176 bytes per 256: as Q4_K with 32 bytes of fifth bits
+    /// after the scales; weight 32 s + l of the super-block takes bit s of byte l).
+    pub fn from_q5_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        let mut p = BlockParse::new(LowBitKind::W5G32Affine, "Q5_K", rows, cols, blocks)?;
+        for (b, blk) in blocks.chunks_exact(Q5_K_BYTES).enumerate() {
+            let at = b * K_BLOCK;
+            let (d, dmin) = (read_f16(blk, 0), read_f16(blk, 2));
+            let pairs = k_scales_and_mins(&blk[4..16]);
+            let qh = &blk[16..48];
+            for c in 0..4 {
+                let qs = &blk[48 + 32 * c..80 + 32 * c];
+                for (half, shift) in [(0, 0), (1, 4)] {
+                    let sub = 2 * c + half;
+                    let (sc, m) = pairs[sub];
+                    let base = at + 32 * sub;
+                    p.scales[base / 32] = f16_round(d * sc as f32);
+                    p.mins[base / 32] = f16_round(dmin * m as f32);
+                    for (i, &byte) in qs.iter().enumerate() {
+                        let fifth = (qh[i] >> sub) & 1;
+                        p.q[base + i] = (((byte >> shift) & 15) | fifth << 4) as i8;
+                    }
+                }
+            }
+        }
+        p.finish()
+    }
+
+    /// Parses GGUF Q6_K super-blocks (210 bytes per 256: 128 bytes of low nibbles, 64 of high
+    /// bit pairs, 16 `i8` scales (one per 16 weights), f16 `d`; weight = d sc (u - 32)). In each
+    /// half of 128 weights, weight 32 j + l (j = 0..3, l = 0..31) takes its nibble from byte
+    /// l + 32 (j % 2) of the half's 64 (low nibble for j < 2) and its high pair from bits 2 j
+    /// of byte l of the half's 32. `d · sc` is rounded to f16.
+    pub fn from_q6_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        let mut p = BlockParse::new(LowBitKind::W6G16, "Q6_K", rows, cols, blocks)?;
+        for (b, blk) in blocks.chunks_exact(Q6_K_BYTES).enumerate() {
+            let at = b * K_BLOCK;
+            let d = read_f16(blk, 208);
+            for half in 0..2 {
+                let ql = &blk[64 * half..64 * half + 64];
+                let qh = &blk[128 + 32 * half..160 + 32 * half];
+                for j in 0..4 {
+                    for l in 0..32 {
+                        let nib = (ql[l + 32 * (j % 2)] >> (4 * (j / 2))) & 15;
+                        let u = nib | ((qh[l] >> (2 * j)) & 3) << 4;
+                        p.q[at + 128 * half + 32 * j + l] = u as i8 - 32;
+                    }
+                }
+            }
+            for (i, &sc) in blk[192..208].iter().enumerate() {
+                p.scales[at / 16 + i] = f16_round(d * sc as i8 as f32);
+            }
+        }
+        p.finish()
     }
 
     /// The matrices' rows one after the other (q|k|v, gate|up as one product): same kind and
@@ -252,7 +479,8 @@ impl LowBitMatrix {
             .iter()
             .flat_map(|p| p.scales.iter().copied())
             .collect();
-        Self::new(first.kind, rows, first.cols, q, scales)
+        let mins = parts.iter().flat_map(|p| p.mins.iter().copied()).collect();
+        Self::with_mins(first.kind, rows, first.cols, q, scales, mins)
     }
 
     pub fn kind(&self) -> LowBitKind {
@@ -268,28 +496,42 @@ impl LowBitMatrix {
         &self.q
     }
 
-    /// The scale of weight (r, k).
-    pub fn scale(&self, r: usize, k: usize) -> f32 {
+    fn group_index(&self, r: usize, k: usize) -> usize {
         let g = match self.kind.group() {
             0 => 0,
             n => k / n,
         };
-        self.scales[r * groups_of(self.kind, self.cols) + g]
+        r * groups_of(self.kind, self.cols) + g
     }
 
-    /// The weights as f32 (`scale · q`).
+    /// The scale of weight (r, k).
+    pub fn scale(&self, r: usize, k: usize) -> f32 {
+        self.scales[self.group_index(r, k)]
+    }
+
+    /// What weight (r, k) subtracts after scaling (0 for the symmetric kinds).
+    pub fn min(&self, r: usize, k: usize) -> f32 {
+        if self.kind.affine() {
+            self.mins[self.group_index(r, k)]
+        } else {
+            0.0
+        }
+    }
+
+    /// The weights as f32 (`scale · q - min`).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.rows * self.cols];
         for r in 0..self.rows {
             for k in 0..self.cols {
-                out[r * self.cols + k] = self.scale(r, k) * self.q[r * self.cols + k] as f32;
+                out[r * self.cols + k] =
+                    self.scale(r, k) * self.q[r * self.cols + k] as f32 - self.min(r, k);
             }
         }
         out
     }
 
-    /// The f64 reference product: `y[n][r] = Σ_k scale(r, k) q[r][k] x[n][k]`, `x` n x K f16
-    /// (row-major), `y` n x M.
+    /// The f64 reference product: `y[n][r] = Σ_k (scale(r, k) q[r][k] - min(r, k)) x[n][k]`,
+    /// `x` n x K f16 (row-major), `y` n x M.
     pub fn reference(&self, x: &[f16], n: usize) -> Vec<f64> {
         assert_eq!(x.len(), n * self.cols, "reference: x is n x K");
         let xf: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
@@ -299,7 +541,9 @@ impl LowBitMatrix {
                 let xr = &xf[t * self.cols..(t + 1) * self.cols];
                 let mut s = 0f64;
                 for (k, xv) in xr.iter().enumerate() {
-                    s += self.scale(r, k) as f64 * self.q[r * self.cols + k] as f64 * xv;
+                    let w = self.scale(r, k) as f64 * self.q[r * self.cols + k] as f64
+                        - self.min(r, k) as f64;
+                    s += w * xv;
                 }
                 y[t * self.rows + r] = s;
             }
@@ -312,21 +556,23 @@ impl LowBitMatrix {
         self.cols.div_ceil(K_ALIGN) * K_ALIGN
     }
 
-    /// Bytes the device holds: weights and scales.
+    /// Bytes the device holds: weights, high planes, scales and mins.
     pub fn device_bytes(&self) -> usize {
-        let l = self.device_layout();
-        l.weights.len() + 4 * l.group_scales.len() + 4 * l.row_scales.len()
+        self.device_layout().bytes()
     }
 
-    /// The device layout (kernel header): fragment-ordered 512-byte chunks, the group scales as
-    /// f16 pairs (row g, row g + 8) per lane group, the row scales as f32.
+    /// The device layout (kernel header): fragment-ordered 512-byte chunks, the high planes of
+    /// the 5- and 6-bit kinds, the group scales (and mins) as f16 pairs (row g, row g + 8) per
+    /// lane group, the row scales as f32.
     pub fn device_layout(&self) -> DeviceLayout {
         let kind = self.kind;
         let mp = self.rows.div_ceil(TILE_ROWS) * TILE_ROWS;
         let kp = self.padded_cols();
         let chunks = kp / kind.chunk_cols();
         let tiles = mp / TILE_ROWS;
+        let hb = kind.high_bits();
         let mut weights = vec![0u8; tiles * chunks * 512];
+        let mut high = vec![0u32; tiles * chunks * 32 * hb];
         // Unsigned code of weight (r, k): q + zero point, the zero point for padding.
         let code = |r: usize, k: usize| -> u32 {
             let q = if r < self.rows && k < self.cols {
@@ -334,14 +580,15 @@ impl LowBitMatrix {
             } else {
                 0
             };
-            (q + if kind.bits() == 4 { 8 } else { 128 }) as u32
+            (q + kind.zero_point()) as u32
         };
         let ktc = kind.chunk_cols() / 16;
         for rt in 0..tiles {
             for kc in 0..chunks {
                 for lane in 0..32 {
                     let (g, c) = (lane / 4, lane % 4);
-                    let at = ((rt * chunks + kc) * 32 + lane) * 16;
+                    let slot = (rt * chunks + kc) * 32 + lane;
+                    let at = slot * 16;
                     for j in 0..ktc {
                         let r0 = rt * TILE_ROWS;
                         let k0 = (kc * ktc + j) * 16;
@@ -356,17 +603,29 @@ impl LowBitMatrix {
                             code(r0 + g + 8, k0 + 2 * c + 8),
                             code(r0 + g + 8, k0 + 2 * c + 9),
                         ];
-                        if kind.bits() == 4 {
-                            let mut word = 0u32;
-                            for i in 0..4 {
-                                word |= e[2 * i] << (4 * i);
-                                word |= e[2 * i + 1] << (16 + 4 * i);
-                            }
-                            weights[at + 4 * j..at + 4 * j + 4]
-                                .copy_from_slice(&word.to_le_bytes());
-                        } else {
+                        if kind.bits() == 8 {
                             for (i, v) in e.iter().enumerate() {
                                 weights[at + 8 * j + i] = *v as u8;
+                            }
+                            continue;
+                        }
+                        let mut word = 0u32;
+                        for i in 0..4 {
+                            word |= (e[2 * i] & 15) << (4 * i);
+                            word |= (e[2 * i + 1] & 15) << (16 + 4 * i);
+                        }
+                        weights[at + 4 * j..at + 4 * j + 4].copy_from_slice(&word.to_le_bytes());
+                        if hb > 0 {
+                            // The tile's field: word j / 2 at bit 8 (j % 2) (HB = 2), or bit 4 j.
+                            let (w, base) = if hb == 2 {
+                                (j / 2, 8 * (j % 2))
+                            } else {
+                                (0, 4 * j)
+                            };
+                            for i in 0..4 {
+                                let (lo, hi) = (e[2 * i] >> 4, e[2 * i + 1] >> 4);
+                                high[slot * hb + w] |= lo << (base + hb * i);
+                                high[slot * hb + w] |= hi << (16 + base + hb * i);
                             }
                         }
                     }
@@ -374,25 +633,33 @@ impl LowBitMatrix {
             }
         }
         let mut group_scales = Vec::new();
+        let mut group_mins = Vec::new();
         let mut row_scales = Vec::new();
         if kind.f16_scales() {
             let groups = kp / kind.group();
             let real = groups_of(kind, self.cols);
-            let s = |r: usize, gi: usize| -> u32 {
-                if r < self.rows && gi < real {
-                    f16::from_f32(self.scales[r * real + gi]).to_bits() as u32
-                } else {
-                    0
-                }
-            };
-            group_scales = vec![0u32; tiles * groups * 8];
-            for rt in 0..tiles {
-                for gi in 0..groups {
-                    for g in 0..8 {
-                        let r = rt * TILE_ROWS + g;
-                        group_scales[(rt * groups + gi) * 8 + g] = s(r, gi) | s(r + 8, gi) << 16;
+            let pairs = |values: &[f32]| -> Vec<u32> {
+                let v = |r: usize, gi: usize| -> u32 {
+                    if r < self.rows && gi < real {
+                        f16::from_f32(values[r * real + gi]).to_bits() as u32
+                    } else {
+                        0
+                    }
+                };
+                let mut out = vec![0u32; tiles * groups * 8];
+                for rt in 0..tiles {
+                    for gi in 0..groups {
+                        for g in 0..8 {
+                            let r = rt * TILE_ROWS + g;
+                            out[(rt * groups + gi) * 8 + g] = v(r, gi) | v(r + 8, gi) << 16;
+                        }
                     }
                 }
+                out
+            };
+            group_scales = pairs(&self.scales);
+            if kind.affine() {
+                group_mins = pairs(&self.mins);
             }
         } else {
             row_scales = (0..mp)
@@ -401,7 +668,9 @@ impl LowBitMatrix {
         }
         DeviceLayout {
             weights,
+            high,
             group_scales,
+            group_mins,
             row_scales,
             chunks,
             padded_rows: mp,
@@ -410,16 +679,138 @@ impl LowBitMatrix {
     }
 }
 
+/// A GGUF tensor's blocks being parsed into a [`LowBitMatrix`]: shape and length checked first.
+struct BlockParse {
+    kind: LowBitKind,
+    rows: usize,
+    cols: usize,
+    q: Vec<i8>,
+    scales: Vec<f32>,
+    mins: Vec<f32>,
+}
+
+impl BlockParse {
+    fn new(
+        kind: LowBitKind,
+        ty: &'static str,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+    ) -> Result<Self> {
+        let (elems, bytes, label) = gguf_block_geometry(ty);
+        if !cols.is_multiple_of(elems) {
+            return Err(CudaError::Option(format!(
+                "{ty} blocks need K a multiple of {elems}, got {cols}"
+            )));
+        }
+        let want = rows
+            .checked_mul(cols / elems)
+            .and_then(|b| b.checked_mul(bytes))
+            .ok_or_else(|| {
+                CudaError::Option(format!("{ty} matrix {rows} x {cols} is too large"))
+            })?;
+        check_len(label, want, blocks.len())?;
+        let groups = rows * groups_of(kind, cols);
+        Ok(Self {
+            kind,
+            rows,
+            cols,
+            q: vec![0; rows * cols],
+            scales: vec![0.0; groups],
+            mins: vec![0.0; if kind.affine() { groups } else { 0 }],
+        })
+    }
+
+    fn finish(self) -> Result<LowBitMatrix> {
+        LowBitMatrix::with_mins(
+            self.kind,
+            self.rows,
+            self.cols,
+            self.q,
+            self.scales,
+            self.mins,
+        )
+    }
+}
+
+/// (weights, bytes, what the length check calls them) of one block of the GGUF types the
+/// kernels take.
+fn gguf_block_geometry(ty: &str) -> (usize, usize, &'static str) {
+    match ty {
+        "Q4_0" => (GGUF_BLOCK, Q4_0_BYTES, "Q4_0 bytes"),
+        "Q4_1" => (GGUF_BLOCK, Q4_1_BYTES, "Q4_1 bytes"),
+        "Q5_0" => (GGUF_BLOCK, Q5_0_BYTES, "Q5_0 bytes"),
+        "Q5_1" => (GGUF_BLOCK, Q5_1_BYTES, "Q5_1 bytes"),
+        "Q8_0" => (GGUF_BLOCK, Q8_0_BYTES, "Q8_0 bytes"),
+        "Q4_K" => (K_BLOCK, Q4_K_BYTES, "Q4_K bytes"),
+        "Q5_K" => (K_BLOCK, Q5_K_BYTES, "Q5_K bytes"),
+        _ => (K_BLOCK, Q6_K_BYTES, "Q6_K bytes"),
+    }
+}
+
+fn read_f16(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// `v` rounded to f16 (an overflow becomes infinite and is refused by the matrix's check).
+fn f16_round(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// The 32 five-bit codes of a Q5_0 / Q5_1 block: nibbles as Q4_0, weight i's fifth bit bit i of
+/// `qh`.
+fn q5_codes(qh: u32, qs: &[u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    for (i, &byte) in qs.iter().enumerate() {
+        out[i] = (byte & 15) | (((qh >> i) & 1) as u8) << 4;
+        out[i + 16] = (byte >> 4) | (((qh >> (i + 16)) & 1) as u8) << 4;
+    }
+    out
+}
+
+/// The 8 (scale, min) 6-bit pairs of a Q4_K / Q5_K super-block's 12 bytes: pairs 0..4 are the
+/// low 6 bits of bytes 0..4 (scales) and 4..8 (mins); pairs 4..8 take their low 4 bits from the
+/// nibbles of bytes 8..12 and their top 2 bits from the top bits of bytes 0..4 / 4..8.
+fn k_scales_and_mins(p: &[u8]) -> [(u8, u8); 8] {
+    let mut out = [(0u8, 0u8); 8];
+    for (j, pair) in out.iter_mut().enumerate() {
+        *pair = if j < 4 {
+            (p[j] & 63, p[j + 4] & 63)
+        } else {
+            (
+                (p[j + 4] & 15) | (p[j - 4] >> 6) << 4,
+                (p[j + 4] >> 4) | (p[j] >> 6) << 4,
+            )
+        };
+    }
+    out
+}
+
 /// What [`LowBitMatrix::device_layout`] builds (kernel header).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceLayout {
     pub weights: Vec<u8>,
+    /// 5- and 6-bit kinds: the high bits, 1 or 2 u32 per lane and chunk; else empty.
+    pub high: Vec<u32>,
     pub group_scales: Vec<u32>,
+    /// Affine kinds: the f16 min pairs, indexed as `group_scales`; else empty.
+    pub group_mins: Vec<u32>,
     pub row_scales: Vec<f32>,
     /// 512-byte chunks per row tile.
     pub chunks: usize,
     pub padded_rows: usize,
     pub padded_cols: usize,
+}
+
+impl DeviceLayout {
+    /// Bytes on the device: what one product reads.
+    pub fn bytes(&self) -> usize {
+        self.weights.len()
+            + 4 * (self.high.len()
+                + self.group_scales.len()
+                + self.group_mins.len()
+                + self.row_scales.len())
+    }
 }
 
 fn groups_of(kind: LowBitKind, cols: usize) -> usize {
@@ -491,7 +882,9 @@ pub struct GpuLowBit {
     chunks: usize,
     tiles: usize,
     weights: CudaSlice<u8>,
+    high: CudaSlice<u32>,
     group_scales: CudaSlice<u32>,
+    group_mins: CudaSlice<u32>,
     row_scales: CudaSlice<f32>,
     bytes: usize,
 }
@@ -499,7 +892,9 @@ pub struct GpuLowBit {
 impl GpuLowBit {
     pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
         let l = m.device_layout();
-        let bytes = l.weights.len() + 4 * l.group_scales.len() + 4 * l.row_scales.len();
+        let bytes = l.bytes();
+        // Kinds without high planes or mins still pass a (never read) one-word buffer.
+        let or_one = |v: &[u32]| if v.is_empty() { vec![0u32] } else { v.to_vec() };
         Ok(Self {
             kind: m.kind,
             rows: m.rows,
@@ -508,7 +903,9 @@ impl GpuLowBit {
             chunks: l.chunks,
             tiles: l.padded_rows / TILE_ROWS,
             weights: gpu.upload(&l.weights)?,
+            high: gpu.upload(&or_one(&l.high))?,
             group_scales: gpu.upload(&l.group_scales)?,
+            group_mins: gpu.upload(&or_one(&l.group_mins))?,
             row_scales: gpu.upload(&l.row_scales)?,
             bytes,
         })
@@ -593,7 +990,9 @@ impl GpuLowBit {
         let (chunks, acc) = (self.chunks as i32, accumulate as i32);
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&self.weights)
+            .arg(&self.high)
             .arg(&self.group_scales)
+            .arg(&self.group_mins)
             .arg(&self.row_scales)
             .arg(&x)
             .arg(&ldx)
@@ -660,21 +1059,27 @@ pub fn activations_to_f16(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use sieve_cpu::gguf_blocks::dequant::dequantize;
+    use sieve_cpu::gguf_blocks::test_blocks::random_blocks;
+    use sieve_cpu::gguf_blocks::BlockType;
     use sieve_formats::random::{sparse_matrix, Pattern};
 
     /// Reads the device layout back (the kernel's reading: fragment elements e0..e7 per lane
-    /// and k tile, scale pairs per lane group) into integers and scales.
-    fn read_back(m: &LowBitMatrix) -> (Vec<i8>, Vec<f32>) {
+    /// and k tile, high bits from their plane, scale and min pairs per lane group) into
+    /// integers, scales and mins.
+    fn read_back(m: &LowBitMatrix) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
         let l = m.device_layout();
         let kind = m.kind();
         let ktc = kind.chunk_cols() / 16;
+        let hb = kind.high_bits();
         let tiles = l.padded_rows / 16;
         let mut q = vec![0i8; l.padded_rows * l.padded_cols];
         for rt in 0..tiles {
             for kc in 0..l.chunks {
                 for lane in 0..32 {
                     let (g, c) = (lane / 4, lane % 4);
-                    let at = ((rt * l.chunks + kc) * 32 + lane) * 16;
+                    let slot = (rt * l.chunks + kc) * 32 + lane;
+                    let at = slot * 16;
                     for j in 0..ktc {
                         let (r0, k0) = (rt * 16, (kc * ktc + j) * 16);
                         let pos = [
@@ -688,27 +1093,33 @@ mod tests {
                             (g + 8, 2 * c + 9),
                         ];
                         for (i, (dr, dk)) in pos.iter().enumerate() {
-                            let v = if kind.bits() == 4 {
+                            let code = if kind.bits() == 8 {
+                                l.weights[at + 8 * j + i] as i32
+                            } else {
                                 let w = u32::from_le_bytes(
                                     l.weights[at + 4 * j..at + 4 * j + 4].try_into().unwrap(),
                                 );
-                                let shift = if i % 2 == 0 {
-                                    4 * (i / 2)
-                                } else {
-                                    16 + 4 * (i / 2)
+                                let half = if i % 2 == 0 { 0 } else { 16 };
+                                let lo = (w >> (half + 4 * (i / 2))) & 15;
+                                let hi = match hb {
+                                    0 => 0,
+                                    1 => (l.high[slot] >> (half + 4 * j + i / 2)) & 1,
+                                    _ => {
+                                        let w = l.high[slot * 2 + j / 2];
+                                        (w >> (half + 8 * (j % 2) + 2 * (i / 2))) & 3
+                                    }
                                 };
-                                ((w >> shift) & 15) as i32 - 8
-                            } else {
-                                l.weights[at + 8 * j + i] as i32 - 128
+                                (lo | hi << 4) as i32
                             };
-                            q[(r0 + dr) * l.padded_cols + k0 + dk] = v as i8;
+                            q[(r0 + dr) * l.padded_cols + k0 + dk] =
+                                (code - kind.zero_point()) as i8;
                         }
                     }
                 }
             }
         }
         let mut out_q = vec![0i8; m.rows() * m.cols()];
-        let mut scales = Vec::new();
+        let (mut scales, mut mins) = (Vec::new(), Vec::new());
         for r in 0..l.padded_rows {
             for k in 0..l.padded_cols {
                 let v = q[r * l.padded_cols + k];
@@ -719,28 +1130,39 @@ mod tests {
                 }
             }
         }
+        let half = |w: u32, hi: bool| f16::from_bits(if hi { w >> 16 } else { w & 0xffff } as u16);
         for r in 0..m.rows() {
             let (rt, g) = (r / 16, r % 8);
             let hi = r % 16 >= 8;
             if kind.f16_scales() {
                 let groups = l.padded_cols / kind.group();
                 for gi in 0..m.cols().div_ceil(kind.group()) {
-                    let w = l.group_scales[(rt * groups + gi) * 8 + g];
-                    let bits = if hi { w >> 16 } else { w & 0xffff } as u16;
-                    scales.push(f16::from_bits(bits).to_f32());
+                    let at = (rt * groups + gi) * 8 + g;
+                    scales.push(half(l.group_scales[at], hi).to_f32());
+                    if kind.affine() {
+                        mins.push(half(l.group_mins[at], hi).to_f32());
+                    }
                 }
             } else {
                 scales.push(l.row_scales[r]);
             }
         }
-        (out_q, scales)
+        (out_q, scales, mins)
     }
 
-    const KINDS: [LowBitKind; 4] = [
-        LowBitKind::W4G128,
-        LowBitKind::W4G32,
-        LowBitKind::W8Row,
-        LowBitKind::W8G32,
+    const KINDS: [LowBitKind; 8] = LowBitKind::ALL;
+
+    /// The GGUF types the kernels take, with their parsers.
+    type Parser = fn(usize, usize, &[u8]) -> Result<LowBitMatrix>;
+    const GGUF_TYPES: [(BlockType, Parser); 8] = [
+        (BlockType::Q4_0, LowBitMatrix::from_q4_0),
+        (BlockType::Q4_1, LowBitMatrix::from_q4_1),
+        (BlockType::Q5_0, LowBitMatrix::from_q5_0),
+        (BlockType::Q5_1, LowBitMatrix::from_q5_1),
+        (BlockType::Q8_0, LowBitMatrix::from_q8_0),
+        (BlockType::Q4_K, LowBitMatrix::from_q4_k),
+        (BlockType::Q5_K, LowBitMatrix::from_q5_k),
+        (BlockType::Q6_K, LowBitMatrix::from_q6_k),
     ];
 
     proptest! {
@@ -748,18 +1170,47 @@ mod tests {
         /// The device layout holds every integer and scale where the kernel reads it, and zeros
         /// in the padding.
         #[test]
-        fn device_layout_round_trips(rows in 1usize..40, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..4) {
+        fn device_layout_round_trips(rows in 1usize..40, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..8) {
             let kind = KINDS[kind];
             let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed).unwrap();
             let m = LowBitMatrix::quantize(&w, kind);
-            let (q, scales) = read_back(&m);
+            let (q, scales, mins) = read_back(&m);
             prop_assert_eq!(&q[..], m.q());
             prop_assert_eq!(&scales[..], &m.scales[..]);
+            prop_assert_eq!(&mins[..], &m.mins[..]);
+        }
+
+        /// Every GGUF type parses to what sieve-cpu's dequantizer (an independent reading of
+        /// ggml's formats) makes of the same blocks: exactly, or within the f16 rounding of the
+        /// K-quants' scales and mins; and the parsed matrix survives the device layout.
+        #[test]
+        fn gguf_blocks_parse_to_the_cpu_dequantization(rows in 1usize..5, supers in 1usize..3, seed in 0u64..1000, ty in 0usize..8) {
+            let (ty, parse) = GGUF_TYPES[ty];
+            let cols = supers * 256;
+            let blocks = random_blocks(ty, rows, cols, seed);
+            let m = parse(rows, cols, &blocks).unwrap();
+            let want = dequantize(ty.ggml(), &blocks, rows * cols).unwrap();
+            let got = m.dequantize();
+            let k_quant = matches!(ty, BlockType::Q4_K | BlockType::Q5_K | BlockType::Q6_K);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let (r, k) = (i / cols, i % cols);
+                // Both roundings (scale and min) are at most 2^-11 relative.
+                let tol = if k_quant {
+                    (m.scale(r, k) * m.q()[i] as f32).abs() * 1.0e-3 + m.min(r, k).abs() * 1.0e-3
+                } else {
+                    0.0
+                };
+                prop_assert!((g - w).abs() <= tol, "{:?} ({}, {}): {} vs {}", ty, r, k, g, w);
+            }
+            let (q, scales, mins) = read_back(&m);
+            prop_assert_eq!(&q[..], m.q());
+            prop_assert_eq!(&scales[..], &m.scales[..]);
+            prop_assert_eq!(&mins[..], &m.mins[..]);
         }
 
         /// Quantization error is at most half a step (plus the f16 rounding of the scale).
         #[test]
-        fn quantization_is_within_half_a_step(rows in 1usize..8, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..4) {
+        fn quantization_is_within_half_a_step(rows in 1usize..8, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..8) {
             let kind = KINDS[kind];
             let w = sparse_matrix(rows, cols, 0.3, Pattern::Unstructured, seed).unwrap();
             let m = LowBitMatrix::quantize(&w, kind);
@@ -813,5 +1264,24 @@ mod tests {
         assert!(LowBitMatrix::new(LowBitKind::W4G128, 1, 1, vec![8], vec![1.0]).is_err());
         assert!(LowBitMatrix::new(LowBitKind::W4G128, 1, 1, vec![7], vec![0.1]).is_err());
         assert!(LowBitMatrix::new(LowBitKind::W8Row, 1, 1, vec![-128], vec![0.1]).is_ok());
+        // Affine kinds: unsigned codes, a min per group, both checked.
+        let affine = |q: i8, mins: Vec<f32>| {
+            LowBitMatrix::with_mins(LowBitKind::W4G32Affine, 1, 1, vec![q], vec![0.5], mins)
+        };
+        assert!(affine(15, vec![0.25]).is_ok());
+        assert!(affine(-1, vec![0.25]).is_err());
+        assert!(affine(3, vec![]).is_err());
+        assert!(affine(3, vec![f32::INFINITY]).is_err());
+        // K-quant blocks: K a multiple of 256, the exact byte count, scales that fit f16.
+        assert!(LowBitMatrix::from_q4_k(1, 32, &[0u8; 18]).is_err());
+        assert!(LowBitMatrix::from_q6_k(1, 256, &[0u8; 209]).is_err());
+        assert!(LowBitMatrix::from_q5_k(usize::MAX / 2, 256, &[]).is_err());
+        let mut huge = vec![0u8; Q6_K_BYTES];
+        huge[208..210].copy_from_slice(&f16::MAX.to_le_bytes());
+        huge[192] = 100;
+        let e = LowBitMatrix::from_q6_k(1, 256, &huge)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("finite"), "{e}");
     }
 }

@@ -57,12 +57,7 @@ fn gpu_lowbit_kernels_match_reference() {
     let Some(gpu) = gpu_or_skip("gpu_lowbit_kernels_match_reference") else {
         return;
     };
-    for kind in [
-        LowBitKind::W4G128,
-        LowBitKind::W4G32,
-        LowBitKind::W8Row,
-        LowBitKind::W8G32,
-    ] {
+    for kind in LowBitKind::ALL {
         for (si, &(rows, cols)) in SHAPES.iter().enumerate() {
             let seed = 11 + si as u64;
             let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed).unwrap();
@@ -117,6 +112,45 @@ fn gpu_gguf_blocks_match_reference() {
                 4 + n as u64,
                 &format!("q8_0 {rows}x{cols}"),
             );
+        }
+    }
+}
+
+/// Every GGUF type the kernels take, from random blocks (sieve-cpu's generator: real-model
+/// scale magnitudes, uniformly random codes), against the reference of the parsed matrix.
+#[test]
+fn gpu_every_gguf_type_matches_reference() {
+    use sieve_cpu::gguf_blocks::test_blocks::random_blocks;
+    use sieve_cpu::gguf_blocks::BlockType;
+    let Some(gpu) = gpu_or_skip("gpu_every_gguf_type_matches_reference") else {
+        return;
+    };
+    type Parser = fn(usize, usize, &[u8]) -> sieve_cuda::Result<LowBitMatrix>;
+    let types: [(BlockType, Parser); 8] = [
+        (BlockType::Q4_0, LowBitMatrix::from_q4_0),
+        (BlockType::Q4_1, LowBitMatrix::from_q4_1),
+        (BlockType::Q5_0, LowBitMatrix::from_q5_0),
+        (BlockType::Q5_1, LowBitMatrix::from_q5_1),
+        (BlockType::Q8_0, LowBitMatrix::from_q8_0),
+        (BlockType::Q4_K, LowBitMatrix::from_q4_k),
+        (BlockType::Q5_K, LowBitMatrix::from_q5_k),
+        (BlockType::Q6_K, LowBitMatrix::from_q6_k),
+    ];
+    for (ti, (ty, parse)) in types.into_iter().enumerate() {
+        for &(rows, cols) in &[(1usize, 256usize), (19, 768), (300, 1280), (4096, 4096)] {
+            let blocks = random_blocks(ty, rows, cols, 40 + ti as u64);
+            let m = parse(rows, cols, &blocks).unwrap();
+            let d = GpuLowBit::upload(&gpu, &m).unwrap();
+            for n in [1usize, 2, 3, 8, 13, 32] {
+                check(
+                    &gpu,
+                    &m,
+                    &d,
+                    n,
+                    7 + n as u64,
+                    &format!("{ty:?} {rows}x{cols}"),
+                );
+            }
         }
     }
 }

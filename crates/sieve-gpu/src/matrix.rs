@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | dense (or GGUF blocks of types without a block kernel, dequantized to f16) | none | row-major GEMV |
 //! | dense | TEAL | column-major GEMV that skips inactive columns |
-//! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q8_0 blocks, W4A16 g128, W8A16) | any | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
+//! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, W4A16 g128, W8A16) | any | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme, slide | - | refused: no GPU decode kernel yet |
@@ -34,7 +34,7 @@ use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
 pub enum HostMatrix {
     /// f16 values, encoded on upload in the layer's format.
     Values(DenseMatrix),
-    /// Dense integers and scales (GGUF Q4_0 / Q8_0 blocks, W4A16, W8A16), multiplied as they
+    /// Dense integers and scales (GGUF blocks, W4A16, W8A16), multiplied as they
     /// are: never widened to f16 on the device.
     LowBit(LowBitMatrix),
 }
@@ -182,6 +182,10 @@ impl DeviceMatrix {
                 sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0",
                 sieve_cuda::lowbit::LowBitKind::W8Row => "lowbit/w8a16",
                 sieve_cuda::lowbit::LowBitKind::W8G32 => "lowbit/q8_0",
+                sieve_cuda::lowbit::LowBitKind::W4G32Affine => "lowbit/q4_k-q4_1",
+                sieve_cuda::lowbit::LowBitKind::W5G32 => "lowbit/q5_0",
+                sieve_cuda::lowbit::LowBitKind::W5G32Affine => "lowbit/q5_k-q5_1",
+                sieve_cuda::lowbit::LowBitKind::W6G16 => "lowbit/q6_k",
             },
         }
     }

@@ -8,7 +8,7 @@
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
 //! | Tiled-CBC | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
-//! | dense low-bit (GGUF Q4_0 / Q8_0, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
+//! | dense low-bit (GGUF blocks of every type, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
 //! | RLC-CSC, Balanced-CBC | no decoder: the prompt runs token by token through the decode step |
 //!
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token

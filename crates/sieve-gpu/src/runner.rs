@@ -19,6 +19,7 @@ use crate::matrix::{DeviceLinear, HostMatrix};
 use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::graph::StepGraph;
+use sieve_cuda::lowbit::LowBitMatrix;
 use sieve_cuda::timing::EventPair;
 use sieve_cuda::{dev_ptr, DriverContext, Gpu};
 use sieve_formats::{FormatKind, Threshold};
@@ -90,6 +91,24 @@ impl Op {
     }
 }
 
+/// A GGUF matrix's blocks as the low-bit kernels' integers and scales (repacked, never
+/// dequantized): every block type the CPU loads has a kernel kind.
+fn low_bit_of_blocks(q: &sieve_cpu::gguf_blocks::QuantMatrix) -> Result<LowBitMatrix> {
+    use sieve_cpu::gguf_blocks::BlockType;
+    use sieve_formats::WeightFormat;
+    let parse = match q.block_type() {
+        BlockType::Q4_0 => LowBitMatrix::from_q4_0,
+        BlockType::Q4_1 => LowBitMatrix::from_q4_1,
+        BlockType::Q5_0 => LowBitMatrix::from_q5_0,
+        BlockType::Q5_1 => LowBitMatrix::from_q5_1,
+        BlockType::Q8_0 => LowBitMatrix::from_q8_0,
+        BlockType::Q4_K => LowBitMatrix::from_q4_k,
+        BlockType::Q5_K => LowBitMatrix::from_q5_k,
+        BlockType::Q6_K => LowBitMatrix::from_q6_k,
+    };
+    Ok(parse(q.rows(), q.cols(), q.blocks())?)
+}
+
 /// What this runner executes of a plan (checked before anything is uploaded).
 pub const GPU_CAPABILITIES: Capabilities = Capabilities {
     backend: "cuda",
@@ -99,7 +118,9 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
         FormatKind::RlcCsc,
         FormatKind::BalancedCbc,
     ],
-    blocks: BlockSupport::NativeFor(&["Q4_0", "Q8_0"]),
+    blocks: BlockSupport::NativeFor(&[
+        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+    ]),
     bias_groups: &[Group::Qkv],
     mixed_formats_in_layer: false,
 };
@@ -194,21 +215,13 @@ impl GpuModel {
         // What this runner cannot execute is refused here, naming the op and the format,
         // before anything is decoded or uploaded.
         let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
-        // GGUF Q4_0 / Q8_0 blocks go to the device as their integers and scales; every other
+        // GGUF blocks go to the device as their integers, scales and mins; every other
         // matrix as its values, encoded there in its format.
         let decode =
             |lin: &sieve_model::linear::Linear| -> Result<(HostMatrix, Threshold, FormatKind)> {
-                use sieve_cpu::gguf_blocks::BlockType;
-                use sieve_cuda::lowbit::LowBitMatrix;
-                use sieve_formats::WeightFormat;
                 let weights = match lin.quant_blocks() {
-                    Some(q) if q.block_type() == BlockType::Q4_0 => {
-                        HostMatrix::LowBit(LowBitMatrix::from_q4_0(q.rows(), q.cols(), q.blocks())?)
-                    }
-                    Some(q) if q.block_type() == BlockType::Q8_0 => {
-                        HostMatrix::LowBit(LowBitMatrix::from_q8_0(q.rows(), q.cols(), q.blocks())?)
-                    }
-                    _ => HostMatrix::Values(lin.format().decode()),
+                    Some(q) => HostMatrix::LowBit(low_bit_of_blocks(q)?),
+                    None => HostMatrix::Values(lin.format().decode()),
                 };
                 Ok((weights, lin.threshold(), lin.format().kind()))
             };

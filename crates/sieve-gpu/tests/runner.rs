@@ -779,6 +779,98 @@ fn tiny_gguf_block_models_match_cpu() {
     }
 }
 
+/// Every projection and the head of `model` replaced by random GGUF blocks (sieve-cpu's
+/// generator: real-model scale magnitudes, random codes) of the type `pick` gives its name.
+fn to_random_gguf_blocks(
+    model: &mut Model,
+    pick: impl Fn(&str) -> sieve_cpu::gguf_blocks::BlockType,
+    seed: u64,
+) {
+    use sieve_cpu::gguf_blocks::test_blocks::random_blocks;
+    use sieve_cpu::gguf_blocks::QuantMatrix;
+    for (i, (name, lin)) in model.linears_mut().into_iter().enumerate() {
+        let ty = pick(&name);
+        let (rows, cols) = (lin.rows(), lin.cols());
+        let blocks = random_blocks(ty, rows, cols, seed + i as u64);
+        let q = QuantMatrix::new(ty, rows, cols, blocks).unwrap();
+        let mut blocks = Linear::from_quantized(q);
+        blocks.set_threshold(lin.threshold()).unwrap();
+        *lin = blocks;
+    }
+}
+
+/// GGUF K-quant and Q4_1 / Q5_0 / Q5_1 models (K a multiple of 256) decode on the GPU from their
+/// blocks with the CPU's tokens: the mix `llama-quantize Q4_K_M` writes (Q4_K, Q6_K for v, down
+/// and the head), and one of the other five types. The reference is the CPU on the same blocks
+/// dequantized (the GPU rounds the K-quants' d · sc to f16: relative 2^-11, the order of the
+/// f16 rounding the reference's weights have).
+#[test]
+fn tiny_k_quant_models_match_cpu() {
+    use sieve_cpu::gguf_blocks::BlockType;
+    if gpu_or_skip("tiny_k_quant_models_match_cpu").is_none() {
+        return;
+    }
+    let q4_k_m = |name: &str| {
+        if name.contains("v_proj") || name.contains("down_proj") || name.contains("lm_head") {
+            BlockType::Q6_K
+        } else {
+            BlockType::Q4_K
+        }
+    };
+    let others = |name: &str| {
+        if name.contains("v_proj") {
+            BlockType::Q5_0
+        } else if name.contains("down_proj") {
+            BlockType::Q4_1
+        } else if name.contains("lm_head") {
+            BlockType::Q5_1
+        } else {
+            BlockType::Q5_K
+        }
+    };
+    type Pick<'a> = &'a dyn Fn(&str) -> BlockType;
+    let mixes: [(&str, Pick); 2] = [("Q4_K_M", &q4_k_m), ("Q5 mix", &others)];
+    for (mi, (mix, pick)) in mixes.into_iter().enumerate() {
+        let cfg = config(301, 256, 512, 2, 8, 2, 32);
+        let seed = 31 + mi as u64;
+        let mut model = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+        to_random_gguf_blocks(&mut model, pick, 100 * seed);
+        let g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
+        let kernels = g.report().kernels.join("; ");
+        assert!(
+            g.report().kernels.iter().all(|k| k.contains("lowbit/")),
+            "{mix}: {kernels}"
+        );
+        assert!(
+            !g.report().notes.iter().any(|n| n.contains("dequantized")),
+            "{mix}: {:?}",
+            g.report().notes
+        );
+        drop(g);
+        let mut reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
+        for ((_, blocks), (_, dense)) in
+            model.linears_mut().into_iter().zip(reference.linears_mut())
+        {
+            let values = blocks.format().decode();
+            dense
+                .replace_format(Box::new(sieve_cpu::dense::FastDense::new(values)))
+                .unwrap();
+        }
+        check_gpu_model_against_cpu(
+            &format!("tiny_k_quant_models_match_cpu {mix}"),
+            Some(&model),
+            &mut reference,
+            0.05,
+            // The two sides round different things to f16 (the reference each weight, the GPU
+            // the scales and the activations): logits differ by ~1e-3, and these random-block
+            // models reach near-ties (a top-2 margin of 0.003 at step 7 of the Q4_K_M mix,
+            // H200 2026-12-04), so tokens are compared up to the first margin below 0.02.
+            0.02,
+            THRESHOLD_NUDGE,
+        );
+    }
+}
+
 /// Balanced-CBC models whose values lie on int8 / int4 grids (as `sieve pack --values` makes
 /// them) run the low-bit kernels (named in the upload report) with the CPU's tokens.
 #[test]
