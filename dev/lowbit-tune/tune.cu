@@ -105,8 +105,10 @@ static void launch_pdl(void (*f)(Args...), dim3 grid, dim3 block, cudaStream_t s
 static void enqueue(const Kind& k, Product& p, float t, cudaStream_t s) {
     launch_pdl(lowbit_x_to_f16, dim3((p.kp + 255) / 256), dim3(256), s, (const float*)p.x, p.x16, p.cols, p.cols,
                p.kp, 1, t);
-    launch_pdl(k.f16, dim3(p.tiles), dim3(32 * LB_WARPS), s, (const uint4*)p.w, (const u32*)p.gs, (const float*)p.rs,
-               (const f16_bits*)p.x16, p.kp, p.y, p.rows, p.rows, 1, p.chunks, 1);
+    // The high planes and mins (5-/6-bit and affine kinds) are not read by these four kinds.
+    launch_pdl(k.f16, dim3(p.tiles), dim3(32 * LB_WARPS), s, (const uint4*)p.w, (const u32*)p.gs, (const u32*)p.gs,
+               (const u32*)p.gs, (const float*)p.rs, (const f16_bits*)p.x16, p.kp, p.y, p.rows, p.rows, 1, p.chunks,
+               1);
 }
 
 int main(int argc, char** argv) {
