@@ -14,7 +14,8 @@
 //
 // (Symmetric kinds have the fixed zero points 8, 16, 32, 128, as GPTQ's symmetric mode and
 // Q4_0 / Q5_0 / Q6_K. The K-quants' scales d · sc and mins dmin · m are rounded to f16 at
-// upload: relative 2^-11, the rounding the f16 dequantization of the same blocks has per weight.)
+// upload: relative 2^-11 of the scale and of the min; a min's rounding can be many times a
+// small weight's own f16 rounding (docs/BENCHMARKS.md, "Every GGUF block type in place").)
 //
 // Device layout (built at upload, src/lowbit.rs `device_layout`): rows padded to Mp = 16 n,
 // columns to Kp = 128 n (padding: value 0, scale 0). Row tile rt = rows 16 rt .. 16 rt + 15;

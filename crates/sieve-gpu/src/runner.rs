@@ -93,7 +93,7 @@ impl Op {
 
 /// A GGUF matrix's blocks as the low-bit kernels' integers and scales (repacked, never
 /// dequantized): every block type the CPU loads has a kernel kind.
-fn low_bit_of_blocks(q: &sieve_cpu::gguf_blocks::QuantMatrix) -> Result<LowBitMatrix> {
+pub fn low_bit_of_blocks(q: &sieve_cpu::gguf_blocks::QuantMatrix) -> Result<LowBitMatrix> {
     use sieve_cpu::gguf_blocks::BlockType;
     use sieve_formats::WeightFormat;
     let parse = match q.block_type() {

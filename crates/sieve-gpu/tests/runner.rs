@@ -802,8 +802,12 @@ fn to_random_gguf_blocks(
 /// GGUF K-quant and Q4_1 / Q5_0 / Q5_1 models (K a multiple of 256) decode on the GPU from their
 /// blocks with the CPU's tokens: the mix `llama-quantize Q4_K_M` writes (Q4_K, Q6_K for v, down
 /// and the head), and one of the other five types. The reference is the CPU on the same blocks
-/// dequantized (the GPU rounds the K-quants' d · sc to f16: relative 2^-11, the order of the
-/// f16 rounding the reference's weights have).
+/// dequantized. The GPU rounds the K-quants' `d · sc` and `dmin · m` to f16 at upload, and a
+/// rounded min moves a weight by 2^-11 of the min, not of the weight: on these random-block
+/// models (logits up to ~45) that alone moves the CPU's logits by up to ~0.38 (measured
+/// 2026-12-04: the CPU on the GPU's weights against the CPU on the exact ones, p90 0.18). So the
+/// logit allowance is measured the same way in the test: 1.5 x how far the CPU moves when given
+/// the weights the GPU multiplies (`low_bit_of_blocks`, dequantized).
 #[test]
 fn tiny_k_quant_models_match_cpu() {
     use sieve_cpu::gguf_blocks::BlockType;
@@ -847,20 +851,41 @@ fn tiny_k_quant_models_match_cpu() {
             g.report().notes
         );
         drop(g);
-        let mut reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
-        for ((_, blocks), (_, dense)) in
-            model.linears_mut().into_iter().zip(reference.linears_mut())
+        // The reference (exact dequantization) and the CPU on what the GPU multiplies.
+        let mut reference = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+        let mut as_gpu = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
+        for (((_, blocks), (_, exact)), (_, rounded)) in model
+            .linears_mut()
+            .into_iter()
+            .zip(reference.linears_mut())
+            .zip(as_gpu.linears_mut())
         {
             let values = blocks.format().decode();
-            dense
+            exact
                 .replace_format(Box::new(sieve_cpu::dense::FastDense::new(values)))
                 .unwrap();
+            let q = blocks.quant_blocks().unwrap();
+            let gpu_weights = sieve_gpu::runner::low_bit_of_blocks(q)
+                .unwrap()
+                .dequantize();
+            let m = DenseMatrix::from_f32(q.rows(), q.cols(), &gpu_weights).unwrap();
+            rounded
+                .replace_format(Box::new(sieve_cpu::dense::FastDense::new(m)))
+                .unwrap();
         }
+        let seq: Vec<u32> = (0..69).map(|i| (i * 37 + 1) % 301).collect();
+        let logits = |m: &mut Model| {
+            let mut cache = m.new_cache(seq.len());
+            m.forward(&seq, &mut cache, Logits::All).unwrap()
+        };
+        let spread = position_errors(&logits(&mut as_gpu), &logits(&mut reference), 301);
+        let spread_max = spread[spread.len() - 1];
+        eprintln!("{mix}: the CPU on the GPU's rounded scales moves by up to {spread_max}");
         check_gpu_model_against_cpu(
             &format!("tiny_k_quant_models_match_cpu {mix}"),
             Some(&model),
             &mut reference,
-            0.05,
+            0.05f32.max(1.5 * spread_max),
             // The two sides round different things to f16 (the reference each weight, the GPU
             // the scales and the activations): logits differ by ~1e-3, and these random-block
             // models reach near-ties (a top-2 margin of 0.003 at step 7 of the Q4_K_M mix,
