@@ -9,6 +9,7 @@
 //! | [`metrics`] | counters, gauges and histograms in the Prometheus text format |
 //! | [`server`] | axum routes, API key, limits, SSE streaming |
 //! | [`connections`] | the accept loop: connection cap, header/idle and write timeouts |
+//! | [`load`] | the other side: load on any OpenAI-compatible server (`sieve bench serve`) |
 //!
 //! Threads: one scheduler thread (inside a rayon pool, which the model's products use) owns
 //! the engine; a small tokio runtime runs HTTP. They meet in the [`scheduler::Queue`] (jobs in)
@@ -20,6 +21,7 @@ pub mod api;
 pub mod connections;
 pub mod engine;
 pub mod gpu_engine;
+pub mod load;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;

@@ -52,6 +52,9 @@ enum BenchCommand {
     Other(commands::bench_cpu::AnyBench),
     /// Time whole-model decode on the GPU (TPOT, TTFT, bytes per token, step breakdown).
     Decode(commands::bench_decode::DecodeArgs),
+    /// Load running OpenAI-compatible servers (sieve serve, llama-server, ...) with the same
+    /// requests: throughput, TTFT, TPOT, latency.
+    Serve(commands::bench_serve::ServeBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +78,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench { command } => match command {
             BenchCommand::Other(c) => commands::bench_cpu::run_any(c),
             BenchCommand::Decode(a) => commands::bench_decode::run(a),
+            BenchCommand::Serve(a) => commands::bench_serve::run(a),
         },
         Command::Generate(args) => commands::generate::run(args),
         Command::Eval { command } => commands::eval::run(command),

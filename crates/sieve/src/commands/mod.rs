@@ -1,6 +1,7 @@
 pub mod bench;
 pub mod bench_cpu;
 pub mod bench_decode;
+pub mod bench_serve;
 pub mod device;
 pub mod eval;
 pub mod formats;
