@@ -6,7 +6,7 @@
 #      the GPU engine (SIEVE_SERVE_TEST_DEVICE=cuda);
 #   2. batch-1 TPOT of the model from `sieve bench decode --model`;
 #   3. `sieve serve --device cuda` (then `--device cpu` on the same cores) under
-#      scripts/serve-bench.py with 1, 8 and 32 concurrent streams.
+#      `sieve bench serve` with 1, 8 and 32 concurrent streams.
 # Logs and JSON go to $OUT; the summary lines are printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +41,7 @@ for dev in cuda cpu; do
   clients_list=${CLIENTS:-"1 8 32"}
   [ "$dev" = cpu ] && clients_list=${CPU_CLIENTS:-"1 8"}
   for clients in $clients_list; do
-    python3 scripts/serve-bench.py "http://127.0.0.1:$port" --clients "$clients" \
+    .gpu/bin/sieve bench serve --url "http://127.0.0.1:$port" --clients "$clients" \
       --requests "${REQUESTS:-2}" --max-tokens "${MAX_TOKENS:-128}" \
       --json "$OUT/serve-$dev-$clients.json" 2>&1 | tail -3
   done

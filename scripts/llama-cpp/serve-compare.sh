@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: llama.cpp's llama-server on the default model under the same load client
-# (scripts/serve-bench.py) and request mix as sieve serve (scripts/gpu-serve-run.sh): clients in
+# (`sieve bench serve`) and request mix as sieve serve (scripts/gpu-serve-run.sh): clients in
 # CLIENTS (default "1 8 32"), --parallel 32, continuous batching (llama-server's default),
 # every layer on the GPU. Expects llama-server built by scripts/llama-cpp/build.sh
 # (TARGETS=llama-server is enough). Logs and JSON to $OUT.
@@ -20,7 +20,7 @@ for _ in $(seq 1 240); do
   sleep 0.5
 done
 for clients in ${CLIENTS:-1 8 32}; do
-  python3 scripts/serve-bench.py "http://127.0.0.1:$port" --clients "$clients" \
+  .gpu/bin/sieve bench serve --url "http://127.0.0.1:$port" --clients "$clients" \
     --requests "${REQUESTS:-2}" --max-tokens "${MAX_TOKENS:-128}" \
     --json "$OUT/llama-server-$clients.json" 2>&1 | tail -3
 done

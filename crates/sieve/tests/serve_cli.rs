@@ -407,3 +407,62 @@ fn silent_connections_cannot_starve_the_server() {
     let (status, rest) = server.wait(Duration::from_secs(30));
     assert!(status.success(), "{status}: {rest:?}");
 }
+
+/// `sieve bench serve` against a `sieve serve` process: one line per server and client count, the
+/// comparison table for two URLs, the JSON file with every run; a bad URL refused by name.
+#[test]
+fn bench_serve_loads_a_running_server() {
+    let bad = sieve()
+        .args(["bench", "serve", "--url", "https://example.com"])
+        .output()
+        .expect("sieve bench serve runs");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("https://example.com") && err.contains("http://"),
+        "{err}"
+    );
+    if !model_present() {
+        return;
+    }
+    let server = ServeProcess::start(&[]);
+    let dir = std::env::temp_dir().join(format!("sieve-bench-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("load.json");
+    let out = sieve()
+        .args([
+            "bench",
+            "serve",
+            "--url",
+            &server.base,
+            "--url",
+            &server.base,
+        ])
+        .args(["--clients", "1,2", "--requests", "1", "--max-tokens", "4"])
+        .arg("--json")
+        .arg(&json)
+        .env_remove("SIEVE_API_KEY")
+        .output()
+        .expect("sieve bench serve runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(" tok/s | TTFT p50 ").count(), 4, "{stdout}");
+    assert!(
+        stdout.contains("| 1 |") && stdout.contains("| 2 |"),
+        "{stdout}"
+    );
+    let runs: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let requests: Vec<u64> = runs
+        .iter()
+        .map(|r| r["requests"].as_u64().unwrap())
+        .collect();
+    assert_eq!(requests, [1, 1, 2, 2]);
+    assert!(runs
+        .iter()
+        .all(|r| r["errors"] == 0 && r["generated_tokens"].as_u64() > Some(0)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
