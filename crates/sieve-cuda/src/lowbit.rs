@@ -226,7 +226,8 @@ impl LowBitMatrix {
                 kind.name()
             ));
         }
-        if rows > i32::MAX as usize || cols > i32::MAX as usize {
+        // The kernels index rows and padded columns with 32-bit integers.
+        if rows > i32::MAX as usize || cols.div_ceil(K_ALIGN) * K_ALIGN > i32::MAX as usize {
             return bad(format!("matrix {rows} x {cols} exceeds 32-bit dimensions"));
         }
         Ok(Self {
@@ -697,7 +698,7 @@ impl BlockParse {
         cols: usize,
         blocks: &[u8],
     ) -> Result<Self> {
-        let (elems, bytes, label) = gguf_block_geometry(ty);
+        let (elems, bytes, label) = gguf_block_geometry(ty)?;
         if !cols.is_multiple_of(elems) {
             return Err(CudaError::Option(format!(
                 "{ty} blocks need K a multiple of {elems}, got {cols}"
@@ -735,8 +736,8 @@ impl BlockParse {
 
 /// (weights, bytes, what the length check calls them) of one block of the GGUF types the
 /// kernels take.
-fn gguf_block_geometry(ty: &str) -> (usize, usize, &'static str) {
-    match ty {
+fn gguf_block_geometry(ty: &str) -> Result<(usize, usize, &'static str)> {
+    Ok(match ty {
         "Q4_0" => (GGUF_BLOCK, Q4_0_BYTES, "Q4_0 bytes"),
         "Q4_1" => (GGUF_BLOCK, Q4_1_BYTES, "Q4_1 bytes"),
         "Q5_0" => (GGUF_BLOCK, Q5_0_BYTES, "Q5_0 bytes"),
@@ -744,8 +745,13 @@ fn gguf_block_geometry(ty: &str) -> (usize, usize, &'static str) {
         "Q8_0" => (GGUF_BLOCK, Q8_0_BYTES, "Q8_0 bytes"),
         "Q4_K" => (K_BLOCK, Q4_K_BYTES, "Q4_K bytes"),
         "Q5_K" => (K_BLOCK, Q5_K_BYTES, "Q5_K bytes"),
-        _ => (K_BLOCK, Q6_K_BYTES, "Q6_K bytes"),
-    }
+        "Q6_K" => (K_BLOCK, Q6_K_BYTES, "Q6_K bytes"),
+        other => {
+            return Err(CudaError::Option(format!(
+                "no low-bit kernel kind for GGUF {other}"
+            )))
+        }
+    })
 }
 
 fn read_f16(b: &[u8], at: usize) -> f32 {
@@ -939,7 +945,9 @@ impl GpuLowBit {
         self.bytes
     }
 
-    /// `y (n x M f32) = x (n x padded_cols f16) · Wᵀ`, or `y +=` with `accumulate`.
+    /// `y (n x M f32) = x (n x padded_cols f16) · Wᵀ`, or `y +=` with `accumulate`. `x` must
+    /// be zero past K ([`pad_activations`], [`activations_to_f16`] make it so): an affine kind's
+    /// padding columns inside a real group hold `-min`, not 0.
     pub fn launch(
         &self,
         gpu: &Gpu,

@@ -881,16 +881,22 @@ fn tiny_k_quant_models_match_cpu() {
         let spread = position_errors(&logits(&mut as_gpu), &logits(&mut reference), 301);
         let spread_max = spread[spread.len() - 1];
         eprintln!("{mix}: the CPU on the GPU's rounded scales moves by up to {spread_max}");
+        // The rounding's cost is pinned (0.38 on the Q4_K_M mix, 2026-12-04), so a conversion
+        // gone wrong cannot widen its own allowance.
+        assert!(
+            spread_max < 0.6,
+            "{mix}: rounded scales move the logits by {spread_max}"
+        );
+        let allowance = 0.05f32.max(1.5 * spread_max);
         check_gpu_model_against_cpu(
             &format!("tiny_k_quant_models_match_cpu {mix}"),
             Some(&model),
             &mut reference,
-            0.05f32.max(1.5 * spread_max),
-            // The two sides round different things to f16 (the reference each weight, the GPU
-            // the scales and the activations): logits differ by ~1e-3, and these random-block
-            // models reach near-ties (a top-2 margin of 0.003 at step 7 of the Q4_K_M mix,
-            // H200 2026-12-04), so tokens are compared up to the first margin below 0.02.
-            0.02,
+            allowance,
+            // Greedy tokens may part legitimately where the CPU's top-2 margin is within what
+            // the rounding moves (these random-block models reach a margin of 0.003 at step 7
+            // of the Q4_K_M mix, H200 2026-12-04): they are compared up to the first such step.
+            allowance,
             THRESHOLD_NUDGE,
         );
     }

@@ -19,6 +19,13 @@ use hyper_util::rt::TokioIo;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+/// Most concurrent clients (each holds one connection).
+pub const MAX_CLIENTS: usize = 4096;
+/// Most requests per client.
+pub const MAX_REQUESTS: usize = 1_000_000;
+/// Longest server-sent event line kept while it arrives.
+const MAX_EVENT_BYTES: usize = 1 << 20;
+
 /// What to send.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadOptions {
@@ -35,6 +42,25 @@ pub struct LoadOptions {
     pub model: Option<String>,
     /// Per request, from sending it to its last byte.
     pub timeout: Duration,
+}
+
+impl LoadOptions {
+    /// Refuses counts of 0, and more clients or requests than the limits.
+    pub fn check(&self) -> Result<(), LoadError> {
+        if self.clients == 0 || self.requests == 0 || self.max_tokens == 0 {
+            return Err(LoadError::Options(
+                "clients, requests and max tokens must each be at least 1".into(),
+            ));
+        }
+        if self.clients > MAX_CLIENTS || self.requests > MAX_REQUESTS {
+            return Err(LoadError::Options(format!(
+                "{} clients x {} requests: at most {MAX_CLIENTS} clients (one connection each; \
+                 the open-file limit may allow fewer) and {MAX_REQUESTS} requests per client",
+                self.clients, self.requests
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Default for LoadOptions {
@@ -77,6 +103,28 @@ pub struct LoadReport {
 }
 
 impl LoadReport {
+    /// A run that could not start (`why`): every request counted as failed.
+    pub fn failed(url: &str, o: &LoadOptions, why: String) -> Self {
+        Self {
+            url: url.to_string(),
+            clients: o.clients,
+            stream: o.stream,
+            requests: 0,
+            errors: o.clients * o.requests,
+            first_errors: vec![why],
+            generated_tokens: 0,
+            wall_s: 0.0,
+            tokens_per_s: 0.0,
+            ttft_ms_p50: None,
+            ttft_ms_p99: None,
+            tpot_ms_p50: None,
+            tpot_ms_p99: None,
+            latency_ms_p50: None,
+            latency_ms_p99: None,
+            tokens_per_request_mean: 0.0,
+        }
+    }
+
     /// One line: throughput, TTFT, TPOT, latency, errors.
     pub fn summary(&self) -> String {
         let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
@@ -133,24 +181,44 @@ impl ServerUrl {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, ""),
         };
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) => (
-                h,
-                p.parse::<u16>()
-                    .map_err(|_| bad("the port is not a number in 1..=65535"))?,
-            ),
-            None => (authority, 80),
+        // `[v6 address]:port` keeps its colons inside the brackets.
+        let (host, port) = if let Some(inner) = authority.strip_prefix('[') {
+            let (h, rest) = inner
+                .split_once(']')
+                .ok_or_else(|| bad("an IPv6 address needs its closing ']'"))?;
+            match rest.strip_prefix(':') {
+                Some(p) => (h, p),
+                None if rest.is_empty() => (h, "80"),
+                None => return Err(bad("text after the IPv6 address")),
+            }
+        } else {
+            match authority.rsplit_once(':') {
+                Some((h, p)) => (h, p),
+                None => (authority, "80"),
+            }
         };
+        let port = port
+            .parse::<u16>()
+            .map_err(|_| bad("the port is not a number in 1..=65535"))?;
         if host.is_empty() || port == 0 {
             return Err(bad("no host or port"));
         }
         let prefix = path.trim_end_matches('/');
         let prefix = prefix.strip_suffix("/v1").unwrap_or(prefix).to_string();
         Ok(Self {
-            host: host.trim_matches(|c| c == '[' || c == ']').to_string(),
+            host: host.to_string(),
             port,
             prefix,
         })
+    }
+
+    /// The `Host` header: an IPv6 address in brackets.
+    fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
     }
 
     fn path(&self, endpoint: &str) -> String {
@@ -181,17 +249,7 @@ struct Timing {
 /// Runs the load against `url` and reports it. Options and the server are checked before the
 /// load starts (`GET /v1/models` must answer); failed requests are counted, not fatal.
 pub async fn run_load(url: &str, o: &LoadOptions) -> Result<LoadReport, LoadError> {
-    if o.clients == 0 || o.requests == 0 || o.max_tokens == 0 {
-        return Err(LoadError::Options(
-            "clients, requests and max tokens must each be at least 1".into(),
-        ));
-    }
-    if o.clients > 4096 {
-        return Err(LoadError::Options(format!(
-            "{} clients: at most 4096 (one connection each)",
-            o.clients
-        )));
-    }
+    o.check()?;
     let server = ServerUrl::parse(url)?;
     let models = request(
         &server,
@@ -305,7 +363,8 @@ fn report(
     }
 }
 
-/// The `q` quantile (nearest rank below), `None` for no values.
+/// The `q` quantile: the value at rank `floor(q · n)` (0-based) of the sorted values, so p99 of
+/// fewer than 100 values is the largest; `None` for no values.
 fn percentile(values: &[f64], q: f64) -> Option<f64> {
     if values.is_empty() {
         return None;
@@ -355,7 +414,9 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
         // Server-sent events: `data: {json}` lines, `data: [DONE]` last.
         let mut stamps = Vec::new();
         let mut pending: Vec<u8> = Vec::new();
-        let mut finished = false;
+        // A stream counts only when it ends as the protocol says: `[DONE]`, or a chunk with a
+        // finish reason (then the connection closing ends it).
+        let (mut finished, mut reason) = (false, false);
         while !finished {
             let Some(frame) = response.body_mut().frame().await else {
                 break;
@@ -365,6 +426,9 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 continue;
             };
             pending.extend_from_slice(data);
+            if pending.len() > MAX_EVENT_BYTES {
+                return Err(format!("request {i}: a stream line longer than 1 MiB"));
+            }
             while let Some(end) = pending.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=end).collect();
                 let line = String::from_utf8_lossy(&line);
@@ -378,11 +442,25 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 }
                 let chunk: Value = serde_json::from_str(data)
                     .map_err(|e| format!("request {i}: a stream event is not JSON: {e}"))?;
-                let text = chunk["choices"][0]["text"].as_str().unwrap_or("");
+                if !chunk["error"].is_null() {
+                    return Err(format!(
+                        "request {i}: the stream reports {}",
+                        chunk["error"]
+                    ));
+                }
+                let choice = &chunk["choices"][0];
+                let text = choice["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
                     stamps.push(Instant::now());
                 }
+                reason |= !choice["finish_reason"].is_null();
             }
+        }
+        if !finished && !reason {
+            return Err(format!(
+                "request {i}: the stream ended without [DONE] or a finish reason after {} tokens",
+                stamps.len()
+            ));
         }
         Ok(Timing {
             sent,
@@ -415,7 +493,7 @@ async fn send(
         // Ends with the response (or the server closing); its error is the request's.
         let _ = connection.await;
     });
-    let host = format!("{}:{}", server.host, server.port);
+    let host = server.authority();
     let mut builder = hyper::Request::builder()
         .method(method)
         .uri(server.path(endpoint))
@@ -497,6 +575,10 @@ mod tests {
             (u.port, u.path("/v1/completions").as_str()),
             (80, "/api/v1/completions")
         );
+        let u = ServerUrl::parse("http://[::1]:8081/").unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("::1", 8081));
+        assert_eq!(u.authority(), "[::1]:8081");
+        assert_eq!(ServerUrl::parse("http://[::1]").unwrap().port, 80);
         for bad in [
             "https://x:1",
             "127.0.0.1:80",
@@ -504,6 +586,8 @@ mod tests {
             "http://x:0",
             "http://x:99999",
             "http://x:y",
+            "http://[::1:80",
+            "http://[::1]x",
         ] {
             let e = ServerUrl::parse(bad).unwrap_err().to_string();
             assert!(e.contains(bad), "{bad}: {e}");

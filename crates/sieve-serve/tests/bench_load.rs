@@ -96,3 +96,107 @@ async fn what_is_not_a_usable_server_is_refused_before_the_load() {
     let r = run_load(&base, &with_key).await.unwrap();
     assert_eq!((r.requests, r.errors), (1, 0), "{r:?}");
 }
+
+/// A stand-in server: `/v1/models` answers 200; `/v1/completions` answers 200 with `stream` as
+/// its whole body (no chunking, then the connection closes).
+async fn fake_server(stream: &'static str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // The head, then as many body bytes as Content-Length says.
+                let (head_end, length) = loop {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&request).to_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        break (end + 4, length);
+                    }
+                };
+                while request.len() < head_end + length {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        break;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                }
+                let body = if request.starts_with(b"GET /v1/models") {
+                    "{\"data\": []}"
+                } else {
+                    stream
+                };
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n{body}"
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// A stream cut before `[DONE]` and without a finish reason, or one reporting an error, is a
+/// failed request, not a short success; a stream that ends properly counts its chunks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_or_failed_streams_count_as_errors() {
+    let chunk = |text: &str, reason: &str| {
+        format!(
+            "data: {{\"choices\": [{{\"text\": \"{text}\", \"finish_reason\": {reason}}}]}}\n\n"
+        )
+    };
+    let whole: &'static str = Box::leak(
+        format!(
+            "{}{}data: [DONE]\n\n",
+            chunk("a", "null"),
+            chunk("b", "\"length\"")
+        )
+        .into_boxed_str(),
+    );
+    let r = run_load(&fake_server(whole).await, &options(2, 2, true))
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.requests, r.errors, r.generated_tokens),
+        (4, 0, 8),
+        "{r:?}"
+    );
+
+    let cut: &'static str =
+        Box::leak(format!("{}{}", chunk("a", "null"), chunk("b", "null")).into_boxed_str());
+    let r = run_load(&fake_server(cut).await, &options(1, 2, true))
+        .await
+        .unwrap();
+    assert_eq!((r.requests, r.errors), (0, 2), "{r:?}");
+    assert!(
+        r.first_errors[0].contains("without [DONE]"),
+        "{:?}",
+        r.first_errors
+    );
+
+    let failed = "data: {\"error\": {\"message\": \"out of memory\"}}\n\n";
+    let r = run_load(&fake_server(failed).await, &options(1, 1, true))
+        .await
+        .unwrap();
+    assert_eq!((r.requests, r.errors), (0, 1), "{r:?}");
+    assert!(
+        r.first_errors[0].contains("out of memory"),
+        "{:?}",
+        r.first_errors
+    );
+}

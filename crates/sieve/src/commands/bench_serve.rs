@@ -2,9 +2,9 @@
 //! request mix for each URL and client count; prints one line per run and, for several servers,
 //! a comparison table.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
-use sieve_serve::load::{run_load_blocking, LoadOptions, LoadReport};
+use sieve_serve::load::{run_load_blocking, LoadOptions, LoadReport, ServerUrl};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -47,22 +47,32 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     if a.clients.is_empty() {
         anyhow::bail!("--clients needs at least one count");
     }
-    // The JSON file is created (checked) before any load runs.
+    let options = |clients: usize| LoadOptions {
+        clients,
+        requests: a.requests,
+        max_tokens: a.max_tokens,
+        prompt_words: a.prompt_words,
+        stream: !a.no_stream,
+        api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+        model: a.model.clone(),
+        timeout: Duration::from_secs(a.timeout.max(1)),
+    };
+    // Every URL and count is checked, and the JSON file created, before any load runs.
+    for url in &a.url {
+        ServerUrl::parse(url)?;
+    }
+    for &clients in &a.clients {
+        options(clients).check()?;
+    }
     let mut files = super::report_files::ReportFiles::open(a.json.as_deref(), None, &[])?;
+    // A run that fails to start (a server gone at 32 clients, say) is reported as failed and
+    // the others still run.
     let mut reports: Vec<LoadReport> = Vec::new();
     for &clients in &a.clients {
         for url in &a.url {
-            let o = LoadOptions {
-                clients,
-                requests: a.requests,
-                max_tokens: a.max_tokens,
-                prompt_words: a.prompt_words,
-                stream: !a.no_stream,
-                api_key: a.api_key.clone().filter(|k| !k.is_empty()),
-                model: a.model.clone(),
-                timeout: Duration::from_secs(a.timeout.max(1)),
-            };
-            let r = run_load_blocking(url, &o).with_context(|| format!("load on {url}"))?;
+            let o = options(clients);
+            let r = run_load_blocking(url, &o)
+                .unwrap_or_else(|e| LoadReport::failed(url, &o, format!("load on {url}: {e}")));
             println!("{}", r.summary());
             for e in &r.first_errors {
                 eprintln!("  error: {e}");
@@ -95,12 +105,19 @@ fn comparison(urls: &[String], reports: &[LoadReport]) -> String {
     s += &"---|".repeat(urls.len() - 1);
     for row in reports.chunks(urls.len()) {
         s += &format!("\n| {} |", row[0].clients);
+        // A run with failed requests has no comparable throughput: "-" (its line says why).
+        let complete = |r: &LoadReport| r.errors == 0 && r.tokens_per_s > 0.0;
         for r in row {
             let tpot = r.tpot_ms_p50.map_or("-".into(), |v| format!("{v:.2}"));
-            s += &format!(" {:.1} | {tpot} |", r.tokens_per_s);
+            let rate = if complete(r) {
+                format!("{:.1}", r.tokens_per_s)
+            } else {
+                format!("- ({} errors)", r.errors)
+            };
+            s += &format!(" {rate} | {tpot} |");
         }
         for r in &row[1..] {
-            let ratio = if r.tokens_per_s > 0.0 {
+            let ratio = if complete(r) && complete(&row[0]) {
                 format!("{:.2}x", row[0].tokens_per_s / r.tokens_per_s)
             } else {
                 "-".into()
