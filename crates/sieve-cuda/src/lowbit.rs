@@ -379,13 +379,34 @@ impl LowBitMatrix {
     /// 32 c + 31 hold sub-block 2c in their low and 2c + 1 in their high nibbles; weight = d sc
     /// u - dmin m). `d · sc` and `dmin · m` are rounded to f16 (the kernel header says why).
     pub fn from_q4_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        let mut p = BlockParse::new(LowBitKind::W4G32Affine, "Q4_K", rows, cols, blocks)?;
-        for (b, blk) in blocks.chunks_exact(Q4_K_BYTES).enumerate() {
+        Self::from_k_affine(LowBitKind::W4G32Affine, "Q4_K", rows, cols, blocks)
+    }
+
+    /// Parses GGUF Q5_K super-blocks (176 bytes per 256: as Q4_K with 32 bytes of fifth bits
+    /// after the scales; weight 32 s + l of the super-block takes bit s of byte l).
+    pub fn from_q5_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        Self::from_k_affine(LowBitKind::W5G32Affine, "Q5_K", rows, cols, blocks)
+    }
+
+    /// Q4_K (`kind` 4-bit) or Q5_K (5-bit: the fifth-bit bytes sit between the scales and the
+    /// nibbles).
+    fn from_k_affine(
+        kind: LowBitKind,
+        ty: &'static str,
+        rows: usize,
+        cols: usize,
+        blocks: &[u8],
+    ) -> Result<Self> {
+        let mut p = BlockParse::new(kind, ty, rows, cols, blocks)?;
+        let (_, block_bytes, _) = gguf_block_geometry(ty)?;
+        let fifth_bits = kind.bits() == 5;
+        let nibbles = if fifth_bits { 48 } else { 16 };
+        for (b, blk) in blocks.chunks_exact(block_bytes).enumerate() {
             let at = b * K_BLOCK;
             let (d, dmin) = (read_f16(blk, 0), read_f16(blk, 2));
             let pairs = k_scales_and_mins(&blk[4..16]);
             for c in 0..4 {
-                let qs = &blk[16 + 32 * c..48 + 32 * c];
+                let qs = &blk[nibbles + 32 * c..nibbles + 32 * c + 32];
                 for (half, shift) in [(0, 0), (1, 4)] {
                     let sub = 2 * c + half;
                     let (sc, m) = pairs[sub];
@@ -393,7 +414,12 @@ impl LowBitMatrix {
                     p.scales[base / 32] = f16_round(d * sc as f32);
                     p.mins[base / 32] = f16_round(dmin * m as f32);
                     for (i, &byte) in qs.iter().enumerate() {
-                        p.q[base + i] = ((byte >> shift) & 15) as i8;
+                        let fifth = if fifth_bits {
+                            (blk[16 + i] >> sub) & 1
+                        } else {
+                            0
+                        };
+                        p.q[base + i] = (((byte >> shift) & 15) | fifth << 4) as i8;
                     }
                 }
             }
@@ -401,31 +427,21 @@ impl LowBitMatrix {
         p.finish()
     }
 
-    /// Parses GGUF Q5_K super-blocks (176 bytes per 256: as Q4_K with 32 bytes of fifth bits
-    /// after the scales; weight 32 s + l of the super-block takes bit s of byte l).
-    pub fn from_q5_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        let mut p = BlockParse::new(LowBitKind::W5G32Affine, "Q5_K", rows, cols, blocks)?;
-        for (b, blk) in blocks.chunks_exact(Q5_K_BYTES).enumerate() {
-            let at = b * K_BLOCK;
-            let (d, dmin) = (read_f16(blk, 0), read_f16(blk, 2));
-            let pairs = k_scales_and_mins(&blk[4..16]);
-            let qh = &blk[16..48];
-            for c in 0..4 {
-                let qs = &blk[48 + 32 * c..80 + 32 * c];
-                for (half, shift) in [(0, 0), (1, 4)] {
-                    let sub = 2 * c + half;
-                    let (sc, m) = pairs[sub];
-                    let base = at + 32 * sub;
-                    p.scales[base / 32] = f16_round(d * sc as f32);
-                    p.mins[base / 32] = f16_round(dmin * m as f32);
-                    for (i, &byte) in qs.iter().enumerate() {
-                        let fifth = (qh[i] >> sub) & 1;
-                        p.q[base + i] = (((byte >> shift) & 15) | fifth << 4) as i8;
-                    }
-                }
-            }
+    /// Parses the blocks of GGUF type `ty` (`"Q4_0"`, ..., `"Q6_K"`: the types the kernels take).
+    pub fn from_gguf(ty: &str, rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
+        match ty {
+            "Q4_0" => Self::from_q4_0(rows, cols, blocks),
+            "Q4_1" => Self::from_q4_1(rows, cols, blocks),
+            "Q5_0" => Self::from_q5_0(rows, cols, blocks),
+            "Q5_1" => Self::from_q5_1(rows, cols, blocks),
+            "Q8_0" => Self::from_q8_0(rows, cols, blocks),
+            "Q4_K" => Self::from_q4_k(rows, cols, blocks),
+            "Q5_K" => Self::from_q5_k(rows, cols, blocks),
+            "Q6_K" => Self::from_q6_k(rows, cols, blocks),
+            other => Err(CudaError::Option(format!(
+                "no low-bit kernel kind for GGUF {other}"
+            ))),
         }
-        p.finish()
     }
 
     /// Parses GGUF Q6_K super-blocks (210 bytes per 256: 128 bytes of low nibbles, 64 of high
@@ -1160,17 +1176,16 @@ mod tests {
 
     const KINDS: [LowBitKind; 8] = LowBitKind::ALL;
 
-    /// The GGUF types the kernels take, with their parsers.
-    type Parser = fn(usize, usize, &[u8]) -> Result<LowBitMatrix>;
-    const GGUF_TYPES: [(BlockType, Parser); 8] = [
-        (BlockType::Q4_0, LowBitMatrix::from_q4_0),
-        (BlockType::Q4_1, LowBitMatrix::from_q4_1),
-        (BlockType::Q5_0, LowBitMatrix::from_q5_0),
-        (BlockType::Q5_1, LowBitMatrix::from_q5_1),
-        (BlockType::Q8_0, LowBitMatrix::from_q8_0),
-        (BlockType::Q4_K, LowBitMatrix::from_q4_k),
-        (BlockType::Q5_K, LowBitMatrix::from_q5_k),
-        (BlockType::Q6_K, LowBitMatrix::from_q6_k),
+    /// The GGUF types the kernels take.
+    const GGUF_TYPES: [BlockType; 8] = [
+        BlockType::Q4_0,
+        BlockType::Q4_1,
+        BlockType::Q5_0,
+        BlockType::Q5_1,
+        BlockType::Q8_0,
+        BlockType::Q4_K,
+        BlockType::Q5_K,
+        BlockType::Q6_K,
     ];
 
     proptest! {
@@ -1193,10 +1208,10 @@ mod tests {
         /// K-quants' scales and mins; and the parsed matrix survives the device layout.
         #[test]
         fn gguf_blocks_parse_to_the_cpu_dequantization(rows in 1usize..5, supers in 1usize..3, seed in 0u64..1000, ty in 0usize..8) {
-            let (ty, parse) = GGUF_TYPES[ty];
+            let ty = GGUF_TYPES[ty];
             let cols = supers * 256;
             let blocks = random_blocks(ty, rows, cols, seed);
-            let m = parse(rows, cols, &blocks).unwrap();
+            let m = LowBitMatrix::from_gguf(&format!("{ty:?}"), rows, cols, &blocks).unwrap();
             let want = dequantize(ty.ggml(), &blocks, rows * cols).unwrap();
             let got = m.dequantize();
             let k_quant = matches!(ty, BlockType::Q4_K | BlockType::Q5_K | BlockType::Q6_K);

@@ -125,21 +125,20 @@ fn gpu_every_gguf_type_matches_reference() {
     let Some(gpu) = gpu_or_skip("gpu_every_gguf_type_matches_reference") else {
         return;
     };
-    type Parser = fn(usize, usize, &[u8]) -> sieve_cuda::Result<LowBitMatrix>;
-    let types: [(BlockType, Parser); 8] = [
-        (BlockType::Q4_0, LowBitMatrix::from_q4_0),
-        (BlockType::Q4_1, LowBitMatrix::from_q4_1),
-        (BlockType::Q5_0, LowBitMatrix::from_q5_0),
-        (BlockType::Q5_1, LowBitMatrix::from_q5_1),
-        (BlockType::Q8_0, LowBitMatrix::from_q8_0),
-        (BlockType::Q4_K, LowBitMatrix::from_q4_k),
-        (BlockType::Q5_K, LowBitMatrix::from_q5_k),
-        (BlockType::Q6_K, LowBitMatrix::from_q6_k),
+    let types = [
+        BlockType::Q4_0,
+        BlockType::Q4_1,
+        BlockType::Q5_0,
+        BlockType::Q5_1,
+        BlockType::Q8_0,
+        BlockType::Q4_K,
+        BlockType::Q5_K,
+        BlockType::Q6_K,
     ];
-    for (ti, (ty, parse)) in types.into_iter().enumerate() {
+    for (ti, ty) in types.into_iter().enumerate() {
         for &(rows, cols) in &[(1usize, 256usize), (19, 768), (300, 1280), (4096, 4096)] {
             let blocks = random_blocks(ty, rows, cols, 40 + ti as u64);
-            let m = parse(rows, cols, &blocks).unwrap();
+            let m = LowBitMatrix::from_gguf(&format!("{ty:?}"), rows, cols, &blocks).unwrap();
             let d = GpuLowBit::upload(&gpu, &m).unwrap();
             for n in [1usize, 2, 3, 8, 13, 32] {
                 check(

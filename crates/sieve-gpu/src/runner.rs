@@ -94,19 +94,14 @@ impl Op {
 /// A GGUF matrix's blocks as the low-bit kernels' integers and scales (repacked, never
 /// dequantized): every block type the CPU loads has a kernel kind.
 pub fn low_bit_of_blocks(q: &sieve_cpu::gguf_blocks::QuantMatrix) -> Result<LowBitMatrix> {
-    use sieve_cpu::gguf_blocks::BlockType;
     use sieve_formats::WeightFormat;
-    let parse = match q.block_type() {
-        BlockType::Q4_0 => LowBitMatrix::from_q4_0,
-        BlockType::Q4_1 => LowBitMatrix::from_q4_1,
-        BlockType::Q5_0 => LowBitMatrix::from_q5_0,
-        BlockType::Q5_1 => LowBitMatrix::from_q5_1,
-        BlockType::Q8_0 => LowBitMatrix::from_q8_0,
-        BlockType::Q4_K => LowBitMatrix::from_q4_k,
-        BlockType::Q5_K => LowBitMatrix::from_q5_k,
-        BlockType::Q6_K => LowBitMatrix::from_q6_k,
-    };
-    Ok(parse(q.rows(), q.cols(), q.blocks())?)
+    let ty = format!("{:?}", q.block_type());
+    Ok(LowBitMatrix::from_gguf(
+        &ty,
+        q.rows(),
+        q.cols(),
+        q.blocks(),
+    )?)
 }
 
 /// What this runner executes of a plan (checked before anything is uploaded).
