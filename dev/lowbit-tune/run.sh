@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}/lowbit-tune
 mkdir -p "$out"
-settings=("" "-DLB_MIN_BLOCKS_W4G128=2" "-DLB_MIN_BLOCKS=3" "-DLB_BATCH=8")
+settings=("" "-DLB_MIN_BLOCKS=3" "-DLB_MIN_BLOCKS_W4G128=2")
 i=0
 for s in "${settings[@]}"; do
   nvcc -O3 -arch=sm_90 -std=c++17 $s -o "$out/tune$i" dev/lowbit-tune/tune.cu 2> "$out/build$i.log" &

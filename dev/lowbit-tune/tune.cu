@@ -4,7 +4,8 @@
 // programmatic dependent launch as the decode step runs them, each layer's weights its own
 // buffers (the whole model's bytes stream from HBM, as in decode), replayed and timed with
 // events (median of the replays): the conversion launch and the product per matrix, as the
-// runner launches them, under compile-time settings (LB_WARPS, LB_BATCH, LB_MIN_BLOCKS,
+// runner launches them (one block per row tile, persistent blocks, and persistent without the
+// conversion launches), under compile-time settings (LB_WARPS, LB_BATCH, LB_MIN_BLOCKS,
 // LB_MIN_BLOCKS_W4G128) given with -D. Weights are random bytes: the
 // values do not change the time; correctness is the library's tests' job.
 //
@@ -29,18 +30,25 @@
         }                                                                                  \
     } while (0)
 
-typedef void (*LbKernel)(const uint4*, const u32*, const float*, const f16_bits*, int, float*, int, int, int, int,
-                         int);
+typedef void (*LbKernel)(const uint4*, const u32*, const u32*, const u32*, const u32*, const float*,
+                         const f16_bits*, int, float*, int, int, int, int, int);
 
 struct Kind {
     const char* name;
     int bits, group;
     LbKernel f16;
+    bool two_level = false;  // K kinds: code words per group, d (dmin) pairs per 256 columns
 };
+
+// How the products are launched: grid = one block per row tile, or persistent (at most the
+// resident blocks); with or without the f32 -> f16 conversion launch before each product.
+enum Mode { TILES, PERSISTENT, PERSISTENT_NO_CONVERSION };
+static const char* mode_name[] = {"grid = tiles", "persistent", "persistent, no conversion"};
 
 struct Product {
     int rows, cols, tiles, chunks, kp;
     uint4* w;
+    u32* hi;
     u32* gs;
     float* rs;
     float* x;
@@ -54,8 +62,8 @@ static Product make(const Kind& k, int rows, int cols) {
     p.rows = rows;
     p.cols = cols;
     p.tiles = (rows + 15) / 16;
-    p.kp = (cols + 127) / 128 * 128;
-    const int ck = k.bits == 4 ? 64 : 32;
+    p.kp = k.two_level ? (cols + 255) / 256 * 256 : (cols + 127) / 128 * 128;
+    const int ck = k.bits == 8 ? 32 : 64;
     p.chunks = p.kp / ck;
     size_t wbytes = (size_t)p.tiles * p.chunks * 512;
     int groups = k.group ? p.kp / k.group : 1;
@@ -63,6 +71,9 @@ static Product make(const Kind& k, int rows, int cols) {
     size_t rbytes = (size_t)p.tiles * 16 * 4;
     CK(cudaMalloc(&p.w, wbytes));
     CK(cudaMemset(p.w, 0x5a, wbytes));
+    size_t hbytes = k.bits == 5 || k.bits == 6 ? (size_t)p.tiles * p.chunks * 32 * (k.bits - 4) * 4 : 4;
+    CK(cudaMalloc(&p.hi, hbytes));
+    CK(cudaMemset(p.hi, 0x33, hbytes));
     CK(cudaMalloc(&p.gs, gbytes));
     CK(cudaMemset(p.gs, 0x1c, gbytes));
     CK(cudaMalloc(&p.rs, rbytes));
@@ -75,12 +86,15 @@ static Product make(const Kind& k, int rows, int cols) {
     CK(cudaMemset(p.x16, 0, p.kp * 2));
     CK(cudaMalloc(&p.y, rows * 4));
     CK(cudaMemset(p.y, 0, rows * 4));
-    p.bytes = wbytes + (k.group ? gbytes : rbytes);
+    // K kinds read 64 code words and 1-2 pairs per row tile and 256 columns (the buffer is larger).
+    size_t sbytes = k.two_level ? (size_t)p.tiles * (p.kp / 256) * (64 + 16) * 4 : 0;
+    p.bytes = wbytes + (k.two_level ? sbytes : k.group ? gbytes : rbytes) + (hbytes > 4 ? hbytes : 0);
     return p;
 }
 
 static void release(Product& p) {
     cudaFree(p.w);
+    cudaFree(p.hi);
     cudaFree(p.gs);
     cudaFree(p.rs);
     cudaFree(p.x);
@@ -102,13 +116,16 @@ static void launch_pdl(void (*f)(Args...), dim3 grid, dim3 block, cudaStream_t s
     CK(cudaLaunchKernelEx(&cfg, f, args...));
 }
 
-static void enqueue(const Kind& k, Product& p, float t, cudaStream_t s) {
-    launch_pdl(lowbit_x_to_f16, dim3((p.kp + 255) / 256), dim3(256), s, (const float*)p.x, p.x16, p.cols, p.cols,
-               p.kp, 1, t);
-    // The high planes and mins (5-/6-bit and affine kinds) are not read by these four kinds.
-    launch_pdl(k.f16, dim3(p.tiles), dim3(32 * LB_WARPS), s, (const uint4*)p.w, (const u32*)p.gs, (const u32*)p.gs,
-               (const u32*)p.gs, (const float*)p.rs, (const f16_bits*)p.x16, p.kp, p.y, p.rows, p.rows, 1, p.chunks,
-               1);
+static void enqueue(const Kind& k, Product& p, float t, Mode mode, int resident, cudaStream_t s) {
+    if (mode != PERSISTENT_NO_CONVERSION)
+        launch_pdl(lowbit_x_to_f16, dim3((p.kp + 255) / 256), dim3(256), s, (const float*)p.x, p.x16, p.cols,
+                   p.cols, p.kp, 1, t);
+    const int grid = mode == TILES ? p.tiles : std::min(p.tiles, resident);
+    // Affine kinds read their mins, K kinds their d pairs, from the scale buffer: the values do
+    // not change the time.
+    launch_pdl(k.f16, dim3(grid), dim3(32 * LB_WARPS), s, (const uint4*)p.w, (const u32*)p.hi, (const u32*)p.gs,
+               (const u32*)p.gs, (const u32*)p.gs, (const float*)p.rs, (const f16_bits*)p.x16, p.kp, p.y, p.rows, p.rows, 1,
+               p.chunks, 1);
 }
 
 int main(int argc, char** argv) {
@@ -123,7 +140,12 @@ int main(int argc, char** argv) {
         {"q4_0", 4, 32, lowbit_w4g32_nt1},
         {"w8a16", 8, 0, lowbit_w8row_nt1},
         {"q8_0", 8, 32, lowbit_w8g32_nt1},
+        {"q4_1", 4, 32, lowbit_w4g32a_nt1},
+        {"q4_k", 4, 32, lowbit_w4k_nt1, true},
+        {"q6_k", 6, 16, lowbit_w6k_nt1, true},
     };
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
@@ -139,11 +161,13 @@ int main(int argc, char** argv) {
                 ps.push_back(make(k, sh[0], sh[1]));
                 bytes += ps.back().bytes;
             }
-        {
+        int per_sm = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.f16, 32 * LB_WARPS, 0));
+        for (Mode mode : {TILES, PERSISTENT, PERSISTENT_NO_CONVERSION}) {
             cudaGraph_t g;
             cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            for (auto& p : ps) enqueue(k, p, -1.f, s);
+            for (auto& p : ps) enqueue(k, p, -1.f, mode, per_sm * sms, s);
             CK(cudaStreamEndCapture(s, &g));
             CK(cudaGraphInstantiate(&ge, g, 0));
             for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
@@ -160,8 +184,8 @@ int main(int argc, char** argv) {
             }
             std::sort(ms.begin(), ms.end());
             const float med = ms[ms.size() / 2];
-            printf("%-11s %8.3f ms per step (%zu launches)  %7.1f GB/s  (%.2f GB)\n", k.name, med, ps.size() * 2,
-                   bytes / (med * 1e-3) / 1e9, bytes / 1e9);
+            printf("%-6s %-26s %8.3f ms per step  %7.1f GB/s  (%.2f GB, %d blocks/SM)\n", k.name, mode_name[mode], med,
+                   bytes / (med * 1e-3) / 1e9, bytes / 1e9, per_sm);
             CK(cudaGraphExecDestroy(ge));
             CK(cudaGraphDestroy(g));
         }

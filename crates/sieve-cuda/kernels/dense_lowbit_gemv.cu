@@ -1,24 +1,27 @@
 // Dense low-bit GEMV / small GEMM: Y (N x M, f32) = X (N x K, f16) · Wᵀ, W quantized,
 // N = 1..32 tokens, dequantized in registers and multiplied on the tensor cores
-// (mma.sync m16n8k16, f16 inputs, f32 accumulation). Eight weight kinds (src/lowbit.rs):
+// (mma.sync m16n8k16, f16 inputs, f32 accumulation). Ten weight kinds (src/lowbit.rs):
 //
 //   kind         value of W[r][k]                        scale (and min)            from
 //   w4 g128      s[r][k / 128] · (u - 8), u in 0..15     f16 per row and 128 columns sieve's W4A16
 //   w4 g32       s[r][k / 32]  · (u - 8)                 f16 per row and 32 columns  GGUF Q4_0
 //   w8 row       s[r] · (u - 128), u in 0..255           f32 per row                 sieve's W8A16
 //   w8 g32       s[r][k / 32]  · (u - 128)               f16 per row and 32 columns  GGUF Q8_0
-//   w4 g32 a     s[r][k / 32] · u - m[r][k / 32]         f16 s and m per 32 columns  GGUF Q4_K, Q4_1
+//   w4 g32 a     s[r][k / 32] · u - m[r][k / 32]         f16 s and m per 32 columns  GGUF Q4_1
 //   w5 g32       s[r][k / 32]  · (u - 16), u in 0..31    f16 per row and 32 columns  GGUF Q5_0
-//   w5 g32 a     s[r][k / 32] · u - m[r][k / 32]         f16 s and m per 32 columns  GGUF Q5_K, Q5_1
-//   w6 g16       s[r][k / 16]  · (u - 32), u in 0..63    f16 per row and 16 columns  GGUF Q6_K
+//   w5 g32 a     s[r][k / 32] · u - m[r][k / 32]         f16 s and m per 32 columns  GGUF Q5_1
+//   w4 k         d sc[g] · u - dmin mc[g], g = k / 32    f16 d, dmin per 256 columns GGUF Q4_K
+//   w5 k         the same with 5-bit u                   and 6-bit sc, mc per 32     GGUF Q5_K
+//   w6 k         d sc[g] · (u - 32), g = k / 16          f16 d per 256, i8 sc per 16 GGUF Q6_K
 //
 // (Symmetric kinds have the fixed zero points 8, 16, 32, 128, as GPTQ's symmetric mode and
-// Q4_0 / Q5_0 / Q6_K. The K-quants' scales d · sc and mins dmin · m are rounded to f16 at
-// upload: relative 2^-11 of the scale and of the min; a min's rounding can be many times a
-// small weight's own f16 rounding (docs/BENCHMARKS.md, "Every GGUF block type in place").)
+// Q4_0 / Q5_0 / Q6_K. The K kinds keep GGUF's two levels: an f16 d (and dmin) per row and
+// 256-column super-block times a small integer code per group, multiplied in f32 in the kernel,
+// where d · sc is exact: an f16 has 11 significant bits, a code at most 8. Rounding d · sc to
+// f16 instead moved the logits of a tiny Q5_K model by 0.72: docs/BENCHMARKS.md.)
 //
 // Device layout (built at upload, src/lowbit.rs `device_layout`): rows padded to Mp = 16 n,
-// columns to Kp = 128 n (padding: value 0, scale 0). Row tile rt = rows 16 rt .. 16 rt + 15;
+// columns to Kp = 128 n, 256 n for the K kinds (padding: value 0, scale 0). Row tile rt = rows 16 rt .. 16 rt + 15;
 // k tile = 16 columns. The mma's A fragment of one (row tile, k tile), for lane (g = lane / 4,
 // c = lane % 4), is the 8 elements
 //
@@ -47,19 +50,26 @@
 // Group scales (f16 kinds): one u32 per (row tile, group, g) = f16 pair (s[16rt+g], s[16rt+g+8]),
 // at ((rt · groups + group) · 8 + g): a lane loads the scales of its two rows with one 4-byte load.
 // Group mins (affine kinds): the same pairs, same index. Row scales (w8 row): f32 [Mp].
+// K kinds: per (row tile, super-block sb, word j = 0..7, g) one u32 of codes at
+// ((rt · supers + sb) · 8 + j) · 8 + g: w4 k / w5 k bytes (sc, sc', mc, mc') of group 8 sb + j,
+// w6 k bytes (sc, sc') of group 16 sb + 2 j, then of 16 sb + 2 j + 1 (' = row g + 8); the f16
+// pairs (d, d') at (rt · supers + sb) · 8 + g in `sscales`, (dmin, dmin') in `gmins`.
 //
-// Thread mapping: one block = one row tile, LB_WARPS = 8 warps splitting its K chunks into
+// Thread mapping: persistent blocks (the grid is at most what stays resident; one block per
+// row tile for w6 k, where that measured faster), block b taking row tiles b, b + grid, ...; per row tile, LB_WARPS = 8 warps splitting its K chunks into
 // contiguous ranges of whole scale groups (split-K inside the block, reduced in shared memory:
 // no atomics, no zeroing, each output written once). A warp streams its chunks in stages of
 // LB_BATCH = 4 (the loads of stage s + 1 and of its scales are issued before stage s is used:
-// 4 KB in flight per warp). Per k tile: dequantize the A fragment (4-bit: 4 SHF/LOP3 + 4
+// 4 KB in flight per warp; across a tile boundary the next tile's first stage is in flight
+// while the current one is reduced). Per k tile: dequantize the A fragment (4-bit: 4 SHF/LOP3 + 4
 // HSUB2), then per 8-token n tile load the B fragment (x[n = 8 nt + g][k0 + 2c, +1] and
 // [k0 + 2c + 8, +9], two 4-byte loads through L1, skipped for n >= N) and one mma. Group kinds
 // accumulate a group's mmas in `part`, then add part · scale of its row to `acc`: values are the
 // integers u - zero exactly, so the product differs from the CPU reference only by f32 rounding.
 // Affine kinds also sum the group's x per token (one more mma, A all ones) and add -m · sum.
 // N tiles: NT = ceil(N / 8) per kernel instance (NT = 1 serves N = 1..8: the tensor cores have
-// the spare throughput; the weight bytes bound N <= 8).
+// the spare throughput; the weight bytes bound N <= 8). K kinds split K in whole super-blocks,
+// one per stage: a stage loads its 8 code words and d (dmin) pairs beside its weights.
 // x is N x ldx f16 (ldx >= Kp, columns K .. Kp zero), y N x ldy f32; `accumulate` adds to y.
 
 // Overridable for tuning experiments (dev/lowbit-tune, results in its README); the library
@@ -125,15 +135,22 @@ __device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
     a[3] = lb_sub_f16x2(lb_prmt(w1, 0x64646464u, 0x4342u), 0x64806480u);
 }
 
+// Byte i of w as an exact f32 without I2F (a quarter-rate conversion on sm_90): the byte is
+// placed in the mantissa of 2^23 and 2^23 is subtracted.
+__device__ __forceinline__ float lb_byte_f32(u32 w, int i) {
+    return __uint_as_float(lb_prmt(w, 0x4b000000u, 0x7650u | i)) - 8388608.f;
+}
+
 __device__ __forceinline__ u32 lb_ldx(const f16_bits* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
 // BITS: 4, 5, 6 or 8. GROUP: columns per scale (0: one f32 scale per row). AFFINE: value
-// s · u - m with u unsigned (zero point 0) and a per-group f16 min m; else s · (u - Z).
-// NT: 8-token n tiles.
-template <int BITS, int GROUP, bool AFFINE, int NT>
+// s · u - m with u unsigned (zero point 0) and a per-group min m; else s · (u - Z). SUPER: the
+// K kinds' two-level scales (d · code per group). NT: 8-token n tiles.
+template <int BITS, int GROUP, bool AFFINE, bool SUPER, int NT>
 __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const u32* __restrict__ hi,
                                               const u32* __restrict__ gscales, const u32* __restrict__ gmins,
-                                              const float* __restrict__ rscales, const f16_bits* __restrict__ x,
+                                              const u32* __restrict__ sscales, const float* __restrict__ rscales,
+                                              const f16_bits* __restrict__ x,
                                               int ldx, float* __restrict__ y, int ldy, int M, int N, int chunks,
                                               int accumulate) {
     constexpr int HB = BITS == 5 ? 1 : BITS == 6 ? 2 : 0;  // high bits beside the nibble plane
@@ -141,31 +158,36 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
     constexpr int KTC = BITS == 8 ? 2 : 4;               // k tiles per chunk
     constexpr int CK = 16 * KTC;                         // columns per chunk
     constexpr int KPG = GROUP / 16;                      // k tiles per scale group (0: row scale)
-    constexpr int CPS = GROUP > CK ? GROUP / CK : 1;     // chunks per step (whole groups)
+    // chunks per step: whole groups, or whole super-blocks (K kinds)
+    constexpr int CPS = SUPER ? 256 / CK : GROUP > CK ? GROUP / CK : 1;
     constexpr int U = LB_BATCH;                          // chunks per stage (a multiple of CPS)
-    constexpr int SPS = GROUP ? (U * CK) / GROUP : 1;    // scale groups per stage
+    constexpr int SUPS = SUPER ? U * CK / 256 : 1;       // super-blocks per stage (K kinds)
+    // scale words per stage: group pairs, or 8 code words per super-block
+    constexpr int SPS = SUPER ? 8 * SUPS : GROUP ? (U * CK) / GROUP : 1;
     constexpr int HW = HB ? HB : 1;                      // high-plane words per lane and chunk
-    static_assert(U % CPS == 0, "a stage holds whole groups");
+    static_assert(U % CPS == 0, "a stage holds whole groups and super-blocks");
     static_assert(!AFFINE || GROUP, "affine kinds have group scales");
-    __shared__ float red[LB_WARPS][NT * 8][17];
+    static_assert(!SUPER || (GROUP && 256 % GROUP == 0), "K kinds' groups tile a super-block");
+    // Two reduction buffers, by row-tile parity: a block's next tile writes its partial sums
+    // while the current tile's are still being read.
+    __shared__ float red[2][LB_WARPS][NT * 8][17];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int rt = blockIdx.x;
+    const int tiles = (M + 15) >> 4;
     const int steps = chunks / CPS;
     const int spw = (steps + LB_WARPS - 1) / LB_WARPS;
     const int c0 = min(warp * spw, steps) * CPS;
     const int c1 = min((warp + 1) * spw, steps) * CPS;
-    const uint4* wp = w + (size_t)rt * chunks * 32 + lane;
-    const u32* hp = hi + ((size_t)rt * chunks * 32 + lane) * HW;
     const int groups = GROUP ? chunks * CK / GROUP : 1;
-    const u32* sp = gscales + (size_t)rt * groups * 8 + g;
-    const u32* mp = gmins + (size_t)rt * groups * 8 + g;
 
     uint4 buf[2][U];
     u32 hb[2][U][HW];
-    u32 sb[2][SPS], mb[2][AFFINE ? SPS : 1];
-    auto fetch = [&](int st, int cb) {
+    // sb: scale pairs or code words; mb: min pairs (affine) or dmin pairs (K affine); db: d pairs
+    u32 sb[2][SPS], mb[2][AFFINE ? (SUPER ? SUPS : SPS) : 1], db[2][SUPER ? SUPS : 1];
+    auto fetch = [&](int st, int rt, int cb) {
+        const uint4* wp = w + (size_t)rt * chunks * 32 + lane;
+        const u32* hp = hi + ((size_t)rt * chunks * 32 + lane) * HW;
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (cb + u < c1) {
@@ -175,7 +197,22 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                     for (int h = 0; h < HW; ++h) hb[st][u][h] = __ldg(hp + (size_t)(cb + u) * 32 * HW + h);
                 }
             }
-        if (GROUP) {
+        if (SUPER) {
+            const int supers = chunks * CK / 256;
+            const int s0 = cb * CK / 256;
+#pragma unroll
+            for (int q = 0; q < SUPS; ++q) {
+                if ((s0 + q) * 256 < c1 * CK) {
+                    const size_t at = (size_t)rt * supers + s0 + q;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) sb[st][8 * q + j] = __ldg(gscales + (at * 8 + j) * 8 + g);
+                    db[st][SUPER ? q : 0] = __ldg(sscales + at * 8 + g);
+                    if (AFFINE) mb[st][AFFINE ? q : 0] = __ldg(gmins + at * 8 + g);
+                }
+            }
+        } else if (GROUP) {
+            const u32* sp = gscales + (size_t)rt * groups * 8 + g;
+            const u32* mp = gmins + (size_t)rt * groups * 8 + g;
 #pragma unroll
             for (int s = 0; s < SPS; ++s) {
                 const int grp = cb * CK / (GROUP ? GROUP : 1) + s;
@@ -230,14 +267,37 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                     const int t = u * KTC + j;  // k tile within the stage (stages start on a group)
                     if ((t + 1) % kpg == 0) {
                         const int s = (t * 16) / (GROUP ? GROUP : 1);
-                        const u32 s2 = sb[st][s];
-                        const float s_lo = h2f((unsigned short)(s2 & 0xffffu));
-                        const float s_hi = h2f((unsigned short)(s2 >> 16));
-                        float m_lo = 0.f, m_hi = 0.f;
-                        if (AFFINE) {
-                            const u32 m2 = mb[st][AFFINE ? s : 0];
-                            m_lo = -h2f((unsigned short)(m2 & 0xffffu));
-                            m_hi = -h2f((unsigned short)(m2 >> 16));
+                        float s_lo, s_hi, m_lo = 0.f, m_hi = 0.f;
+                        if (SUPER) {
+                            // d · code in f32: exact (the header says why).
+                            const int q = (t * 16) / 256;                        // super-block in the stage
+                            const int gs = s - q * (256 / (GROUP ? GROUP : 1));  // group in it
+                            const u32 d2 = db[st][SUPER ? q : 0];
+                            const float d_lo = h2f((unsigned short)(d2 & 0xffffu));
+                            const float d_hi = h2f((unsigned short)(d2 >> 16));
+                            if (AFFINE) {
+                                const u32 code = sb[st][8 * q + gs];
+                                const u32 m2 = mb[st][AFFINE ? q : 0];
+                                s_lo = d_lo * lb_byte_f32(code, 0);
+                                s_hi = d_hi * lb_byte_f32(code, 1);
+                                m_lo = -h2f((unsigned short)(m2 & 0xffffu)) * lb_byte_f32(code, 2);
+                                m_hi = -h2f((unsigned short)(m2 >> 16)) * lb_byte_f32(code, 3);
+                            } else {
+                                // i8 codes: biased by 128 (XOR of the sign bit), the bias taken off
+                                // after the conversion.
+                                const u32 code = (sb[st][8 * q + gs / 2] >> (16 * (gs & 1))) ^ 0x8080u;
+                                s_lo = d_lo * (lb_byte_f32(code, 0) - 128.f);
+                                s_hi = d_hi * (lb_byte_f32(code, 1) - 128.f);
+                            }
+                        } else {
+                            const u32 s2 = sb[st][s];
+                            s_lo = h2f((unsigned short)(s2 & 0xffffu));
+                            s_hi = h2f((unsigned short)(s2 >> 16));
+                            if (AFFINE) {
+                                const u32 m2 = mb[st][AFFINE ? s : 0];
+                                m_lo = -h2f((unsigned short)(m2 & 0xffffu));
+                                m_hi = -h2f((unsigned short)(m2 >> 16));
+                            }
                         }
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
@@ -260,70 +320,108 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
         }
     };
 
+    // One row tile's end: row scales (w8 row), the warps' partial sums through shared memory,
+    // each output written once.
+    auto finish = [&](int rt, int par) {
+        if (!GROUP) {
+            const float s_lo = __ldg(rscales + 16 * rt + g), s_hi = __ldg(rscales + 16 * rt + g + 8);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[nt][0] *= s_lo;
+                acc[nt][1] *= s_lo;
+                acc[nt][2] *= s_hi;
+                acc[nt][3] *= s_hi;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            red[par][warp][nt * 8 + 2 * c][g] = acc[nt][0];
+            red[par][warp][nt * 8 + 2 * c + 1][g] = acc[nt][1];
+            red[par][warp][nt * 8 + 2 * c][g + 8] = acc[nt][2];
+            red[par][warp][nt * 8 + 2 * c + 1][g + 8] = acc[nt][3];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < NT * 8 * 16; i += blockDim.x) {
+            const int n = i >> 4, r = i & 15;
+            const int row = 16 * rt + r;
+            if (n >= N || row >= M) continue;
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < LB_WARPS; ++q) s += red[par][q][n][r];
+            float* o = y + (size_t)n * ldy + row;
+            *o = accumulate ? *o + s : s;
+        }
+    };
+
+    // Persistent blocks: block b takes row tiles b, b + grid, b + 2 grid, ... (grid = tiles gives
+    // one tile per block). Each warp walks the stages of its chunk range tile after tile, and the
+    // first stage of its next tile is fetched before the current tile's last stage is used and
+    // reduced, so the loads stay in flight across tile boundaries. A warp with an empty range
+    // still takes part in every tile's reduction.
+    auto next = [&](int& rt, int& cb) {
+        cb += U;
+        if (cb >= c1) {
+            cb = c0;
+            rt += gridDim.x;
+        }
+    };
+    int rt = blockIdx.x, cb = c0, par = 0;
     // Weights and scales are never written by another kernel: the first stage is fetched
     // while a programmatic predecessor finishes.
     pdl_release();
-    if (c0 < c1) fetch(0, c0);
+    if (rt < tiles) fetch(0, rt, cb);
     pdl_wait();
-    for (int cb = c0; cb < c1; cb += 2 * U) {
-        if (cb + U < c1) fetch(1, cb + U);
+    while (rt < tiles) {
+        int rn = rt, cn = cb;
+        next(rn, cn);
+        if (rn < tiles) fetch(1, rn, cn);
         compute(0, cb);
-        if (cb + U >= c1) break;
-        if (cb + 2 * U < c1) fetch(0, cb + 2 * U);
-        compute(1, cb + U);
-    }
-    if (!GROUP) {
-        const float s_lo = __ldg(rscales + 16 * rt + g), s_hi = __ldg(rscales + 16 * rt + g + 8);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            acc[nt][0] *= s_lo;
-            acc[nt][1] *= s_lo;
-            acc[nt][2] *= s_hi;
-            acc[nt][3] *= s_hi;
+        if (rn != rt) {
+            finish(rt, par);
+            par ^= 1;
         }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        red[warp][nt * 8 + 2 * c][g] = acc[nt][0];
-        red[warp][nt * 8 + 2 * c + 1][g] = acc[nt][1];
-        red[warp][nt * 8 + 2 * c][g + 8] = acc[nt][2];
-        red[warp][nt * 8 + 2 * c + 1][g + 8] = acc[nt][3];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < NT * 8 * 16; i += blockDim.x) {
-        const int n = i >> 4, r = i & 15;
-        const int row = 16 * rt + r;
-        if (n >= N || row >= M) continue;
-        float s = 0.f;
-#pragma unroll
-        for (int q = 0; q < LB_WARPS; ++q) s += red[q][n][r];
-        float* o = y + (size_t)n * ldy + row;
-        *o = accumulate ? *o + s : s;
+        rt = rn;
+        cb = cn;
+        if (rt >= tiles) break;
+        next(rn, cn);
+        if (rn < tiles) fetch(0, rn, cn);
+        compute(1, cb);
+        if (rn != rt) {
+            finish(rt, par);
+            par ^= 1;
+        }
+        rt = rn;
+        cb = cn;
     }
 }
 
-#define LB_ARGS                                                                                        \
-    const uint4 *__restrict__ w, const u32 *__restrict__ hi, const u32 *__restrict__ gscales,          \
-        const u32 *__restrict__ gmins, const float *__restrict__ rscales, const f16_bits *__restrict__ x, \
-        int ldx, float *__restrict__ y, int ldy, int M, int N, int chunks, int accumulate
-#define LB_PASS w, hi, gscales, gmins, rscales, x, ldx, y, ldy, M, N, chunks, accumulate
-#define LB_KERNEL(NAME, BITS, GROUP, AFFINE, NT, MINB)                                         \
+#define LB_ARGS                                                                                   \
+    const uint4 *__restrict__ w, const u32 *__restrict__ hi, const u32 *__restrict__ gscales,     \
+        const u32 *__restrict__ gmins, const u32 *__restrict__ sscales,                           \
+        const float *__restrict__ rscales, const f16_bits *__restrict__ x, int ldx,               \
+        float *__restrict__ y, int ldy, int M, int N, int chunks, int accumulate
+#define LB_PASS w, hi, gscales, gmins, sscales, rscales, x, ldx, y, ldy, M, N, chunks, accumulate
+#define LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, NT, MINB)                                  \
     extern "C" __global__ void __launch_bounds__(32 * LB_WARPS, MINB) NAME##_nt##NT(LB_ARGS) { \
-        lowbit_kernel<BITS, GROUP, AFFINE, NT>(LB_PASS);                                      \
+        lowbit_kernel<BITS, GROUP, AFFINE, SUPER, NT>(LB_PASS);                               \
     }
-#define LB_KERNELS(NAME, BITS, GROUP, AFFINE, MINB) \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 1, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 2, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 3, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, 4, MINB)
-LB_KERNELS(lowbit_w4g128, 4, 128, false, LB_MIN_BLOCKS_W4G128)
-LB_KERNELS(lowbit_w4g32, 4, 32, false, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w8row, 8, 0, false, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w8g32, 8, 32, false, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w4g32a, 4, 32, true, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w5g32, 5, 32, false, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w5g32a, 5, 32, true, LB_MIN_BLOCKS)
-LB_KERNELS(lowbit_w6g16, 6, 16, false, LB_MIN_BLOCKS)
+#define LB_KERNELS(NAME, BITS, GROUP, AFFINE, SUPER, MINB) \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 1, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 2, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 3, MINB)   \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 4, MINB)
+LB_KERNELS(lowbit_w4g128, 4, 128, false, false, LB_MIN_BLOCKS_W4G128)
+LB_KERNELS(lowbit_w4g32, 4, 32, false, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w8row, 8, 0, false, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w8g32, 8, 32, false, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w4g32a, 4, 32, true, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w5g32, 5, 32, false, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w5g32a, 5, 32, true, false, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w4k, 4, 32, true, true, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w5k, 5, 32, true, true, LB_MIN_BLOCKS)
+LB_KERNELS(lowbit_w6k, 6, 16, false, true, LB_MIN_BLOCKS)
 
 // f32 activations (n rows of K, `ldin` apart) -> f16 (n x ldx, columns K .. ldx zero), each input
 // kept only where it is active under the TEAL threshold t (|x| > t; t < 0 keeps all): the

@@ -1,7 +1,8 @@
 //! Dense low-bit weights on the GPU: W4A16 (group 128, f16 scales, zero point 8), W8A16 (per-row
 //! f32 scales), and the GGUF blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at
 //! upload into the same fragment layout (never dequantized to f16): 4-, 5-, 6- or 8-bit integers
-//! with f16 scales per 16 or 32 columns, and an f16 min per group for the affine types.
+//! with f16 scales per 16 or 32 columns, and an f16 min per group for the affine types; the
+//! K-quants keep their two levels (f16 `d`, `dmin` per 256 columns, integer codes per group).
 //! Kernels: `kernels/dense_lowbit_gemv.cu` (read its header for the layout and thread mapping):
 //! `Y (N x M) = X (N x K, f16) · Wᵀ` for N = 1..32 on the tensor cores, f32 output.
 //!
@@ -15,6 +16,7 @@ use crate::product::DevPtr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::f16;
 use sieve_formats::DenseMatrix;
+use std::sync::OnceLock;
 
 pub const FAMILY: KernelFamily = KernelFamily {
     name: "dense_lowbit_gemv",
@@ -25,8 +27,11 @@ pub const FAMILY: KernelFamily = KernelFamily {
 pub const MAX_TOKENS: usize = 32;
 /// Rows per row tile (one block).
 const TILE_ROWS: usize = 16;
-/// Columns are padded to a multiple of this (every chunk and group size divides it).
+/// Columns are padded to a multiple of this (every chunk and group size divides it), or of
+/// [`K_ALIGN_MAX`] for the K kinds ([`LowBitKind::col_align`]).
 pub const K_ALIGN: usize = 128;
+/// The largest column alignment of any kind (the K kinds' 256-column super-blocks).
+pub const K_ALIGN_MAX: usize = 256;
 /// GGUF block size (Q4_0, Q8_0): 32 weights.
 pub const GGUF_BLOCK: usize = 32;
 /// Bytes of a GGUF Q4_0 block: f16 scale, 16 bytes of nibbles.
@@ -59,18 +64,24 @@ pub enum LowBitKind {
     W8Row,
     /// 8-bit symmetric, one f16 scale per row and 32 columns (GGUF Q8_0).
     W8G32,
-    /// 4-bit affine `s · u - m`, f16 `s` and `m` per row and 32 columns (GGUF Q4_K, Q4_1).
+    /// 4-bit affine `s · u - m`, f16 `s` and `m` per row and 32 columns (GGUF Q4_1).
     W4G32Affine,
     /// 5-bit, zero point 16, one f16 scale per row and 32 columns (GGUF Q5_0).
     W5G32,
-    /// 5-bit affine `s · u - m`, f16 `s` and `m` per row and 32 columns (GGUF Q5_K, Q5_1).
+    /// 5-bit affine `s · u - m`, f16 `s` and `m` per row and 32 columns (GGUF Q5_1).
     W5G32Affine,
-    /// 6-bit, zero point 32, one f16 scale per row and 16 columns (GGUF Q6_K).
-    W6G16,
+    /// 4-bit affine with two-level scales: `s = d · sc`, `m = dmin · mc`, f16 `d` and `dmin` per
+    /// row and 256 columns, 6-bit codes `sc`, `mc` per 32 columns (GGUF Q4_K).
+    W4K,
+    /// [`LowBitKind::W4K`] with 5-bit integers (GGUF Q5_K).
+    W5K,
+    /// 6-bit, zero point 32, `s = d · sc`: f16 `d` per row and 256 columns, `i8` code `sc` per 16
+    /// columns (GGUF Q6_K).
+    W6K,
 }
 
 impl LowBitKind {
-    pub const ALL: [LowBitKind; 8] = [
+    pub const ALL: [LowBitKind; 10] = [
         LowBitKind::W4G128,
         LowBitKind::W4G32,
         LowBitKind::W8Row,
@@ -78,13 +89,15 @@ impl LowBitKind {
         LowBitKind::W4G32Affine,
         LowBitKind::W5G32,
         LowBitKind::W5G32Affine,
-        LowBitKind::W6G16,
+        LowBitKind::W4K,
+        LowBitKind::W5K,
+        LowBitKind::W6K,
     ];
     pub fn bits(self) -> usize {
         match self {
-            LowBitKind::W4G128 | LowBitKind::W4G32 | LowBitKind::W4G32Affine => 4,
-            LowBitKind::W5G32 | LowBitKind::W5G32Affine => 5,
-            LowBitKind::W6G16 => 6,
+            LowBitKind::W4G128 | LowBitKind::W4G32 | LowBitKind::W4G32Affine | LowBitKind::W4K => 4,
+            LowBitKind::W5G32 | LowBitKind::W5G32Affine | LowBitKind::W5K => 5,
+            LowBitKind::W6K => 6,
             LowBitKind::W8Row | LowBitKind::W8G32 => 8,
         }
     }
@@ -96,14 +109,49 @@ impl LowBitKind {
             | LowBitKind::W8G32
             | LowBitKind::W4G32Affine
             | LowBitKind::W5G32
-            | LowBitKind::W5G32Affine => 32,
-            LowBitKind::W6G16 => 16,
+            | LowBitKind::W5G32Affine
+            | LowBitKind::W4K
+            | LowBitKind::W5K => 32,
+            LowBitKind::W6K => 16,
             LowBitKind::W8Row => 0,
         }
     }
     /// Whether a weight is `s · u - m` (unsigned `u`, a min per group) rather than `s · q`.
     pub fn affine(self) -> bool {
-        matches!(self, LowBitKind::W4G32Affine | LowBitKind::W5G32Affine)
+        matches!(
+            self,
+            LowBitKind::W4G32Affine | LowBitKind::W5G32Affine | LowBitKind::W4K | LowBitKind::W5K
+        )
+    }
+    /// Whether the scales (and mins) are an f16 per 256-column super-block times an integer
+    /// code per group (the GGUF K-quants), multiplied in f32: exact.
+    pub fn two_level(self) -> bool {
+        matches!(self, LowBitKind::W4K | LowBitKind::W5K | LowBitKind::W6K)
+    }
+    /// The two-level kinds' code range: 6-bit unsigned (Q4_K, Q5_K, scales and mins), or `i8`
+    /// (Q6_K scales).
+    fn code_range(self) -> (i32, i32) {
+        if self.affine() {
+            (0, 63)
+        } else {
+            (-128, 127)
+        }
+    }
+    /// Whether the kernel runs as persistent blocks (at most the resident ones, each walking
+    /// several row tiles) rather than one block per row tile. Measured on an H200 over the 128
+    /// products of a 7B decode step in one graph (dev/lowbit-tune, 2026-12-04): persistent is
+    /// 5-9% faster for Q4_0, Q4_1, Q4_K, W8A16 and Q8_0, the same for W4A16 g128, and 6%
+    /// slower for Q6_K.
+    fn persistent(self) -> bool {
+        self != LowBitKind::W6K
+    }
+    /// Columns are padded to a multiple of this: whole super-blocks for the two-level kinds.
+    pub fn col_align(self) -> usize {
+        if self.two_level() {
+            K_ALIGN_MAX
+        } else {
+            K_ALIGN
+        }
     }
     /// What the device adds to `q` to store it unsigned (0 for the affine kinds).
     fn zero_point(self) -> i32 {
@@ -118,9 +166,9 @@ impl LowBitKind {
         let levels = 1i32 << self.bits();
         (-self.zero_point(), levels - 1 - self.zero_point())
     }
-    /// Whether the device stores the scales as f16 (else f32).
+    /// Whether the scales are f16 values stored per group (else f32 per row, or two-level).
     pub fn f16_scales(self) -> bool {
-        self.group() > 0
+        self.group() > 0 && !self.two_level()
     }
     /// High bits per weight stored beside the 4-bit plane (5- and 6-bit kinds).
     fn high_bits(self) -> usize {
@@ -139,7 +187,9 @@ impl LowBitKind {
             LowBitKind::W4G32Affine => "lowbit_w4g32a",
             LowBitKind::W5G32 => "lowbit_w5g32",
             LowBitKind::W5G32Affine => "lowbit_w5g32a",
-            LowBitKind::W6G16 => "lowbit_w6g16",
+            LowBitKind::W4K => "lowbit_w4k",
+            LowBitKind::W5K => "lowbit_w5k",
+            LowBitKind::W6K => "lowbit_w6k",
         }
     }
     /// Columns per 512-byte chunk of the device layout.
@@ -159,7 +209,9 @@ impl LowBitKind {
             LowBitKind::W4G32Affine => "w4a16-g32-affine",
             LowBitKind::W5G32 => "w5a16-g32",
             LowBitKind::W5G32Affine => "w5a16-g32-affine",
-            LowBitKind::W6G16 => "w6a16-g16",
+            LowBitKind::W4K => "w4a16-k",
+            LowBitKind::W5K => "w5a16-k",
+            LowBitKind::W6K => "w6a16-k",
         }
     }
 }
@@ -175,8 +227,14 @@ pub struct LowBitMatrix {
     q: Vec<i8>,
     /// `rows · groups` (row-major); f16 values exactly for the f16-scale kinds.
     scales: Vec<f32>,
-    /// Affine kinds: `rows · groups` f16 values, what each group subtracts; else empty.
+    /// Affine kinds: `rows · groups`, what each group subtracts (f16 values for the one-level
+    /// kinds); else empty.
     mins: Vec<f32>,
+    /// Two-level kinds: `rows · super-blocks` f16 values `d`, every scale of the super-block
+    /// `d` times an integer code ([`LowBitKind::two_level`]); else empty.
+    supers: Vec<f32>,
+    /// Two-level affine kinds: `dmin` per row and super-block, every min `dmin` times a code.
+    super_mins: Vec<f32>,
 }
 
 impl LowBitMatrix {
@@ -191,7 +249,8 @@ impl LowBitMatrix {
         Self::with_mins(kind, rows, cols, q, scales, Vec::new())
     }
 
-    /// Builds a matrix from its integers, scales and (affine kinds only) mins (checked).
+    /// Builds a one-level matrix from its integers, scales and (affine kinds only) mins
+    /// (checked).
     pub fn with_mins(
         kind: LowBitKind,
         rows: usize,
@@ -199,6 +258,55 @@ impl LowBitMatrix {
         q: Vec<i8>,
         scales: Vec<f32>,
         mins: Vec<f32>,
+    ) -> Result<Self> {
+        Self::build(kind, rows, cols, q, scales, mins, Vec::new(), Vec::new())
+    }
+
+    /// Builds a two-level matrix ([`LowBitKind::two_level`]) from its integers, the f16 `d` (and
+    /// `dmin`) per row and super-block and the integer codes per row and group (checked).
+    pub fn with_super_scales(
+        kind: LowBitKind,
+        rows: usize,
+        cols: usize,
+        q: Vec<i8>,
+        supers: Vec<f32>,
+        codes: &[i16],
+        super_mins: Vec<f32>,
+        min_codes: &[i16],
+    ) -> Result<Self> {
+        let (groups, per_super) = (groups_of(kind, cols), K_BLOCK / kind.group().max(1));
+        let supers_per_row = cols.div_ceil(K_BLOCK);
+        check_len("two-level scale codes", rows * groups, codes.len())?;
+        check_len("two-level d", rows * supers_per_row, supers.len())?;
+        let expand = |d: &[f32], c: &[i16]| -> Vec<f32> {
+            (0..c.len())
+                .map(|i| {
+                    let (r, g) = (i / groups, i % groups);
+                    d[r * supers_per_row + g / per_super] * c[i] as f32
+                })
+                .collect()
+        };
+        let scales = expand(&supers, codes);
+        let mins = if kind.affine() {
+            check_len("two-level min codes", rows * groups, min_codes.len())?;
+            check_len("two-level dmin", rows * supers_per_row, super_mins.len())?;
+            expand(&super_mins, min_codes)
+        } else {
+            Vec::new()
+        };
+        Self::build(kind, rows, cols, q, scales, mins, supers, super_mins)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        kind: LowBitKind,
+        rows: usize,
+        cols: usize,
+        q: Vec<i8>,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+        supers: Vec<f32>,
+        super_mins: Vec<f32>,
     ) -> Result<Self> {
         let bad = |m: String| Err(CudaError::Option(m));
         let cells = rows
@@ -212,11 +320,27 @@ impl LowBitMatrix {
             if kind.affine() { rows * groups } else { 0 },
             mins.len(),
         )?;
+        let supers_per_row = if kind.two_level() {
+            cols.div_ceil(K_BLOCK)
+        } else {
+            0
+        };
+        check_len("low-bit super-block d", rows * supers_per_row, supers.len())?;
+        check_len(
+            "low-bit super-block dmin",
+            if kind.affine() {
+                rows * supers_per_row
+            } else {
+                0
+            },
+            super_mins.len(),
+        )?;
         let (lo, hi) = kind.q_range();
         if q.iter().any(|&v| (v as i32) < lo || (v as i32) > hi) {
             return bad(format!("{}: an integer outside {lo}..={hi}", kind.name()));
         }
-        if scales.iter().chain(&mins).any(|s| !s.is_finite()) {
+        let all = || scales.iter().chain(&mins).chain(&supers).chain(&super_mins);
+        if all().any(|s| !s.is_finite()) {
             return bad(format!("{}: scales and mins must be finite", kind.name()));
         }
         let f16_exact = |v: &f32| f16::from_f32(*v).to_f32() == *v;
@@ -226,8 +350,39 @@ impl LowBitMatrix {
                 kind.name()
             ));
         }
+        if kind.two_level() {
+            if !supers.iter().chain(&super_mins).all(f16_exact) {
+                return bad(format!("{}: d and dmin must be f16 values", kind.name()));
+            }
+            // Every scale (min) is its super-block's d (dmin) times a code in range.
+            let per_super = K_BLOCK / kind.group();
+            let (clo, chi) = kind.code_range();
+            let code_ok = |v: f32, d: f32, lo: i32| match code_of(v, d) {
+                Some(c) => (lo..=chi).contains(&c),
+                None => false,
+            };
+            for (i, &v) in scales.iter().enumerate() {
+                let d = supers[(i / groups) * supers_per_row + (i % groups) / per_super];
+                if !code_ok(v, d, clo) {
+                    return bad(format!(
+                        "{}: scale {v} is not d = {d} times a code in {clo}..={chi}",
+                        kind.name()
+                    ));
+                }
+            }
+            for (i, &v) in mins.iter().enumerate() {
+                let d = super_mins[(i / groups) * supers_per_row + (i % groups) / per_super];
+                if !code_ok(v, d, 0) {
+                    return bad(format!(
+                        "{}: min {v} is not dmin = {d} times a code in 0..={chi}",
+                        kind.name()
+                    ));
+                }
+            }
+        }
         // The kernels index rows and padded columns with 32-bit integers.
-        if rows > i32::MAX as usize || cols.div_ceil(K_ALIGN) * K_ALIGN > i32::MAX as usize {
+        let align = kind.col_align();
+        if rows > i32::MAX as usize || cols.div_ceil(align) * align > i32::MAX as usize {
             return bad(format!("matrix {rows} x {cols} exceeds 32-bit dimensions"));
         }
         Ok(Self {
@@ -237,13 +392,17 @@ impl LowBitMatrix {
             q,
             scales,
             mins,
+            supers,
+            super_mins,
         })
     }
 
     /// Round-to-nearest quantization of `w`. Symmetric kinds: per scale group `s = max|w| / qmax`
     /// (qmax = 7, 15, 31 or 127), `q = round(w / s)` clamped to the range. Affine kinds: `s =
     /// (max - min) / (2^bits - 1)`, `m = -min`, `u = round((w + m) / s)`. Scales and mins are
-    /// rounded to f16 for the f16-scale kinds.
+    /// rounded to f16 for the f16-scale kinds. The two-level kinds round them up to `d · code`,
+    /// `d = max / code max` per super-block rounded up to f16 (mins first, then the scales of the
+    /// shifted range), so that no weight is clamped.
     pub fn quantize(w: &DenseMatrix, kind: LowBitKind) -> Self {
         let (rows, cols) = (w.rows(), w.cols());
         let group = if kind.group() == 0 {
@@ -267,7 +426,7 @@ impl LowBitMatrix {
             let row = w.row(r);
             for gi in 0..groups {
                 let span = gi * group..((gi + 1) * group).min(cols);
-                let vals = row[span.clone()].iter().map(|v| v.to_f32());
+                let vals = row[span].iter().map(|v| v.to_f32());
                 let (s, m) = if kind.affine() {
                     let (min, max) = vals.fold((0f32, 0f32), |(a, b), v| (a.min(v), b.max(v)));
                     (round((max - min) / hi as f32), round(-min))
@@ -275,14 +434,66 @@ impl LowBitMatrix {
                     let max = vals.fold(0f32, |a, v| a.max(v.abs()));
                     (round(max / hi as f32), 0.0)
                 };
-                if !s.is_finite() || s == 0.0 || !m.is_finite() {
+                if s.is_finite() && m.is_finite() {
+                    scales[r * groups + gi] = s;
+                    if kind.affine() {
+                        mins[r * groups + gi] = m;
+                    }
+                }
+            }
+        }
+        let (mut supers, mut super_mins) = (Vec::new(), Vec::new());
+        if kind.two_level() {
+            let (supers_per_row, per_super) = (cols.div_ceil(K_BLOCK), K_BLOCK / group);
+            let (_, chi) = kind.code_range();
+            // d = the largest value / the largest code, rounded up to f16; each value becomes
+            // d · ceil(value / d) <= d · code max.
+            let snap = |values: &mut [f32], out: &mut Vec<f32>| {
+                for r in 0..rows {
+                    for sb in 0..supers_per_row {
+                        let (g0, g1) = (sb * per_super, ((sb + 1) * per_super).min(groups));
+                        let span = r * groups + g0..r * groups + g1;
+                        let max = values[span.clone()].iter().fold(0f32, |a, v| a.max(*v));
+                        let d = f16_round_up(max / chi as f32);
+                        out.push(d);
+                        for v in &mut values[span] {
+                            *v = if d > 0.0 {
+                                d * (*v / d).ceil().clamp(0.0, chi as f32)
+                            } else {
+                                0.0
+                            };
+                        }
+                    }
+                }
+            };
+            if kind.affine() {
+                snap(&mut mins, &mut super_mins);
+                // The scales of the range the snapped mins shift the weights into.
+                for r in 0..rows {
+                    let row = w.row(r);
+                    for gi in 0..groups {
+                        let span = gi * group..((gi + 1) * group).min(cols);
+                        let max = row[span].iter().fold(0f32, |a, v| a.max(v.to_f32()));
+                        let s = (max + mins[r * groups + gi]) / hi as f32;
+                        scales[r * groups + gi] = if s.is_finite() { s } else { 0.0 };
+                    }
+                }
+            }
+            snap(&mut scales, &mut supers);
+        }
+        for r in 0..rows {
+            let row = w.row(r);
+            for gi in 0..groups {
+                let s = scales[r * groups + gi];
+                if s == 0.0 {
                     continue;
                 }
-                scales[r * groups + gi] = s;
-                if kind.affine() {
-                    mins[r * groups + gi] = m;
-                }
-                for k in span {
+                let m = if kind.affine() {
+                    mins[r * groups + gi]
+                } else {
+                    0.0
+                };
+                for k in gi * group..((gi + 1) * group).min(cols) {
                     let v = ((row[k].to_f32() + m) / s).round() as i32;
                     q[r * cols + k] = v.clamp(lo, hi) as i8;
                 }
@@ -295,6 +506,8 @@ impl LowBitMatrix {
             q,
             scales,
             mins,
+            supers,
+            super_mins,
         }
     }
 
@@ -377,15 +590,15 @@ impl LowBitMatrix {
     /// Parses GGUF Q4_K super-blocks (144 bytes per 256 weights: f16 `d`, f16 `dmin`, 12 bytes
     /// of 6-bit (sc, m) pairs for the 8 sub-blocks of 32, 128 bytes of nibbles: bytes 32 c ..
     /// 32 c + 31 hold sub-block 2c in their low and 2c + 1 in their high nibbles; weight = d sc
-    /// u - dmin m). `d · sc` and `dmin · m` are rounded to f16 (the kernel header says why).
+    /// u - dmin m). The two levels are kept ([`LowBitKind::W4K`]).
     pub fn from_q4_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        Self::from_k_affine(LowBitKind::W4G32Affine, "Q4_K", rows, cols, blocks)
+        Self::from_k_affine(LowBitKind::W4K, "Q4_K", rows, cols, blocks)
     }
 
     /// Parses GGUF Q5_K super-blocks (176 bytes per 256: as Q4_K with 32 bytes of fifth bits
     /// after the scales; weight 32 s + l of the super-block takes bit s of byte l).
     pub fn from_q5_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        Self::from_k_affine(LowBitKind::W5G32Affine, "Q5_K", rows, cols, blocks)
+        Self::from_k_affine(LowBitKind::W5K, "Q5_K", rows, cols, blocks)
     }
 
     /// Q4_K (`kind` 4-bit) or Q5_K (5-bit: the fifth-bit bytes sit between the scales and the
@@ -403,7 +616,8 @@ impl LowBitMatrix {
         let nibbles = if fifth_bits { 48 } else { 16 };
         for (b, blk) in blocks.chunks_exact(block_bytes).enumerate() {
             let at = b * K_BLOCK;
-            let (d, dmin) = (read_f16(blk, 0), read_f16(blk, 2));
+            p.supers[b] = read_f16(blk, 0);
+            p.super_mins[b] = read_f16(blk, 2);
             let pairs = k_scales_and_mins(&blk[4..16]);
             for c in 0..4 {
                 let qs = &blk[nibbles + 32 * c..nibbles + 32 * c + 32];
@@ -411,8 +625,8 @@ impl LowBitMatrix {
                     let sub = 2 * c + half;
                     let (sc, m) = pairs[sub];
                     let base = at + 32 * sub;
-                    p.scales[base / 32] = f16_round(d * sc as f32);
-                    p.mins[base / 32] = f16_round(dmin * m as f32);
+                    p.codes[base / 32] = sc as i16;
+                    p.min_codes[base / 32] = m as i16;
                     for (i, &byte) in qs.iter().enumerate() {
                         let fifth = if fifth_bits {
                             (blk[16 + i] >> sub) & 1
@@ -448,12 +662,12 @@ impl LowBitMatrix {
     /// bit pairs, 16 `i8` scales (one per 16 weights), f16 `d`; weight = d sc (u - 32)). In each
     /// half of 128 weights, weight 32 j + l (j = 0..3, l = 0..31) takes its nibble from byte
     /// l + 32 (j % 2) of the half's 64 (low nibble for j < 2) and its high pair from bits 2 j
-    /// of byte l of the half's 32. `d · sc` is rounded to f16.
+    /// of byte l of the half's 32. The two levels are kept ([`LowBitKind::W6K`]).
     pub fn from_q6_k(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self> {
-        let mut p = BlockParse::new(LowBitKind::W6G16, "Q6_K", rows, cols, blocks)?;
+        let mut p = BlockParse::new(LowBitKind::W6K, "Q6_K", rows, cols, blocks)?;
         for (b, blk) in blocks.chunks_exact(Q6_K_BYTES).enumerate() {
             let at = b * K_BLOCK;
-            let d = read_f16(blk, 208);
+            p.supers[b] = read_f16(blk, 208);
             for half in 0..2 {
                 let ql = &blk[64 * half..64 * half + 64];
                 let qh = &blk[128 + 32 * half..160 + 32 * half];
@@ -466,7 +680,7 @@ impl LowBitMatrix {
                 }
             }
             for (i, &sc) in blk[192..208].iter().enumerate() {
-                p.scales[at / 16 + i] = f16_round(d * sc as i8 as f32);
+                p.codes[at / 16 + i] = sc as i8 as i16;
             }
         }
         p.finish()
@@ -497,7 +711,17 @@ impl LowBitMatrix {
             .flat_map(|p| p.scales.iter().copied())
             .collect();
         let mins = parts.iter().flat_map(|p| p.mins.iter().copied()).collect();
-        Self::with_mins(first.kind, rows, first.cols, q, scales, mins)
+        let supers = parts
+            .iter()
+            .flat_map(|p| p.supers.iter().copied())
+            .collect();
+        let super_mins = parts
+            .iter()
+            .flat_map(|p| p.super_mins.iter().copied())
+            .collect();
+        Self::build(
+            first.kind, rows, first.cols, q, scales, mins, supers, super_mins,
+        )
     }
 
     pub fn kind(&self) -> LowBitKind {
@@ -568,9 +792,10 @@ impl LowBitMatrix {
         y
     }
 
-    /// Columns of the device layout (and of the activations the kernel reads): K padded to 128.
+    /// Columns of the device layout (and of the activations the kernel reads): K padded to 128
+    /// (256 for the two-level kinds).
     pub fn padded_cols(&self) -> usize {
-        self.cols.div_ceil(K_ALIGN) * K_ALIGN
+        self.cols.div_ceil(self.kind.col_align()) * self.kind.col_align()
     }
 
     /// Bytes the device holds: weights, high planes, scales and mins.
@@ -651,8 +876,11 @@ impl LowBitMatrix {
         }
         let mut group_scales = Vec::new();
         let mut group_mins = Vec::new();
+        let mut super_scales = Vec::new();
         let mut row_scales = Vec::new();
-        if kind.f16_scales() {
+        if kind.two_level() {
+            (group_scales, super_scales, group_mins) = self.two_level_layout(tiles, kp);
+        } else if kind.f16_scales() {
             let groups = kp / kind.group();
             let real = groups_of(kind, self.cols);
             let pairs = |values: &[f32]| -> Vec<u32> {
@@ -688,11 +916,73 @@ impl LowBitMatrix {
             high,
             group_scales,
             group_mins,
+            super_scales,
             row_scales,
             chunks,
             padded_rows: mp,
             padded_cols: kp,
         }
+    }
+
+    /// The two-level kinds' scales on the device (kernel header): code words per (row tile,
+    /// super-block, word, lane group), and the f16 pairs of `d` and (affine) `dmin`.
+    fn two_level_layout(&self, tiles: usize, kp: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+        let kind = self.kind;
+        let supers = kp / K_BLOCK;
+        let (real_supers, groups) = (self.cols.div_ceil(K_BLOCK), groups_of(kind, self.cols));
+        let per_super = K_BLOCK / kind.group();
+        // The code of group gi of row r (0 in the padding): `build` checked that it exists.
+        let code = |values: &[f32], ds: &[f32], r: usize, gi: usize| -> u32 {
+            if r >= self.rows || gi >= groups {
+                return 0;
+            }
+            let d = ds[r * real_supers + gi / per_super];
+            code_of(values[r * groups + gi], d).expect("two-level codes are checked at build") as i8
+                as u8 as u32
+        };
+        let pair = |ds: &[f32], r: usize, sb: usize| -> u32 {
+            let h = |r: usize| {
+                if r < self.rows && sb < real_supers {
+                    f16::from_f32(ds[r * real_supers + sb]).to_bits() as u32
+                } else {
+                    0
+                }
+            };
+            h(r) | h(r + 8) << 16
+        };
+        let mut words = vec![0u32; tiles * supers * 64];
+        let mut d_pairs = vec![0u32; tiles * supers * 8];
+        let mut dmin_pairs = vec![0u32; if kind.affine() { tiles * supers * 8 } else { 0 }];
+        for rt in 0..tiles {
+            for sb in 0..supers {
+                for g in 0..8 {
+                    let r = rt * TILE_ROWS + g;
+                    let at = (rt * supers + sb) * 8 + g;
+                    d_pairs[at] = pair(&self.supers, r, sb);
+                    if kind.affine() {
+                        dmin_pairs[at] = pair(&self.super_mins, r, sb);
+                    }
+                    for j in 0..8 {
+                        let (s, d) = (&self.scales, &self.supers);
+                        words[((rt * supers + sb) * 8 + j) * 8 + g] = if kind.affine() {
+                            let (m, dm) = (&self.mins, &self.super_mins);
+                            let gi = sb * per_super + j;
+                            code(s, d, r, gi)
+                                | code(s, d, r + 8, gi) << 8
+                                | code(m, dm, r, gi) << 16
+                                | code(m, dm, r + 8, gi) << 24
+                        } else {
+                            let gi = sb * per_super + 2 * j;
+                            code(s, d, r, gi)
+                                | code(s, d, r + 8, gi) << 8
+                                | code(s, d, r, gi + 1) << 16
+                                | code(s, d, r + 8, gi + 1) << 24
+                        };
+                    }
+                }
+            }
+        }
+        (words, d_pairs, dmin_pairs)
     }
 }
 
@@ -702,8 +992,14 @@ struct BlockParse {
     rows: usize,
     cols: usize,
     q: Vec<i8>,
+    /// One-level kinds: the scales and (affine) mins per group.
     scales: Vec<f32>,
     mins: Vec<f32>,
+    /// Two-level kinds: `d` (and `dmin`) per super-block, codes per group.
+    supers: Vec<f32>,
+    super_mins: Vec<f32>,
+    codes: Vec<i16>,
+    min_codes: Vec<i16>,
 }
 
 impl BlockParse {
@@ -728,25 +1024,53 @@ impl BlockParse {
             })?;
         check_len(label, want, blocks.len())?;
         let groups = rows * groups_of(kind, cols);
+        let (one, two) = if kind.two_level() {
+            (0, groups)
+        } else {
+            (groups, 0)
+        };
+        let affine = |n: usize| if kind.affine() { n } else { 0 };
+        let supers = if kind.two_level() {
+            rows * cols.div_ceil(K_BLOCK)
+        } else {
+            0
+        };
         Ok(Self {
             kind,
             rows,
             cols,
             q: vec![0; rows * cols],
-            scales: vec![0.0; groups],
-            mins: vec![0.0; if kind.affine() { groups } else { 0 }],
+            scales: vec![0.0; one],
+            mins: vec![0.0; affine(one)],
+            supers: vec![0.0; supers],
+            super_mins: vec![0.0; affine(supers)],
+            codes: vec![0; two],
+            min_codes: vec![0; affine(two)],
         })
     }
 
     fn finish(self) -> Result<LowBitMatrix> {
-        LowBitMatrix::with_mins(
-            self.kind,
-            self.rows,
-            self.cols,
-            self.q,
-            self.scales,
-            self.mins,
-        )
+        if self.kind.two_level() {
+            LowBitMatrix::with_super_scales(
+                self.kind,
+                self.rows,
+                self.cols,
+                self.q,
+                self.supers,
+                &self.codes,
+                self.super_mins,
+                &self.min_codes,
+            )
+        } else {
+            LowBitMatrix::with_mins(
+                self.kind,
+                self.rows,
+                self.cols,
+                self.q,
+                self.scales,
+                self.mins,
+            )
+        }
     }
 }
 
@@ -774,9 +1098,23 @@ fn read_f16(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// `v` rounded to f16 (an overflow becomes infinite and is refused by the matrix's check).
-fn f16_round(v: f32) -> f32 {
-    f16::from_f32(v).to_f32()
+/// The smallest f16 value at or above `v` (`v` >= 0, finite; an overflow becomes infinite).
+fn f16_round_up(v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    if h.to_f32() < v {
+        f16::from_bits(h.to_bits() + 1).to_f32()
+    } else {
+        h.to_f32()
+    }
+}
+
+/// The integer `c` with `v == d · c` exactly in f32, if there is one (a two-level scale's code).
+fn code_of(v: f32, d: f32) -> Option<i32> {
+    if d == 0.0 {
+        return (v == 0.0).then_some(0);
+    }
+    let c = (v / d).round();
+    (c.abs() <= 255.0 && d * c == v).then_some(c as i32)
 }
 
 /// The 32 five-bit codes of a Q5_0 / Q5_1 block: nibbles as Q4_0, weight i's fifth bit bit i of
@@ -814,9 +1152,13 @@ pub struct DeviceLayout {
     pub weights: Vec<u8>,
     /// 5- and 6-bit kinds: the high bits, 1 or 2 u32 per lane and chunk; else empty.
     pub high: Vec<u32>,
+    /// f16 scale pairs per group, or the two-level kinds' code words.
     pub group_scales: Vec<u32>,
-    /// Affine kinds: the f16 min pairs, indexed as `group_scales`; else empty.
+    /// Affine kinds: the f16 min pairs, indexed as `group_scales`, or the two-level kinds' `dmin`
+    /// pairs per super-block; else empty.
     pub group_mins: Vec<u32>,
+    /// Two-level kinds: the f16 `d` pairs per super-block; else empty.
+    pub super_scales: Vec<u32>,
     pub row_scales: Vec<f32>,
     /// 512-byte chunks per row tile.
     pub chunks: usize,
@@ -831,6 +1173,7 @@ impl DeviceLayout {
             + 4 * (self.high.len()
                 + self.group_scales.len()
                 + self.group_mins.len()
+                + self.super_scales.len()
                 + self.row_scales.len())
     }
 }
@@ -907,8 +1250,12 @@ pub struct GpuLowBit {
     high: CudaSlice<u32>,
     group_scales: CudaSlice<u32>,
     group_mins: CudaSlice<u32>,
+    super_scales: CudaSlice<u32>,
     row_scales: CudaSlice<f32>,
     bytes: usize,
+    /// Resident blocks on the whole GPU per kernel instance (index nt - 1), asked of the driver
+    /// once: the persistent grid's size.
+    resident: [OnceLock<u32>; 4],
 }
 
 impl GpuLowBit {
@@ -928,8 +1275,10 @@ impl GpuLowBit {
             high: gpu.upload(&or_one(&l.high))?,
             group_scales: gpu.upload(&l.group_scales)?,
             group_mins: gpu.upload(&or_one(&l.group_mins))?,
+            super_scales: gpu.upload(&or_one(&l.super_scales))?,
             row_scales: gpu.upload(&l.row_scales)?,
             bytes,
+            resident: Default::default(),
         })
     }
 
@@ -1000,8 +1349,25 @@ impl GpuLowBit {
         let nt = n.div_ceil(8);
         let name = format!("{}_nt{nt}", self.kind.kernel_prefix());
         let f = gpu.function(&FAMILY, &name)?;
+        // Persistent blocks: never more than stay resident at once (the kernel walks the row
+        // tiles with a grid stride, keeping loads in flight across tile boundaries).
+        let resident = match self.resident[nt - 1].get() {
+            Some(&r) => r,
+            None => {
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
+                    .during("asking the occupancy of a low-bit GEMV")?;
+                let r = (per_sm * gpu.info().multiprocessors).max(1);
+                *self.resident[nt - 1].get_or_init(|| r)
+            }
+        };
+        let grid = if persistent_override().unwrap_or(self.kind.persistent()) {
+            (self.tiles as u32).min(resident)
+        } else {
+            self.tiles as u32
+        };
         let cfg = LaunchConfig {
-            grid_dim: (self.tiles as u32, 1, 1),
+            grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -1017,6 +1383,7 @@ impl GpuLowBit {
             .arg(&self.high)
             .arg(&self.group_scales)
             .arg(&self.group_mins)
+            .arg(&self.super_scales)
             .arg(&self.row_scales)
             .arg(&x)
             .arg(&ldx)
@@ -1029,6 +1396,20 @@ impl GpuLowBit {
         unsafe { b.launch(cfg) }.during("launching a low-bit GEMV")?;
         Ok(())
     }
+}
+
+/// `SIEVE_LOWBIT_GRID=tiles|persistent` in the environment overrides the per-kind grid choice
+/// ([`LowBitKind`]'s `persistent`), read once: a switch for measuring that choice in a whole
+/// decode step, not a setting.
+fn persistent_override() -> Option<bool> {
+    static CHOICE: OnceLock<Option<bool>> = OnceLock::new();
+    *CHOICE.get_or_init(
+        || match std::env::var("SIEVE_LOWBIT_GRID").ok().as_deref() {
+            Some("tiles") => Some(false),
+            Some("persistent") => Some(true),
+            _ => None,
+        },
+    )
 }
 
 /// `x` (n x K) as the low-bit kernels read it: n x `padded` f16, zeros past K.
@@ -1158,7 +1539,27 @@ mod tests {
         for r in 0..m.rows() {
             let (rt, g) = (r / 16, r % 8);
             let hi = r % 16 >= 8;
-            if kind.f16_scales() {
+            if kind.two_level() {
+                // Codes from their words, d (dmin) from their pairs, multiplied as the kernel does.
+                let supers = l.padded_cols / K_BLOCK;
+                let per_super = K_BLOCK / kind.group();
+                for gi in 0..m.cols().div_ceil(kind.group()) {
+                    let (sb, gs) = (gi / per_super, gi % per_super);
+                    let at = (rt * supers + sb) * 8 + g;
+                    let byte = |w: u32, b: usize| (w >> (8 * b)) as u8;
+                    let row = if hi { 1 } else { 0 };
+                    let d = half(l.super_scales[at], hi).to_f32();
+                    if kind.affine() {
+                        let w = l.group_scales[((rt * supers + sb) * 8 + gs) * 8 + g];
+                        scales.push(d * byte(w, row) as f32);
+                        let dmin = half(l.group_mins[at], hi).to_f32();
+                        mins.push(dmin * byte(w, 2 + row) as f32);
+                    } else {
+                        let w = l.group_scales[((rt * supers + sb) * 8 + gs / 2) * 8 + g];
+                        scales.push(d * byte(w, 2 * (gs % 2) + row) as i8 as f32);
+                    }
+                }
+            } else if kind.f16_scales() {
                 let groups = l.padded_cols / kind.group();
                 for gi in 0..m.cols().div_ceil(kind.group()) {
                     let at = (rt * groups + gi) * 8 + g;
@@ -1174,7 +1575,7 @@ mod tests {
         (out_q, scales, mins)
     }
 
-    const KINDS: [LowBitKind; 8] = LowBitKind::ALL;
+    const KINDS: [LowBitKind; 10] = LowBitKind::ALL;
 
     /// The GGUF types the kernels take.
     const GGUF_TYPES: [BlockType; 8] = [
@@ -1193,7 +1594,7 @@ mod tests {
         /// The device layout holds every integer and scale where the kernel reads it, and zeros
         /// in the padding.
         #[test]
-        fn device_layout_round_trips(rows in 1usize..40, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..8) {
+        fn device_layout_round_trips(rows in 1usize..40, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..10) {
             let kind = KINDS[kind];
             let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed).unwrap();
             let m = LowBitMatrix::quantize(&w, kind);
@@ -1203,9 +1604,9 @@ mod tests {
             prop_assert_eq!(&mins[..], &m.mins[..]);
         }
 
-        /// Every GGUF type parses to what sieve-cpu's dequantizer (an independent reading of
-        /// ggml's formats) makes of the same blocks: exactly, or within the f16 rounding of the
-        /// K-quants' scales and mins; and the parsed matrix survives the device layout.
+        /// Every GGUF type parses to exactly what sieve-cpu's dequantizer (an independent reading
+        /// of ggml's formats) makes of the same blocks, and the parsed matrix survives the device
+        /// layout.
         #[test]
         fn gguf_blocks_parse_to_the_cpu_dequantization(rows in 1usize..5, supers in 1usize..3, seed in 0u64..1000, ty in 0usize..8) {
             let ty = GGUF_TYPES[ty];
@@ -1214,15 +1615,10 @@ mod tests {
             let m = LowBitMatrix::from_gguf(&format!("{ty:?}"), rows, cols, &blocks).unwrap();
             let want = dequantize(ty.ggml(), &blocks, rows * cols).unwrap();
             let got = m.dequantize();
-            let k_quant = matches!(ty, BlockType::Q4_K | BlockType::Q5_K | BlockType::Q6_K);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let (r, k) = (i / cols, i % cols);
-                // Both roundings (scale and min) are at most 2^-11 relative.
-                let tol = if k_quant {
-                    (m.scale(r, k) * m.q()[i] as f32).abs() * 1.0e-3 + m.min(r, k).abs() * 1.0e-3
-                } else {
-                    0.0
-                };
+                // f32 roundings of the same products (d · sc · q - dmin · m) in another order.
+                let tol = (m.scale(r, k) * m.q()[i] as f32).abs() * 1.0e-6 + m.min(r, k).abs() * 1.0e-6;
                 prop_assert!((g - w).abs() <= tol, "{:?} ({}, {}): {} vs {}", ty, r, k, g, w);
             }
             let (q, scales, mins) = read_back(&m);
@@ -1233,7 +1629,7 @@ mod tests {
 
         /// Quantization error is at most half a step (plus the f16 rounding of the scale).
         #[test]
-        fn quantization_is_within_half_a_step(rows in 1usize..8, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..8) {
+        fn quantization_is_within_half_a_step(rows in 1usize..8, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..10) {
             let kind = KINDS[kind];
             let w = sparse_matrix(rows, cols, 0.3, Pattern::Unstructured, seed).unwrap();
             let m = LowBitMatrix::quantize(&w, kind);
@@ -1295,16 +1691,36 @@ mod tests {
         assert!(affine(-1, vec![0.25]).is_err());
         assert!(affine(3, vec![]).is_err());
         assert!(affine(3, vec![f32::INFINITY]).is_err());
-        // K-quant blocks: K a multiple of 256, the exact byte count, scales that fit f16.
+        // K-quant blocks: K a multiple of 256, the exact byte count.
         assert!(LowBitMatrix::from_q4_k(1, 32, &[0u8; 18]).is_err());
         assert!(LowBitMatrix::from_q6_k(1, 256, &[0u8; 209]).is_err());
         assert!(LowBitMatrix::from_q5_k(usize::MAX / 2, 256, &[]).is_err());
+        // Two levels keep d · sc exact in f32, even past the f16 range.
         let mut huge = vec![0u8; Q6_K_BYTES];
         huge[208..210].copy_from_slice(&f16::MAX.to_le_bytes());
         huge[192] = 100;
-        let e = LowBitMatrix::from_q6_k(1, 256, &huge)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("finite"), "{e}");
+        let m = LowBitMatrix::from_q6_k(1, 256, &huge).unwrap();
+        assert_eq!(m.scale(0, 0), 65504.0 * 100.0);
+        // Two-level kinds: d an f16 value, codes in range, the lengths.
+        let two = |d: f32, code: i16| {
+            LowBitMatrix::with_super_scales(
+                LowBitKind::W4K,
+                1,
+                32,
+                vec![0; 32],
+                vec![d],
+                &[code],
+                vec![0.5],
+                &[1],
+            )
+        };
+        assert!(two(0.5, 63).is_ok());
+        assert!(two(0.5, 64).is_err());
+        assert!(two(0.1, 1).is_err());
+        assert!(two(f32::INFINITY, 1).is_err());
+        assert!(
+            LowBitMatrix::with_mins(LowBitKind::W4K, 1, 32, vec![0; 32], vec![1.0], vec![0.0])
+                .is_err()
+        );
     }
 }

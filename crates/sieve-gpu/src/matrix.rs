@@ -182,10 +182,12 @@ impl DeviceMatrix {
                 sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0",
                 sieve_cuda::lowbit::LowBitKind::W8Row => "lowbit/w8a16",
                 sieve_cuda::lowbit::LowBitKind::W8G32 => "lowbit/q8_0",
-                sieve_cuda::lowbit::LowBitKind::W4G32Affine => "lowbit/q4_k-q4_1",
+                sieve_cuda::lowbit::LowBitKind::W4G32Affine => "lowbit/q4_1",
                 sieve_cuda::lowbit::LowBitKind::W5G32 => "lowbit/q5_0",
-                sieve_cuda::lowbit::LowBitKind::W5G32Affine => "lowbit/q5_k-q5_1",
-                sieve_cuda::lowbit::LowBitKind::W6G16 => "lowbit/q6_k",
+                sieve_cuda::lowbit::LowBitKind::W5G32Affine => "lowbit/q5_1",
+                sieve_cuda::lowbit::LowBitKind::W4K => "lowbit/q4_k",
+                sieve_cuda::lowbit::LowBitKind::W5K => "lowbit/q5_k",
+                sieve_cuda::lowbit::LowBitKind::W6K => "lowbit/q6_k",
             },
         }
     }

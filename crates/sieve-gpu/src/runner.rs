@@ -772,11 +772,11 @@ impl GpuModel {
         let c = &self.config;
         let (d, hd) = (c.hidden_size, c.head_dim);
         let qkv_w = (c.num_heads + 2 * c.num_kv_heads) * hd;
-        // Rounded up to the low-bit kernels' 128-column rows (their input is padded).
+        // Rounded up to the low-bit kernels' widest column padding (their input is padded).
         let max_k = d
             .max(c.intermediate_size)
             .max(c.num_heads * hd)
-            .next_multiple_of(sieve_cuda::lowbit::K_ALIGN);
+            .next_multiple_of(sieve_cuda::lowbit::K_ALIGN_MAX);
         let max_m = qkv_w.max(2 * c.intermediate_size);
         let mut all: Vec<&DeviceLinear> = Vec::new();
         for l in &self.layers {

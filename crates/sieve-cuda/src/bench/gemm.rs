@@ -42,13 +42,15 @@ pub enum Precision {
     W4A16,
     GgufQ4_0,
     GgufQ8_0,
-    /// The kernel of GGUF Q4_K / Q4_1: 4-bit affine, f16 scale and min per 32 (sieve's
+    /// The kernel of GGUF Q4_K: 4-bit affine per 32, two-level scales and mins (sieve's
     /// quantizer of the same weights).
+    W4K,
+    /// The kernel of GGUF Q5_K: 5-bit affine per 32, two-level scales and mins.
+    W5K,
+    /// The kernel of GGUF Q6_K: 6-bit per 16, two-level scales.
+    W6K,
+    /// The kernel of GGUF Q4_1: 4-bit affine, f16 scale and min per 32.
     W4G32Affine,
-    /// The kernel of GGUF Q5_K / Q5_1: 5-bit affine per 32.
-    W5G32Affine,
-    /// The kernel of GGUF Q6_K: 6-bit, f16 scale per 16.
-    W6G16,
     /// Balanced-CBC, int8 values with per-row scales (N = 1, sp / dp).
     BcbcInt8,
     /// Balanced-CBC, int4 values with f16 scales per row and 128 columns (N = 1, sp / dp).
@@ -58,15 +60,16 @@ pub enum Precision {
 }
 
 impl Precision {
-    pub const ALL: [Precision; 11] = [
+    pub const ALL: [Precision; 12] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
         Precision::GgufQ4_0,
         Precision::GgufQ8_0,
+        Precision::W4K,
+        Precision::W5K,
+        Precision::W6K,
         Precision::W4G32Affine,
-        Precision::W5G32Affine,
-        Precision::W6G16,
         Precision::BcbcInt8,
         Precision::BcbcInt4,
         Precision::BcbcF16,
@@ -78,9 +81,10 @@ impl Precision {
             Precision::W4A16 => "w4a16",
             Precision::GgufQ4_0 => "gguf-q4_0",
             Precision::GgufQ8_0 => "gguf-q8_0",
-            Precision::W4G32Affine => "q4_k-kernel",
-            Precision::W5G32Affine => "q5_k-kernel",
-            Precision::W6G16 => "q6_k-kernel",
+            Precision::W4K => "q4_k-kernel",
+            Precision::W5K => "q5_k-kernel",
+            Precision::W6K => "q6_k-kernel",
+            Precision::W4G32Affine => "q4_1-kernel",
             Precision::BcbcInt8 => "bcbc-int8",
             Precision::BcbcInt4 => "bcbc-int4",
             Precision::BcbcF16 => "bcbc-f16",
@@ -468,9 +472,10 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
             Precision::W4A16 => LowBitMatrix::quantize(&w0, LowBitKind::W4G128),
             Precision::GgufQ4_0 => LowBitMatrix::from_q4_0(m, k, &quantize_q4_0(&w0)?)?,
             Precision::GgufQ8_0 => LowBitMatrix::from_q8_0(m, k, &quantize_q8_0(&w0)?)?,
+            Precision::W4K => LowBitMatrix::quantize(&w0, LowBitKind::W4K),
+            Precision::W5K => LowBitMatrix::quantize(&w0, LowBitKind::W5K),
+            Precision::W6K => LowBitMatrix::quantize(&w0, LowBitKind::W6K),
             Precision::W4G32Affine => LowBitMatrix::quantize(&w0, LowBitKind::W4G32Affine),
-            Precision::W5G32Affine => LowBitMatrix::quantize(&w0, LowBitKind::W5G32Affine),
-            Precision::W6G16 => LowBitMatrix::quantize(&w0, LowBitKind::W6G16),
             _ => continue,
         };
         let wq: Vec<f64> = lb.dequantize().into_iter().map(|v| v as f64).collect();

@@ -36,7 +36,9 @@ pub struct GemmArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,0.5")]
     dp: Vec<f64>,
     /// Precisions: f16 (cuBLAS, always timed as the baseline), w8a16, w4a16 (group 128),
-    /// gguf-q4_0, gguf-q8_0, bcbc-int8, bcbc-int4 (group 128), bcbc-f16 (N = 1 only).
+    /// gguf-q4_0, gguf-q8_0, the kernels of the other GGUF types on sieve's quantization
+    /// (q4_k-kernel, q5_k-kernel, q6_k-kernel, q4_1-kernel), bcbc-int8, bcbc-int4 (group 128),
+    /// bcbc-f16 (N = 1 only).
     #[arg(
         long,
         value_delimiter = ',',
