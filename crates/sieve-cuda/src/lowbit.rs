@@ -259,7 +259,17 @@ impl LowBitMatrix {
         scales: Vec<f32>,
         mins: Vec<f32>,
     ) -> Result<Self> {
-        Self::build(kind, rows, cols, q, scales, mins, Vec::new(), Vec::new())
+        Self {
+            kind,
+            rows,
+            cols,
+            q,
+            scales,
+            mins,
+            supers: Vec::new(),
+            super_mins: Vec::new(),
+        }
+        .checked()
     }
 
     /// Builds a two-level matrix ([`LowBitKind::two_level`]) from its integers, the f16 `d` (and
@@ -294,20 +304,31 @@ impl LowBitMatrix {
         } else {
             Vec::new()
         };
-        Self::build(kind, rows, cols, q, scales, mins, supers, super_mins)
+        Self {
+            kind,
+            rows,
+            cols,
+            q,
+            scales,
+            mins,
+            supers,
+            super_mins,
+        }
+        .checked()
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn build(
-        kind: LowBitKind,
-        rows: usize,
-        cols: usize,
-        q: Vec<i8>,
-        scales: Vec<f32>,
-        mins: Vec<f32>,
-        supers: Vec<f32>,
-        super_mins: Vec<f32>,
-    ) -> Result<Self> {
+    /// `self` if its lengths, ranges and values are what its kind requires.
+    fn checked(self) -> Result<Self> {
+        let Self {
+            kind,
+            rows,
+            cols,
+            ref q,
+            ref scales,
+            ref mins,
+            ref supers,
+            ref super_mins,
+        } = self;
         let bad = |m: String| Err(CudaError::Option(m));
         let cells = rows
             .checked_mul(cols)
@@ -339,19 +360,19 @@ impl LowBitMatrix {
         if q.iter().any(|&v| (v as i32) < lo || (v as i32) > hi) {
             return bad(format!("{}: an integer outside {lo}..={hi}", kind.name()));
         }
-        let all = || scales.iter().chain(&mins).chain(&supers).chain(&super_mins);
+        let all = || scales.iter().chain(mins).chain(supers).chain(super_mins);
         if all().any(|s| !s.is_finite()) {
             return bad(format!("{}: scales and mins must be finite", kind.name()));
         }
         let f16_exact = |v: &f32| f16::from_f32(*v).to_f32() == *v;
-        if kind.f16_scales() && !scales.iter().chain(&mins).all(f16_exact) {
+        if kind.f16_scales() && !scales.iter().chain(mins).all(f16_exact) {
             return bad(format!(
                 "{}: scales and mins must be f16 values",
                 kind.name()
             ));
         }
         if kind.two_level() {
-            if !supers.iter().chain(&super_mins).all(f16_exact) {
+            if !supers.iter().chain(super_mins).all(f16_exact) {
                 return bad(format!("{}: d and dmin must be f16 values", kind.name()));
             }
             // Every scale (min) is its super-block's d (dmin) times a code in range.
@@ -385,16 +406,7 @@ impl LowBitMatrix {
         if rows > i32::MAX as usize || cols.div_ceil(align) * align > i32::MAX as usize {
             return bad(format!("matrix {rows} x {cols} exceeds 32-bit dimensions"));
         }
-        Ok(Self {
-            kind,
-            rows,
-            cols,
-            q,
-            scales,
-            mins,
-            supers,
-            super_mins,
-        })
+        Ok(self)
     }
 
     /// Round-to-nearest quantization of `w`. Symmetric kinds: per scale group `s = max|w| / qmax`
@@ -719,9 +731,17 @@ impl LowBitMatrix {
             .iter()
             .flat_map(|p| p.super_mins.iter().copied())
             .collect();
-        Self::build(
-            first.kind, rows, first.cols, q, scales, mins, supers, super_mins,
-        )
+        Self {
+            kind: first.kind,
+            rows,
+            cols: first.cols,
+            q,
+            scales,
+            mins,
+            supers,
+            super_mins,
+        }
+        .checked()
     }
 
     pub fn kind(&self) -> LowBitKind {
