@@ -2,10 +2,12 @@
 //! step and the sampler on the device. The host reads one token id per step, detokenizes,
 //! and watches for EOS and stop strings.
 
-use crate::error::{GpuError, Result};
+use crate::error::Result;
 use crate::kernels::SampleArgs;
 use crate::runner::GpuModel;
-use sieve_model::generate::{token_nll, GenerateOptions, PerplexityResult, StopReason};
+use sieve_model::generate::{
+    perplexity_over, token_nll, GenerateOptions, PerplexityResult, StopReason,
+};
 use sieve_model::sampling::StopMatcher;
 use sieve_model::tokenizer::Tokenizer;
 use std::time::Instant;
@@ -129,19 +131,14 @@ pub fn generate(
     Ok(out)
 }
 
-/// Perplexity over non-overlapping windows of `ctx` tokens, as `sieve_model::generate::perplexity`
-/// (every position after a window's first is scored).
+/// Perplexity over non-overlapping windows of `ctx` tokens: the CPU's loop
+/// (`sieve_model::generate::perplexity_over`), each window's logits from the GPU.
 pub fn perplexity(
     model: &mut GpuModel,
     tokens: &[u32],
     ctx: usize,
-    mut progress: impl FnMut(usize, f64),
+    progress: impl FnMut(usize, f64),
 ) -> Result<PerplexityResult> {
-    if ctx < 2 {
-        return Err(GpuError::InvalidArgument(format!(
-            "ctx must be at least 2, got {ctx}"
-        )));
-    }
     if ctx > model.capacity() {
         return Err(sieve_model::ModelError::ContextOverflow {
             tokens: ctx,
@@ -149,29 +146,19 @@ pub fn perplexity(
         }
         .into());
     }
-    let mut result = PerplexityResult {
-        scored_tokens: 0,
-        total_nll: 0.0,
-    };
-    let mut done = 0;
-    for window in tokens.chunks(ctx) {
-        done += window.len();
-        if window.len() < 2 {
-            continue;
-        }
-        model.logits_all(window, |i, logits| {
-            if i + 1 < window.len() {
-                result.total_nll += token_nll(logits, window[i + 1])?;
-            }
-            Ok(())
-        })?;
-        result.scored_tokens += window.len() - 1;
-        progress(done, result.perplexity());
-    }
-    if result.scored_tokens == 0 {
-        return Err(GpuError::InvalidArgument(
-            "the text has fewer than 2 tokens; nothing to score".into(),
-        ));
-    }
-    Ok(result)
+    perplexity_over(
+        tokens,
+        ctx,
+        |window| {
+            let mut nll = 0.0;
+            model.logits_all(window, |i, logits| {
+                if i + 1 < window.len() {
+                    nll += token_nll(logits, window[i + 1])?;
+                }
+                Ok(())
+            })?;
+            Ok(nll)
+        },
+        progress,
+    )
 }

@@ -7,7 +7,7 @@
 //! | [`kernels`] | launchers of the step's other kernels (norm, RoPE + KV write, attention, SwiGLU, sampling) and their CPU references |
 //! | [`prefill`] | the prompt in one batch: cuBLAS GEMMs over the device weights (Tiled-CBC decoded to f16), causal attention |
 //! | [`runner`] | [`GpuModel`]: upload, the step as launches or a captured graph, prefill, decode, profiling |
-//! | [`generate`] | generation and perplexity loops on the GPU |
+//! | [`generate`] | generation on the GPU; perplexity through the CPU's loop (`perplexity_over`) |
 //! | [`synthetic`] | random models of the Llama-2/3 shapes, pruned, packed and calibrated on the GPU |
 //! | [`bench`] | `sieve bench decode`: TPOT, TTFT, bytes per token and the step breakdown |
 //!

@@ -359,11 +359,42 @@ pub fn perplexity(
     model: &Model,
     tokens: &[u32],
     ctx: usize,
-    mut progress: impl FnMut(usize, f64),
+    progress: impl FnMut(usize, f64),
 ) -> Result<PerplexityResult> {
     check_window(model.config(), ctx)?;
     let vocab = model.config().vocab_size;
     let mut cache = model.try_new_cache(ctx)?;
+    perplexity_over(
+        tokens,
+        ctx,
+        |window| {
+            cache.clear();
+            let logits = model.forward(window, &mut cache, Logits::All)?;
+            let mut nll = 0.0;
+            for (i, &next) in window.iter().enumerate().skip(1) {
+                nll += token_nll(&logits[(i - 1) * vocab..i * vocab], next)?;
+            }
+            Ok(nll)
+        },
+        progress,
+    )
+}
+
+/// The perplexity loop of every backend: `tokens` in windows of `ctx`, each window (2 tokens or
+/// more) scored by `window_nll`, the summed negative log-likelihood of its tokens after the
+/// first; `progress(tokens_done, running_ppl)` after every window. The backend checks `ctx`
+/// against its context first.
+pub fn perplexity_over<E: From<ModelError>>(
+    tokens: &[u32],
+    ctx: usize,
+    mut window_nll: impl FnMut(&[u32]) -> std::result::Result<f64, E>,
+    mut progress: impl FnMut(usize, f64),
+) -> std::result::Result<PerplexityResult, E> {
+    if ctx < 2 {
+        return Err(
+            ModelError::InvalidArgument(format!("ctx must be at least 2, got {ctx}")).into(),
+        );
+    }
     let mut result = PerplexityResult {
         scored_tokens: 0,
         total_nll: 0.0,
@@ -374,18 +405,15 @@ pub fn perplexity(
         if window.len() < 2 {
             continue;
         }
-        cache.clear();
-        let logits = model.forward(window, &mut cache, Logits::All)?;
-        for (i, &next) in window.iter().enumerate().skip(1) {
-            result.total_nll += token_nll(&logits[(i - 1) * vocab..i * vocab], next)?;
-        }
+        result.total_nll += window_nll(window)?;
         result.scored_tokens += window.len() - 1;
         progress(done, result.perplexity());
     }
     if result.scored_tokens == 0 {
         return Err(ModelError::InvalidArgument(
             "the text has fewer than 2 tokens; nothing to score".into(),
-        ));
+        )
+        .into());
     }
     Ok(result)
 }
