@@ -80,6 +80,18 @@ pub enum BlockType {
 }
 
 impl BlockType {
+    /// Every block type, in the order of the GGUF specification's table.
+    pub const ALL: [BlockType; 8] = [
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q4_K,
+        Self::Q5_K,
+        Self::Q6_K,
+    ];
+
     /// Inverse of `self as u8` (kernels take the type as a const parameter).
     const fn from_code(code: u8) -> Self {
         match code {

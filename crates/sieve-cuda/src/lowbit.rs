@@ -1597,17 +1597,8 @@ mod tests {
 
     const KINDS: [LowBitKind; 10] = LowBitKind::ALL;
 
-    /// The GGUF types the kernels take.
-    const GGUF_TYPES: [BlockType; 8] = [
-        BlockType::Q4_0,
-        BlockType::Q4_1,
-        BlockType::Q5_0,
-        BlockType::Q5_1,
-        BlockType::Q8_0,
-        BlockType::Q4_K,
-        BlockType::Q5_K,
-        BlockType::Q6_K,
-    ];
+    /// The GGUF types the kernels take: every one the loader keeps.
+    const GGUF_TYPES: [BlockType; 8] = BlockType::ALL;
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]

@@ -125,17 +125,7 @@ fn gpu_every_gguf_type_matches_reference() {
     let Some(gpu) = gpu_or_skip("gpu_every_gguf_type_matches_reference") else {
         return;
     };
-    let types = [
-        BlockType::Q4_0,
-        BlockType::Q4_1,
-        BlockType::Q5_0,
-        BlockType::Q5_1,
-        BlockType::Q8_0,
-        BlockType::Q4_K,
-        BlockType::Q5_K,
-        BlockType::Q6_K,
-    ];
-    for (ti, ty) in types.into_iter().enumerate() {
+    for (ti, ty) in BlockType::ALL.into_iter().enumerate() {
         for &(rows, cols) in &[(1usize, 256usize), (19, 768), (300, 1280), (4096, 4096)] {
             let blocks = random_blocks(ty, rows, cols, 40 + ti as u64);
             let m = LowBitMatrix::from_gguf(&format!("{ty:?}"), rows, cols, &blocks).unwrap();
