@@ -10,7 +10,8 @@
 // values do not change the time; correctness is the library's tests' job.
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 [-DLB_MIN_BLOCKS=3] -o tune dev/lowbit-tune/tune.cu
-//   ./tune [layers=32] [model=7b|13b|8b]   -> one line per (kind, variant): ms per step, GB/s
+//   ./tune [layers=32] [model=7b|13b|8b] [only=name substring]
+//                                          -> one line per (kind or mix, variant): ms per step, GB/s
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdio>
@@ -38,14 +39,21 @@ struct Kind {
     int bits, group;
     LbKernel f16;
     bool two_level = false;  // K kinds: code words per group, d (dmin) pairs per 256 columns
+    bool persistent = true;  // the library's grid choice (LowBitKind::persistent)
 };
+
+// Q6_K with one f16 scale per 16 columns (the kind before the two-level ones), for comparison.
+LB_KERNEL(tune_w6g16, 6, 16, false, false, 1, LB_MIN_BLOCKS)
 
 // How the products are launched: grid = one block per row tile, or persistent (at most the
 // resident blocks); with or without the f32 -> f16 conversion launch before each product.
-enum Mode { TILES, PERSISTENT, PERSISTENT_NO_CONVERSION };
-static const char* mode_name[] = {"grid = tiles", "persistent", "persistent, no conversion"};
+enum Mode { TILES, PERSISTENT, LIBRARY, PERSISTENT_NO_CONVERSION };
+static const char* mode_name[] = {"grid = tiles", "persistent", "library's grid per kind",
+                                  "persistent, no conversion"};
 
 struct Product {
+    const struct Kind* k;
+    bool convert;  // preceded by its activation conversion (a later part of a group shares it)
     int rows, cols, tiles, chunks, kp;
     uint4* w;
     u32* hi;
@@ -59,6 +67,8 @@ struct Product {
 
 static Product make(const Kind& k, int rows, int cols) {
     Product p{};
+    p.k = &k;
+    p.convert = true;
     p.rows = rows;
     p.cols = cols;
     p.tiles = (rows + 15) / 16;
@@ -116,16 +126,25 @@ static void launch_pdl(void (*f)(Args...), dim3 grid, dim3 block, cudaStream_t s
     CK(cudaLaunchKernelEx(&cfg, f, args...));
 }
 
-static void enqueue(const Kind& k, Product& p, float t, Mode mode, int resident, cudaStream_t s) {
-    if (mode != PERSISTENT_NO_CONVERSION)
+static void enqueue(Product& p, Mode mode, int sms, cudaStream_t s) {
+    const Kind& k = *p.k;
+    if (mode != PERSISTENT_NO_CONVERSION && p.convert)
         launch_pdl(lowbit_x_to_f16, dim3((p.kp + 255) / 256), dim3(256), s, (const float*)p.x, p.x16, p.cols,
-                   p.cols, p.kp, 1, t);
-    const int grid = mode == TILES ? p.tiles : std::min(p.tiles, resident);
+                   p.cols, p.kp, 1, -1.f);
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.f16, 32 * LB_WARPS, 0));
+    const bool persistent = mode == PERSISTENT || mode == PERSISTENT_NO_CONVERSION || (mode == LIBRARY && k.persistent);
+    const int grid = persistent ? std::min(p.tiles, per_sm * sms) : p.tiles;
     // Affine kinds read their mins, K kinds their d pairs, from the scale buffer: the values do
     // not change the time.
     launch_pdl(k.f16, dim3(grid), dim3(32 * LB_WARPS), s, (const uint4*)p.w, (const u32*)p.hi, (const u32*)p.gs,
                (const u32*)p.gs, (const u32*)p.gs, (const float*)p.rs, (const f16_bits*)p.x16, p.kp, p.y, p.rows, p.rows, 1,
                p.chunks, 1);
+}
+
+// llama.cpp's "use more bits" layers of Q4_K_M (Q6_K attn_v and ffn_down there).
+static bool more_bits(int l, int layers) {
+    return l < layers / 8 || l >= 7 * layers / 8 || (l - layers / 8) % 3 == 2;
 }
 
 int main(int argc, char** argv) {
@@ -134,7 +153,6 @@ int main(int argc, char** argv) {
     int d = 4096, ff = 11008, kv = 4096;
     if (model == "13b") d = 5120, ff = 13824, kv = 5120;
     if (model == "8b") d = 4096, ff = 14336, kv = 1024;
-    const int shapes[4][2] = {{d + 2 * kv, d}, {d, d}, {2 * ff, d}, {d, ff}};
     Kind kinds[] = {
         {"w4a16-g128", 4, 128, lowbit_w4g128_nt1},
         {"q4_0", 4, 32, lowbit_w4g32_nt1},
@@ -143,7 +161,20 @@ int main(int argc, char** argv) {
         {"q4_1", 4, 32, lowbit_w4g32a_nt1},
         {"q4_k", 4, 32, lowbit_w4k_nt1, true},
         {"q6_k", 6, 16, lowbit_w6k_nt1, true},
+        {"w6g16", 6, 16, tune_w6g16_nt1, false, true},
     };
+    // Mixes: every kind's products, or Q4_K_M's (Q4_K, and Q6_K for v and down in the "more
+    // bits" layers, q|k then one product and v another, as the runner joins them).
+    struct Mix {
+        const char* name;
+        const Kind* base;
+        const Kind* more;
+    };
+    std::vector<Mix> mixes;
+    for (const Kind& k : kinds) mixes.push_back({k.name, &k, nullptr});
+    mixes.push_back({"q4_k_m (q6_k two-level)", &kinds[5], &kinds[6]});
+    mixes.push_back({"q4_k_m (q6_k as w6g16)", &kinds[5], &kinds[7]});
+    const char* only = argc > 3 ? argv[3] : "";
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaStream_t s;
@@ -153,21 +184,32 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e1));
     printf("model %s, %d layers, LB_WARPS %d LB_BATCH %d LB_MIN_BLOCKS %d (W4A16 g128: %d)\n", model.c_str(),
            layers, LB_WARPS, LB_BATCH, LB_MIN_BLOCKS, LB_MIN_BLOCKS_W4G128);
-    for (const Kind& k : kinds) {
+    for (const Mix& mx : mixes) {
+        if (*only && !strstr(mx.name, only)) continue;
         std::vector<Product> ps;
         size_t bytes = 0;
-        for (int l = 0; l < layers; ++l)
-            for (auto& sh : shapes) {
-                ps.push_back(make(k, sh[0], sh[1]));
-                bytes += ps.back().bytes;
+        auto add = [&](const Kind& k, int rows, int cols, bool convert) {
+            ps.push_back(make(k, rows, cols));
+            ps.back().convert = convert;
+            bytes += ps.back().bytes;
+        };
+        for (int l = 0; l < layers; ++l) {
+            const bool more = mx.more && more_bits(l, layers);
+            if (more) {
+                add(*mx.base, d + kv, d, true);
+                add(*mx.more, kv, d, true);
+            } else {
+                add(*mx.base, d + 2 * kv, d, true);
             }
-        int per_sm = 0;
-        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.f16, 32 * LB_WARPS, 0));
-        for (Mode mode : {TILES, PERSISTENT, PERSISTENT_NO_CONVERSION}) {
+            add(*mx.base, d, d, true);
+            add(*mx.base, 2 * ff, d, true);
+            add(more ? *mx.more : *mx.base, d, ff, true);
+        }
+        for (Mode mode : {TILES, PERSISTENT, LIBRARY, PERSISTENT_NO_CONVERSION}) {
             cudaGraph_t g;
             cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-            for (auto& p : ps) enqueue(k, p, -1.f, mode, per_sm * sms, s);
+            for (auto& p : ps) enqueue(p, mode, sms, s);
             CK(cudaStreamEndCapture(s, &g));
             CK(cudaGraphInstantiate(&ge, g, 0));
             for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
@@ -184,8 +226,8 @@ int main(int argc, char** argv) {
             }
             std::sort(ms.begin(), ms.end());
             const float med = ms[ms.size() / 2];
-            printf("%-6s %-26s %8.3f ms per step  %7.1f GB/s  (%.2f GB, %d blocks/SM)\n", k.name, mode_name[mode], med,
-                   bytes / (med * 1e-3) / 1e9, bytes / 1e9, per_sm);
+            printf("%-24s %-26s %8.3f ms per step  %7.1f GB/s  (%.2f GB, %zu products)\n", mx.name, mode_name[mode],
+                   med, bytes / (med * 1e-3) / 1e9, bytes / 1e9, ps.size());
             CK(cudaGraphExecDestroy(ge));
             CK(cudaGraphDestroy(g));
         }

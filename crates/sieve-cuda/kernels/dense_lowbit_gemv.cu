@@ -26,11 +26,19 @@
 // c = lane % 4), is the 8 elements
 //
 //      e0 (g, 2c)    e1 (g, 2c+1)    e2 (g+8, 2c)    e3 (g+8, 2c+1)
-//      e4 (g, 2c+8)  e5 (g, 2c+9)    e6 (g+8, 2c+8)  e7 (g+8, 2c+9)      (row, column in tile)
+//      e4 (g, 2c+8)  e5 (g, 2c+9)    e6 (g+8, 2c+8)  e7 (g+8, 2c+9)      (row, k slot in tile)
+//
+// x blocks: k slots are not columns in order. The chunk's k tiles form blocks of P tiles (P =
+// tiles per scale group, at most the chunk's: 1 for w6 k, 4 for w4 g128 and w8 row, else 2),
+// and in tile j of a block, lane group c's slots 2c, 2c+1, 2c+8, 2c+9 hold the block's columns
+// 4Pc + 4j .. 4Pc + 4j + 3 (src/lowbit.rs `fragment_column`). So a lane's activations of a
+// block are 4P consecutive halves, one 8- or 16-byte load, where the natural order needs two
+// 4-byte loads per k tile; a block stays inside its scale group.
 //
 //   4-bit: one u32, e(2i) in bits 4i..4i+3, e(2i+1) in bits 16+4i..19+4i, so that
 //          ((word >> 4i) & 0x000f000f) | 0x64006400 is the f16 pair (1024 + e(2i), 1024 + e(2i+1))
-//          and one f16x2 subtraction of (1032, 1032) gives the exact values u - 8: A register i;
+//          and one f16x2 subtraction of (1032, 1032) gives the exact values u - 8: A register i
+//          (registers 1 and 3 are read in place at bits 4..7 instead: lb_frag4);
 //   8-bit: two u32, bytes e0..e3 then e4..e7; a PRMT with 0x64 bytes makes (1024 + u, 1024 + u')
 //          and a subtraction of 1152 gives u - 128.
 //   5- and 6-bit: the low nibbles as the 4-bit word, the HB = 1 or 2 high bits in a second
@@ -52,21 +60,23 @@
 // Group mins (affine kinds): the same pairs, same index. Row scales (w8 row): f32 [Mp].
 // K kinds: per (row tile, super-block sb, word j = 0..7, g) one u32 of codes at
 // ((rt · supers + sb) · 8 + j) · 8 + g: w4 k / w5 k bytes (sc, sc', mc, mc') of group 8 sb + j,
-// w6 k bytes (sc, sc') of group 16 sb + 2 j, then of 16 sb + 2 j + 1 (' = row g + 8); the f16
+// w6 k bytes (sc, sc') of group 16 sb + 2 j, then of 16 sb + 2 j + 1 (' = row g + 8), each the
+// i8 code biased by 128 (sc + 128 as u8, so one PRMT and one exact FADD give sc in f32); the f16
 // pairs (d, d') at (rt · supers + sb) · 8 + g in `sscales`, (dmin, dmin') in `gmins`.
 //
-// Thread mapping: persistent blocks (the grid is at most what stays resident; one block per
-// row tile for w6 k, where that measured faster), block b taking row tiles b, b + grid, ...; per row tile, LB_WARPS = 8 warps splitting its K chunks into
+// Thread mapping: persistent blocks (the grid is at most what stays resident), block b taking
+// row tiles b, b + grid, ...; per row tile, LB_WARPS = 8 warps splitting its K chunks into
 // contiguous ranges of whole scale groups (split-K inside the block, reduced in shared memory:
 // no atomics, no zeroing, each output written once). A warp streams its chunks in stages of
 // LB_BATCH = 4 (the loads of stage s + 1 and of its scales are issued before stage s is used:
 // 4 KB in flight per warp; across a tile boundary the next tile's first stage is in flight
-// while the current one is reduced). Per k tile: dequantize the A fragment (4-bit: 4 SHF/LOP3 + 4
+// while the current one is reduced). Per k tile: dequantize the A fragment (4-bit: 5 SHF/LOP3 + 4
 // HSUB2), then per 8-token n tile load the B fragment (x[n = 8 nt + g][k0 + 2c, +1] and
-// [k0 + 2c + 8, +9], two 4-byte loads through L1, skipped for n >= N) and one mma. Group kinds
+// [k0 + 2c + 8, +9] in the x-block order above, loaded per chunk) and one mma. Group kinds
 // accumulate a group's mmas in `part`, then add part · scale of its row to `acc`: values are the
 // integers u - zero exactly, so the product differs from the CPU reference only by f32 rounding.
 // Affine kinds also sum the group's x per token (one more mma, A all ones) and add -m · sum.
+// w6 k adds part · sc per 16 columns to `sacc` and d · sacc to `acc` per super-block.
 // N tiles: NT = ceil(N / 8) per kernel instance (NT = 1 serves N = 1..8: the tensor cores have
 // the spare throughput; the weight bytes bound N <= 8). K kinds split K in whole super-blocks,
 // one per stage: a stage loads its 8 code words and d (dmin) pairs beside its weights.
@@ -107,12 +117,35 @@ __device__ __forceinline__ void lb_mma(float c[4], const u32 a[4], u32 b0, u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ u32 lb_fma_f16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// (a & b) | c in one LOP3.
+__device__ __forceinline__ u32 lb_and_or(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 // 4-bit fragment word -> 4 A registers of exact f16 values u - Z (Z = 8, or 0 for affine kinds).
+// Registers 0 and 2 take their nibbles at bits 0-3 (of each half: 1024 + u after the OR with
+// the f16 exponent of 1024), registers 1 and 3 theirs at bits 4-7 where they read 1024 + 16 u,
+// brought back by one f16x2 FMA with 1/16: 5 LOP3/SHF and 4 f16x2 ops for 8 weights, no shift
+// per register. Every step is exact (integers below 2048 and powers of two).
 template <int Z>
 __device__ __forceinline__ void lb_frag4(u32 w, u32 a[4]) {
-    constexpr u32 sub = (0x6400u + Z) * 0x10001u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = lb_sub_f16x2(((w >> (4 * i)) & 0x000f000fu) | 0x64006400u, sub);
+    constexpr u32 sub = (0x6400u + Z) * 0x10001u;             // 1024 + Z
+    constexpr u32 sixteenth = 0x2c002c00u;                     // 1/16
+    constexpr u32 neg = (0xd400u + 16 * Z) * 0x10001u;         // -(64 + Z)
+    const u32 ex = 0x64006400u;
+    const u32 w8 = w >> 8;
+    a[0] = lb_sub_f16x2(lb_and_or(w, 0x000f000fu, ex), sub);
+    a[1] = lb_fma_f16x2(lb_and_or(w, 0x00f000f0u, ex), sixteenth, neg);
+    a[2] = lb_sub_f16x2(lb_and_or(w8, 0x000f000fu, ex), sub);
+    a[3] = lb_fma_f16x2(lb_and_or(w8, 0x00f000f0u, ex), sixteenth, neg);
 }
 
 // 5- or 6-bit fragment: the low nibbles as lb_frag4, the HB = BITS - 4 high bits of the k tile
@@ -137,11 +170,11 @@ __device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
 
 // Byte i of w as an exact f32 without I2F (a quarter-rate conversion on sm_90): the byte is
 // placed in the mantissa of 2^23 and 2^23 is subtracted.
+// BIAS is subtracted in the same (exact) FADD: the code bytes of w6 k are sc + 128.
+template <int BIAS = 0>
 __device__ __forceinline__ float lb_byte_f32(u32 w, int i) {
-    return __uint_as_float(lb_prmt(w, 0x4b000000u, 0x7650u | i)) - 8388608.f;
+    return __uint_as_float(lb_prmt(w, 0x4b000000u, 0x7650u | i)) - (8388608.f + BIAS);
 }
-
-__device__ __forceinline__ u32 lb_ldx(const f16_bits* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
 // BITS: 4, 5, 6 or 8. GROUP: columns per scale (0: one f32 scale per row). AFFINE: value
 // s · u - m with u unsigned (zero point 0) and a per-group min m; else s · (u - Z). SUPER: the
@@ -165,6 +198,8 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
     // scale words per stage: group pairs, or 8 code words per super-block
     constexpr int SPS = SUPER ? 8 * SUPS : GROUP ? (U * CK) / GROUP : 1;
     constexpr int HW = HB ? HB : 1;                      // high-plane words per lane and chunk
+    // k tiles per x block (the layout's column permutation stays inside a scale group)
+    constexpr int P = GROUP && KPG < KTC ? KPG : KTC;
     static_assert(U % CPS == 0, "a stage holds whole groups and super-blocks");
     static_assert(!AFFINE || GROUP, "affine kinds have group scales");
     static_assert(!SUPER || (GROUP && 256 % GROUP == 0), "K kinds' groups tile a super-block");
@@ -226,11 +261,14 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
 
     // part: the current group's integer products; xs (affine kinds): the group's sums of x
     // per token, from one more mma with an all-ones A (the tensor cores have the spare issue).
-    float acc[NT][4], part[NT][4], xs[NT][4];
+    // sacc (w6 k): the super-block's sum of part · sc, multiplied by d once per super-block
+    // rather than once per 16 columns (two FMULs per k tile saved; f32 rounding only).
+    constexpr bool FACTOR_D = SUPER && !AFFINE;
+    float acc[NT][4], part[NT][4], xs[NT][4], sacc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = part[nt][i] = xs[nt][i] = 0.f;
+        for (int i = 0; i < 4; ++i) acc[nt][i] = part[nt][i] = xs[nt][i] = sacc[nt][i] = 0.f;
     const u32 ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
 
     auto compute = [&](int st, int cb) {
@@ -238,6 +276,32 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
         for (int u = 0; u < U; ++u) {
             if (cb + u >= c1) break;
             const u32 words[4] = {buf[st][u].x, buf[st][u].y, buf[st][u].z, buf[st][u].w};
+            // The chunk's B fragments: per x block, lane group c's 4 P halves are contiguous
+            // (the layout's column permutation), one 8- or 16-byte load per block (two for
+            // P = 4). Rows n >= N read row N - 1: their mma columns are never stored, so no
+            // predicate and no zeroing.
+            u32 bx[NT][2 * KTC];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const f16_bits* xr = x + (size_t)min(nt * 8 + g, N - 1) * ldx + (cb + u) * CK + 4 * P * c;
+#pragma unroll
+                for (int bk = 0; bk < KTC / P; ++bk) {
+                    if (P == 1) {
+                        const uint2 v = __ldg(reinterpret_cast<const uint2*>(xr + 16 * bk));
+                        bx[nt][2 * bk] = v.x;
+                        bx[nt][2 * bk + 1] = v.y;
+                    } else {
+#pragma unroll
+                        for (int h = 0; h < P / 2; ++h) {
+                            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xr + 16 * P * bk + 8 * h));
+                            bx[nt][2 * P * bk + 4 * h] = v.x;
+                            bx[nt][2 * P * bk + 4 * h + 1] = v.y;
+                            bx[nt][2 * P * bk + 4 * h + 2] = v.z;
+                            bx[nt][2 * P * bk + 4 * h + 3] = v.w;
+                        }
+                    }
+                }
+            }
 #pragma unroll
             for (int j = 0; j < KTC; ++j) {
                 u32 a[4];
@@ -249,16 +313,9 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                     lb_frag_hi<1, Z>(words[j], hb[st][u][0] >> (4 * j), a);
                 else
                     lb_frag_hi<2, Z>(words[j], hb[st][u][(j >> 1) % HW] >> (8 * (j & 1)), a);
-                const int k0 = (cb + u) * CK + 16 * j + 2 * c;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const int n = nt * 8 + g;
-                    u32 b0 = 0u, b1 = 0u;
-                    if (n < N) {
-                        const f16_bits* xr = x + (size_t)n * ldx + k0;
-                        b0 = lb_ldx(xr);
-                        b1 = lb_ldx(xr + 8);
-                    }
+                    const u32 b0 = bx[nt][2 * j], b1 = bx[nt][2 * j + 1];
                     lb_mma(GROUP ? part[nt] : acc[nt], a, b0, b1);
                     if (AFFINE) lb_mma(xs[nt], ones, b0, b1);
                 }
@@ -272,10 +329,10 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                             // d · code in f32: exact (the header says why).
                             const int q = (t * 16) / 256;                        // super-block in the stage
                             const int gs = s - q * (256 / (GROUP ? GROUP : 1));  // group in it
-                            const u32 d2 = db[st][SUPER ? q : 0];
-                            const float d_lo = h2f((unsigned short)(d2 & 0xffffu));
-                            const float d_hi = h2f((unsigned short)(d2 >> 16));
                             if (AFFINE) {
+                                const u32 d2 = db[st][SUPER ? q : 0];
+                                const float d_lo = h2f((unsigned short)(d2 & 0xffffu));
+                                const float d_hi = h2f((unsigned short)(d2 >> 16));
                                 const u32 code = sb[st][8 * q + gs];
                                 const u32 m2 = mb[st][AFFINE ? q : 0];
                                 s_lo = d_lo * lb_byte_f32(code, 0);
@@ -283,11 +340,10 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                                 m_lo = -h2f((unsigned short)(m2 & 0xffffu)) * lb_byte_f32(code, 2);
                                 m_hi = -h2f((unsigned short)(m2 >> 16)) * lb_byte_f32(code, 3);
                             } else {
-                                // i8 codes: biased by 128 (XOR of the sign bit), the bias taken off
-                                // after the conversion.
-                                const u32 code = (sb[st][8 * q + gs / 2] >> (16 * (gs & 1))) ^ 0x8080u;
-                                s_lo = d_lo * (lb_byte_f32(code, 0) - 128.f);
-                                s_hi = d_hi * (lb_byte_f32(code, 1) - 128.f);
+                                // sc alone (d comes in at the super-block's end, below).
+                                const u32 code = sb[st][8 * q + gs / 2];
+                                s_lo = lb_byte_f32<128>(code, 2 * (gs & 1));
+                                s_hi = lb_byte_f32<128>(code, 2 * (gs & 1) + 1);
                             }
                         } else {
                             const u32 s2 = sb[st][s];
@@ -301,10 +357,11 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                         }
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
-                            acc[nt][0] = fmaf(part[nt][0], s_lo, acc[nt][0]);
-                            acc[nt][1] = fmaf(part[nt][1], s_lo, acc[nt][1]);
-                            acc[nt][2] = fmaf(part[nt][2], s_hi, acc[nt][2]);
-                            acc[nt][3] = fmaf(part[nt][3], s_hi, acc[nt][3]);
+                            float* dst = FACTOR_D ? sacc[nt] : acc[nt];
+                            dst[0] = fmaf(part[nt][0], s_lo, dst[0]);
+                            dst[1] = fmaf(part[nt][1], s_lo, dst[1]);
+                            dst[2] = fmaf(part[nt][2], s_hi, dst[2]);
+                            dst[3] = fmaf(part[nt][3], s_hi, dst[3]);
                             if (AFFINE) {
                                 acc[nt][0] = fmaf(xs[nt][0], m_lo, acc[nt][0]);
                                 acc[nt][1] = fmaf(xs[nt][1], m_lo, acc[nt][1]);
@@ -313,6 +370,21 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
                             }
 #pragma unroll
                             for (int i = 0; i < 4; ++i) part[nt][i] = xs[nt][i] = 0.f;
+                        }
+                        if (FACTOR_D && (t + 1) % 16 == 0) {
+                            // The super-block's end (16 k tiles): acc += d · sacc.
+                            const u32 d2 = db[st][SUPER ? t / 16 : 0];
+                            const float d_lo = h2f((unsigned short)(d2 & 0xffffu));
+                            const float d_hi = h2f((unsigned short)(d2 >> 16));
+#pragma unroll
+                            for (int nt = 0; nt < NT; ++nt) {
+                                acc[nt][0] = fmaf(sacc[nt][0], d_lo, acc[nt][0]);
+                                acc[nt][1] = fmaf(sacc[nt][1], d_lo, acc[nt][1]);
+                                acc[nt][2] = fmaf(sacc[nt][2], d_hi, acc[nt][2]);
+                                acc[nt][3] = fmaf(sacc[nt][3], d_hi, acc[nt][3]);
+#pragma unroll
+                                for (int i = 0; i < 4; ++i) sacc[nt][i] = 0.f;
+                            }
                         }
                     }
                 }

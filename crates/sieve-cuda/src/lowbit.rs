@@ -137,14 +137,6 @@ impl LowBitKind {
             (-128, 127)
         }
     }
-    /// Whether the kernel runs as persistent blocks (at most the resident ones, each walking
-    /// several row tiles) rather than one block per row tile. Measured on an H200 over the 128
-    /// products of a 7B decode step in one graph (dev/lowbit-tune, 2026-12-04): persistent is
-    /// 5-9% faster for Q4_0, Q4_1, Q4_K, W8A16 and Q8_0, the same for W4A16 g128, and 6%
-    /// slower for Q6_K.
-    fn persistent(self) -> bool {
-        self != LowBitKind::W6K
-    }
     /// Columns are padded to a multiple of this: whole super-blocks for the two-level kinds.
     pub fn col_align(self) -> usize {
         if self.two_level() {
@@ -199,6 +191,26 @@ impl LowBitKind {
         } else {
             64
         }
+    }
+    /// k tiles per x block: the device layout permutes the columns inside blocks of this many
+    /// 16-column tiles (a scale group's, or a chunk's when groups are larger or absent), so
+    /// that each lane's activations of a block are contiguous (kernel header).
+    fn x_block_tiles(self) -> usize {
+        let chunk_tiles = self.chunk_cols() / 16;
+        if self.group() == 0 {
+            chunk_tiles
+        } else {
+            (self.group() / 16).min(chunk_tiles)
+        }
+    }
+    /// The column (from the chunk's first) that the device layout puts at mma k slot `slot`
+    /// (0..16) of k tile `tile` of a chunk: in a block of P tiles, lane group c's four slots
+    /// 2c, 2c+1, 2c+8, 2c+9 of tile j are columns 4Pc + 4j .. 4Pc + 4j + 3.
+    fn fragment_column(self, tile: usize, slot: usize) -> usize {
+        let p = self.x_block_tiles();
+        let (block, j) = (tile / p, tile % p);
+        let (c, h) = ((slot % 8) / 2, (slot / 8) * 2 + slot % 2);
+        16 * p * block + 4 * p * c + 4 * j + h
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -853,17 +865,18 @@ impl LowBitMatrix {
                     let at = slot * 16;
                     for j in 0..ktc {
                         let r0 = rt * TILE_ROWS;
-                        let k0 = (kc * ktc + j) * 16;
+                        // The column at k slot s of this tile (x blocks: kernel header).
+                        let col = |s: usize| kc * kind.chunk_cols() + kind.fragment_column(j, s);
                         // e0..e7 of the kernel header.
                         let e = [
-                            code(r0 + g, k0 + 2 * c),
-                            code(r0 + g, k0 + 2 * c + 1),
-                            code(r0 + g + 8, k0 + 2 * c),
-                            code(r0 + g + 8, k0 + 2 * c + 1),
-                            code(r0 + g, k0 + 2 * c + 8),
-                            code(r0 + g, k0 + 2 * c + 9),
-                            code(r0 + g + 8, k0 + 2 * c + 8),
-                            code(r0 + g + 8, k0 + 2 * c + 9),
+                            code(r0 + g, col(2 * c)),
+                            code(r0 + g, col(2 * c + 1)),
+                            code(r0 + g + 8, col(2 * c)),
+                            code(r0 + g + 8, col(2 * c + 1)),
+                            code(r0 + g, col(2 * c + 8)),
+                            code(r0 + g, col(2 * c + 9)),
+                            code(r0 + g + 8, col(2 * c + 8)),
+                            code(r0 + g + 8, col(2 * c + 9)),
                         ];
                         if kind.bits() == 8 {
                             for (i, v) in e.iter().enumerate() {
@@ -960,6 +973,9 @@ impl LowBitMatrix {
             code_of(values[r * groups + gi], d).expect("two-level codes are checked at build") as i8
                 as u8 as u32
         };
+        // w6 k's i8 codes go to the device biased by 128 (the kernel converts sc + 128 and
+        // takes the bias off in the same exact add); padding becomes 128, that is sc = 0.
+        let bias = if kind.affine() { 0 } else { 0x80 };
         let pair = |ds: &[f32], r: usize, sb: usize| -> u32 {
             let h = |r: usize| {
                 if r < self.rows && sb < real_supers {
@@ -993,10 +1009,10 @@ impl LowBitMatrix {
                                 | code(m, dm, r + 8, gi) << 24
                         } else {
                             let gi = sb * per_super + 2 * j;
-                            code(s, d, r, gi)
-                                | code(s, d, r + 8, gi) << 8
-                                | code(s, d, r, gi + 1) << 16
-                                | code(s, d, r + 8, gi + 1) << 24
+                            (code(s, d, r, gi) ^ bias)
+                                | (code(s, d, r + 8, gi) ^ bias) << 8
+                                | (code(s, d, r, gi + 1) ^ bias) << 16
+                                | (code(s, d, r + 8, gi + 1) ^ bias) << 24
                         };
                     }
                 }
@@ -1381,7 +1397,10 @@ impl GpuLowBit {
                 *self.resident[nt - 1].get_or_init(|| r)
             }
         };
-        let grid = if persistent_override().unwrap_or(self.kind.persistent()) {
+        // Persistent for every kind: measured on an H200 over the products of a 7B decode step
+        // in one graph (dev/lowbit-tune, 2026-12-04), 2-9% faster than one block per row tile
+        // (the same for W4A16 g128). `SIEVE_LOWBIT_GRID=tiles` keeps the other for measuring.
+        let grid = if persistent_override().unwrap_or(true) {
             (self.tiles as u32).min(resident)
         } else {
             self.tiles as u32
@@ -1418,8 +1437,8 @@ impl GpuLowBit {
     }
 }
 
-/// `SIEVE_LOWBIT_GRID=tiles|persistent` in the environment overrides the per-kind grid choice
-/// ([`LowBitKind`]'s `persistent`), read once: a switch for measuring that choice in a whole
+/// `SIEVE_LOWBIT_GRID=tiles|persistent` in the environment overrides the grid choice
+/// (persistent blocks), read once: a switch for measuring that choice in a whole
 /// decode step, not a setting.
 fn persistent_override() -> Option<bool> {
     static CHOICE: OnceLock<Option<bool>> = OnceLock::new();
@@ -1506,7 +1525,7 @@ mod tests {
                     let slot = (rt * l.chunks + kc) * 32 + lane;
                     let at = slot * 16;
                     for j in 0..ktc {
-                        let (r0, k0) = (rt * 16, (kc * ktc + j) * 16);
+                        let r0 = rt * 16;
                         let pos = [
                             (g, 2 * c),
                             (g, 2 * c + 1),
@@ -1536,8 +1555,8 @@ mod tests {
                                 };
                                 (lo | hi << 4) as i32
                             };
-                            q[(r0 + dr) * l.padded_cols + k0 + dk] =
-                                (code - kind.zero_point()) as i8;
+                            let k = kc * kind.chunk_cols() + kind.fragment_column(j, *dk);
+                            q[(r0 + dr) * l.padded_cols + k] = (code - kind.zero_point()) as i8;
                         }
                     }
                 }
@@ -1576,7 +1595,8 @@ mod tests {
                         mins.push(dmin * byte(w, 2 + row) as f32);
                     } else {
                         let w = l.group_scales[((rt * supers + sb) * 8 + gs / 2) * 8 + g];
-                        scales.push(d * byte(w, 2 * (gs % 2) + row) as i8 as f32);
+                        // Stored as sc + 128.
+                        scales.push(d * (byte(w, 2 * (gs % 2) + row) as f32 - 128.0));
                     }
                 }
             } else if kind.f16_scales() {
