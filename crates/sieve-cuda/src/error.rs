@@ -38,6 +38,10 @@ pub enum CudaError {
     },
     #[error("invalid kernel option: {0}")]
     Option(String),
+    /// A model shape or size the kernels cannot run (the attention limits, a count past 32
+    /// bits), with the reason.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("kernel cache I/O at {path}: {source}")]
     Io {
         path: String,

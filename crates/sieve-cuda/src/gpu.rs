@@ -8,7 +8,9 @@
 
 use crate::error::{CudaError, DriverContext, Result};
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -283,8 +285,8 @@ fn compile_log(source: &str, options: &[String]) -> Option<String> {
     log
 }
 
-/// All kernel families of this crate.
-pub fn families() -> [KernelFamily; 6] {
+/// All kernel families of this crate: the products', then the model step's.
+pub fn families() -> [KernelFamily; 11] {
     [
         crate::balanced_cbc::FAMILY,
         crate::balanced_lowbit::FAMILY,
@@ -292,7 +294,32 @@ pub fn families() -> [KernelFamily; 6] {
         crate::lowbit::FAMILY,
         crate::rlc_csc::FAMILY,
         crate::tiled_cbc::FAMILY,
+        crate::step::FAMILY,
+        crate::rope::FAMILY,
+        crate::attention::FAMILY,
+        crate::sampling::FAMILY,
+        crate::prefill::FAMILY,
     ]
+}
+
+/// A launch of `grid` blocks (x, y; each at least 1) of `block` threads with `shared` bytes of
+/// dynamic shared memory (the model kernels' launches).
+pub(crate) fn grid_cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// The grid of a grid-stride loop of 256-thread blocks over `total` elements.
+pub(crate) fn grid_stride(total: usize) -> (u32, u32) {
+    ((total.div_ceil(256) as u32).clamp(1, 65535), 1)
+}
+
+/// `v` as a kernel's `int` argument, or an error naming `what`.
+pub(crate) fn i32_arg(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::Unsupported(format!("{what} {v} exceeds 32 bits")))
 }
 
 /// Where compiled kernels are cached, or `None` when no home is known.

@@ -1,6 +1,7 @@
-//! CUDA backend for sieve: the spMspV / GEMV kernels over the sieve weight formats, cuBLAS
-//! baselines, their timing helpers, and the kernel benchmark of `sieve bench kernels`
-//! ([`bench`]).
+//! CUDA backend for sieve: every GPU kernel and its launcher. The spMspV / GEMV kernels over the
+//! sieve weight formats, cuBLAS baselines, their timing helpers, and the kernel benchmark of
+//! `sieve bench kernels` ([`bench`]); the decode step's other kernels, which `sieve-gpu`'s
+//! runner launches and captures.
 //!
 //! Kernels are CUDA C++ in `kernels/*.cu` (one file per family, each with a header comment on
 //! its data layout and thread mapping), embedded with `include_str!`, compiled by NVRTC to an
@@ -18,11 +19,23 @@
 //! | [`balanced_lowbit`] | Balanced-CBC with int8 / int4 values (`sieve pack --values`) | the Balanced-CBC index kernel decoding bytes / nibbles, scales per row (group) at the reduction |
 //! | [`lowbit`] | W4A16 g128, W8A16, GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into mma fragment order | N = 1..32 tokens, in-register dequantization, mma.sync m16n8k16 |
 //!
+//! The model's kernels besides the products (launchers on raw device addresses, for graph
+//! capture; CPU references beside them):
+//!
+//! | module | kernels |
+//! |---|---|
+//! | [`step`] | embedding gather, RMSNorm that zeroes the next product's output, SwiGLU, the teacher-forced advance |
+//! | [`rope`] | RoPE with the f16 KV-cache write: one token (decode) or `n` rows (prefill), one device function |
+//! | [`attention`] | flash-decoding grouped-query attention over the f16 cache, split + combine; causal for prefill batches |
+//! | [`sampling`] | repetition penalty, greedy / temperature / top-k / top-p, the next token into the step state |
+//! | [`prefill`] | row-wise embedding, RMSNorm, f16 GEMM input under the TEAL threshold, SwiGLU |
+//!
 //! [`graph`] captures launches into CUDA graphs, optionally with programmatic dependent launch.
 //!
 //! [`choice`] picks, per layer, between the dense column-major and the Tiled-CBC kernel from
 //! time models fitted to measured runs.
 
+pub mod attention;
 pub mod balanced_cbc;
 pub mod balanced_lowbit;
 pub mod bench;
@@ -32,8 +45,12 @@ pub mod error;
 pub mod gpu;
 pub mod graph;
 pub mod lowbit;
+pub mod prefill;
 pub mod product;
 pub mod rlc_csc;
+pub mod rope;
+pub mod sampling;
+pub mod step;
 pub mod tiled_cbc;
 pub mod timing;
 

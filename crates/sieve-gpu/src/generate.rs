@@ -3,8 +3,7 @@
 //! and watches for EOS and stop strings.
 
 use crate::error::Result;
-use crate::kernels::SampleArgs;
-use crate::runner::GpuModel;
+use crate::runner::{sample_args, GpuModel};
 use sieve_model::generate::{
     perplexity_over, token_nll, GenerateOptions, PerplexityResult, StopReason,
 };
@@ -71,7 +70,7 @@ pub fn generate(
         }
         .into());
     }
-    model.set_sampling(SampleArgs::from_params(&options.sampling));
+    model.set_sampling(sample_args(&options.sampling));
     let mut stops = StopMatcher::new(options.stop_strings.iter().cloned())?;
     let mut stream = tokenizer.stream(true);
     let is_eos = |id: u32| tokenizer.is_eos(id) || options.extra_eos_ids.contains(&id);

@@ -1,10 +1,12 @@
 //! The GPU model runner: a Llama-family decoder resident on an NVIDIA GPU over packed sparse
-//! weights (dense f16, Tiled-CBC, RLC-CSC), one CUDA graph per decode step.
+//! weights (dense f16, Tiled-CBC, RLC-CSC), one CUDA graph per decode step. Every kernel it
+//! launches, and its launcher, is `sieve-cuda`'s: the products, and the step's others
+//! ([`sieve_cuda::step`], [`sieve_cuda::rope`], [`sieve_cuda::attention`],
+//! [`sieve_cuda::sampling`], [`sieve_cuda::prefill`]).
 //!
 //! | module | job |
 //! |---|---|
 //! | [`matrix`] | weight matrices on the device and fused groups (q\|k\|v, gate\|up) over sieve-cuda's kernels |
-//! | [`kernels`] | launchers of the step's other kernels (norm, RoPE + KV write, attention, SwiGLU, sampling) and their CPU references |
 //! | [`prefill`] | the prompt in one batch: cuBLAS GEMMs over the device weights (Tiled-CBC decoded to f16), causal attention |
 //! | [`runner`] | [`GpuModel`]: upload, the step as launches or a captured graph, prefill, decode, profiling |
 //! | [`generate`] | generation on the GPU; perplexity through the CPU's loop (`perplexity_over`) |
@@ -16,7 +18,6 @@
 pub mod bench;
 pub mod error;
 pub mod generate;
-pub mod kernels;
 pub mod matrix;
 pub mod prefill;
 pub mod runner;

@@ -17,7 +17,6 @@
 //! RoPE kernel fills first. Prompts longer than [`CHUNK`] run in chunks.
 
 use crate::error::{GpuError, Result};
-use crate::kernels;
 use crate::matrix::{DeviceLinear, DeviceMatrix};
 use cudarc::driver::CudaSlice;
 use half::f16;
@@ -149,7 +148,7 @@ pub fn linear_rows(
             continue;
         }
         if masked != Some(p.threshold) {
-            kernels::rows_to_f16(gpu, x, ldx, a16, n, k, p.threshold)?;
+            sieve_cuda::prefill::rows_to_f16(gpu, x, ldx, a16, n, k, p.threshold)?;
             masked = Some(p.threshold);
         }
         let m = p.rows;

@@ -14,18 +14,21 @@
 //! ```
 
 use crate::error::{GpuError, Result};
-use crate::kernels::{self, AttentionShape, SampleArgs};
 use crate::matrix::{DeviceLinear, HostMatrix};
 use cudarc::driver::CudaSlice;
 use half::f16;
+use sieve_cuda::attention::{self, AttentionShape};
 use sieve_cuda::graph::StepGraph;
 use sieve_cuda::lowbit::LowBitMatrix;
+use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows};
+use sieve_cuda::sampling::{self, SampleArgs};
 use sieve_cuda::timing::EventPair;
-use sieve_cuda::{dev_ptr, DriverContext, Gpu};
+use sieve_cuda::{dev_ptr, rope, step, DriverContext, Gpu};
 use sieve_formats::{FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
 use sieve_model::plan::{self, BlockSupport, Capabilities, Group, LayerOp, Norm, Plan, StepOp};
+use sieve_model::sampling::SamplingParams;
 
 /// One decoder layer as the runner uploads it.
 pub struct HostLayer {
@@ -120,7 +123,7 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
     mixed_formats_in_layer: false,
 };
 
-/// Device buffers of a step (see `kernels/step.cu` for the layouts).
+/// Device buffers of a step (see sieve-cuda's `kernels/step.cu` for the layouts).
 struct Buffers {
     x: CudaSlice<f32>,
     xn: CudaSlice<f32>,
@@ -168,6 +171,19 @@ pub struct UploadReport {
     pub notes: Vec<String>,
     /// Launches of one decode step.
     pub launches_per_step: usize,
+}
+
+/// The sampler kernel's arguments for `p` (validated by `SamplingParams::validate`): greedy
+/// parameters as temperature 0, the CPU loop's repetition window.
+pub fn sample_args(p: &SamplingParams) -> SampleArgs {
+    SampleArgs {
+        temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+        top_k: p.top_k,
+        top_p: p.top_p,
+        repetition_penalty: p.repetition_penalty,
+        window: sieve_model::generate::REPETITION_WINDOW,
+        seed: p.seed,
+    }
 }
 
 pub struct GpuModel {
@@ -434,7 +450,7 @@ impl GpuModel {
             lm_head,
             attention,
             bufs,
-            sample: SampleArgs::greedy(),
+            sample: sample_args(&SamplingParams::greedy()),
             graphs: [None, None],
             use_graphs: true,
             pdl: true,
@@ -576,9 +592,9 @@ impl GpuModel {
             |cache: &CudaSlice<f16>, l: usize| dev_ptr(g, cache) + self.cache_offset_bytes(l);
         match op {
             Op::Plan(StepOp::Embed) => {
-                kernels::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
+                step::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
             }
-            Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Attention))) => kernels::rmsnorm_zero(
+            Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Attention))) => step::rmsnorm_zero(
                 g,
                 p(&b.x),
                 p(&self.layers[l].input_norm),
@@ -591,7 +607,7 @@ impl GpuModel {
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Qkv))) => {
                 self.layers[l].qkv.launch_add(g, p(&b.xn), p(&b.qkv))?
             }
-            Op::Plan(StepOp::Layer(l, LayerOp::RopeKv)) => kernels::rope_kv(
+            Op::Plan(StepOp::Layer(l, LayerOp::RopeKv)) => rope::rope_kv(
                 g,
                 p(&b.qkv),
                 self.layers[l].qkv_bias.as_ref().map(p).unwrap_or(0),
@@ -604,7 +620,7 @@ impl GpuModel {
                 c.num_kv_heads,
                 c.head_dim,
             )?,
-            Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => kernels::attention(
+            Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => attention::attention(
                 g,
                 &self.attention,
                 p(&b.qkv),
@@ -617,7 +633,7 @@ impl GpuModel {
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::O))) => {
                 self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))?
             }
-            Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Mlp))) => kernels::rmsnorm_zero(
+            Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Mlp))) => step::rmsnorm_zero(
                 g,
                 p(&b.x),
                 p(&self.layers[l].post_norm),
@@ -631,12 +647,12 @@ impl GpuModel {
                 self.layers[l].gate_up.launch_add(g, p(&b.xn), p(&b.gu))?
             }
             Op::Plan(StepOp::Layer(_, LayerOp::SwiGlu)) => {
-                kernels::silu_mul(g, p(&b.gu), p(&b.h), c.intermediate_size)?
+                step::silu_mul(g, p(&b.gu), p(&b.h), c.intermediate_size)?
             }
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Down))) => {
                 self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))?
             }
-            Op::Plan(StepOp::FinalNorm) => kernels::rmsnorm_zero(
+            Op::Plan(StepOp::FinalNorm) => step::rmsnorm_zero(
                 g,
                 p(&b.x),
                 p(&self.final_norm),
@@ -647,7 +663,7 @@ impl GpuModel {
                 b.logits.len(),
             )?,
             Op::Plan(StepOp::LmHead) => self.lm_head.launch_add(g, p(&b.xn), p(&b.logits))?,
-            Op::Plan(StepOp::Next) | Op::Next(true) => kernels::sample_token(
+            Op::Plan(StepOp::Next) | Op::Next(true) => sampling::sample_token(
                 g,
                 p(&b.logits),
                 c.vocab_size,
@@ -657,7 +673,7 @@ impl GpuModel {
                 self.capacity,
             )?,
             Op::Next(false) => {
-                kernels::advance_forced(g, state, dev_ptr(g, &b.history), self.capacity)?
+                step::advance_forced(g, state, dev_ptr(g, &b.history), self.capacity)?
             }
         }
         Ok(())
@@ -756,9 +772,6 @@ impl GpuModel {
     }
 
     fn warm_kernels(&self) -> Result<()> {
-        for fam in kernels::families() {
-            self.gpu.module(&fam)?;
-        }
         for fam in sieve_cuda::gpu::families() {
             self.gpu.module(&fam)?;
         }
@@ -827,13 +840,13 @@ impl GpuModel {
         let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
         let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
-        kernels::embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
+        embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes(l);
             let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes(l);
-            kernels::rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?;
+            rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?;
             linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?;
-            kernels::rope_rows(
+            rope::rope_rows(
                 g,
                 y,
                 layer.qkv_bias.as_ref().map(p).unwrap_or(0),
@@ -847,7 +860,7 @@ impl GpuModel {
                 nkv,
                 hd,
             )?;
-            kernels::attention_batch(
+            attention::attention_batch(
                 g,
                 &self.attention,
                 y,
@@ -860,9 +873,9 @@ impl GpuModel {
                 n,
             )?;
             linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?;
-            kernels::rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?;
+            rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?;
             linear_rows(g, &layer.gate_up, xn, d, a16, n, y, 2 * inter, 0.0, w16)?;
-            kernels::silu_rows(g, y, n, inter)?;
+            silu_rows(g, y, n, inter)?;
             linear_rows(g, &layer.down, y, 2 * inter, a16, n, x, d, 1.0, w16)?;
         }
         Ok(())

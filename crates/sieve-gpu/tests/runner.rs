@@ -1,17 +1,19 @@
-//! The GPU runner against the CPU: each step kernel against its CPU reference on random
-//! inputs (odd sizes included), and whole tiny models (dense, Tiled-CBC and RLC-CSC at sp 0.5 /
-//! dp 0.5) decoding the same greedy tokens as the CPU forward pass with logits within a stated
-//! tolerance. Without a GPU every test prints a skip reason and passes, unless
+//! The GPU runner against the CPU: each step kernel (sieve-cuda's `step`, `rope`, `attention`,
+//! `sampling`) against its CPU reference on random inputs (odd sizes included), and whole tiny
+//! models (dense, Tiled-CBC and RLC-CSC at sp 0.5 / dp 0.5) decoding the same greedy tokens as
+//! the CPU forward pass with logits within a stated tolerance. Without a GPU every test prints a skip reason and passes, unless
 //! `SIEVE_REQUIRE_GPU=1`.
 
 use half::f16;
-use sieve_cuda::{dev_ptr, gpu_or_skip, Gpu};
+use sieve_cuda::attention::{self, AttentionShape};
+use sieve_cuda::sampling::{self, SampleArgs};
+use sieve_cuda::{dev_ptr, gpu_or_skip, rope, step, Gpu};
 use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
 use sieve_formats::random::{balanced_matrix, sparse_matrix, Pattern};
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, WeightFormat};
-use sieve_gpu::kernels::{self, reference, AttentionShape, SampleArgs};
+use sieve_gpu::runner::sample_args;
 use sieve_gpu::GpuModel;
 use sieve_model::config::ModelConfig;
 use sieve_model::linear::Linear;
@@ -50,7 +52,7 @@ fn rmsnorm_and_silu_match_reference() {
         let (xd, wd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
         let out = gpu.poisoned_f32(d).unwrap();
         let zero = gpu.poisoned_f32(d * 3 + 5).unwrap();
-        kernels::rmsnorm_zero(
+        step::rmsnorm_zero(
             &gpu,
             dev_ptr(&gpu, &xd),
             dev_ptr(&gpu, &wd),
@@ -62,7 +64,7 @@ fn rmsnorm_and_silu_match_reference() {
         )
         .unwrap();
         let got = gpu.download(&out).unwrap();
-        let want = reference::rmsnorm(&x, &w, 1e-5);
+        let want = step::reference::rmsnorm(&x, &w, 1e-5);
         let err = max_abs_diff(&got, &want);
         assert!(err < 1e-4, "rmsnorm d={d}: max error {err}");
         assert!(
@@ -72,8 +74,8 @@ fn rmsnorm_and_silu_match_reference() {
         let gu = rng.vec(2 * d, 4.0);
         let gud = gpu.upload(&gu).unwrap();
         let h = gpu.poisoned_f32(d).unwrap();
-        kernels::silu_mul(&gpu, dev_ptr(&gpu, &gud), dev_ptr(&gpu, &h), d).unwrap();
-        let err = max_abs_diff(&gpu.download(&h).unwrap(), &reference::silu_mul(&gu));
+        step::silu_mul(&gpu, dev_ptr(&gpu, &gud), dev_ptr(&gpu, &h), d).unwrap();
+        let err = max_abs_diff(&gpu.download(&h).unwrap(), &step::reference::silu_mul(&gu));
         assert!(err < 1e-4, "silu d={d}: {err}");
     }
 }
@@ -103,12 +105,12 @@ fn rope_and_attention_match_reference() {
             let kc: Vec<f32> = rng
                 .vec(capacity * row, 1.0)
                 .into_iter()
-                .map(reference::round_f16)
+                .map(rope::reference::round_f16)
                 .collect();
             let vc: Vec<f32> = rng
                 .vec(capacity * row, 1.0)
                 .into_iter()
-                .map(reference::round_f16)
+                .map(rope::reference::round_f16)
                 .collect();
             let k16: Vec<f16> = kc.iter().map(|&v| f16::from_f32(v)).collect();
             let v16: Vec<f16> = vc.iter().map(|&v| f16::from_f32(v)).collect();
@@ -129,7 +131,7 @@ fn rope_and_attention_match_reference() {
             let part = gpu.poisoned_f32(shape.partials_len()).unwrap();
             let att = gpu.poisoned_f32(heads * hd).unwrap();
             let pp = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(&gpu, s);
-            kernels::rope_kv(
+            rope::rope_kv(
                 &gpu,
                 pp(&qkvd),
                 pp(&biasd),
@@ -143,7 +145,7 @@ fn rope_and_attention_match_reference() {
                 hd,
             )
             .unwrap();
-            kernels::attention(
+            attention::attention(
                 &gpu,
                 &shape,
                 pp(&qkvd),
@@ -164,12 +166,12 @@ fn rope_and_attention_match_reference() {
                 &sin[p * half..(p + 1) * half],
             );
             for h in 0..heads + kv_heads {
-                reference::rope(&mut q[h * hd..(h + 1) * hd], c, s);
+                rope::reference::rope(&mut q[h * hd..(h + 1) * hd], c, s);
             }
             let (mut kc, mut vc) = (kc, vc);
             for i in 0..row {
-                kc[p * row + i] = reference::round_f16(q[heads * hd + i]);
-                vc[p * row + i] = reference::round_f16(q[(heads + kv_heads) * hd + i]);
+                kc[p * row + i] = rope::reference::round_f16(q[heads * hd + i]);
+                vc[p * row + i] = rope::reference::round_f16(q[(heads + kv_heads) * hd + i]);
             }
             let got_q = gpu.download(&qkvd).unwrap();
             let err_q = max_abs_diff(&got_q[..heads * hd], &q[..heads * hd]);
@@ -182,7 +184,15 @@ fn rope_and_attention_match_reference() {
                 max_abs_diff(&got_k, &kc[p * row..(p + 1) * row]) < 2e-3,
                 "rope k cache write"
             );
-            let want = reference::attention(&q[..heads * hd], &kc, &vc, len, heads, kv_heads, hd);
+            let want = attention::reference::attention(
+                &q[..heads * hd],
+                &kc,
+                &vc,
+                len,
+                heads,
+                kv_heads,
+                hd,
+            );
             let got = gpu.download(&att).unwrap();
             let err = max_abs_diff(&got, &want);
             assert!(
@@ -194,6 +204,11 @@ fn rope_and_attention_match_reference() {
     }
 }
 
+/// The runner's default sampling (greedy) as the kernel takes it.
+fn greedy() -> SampleArgs {
+    sample_args(&sieve_model::sampling::SamplingParams::greedy())
+}
+
 fn run_sampler(gpu: &Gpu, logits: &[f32], args: &SampleArgs, history: &[i32]) -> (i32, i32) {
     let l = gpu.upload(logits).unwrap();
     let p = history.len() - 1;
@@ -201,7 +216,7 @@ fn run_sampler(gpu: &Gpu, logits: &[f32], args: &SampleArgs, history: &[i32]) ->
     h.push(-1);
     let hd = gpu.upload(&h).unwrap();
     let state = gpu.upload(&[p as i32, history[p]]).unwrap();
-    kernels::sample_token(
+    sampling::sample_token(
         gpu,
         dev_ptr(gpu, &l),
         logits.len(),
@@ -240,19 +255,19 @@ fn sampler_matches_cpu_rules() {
             sieve_model::sampling::Sampler::new(sieve_model::sampling::SamplingParams::greedy())
                 .unwrap();
         let want = cpu.sample(&logits, &[]).unwrap() as i32;
-        let (got, _) = run_sampler(&gpu, &logits, &SampleArgs::greedy(), &[0]);
+        let (got, _) = run_sampler(&gpu, &logits, &greedy(), &[0]);
         assert_eq!(got, want, "greedy over {vocab}");
         // Ties: the lowest id wins.
         let mut tied = logits.clone();
         tied[vocab - 1] = 100.0;
         tied[vocab / 2] = 100.0;
-        let (got, _) = run_sampler(&gpu, &tied, &SampleArgs::greedy(), &[0]);
+        let (got, _) = run_sampler(&gpu, &tied, &greedy(), &[0]);
         assert_eq!(got as usize, vocab / 2, "ties over {vocab}");
         if vocab < 1000 {
             continue;
         }
         // Repetition penalty: the best token, penalized hard, loses to the second best.
-        let mut args = SampleArgs::greedy();
+        let mut args = greedy();
         args.repetition_penalty = 1e6;
         let (got, _) = run_sampler(&gpu, &logits, &args, &[want, 3, want]);
         let mut cpu = sieve_model::sampling::Sampler::new(sieve_model::sampling::SamplingParams {

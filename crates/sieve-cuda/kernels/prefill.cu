@@ -1,4 +1,5 @@
-// Kernels of the batched prefill (src/prefill.rs): n prompt tokens at positions p0 .. p0+n-1.
+// Kernels of the batched prefill (sieve-gpu's src/prefill.rs and GpuModel::prefill_chunk): n
+// prompt tokens at positions p0 .. p0+n-1.
 //
 //   x    [n][d]  f32 residual stream        a16 [n][K] f16 GEMM input (masked by the threshold)
 //   qkv  [n][(H + 2 Hkv) hd] f32            gu  [n][2I] f32 (gate | up)
@@ -7,8 +8,8 @@
 // rows_to_f16:  grid-stride over n x K, out[i][j] = f16(mask_t(x[i * ldx + j])), the GEMM input
 //               of one product under its threshold.
 // silu_rows:    gate = silu(gate) * up in place.
-// rope_rows:        grid (H + Hkv, n): rope_kv of step.cu at position p0 + row.
-// The causal attention reuses attention.cu's kernels with one query per blockIdx.z.
+// RoPE with the cache write is rope.cu's rope_rows; the causal attention reuses attention.cu's
+// kernels with one query per blockIdx.z.
 
 __device__ __forceinline__ float masked(float v, float t) { return fabsf(v) > t ? v : 0.f; }
 
@@ -49,50 +50,6 @@ silu_rows(float* __restrict__ gu, int n, int I) {
         size_t r = i / I, c = i % I;
         float g = gu[r * 2 * I + c], u = gu[r * 2 * I + I + c];
         gu[r * 2 * I + c] = g / (1.f + __expf(-g)) * u;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(128)
-rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
-          const float* __restrict__ rope_sin, int p0, f16_bits* __restrict__ k_cache,
-          f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
-    pdl_wait_then_release();
-    int head = blockIdx.x;
-    int p = p0 + blockIdx.y;
-    int half = hd / 2;
-    size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
-    float* base = qkv + blockIdx.y * qkv_row;
-    const float* c = rope_cos + (size_t)p * half;
-    const float* s = rope_sin + (size_t)p * half;
-    float* row = base + (size_t)head * hd;
-    const float* brow = bias ? bias + (size_t)head * hd : nullptr;
-    size_t kv_row = (size_t)Hkv * hd;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float a = row[i], b = row[i + half];
-        if (brow) {
-            a += brow[i];
-            b += brow[i + half];
-        }
-        float ra = a * c[i] - b * s[i];
-        float rb = b * c[i] + a * s[i];
-        if (head < H) {
-            row[i] = ra;
-            row[i + half] = rb;
-        } else {
-            int kh = head - H;
-            f16_bits* kdst = k_cache + (size_t)p * kv_row + (size_t)kh * hd;
-            kdst[i] = f2h(ra);
-            kdst[i + half] = f2h(rb);
-            size_t voff = (size_t)(H + Hkv) * hd + (size_t)kh * hd;
-            float va = base[voff + i], vb = base[voff + i + half];
-            if (bias) {
-                va += bias[voff + i];
-                vb += bias[voff + i + half];
-            }
-            f16_bits* vdst = v_cache + (size_t)p * kv_row + (size_t)kh * hd;
-            vdst[i] = f2h(va);
-            vdst[i + half] = f2h(vb);
-        }
     }
 }
 

@@ -36,8 +36,9 @@
 //
 // attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
 //
-// Limits (checked by the runner): hd <= 256 and a multiple of 8, g <= 8. Dynamic shared
-// memory: max(G * TILE, RB * G * hd) floats (<= 32 KB; the launcher computes the same).
+// Limits (checked by AttentionShape::new in src/attention.rs): hd <= 256 and a multiple of 8,
+// g <= 8. Dynamic shared memory: max(G * TILE, RB * G * hd) floats (<= 32 KB; the launcher
+// computes the same).
 
 #define ATT_THREADS 128
 #define ATT_WARPS 4

@@ -1,5 +1,5 @@
-// The decode step's kernels besides the weight products (sieve-cuda) and attention
-// (attention.cu): embedding gather, RMSNorm, RoPE with the KV-cache write, SwiGLU.
+// The decode step's kernels besides the weight products, RoPE (rope.cu) and attention
+// (attention.cu): embedding gather, RMSNorm, SwiGLU, the teacher-forced advance.
 //
 // One token per step. Buffers (f32 unless noted; d = hidden, H/Hkv heads, hd head dim,
 // I = intermediate, C = context):
@@ -15,11 +15,7 @@
 // rmsnorm_zero: NB blocks x 256 threads. Every block sums x^2 over all of d (d floats from L2:
 // cheaper than a second launch or a grid-wide barrier), writes its own d/NB slice of xn, and
 // zeroes its slice of `zero`, the buffer the next product accumulates into (the products add
-// into their output, see sieve-cuda's GpuAccumulate), so zeroing costs no launch of its own.
-//
-// rope_kv: one block per q or k head (q heads then k heads are contiguous in qkv, so head j's
-// row starts at j*hd either way), thread i rotates the pair (i, i + hd/2) (rotate-half
-// convention); k-head blocks also copy their v head. Optional biases (Qwen2) are added first.
+// into their output, see GpuAccumulate in src/product.rs), so zeroing costs no launch of its own.
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_token(const f16_bits* __restrict__ emb, const int* __restrict__ state, float* __restrict__ x,
@@ -56,48 +52,6 @@ rmsnorm_zero(const float* __restrict__ x, const float* __restrict__ w, float* __
         int zper = (zero_len + gridDim.x - 1) / gridDim.x;
         int zb = blockIdx.x * zper, ze = min(zb + zper, zero_len);
         for (int i = zb + threadIdx.x; i < ze; i += 256) zero[i] = 0.f;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(128)
-rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
-        const float* __restrict__ rope_sin, const int* __restrict__ state, f16_bits* __restrict__ k_cache,
-        f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
-    pdl_wait_then_release();
-    int p = state[0];
-    int head = blockIdx.x;
-    int half = hd / 2;
-    const float* c = rope_cos + (size_t)p * half;
-    const float* s = rope_sin + (size_t)p * half;
-    float* row = qkv + (size_t)head * hd;
-    const float* brow = bias ? bias + (size_t)head * hd : nullptr;
-    size_t kv_row = (size_t)Hkv * hd;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float a = row[i], b = row[i + half];
-        if (brow) {
-            a += brow[i];
-            b += brow[i + half];
-        }
-        float ra = a * c[i] - b * s[i];
-        float rb = b * c[i] + a * s[i];
-        if (head < H) {
-            row[i] = ra;
-            row[i + half] = rb;
-        } else {
-            int kh = head - H;
-            f16_bits* kdst = k_cache + (size_t)p * kv_row + (size_t)kh * hd;
-            kdst[i] = f2h(ra);
-            kdst[i + half] = f2h(rb);
-            size_t voff = (size_t)(H + Hkv) * hd + (size_t)kh * hd;
-            float va = qkv[voff + i], vb = qkv[voff + i + half];
-            if (bias) {
-                va += bias[voff + i];
-                vb += bias[voff + i + half];
-            }
-            f16_bits* vdst = v_cache + (size_t)p * kv_row + (size_t)kh * hd;
-            vdst[i] = f2h(va);
-            vdst[i + half] = f2h(vb);
-        }
     }
 }
 

@@ -1,0 +1,78 @@
+// RoPE with the KV-cache write, the one rotation of both paths: rope_kv for the decode step's
+// token, rope_rows for the n tokens of a batched prefill. Both call rope_head.
+//
+// Buffers (f32 unless noted; H/Hkv heads, hd head dim, C = context):
+//
+//   qkv     [ q: H*hd | k: Hkv*hd | v: Hkv*hd ]   one token's output of the fused q|k|v product
+//           (prefill: n such rows, (H + 2 Hkv) hd apart)
+//   bias    the q|k|v bias (Qwen2), same layout as one qkv row, or null
+//   k_cache, v_cache  f16 [C][Hkv*hd] of one layer (the runner passes the layer's base)
+//   rope_cos, rope_sin [C][hd/2]  tables computed on the host in f64 (the CPU path's angles)
+//   state   i32 [0] = position p of the decode step's token (device memory, so a captured CUDA
+//           graph replays for every token)
+//
+// rope_head: block per q or k head (q heads then k heads are contiguous in qkv, so head j's
+// row starts at j*hd either way), thread i rotates the pair (i, i + hd/2) (rotate-half
+// convention); biases are added first. q heads are written back in place; k heads go to the
+// cache row of position p as f16, and their blocks also copy their v head (bias added) there.
+//
+// rope_kv:   grid H + Hkv, position state[0].
+// rope_rows: grid (H + Hkv, n), row y of qkv at position p0 + y.
+
+__device__ __forceinline__ void rope_head(float* __restrict__ qkv, const float* __restrict__ bias,
+                                          const float* __restrict__ rope_cos,
+                                          const float* __restrict__ rope_sin, int p, int head,
+                                          f16_bits* __restrict__ k_cache,
+                                          f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    int half = hd / 2;
+    const float* c = rope_cos + (size_t)p * half;
+    const float* s = rope_sin + (size_t)p * half;
+    float* row = qkv + (size_t)head * hd;
+    const float* brow = bias ? bias + (size_t)head * hd : nullptr;
+    size_t kv_row = (size_t)Hkv * hd;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a = row[i], b = row[i + half];
+        if (brow) {
+            a += brow[i];
+            b += brow[i + half];
+        }
+        float ra = a * c[i] - b * s[i];
+        float rb = b * c[i] + a * s[i];
+        if (head < H) {
+            row[i] = ra;
+            row[i + half] = rb;
+        } else {
+            int kh = head - H;
+            f16_bits* kdst = k_cache + (size_t)p * kv_row + (size_t)kh * hd;
+            kdst[i] = f2h(ra);
+            kdst[i + half] = f2h(rb);
+            size_t voff = (size_t)(H + Hkv) * hd + (size_t)kh * hd;
+            float va = qkv[voff + i], vb = qkv[voff + i + half];
+            if (bias) {
+                va += bias[voff + i];
+                vb += bias[voff + i + half];
+            }
+            f16_bits* vdst = v_cache + (size_t)p * kv_row + (size_t)kh * hd;
+            vdst[i] = f2h(va);
+            vdst[i + half] = f2h(vb);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
+        const float* __restrict__ rope_sin, const int* __restrict__ state, f16_bits* __restrict__ k_cache,
+        f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    pdl_wait_then_release();
+    rope_head(qkv, bias, rope_cos, rope_sin, state[0], blockIdx.x, k_cache, v_cache, H, Hkv, hd);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
+          const float* __restrict__ rope_sin, int p0, f16_bits* __restrict__ k_cache,
+          f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    pdl_wait_then_release();
+    size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
+    rope_head(qkv + blockIdx.y * qkv_row, bias, rope_cos, rope_sin, p0 + blockIdx.y, blockIdx.x, k_cache,
+              v_cache, H, Hkv, hd);
+}

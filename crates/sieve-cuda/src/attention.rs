@@ -1,0 +1,200 @@
+//! Grouped-query attention of one decode token (or of a prefill batch's tokens, causally) over
+//! the f16 KV cache, flash-decoding: split along the sequence, then combined
+//! (`kernels/attention.cu`); with the f64 CPU reference.
+
+use crate::error::{CudaError, DriverContext, Result};
+use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
+use crate::product::DevPtr;
+use cudarc::driver::PushKernelArg;
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "attention",
+    source: include_str!("../kernels/attention.cu"),
+};
+
+/// Attention kernel limits (see `attention.cu`).
+pub const MAX_HEAD_DIM: usize = 256;
+pub const MAX_GROUP: usize = 8;
+const ATT_THREADS: usize = 128;
+const ATT_WARPS: usize = 4;
+const ATT_LOADS: usize = 8;
+
+/// The attention shape of a model, checked against the kernel's limits.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Sequence splits of the flash-decoding grid (fixed when a step is captured).
+    pub splits: usize,
+}
+
+impl AttentionShape {
+    /// Splits so that `kv_heads x splits` blocks fill the GPU about four times over (a
+    /// block keeps only 16 KB of cache reads in flight), but never more splits than
+    /// 64-position pieces of the context.
+    pub fn new(
+        gpu: &Gpu,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        context: usize,
+    ) -> Result<Self> {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads / kv_heads > MAX_GROUP {
+            return Err(CudaError::Unsupported(format!(
+                "attention with {heads} query heads over {kv_heads} KV heads: the GPU kernel needs a whole group of at most {MAX_GROUP} query heads per KV head"
+            )));
+        }
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(8) {
+            return Err(CudaError::Unsupported(format!(
+                "head dimension {head_dim}: the GPU attention kernel needs a multiple of 8 up to {MAX_HEAD_DIM}"
+            )));
+        }
+        let sms = gpu.info().multiprocessors as usize;
+        let splits = (4 * sms)
+            .div_ceil(kv_heads)
+            .clamp(1, context.div_ceil(64).max(1));
+        Ok(Self {
+            heads,
+            kv_heads,
+            head_dim,
+            splits,
+        })
+    }
+    /// f32 entries of the split partials buffer.
+    pub fn partials_len(&self) -> usize {
+        self.heads * self.splits * (self.head_dim + 2)
+    }
+    /// The compiled group size (1, 2, 4 or 8) that covers this shape's group.
+    fn kernel_group(&self) -> usize {
+        (self.heads / self.kv_heads).next_power_of_two()
+    }
+    /// Dynamic shared memory of `attention_split_g<G>` in bytes: the tile's scores
+    /// `[G][TILE]`, reused after the loop for the reduction `[RB][G][hd]` (see `attention.cu`).
+    fn split_shared_bytes(&self) -> usize {
+        let lanes_per_row = (self.head_dim / 8).next_power_of_two();
+        let rows_per_step = ATT_WARPS * (32 / lanes_per_row);
+        let tile = ATT_LOADS * rows_per_step;
+        let g = self.kernel_group();
+        4 * (g * tile).max(rows_per_step * g * self.head_dim)
+    }
+}
+
+/// Attention of the token at `state[0]` over cache positions `0..=state[0]`: q from `qkv`,
+/// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`].
+pub fn attention(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    qkv: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    state: DevPtr,
+    part: DevPtr,
+    att: DevPtr,
+) -> Result<()> {
+    attention_batch(gpu, shape, qkv, k_cache, v_cache, state, part, att, 0, 1)
+}
+
+/// Causal attention of `queries` consecutive tokens, the first at position `first_len - 1`
+/// (`first_len == 0`: one decode query at `state[0]`); q rows are `(H + 2 Hkv) hd` apart in
+/// `qkv`, outputs `[queries][H][hd]`, `part` holds `queries` partial sets.
+pub fn attention_batch(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    qkv: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    state: DevPtr,
+    part: DevPtr,
+    att: DevPtr,
+    first_len: usize,
+    queries: usize,
+) -> Result<()> {
+    let shared = shape.split_shared_bytes() as u32;
+    let name = format!("attention_split_g{}", shape.kernel_group());
+    let f = gpu.function(&FAMILY, &name)?;
+    gpu.allow_dynamic_shared(&f, shared as usize)?;
+    let (h, hkv, hd) = (
+        shape.heads as i32,
+        shape.kv_heads as i32,
+        shape.head_dim as i32,
+    );
+    let scale = 1.0f32 / (shape.head_dim as f32).sqrt();
+    let len0 = i32_arg("prompt position", first_len)?;
+    let q_stride = ((shape.heads + 2 * shape.kv_heads) * shape.head_dim) as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&qkv)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&state)
+        .arg(&part)
+        .arg(&h)
+        .arg(&hkv)
+        .arg(&hd)
+        .arg(&scale)
+        .arg(&len0)
+        .arg(&q_stride);
+    let mut c = grid_cfg(
+        (shape.kv_heads as u32, shape.splits as u32),
+        ATT_THREADS as u32,
+        shared,
+    );
+    c.grid_dim.2 = queries.max(1) as u32;
+    unsafe { b.launch(c) }.during("launching attention_split")?;
+    let f = gpu.function(&FAMILY, "attention_combine")?;
+    let s = shape.splits as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&part).arg(&att).arg(&s).arg(&hd);
+    unsafe {
+        b.launch(grid_cfg(
+            (shape.heads as u32, queries.max(1) as u32),
+            128,
+            0,
+        ))
+    }
+    .during("launching attention_combine")?;
+    Ok(())
+}
+
+/// The f64 CPU reference.
+pub mod reference {
+    /// Attention of `q` (`[H][hd]`) over `len` cached positions (`k`, `v`: `[pos][Hkv][hd]`).
+    pub fn attention(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        len: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) -> Vec<f32> {
+        let g = heads / kv_heads;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut out = vec![0f32; heads * hd];
+        for h in 0..heads {
+            let kvh = h / g;
+            let qh = &q[h * hd..(h + 1) * hd];
+            let scores: Vec<f64> = (0..len)
+                .map(|p| {
+                    let kr = &k[(p * kv_heads + kvh) * hd..][..hd];
+                    qh.iter()
+                        .zip(kr)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                let mut a = 0.0;
+                for p in 0..len {
+                    a += e[p] * v[(p * kv_heads + kvh) * hd + d] as f64;
+                }
+                out[h * hd + d] = (a / z) as f32;
+            }
+        }
+        out
+    }
+}

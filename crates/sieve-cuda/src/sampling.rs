@@ -1,0 +1,60 @@
+//! The next token, chosen on the GPU (`kernels/sampling.cu`): repetition penalty, then greedy
+//! argmax or temperature / top-k / top-p sampling, written into the step state so that the
+//! next step's embedding reads it without the host. The CPU reference is `sieve-model`'s
+//! sampler (the GPU tests of `sieve-gpu` compare the two).
+
+use crate::error::{DriverContext, Result};
+use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
+use crate::product::DevPtr;
+use cudarc::driver::PushKernelArg;
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "sampling",
+    source: include_str!("../kernels/sampling.cu"),
+};
+
+/// Sampling parameters as the kernel takes them (sieve-gpu builds them from `sieve-model`'s
+/// validated `SamplingParams`; `temperature` 0 is greedy).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleArgs {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub repetition_penalty: f32,
+    pub window: usize,
+    pub seed: u64,
+}
+
+/// Picks the next token from `logits` (V f32, modified in place by the penalty), writes it to
+/// `history[state[0] + 1]` and `state[1]`, and advances `state[0]` (see `sampling.cu`).
+pub fn sample_token(
+    gpu: &Gpu,
+    logits: DevPtr,
+    vocab: usize,
+    args: &SampleArgs,
+    state: DevPtr,
+    history: DevPtr,
+    capacity: usize,
+) -> Result<()> {
+    let f = gpu.function(&FAMILY, "sample_token")?;
+    let v = i32_arg("vocabulary", vocab)?;
+    let (k, w, c) = (
+        i32_arg("top-k", args.top_k)?,
+        i32_arg("penalty window", args.window.min(1024))?,
+        i32_arg("context", capacity)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&logits)
+        .arg(&v)
+        .arg(&args.temperature)
+        .arg(&k)
+        .arg(&args.top_p)
+        .arg(&args.repetition_penalty)
+        .arg(&w)
+        .arg(&args.seed)
+        .arg(&state)
+        .arg(&history)
+        .arg(&c);
+    unsafe { b.launch(grid_cfg((1, 1), 1024, 0)) }.during("launching sample_token")?;
+    Ok(())
+}
