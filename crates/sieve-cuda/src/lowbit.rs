@@ -436,13 +436,25 @@ impl LowBitMatrix {
         };
         let groups = groups_of(kind, cols);
         let (lo, hi) = kind.q_range();
-        let round = |v: f32| {
-            if kind.f16_scales() {
-                f16::from_f32(v).to_f32()
-            } else {
-                v
-            }
-        };
+        // f16 scales are rounded up, so that no weight's code passes the largest one (rounded
+        // to nearest, a subnormal scale of a group of tiny weights could be 1/6 too small and
+        // clamp its largest weight by many steps); mins are rounded to nearest.
+        let (round, round_up) = (
+            |v: f32| {
+                if kind.f16_scales() {
+                    f16::from_f32(v).to_f32()
+                } else {
+                    v
+                }
+            },
+            |v: f32| {
+                if kind.f16_scales() {
+                    f16_round_up(v)
+                } else {
+                    v
+                }
+            },
+        );
         let mut q = vec![0i8; rows * cols];
         let mut scales = vec![0f32; rows * groups];
         let mut mins = vec![0f32; if kind.affine() { rows * groups } else { 0 }];
@@ -453,10 +465,11 @@ impl LowBitMatrix {
                 let vals = row[span].iter().map(|v| v.to_f32());
                 let (s, m) = if kind.affine() {
                     let (min, max) = vals.fold((0f32, 0f32), |(a, b), v| (a.min(v), b.max(v)));
-                    (round((max - min) / hi as f32), round(-min))
+                    let m = round(-min);
+                    (round_up((max + m) / hi as f32), m)
                 } else {
                     let max = vals.fold(0f32, |a, v| a.max(v.abs()));
-                    (round(max / hi as f32), 0.0)
+                    (round_up(max / hi as f32), 0.0)
                 };
                 if s.is_finite() && m.is_finite() {
                     scales[r * groups + gi] = s;
