@@ -42,7 +42,7 @@
 //   8-bit: two u32, bytes e0..e3 then e4..e7; a PRMT with 0x64 bytes makes (1024 + u, 1024 + u')
 //          and a subtraction of 1152 gives u - 128.
 //   5- and 6-bit: the low nibbles as the 4-bit word, the HB = 1 or 2 high bits in a second
-//          plane (below), OR-ed in at bit 4 before the same subtraction (1024 + Z).
+//          plane (below), OR-ed in at bit 4 (bit 8 for registers 1 and 3: lb_frag_hi).
 //
 // A chunk is 512 bytes: 32 lanes x 16 bytes, lane l's uint4 = its fragments of 4 consecutive
 // k tiles (4-bit: 16 rows x 64 columns) or 2 (8-bit: 16 rows x 32 columns). The chunks of a
@@ -148,16 +148,24 @@ __device__ __forceinline__ void lb_frag4(u32 w, u32 a[4]) {
     a[3] = lb_fma_f16x2(lb_and_or(w8, 0x00f000f0u, ex), sixteenth, neg);
 }
 
-// 5- or 6-bit fragment: the low nibbles as lb_frag4, the HB = BITS - 4 high bits of the k tile
-// from `t` (the tile's field shifted down to bit 0: register i's pair at bits HB i and 16 + HB i),
-// exact f16 values u - Z.
+// 5- or 6-bit fragment: the low nibbles as lb_frag4 (registers 1 and 3 in place at bits 4-7,
+// reading 1024 + 16 u), the HB = BITS - 4 high bits of the k tile from `t` (the tile's field
+// shifted down to bit 0: register i's pair at bits HB i and 16 + HB i) moved by one shift each
+// to bit 4 (registers 0, 2) or bit 8 (registers 1, 3, where 16 u puts them) and merged by one
+// LOP3; exact f16 values u - Z (every intermediate an integer below 2048).
 template <int HB, int Z>
 __device__ __forceinline__ void lb_frag_hi(u32 w, u32 t, u32 a[4]) {
-    constexpr u32 sub = (0x6400u + Z) * 0x10001u;
-    constexpr u32 mask = HB == 1 ? 0x00010001u : 0x00030003u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        a[i] = lb_sub_f16x2(((w >> (4 * i)) & 0x000f000fu) | (((t >> (HB * i)) & mask) << 4) | 0x64006400u, sub);
+    constexpr u32 sub = (0x6400u + Z) * 0x10001u;      // 1024 + Z
+    constexpr u32 sixteenth = 0x2c002c00u;              // 1/16
+    constexpr u32 neg = (0xd400u + 16 * Z) * 0x10001u;  // -(64 + Z)
+    constexpr u32 hm = (1u << HB) - 1;
+    constexpr u32 at4 = (hm << 4) * 0x10001u, at8 = (hm << 8) * 0x10001u;
+    const u32 ex = 0x64006400u;
+    const u32 w8 = w >> 8;
+    a[0] = lb_sub_f16x2(lb_and_or(t << 4, at4, lb_and_or(w, 0x000f000fu, ex)), sub);
+    a[1] = lb_fma_f16x2(lb_and_or(t << (8 - HB), at8, lb_and_or(w, 0x00f000f0u, ex)), sixteenth, neg);
+    a[2] = lb_sub_f16x2(lb_and_or(t << (4 - 2 * HB), at4, lb_and_or(w8, 0x000f000fu, ex)), sub);
+    a[3] = lb_fma_f16x2(lb_and_or(t << (8 - 3 * HB), at8, lb_and_or(w8, 0x00f000f0u, ex)), sixteenth, neg);
 }
 
 // 8-bit fragment words -> 4 A registers of exact f16 values u - 128.
