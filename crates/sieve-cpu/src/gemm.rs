@@ -17,7 +17,8 @@
 //! * Parallel calls split the output into (row block, column block) tiles, one rayon task each;
 //!   tiles are disjoint, so tasks write `C` without synchronisation.
 //!
-//! A portable kernel over the same packed layout runs where AVX2/FMA is missing.
+//! A portable kernel over the same packed layout runs below the AVX2 level ([`crate::simd`]: the
+//! CPU lacks AVX2/FMA, or `SIEVE_CPU_SIMD=portable`).
 
 use half::f16;
 use rayon::prelude::*;
@@ -397,7 +398,9 @@ unsafe fn micro_kernel(
     add: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if crate::simd::SimdLevel::detect() >= crate::simd::SimdLevel::Avx2 {
+        // SAFETY: the process's level is supported by this CPU and AVX2 or above, so the CPU
+        // has AVX2 and FMA (what the kernel is compiled for); `c` as the caller guarantees.
         return x86::kernel_6x16(kc, a, b, c, ldc, rows, cols, add);
     }
     let mut acc = [[0f32; NR]; MR];
@@ -434,11 +437,6 @@ unsafe fn store(
             dst.copy_from_slice(&row[..cols]);
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_avx2_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -281,7 +281,8 @@ impl QuantMatrix {
         }
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
-            // SAFETY: the CPU has the features; `out` holds one value per element of the row.
+            // SAFETY: the level has the features (`has_avx2`); `out` holds one value per
+            // element of the row.
             return unsafe { x86::dequantize_row(self.ty, self.row(r), out) };
         }
         self.dequantize_row_portable(r, out)
@@ -333,8 +334,8 @@ impl QuantMatrix {
         if has_avx2() {
             let n = self.row_bytes();
             let blocks = &self.blocks[r0 * n..(r0 + y.len()) * n];
-            // SAFETY: the CPU has the features; `blocks` holds `y.len()` whole rows whose K
-            // matches `xq`.
+            // SAFETY: the level has the features (`has_avx2`); `blocks` holds `y.len()` whole
+            // rows whose K matches `xq`.
             return unsafe { x86::dot_rows_into(self.ty, blocks, n, xq, y) };
         }
         for (i, o) in y.iter_mut().enumerate() {
@@ -379,7 +380,8 @@ impl Q8Activations {
             );
             #[cfg(target_arch = "x86_64")]
             let (d, s) = if avx2 {
-                // SAFETY: the CPU has the features; each slice holds one whole block.
+                // SAFETY: the level has the features (`has_avx2`); each slice holds one whole
+                // block.
                 unsafe { x86::quantize_block(src, dst) }
             } else {
                 quantize_block_portable(src, dst)
@@ -451,11 +453,13 @@ fn quantize_block_portable(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     (d, d * sum as f32)
 }
 
+/// Whether the AVX2 kernels run: the process's level ([`crate::simd::SimdLevel::detect`]) is
+/// AVX2 or above. Such a level is supported by this CPU and includes AVX2, FMA and F16C, every
+/// feature the `x86` functions are compiled for.
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+    use crate::simd::SimdLevel;
+    SimdLevel::detect() >= SimdLevel::Avx2
 }
 
 /// `W[r] · x` for one row of blocks against quantized activations.
@@ -465,8 +469,8 @@ pub fn dot_row(ty: BlockType, row: &[u8], xq: &Q8Activations) -> f32 {
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU has the features; the kernel reads only the blocks that both `row`
-        // and every buffer of `xq` hold in full.
+        // SAFETY: the level has the features (`has_avx2`); the kernel reads only the blocks
+        // that both `row` and every buffer of `xq` hold in full.
         return unsafe { x86::dot_row(ty, row, xq) };
     }
     dot_row_portable(ty, row, xq)

@@ -213,9 +213,10 @@ impl Int4IeBme {
     fn rows_with(&self, level: SimdLevel, r0: usize, p: &Prepared, y: &mut [f32]) {
         match level {
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx512Vbmi2 if vnni_vbmi2() => {
-                // SAFETY: the CPU has AVX-512 F/BW/VL, VBMI2 and VNNI (checked); the layout was
-                // built by `new` (offsets within `codes`, 32 bytes of padding after the last).
+            SimdLevel::Avx512Vbmi2 if level.vnni() && level.vbmi() => {
+                // SAFETY: the level is supported (`vnni` checks it), so the CPU has AVX-512
+                // F/BW/VL and VBMI2, and VNNI and VBMI (checked); the layout was built by `new`
+                // (offsets within `codes`, 32 bytes of padding after the last).
                 unsafe { x86::rows_vbmi2(self, r0, p, y) }
             }
             #[cfg(target_arch = "x86_64")]
@@ -330,13 +331,6 @@ impl Int4IeBme {
 fn rows_per_task(rows: usize) -> usize {
     let tasks = 4 * rayon::current_num_threads().max(1);
     rows.div_ceil(tasks).max(16)
-}
-
-#[cfg(target_arch = "x86_64")]
-fn vnni_vbmi2() -> bool {
-    SimdLevel::Avx512Vbmi2.supported()
-        && std::arch::is_x86_feature_detected!("avx512vnni")
-        && std::arch::is_x86_feature_detected!("avx512vbmi")
 }
 
 /// One token's activations, ready for the kernels.

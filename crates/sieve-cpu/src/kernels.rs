@@ -1,22 +1,26 @@
-//! Dot products and conversions with a runtime-selected AVX2/FMA/F16C path and a portable one:
-//! the vector kernels of [`crate::dense::FastDense`], the GEMM's f16 packing and the forward
-//! pass's attention (softmax) and SwiGLU.
-
-use half::f16;
+//! Dot products and conversions with an AVX2/FMA/F16C path and a portable one, chosen by the
+//! process's SIMD level ([`crate::simd`]): the vector kernels of
+//! [`crate::dense::FastDense`], the GEMM's f16 packing and the forward pass's attention
+//! (softmax) and SwiGLU.
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+use crate::simd::SimdLevel;
+use half::f16;
+
+/// Whether the AVX2 kernels run: the level is AVX2 or above. A level [`SimdLevel::detect`]
+/// returns is supported by this CPU and includes AVX2, FMA and F16C, every feature the `x86`
+/// functions below are compiled for.
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    SimdLevel::detect() >= SimdLevel::Avx2
 }
 
 /// `Σ w[i] · x[i]` with f16 weights; `w.len() == x.len()`.
 pub fn dot_f16_f32(w: &[f16], x: &[f32]) -> f32 {
     debug_assert_eq!(w.len(), x.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU supports the features the function is compiled for.
+    if avx2() {
+        // SAFETY: the level includes the features the function is compiled for (`avx2`).
         return unsafe { x86::dot_f16_f32(w, x) };
     }
     w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
@@ -26,7 +30,7 @@ pub fn dot_f16_f32(w: &[f16], x: &[f32]) -> f32 {
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if avx2() {
         // SAFETY: as above.
         return unsafe { x86::dot_f32(a, b) };
     }
@@ -55,7 +59,7 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if avx2() {
         // SAFETY: as above.
         return unsafe { x86::f16_to_f32(src, dst) };
     }
@@ -70,7 +74,7 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len());
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if avx2() {
         // SAFETY: as above.
         return unsafe { x86::silu_mul(gate, up) };
     }
@@ -84,7 +88,7 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 /// [`softmax_scaled`].
 pub fn exp_shifted_sum(row: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if avx2() {
         // SAFETY: as above.
         unsafe { x86::exp_scaled_shifted(row, 1.0, max) };
         return row.iter().sum();
@@ -102,7 +106,7 @@ pub fn softmax_scaled(row: &mut [f32], scale: f32) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
+    if avx2() {
         // SAFETY: as above.
         unsafe {
             let max = x86::max(row);

@@ -6,9 +6,10 @@
 //! | module | job |
 //! |---|---|
 //! | [`options`] | the kernel switches (`SIEVE_CPU_SIMD`, `SIEVE_TCBC_CPU`, `SIEVE_BCBC_CPU`, `SIEVE_IEBME_KERNEL`), read once |
-//! | [`simd`] | the SIMD level the products use, chosen once per process |
+//! | [`simd`] | the SIMD level every kernel uses, chosen once per process; the only place that asks the CPU |
 //! | [`kernels`] | f16/f32 dot products, conversions, softmax and SwiGLU (AVX2/FMA/F16C and portable) |
 //! | [`gemm`] | the cache-blocked f32 GEMM of the batched paths (prefill, calibration) |
+//! | [`attention`] | decode-time grouped-query attention over an f16 KV cache (AVX-512, AVX2, portable) |
 //! | [`dense`] | dense f16 rows (`FastDense`) and the column-major dense layout |
 //! | [`tiled_cbc`] | Tiled-CBC: the row-blocked layout (default) and the whole-column one |
 //! | [`balanced_cbc`] | Balanced-CBC: row groups of 16 with f16, 8-bit or 4-bit records |
@@ -16,6 +17,7 @@
 //! | [`gguf_blocks`] | GGUF quantized blocks multiplied in place (Q4_0 ... Q6_K), their dequantization |
 //! | [`error`] | `CpuError` |
 
+pub mod attention;
 pub mod balanced_cbc;
 pub mod dense;
 pub mod error;

@@ -28,7 +28,7 @@
 //! Keys and values enter the cache rounded to f16 (half the bytes a decode step reads after a
 //! long prompt), and every attention reads them from there, so a token's logits do not depend on
 //! whether it was decoded alone or inside a prompt. Decode reads each cached row once for all
-//! the query heads of its KV head ([`cached_attention`]).
+//! the query heads of its KV head ([`sieve_cpu::attention`]).
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
@@ -40,7 +40,6 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use sieve_cpu::{gemm, kernels};
 
-mod cached_attention;
 pub mod phases;
 use phases::{Clock, Phase};
 
@@ -939,7 +938,7 @@ impl Model {
     }
 
     /// [`Self::attention`] over one layer's f16 cache (`[0, p0 + n)` positions): few queries
-    /// (decode) read it in place, grouped by KV head ([`cached_attention::attend_one`]); many
+    /// (decode) read it in place, grouped by KV head ([`sieve_cpu::attention::attend_one`]); many
     /// (prefill) widen it to f32 for the blocked GEMMs, a small cost beside theirs.
     fn attention_cached(
         &self,
@@ -959,7 +958,7 @@ impl Model {
             return self.attention_blocked(q, &widen(keys), &widen(values), p0, n, att);
         }
         let c = &self.config;
-        let heads = cached_attention::Heads {
+        let heads = sieve_cpu::attention::Heads {
             q_heads: c.num_heads,
             kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
@@ -970,7 +969,7 @@ impl Model {
             .zip(att.chunks_exact_mut(width))
             .enumerate()
         {
-            cached_attention::attend_one(heads, qt, keys, values, p0 + t + 1, out);
+            sieve_cpu::attention::attend_one(heads, qt, keys, values, p0 + t + 1, out);
         }
     }
 

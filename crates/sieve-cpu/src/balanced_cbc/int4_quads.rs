@@ -49,16 +49,11 @@ const QUAD: usize = 4;
 /// Bytes after the last group: a kernel reads 32 bytes of nibbles after any record's mask.
 const TAIL: usize = 40;
 
-/// Whether this CPU runs the quad kernel (AVX-512 VBMI2 and VNNI).
+/// Whether this CPU runs the quad kernel (AVX-512 VBMI2 and VNNI), whatever `SIEVE_CPU_SIMD`
+/// says: the records are built for the CPU; the kernel runs only at the VBMI2 level
+/// ([`Int4Quads::group`]).
 pub(super) fn supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        SimdLevel::Avx512Vbmi2.supported() && std::arch::is_x86_feature_detected!("avx512vnni")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    SimdLevel::Avx512Vbmi2.vnni()
 }
 
 /// The 4-bit quad records of a matrix (module notes).

@@ -55,12 +55,7 @@ impl DotPath {
         match self {
             DotPath::Portable => true,
             DotPath::Avx2 => SimdLevel::Avx2.supported(),
-            #[cfg(target_arch = "x86_64")]
-            DotPath::Avx512Vnni => {
-                SimdLevel::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512vnni")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            DotPath::Avx512Vnni => false,
+            DotPath::Avx512Vnni => SimdLevel::Avx512.vnni(),
         }
     }
 
@@ -75,7 +70,7 @@ impl DotPath {
     /// The path the products use: the best one allowed by [`SimdLevel::detect`].
     pub fn detect() -> DotPath {
         let level = SimdLevel::detect();
-        if level >= SimdLevel::Avx512 && DotPath::Avx512Vnni.supported() {
+        if level.vnni() {
             DotPath::Avx512Vnni
         } else if level >= SimdLevel::Avx2 && DotPath::Avx2.supported() {
             DotPath::Avx2

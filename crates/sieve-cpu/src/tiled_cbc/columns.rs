@@ -80,13 +80,6 @@ fn masked(x: &[f32], threshold: Threshold) -> Vec<f32> {
         .collect()
 }
 
-fn best_supported() -> SimdLevel {
-    SimdLevel::available()
-        .into_iter()
-        .max()
-        .unwrap_or(SimdLevel::Portable)
-}
-
 thread_local! {
     /// `Wᵀ` decoded for a batched product, reused across calls (fresh multi-MB buffers per
     /// product cost page faults).
@@ -194,7 +187,7 @@ impl FastTiledCbc {
         debug_assert_eq!(sums.len(), 64 * self.words);
         match level {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the level is supported (callers cap it by `best_supported`); each column's
+            // SAFETY: the level is supported (callers cap it by `SimdLevel::best`); each column's
             // values are `starts[c]..starts[c + 1]` with as many entries as its bitmap has bits
             // (checked when the Tiled-CBC blob was read), and `sums` has 64 floats per word.
             SimdLevel::Avx512Vbmi2 => unsafe { x86::columns_vbmi2(self, cols, xs, sums) },
@@ -236,7 +229,7 @@ impl FastTiledCbc {
         y: &mut [f32],
     ) -> Result<(), FormatError> {
         check_product_args(self.rows, self.cols, x, 1, threshold, y)?;
-        let level = level.min(best_supported());
+        let level = level.min(SimdLevel::best());
         let (cols, xs) = active_inputs(x, threshold);
         split_k(&cols, &xs, 64 * self.words, y, |c, v, sums| {
             self.columns(level, c, v, sums)
@@ -261,7 +254,7 @@ impl FastTiledCbc {
             }
             return Ok(());
         }
-        let level = level.min(best_supported());
+        let level = level.min(SimdLevel::best());
         let xm;
         let x = if threshold.is_some() {
             xm = masked(x, threshold);
@@ -455,7 +448,7 @@ impl DenseColumns {
     ) -> Result<(), FormatError> {
         let (m, k) = (self.rows, self.cols);
         check_product_args(m, k, x, 1, threshold, y)?;
-        let level = level.min(best_supported());
+        let level = level.min(SimdLevel::best());
         let (cols, xs) = active_inputs(x, threshold);
         split_k(&cols, &xs, m, y, |cols, xs, sums| match level {
             #[cfg(target_arch = "x86_64")]

@@ -12,10 +12,16 @@
 //! unnormalised outputs `o_s`, the result is `Σ e^(m_s - M) o_s / Σ e^(m_s - M) l_s` with
 //! `M = max m_s`. So two threads share even a model with fewer KV heads than threads, and the
 //! result equals the single-pass softmax up to f32 rounding.
+//!
+//! A task's two loops (scores, then the weighted values) come in three versions ([`Loops`]):
+//! AVX-512, AVX2 + F16C and portable, picked once per call from the process's SIMD level
+//! ([`crate::simd`]) and the head dimension; the portable loops are the reference the others
+//! are tested against.
 
+use crate::kernels;
+use crate::simd::SimdLevel;
 use half::f16;
 use rayon::prelude::*;
-use sieve_cpu::kernels;
 
 /// The fewest positions a task takes: below this the task's fixed costs (a rayon split, the
 /// merge) outweigh the rows it reads.
@@ -23,7 +29,7 @@ const MIN_SPAN: usize = 64;
 
 /// Attention geometry: query heads, KV heads, head dimension.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Heads {
+pub struct Heads {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -42,7 +48,7 @@ struct Partial {
 /// Attention of one query token (`q`: `[H][hd]`) over the first `visible` positions of one
 /// layer's cache (`keys`, `values`: `[pos][Hkv][hd]` f16), into `att` (`[H][hd]`). Query head
 /// `h` reads KV head `h / (H / Hkv)`.
-pub(crate) fn attend_one(
+pub fn attend_one(
     heads: Heads,
     q: &[f32],
     keys: &[f16],
@@ -58,6 +64,7 @@ pub(crate) fn attend_one(
     let group = nh / nkv;
     let row = nkv * hd;
     let scale = 1.0 / (hd as f32).sqrt();
+    let loops = Loops::of(SimdLevel::detect(), hd);
     // Enough tasks to keep every thread busy (four per thread), none shorter than MIN_SPAN.
     let want = (4 * rayon::current_num_threads()).div_ceil(nkv).max(1);
     let spans = (visible / MIN_SPAN).clamp(1, want);
@@ -80,27 +87,7 @@ pub(crate) fn attend_one(
                 start,
                 end,
             };
-            #[cfg(target_arch = "x86_64")]
-            let wide512 = hd.is_multiple_of(16) && has_avx512();
-            #[cfg(target_arch = "x86_64")]
-            let done = if wide512 {
-                // SAFETY: as below, with AVX-512 F and a head dim that is a multiple of 16.
-                unsafe { x86::scores_avx512(qs, &rows, hd, scale, &mut scores) };
-                true
-            } else if hd.is_multiple_of(8) && has_avx2() {
-                // SAFETY: the CPU has the features; every row read lies inside `keys` /
-                // `values` (positions below `visible`), and the buffers have the sizes the
-                // kernel indexes (`group · len` scores, `group · hd` outputs, `hd`-wide q's).
-                unsafe { x86::scores(qs, &rows, hd, scale, &mut scores) };
-                true
-            } else {
-                false
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let done = false;
-            if !done {
-                scores_portable(qs, &rows, hd, scale, &mut scores);
-            }
+            loops.scores(qs, &rows, hd, scale, &mut scores);
             let mut max = vec![f32::NEG_INFINITY; group];
             let mut sum = vec![0f32; group];
             for g in 0..group {
@@ -108,17 +95,7 @@ pub(crate) fn attend_one(
                 max[g] = sc.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
                 sum[g] = kernels::exp_shifted_sum(sc, max[g]);
             }
-            #[cfg(target_arch = "x86_64")]
-            if done && wide512 {
-                // SAFETY: as above.
-                unsafe { x86::accumulate_avx512(&scores, &rows, hd, &mut out) };
-            } else if done {
-                // SAFETY: as above.
-                unsafe { x86::accumulate(&scores, &rows, hd, &mut out) };
-            }
-            if !done {
-                accumulate_portable(&scores, &rows, hd, &mut out);
-            }
+            loops.accumulate(&scores, &rows, hd, &mut out);
             Partial { max, sum, out }
         })
         .collect();
@@ -179,16 +156,59 @@ fn accumulate_portable(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32])
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+/// Which version of a task's two loops runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loops {
+    Portable,
+    /// AVX2 + FMA + F16C, head dims a multiple of 8.
+    Avx2,
+    /// AVX-512 F (+ AVX2, FMA, F16C), head dims a multiple of 16.
+    Avx512,
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    has_avx2() && std::arch::is_x86_feature_detected!("avx512f")
+impl Loops {
+    /// The widest loops `level` runs for head dim `hd`. `level` is capped by what this CPU
+    /// supports ([`SimdLevel::best`]), so a SIMD version is only chosen where the CPU has
+    /// every feature it is compiled for (the invariant the `unsafe` calls below rely on).
+    fn of(level: SimdLevel, hd: usize) -> Loops {
+        let level = level.min(SimdLevel::best());
+        if hd.is_multiple_of(16) && level >= SimdLevel::Avx512 {
+            Loops::Avx512
+        } else if hd.is_multiple_of(8) && level >= SimdLevel::Avx2 {
+            Loops::Avx2
+        } else {
+            Loops::Portable
+        }
+    }
+
+    /// `scores[g · len + i] = scale · q_g · k_(start + i)` ([`scores_portable`]).
+    fn scores(self, qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut [f32]) {
+        match self {
+            // SAFETY: `Loops::of` chose this version, so the CPU has AVX-512 F, AVX2, FMA and
+            // F16C, and `hd` is a multiple of 16; every row read lies inside `keys` / `values`
+            // (`Rows` positions below what the caller made visible), and the buffers have the
+            // sizes the kernel indexes (`group · len` scores, `hd`-wide q's).
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx512 => unsafe { x86::scores_avx512(qs, rows, hd, scale, scores) },
+            // SAFETY: as above, with AVX2, FMA and F16C and `hd` a multiple of 8.
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx2 => unsafe { x86::scores(qs, rows, hd, scale, scores) },
+            _ => scores_portable(qs, rows, hd, scale, scores),
+        }
+    }
+
+    /// `out_g += Σ_i weights[g · len + i] · v_(start + i)` ([`accumulate_portable`]).
+    fn accumulate(self, weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+        match self {
+            // SAFETY: as in `scores` (`group · len` weights, `group · hd` outputs).
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx512 => unsafe { x86::accumulate_avx512(weights, rows, hd, out) },
+            // SAFETY: as in `scores`.
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx2 => unsafe { x86::accumulate(weights, rows, hd, out) },
+            _ => accumulate_portable(weights, rows, hd, out),
+        }
+    }
 }
 
 /// The two loops of a task with AVX2 + F16C, for head dims that are a multiple of 8: each row
@@ -402,30 +422,14 @@ mod tests {
                     );
                 }
             };
-            #[cfg(target_arch = "x86_64")]
-            {
-                if has_avx2() && hd.is_multiple_of(8) {
-                    let mut s = vec![0f32; group * len];
-                    let mut o = vec![0.5f32; group * hd];
-                    // SAFETY: AVX2 present; the rows and buffers have the sizes the kernels use.
-                    unsafe {
-                        x86::scores(&qs, &rows, hd, 0.125, &mut s);
-                        x86::accumulate(&weights, &rows, hd, &mut o);
-                    }
-                    close(&s, &want_s, "avx2 scores");
-                    close(&o, &want_o, "avx2 accumulate");
-                }
-                if has_avx512() && hd.is_multiple_of(16) {
-                    let mut s = vec![0f32; group * len];
-                    let mut o = vec![0.5f32; group * hd];
-                    // SAFETY: as above, with AVX-512 F.
-                    unsafe {
-                        x86::scores_avx512(&qs, &rows, hd, 0.125, &mut s);
-                        x86::accumulate_avx512(&weights, &rows, hd, &mut o);
-                    }
-                    close(&s, &want_s, "avx512 scores");
-                    close(&o, &want_o, "avx512 accumulate");
-                }
+            for level in SimdLevel::available() {
+                let loops = Loops::of(level, hd);
+                let mut s = vec![0f32; group * len];
+                let mut o = vec![0.5f32; group * hd];
+                loops.scores(&qs, &rows, hd, 0.125, &mut s);
+                loops.accumulate(&weights, &rows, hd, &mut o);
+                close(&s, &want_s, &format!("{loops:?} scores"));
+                close(&o, &want_o, &format!("{loops:?} accumulate"));
             }
         }
     }
