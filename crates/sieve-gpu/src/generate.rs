@@ -1,15 +1,16 @@
-//! Generation and perplexity on the GPU: the CPU path's loop (`sieve_model::generate`) with the
-//! step and the sampler on the device. The host reads one token id per step, detokenizes,
-//! and watches for EOS and stop strings.
+//! Generation and perplexity on the GPU: the loops of every backend
+//! (`sieve_model::generate::generate_with` and `perplexity_over`) with the step and the sampler
+//! on the device. The host reads one token id per step, detokenizes, and watches for EOS and
+//! stop strings.
 
-use crate::error::Result;
+use crate::error::{GpuError, Result};
 use crate::runner::{sample_args, GpuModel};
 use sieve_model::generate::{
-    perplexity_over, token_nll, GenerateOptions, PerplexityResult, StopReason,
+    generate_with, perplexity_over, token_nll, Executor, GenerateOptions, Next, PerplexityResult,
+    StopReason,
 };
-use sieve_model::sampling::StopMatcher;
+use sieve_model::sequence::Sequence;
 use sieve_model::tokenizer::Tokenizer;
-use std::time::Instant;
 
 /// A finished generation with the timing a GPU user looks at.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -54,13 +55,14 @@ impl GpuGeneration {
     }
 }
 
-/// Generates from `prompt` on the GPU, streaming text through `on_text`.
+/// Generates from `prompt` on the GPU, streaming text through `on_text`: the loop of every
+/// backend (`sieve_model::generate::generate_with`) over the device's step, which samples.
 pub fn generate(
     model: &mut GpuModel,
     tokenizer: &Tokenizer,
     prompt: &[u32],
     options: &GenerateOptions,
-    mut on_text: impl FnMut(&str) -> Result<()>,
+    on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<GpuGeneration> {
     options.sampling.validate()?;
     if prompt.len() >= model.capacity() {
@@ -71,63 +73,34 @@ pub fn generate(
         .into());
     }
     model.set_sampling(sample_args(&options.sampling));
-    let mut stops = StopMatcher::new(options.stop_strings.iter().cloned())?;
-    let mut stream = tokenizer.stream(true);
-    let is_eos = |id: u32| tokenizer.is_eos(id) || options.extra_eos_ids.contains(&id);
-    let mut out = GpuGeneration {
-        text: String::new(),
-        tokens: Vec::new(),
-        prompt_tokens: prompt.len(),
-        ttft_s: 0.0,
-        step_s: Vec::new(),
-        stop_reason: StopReason::MaxTokens,
-    };
-    if options.max_tokens == 0 {
-        return Ok(out);
+    let sequence = Sequence::new(tokenizer, prompt, options)?;
+    let out = generate_with(&mut GpuExecutor(model), sequence, prompt, on_text)?;
+    Ok(GpuGeneration {
+        text: out.text,
+        tokens: out.tokens,
+        prompt_tokens: out.stats.prompt_tokens,
+        ttft_s: out.stats.prefill_seconds,
+        step_s: out.stats.step_seconds,
+        stop_reason: out.stats.stop_reason,
+    })
+}
+
+/// The GPU's side of `generate_with`: the prompt and each step on the device, which samples
+/// the next token itself (one id read back per step).
+struct GpuExecutor<'m>(&'m mut GpuModel);
+
+impl Executor for GpuExecutor<'_> {
+    type Error = GpuError;
+    fn prefill(&mut self, prompt: &[u32]) -> Result<Next> {
+        Ok(Next::Token(self.0.prefill(prompt)?))
     }
-    let started = Instant::now();
-    let mut id = model.prefill(prompt)?;
-    out.ttft_s = started.elapsed().as_secs_f64();
-    loop {
-        out.tokens.push(id);
-        if is_eos(id) {
-            out.stop_reason = StopReason::Eos;
-            break;
-        }
-        if let Some(piece) = stream.push(id)? {
-            let step = stops.push(&piece);
-            if !step.emit.is_empty() {
-                on_text(&step.emit)?;
-                out.text.push_str(&step.emit);
-            }
-            if step.stopped {
-                out.stop_reason = StopReason::StopString;
-                break;
-            }
-        }
-        if out.tokens.len() >= options.max_tokens {
-            break;
-        }
-        if model.len() >= model.capacity() {
-            out.stop_reason = StopReason::ContextFull;
-            break;
-        }
-        let t = Instant::now();
-        id = model.next_token()?;
-        out.step_s.push(t.elapsed().as_secs_f64());
+    fn step(&mut self, _token: u32) -> Result<Next> {
+        // The device's step state already holds the token it sampled.
+        Ok(Next::Token(self.0.next_token()?))
     }
-    if out.stop_reason != StopReason::StopString {
-        let mut rest = stream
-            .finish()
-            .map(|tail| stops.push(&tail).emit)
-            .unwrap_or_default();
-        rest.push_str(&stops.finish());
-        if !rest.is_empty() {
-            on_text(&rest)?;
-            out.text.push_str(&rest);
-        }
+    fn has_room(&self) -> bool {
+        self.0.len() < self.0.capacity()
     }
-    Ok(out)
 }
 
 /// Perplexity over non-overlapping windows of `ctx` tokens: the CPU's loop

@@ -1,10 +1,12 @@
 //! The generation loop: prefill the prompt, then decode, sample and stream text until an EOS
-//! token, a stop string, the token limit or the end of the context.
+//! token, a stop string, the token limit or the end of the context. Written once
+//! ([`generate_with`]) over a backend's [`Executor`]: the CPU's here ([`generate`]), the GPU's in
+//! `sieve_gpu::generate`; perplexity likewise ([`perplexity_over`]).
 
 use std::time::Instant;
 
 use crate::error::{ModelError, Result};
-use crate::llama::{Logits, Model};
+use crate::llama::{KvCache, Logits, Model};
 use crate::sampling::SamplingParams;
 use crate::sequence::Sequence;
 use crate::tokenizer::Tokenizer;
@@ -55,6 +57,8 @@ pub struct GenerationStats {
     /// detokenization).
     pub decode_steps: usize,
     pub decode_seconds: f64,
+    /// Each decode step's forward pass alone (the backend's [`Executor::step`]), in order.
+    pub step_seconds: Vec<f64>,
     pub stop_reason: StopReason,
 }
 
@@ -189,7 +193,7 @@ fn generate_on_this_thread(
     tokenizer: &Tokenizer,
     prompt: &[u32],
     options: &GenerateOptions,
-    mut on_text: impl FnMut(&str) -> Result<()>,
+    on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<Generation> {
     if prompt.is_empty() {
         return Err(ModelError::InvalidArgument(
@@ -203,9 +207,73 @@ fn generate_on_this_thread(
             context,
         });
     }
-    let mut sequence = Sequence::new(tokenizer, prompt, options)?;
+    let sequence = Sequence::new(tokenizer, prompt, options)?;
     // Saturating: `max_tokens` may be any usize; the cache is capped at the context anyway.
-    let mut cache = model.try_new_cache(prompt.len().saturating_add(options.max_tokens))?;
+    let cache = model.try_new_cache(prompt.len().saturating_add(options.max_tokens))?;
+    generate_with(&mut CpuExecutor { model, cache }, sequence, prompt, on_text)
+}
+
+/// The CPU's side of [`generate_with`]: forward passes over one KV cache, logits to the host's
+/// sampler.
+struct CpuExecutor<'m> {
+    model: &'m Model,
+    cache: KvCache,
+}
+
+impl Executor for CpuExecutor<'_> {
+    type Error = ModelError;
+    fn prefill(&mut self, prompt: &[u32]) -> Result<Next> {
+        let logits = self.model.forward(prompt, &mut self.cache, Logits::Last)?;
+        Ok(Next::Logits(logits))
+    }
+    fn step(&mut self, token: u32) -> Result<Next> {
+        let logits = self
+            .model
+            .forward(&[token], &mut self.cache, Logits::Last)?;
+        Ok(Next::Logits(logits))
+    }
+    fn has_room(&self) -> bool {
+        self.cache.len() < self.cache.capacity()
+    }
+    fn prefill_done(&mut self) {
+        // `--profile` shows the decode steps only.
+        crate::llama::phases::reset();
+    }
+}
+
+/// What a forward pass hands the generation loop: logits for the host's sampler, or the token a
+/// backend already sampled itself (the GPU samples on the device and reads back one id).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Next {
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
+/// One backend's forward passes, as [`generate_with`] drives them over one sequence.
+pub trait Executor {
+    type Error: From<ModelError>;
+    /// Runs the whole prompt from position 0 and returns what follows its last token.
+    fn prefill(&mut self, prompt: &[u32]) -> std::result::Result<Next, Self::Error>;
+    /// Runs `token` at the next position and returns what follows it.
+    fn step(&mut self, token: u32) -> std::result::Result<Next, Self::Error>;
+    /// Whether the KV cache can take one more position.
+    fn has_room(&self) -> bool;
+    /// Called once, when the first generated token is known (before any [`Executor::step`]).
+    fn prefill_done(&mut self) {}
+}
+
+/// The generation loop of every backend: prefill `prompt`, then take each next token (sampled
+/// by `sequence` from logits, or as the backend sampled it) and step it until `sequence` ends it
+/// (EOS, a stop string, `max_tokens`, or no room left in the cache), streaming settled text
+/// through `on_text`. `sequence` is [`Sequence::new`] over the same `prompt`; the backend
+/// refuses a prompt it cannot hold before it calls this. Timing: the prefill up to the first
+/// token known (sampled), the decode from there to the end, and each [`Executor::step`] alone.
+pub fn generate_with<X: Executor>(
+    executor: &mut X,
+    mut sequence: Sequence<'_>,
+    prompt: &[u32],
+    mut on_text: impl FnMut(&str) -> std::result::Result<(), X::Error>,
+) -> std::result::Result<Generation, X::Error> {
     let mut tokens = Vec::new();
     let mut text = String::new();
     let mut stats = GenerationStats {
@@ -214,9 +282,11 @@ fn generate_on_this_thread(
         prefill_seconds: 0.0,
         decode_steps: 0,
         decode_seconds: 0.0,
+        step_seconds: Vec::new(),
         stop_reason: StopReason::MaxTokens,
     };
-    if options.max_tokens == 0 {
+    if sequence.finished().is_some() {
+        // `max_tokens` 0: nothing is run.
         return Ok(Generation {
             text,
             tokens,
@@ -225,15 +295,19 @@ fn generate_on_this_thread(
     }
 
     let started = Instant::now();
-    let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
+    let mut next = executor.prefill(prompt)?;
     let mut decode_started = None;
     loop {
-        let step = sequence.step(&logits, cache.len() < cache.capacity())?;
+        let token = match next {
+            Next::Logits(logits) => sequence.sample(&logits)?,
+            Next::Token(token) => token,
+        };
         if decode_started.is_none() {
             stats.prefill_seconds = started.elapsed().as_secs_f64();
             decode_started = Some(Instant::now());
-            crate::llama::phases::reset();
+            executor.prefill_done();
         }
+        let step = sequence.accept(token, executor.has_room())?;
         tokens.push(step.token);
         stats.generated_tokens += 1;
         if !step.text.is_empty() {
@@ -244,7 +318,11 @@ fn generate_on_this_thread(
             stats.stop_reason = reason;
             break;
         }
-        logits = model.forward(&[step.token], &mut cache, Logits::Last)?;
+        let step_started = Instant::now();
+        next = executor.step(step.token)?;
+        stats
+            .step_seconds
+            .push(step_started.elapsed().as_secs_f64());
         stats.decode_steps += 1;
     }
     if let Some(started) = decode_started {
@@ -512,6 +590,16 @@ mod tests {
             );
         }
         // `max_tokens` near usize::MAX must neither wrap nor size an unbounded cache.
+        let tokenizer = tiny_tokenizer();
+        let options = GenerateOptions {
+            max_tokens: usize::MAX,
+            ..GenerateOptions::default()
+        };
+        let out = generate(&model, &tokenizer, &[1, 3, 5], &options, |_| Ok(())).unwrap();
+        assert!(out.stats.generated_tokens <= 64 - 3 + 1, "{:?}", out.stats);
+    }
+
+    fn tiny_tokenizer() -> Tokenizer {
         let spec = crate::tokenizer::GgufTokenizerSpec {
             model: "gpt2".into(),
             pre: "smollm".into(),
@@ -523,13 +611,82 @@ mod tests {
             merges: vec!["a b".into()],
             ..Default::default()
         };
-        let tokenizer = Tokenizer::from_gguf_spec(&spec).unwrap();
-        let options = GenerateOptions {
-            max_tokens: usize::MAX,
-            ..GenerateOptions::default()
-        };
-        let out = generate(&model, &tokenizer, &[1, 3, 5], &options, |_| Ok(())).unwrap();
-        assert!(out.stats.generated_tokens <= 64 - 3 + 1, "{:?}", out.stats);
+        Tokenizer::from_gguf_spec(&spec).unwrap()
+    }
+
+    /// A backend that samples on its side (as the GPU does) and hands the loop token ids.
+    struct SamplesItself<'m> {
+        cpu: CpuExecutor<'m>,
+        sampler: crate::sampling::Sampler,
+    }
+
+    impl Executor for SamplesItself<'_> {
+        type Error = ModelError;
+        fn prefill(&mut self, prompt: &[u32]) -> Result<Next> {
+            let next = self.cpu.prefill(prompt)?;
+            self.sample(next)
+        }
+        fn step(&mut self, token: u32) -> Result<Next> {
+            let next = self.cpu.step(token)?;
+            self.sample(next)
+        }
+        fn has_room(&self) -> bool {
+            self.cpu.has_room()
+        }
+    }
+
+    impl SamplesItself<'_> {
+        fn sample(&mut self, next: Next) -> Result<Next> {
+            match next {
+                Next::Logits(logits) => Ok(Next::Token(self.sampler.sample(&logits, &[])?)),
+                token => Ok(token),
+            }
+        }
+    }
+
+    #[test]
+    fn a_backend_that_samples_itself_generates_the_same() {
+        let src = crate::llama::tests::random_source(crate::llama::tests::tiny_config(), 7);
+        let model = Model::from_source(&src).unwrap();
+        let tokenizer = tiny_tokenizer();
+        let prompt = [1, 3, 5];
+        // The token limit, and the end of the 64-position context.
+        for (max_tokens, reason) in [(9, StopReason::MaxTokens), (100, StopReason::ContextFull)] {
+            let options = GenerateOptions {
+                max_tokens,
+                ..GenerateOptions::default()
+            };
+            let mut streamed = String::new();
+            let want = generate(&model, &tokenizer, &prompt, &options, |piece| {
+                streamed.push_str(piece);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(want.stats.stop_reason, reason);
+            assert_eq!(streamed, want.text);
+            assert_eq!(want.stats.step_seconds.len(), want.stats.decode_steps);
+
+            let mut executor = SamplesItself {
+                cpu: CpuExecutor {
+                    model: &model,
+                    cache: model.try_new_cache(prompt.len() + max_tokens).unwrap(),
+                },
+                sampler: crate::sampling::Sampler::new(options.sampling.clone()).unwrap(),
+            };
+            let sequence = Sequence::new(&tokenizer, &prompt, &options).unwrap();
+            let mut streamed = String::new();
+            let got = generate_with(&mut executor, sequence, &prompt, |piece| {
+                streamed.push_str(piece);
+                Ok::<_, ModelError>(())
+            })
+            .unwrap();
+            assert_eq!(got.tokens, want.tokens);
+            assert_eq!(got.text, want.text);
+            assert_eq!(streamed, want.text);
+            assert_eq!(got.stats.stop_reason, reason);
+            assert_eq!(got.stats.generated_tokens, want.stats.generated_tokens);
+            assert_eq!(got.stats.decode_steps, want.stats.decode_steps);
+        }
     }
 
     #[test]

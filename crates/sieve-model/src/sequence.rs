@@ -1,7 +1,8 @@
 //! One sequence's generation state, apart from the model: sampling, EOS and stop strings,
-//! detokenization and the token limit. [`crate::generate::generate`] drives one of these with
-//! single-sequence forward passes; a batching server drives many with one batched decode step,
-//! and both produce the same text for the same logits.
+//! detokenization and the token limit. [`crate::generate::generate_with`] drives one of these
+//! with single-sequence forward passes (a backend that samples on its device hands it tokens
+//! instead of logits: [`Sequence::accept`]); a batching server drives many with one batched
+//! decode step, and both produce the same text for the same logits.
 
 use crate::error::Result;
 use crate::generate::{GenerateOptions, StopReason, REPETITION_WINDOW};
@@ -68,13 +69,24 @@ impl<'t> Sequence<'t> {
     /// token that does not end generation otherwise ends it as [`StopReason::ContextFull`].
     /// When the step finishes the sequence, its text includes everything still held back.
     pub fn step(&mut self, logits: &[f32], cache_has_room: bool) -> Result<SequenceStep> {
-        if let Some(reason) = self.finished {
-            return Err(crate::ModelError::InvalidArgument(format!(
-                "the sequence already ended ({reason:?})"
-            )));
-        }
+        let token = self.sample(logits)?;
+        self.accept(token, cache_has_room)
+    }
+
+    /// Draws the next token from `logits` with this sequence's sampler (the repetition penalty
+    /// looking back over the prompt and the tokens accepted so far); [`Sequence::accept`] then
+    /// takes it. [`Sequence::step`] is the two together.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        self.check_running()?;
         let recent = &self.history[self.history.len().saturating_sub(REPETITION_WINDOW)..];
-        let token = self.sampler.sample(logits, recent)?;
+        self.sampler.sample(logits, recent)
+    }
+
+    /// Takes `token` as the next generated token, whoever sampled it (this sequence's
+    /// [`Sequence::sample`], or a backend that samples on its device): EOS, stop strings, the
+    /// token limit and `cache_has_room` as in [`Sequence::step`].
+    pub fn accept(&mut self, token: u32, cache_has_room: bool) -> Result<SequenceStep> {
+        self.check_running()?;
         self.history.push(token);
         self.generated += 1;
         let mut text = String::new();
@@ -116,5 +128,14 @@ impl<'t> Sequence<'t> {
             text,
             finished,
         })
+    }
+
+    fn check_running(&self) -> Result<()> {
+        match self.finished {
+            Some(reason) => Err(crate::ModelError::InvalidArgument(format!(
+                "the sequence already ended ({reason:?})"
+            ))),
+            None => Ok(()),
+        }
     }
 }
