@@ -12,6 +12,13 @@ mod commands;
     about = "Sparse LLM inference: skip the zeros"
 )]
 struct Cli {
+    /// A CPU kernel switch, KEY=VALUE, repeatable: simd=best|avx512|avx2|portable,
+    /// tiled-cbc=rows|columns, balanced-cbc=auto|f16|split|int4-quads, ie-bme=int4|columns.
+    /// Each picks between kernels of the same product, for comparing them; the environment
+    /// variables SIEVE_CPU_SIMD, SIEVE_TCBC_CPU, SIEVE_BCBC_CPU, SIEVE_IEBME_KERNEL set the
+    /// switches no flag sets.
+    #[arg(long = "cpu-kernel", value_name = "KEY=VALUE", global = true)]
+    cpu_kernel: Vec<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -63,6 +70,10 @@ fn main() -> ExitCode {
     if !matches!(cli.command, Command::Serve(_)) {
         restore_sigpipe();
     }
+    if let Err(e) = install_cpu_kernels(&cli.cpu_kernel) {
+        report(&e);
+        return ExitCode::FAILURE;
+    }
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -86,6 +97,26 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Sim { command } => commands::sim::run(command),
         Command::Serve(args) => commands::serve::run(args),
     }
+}
+
+/// The CPU kernel switches of `--cpu-kernel`, over the environment's, fixed for the process
+/// before any product is built (sieve-cpu's `options` module).
+fn install_cpu_kernels(switches: &[String]) -> anyhow::Result<()> {
+    if switches.is_empty() {
+        return Ok(());
+    }
+    let mut options = sieve_cpu::CpuKernelOptions::from_env();
+    for switch in switches {
+        let (key, value) = switch.split_once('=').ok_or_else(|| {
+            anyhow::anyhow!("--cpu-kernel {switch}: expected KEY=VALUE, e.g. simd=avx2")
+        })?;
+        options = options
+            .with_switch(key, value)
+            .map_err(anyhow::Error::msg)?;
+    }
+    sieve_cpu::CpuKernelOptions::install(options).map_err(|_| {
+        anyhow::anyhow!("the CPU kernel switches were fixed before --cpu-kernel was read")
+    })
 }
 
 /// A user's mistake is a message, not a stack trace: the error and its causes on one line.

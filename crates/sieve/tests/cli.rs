@@ -446,3 +446,67 @@ fn user_errors_print_a_message_not_a_backtrace() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--cpu-kernel` is checked before any work: an unknown key or value names the choices, a
+/// switch without `=` shows the form; a good switch runs the command (issue 25: kernel switches
+/// passed from the top).
+#[test]
+fn cpu_kernel_switches_are_checked_before_any_work() {
+    let e = fails(&[
+        "--cpu-kernel",
+        "simd=sse2",
+        "formats",
+        "stats",
+        "--rows",
+        "16",
+        "--cols",
+        "16",
+    ]);
+    assert!(
+        e.contains("simd is one of best, avx512, avx2, portable"),
+        "{e}"
+    );
+    let e = fails(&[
+        "formats",
+        "stats",
+        "--rows",
+        "16",
+        "--cols",
+        "16",
+        "--cpu-kernel",
+        "tcbc=rows",
+    ]);
+    assert!(
+        e.contains("the keys are simd, tiled-cbc, balanced-cbc, ie-bme"),
+        "{e}"
+    );
+    let e = fails(&[
+        "--cpu-kernel",
+        "portable",
+        "formats",
+        "stats",
+        "--rows",
+        "16",
+        "--cols",
+        "16",
+    ]);
+    assert!(e.contains("expected KEY=VALUE"), "{e}");
+    let out = run(&[
+        "--cpu-kernel",
+        "simd=portable",
+        "--cpu-kernel",
+        "tiled-cbc=columns",
+        "formats",
+        "stats",
+        "--rows",
+        "16",
+        "--cols",
+        "16",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.stdout.is_empty());
+}
