@@ -841,42 +841,59 @@ impl GpuModel {
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
         let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
         embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
+        // The layer as the plan orders it (`plan::LAYER`), each op over the chunk's n rows.
         for (l, layer) in self.layers.iter().enumerate() {
             let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes(l);
             let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes(l);
-            rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?;
-            linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?;
-            rope::rope_rows(
-                g,
-                y,
-                layer.qkv_bias.as_ref().map(p).unwrap_or(0),
-                p(&self.bufs.rope_cos),
-                p(&self.bufs.rope_sin),
-                p0,
-                n,
-                kc,
-                vc,
-                nh,
-                nkv,
-                hd,
-            )?;
-            attention::attention_batch(
-                g,
-                &self.attention,
-                y,
-                kc,
-                vc,
-                0,
-                p(&pb.part),
-                att,
-                p0 + 1,
-                n,
-            )?;
-            linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?;
-            rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?;
-            linear_rows(g, &layer.gate_up, xn, d, a16, n, y, 2 * inter, 0.0, w16)?;
-            silu_rows(g, y, n, inter)?;
-            linear_rows(g, &layer.down, y, 2 * inter, a16, n, x, d, 1.0, w16)?;
+            for op in plan::LAYER {
+                match op {
+                    LayerOp::Norm(Norm::Attention) => {
+                        rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?
+                    }
+                    LayerOp::Product(Group::Qkv) => {
+                        linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?
+                    }
+                    LayerOp::RopeKv => rope::rope_rows(
+                        g,
+                        y,
+                        layer.qkv_bias.as_ref().map(p).unwrap_or(0),
+                        p(&self.bufs.rope_cos),
+                        p(&self.bufs.rope_sin),
+                        p0,
+                        n,
+                        kc,
+                        vc,
+                        nh,
+                        nkv,
+                        hd,
+                    )?,
+                    LayerOp::Attention => attention::attention_batch(
+                        g,
+                        &self.attention,
+                        y,
+                        kc,
+                        vc,
+                        0,
+                        p(&pb.part),
+                        att,
+                        p0 + 1,
+                        n,
+                    )?,
+                    LayerOp::Product(Group::O) => {
+                        linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?
+                    }
+                    LayerOp::Norm(Norm::Mlp) => {
+                        rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?
+                    }
+                    LayerOp::Product(Group::GateUp) => {
+                        linear_rows(g, &layer.gate_up, xn, d, a16, n, y, 2 * inter, 0.0, w16)?
+                    }
+                    LayerOp::SwiGlu => silu_rows(g, y, n, inter)?,
+                    LayerOp::Product(Group::Down) => {
+                        linear_rows(g, &layer.down, y, 2 * inter, a16, n, x, d, 1.0, w16)?
+                    }
+                }
+            }
         }
         Ok(())
     }
