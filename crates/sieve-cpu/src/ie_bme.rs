@@ -48,7 +48,7 @@ use sieve_formats::{DenseMatrix, FormatError, FormatKind, Storage, Threshold, We
 
 /// The f16 column kernel over the dequantized matrix (other payloads, `SIEVE_IEBME_KERNEL=columns`),
 /// which runs the whole-column kernels of [`crate::tiled_cbc::columns`].
-pub use crate::tiled_cbc::columns::DequantizedIeBme;
+pub use crate::tiled_cbc::columns::F16IeBme;
 
 /// Columns per bitmap word.
 const COLS: usize = 64;
@@ -86,7 +86,7 @@ fn signed_nibble(n: u8) -> i8 {
 
 impl Int4IeBme {
     /// Builds the CPU layout. Only the INT4 payload has one; other payloads are an error (use
-    /// the column kernel of `DequantizedIeBme` for them).
+    /// the column kernel of `F16IeBme` for them).
     pub fn new(source: IeBme) -> Result<Self, FormatError> {
         let group_size = match source.payload() {
             Payload::Int4 { group_size } => group_size,

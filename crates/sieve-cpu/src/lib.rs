@@ -39,7 +39,7 @@ use sieve_formats::{FormatError, FormatKind, WeightFormat};
 
 /// IE-BME INT4 gets the integer kernel ([`ie_bme::Int4IeBme`]); other payloads, or every IE-BME
 /// layer when `SIEVE_IEBME_KERNEL=columns` (to compare the two paths), the f16 column kernel
-/// over the dequantized matrix ([`ie_bme::DequantizedIeBme`]).
+/// over the dequantized matrix ([`ie_bme::F16IeBme`]).
 fn ie_bme_layer(
     ie: sieve_formats::ie_bme::IeBme,
     options: &CpuKernelOptions,
@@ -48,17 +48,17 @@ fn ie_bme_layer(
     if !columns && matches!(ie.payload(), sieve_formats::ie_bme::Payload::Int4 { .. }) {
         return Ok(Box::new(ie_bme::Int4IeBme::new(ie)?));
     }
-    Ok(Box::new(ie_bme::DequantizedIeBme::new(ie)?))
+    Ok(Box::new(ie_bme::F16IeBme::new(ie)?))
 }
 
 /// Tiled-CBC gets the row-blocked bitmap layout ([`tiled_cbc::RowTiledCbc`]: blocks of 32 rows,
 /// each one sequential stream, inactive inputs' columns not visited inside it);
-/// `SIEVE_TCBC_CPU=columns` the whole-column layout ([`tiled_cbc::FastTiledCbc`], which skips
+/// `SIEVE_TCBC_CPU=columns` the whole-column layout ([`tiled_cbc::ColumnTiledCbc`], which skips
 /// inactive inputs' columns over the whole matrix but breaks the prefetchers' streams), to
 /// compare the two (docs/BENCHMARKS.md, issue 12).
 fn tiled_cbc_layer(tiled: TiledCbc, options: &CpuKernelOptions) -> Box<dyn WeightFormat> {
     if options.tiled_cbc == TiledCbcLayout::Columns {
-        Box::new(tiled_cbc::FastTiledCbc::new(tiled))
+        Box::new(tiled_cbc::ColumnTiledCbc::new(tiled))
     } else {
         Box::new(tiled_cbc::RowTiledCbc::new(&tiled))
     }

@@ -26,7 +26,7 @@ pub enum TiledCbcLayout {
     /// Blocks of 32 rows ([`crate::tiled_cbc::RowTiledCbc`]).
     #[default]
     Rows,
-    /// Whole columns ([`crate::tiled_cbc::FastTiledCbc`]).
+    /// Whole columns ([`crate::tiled_cbc::ColumnTiledCbc`]).
     Columns,
 }
 
@@ -51,7 +51,7 @@ pub enum IeBmeKernel {
     /// Integer products against 8-bit activations ([`crate::ie_bme::Int4IeBme`]).
     #[default]
     Int4,
-    /// The f16 column kernel over the dequantized matrix ([`crate::ie_bme::DequantizedIeBme`]).
+    /// The f16 column kernel over the dequantized matrix ([`crate::ie_bme::F16IeBme`]).
     Columns,
 }
 

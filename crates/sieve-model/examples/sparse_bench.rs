@@ -3,14 +3,14 @@
 //! gate, up: 1536 x 576; down: 576 x 1536), each matrix a fresh random one (so the 30 layers'
 //! weights, like the model's, do not fit in cache), for every SIMD level and format.
 //! `tiled-cbc rows` is the row-major bitmap layout (`RowTiledCbc`, what packs run), `tiled-cbc`
-//! the whole-column one (`FastTiledCbc`, `SIEVE_TCBC_CPU=columns`).
+//! the whole-column one (`ColumnTiledCbc`, `--cpu-kernel tiled-cbc=columns`).
 //! Prints the best of `REPS` passes in ms per token and the GB/s of bytes the format must read.
 //! `cargo run --release -p sieve-model --example sparse_bench -- THREADS SP DP [REPS]`
 
 use sieve_cpu::dense::DenseColumns;
 use sieve_cpu::dense::FastDense;
 use sieve_cpu::simd::SimdLevel;
-use sieve_cpu::tiled_cbc::FastTiledCbc;
+use sieve_cpu::tiled_cbc::ColumnTiledCbc;
 use sieve_cpu::tiled_cbc::RowTiledCbc;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::tiled_cbc::TiledCbc;
@@ -60,9 +60,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             mats.push((w, x, t));
         }
     }
-    let tiled: Vec<FastTiledCbc> = mats
+    let tiled: Vec<ColumnTiledCbc> = mats
         .iter()
-        .map(|(w, _, _)| FastTiledCbc::new(TiledCbc::encode(w).unwrap()))
+        .map(|(w, _, _)| ColumnTiledCbc::new(TiledCbc::encode(w).unwrap()))
         .collect();
     let rows: Vec<RowTiledCbc> = mats
         .iter()

@@ -7,9 +7,9 @@
 //! | blob | CPU layout (built at load; the blob stays what it was) | where |
 //! |---|---|---|
 //! | Tiled-CBC | blocks of 32 rows, column-major inside: per (block, column) a `u32` bitmap, a `u16` offset, the values; active columns visited, every block streamed | [`super::rows::RowTiledCbc`], **the default** |
-//! | Tiled-CBC | whole columns: per column an `M`-bit bitmap and its values; inactive columns skipped over the whole matrix | [`FastTiledCbc`], `SIEVE_TCBC_CPU=columns` |
+//! | Tiled-CBC | whole columns: per column an `M`-bit bitmap and its values; inactive columns skipped over the whole matrix | [`ColumnTiledCbc`], `--cpu-kernel tiled-cbc=columns` |
 //! | IE-BME INT4 | rows of 64-column blocks: `u64` bitmap + nibbles, integer products | [`crate::ie_bme::Int4IeBme`], the default |
-//! | IE-BME other payloads | the whole-column layout over the exact dequantized matrix | [`DequantizedIeBme`] (`SIEVE_IEBME_KERNEL=columns` for INT4 too) |
+//! | IE-BME other payloads | the whole-column layout over the exact dequantized matrix | [`F16IeBme`] (`--cpu-kernel ie-bme=columns` for INT4 too) |
 //! | dense | f16 rows (`FastDense`); [`DenseColumns`] column-major, not used by default | [`crate::dense::FastDense`] |
 //!
 //! Decoding one token is bound by the bytes of weights streamed *and how they are streamed*:
@@ -25,7 +25,7 @@
 //! through the row-blocked layout of [`super::rows`] instead, which streams every stored weight and
 //! saves compute, not bytes, on inactive inputs. The column layout stays selectable to compare.
 //!
-//! * [`FastTiledCbc`] converts a Tiled-CBC blob at load into that layout (the blob, and what it
+//! * [`ColumnTiledCbc`] converts a Tiled-CBC blob at load into that layout (the blob, and what it
 //!   writes back, stay Tiled-CBC: the GPU's layout): per column, an `M`-bit bitmap and the
 //!   column's nonzero f16 values in row order. The AVX-512 kernel turns each 32 (VBMI2:
 //!   `vpexpandw`) or 16 (`vexpandps`) bits of bitmap and the next `popcount` values into dense
@@ -123,7 +123,7 @@ fn split_k(
 /// Tiled-CBC with SIMD products over a whole-column CPU layout built at load; kind, storage
 /// and blob are those of the [`TiledCbc`] it was built from.
 #[derive(Clone, Debug, PartialEq)]
-pub struct FastTiledCbc {
+pub struct ColumnTiledCbc {
     rows: usize,
     cols: usize,
     /// `ceil(M / 64)` bitmap words per column.
@@ -137,7 +137,7 @@ pub struct FastTiledCbc {
     storage: Storage,
 }
 
-impl FastTiledCbc {
+impl ColumnTiledCbc {
     pub fn new(tiled: TiledCbc) -> Self {
         use sieve_formats::tiled_cbc::{TILE_K, TILE_M, WORDS_PER_COLUMN};
         let (m, k) = (tiled.rows(), tiled.cols());
@@ -289,7 +289,7 @@ impl FastTiledCbc {
     }
 }
 
-impl WeightFormat for FastTiledCbc {
+impl WeightFormat for ColumnTiledCbc {
     fn kind(&self) -> FormatKind {
         FormatKind::TiledCbc
     }
@@ -353,29 +353,29 @@ pub(crate) fn write_tiled_cbc_payload(matrix: &DenseMatrix, w: &mut ByteWriter) 
 // IE-BME through the column kernel
 // ------------------------------------------------------------------------------------------
 
-/// IE-BME multiplied by the [`FastTiledCbc`] kernel over its exact dequantized matrix (scales
+/// IE-BME multiplied by the [`ColumnTiledCbc`] kernel over its exact dequantized matrix (scales
 /// are chosen so that every `q · scale` is an f16, so the matrix is the IE-BME one bit for
 /// bit). The reference IE-BME kernel walks union bitmaps, four area streams and nibbles per
 /// element; this reads 2 bytes per stored weight instead of 0.5, but runs the SIMD column
 /// product. Not the INT4 integer kernel the format deserves: a stopgap that keeps IE-BME packs
 /// usable. Kind, storage and blob are the IE-BME ones.
 #[derive(Debug)]
-pub struct DequantizedIeBme {
+pub struct F16IeBme {
     source: sieve_formats::ie_bme::IeBme,
-    columns: FastTiledCbc,
+    columns: ColumnTiledCbc,
 }
 
-impl DequantizedIeBme {
+impl F16IeBme {
     pub fn new(source: sieve_formats::ie_bme::IeBme) -> Result<Self, FormatError> {
-        let columns = FastTiledCbc::new(TiledCbc::encode(&source.decode())?);
+        let columns = ColumnTiledCbc::new(TiledCbc::encode(&source.decode())?);
         Ok(Self { source, columns })
     }
-    pub fn columns(&self) -> &FastTiledCbc {
+    pub fn columns(&self) -> &ColumnTiledCbc {
         &self.columns
     }
 }
 
-impl WeightFormat for DequantizedIeBme {
+impl WeightFormat for F16IeBme {
     fn kind(&self) -> FormatKind {
         FormatKind::IeBme
     }
@@ -550,7 +550,7 @@ pub(crate) use x86::{load8_f16, RANKS};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::FastTiledCbc;
+    use super::ColumnTiledCbc;
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -570,7 +570,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn prefetch_sparse_column(w: &FastTiledCbc, c: usize) {
+    unsafe fn prefetch_sparse_column(w: &ColumnTiledCbc, c: usize) {
         let (s, e) = (
             *w.starts.get_unchecked(c) as usize,
             *w.starts.get_unchecked(c + 1) as usize,
@@ -585,7 +585,7 @@ mod x86 {
     /// Per active column and 32 rows: a masked load of the next `popcount` values, `vpexpandw`,
     /// two `vcvtph2ps` and two FMAs into `sums` (L1-resident).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,bmi2,popcnt")]
-    pub unsafe fn columns_vbmi2(w: &FastTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+    pub unsafe fn columns_vbmi2(w: &ColumnTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
         let s = sums.as_mut_ptr();
         for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
             if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
@@ -618,7 +618,7 @@ mod x86 {
 
     /// [`columns_vbmi2`] without VBMI2: per 16 rows a masked load, `vcvtph2ps`, `vexpandps`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,bmi2,popcnt")]
-    pub unsafe fn columns_avx512(w: &FastTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+    pub unsafe fn columns_avx512(w: &ColumnTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
         let s = sums.as_mut_ptr();
         for (i, (&c, &xv)) in cols.iter().zip(xs).enumerate() {
             if let Some(&ahead) = cols.get(i + PREFETCH_COLUMNS) {
@@ -683,7 +683,7 @@ mod x86 {
     /// The AVX2 column kernel: per byte of bitmap, 8 values loaded, converted, placed by
     /// `vpermps` and masked, then one FMA into `sums`.
     #[target_feature(enable = "avx2,fma,f16c,bmi2,popcnt")]
-    pub unsafe fn columns_avx2(w: &FastTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
+    pub unsafe fn columns_avx2(w: &ColumnTiledCbc, cols: &[u32], xs: &[f32], sums: &mut [f32]) {
         let s = sums.as_mut_ptr();
         let end = w.values.as_ptr().add(w.values.len());
         let lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -797,7 +797,7 @@ mod tests {
         let t = threshold_for_sparsity(&x, dp).unwrap();
         let want_v = matvec_f64(&w, &x[..cols], t);
         let want_m = matmul_f64(&w, &x, tokens, t);
-        let tc = FastTiledCbc::new(TiledCbc::encode(&w).unwrap());
+        let tc = ColumnTiledCbc::new(TiledCbc::encode(&w).unwrap());
         let dc = DenseColumns::new(&w);
         for level in SimdLevel::available() {
             let mut y = vec![f32::NAN; rows];
@@ -862,7 +862,7 @@ mod tests {
         let x = activations(96, 4);
         let t = threshold_for_sparsity(&x, 0.5).unwrap();
         let reference = TiledCbc::encode(&w).unwrap();
-        let fast = FastTiledCbc::new(reference.clone());
+        let fast = ColumnTiledCbc::new(reference.clone());
         let (mut a, mut b) = (vec![0f32; 600], vec![0f32; 600]);
         reference.matvec(&x, t, &mut a).unwrap();
         fast.matvec(&x, t, &mut b).unwrap();
@@ -885,7 +885,7 @@ mod tests {
             ..IeBmeOptions::default()
         };
         let reference = IeBme::encode(&w, &opts).unwrap();
-        let fast = DequantizedIeBme::new(reference.clone()).unwrap();
+        let fast = F16IeBme::new(reference.clone()).unwrap();
         assert_eq!(fast.decode(), reference.decode());
         assert_eq!(fast.to_bytes(), reference.to_bytes());
         let x = activations(192 * 5, 10);
@@ -907,7 +907,7 @@ mod tests {
     #[test]
     fn bad_shapes_are_errors() {
         let w = sparse_matrix(40, 20, 0.5, Pattern::Unstructured, 1).unwrap();
-        let fast = FastTiledCbc::new(TiledCbc::encode(&w).unwrap());
+        let fast = ColumnTiledCbc::new(TiledCbc::encode(&w).unwrap());
         let dc = DenseColumns::new(&w);
         let mut y = vec![0f32; 40];
         assert!(fast.matvec(&[0.0; 19], None, &mut y).is_err());

@@ -4,7 +4,7 @@
 //! this layer writes back; only the in-memory copy differs. Why rows: decoding one token streams
 //! every weight from DRAM, and on the 2-core machine what moves bytes fast is a few long
 //! sequential streams that the hardware prefetchers can run ahead of. The column layout
-//! ([`super::columns::FastTiledCbc`]) reads fewer bytes under a TEAL threshold (it skips inactive
+//! ([`super::columns::ColumnTiledCbc`]) reads fewer bytes under a TEAL threshold (it skips inactive
 //! inputs' columns) but every skip breaks the stream: measured 2-3 GB/s against 11-13 GB/s for
 //! dense rows, so it barely beat the dense pack. This layout reads *every* stored weight
 //! (activation sparsity saves no bytes here, only compute) block after block, each block one

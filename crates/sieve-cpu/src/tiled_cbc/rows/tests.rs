@@ -1,5 +1,5 @@
 use super::*;
-use crate::tiled_cbc::columns::FastTiledCbc;
+use crate::tiled_cbc::columns::ColumnTiledCbc;
 use proptest::prelude::*;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::{matmul_f64, matvec_f64, max_rel_error};
@@ -67,7 +67,7 @@ fn agrees_with_the_reference_kernel_and_the_column_layout_and_keeps_the_blob() {
     let t = threshold_for_sparsity(&x, 0.5).unwrap();
     let reference = TiledCbc::encode(&w).unwrap();
     let rows = RowTiledCbc::new(&reference);
-    let columns = FastTiledCbc::new(reference.clone());
+    let columns = ColumnTiledCbc::new(reference.clone());
     let (mut a, mut b, mut c) = (vec![0f32; 600], vec![0f32; 600], vec![0f32; 600]);
     reference.matvec(&x, t, &mut a).unwrap();
     rows.matvec(&x, t, &mut b).unwrap();
