@@ -42,6 +42,8 @@ use sieve_cpu::{gemm, kernels};
 
 pub mod phases;
 use phases::{Clock, Phase};
+mod walk;
+pub use walk::LayerWalk;
 
 /// Query rows per task of the GEMM attention path: a 64 x 1024 score block is 256 KiB.
 const ATTENTION_BLOCK: usize = 64;
@@ -686,7 +688,8 @@ impl Model {
     /// Runs decoder layer `layer` in place over the residual stream `x` (`[n][d]`) of one window
     /// of `n` tokens at positions `0..n` (causal attention inside the window, no cache), calling
     /// `observer` with the input of every projection site (`[n][K]` rows) before it is used.
-    /// Calibration feeds stored hidden states through one layer at a time with this.
+    /// Calibration feeds stored hidden states through one layer at a time with this. It is a
+    /// [`LayerWalk`] through the plan's layer, observed at each pause.
     pub fn forward_layer(
         &self,
         layer: usize,
@@ -694,7 +697,11 @@ impl Model {
         n: usize,
         observer: &mut dyn FnMut(Site, &[f32], usize),
     ) -> Result<()> {
-        self.run_layer(layer, x, n, observer, true)
+        let mut walk = self.walk_layer(layer, x, n)?;
+        for group in Group::ALL {
+            observer(group.site(), walk.input(self, group)?, n);
+        }
+        walk.finish(self)
     }
 
     /// Like [`Self::forward_layer`] but stops once `observer` has seen the down_proj input: for
@@ -708,42 +715,9 @@ impl Model {
         n: usize,
         observer: &mut dyn FnMut(Site, &[f32], usize),
     ) -> Result<()> {
-        self.run_layer(layer, x, n, observer, false)
-    }
-
-    fn run_layer(
-        &self,
-        layer: usize,
-        x: &mut [f32],
-        n: usize,
-        observer: &mut dyn FnMut(Site, &[f32], usize),
-        through_down_proj: bool,
-    ) -> Result<()> {
-        let lay = self.checked_layer(layer, x, n)?;
-        let c = &self.config;
-        let mut xn = vec![0f32; n * c.hidden_size];
-        let mut att = vec![0f32; n * c.num_heads * c.head_dim];
-        let mut proj = vec![0f32; n * c.hidden_size];
-        self.attention_input(layer, x, n, &mut xn)?;
-        observer(Site::AttnIn, &xn, n);
-        self.attention_mix(layer, &xn, n, &mut att)?;
-        observer(Site::OProjIn, &att, n);
-        lay.o_proj.forward(&att, n, &mut proj)?;
-        for (a, b) in x.iter_mut().zip(&proj) {
-            *a += b;
-        }
-        drop(att);
-        let mut gate = vec![0f32; n * c.intermediate_size];
-        self.mlp_input(layer, x, n, &mut xn)?;
-        observer(Site::MlpIn, &xn, n);
-        self.mlp_mix(layer, &xn, n, &mut gate)?;
-        observer(Site::DownProjIn, &gate, n);
-        if !through_down_proj {
-            return Ok(());
-        }
-        lay.down_proj.forward(&gate, n, &mut proj)?;
-        for (a, b) in x.iter_mut().zip(&proj) {
-            *a += b;
+        let mut walk = self.walk_layer(layer, x, n)?;
+        for group in Group::ALL {
+            observer(group.site(), walk.input(self, group)?, n);
         }
         Ok(())
     }
@@ -758,68 +732,6 @@ impl Model {
         };
         check_rows("residual stream", x, n, self.config.hidden_size)?;
         Ok(lay)
-    }
-
-    // The four steps below are one decoder layer ([`Self::forward_layer`] is them in order, with
-    // o_proj and down_proj and their residual additions in between), exposed for calibration
-    // that prunes a layer one input site at a time and needs each site's input computed with
-    // the already-pruned projections before it. Every window is at positions `0..n`, no cache.
-
-    /// The normed attention input (q/k/v's input, [`Site::AttnIn`]) of residual stream `x`
-    /// (`[n][d]`) into `xn` (`[n][d]`).
-    pub fn attention_input(&self, layer: usize, x: &[f32], n: usize, xn: &mut [f32]) -> Result<()> {
-        let lay = self.checked_layer(layer, x, n)?;
-        check_rows("normed input", xn, n, self.config.hidden_size)?;
-        rms_norm(x, &lay.input_norm, self.config.rms_norm_eps, xn);
-        Ok(())
-    }
-
-    /// q/k/v, RoPE and causal attention over the normed input `xn` (`[n][d]`): o_proj's input
-    /// ([`Site::OProjIn`]) into `att` (`[n][H*hd]`).
-    pub fn attention_mix(&self, layer: usize, xn: &[f32], n: usize, att: &mut [f32]) -> Result<()> {
-        let lay = self.checked_layer(layer, xn, n)?;
-        let c = &self.config;
-        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
-        check_rows("attention output", att, n, nh * hd)?;
-        let (cos, sin) = self.rope_tables(0, n);
-        let mut q = vec![0f32; n * nh * hd];
-        let mut k = vec![0f32; n * nkv * hd];
-        let mut v = vec![0f32; n * nkv * hd];
-        lay.q_proj.forward(xn, n, &mut q)?;
-        lay.k_proj.forward(xn, n, &mut k)?;
-        lay.v_proj.forward(xn, n, &mut v)?;
-        apply_rope(&mut q, nh, hd, &cos, &sin);
-        apply_rope(&mut k, nkv, hd, &cos, &sin);
-        // Without a cache the window's own keys and values are every visible position; they
-        // are rounded to f16 as the cache would store them, so calibration sees the attention
-        // inference computes.
-        for x in k.iter_mut().chain(v.iter_mut()) {
-            *x = f16::from_f32(*x).to_f32();
-        }
-        self.attention(&q, &k, &v, 0, n, att);
-        Ok(())
-    }
-
-    /// The normed MLP input (gate/up's input, [`Site::MlpIn`]) of the residual stream `x` after
-    /// attention (`[n][d]`) into `xn` (`[n][d]`).
-    pub fn mlp_input(&self, layer: usize, x: &[f32], n: usize, xn: &mut [f32]) -> Result<()> {
-        let lay = self.checked_layer(layer, x, n)?;
-        check_rows("normed input", xn, n, self.config.hidden_size)?;
-        rms_norm(x, &lay.post_attention_norm, self.config.rms_norm_eps, xn);
-        Ok(())
-    }
-
-    /// gate/up and SwiGLU over the normed MLP input `xn` (`[n][d]`): down_proj's input
-    /// ([`Site::DownProjIn`], `silu(gate) * up`) into `h` (`[n][I]`).
-    pub fn mlp_mix(&self, layer: usize, xn: &[f32], n: usize, h: &mut [f32]) -> Result<()> {
-        let lay = self.checked_layer(layer, xn, n)?;
-        let inter = self.config.intermediate_size;
-        check_rows("MLP hidden", h, n, inter)?;
-        let mut up = vec![0f32; n * inter];
-        lay.gate_proj.forward(xn, n, h)?;
-        lay.up_proj.forward(xn, n, &mut up)?;
-        kernels::silu_mul(h, &up);
-        Ok(())
     }
 
     /// Final norm and LM head over `n` rows of residual stream: `[n][V]` logits.
@@ -1639,43 +1551,61 @@ pub(crate) mod tests {
             .is_err());
     }
 
-    /// The public steps, with o_proj/down_proj and the residual additions in between, are
-    /// exactly `forward_layer`; bad shapes are refused.
+    /// A walk paused at every product gives the inputs `forward_layer` observes and its output;
+    /// weights changed during a pause are the ones the rest of the walk multiplies; a group
+    /// already multiplied and bad shapes are refused.
     #[test]
-    fn layer_steps_compose_to_forward_layer() {
+    fn layer_walk_pauses_at_each_product_input() {
         let c = tiny_config();
         let src = random_source(c.clone(), 12);
-        let model = Model::from_source(&src).unwrap();
+        let mut model = Model::from_source(&src).unwrap();
         let n = PROMPT.len();
         let mut expected = model.embed(&PROMPT).unwrap();
         let mut x = expected.clone();
-        let (d, inter) = (c.hidden_size, c.intermediate_size);
         for l in 0..model.layers().len() {
+            let mut seen = Vec::new();
             model
-                .forward_layer(l, &mut expected, n, &mut |_, _, _| {})
+                .forward_layer(l, &mut expected, n, &mut |site, a, _| {
+                    seen.push((site, a.to_vec()))
+                })
                 .unwrap();
-            let lay = &model.layers()[l];
-            let mut xn = vec![0f32; n * d];
-            let mut att = vec![0f32; n * c.num_heads * c.head_dim];
-            let mut proj = vec![0f32; n * d];
-            let mut h = vec![0f32; n * inter];
-            model.attention_input(l, &x, n, &mut xn).unwrap();
-            model.attention_mix(l, &xn, n, &mut att).unwrap();
-            lay.o_proj.forward(&att, n, &mut proj).unwrap();
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
-            model.mlp_input(l, &x, n, &mut xn).unwrap();
-            model.mlp_mix(l, &xn, n, &mut h).unwrap();
-            lay.down_proj.forward(&h, n, &mut proj).unwrap();
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            let mut walk = model.walk_layer(l, &mut x, n).unwrap();
+            assert_eq!(walk.rows(), n);
+            for (group, (site, input)) in Group::ALL.into_iter().zip(&seen) {
+                assert_eq!(group.site(), *site);
+                assert_eq!(walk.input(&model, group).unwrap(), &input[..], "layer {l}");
+                assert_eq!(walk.input(&model, group).unwrap(), &input[..], "again");
+            }
+            assert!(walk.input(&model, Group::GateUp).is_err());
+            walk.finish(&model).unwrap();
             assert_eq!(x, expected, "layer {l}");
         }
-        let mut xn = vec![0f32; n * d];
-        assert!(model.attention_input(9, &x, n, &mut xn).is_err());
-        assert!(model.attention_input(0, &x[1..], n, &mut xn).is_err());
-        assert!(model.mlp_input(0, &x, n, &mut xn[1..]).is_err());
-        assert!(model.attention_mix(0, &xn, n, &mut [0.0; 3]).is_err());
-        assert!(model.mlp_mix(0, &xn, n, &mut vec![0.0; n * d]).is_err());
-        assert!(model.mlp_mix(0, &[], 0, &mut []).is_err());
+
+        // A threshold above every activation set on o_proj while the walk waits before it:
+        // o adds nothing, so the MLP's input is the norm of the layer's input alone.
+        let x0 = model.embed(&PROMPT).unwrap();
+        let mut x = x0.clone();
+        let mut walk = model.walk_layer(0, &mut x, n).unwrap();
+        walk.input(&model, Group::O).unwrap();
+        model.layers_mut()[0]
+            .o_proj
+            .set_threshold(Some(1e30))
+            .unwrap();
+        let mlp_in = walk.input(&model, Group::GateUp).unwrap().to_vec();
+        let mut xn = vec![0f32; n * c.hidden_size];
+        rms_norm(
+            &x0,
+            &model.layers()[0].post_attention_norm,
+            c.rms_norm_eps,
+            &mut xn,
+        );
+        assert_eq!(mlp_in, xn);
+        drop(walk);
+        assert_eq!(x, x0);
+
+        assert!(model.walk_layer(9, &mut x, n).is_err());
+        assert!(model.walk_layer(0, &mut x[1..], n).is_err());
+        assert!(model.walk_layer(0, &mut [], 0).is_err());
     }
 
     #[test]

@@ -14,8 +14,9 @@
 //! (GPU) or one parallel region (CPU) computes: q|k|v and gate|up share their input and run
 //! together; o and down add into the residual stream.
 //!
-//! The CPU forward passes (`Model::forward`, `Model::decode_batch`) and the GPU runner
-//! (`sieve-gpu`'s `GpuModel`) walk [`LAYER`] and [`step_ops`]. Before a backend takes a model it
+//! The CPU forward passes (`Model::forward`, `Model::decode_batch`), calibration's cacheless
+//! layer walk (`LayerWalk`: `Model::forward_layer` and `sieve-prune`'s pipeline) and the GPU
+//! runner (`sieve-gpu`'s `GpuModel`) walk [`LAYER`] and [`step_ops`]. Before a backend takes a model it
 //! checks the [`Plan`] against its [`Capabilities`]: what it cannot run is refused there, before
 //! any upload, with the layer, the op and the format named.
 

@@ -15,6 +15,10 @@
 //! 5. residual stream += pruned down_proj: the inputs of layer `l + 1`, so later layers are
 //!    calibrated on the outputs of the already-pruned ones (as SparseGPT and Wanda do).
 //!
+//! Each window runs the layer as one [`Model::walk_layer`] (the executor of
+//! `sieve_model::plan::LAYER` without a cache), paused before each group's product while the
+//! group is pruned.
+//!
 //! The statistics are Wanda's column norms or SparseGPT's `XᵀX` (one site at a time; SparseGPT
 //! factorises each site's Hessian once for the matrices that share it); magnitude reads none.
 //! Each pruned linear is re-encoded in the chosen format ([`FormatChoice`]). The same steps
@@ -82,6 +86,7 @@ use sieve_cpu::dense::FastDense;
 use sieve_formats::value_grid::{INT4, INT8};
 use sieve_formats::{DenseMatrix, WeightFormat};
 use sieve_model::llama::{Model, Site};
+use sieve_model::plan::Group;
 use std::collections::HashMap;
 use teal_allocation::greedy_site_targets;
 use value_grid::{int8_scales, snap_runs};
@@ -340,8 +345,7 @@ pub fn prune_model(
     let longest = windows.iter().map(Vec::len).max().unwrap_or(0);
     check_calibration(model.config(), windows.len(), longest)?;
     let layers = model.layers().len();
-    let c = model.config();
-    let (d, att_width, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
+    let d = model.config().hidden_size;
     let per_layer_units = PASS_STEPS * windows.len() as u64 + 7;
     let total_units = layers as u64 * per_layer_units;
     let mut done = 0u64;
@@ -394,79 +398,29 @@ pub fn prune_model(
             step_done(&mut done, "prune", PASS_STEPS * windows.len() as u64);
             lap(&mut prune_seconds);
         } else {
-            // 1. q/k/v: their input is the normed residual stream.
-            let mut xn = Vec::new();
-            for (w, x) in windows.iter().zip(&hidden) {
-                let n = w.len();
-                xn.resize(n * d, 0.0);
-                model.attention_input(l, x, n, &mut xn)?;
-                pass.observe(Site::AttnIn, &xn, n)?;
-                step_done(&mut done, "attention input", 1);
+            // Steps 1-4: every window walks the layer's plan (`Model::walk_layer`) up to a
+            // group's product; its input's statistics over every window prune the group, then
+            // the walks go on with the pruned weights.
+            let mut walks = windows
+                .iter()
+                .zip(hidden.iter_mut())
+                .map(|(w, x)| model.walk_layer(l, x, w.len()))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let step_names = ["attention input", "attention", "o_proj", "mlp"];
+            for (group, stage) in Group::ALL.into_iter().zip(step_names) {
+                for walk in &mut walks {
+                    let n = walk.rows();
+                    pass.observe(group.site(), walk.input(model, group)?, n)?;
+                    step_done(&mut done, stage, 1);
+                }
+                lap(&mut forward_seconds);
+                let pruned = pass.prune_site(model, group.site())?;
+                step_done(&mut done, "prune", pruned);
+                lap(&mut prune_seconds);
             }
-            lap(&mut forward_seconds);
-            let pruned = pass.prune_site(model, Site::AttnIn)?;
-            step_done(&mut done, "prune", pruned);
-            lap(&mut prune_seconds);
-
-            // 2. o_proj: attention with the pruned q/k/v; kept for every window.
-            let mut mixed: Vec<Vec<f32>> = Vec::with_capacity(windows.len());
-            for (w, x) in windows.iter().zip(&hidden) {
-                let n = w.len();
-                xn.resize(n * d, 0.0);
-                model.attention_input(l, x, n, &mut xn)?;
-                let mut att = vec![0f32; n * att_width];
-                model.attention_mix(l, &xn, n, &mut att)?;
-                pass.observe(Site::OProjIn, &att, n)?;
-                mixed.push(att);
-                step_done(&mut done, "attention", 1);
-            }
-            lap(&mut forward_seconds);
-            let pruned = pass.prune_site(model, Site::OProjIn)?;
-            step_done(&mut done, "prune", pruned);
-            lap(&mut prune_seconds);
-
-            // 3. gate/up: the residual stream after the pruned o_proj.
-            let mut proj = Vec::new();
-            for ((w, x), att) in windows.iter().zip(hidden.iter_mut()).zip(&mut mixed) {
-                let n = w.len();
-                proj.resize(n * d, 0.0);
-                model.layers()[l].o_proj.forward(att, n, &mut proj)?;
-                *att = Vec::new();
-                x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
-                xn.resize(n * d, 0.0);
-                model.mlp_input(l, x, n, &mut xn)?;
-                pass.observe(Site::MlpIn, &xn, n)?;
-                step_done(&mut done, "o_proj", 1);
-            }
-            lap(&mut forward_seconds);
-            let pruned = pass.prune_site(model, Site::MlpIn)?;
-            step_done(&mut done, "prune", pruned);
-            lap(&mut prune_seconds);
-
-            // 4. down_proj: SwiGLU of the pruned gate/up; kept for every window.
-            mixed.clear();
-            for (w, x) in windows.iter().zip(&hidden) {
-                let n = w.len();
-                xn.resize(n * d, 0.0);
-                model.mlp_input(l, x, n, &mut xn)?;
-                let mut h = vec![0f32; n * inter];
-                model.mlp_mix(l, &xn, n, &mut h)?;
-                pass.observe(Site::DownProjIn, &h, n)?;
-                mixed.push(h);
-                step_done(&mut done, "mlp", 1);
-            }
-            lap(&mut forward_seconds);
-            let pruned = pass.prune_site(model, Site::DownProjIn)?;
-            step_done(&mut done, "prune", pruned);
-            lap(&mut prune_seconds);
-
             // 5. The layer's output with the pruned down_proj: the next layer's input.
-            for ((w, x), h) in windows.iter().zip(hidden.iter_mut()).zip(&mut mixed) {
-                let n = w.len();
-                proj.resize(n * d, 0.0);
-                model.layers()[l].down_proj.forward(h, n, &mut proj)?;
-                *h = Vec::new();
-                x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            for walk in walks {
+                walk.finish(model)?;
                 step_done(&mut done, "down_proj", 1);
             }
             lap(&mut forward_seconds);
