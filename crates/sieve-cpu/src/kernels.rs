@@ -127,13 +127,14 @@ pub fn softmax_scaled(row: &mut [f32], scale: f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use half::f16;
     use std::arch::x86_64::*;
 
+    /// The sum of the 8 lanes (the one horizontal sum of the crate's AVX2 kernels).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);

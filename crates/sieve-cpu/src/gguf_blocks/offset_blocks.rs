@@ -298,14 +298,7 @@ mod x86 {
     /// chose 1024 bytes).
     const PREFETCH_BYTES: usize = 1024;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
+    use crate::kernels::x86::hsum;
 
     /// Σ u · x over each 4 consecutive bytes (u unsigned, at most 63; x signed) as 8 i32 lanes.
     #[inline]
