@@ -29,7 +29,7 @@
 //      e4 (g, 2c+8)  e5 (g, 2c+9)    e6 (g+8, 2c+8)  e7 (g+8, 2c+9)      (row, k slot in tile)
 //
 // x blocks: k slots are not columns in order. The chunk's k tiles form blocks of P tiles (P =
-// tiles per scale group, at most the chunk's: 1 for w6 k, 4 for w4 g128 and w8 row, else 2),
+// tiles per scale group, at most the chunk's: 1 for w6 k, 4 for w4 g128, else 2),
 // and in tile j of a block, lane group c's slots 2c, 2c+1, 2c+8, 2c+9 hold the block's columns
 // 4Pc + 4j .. 4Pc + 4j + 3 (src/lowbit.rs `fragment_column`). So a lane's activations of a
 // block are 4P consecutive halves, one 8- or 16-byte load, where the natural order needs two

@@ -1720,6 +1720,57 @@ mod tests {
         }
     }
 
+    /// The columns the layout puts at each k slot are the ones the kernel's activation loads
+    /// bring there: per block of P tiles, lane group c reads 4 P consecutive halves from column
+    /// 16 P block + 4 P c as 2 P words, and tile j's B registers are words 2 j and 2 j + 1
+    /// (slots 2c, 2c+1, then 2c+8, 2c+9). Worked out from the loads, not from
+    /// `fragment_column`, so that the two are checked against each other.
+    #[test]
+    fn fragment_columns_are_where_the_kernel_loads_activations() {
+        for kind in LowBitKind::ALL {
+            let tiles = kind.chunk_cols() / 16;
+            // The kernel's P: tiles per scale group when a group is smaller than the chunk.
+            let group_tiles = kind.group() / 16;
+            let p = if kind.group() != 0 && group_tiles < tiles {
+                group_tiles
+            } else {
+                tiles
+            };
+            let mut seen = vec![false; kind.chunk_cols()];
+            for j in 0..tiles {
+                for c in 0..4 {
+                    for (h, slot) in [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let word = 2 * j + h / 2;
+                        let (block, i) = (word / (2 * p), word % (2 * p));
+                        let loaded = 16 * p * block + 4 * p * c + 2 * i + h % 2;
+                        assert_eq!(
+                            kind.fragment_column(j, slot),
+                            loaded,
+                            "{kind:?} tile {j} slot {slot}"
+                        );
+                        assert!(!seen[loaded], "{kind:?}: column {loaded} twice");
+                        seen[loaded] = true;
+                        // A block stays inside one scale group.
+                        if kind.group() != 0 {
+                            assert_eq!(
+                                loaded / kind.group().min(kind.chunk_cols()),
+                                (16 * j) / kind.group().min(kind.chunk_cols()),
+                                "{kind:?}"
+                            );
+                        }
+                    }
+                }
+            }
+            assert!(
+                seen.iter().all(|&s| s),
+                "{kind:?}: a column is never loaded"
+            );
+        }
+    }
+
     #[test]
     fn bad_inputs_are_refused() {
         assert!(LowBitMatrix::from_q4_0(2, 33, &[]).is_err());
