@@ -77,31 +77,22 @@ impl Default for CpuKernelOptions {
 }
 
 impl CpuKernelOptions {
-    /// The switches as the environment sets them (module notes); unknown values mean the default.
+    /// The switches as the environment sets them (module notes), through the same value table
+    /// as the flag ([`CpuKernelOptions::with_switch`]); an unknown value means the default.
     pub fn from_env() -> Self {
-        let var = |name: &str| std::env::var(name).ok();
-        Self {
-            simd_cap: match var("SIEVE_CPU_SIMD").as_deref() {
-                Some("portable") => SimdLevel::Portable,
-                Some("avx2") => SimdLevel::Avx2,
-                Some("avx512") => SimdLevel::Avx512,
-                _ => SimdLevel::Avx512Vbmi2,
+        const VARIABLES: [(&str, &str); 4] = [
+            ("SIEVE_CPU_SIMD", "simd"),
+            ("SIEVE_TCBC_CPU", "tiled-cbc"),
+            ("SIEVE_BCBC_CPU", "balanced-cbc"),
+            ("SIEVE_IEBME_KERNEL", "ie-bme"),
+        ];
+        VARIABLES.iter().fold(
+            Self::default(),
+            |options, (variable, key)| match std::env::var(variable) {
+                Ok(value) => options.with_switch(key, &value).unwrap_or(options),
+                Err(_) => options,
             },
-            tiled_cbc: match var("SIEVE_TCBC_CPU").as_deref() {
-                Some("columns") => TiledCbcLayout::Columns,
-                _ => TiledCbcLayout::Rows,
-            },
-            balanced_cbc: match var("SIEVE_BCBC_CPU").as_deref() {
-                Some("f16") => BalancedCbcRecords::F16,
-                Some("split") => BalancedCbcRecords::Split,
-                Some("int4-quads") => BalancedCbcRecords::Int4Quads,
-                _ => BalancedCbcRecords::Auto,
-            },
-            ie_bme: match var("SIEVE_IEBME_KERNEL").as_deref() {
-                Some("columns") => IeBmeKernel::Columns,
-                _ => IeBmeKernel::Int4,
-            },
-        }
+        )
     }
 
     /// These options with one switch set from its flag form, `key` and `value` as in the module

@@ -452,57 +452,33 @@ fn user_errors_print_a_message_not_a_backtrace() {
 /// passed from the top).
 #[test]
 fn cpu_kernel_switches_are_checked_before_any_work() {
-    let e = fails(&[
-        "--cpu-kernel",
-        "simd=sse2",
-        "formats",
-        "stats",
-        "--rows",
-        "16",
-        "--cols",
-        "16",
-    ]);
+    // A small command that builds products, behind the switches given.
+    fn with<'a>(switches: &[&'a str]) -> Vec<&'a str> {
+        let mut args = switches.to_vec();
+        args.extend(["formats", "stats", "--rows", "16", "--cols", "16"]);
+        args
+    }
+    let e = fails(&with(&["--cpu-kernel", "simd=sse2"]));
     assert!(
         e.contains("simd is one of best, avx512, avx2, portable"),
         "{e}"
     );
-    let e = fails(&[
-        "formats",
-        "stats",
-        "--rows",
-        "16",
-        "--cols",
-        "16",
-        "--cpu-kernel",
-        "tcbc=rows",
-    ]);
+    // The flag is global: after the subcommand too.
+    let mut after = with(&[]);
+    after.extend(["--cpu-kernel", "tcbc=rows"]);
+    let e = fails(&after);
     assert!(
         e.contains("the keys are simd, tiled-cbc, balanced-cbc, ie-bme"),
         "{e}"
     );
-    let e = fails(&[
-        "--cpu-kernel",
-        "portable",
-        "formats",
-        "stats",
-        "--rows",
-        "16",
-        "--cols",
-        "16",
-    ]);
+    let e = fails(&with(&["--cpu-kernel", "portable"]));
     assert!(e.contains("expected KEY=VALUE"), "{e}");
-    let out = run(&[
+    let out = run(&with(&[
         "--cpu-kernel",
         "simd=portable",
         "--cpu-kernel",
         "tiled-cbc=columns",
-        "formats",
-        "stats",
-        "--rows",
-        "16",
-        "--cols",
-        "16",
-    ]);
+    ]));
     assert!(
         out.status.success(),
         "{}",
