@@ -581,3 +581,13 @@ mod x86 {
 
 #[cfg(test)]
 mod tests;
+
+/// The IE-BME matrix behind `f` when `f` is one of the IE-BME implementations (the format's
+/// own, [`Int4IeBme`], [`F16IeBme`]): for backends that take the encoded
+/// matrix as it is (the GPU upload) rather than its decoded values.
+pub fn ie_bme_source(f: &dyn WeightFormat) -> Option<&IeBme> {
+    let any = f.as_any()?;
+    any.downcast_ref::<IeBme>()
+        .or_else(|| any.downcast_ref::<Int4IeBme>().map(Int4IeBme::source))
+        .or_else(|| any.downcast_ref::<F16IeBme>().map(F16IeBme::source))
+}

@@ -286,11 +286,12 @@ fn compile_log(source: &str, options: &[String]) -> Option<String> {
 }
 
 /// All kernel families of this crate: the products', then the model step's.
-pub fn families() -> [KernelFamily; 11] {
+pub fn families() -> [KernelFamily; 12] {
     [
         crate::balanced_cbc::FAMILY,
         crate::balanced_lowbit::FAMILY,
         crate::dense::FAMILY,
+        crate::ie_bme::FAMILY,
         crate::lowbit::FAMILY,
         crate::rlc_csc::FAMILY,
         crate::tiled_cbc::FAMILY,

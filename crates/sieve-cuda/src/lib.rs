@@ -17,6 +17,7 @@
 //! | [`tiled_cbc`] | SPDP Tiled-CBC | SPDP's kernel; sieve's lane-per-8-rows kernel (default) |
 //! | [`balanced_cbc`] | Balanced-CBC (N of every 16 rows per column) | lane per 16 rows, fixed-size coalesced blocks, shared-memory accumulators |
 //! | [`balanced_lowbit`] | Balanced-CBC with int8 / int4 values (`sieve pack --values`) | the Balanced-CBC index kernel decoding bytes / nibbles, scales per row (group) at the reduction |
+//! | [`ie_bme`] | UnionSparse IE-BME with int4 / int8 values: union bitmaps, Q area values per union position | N = 1..32 tokens, union positions decoded straight into mma.sync fragments, split-K |
 //! | [`lowbit`] | W4A16 g128, W8A16, GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into mma fragment order | N = 1..32 tokens, in-register dequantization, mma.sync m16n8k16 |
 //!
 //! The model's kernels besides the products (launchers on raw device addresses, for graph
@@ -44,6 +45,7 @@ pub mod dense;
 pub mod error;
 pub mod gpu;
 pub mod graph;
+pub mod ie_bme;
 pub mod lowbit;
 pub mod prefill;
 pub mod product;

@@ -8,7 +8,8 @@
 //! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, W4A16 g128, W8A16) | any | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
-//! | ie-bme, slide | - | refused: no GPU decode kernel yet |
+//! | ie-bme with int4 / int8 values ([`HostMatrix::IeBme`], or int4 values re-encoded exactly) | any | union bitmaps decoded into tensor-core fragments |
+//! | ie-bme with f16 values, slide | - | refused: no GPU decode kernel yet |
 //! | balanced-cbc | any | lane-per-16-rows spMspV (N of every 16 rows per column) |
 //! | balanced-cbc, values on an int8 / int4 grid (`sieve pack --values`) | any | the same from 8- / 4-bit values |
 //!
@@ -21,11 +22,13 @@ use half::f16;
 use sieve_cuda::balanced_cbc::GpuBalancedCbc;
 use sieve_cuda::balanced_lowbit::{BalancedLowBit, GpuBalancedLowBit};
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
+use sieve_cuda::ie_bme::{GpuIeBme, IeBmeDevice};
 use sieve_cuda::lowbit::{GpuLowBit, LowBitMatrix};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
 use sieve_formats::balanced_cbc::BalancedCbc;
+use sieve_formats::ie_bme::IeBme;
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
@@ -37,6 +40,8 @@ pub enum HostMatrix {
     /// Dense integers and scales (GGUF blocks, W4A16, W8A16), multiplied as they
     /// are: never widened to f16 on the device.
     LowBit(LowBitMatrix),
+    /// An IE-BME matrix as the pack holds it (its integers, scales and bitmaps).
+    IeBme(IeBme),
 }
 
 impl HostMatrix {
@@ -44,12 +49,14 @@ impl HostMatrix {
         match self {
             HostMatrix::Values(m) => m.rows(),
             HostMatrix::LowBit(m) => m.rows(),
+            HostMatrix::IeBme(m) => m.rows(),
         }
     }
     pub fn cols(&self) -> usize {
         match self {
             HostMatrix::Values(m) => m.cols(),
             HostMatrix::LowBit(m) => m.cols(),
+            HostMatrix::IeBme(m) => m.cols(),
         }
     }
     /// Whether `self` and `other` can be joined by rows into one device matrix.
@@ -78,6 +85,7 @@ pub enum DeviceMatrix {
     BalancedCbc(GpuBalancedCbc),
     BalancedLowBit(GpuBalancedLowBit),
     LowBit(LowBitProduct),
+    IeBme(GpuIeBme),
 }
 
 impl DeviceMatrix {
@@ -127,9 +135,20 @@ impl DeviceMatrix {
                     }
                 }
             }
+            FormatKind::IeBme => match sieve_cuda::ie_bme::encode_exact(m)? {
+                Some(e) => Self::upload_ie_bme(gpu, &e)?,
+                None => {
+                    return Err(GpuError::Unsupported(
+                        "ie-bme values that are not on an int4 grid reached the GPU as values: \
+                         the GPU multiplies ie-bme from int4 / int8 values (sieve pack --format \
+                         ie-bme --values int4|int8), not f16"
+                            .into(),
+                    ))
+                }
+            },
             other => {
                 return Err(GpuError::Unsupported(format!(
-                    "format '{}' has no GPU decode kernel yet (GPU formats: dense, tiled-cbc, rlc-csc, balanced-cbc); re-pack with one of those or run on the CPU (--device cpu)",
+                    "format '{}' has no GPU decode kernel yet (GPU formats: dense, tiled-cbc, rlc-csc, balanced-cbc, ie-bme with int4 / int8 values); re-pack with one of those or run on the CPU (--device cpu)",
                     other.name()
                 )))
             }
@@ -144,6 +163,13 @@ impl DeviceMatrix {
         Ok((DeviceMatrix::LowBit(LowBitProduct { matrix, x16 }), bytes))
     }
 
+    /// Uploads an encoded IE-BME matrix (int4 / int8 values).
+    pub fn upload_ie_bme(gpu: &Gpu, m: &IeBme) -> Result<(Self, usize)> {
+        let layout = IeBmeDevice::new(m)?;
+        let bytes = layout.device_bytes();
+        Ok((DeviceMatrix::IeBme(GpuIeBme::upload(gpu, &layout)?), bytes))
+    }
+
     /// Uploads `m` as it comes: values in `kind`, low-bit matrices as they are.
     pub fn upload_host(
         gpu: &Gpu,
@@ -154,6 +180,7 @@ impl DeviceMatrix {
         match m {
             HostMatrix::Values(v) => Self::upload(gpu, kind, v, threshold),
             HostMatrix::LowBit(q) => Self::upload_low_bit(gpu, q),
+            HostMatrix::IeBme(e) => Self::upload_ie_bme(gpu, e),
         }
     }
 
@@ -177,6 +204,13 @@ impl DeviceMatrix {
                 sieve_cuda::balanced_lowbit::LowBitValues::Int8 => "balanced-cbc/int8",
                 sieve_cuda::balanced_lowbit::LowBitValues::Int4 { .. } => "balanced-cbc/int4",
             },
+            DeviceMatrix::IeBme(m) => {
+                if m.bits() == 4 {
+                    "ie-bme/int4"
+                } else {
+                    "ie-bme/int8"
+                }
+            }
             DeviceMatrix::LowBit(m) => match m.matrix.kind() {
                 sieve_cuda::lowbit::LowBitKind::W4G128 => "lowbit/w4a16-g128",
                 sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0",
@@ -200,6 +234,7 @@ impl DeviceMatrix {
             DeviceMatrix::RlcCsc(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::BalancedCbc(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::BalancedLowBit(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::IeBme(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::LowBit(p) => {
                 let (k, ldx) = (p.matrix.cols(), p.matrix.padded_cols());
                 let x16 = sieve_cuda::dev_ptr(gpu, &p.x16);
@@ -220,6 +255,7 @@ impl DeviceMatrix {
             DeviceMatrix::RlcCsc(m) => m.bytes_for(active),
             DeviceMatrix::BalancedCbc(m) => m.bytes_for(active),
             DeviceMatrix::BalancedLowBit(m) => m.bytes_for(active),
+            DeviceMatrix::IeBme(m) => m.bytes_for(active),
             // Every weight and scale, the f32 input read and its f16 copy written and read,
             // the f32 output read and written.
             DeviceMatrix::LowBit(p) => {
@@ -290,10 +326,15 @@ impl DeviceLinear {
                         .iter()
                         .filter_map(|(m, _)| match m {
                             HostMatrix::LowBit(q) => Some(q),
-                            HostMatrix::Values(_) => None,
+                            _ => None,
                         })
                         .collect();
                     DeviceMatrix::upload_low_bit(gpu, &LowBitMatrix::concat_rows(&low)?)?
+                }
+                HostMatrix::IeBme(_) => {
+                    return Err(GpuError::InvalidArgument(
+                        "IE-BME matrices are uploaded one by one, not joined".into(),
+                    ))
                 }
             };
             parts.push(Part {

@@ -80,8 +80,8 @@ impl PrefillBuffers {
     }
 }
 
-/// True when every matrix of `linears` can run as a GEMM (RLC-CSC and Balanced-CBC have no
-/// decode-to-dense kernel yet: their prompts run token by token).
+/// True when every matrix of `linears` can run as a GEMM (RLC-CSC, Balanced-CBC and IE-BME have
+/// no decode-to-dense kernel yet: their prompts run token by token).
 pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     linears.iter().all(|l| {
         l.parts.iter().all(|p| {
@@ -90,6 +90,7 @@ pub fn batchable(linears: &[&DeviceLinear]) -> bool {
                 DeviceMatrix::RlcCsc(_)
                     | DeviceMatrix::BalancedCbc(_)
                     | DeviceMatrix::BalancedLowBit(_)
+                    | DeviceMatrix::IeBme(_)
             )
         })
     })
@@ -175,6 +176,11 @@ pub fn linear_rows(
             DeviceMatrix::BalancedCbc(_) | DeviceMatrix::BalancedLowBit(_) => {
                 return Err(GpuError::Unsupported(
                     "Balanced-CBC has no batched prefill path".into(),
+                ))
+            }
+            DeviceMatrix::IeBme(_) => {
+                return Err(GpuError::Unsupported(
+                    "IE-BME has no batched prefill path yet".into(),
                 ))
             }
             DeviceMatrix::LowBit(_) => {

@@ -115,6 +115,7 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
         FormatKind::TiledCbc,
         FormatKind::RlcCsc,
         FormatKind::BalancedCbc,
+        FormatKind::IeBme,
     ],
     blocks: BlockSupport::NativeFor(&[
         "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
@@ -226,13 +227,21 @@ impl GpuModel {
         // What this runner cannot execute is refused here, naming the op and the format,
         // before anything is decoded or uploaded.
         let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
-        // GGUF blocks go to the device as their integers, scales and mins; every other
-        // matrix as its values, encoded there in its format.
+        // GGUF blocks go to the device as their integers, scales and mins, IE-BME matrices with
+        // integer values as they are encoded; every other matrix as its values, encoded there
+        // in its format.
         let decode =
             |lin: &sieve_model::linear::Linear| -> Result<(HostMatrix, Threshold, FormatKind)> {
-                let weights = match lin.quant_blocks() {
-                    Some(q) => HostMatrix::LowBit(low_bit_of_blocks(q)?),
-                    None => HostMatrix::Values(lin.format().decode()),
+                let weights = match (
+                    lin.quant_blocks(),
+                    sieve_cpu::ie_bme::ie_bme_source(lin.format()),
+                ) {
+                    (Some(q), _) => HostMatrix::LowBit(low_bit_of_blocks(q)?),
+                    // IE-BME with integer values goes as it is encoded.
+                    (None, Some(e)) if e.payload().group_size().is_some() => {
+                        HostMatrix::IeBme(e.clone())
+                    }
+                    (None, _) => HostMatrix::Values(lin.format().decode()),
                 };
                 Ok((weights, lin.threshold(), lin.format().kind()))
             };

@@ -16,6 +16,7 @@ use rayon::prelude::*;
 use sieve_cuda::balanced_lowbit::{snap_row, LowBitValues, INT4_GROUPS};
 use sieve_cuda::lowbit::{quantize_q4_0, quantize_q8_0, LowBitKind, LowBitMatrix};
 use sieve_cuda::Gpu;
+use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
 use sieve_formats::random::Pattern;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
@@ -117,6 +118,8 @@ impl SyntheticValues {
     /// Refuses, before anything is built, values the GPU has no kernel for in `format`.
     pub fn check(self, format: FormatKind) -> Result<()> {
         let ok = match (self, format) {
+            (Self::Int8 | Self::Int4 { group: 64 | 128 }, FormatKind::IeBme) => true,
+            (_, FormatKind::IeBme) => false,
             (Self::F16, _) => true,
             (Self::Int4 { group }, FormatKind::Dense) => group == 128,
             (_, FormatKind::Dense) => true,
@@ -128,7 +131,8 @@ impl SyntheticValues {
         }
         Err(GpuError::Unsupported(format!(
             "{} values in {}: the GPU multiplies low-bit values in dense (int8, int4 with \
-             groups of 128, q4_0, q8_0) and balanced-cbc (int8, int4:32/64/128)",
+             groups of 128, q4_0, q8_0), balanced-cbc (int8, int4:32/64/128) and ie-bme (int8, \
+             int4:64/128; ie-bme has no f16 GPU kernel)",
             self.name(),
             format.name()
         )))
@@ -331,6 +335,20 @@ pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> 
     let values = opts.values;
     let stored = move |w: DenseMatrix| -> Result<HostMatrix> {
         Ok(match (opts.format, values) {
+            // IE-BME as a pack holds it: UnionSparse's quantizer, 2 x 2 areas, greedy row
+            // reordering (the DP of `sieve pack` takes minutes on a 7B model).
+            (FormatKind::IeBme, v) => {
+                let payload = match v {
+                    SyntheticValues::Int4 { group } => Payload::Int4 { group_size: group },
+                    _ => Payload::Int8 { group_size: 128 },
+                };
+                let opts = IeBmeOptions {
+                    payload,
+                    reorder: Reorder::Greedy,
+                    ..IeBmeOptions::default()
+                };
+                HostMatrix::IeBme(IeBme::encode(&w, &opts)?)
+            }
             (_, SyntheticValues::F16) => HostMatrix::Values(w),
             (FormatKind::Dense, v) => match v.dense_kind() {
                 Some(kind) => HostMatrix::LowBit(quantize_dense(&w, kind)?),

@@ -978,6 +978,12 @@ fn synthetic_values_are_checked_against_the_format() {
         .to_string()
         .contains("int4:48"));
     assert!(parse("q4_0").unwrap().check(FormatKind::Dense).is_ok());
+    assert!(parse("int4:64").unwrap().check(FormatKind::IeBme).is_ok());
+    assert!(parse("int8").unwrap().check(FormatKind::IeBme).is_ok());
+    for v in ["f16", "int4:32", "q4_0"] {
+        let err = parse(v).unwrap().check(FormatKind::IeBme).unwrap_err();
+        assert!(err.to_string().contains("in ie-bme"), "{err}");
+    }
     assert!(parse("int4:32")
         .unwrap()
         .check(FormatKind::BalancedCbc)
@@ -1005,10 +1011,58 @@ fn unsupported_formats_are_refused_by_name() {
         return;
     };
     let m = sparse_matrix(64, 64, 0.5, Pattern::Unstructured, 1).unwrap();
+    let err = sieve_gpu::matrix::DeviceMatrix::upload(&gpu, FormatKind::Slide, &m, None)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("slide"), "{err}");
+    // IE-BME runs from int4 / int8 values only: f16 values are refused by name.
     let err = sieve_gpu::matrix::DeviceMatrix::upload(&gpu, FormatKind::IeBme, &m, None)
         .err()
         .unwrap();
-    assert!(err.to_string().contains("ie-bme"), "{err}");
+    assert!(
+        err.to_string().contains("ie-bme") && err.to_string().contains("f16"),
+        "{err}"
+    );
+}
+
+/// IE-BME models with int4 (the CPU's integer kernel) and int8 values (its f16 column kernel)
+/// decode on the GPU from their union bitmaps (named in the upload report) with the CPU's
+/// tokens, under TEAL thresholds.
+#[test]
+fn tiny_ie_bme_models_match_cpu() {
+    use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
+    if gpu_or_skip("tiny_ie_bme_models_match_cpu").is_none() {
+        return;
+    }
+    for (payload, label, seed) in [
+        (Payload::Int4 { group_size: 64 }, "ie-bme/int4", 41),
+        (Payload::Int8 { group_size: 128 }, "ie-bme/int8", 42),
+    ] {
+        let mut model = tiny_model(FormatKind::Dense, 0.5, 0.5, seed);
+        let opts = IeBmeOptions {
+            payload,
+            reorder: Reorder::Greedy,
+            ..IeBmeOptions::default()
+        };
+        for (_, lin) in model.linears_mut() {
+            let e = IeBme::encode(&lin.format().decode(), &opts).unwrap();
+            // As a pack loads it: the CPU's kernel layer over the encoded matrix.
+            let f = sieve_cpu::format_from_blob(&e.to_bytes()).unwrap();
+            lin.replace_format(f).unwrap();
+        }
+        let g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
+        let layer_kernels = &g.report().kernels[..4];
+        assert!(
+            layer_kernels.iter().all(|k| k.ends_with(label)),
+            "{layer_kernels:?}"
+        );
+        drop(g);
+        check_model_against_cpu(
+            &format!("tiny_ie_bme_models_match_cpu {label}"),
+            &mut model,
+            0.05,
+        );
+    }
 }
 
 /// A synthetic model of a real shape builds, calibrates its thresholds to the asked activation
@@ -1067,7 +1121,6 @@ fn models_from_env_match_cpu() {
 /// needed), naming the layer, the op, the projection and the format.
 #[test]
 fn the_plan_check_refuses_what_the_runner_cannot_execute() {
-    use sieve_formats::ie_bme::{IeBme, IeBmeOptions};
     use sieve_gpu::runner::GPU_CAPABILITIES;
     use sieve_model::plan::Plan;
 
@@ -1092,17 +1145,17 @@ fn the_plan_check_refuses_what_the_runner_cannot_execute() {
     // A format without a GPU kernel.
     let mut model = tiny_model(FormatKind::Dense, 0.0, 0.0, 12);
     let gate = model.layers()[0].gate_proj.format().decode();
-    let ie = IeBme::encode(&gate, &IeBmeOptions::default()).unwrap();
+    let (slide, _) = sieve_formats::slide::encode_or_prune(&gate, Pattern::Unstructured).unwrap();
     model.layers_mut()[0]
         .gate_proj
-        .replace_format(Box::new(ie))
+        .replace_format(Box::new(slide))
         .unwrap();
     let err = Plan::of(&model)
         .check(&GPU_CAPABILITIES)
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("layer 0 gate|up") && err.contains("mlp.gate_proj") && err.contains("IeBme"),
+        err.contains("layer 0 gate|up") && err.contains("mlp.gate_proj") && err.contains("Slide"),
         "{err}"
     );
     // The CPU runs both.

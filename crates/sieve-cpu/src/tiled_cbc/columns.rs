@@ -373,6 +373,10 @@ impl F16IeBme {
     pub fn columns(&self) -> &ColumnTiledCbc {
         &self.columns
     }
+    /// The IE-BME matrix this was built from.
+    pub fn source(&self) -> &sieve_formats::ie_bme::IeBme {
+        &self.source
+    }
 }
 
 impl WeightFormat for F16IeBme {
@@ -405,6 +409,9 @@ impl WeightFormat for F16IeBme {
     }
     fn write_payload(&self, w: &mut ByteWriter) {
         self.source.write_payload(w)
+    }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 }
 

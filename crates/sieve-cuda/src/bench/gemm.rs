@@ -15,6 +15,7 @@ use crate::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
 use crate::dense::{Cublas, GpuDense};
 use crate::error::{CudaError, Result};
 use crate::gpu::{DeviceInfo, Gpu};
+use crate::ie_bme::{GpuIeBme, IeBmeDevice};
 use crate::lowbit::{
     pad_activations, quantize_q4_0, quantize_q8_0, GpuLowBit, LowBitKind, LowBitMatrix, MAX_TOKENS,
 };
@@ -24,8 +25,10 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use serde::Serialize;
 use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
+use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::max_rel_error;
+use sieve_formats::WeightFormat;
 use std::fmt::Write as _;
 
 /// Largest relative error (max |got - want| / max |want|) that counts as correct.
@@ -57,10 +60,15 @@ pub enum Precision {
     BcbcInt4,
     /// Balanced-CBC, f16 values (the existing kernel, for comparison; N = 1, sp / dp).
     BcbcF16,
+    /// IE-BME 2 x 2 areas, int4 values with f16 scales per row and 128 columns, greedy row
+    /// reordering (unstructured sparsity sp, every N; dp at N = 1).
+    IeBmeInt4,
+    /// IE-BME 2 x 2 areas, int8 values, scales per row and 128 columns.
+    IeBmeInt8,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 12] = [
+    pub const ALL: [Precision; 14] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -73,6 +81,8 @@ impl Precision {
         Precision::BcbcInt8,
         Precision::BcbcInt4,
         Precision::BcbcF16,
+        Precision::IeBmeInt4,
+        Precision::IeBmeInt8,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -88,6 +98,8 @@ impl Precision {
             Precision::BcbcInt8 => "bcbc-int8",
             Precision::BcbcInt4 => "bcbc-int4",
             Precision::BcbcF16 => "bcbc-f16",
+            Precision::IeBmeInt4 => "ie-bme-int4",
+            Precision::IeBmeInt8 => "ie-bme-int8",
         }
     }
     fn is_balanced(self) -> bool {
@@ -500,6 +512,8 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
         }
     }
 
+    bench_ie_bme(ctx, shape, seed, &x16, &bases)?;
+
     // Balanced-CBC rows: matrix-vector products with TEAL thresholds.
     let balanced: Vec<Precision> = opts
         .precisions
@@ -568,6 +582,86 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
                 })?;
                 let bytes = copies[0].bytes_for(&crate::product::active_mask(&x, thr));
                 ctx.record(p, shape, 1, sp, dp, &t, &bases[ni], bytes, err);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// IE-BME rows: every N at dp 0, and at N = 1 every dp (TEAL thresholds inside the kernel), for
+/// every weight sparsity.
+fn bench_ie_bme(
+    ctx: &mut Ctx,
+    shape: &Shape,
+    seed: u64,
+    x16: &[f16],
+    bases: &[Timed],
+) -> Result<()> {
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let (m, k) = (shape.m, shape.k);
+    let nmax = *opts.n.iter().max().unwrap_or(&1);
+    let xf32: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+    for &p in &opts.precisions {
+        let payload = match p {
+            Precision::IeBmeInt4 => Payload::Int4 { group_size: 128 },
+            Precision::IeBmeInt8 => Payload::Int8 { group_size: 128 },
+            _ => continue,
+        };
+        for (pi, &sp) in opts.sp.iter().enumerate() {
+            let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x40 + pi as u64))?;
+            let enc = IeBme::encode(
+                &w,
+                &IeBmeOptions {
+                    payload,
+                    reorder: Reorder::Greedy,
+                    ..IeBmeOptions::default()
+                },
+            )?;
+            let layout = IeBmeDevice::new(&enc)?;
+            let wq: Vec<f64> = enc.decode().data().iter().map(|v| v.to_f64()).collect();
+            let xf: Vec<f64> = x16.iter().map(|v| v.to_f64()).collect();
+            let want_all = reference_product(&wq, m, k, &xf, nmax);
+            let bytes_w = layout.device_bytes();
+            let copies: Vec<GpuIeBme> = (0..ctx.copies(bytes_w))
+                .map(|_| GpuIeBme::upload(gpu, &layout))
+                .collect::<Result<_>>()?;
+            let nc = copies.len();
+            for (ni, &n) in opts.n.iter().enumerate() {
+                let xd = gpu.upload(&xf32[..n * k])?;
+                let mut y = gpu.poisoned_f32(n * m)?;
+                let want = first_tokens(&want_all, m, n);
+                copies[0].launch_tokens(gpu, &xd, n, None, &mut y)?;
+                let err = max_rel_error(&gpu.download(&y)?, want);
+                let t = ctx.time(nc, &mut y, want, |i, y| {
+                    copies[i % nc].launch_tokens(gpu, &xd, n, None, y)
+                })?;
+                let bytes = bytes_w + n * k * 4 + n * m * 4;
+                ctx.record(p, shape, n, sp, 0.0, &t, &bases[ni], bytes, err);
+                if n != 1 {
+                    continue;
+                }
+                for &dp in opts.dp.iter().filter(|&&dp| dp > 0.0) {
+                    let x = &xf32[..k];
+                    let thr = threshold_for_sparsity(x, dp)?;
+                    let xm: Vec<f64> = x
+                        .iter()
+                        .map(|&v| {
+                            if sieve_formats::format::is_active(v, thr) {
+                                v as f64
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect();
+                    let want = reference_product(&wq, m, k, &xm, 1);
+                    copies[0].launch_tokens(gpu, &xd, 1, thr, &mut y)?;
+                    let err = max_rel_error(&gpu.download(&y)?, &want);
+                    let t = ctx.time(nc, &mut y, &want, |i, y| {
+                        copies[i % nc].launch_tokens(gpu, &xd, 1, thr, y)
+                    })?;
+                    ctx.record(p, shape, 1, sp, dp, &t, &bases[ni], bytes, err);
+                }
             }
         }
     }

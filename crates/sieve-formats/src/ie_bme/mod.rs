@@ -1435,6 +1435,9 @@ impl WeightFormat for IeBme {
             Values::Int4(p, _) => w.bytes(p),
         }
     }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
 }
 
 #[cfg(test)]

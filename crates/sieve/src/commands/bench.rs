@@ -29,16 +29,18 @@ pub struct GemmArgs {
     /// Tokens per product (1..=32).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     n: Vec<usize>,
-    /// Weight sparsities of the Balanced-CBC rows (N = round(16 (1 - sp)) of every 16 rows).
+    /// Weight sparsities of the Balanced-CBC rows (N = round(16 (1 - sp)) of every 16 rows) and
+    /// of the IE-BME rows (unstructured).
     #[arg(long, value_delimiter = ',', default_value = "0.5")]
     sp: Vec<f64>,
-    /// Activation sparsities (TEAL) of the Balanced-CBC rows.
+    /// Activation sparsities (TEAL) of the Balanced-CBC rows and of the IE-BME rows at N = 1.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5")]
     dp: Vec<f64>,
     /// Precisions: f16 (cuBLAS, always timed as the baseline), w8a16, w4a16 (group 128),
     /// gguf-q4_0, gguf-q8_0, the kernels of the other GGUF types on sieve's quantization
     /// (q4_k-kernel, q5_k-kernel, q6_k-kernel, q4_1-kernel), bcbc-int8, bcbc-int4 (group 128),
-    /// bcbc-f16 (N = 1 only).
+    /// bcbc-f16 (N = 1 only), ie-bme-int4, ie-bme-int8 (UnionSparse's union bitmaps, 2 x 2
+    /// areas, group 128, every N).
     #[arg(
         long,
         value_delimiter = ',',

@@ -24,12 +24,13 @@ pub struct DecodeArgs {
     /// Activation sparsities, paired with --sp.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7")]
     dp: Vec<f64>,
-    /// Format of the sparse configurations: tiled-cbc, rlc-csc, balanced-cbc, dense.
+    /// Format of the sparse configurations: tiled-cbc, rlc-csc, balanced-cbc, ie-bme (with
+    /// --values int4[:64|128] or int8), dense.
     #[arg(long, default_value = "tiled-cbc")]
     format: String,
     /// What the synthetic models' kept weights are stored as, one model each: f16, int8, int4
-    /// (dense: W8A16, W4A16 g128; balanced-cbc: int8, int4[:32|64|128] values), q4_0, q8_0
-    /// (dense GGUF blocks).
+    /// (dense: W8A16, W4A16 g128; balanced-cbc: int8, int4[:32|64|128] values; ie-bme: int8,
+    /// int4[:64|128]), q4_0, q8_0 (dense GGUF blocks).
     #[arg(long, value_delimiter = ',', default_value = "f16")]
     values: Vec<String>,
     /// Pruning pattern of the synthetic weights: unstructured or N:M.
