@@ -40,7 +40,8 @@
 // t < 0 keeps all) and converted to f16, in shared memory, 8 · NT8 token rows of 64 · chunk + 8
 // halves (row stride 4 mod 32 words: the B loads of lanes (g, l) hit 32 distinct banks). Rows of
 // tokens past N are left unwritten: they reach only mma columns that are never stored.
-// Output: y[n · M + row] += the product; with flags, a plain product with fused zeroing: the
+// Rows of X and Y are ldx and ldy floats apart. Output: y[n · ldy + row] += the product; with
+// flags, a plain product with fused zeroing: the
 // warps of the first K chunk (blockIdx.y = 0) zero their tile row of y for all N tokens and
 // publish the launch's epoch in flags[tr]; the other chunks' warps wait for it before their
 // atomics (at their end, so the wait is almost always over at once).
@@ -113,7 +114,8 @@ template <int RA, int CA, int BITS, int NT8, bool ONE>
 __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const unsigned long long* __restrict__ iperms,
                                           const u32* __restrict__ tile_offsets, const unsigned char* __restrict__ values,
                                           const float* __restrict__ scales, const float* __restrict__ x,
-                                          float* __restrict__ y, int M, int K, int N, int tile_rows, int tile_cols,
+                                          float* __restrict__ y, int M, int K, int N, int ldx, int ldy,
+                                          int tile_rows, int tile_cols,
                                           int chunk, int group_tiles, int mp, float t, u32* __restrict__ flags,
                                           u32 epoch) {
     constexpr int Q = RA * CA;
@@ -140,7 +142,7 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
     for (int n = 0; n < min(N, NTOK); ++n)
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             const int col = tc0 * 64 + c;
-            float v = col < K ? __ldg(x + (size_t)n * K + col) : 0.f;
+            float v = col < K ? __ldg(x + (size_t)n * ldx + col) : 0.f;
             xs[n][c] = f2h(active(v, t) ? v : 0.f);
         }
     __syncthreads();
@@ -148,7 +150,7 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
     if (flags && blockIdx.y == 0) {
         for (int i = lane; i < 16 * N; i += 32) {
             const int row = tr * 16 + (i & 15), n = i >> 4;
-            if (row < M) y[(size_t)n * M + row] = 0.f;
+            if (row < M) y[(size_t)n * ldy + row] = 0.f;
         }
         __threadfence();
         __syncwarp();
@@ -296,7 +298,7 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
 #pragma unroll
             for (int j = 0; j < (ONE ? 1 : 2); ++j) {
                 const int n = 8 * n8 + 2 * l + j, row = h ? row1 : row0;
-                if (n < N && row < M && acc[n8][h][j] != 0.f) atomicAdd(y + (size_t)n * M + row, acc[n8][h][j]);
+                if (n < N && row < M && acc[n8][h][j] != 0.f) atomicAdd(y + (size_t)n * ldy + row, acc[n8][h][j]);
             }
 }
 
@@ -304,10 +306,10 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
     const u32 *__restrict__ bitmaps, const unsigned long long *__restrict__ iperms,                          \
         const u32 *__restrict__ tile_offsets, const unsigned char *__restrict__ values,                      \
         const float *__restrict__ scales, const float *__restrict__ x, float *__restrict__ y, int M, int K,   \
-        int N, int tile_rows, int tile_cols, int chunk, int group_tiles, int mp, float t, u32 *__restrict__ flags, \
-        u32 epoch
+        int N, int ldx, int ldy, int tile_rows, int tile_cols, int chunk, int group_tiles, int mp, float t,   \
+        u32 *__restrict__ flags, u32 epoch
 #define IB_PASS \
-    bitmaps, iperms, tile_offsets, values, scales, x, y, M, K, N, tile_rows, tile_cols, chunk, group_tiles, mp, t, flags, epoch
+    bitmaps, iperms, tile_offsets, values, scales, x, y, M, K, N, ldx, ldy, tile_rows, tile_cols, chunk, group_tiles, mp, t, flags, epoch
 #define IB_KERNEL(RA, CA, BITS, NAME, NT8, ONE)                                                    \
     extern "C" __global__ void __launch_bounds__(256) ie_bme_r##RA##c##CA##_int##BITS##_##NAME(IB_ARGS) { \
         ib_kernel<RA, CA, BITS, NT8, ONE>(IB_PASS);                                                \

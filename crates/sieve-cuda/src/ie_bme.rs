@@ -399,7 +399,45 @@ impl GpuIeBme {
         threshold: Threshold,
         y: DevPtr,
     ) -> Result<()> {
-        self.enqueue(gpu, x, n, threshold, y, 0, 0)
+        self.enqueue(gpu, (x, self.cols), n, threshold, (y, self.rows), 0, 0)
+    }
+
+    /// `Y[t][r] (+)= (W · mask_t(X[t]))[r]` for `n` tokens whose rows lie `ldx` (X, f32) and
+    /// `ldy` (Y, f32) floats apart: added to `Y` when `accumulate`, else written (fused zeroing).
+    /// The prefill's form.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_rows(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        threshold: Threshold,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        if ldx < self.cols || ldy < self.rows || ldx > i32::MAX as usize || ldy > i32::MAX as usize
+        {
+            return Err(CudaError::Option(format!(
+                "ie-bme row strides {ldx} (x) and {ldy} (y) must cover {} x {}",
+                self.rows, self.cols
+            )));
+        }
+        if accumulate {
+            self.enqueue(gpu, (x, ldx), n, threshold, (y, ldy), 0, 0)
+        } else {
+            let flags = crate::dev_ptr(gpu, &self.flags);
+            self.enqueue(
+                gpu,
+                (x, ldx),
+                n,
+                threshold,
+                (y, ldy),
+                flags,
+                self.epoch.next(),
+            )
+        }
     }
 
     /// `flags` 0: accumulate; else fused zeroing under `epoch`.
@@ -407,10 +445,10 @@ impl GpuIeBme {
     fn enqueue(
         &self,
         gpu: &Gpu,
-        x: DevPtr,
+        (x, ldx): (DevPtr, usize),
         n: usize,
         threshold: Threshold,
-        y: DevPtr,
+        (y, ldy): (DevPtr, usize),
         flags: DevPtr,
         epoch: u32,
     ) -> Result<()> {
@@ -444,6 +482,7 @@ impl GpuIeBme {
             shared_mem_bytes: 0,
         };
         let (m, k, nn) = (self.rows as i32, self.cols as i32, n as i32);
+        let (ldx, ldy) = (ldx as i32, ldy as i32);
         let (tr, tc, ch) = (self.tile_rows as i32, self.tile_cols as i32, chunk as i32);
         let (gt, mp) = (self.group_tiles as i32, (self.tile_rows * TILE_ROWS) as i32);
         let t = threshold_arg(threshold);
@@ -458,6 +497,8 @@ impl GpuIeBme {
             .arg(&m)
             .arg(&k)
             .arg(&nn)
+            .arg(&ldx)
+            .arg(&ldy)
             .arg(&tr)
             .arg(&tc)
             .arg(&ch)
@@ -484,7 +525,16 @@ impl GpuIeBme {
         crate::dense::check_len("ie-bme y (n x M)", n * self.rows, y.len())?;
         let (xp, yp) = (crate::dev_ptr(gpu, x), crate::dev_ptr(gpu, y));
         let flags = crate::dev_ptr(gpu, &self.flags);
-        self.enqueue(gpu, xp, n, threshold, yp, flags, self.epoch.next())
+        let epoch = self.epoch.next();
+        self.enqueue(
+            gpu,
+            (xp, self.cols),
+            n,
+            threshold,
+            (yp, self.rows),
+            flags,
+            epoch,
+        )
     }
 }
 

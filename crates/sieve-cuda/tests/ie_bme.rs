@@ -139,6 +139,59 @@ fn gpu_ie_bme_teal_chunks_and_accumulation() {
     }
 }
 
+/// The prefill's form: rows of X and Y with strides, written (fused zeroing) or added, under a
+/// threshold, for the runner tests' tiny shapes too.
+#[test]
+fn gpu_ie_bme_strided_rows() {
+    let Some(gpu) = gpu_or_skip("gpu_ie_bme_strided_rows") else {
+        return;
+    };
+    let mut seed = 70;
+    for (m, k) in [
+        (70usize, 300usize),
+        (96, 96),
+        (200, 96),
+        (301, 96),
+        (96, 200),
+    ] {
+        for bits in [4, 8] {
+            for n in [5usize, 19, 32] {
+                seed += 1;
+                let (ldx, ldy) = (k + 20, m + 30);
+                let enc = encode(m, k, 0.5, (2, 2), bits, Reorder::Greedy, seed);
+                let dev = GpuIeBme::upload(&gpu, &IeBmeDevice::new(&enc).unwrap()).unwrap();
+                let x = x16(n, k, seed);
+                let t = threshold_for_sparsity(&x[..k], 0.5).unwrap();
+                let want = reference(&enc, &x, n, t);
+                let mut xs = vec![f32::NAN; n * ldx];
+                for r in 0..n {
+                    xs[r * ldx..r * ldx + k].copy_from_slice(&x[r * k..(r + 1) * k]);
+                }
+                let xd = gpu.upload(&xs).unwrap();
+                let yd = gpu.upload(&vec![f32::NAN; n * ldy]).unwrap();
+                let (xp, yp) = (
+                    sieve_cuda::dev_ptr(&gpu, &xd),
+                    sieve_cuda::dev_ptr(&gpu, &yd),
+                );
+                for accumulate in [false, true] {
+                    dev.launch_rows(&gpu, xp, ldx, n, t, yp, ldy, accumulate)
+                        .unwrap();
+                }
+                gpu.synchronize().unwrap();
+                let y = gpu.download(&yd).unwrap();
+                let got: Vec<f32> = (0..n)
+                    .flat_map(|r| y[r * ldy..r * ldy + m].to_vec())
+                    .collect();
+                let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
+                let e = max_rel_error(&got, &twice);
+                assert!(e < TOL, "{m}x{k} int{bits} n={n}: rel error {e}");
+                // Past M in each row of Y nothing is written.
+                assert!((0..n).all(|r| y[r * ldy + m..(r + 1) * ldy].iter().all(|v| v.is_nan())));
+            }
+        }
+    }
+}
+
 #[test]
 fn gpu_ie_bme_rejects_bad_launches() {
     let Some(gpu) = gpu_or_skip("gpu_ie_bme_rejects_bad_launches") else {

@@ -80,8 +80,8 @@ impl PrefillBuffers {
     }
 }
 
-/// True when every matrix of `linears` can run as a GEMM (RLC-CSC, Balanced-CBC and IE-BME have
-/// no decode-to-dense kernel yet: their prompts run token by token).
+/// True when every matrix of `linears` can run as a GEMM (RLC-CSC and Balanced-CBC have no
+/// decode-to-dense kernel yet: their prompts run token by token).
 pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     linears.iter().all(|l| {
         l.parts.iter().all(|p| {
@@ -90,7 +90,6 @@ pub fn batchable(linears: &[&DeviceLinear]) -> bool {
                 DeviceMatrix::RlcCsc(_)
                     | DeviceMatrix::BalancedCbc(_)
                     | DeviceMatrix::BalancedLowBit(_)
-                    | DeviceMatrix::IeBme(_)
             )
         })
     })
@@ -148,6 +147,26 @@ pub fn linear_rows(
             }
             continue;
         }
+        if let DeviceMatrix::IeBme(e) = &p.matrix {
+            // The IE-BME kernel reads the f32 rows and applies the threshold itself, 32 tokens
+            // a launch.
+            use sieve_cuda::ie_bme::MAX_TOKENS;
+            let yp = y + (p.row_offset * 4) as u64;
+            for t0 in (0..n).step_by(MAX_TOKENS) {
+                let nt = (n - t0).min(MAX_TOKENS);
+                e.launch_rows(
+                    gpu,
+                    x + (t0 * ldx * 4) as u64,
+                    ldx,
+                    nt,
+                    p.threshold,
+                    yp + (t0 * ldy * 4) as u64,
+                    ldy,
+                    beta != 0.0,
+                )?;
+            }
+            continue;
+        }
         if masked != Some(p.threshold) {
             sieve_cuda::prefill::rows_to_f16(gpu, x, ldx, a16, n, k, p.threshold)?;
             masked = Some(p.threshold);
@@ -180,7 +199,7 @@ pub fn linear_rows(
             }
             DeviceMatrix::IeBme(_) => {
                 return Err(GpuError::Unsupported(
-                    "IE-BME has no batched prefill path yet".into(),
+                    "an IE-BME matrix reached the GEMM path".into(),
                 ))
             }
             DeviceMatrix::LowBit(_) => {
