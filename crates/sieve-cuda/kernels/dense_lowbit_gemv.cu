@@ -98,38 +98,6 @@
 #define LB_MIN_BLOCKS 2
 #endif
 
-__device__ __forceinline__ u32 lb_sub_f16x2(u32 a, u32 b) {
-    u32 d;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ u32 lb_prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ void lb_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 lb_fma_f16x2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// (a & b) | c in one LOP3.
-__device__ __forceinline__ u32 lb_and_or(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
 // 4-bit fragment word -> 4 A registers of exact f16 values u - Z (Z = 8, or 0 for affine kinds).
 // Registers 0 and 2 take their nibbles at bits 0-3 (of each half: 1024 + u after the OR with
 // the f16 exponent of 1024), registers 1 and 3 theirs at bits 4-7 where they read 1024 + 16 u,
@@ -142,10 +110,10 @@ __device__ __forceinline__ void lb_frag4(u32 w, u32 a[4]) {
     constexpr u32 neg = (0xd400u + 16 * Z) * 0x10001u;         // -(64 + Z)
     const u32 ex = 0x64006400u;
     const u32 w8 = w >> 8;
-    a[0] = lb_sub_f16x2(lb_and_or(w, 0x000f000fu, ex), sub);
-    a[1] = lb_fma_f16x2(lb_and_or(w, 0x00f000f0u, ex), sixteenth, neg);
-    a[2] = lb_sub_f16x2(lb_and_or(w8, 0x000f000fu, ex), sub);
-    a[3] = lb_fma_f16x2(lb_and_or(w8, 0x00f000f0u, ex), sixteenth, neg);
+    a[0] = sub_f16x2(and_or(w, 0x000f000fu, ex), sub);
+    a[1] = fma_f16x2(and_or(w, 0x00f000f0u, ex), sixteenth, neg);
+    a[2] = sub_f16x2(and_or(w8, 0x000f000fu, ex), sub);
+    a[3] = fma_f16x2(and_or(w8, 0x00f000f0u, ex), sixteenth, neg);
 }
 
 // 5- or 6-bit fragment: the low nibbles as lb_frag4 (registers 1 and 3 in place at bits 4-7,
@@ -162,18 +130,18 @@ __device__ __forceinline__ void lb_frag_hi(u32 w, u32 t, u32 a[4]) {
     constexpr u32 at4 = (hm << 4) * 0x10001u, at8 = (hm << 8) * 0x10001u;
     const u32 ex = 0x64006400u;
     const u32 w8 = w >> 8;
-    a[0] = lb_sub_f16x2(lb_and_or(t << 4, at4, lb_and_or(w, 0x000f000fu, ex)), sub);
-    a[1] = lb_fma_f16x2(lb_and_or(t << (8 - HB), at8, lb_and_or(w, 0x00f000f0u, ex)), sixteenth, neg);
-    a[2] = lb_sub_f16x2(lb_and_or(t << (4 - 2 * HB), at4, lb_and_or(w8, 0x000f000fu, ex)), sub);
-    a[3] = lb_fma_f16x2(lb_and_or(t << (8 - 3 * HB), at8, lb_and_or(w8, 0x00f000f0u, ex)), sixteenth, neg);
+    a[0] = sub_f16x2(and_or(t << 4, at4, and_or(w, 0x000f000fu, ex)), sub);
+    a[1] = fma_f16x2(and_or(t << (8 - HB), at8, and_or(w, 0x00f000f0u, ex)), sixteenth, neg);
+    a[2] = sub_f16x2(and_or(t << (4 - 2 * HB), at4, and_or(w8, 0x000f000fu, ex)), sub);
+    a[3] = fma_f16x2(and_or(t << (8 - 3 * HB), at8, and_or(w8, 0x00f000f0u, ex)), sixteenth, neg);
 }
 
 // 8-bit fragment words -> 4 A registers of exact f16 values u - 128.
 __device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
-    a[0] = lb_sub_f16x2(lb_prmt(w0, 0x64646464u, 0x4140u), 0x64806480u);
-    a[1] = lb_sub_f16x2(lb_prmt(w0, 0x64646464u, 0x4342u), 0x64806480u);
-    a[2] = lb_sub_f16x2(lb_prmt(w1, 0x64646464u, 0x4140u), 0x64806480u);
-    a[3] = lb_sub_f16x2(lb_prmt(w1, 0x64646464u, 0x4342u), 0x64806480u);
+    a[0] = sub_f16x2(prmt(w0, 0x64646464u, 0x4140u), 0x64806480u);
+    a[1] = sub_f16x2(prmt(w0, 0x64646464u, 0x4342u), 0x64806480u);
+    a[2] = sub_f16x2(prmt(w1, 0x64646464u, 0x4140u), 0x64806480u);
+    a[3] = sub_f16x2(prmt(w1, 0x64646464u, 0x4342u), 0x64806480u);
 }
 
 // Byte i of w as an exact f32 without I2F (a quarter-rate conversion on sm_90): the byte is
@@ -181,7 +149,7 @@ __device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
 // BIAS is subtracted in the same (exact) FADD: the code bytes of w6 k are sc + 128.
 template <int BIAS = 0>
 __device__ __forceinline__ float lb_byte_f32(u32 w, int i) {
-    return __uint_as_float(lb_prmt(w, 0x4b000000u, 0x7650u | i)) - (8388608.f + BIAS);
+    return __uint_as_float(prmt(w, 0x4b000000u, 0x7650u | i)) - (8388608.f + BIAS);
 }
 
 // BITS: 4, 5, 6 or 8. GROUP: columns per scale (0: one f32 scale per row). AFFINE: value
@@ -324,8 +292,8 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const u32 b0 = bx[nt][2 * j], b1 = bx[nt][2 * j + 1];
-                    lb_mma(GROUP ? part[nt] : acc[nt], a, b0, b1);
-                    if (AFFINE) lb_mma(xs[nt], ones, b0, b1);
+                    mma_16816(GROUP ? part[nt] : acc[nt], a, b0, b1);
+                    if (AFFINE) mma_16816(xs[nt], ones, b0, b1);
                 }
                 if (GROUP) {
                     constexpr int kpg = KPG ? KPG : 1;

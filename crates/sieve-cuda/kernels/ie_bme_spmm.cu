@@ -50,25 +50,6 @@
 // Shared-memory staging of X: 8 · NT8 token rows of at most 32 / NT8 tiles (33 KB for every NT8).
 #define IB_MAX_CHUNK(NT8) (32 / (NT8))
 
-__device__ __forceinline__ u32 ib_sub_f16x2(u32 a, u32 b) {
-    u32 d;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-__device__ __forceinline__ u32 ib_prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ void ib_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Tuple of rank r: Q codes of BITS bits (Q · BITS = 4, 8, 16 or 32).
 template <int TUPLE_BITS>
 __device__ __forceinline__ u32 ib_tuple(const unsigned char* __restrict__ base, u32 r) {
@@ -76,19 +57,6 @@ __device__ __forceinline__ u32 ib_tuple(const unsigned char* __restrict__ base, 
     if (TUPLE_BITS == 8) return __ldg(base + r);
     if (TUPLE_BITS == 16) return __ldg(reinterpret_cast<const unsigned short*>(base) + r);
     return __ldg(reinterpret_cast<const u32*>(base) + r);
-}
-
-// (a & b) | c in one LOP3.
-__device__ __forceinline__ u32 ib_and_or(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ u32 ib_fma_f16x2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
 }
 
 // Area q's values of two adjacent positions as f16x2, the first position's in the low half.
@@ -100,12 +68,12 @@ template <int BITS>
 __device__ __forceinline__ u32 ib_pair(u32 both, u32 both8, u32 t0, u32 t1, int q) {
     if (BITS == 4) {
         const u32 w = q < 2 ? both : both8;
-        if ((q & 1) == 0) return ib_sub_f16x2(ib_and_or(w, 0x000f000fu, 0x64006400u), 0x64086408u);
+        if ((q & 1) == 0) return sub_f16x2(and_or(w, 0x000f000fu, 0x64006400u), 0x64086408u);
         // 0x2c00 = 1/16, 0xd480 = -72: (1024 + 16u) / 16 - 72 = u - 8.
-        return ib_fma_f16x2(ib_and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, 0xd480d480u);
+        return fma_f16x2(and_or(w, 0x00f000f0u, 0x64006400u), 0x2c002c00u, 0xd480d480u);
     } else {
         const u32 sel = (u32)q | ((u32)(4 + q) << 8);
-        return ib_sub_f16x2(ib_and_or(ib_prmt(t0, t1, sel), 0x00ff00ffu, 0x64006400u), 0x64806480u);
+        return sub_f16x2(and_or(prmt(t0, t1, sel), 0x00ff00ffu, 0x64006400u), 0x64806480u);
     }
 }
 
@@ -220,7 +188,7 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
                     for (int e = 0; e < 2; ++e) {
                         const u32(&t2)[2] = tup[((ii * NW + uh) * 2 + ul) * 2 + e];
                         const int u = 2 * uh + ul;
-                        const u32 both = BITS == 4 ? ib_prmt(t2[0], t2[1], 0x5410u) : 0u;
+                        const u32 both = BITS == 4 ? prmt(t2[0], t2[1], 0x5410u) : 0u;
                         const u32 both8 = BITS == 4 && Q > 2 ? both >> 8 : 0u;
 #pragma unroll
                         for (int q = 0; q < Q; ++q) {
@@ -246,7 +214,7 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
             for (int kk = 0; kk < 4; ++kk) {
                 const u32 b0 = *reinterpret_cast<const u32*>(xr + xc + 16 * kk);
                 const u32 b1 = *reinterpret_cast<const u32*>(xr + xc + 16 * kk + 8);
-                ib_mma(c, a[kk], b0, b1);
+                mma_16816(c, a[kk], b0, b1);
             }
             // c[0], c[1]: reordered row g, tokens 2l, 2l+1; c[2], c[3]: row g + 8.
             float v00 = __shfl_sync(FULL_MASK, c[0], src0), v02 = __shfl_sync(FULL_MASK, c[2], src0);

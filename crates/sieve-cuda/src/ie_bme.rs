@@ -83,9 +83,9 @@ pub fn snap(m: &DenseMatrix, payload: Payload) -> Result<DenseMatrix> {
     Ok(IeBme::encode(m, &options(payload, Reorder::Off))?.decode())
 }
 
-/// An [`IeBme`] matrix in the device layout of `ie_bme_spmm.cu`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct IeBmeDevice {
+/// The shape of an IE-BME matrix as the kernels see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
     rows: usize,
     cols: usize,
     area_rows: usize,
@@ -95,6 +95,12 @@ pub struct IeBmeDevice {
     tile_cols: usize,
     /// Tiles per scale group along K (`group_size / 64`).
     group_tiles: usize,
+}
+
+/// An [`IeBme`] matrix in the device layout of `ie_bme_spmm.cu`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IeBmeDevice {
+    geo: Geometry,
     /// `32 / Q` words per tile.
     bitmaps: Vec<u32>,
     /// Per tile: nibble `o` = the reordered row holding original row `o`.
@@ -105,6 +111,9 @@ pub struct IeBmeDevice {
     /// `[group][padded row]`, f32 of the format's f16 scales, 0 on padding rows.
     scales: Vec<f32>,
 }
+
+const NO_F16_KERNEL: &str =
+    "ie-bme with f16 values has no GPU kernel: pack it with int4 or int8 values";
 
 /// The biased code of stored value `index` (int4: `q + 8`, int8: `q + 128`).
 fn code(values: &ValuesRef, index: usize) -> Result<u32> {
@@ -120,9 +129,7 @@ fn code(values: &ValuesRef, index: usize) -> Result<u32> {
             Ok((nibble ^ 8) as u32)
         }
         ValuesRef::Int8(v) => Ok((v[index] as i32 + 128) as u32),
-        ValuesRef::F16(_) => Err(CudaError::Option(
-            "ie-bme with f16 values has no GPU kernel: pack it with int4 or int8 values".into(),
-        )),
+        ValuesRef::F16(_) => Err(CudaError::Option(NO_F16_KERNEL.into())),
     }
 }
 
@@ -218,14 +225,16 @@ impl IeBmeDevice {
             }
         }
         Ok(Self {
-            rows,
-            cols,
-            area_rows: ra,
-            area_cols: ca,
-            bits,
-            tile_rows,
-            tile_cols,
-            group_tiles: group / TILE_COLS,
+            geo: Geometry {
+                rows,
+                cols,
+                area_rows: ra,
+                area_cols: ca,
+                bits,
+                tile_rows,
+                tile_cols,
+                group_tiles: group / TILE_COLS,
+            },
             bitmaps,
             iperms,
             tile_offsets,
@@ -246,17 +255,17 @@ impl IeBmeDevice {
     /// The matrix as the kernel reads it (ranks, tuples, inverse permutations, scales), row-major
     /// f32: what the round-trip test holds equal to the format's own decode.
     pub fn read_back(&self) -> Vec<f32> {
-        let (ra, ca) = (self.area_rows, self.area_cols);
+        let (ra, ca) = (self.geo.area_rows, self.geo.area_cols);
         let q = ra * ca;
         let (hb, kb) = (TILE_ROWS / ra, TILE_COLS / ca);
         let words32 = 32 / q;
-        let tuple_bits = q * self.bits;
-        let mp = self.tile_rows * TILE_ROWS;
-        let zero = if self.bits == 4 { 8 } else { 128 };
-        let mut out = vec![0f32; self.rows * self.cols];
-        for tr in 0..self.tile_rows {
-            for tc in 0..self.tile_cols {
-                let t = tr * self.tile_cols + tc;
+        let tuple_bits = q * self.geo.bits;
+        let mp = self.geo.tile_rows * TILE_ROWS;
+        let zero = if self.geo.bits == 4 { 8 } else { 128 };
+        let mut out = vec![0f32; self.geo.rows * self.geo.cols];
+        for tr in 0..self.geo.tile_rows {
+            for tc in 0..self.geo.tile_cols {
+                let t = tr * self.geo.tile_cols + tc;
                 let words = &self.bitmaps[t * words32..(t + 1) * words32];
                 let base = self.tile_offsets[t] as usize;
                 let mut perm = [0usize; TILE_ROWS];
@@ -275,15 +284,15 @@ impl IeBmeDevice {
                     }
                     tuple >>= bit0 % 8;
                     for area in 0..q {
-                        let u = (tuple >> (self.bits * area)) & ((1 << self.bits) - 1);
+                        let u = (tuple >> (self.geo.bits * area)) & ((1 << self.geo.bits) - 1);
                         let (a, c) = (area / ca, area % ca);
                         let (i, j) = (b / kb, b % kb);
                         let row = tr * TILE_ROWS + perm[a * hb + i];
                         let col = tc * TILE_COLS + c * kb + j;
                         let qv = u as i32 - zero;
-                        if row < self.rows && col < self.cols {
-                            let g = col / (self.group_tiles * TILE_COLS);
-                            out[row * self.cols + col] = qv as f32 * self.scales[g * mp + row];
+                        if row < self.geo.rows && col < self.geo.cols {
+                            let g = col / (self.geo.group_tiles * TILE_COLS);
+                            out[row * self.geo.cols + col] = qv as f32 * self.scales[g * mp + row];
                         } else {
                             assert_eq!(qv, 0, "a value on padding");
                         }
@@ -298,14 +307,7 @@ impl IeBmeDevice {
 
 /// An [`IeBmeDevice`] on the GPU with its kernels.
 pub struct GpuIeBme {
-    rows: usize,
-    cols: usize,
-    area_rows: usize,
-    area_cols: usize,
-    bits: usize,
-    tile_rows: usize,
-    tile_cols: usize,
-    group_tiles: usize,
+    geo: Geometry,
     device_bytes: usize,
     bitmaps: CudaSlice<u32>,
     iperms: CudaSlice<u64>,
@@ -324,21 +326,14 @@ pub struct GpuIeBme {
 impl GpuIeBme {
     pub fn upload(gpu: &Gpu, d: &IeBmeDevice) -> Result<Self> {
         Ok(Self {
-            rows: d.rows,
-            cols: d.cols,
-            area_rows: d.area_rows,
-            area_cols: d.area_cols,
-            bits: d.bits,
-            tile_rows: d.tile_rows,
-            tile_cols: d.tile_cols,
-            group_tiles: d.group_tiles,
+            geo: d.geo,
             device_bytes: d.device_bytes(),
             bitmaps: gpu.upload(&d.bitmaps)?,
             iperms: gpu.upload(&d.iperms)?,
             tile_offsets: gpu.upload(&d.tile_offsets)?,
             values: gpu.upload(&d.values)?,
             scales: gpu.upload(&d.scales)?,
-            flags: gpu.upload(&vec![0u32; d.tile_rows.max(1)])?,
+            flags: gpu.upload(&vec![0u32; d.geo.tile_rows.max(1)])?,
             epoch: LaunchEpoch::default(),
             wave: Default::default(),
             chunk: 0,
@@ -352,7 +347,7 @@ impl GpuIeBme {
 
     /// Bits per value (4 or 8).
     pub fn bits(&self) -> usize {
-        self.bits
+        self.geo.bits
     }
 
     /// Tiles per block along K: the fewest that fill one wave of blocks (short warps pay their
@@ -374,7 +369,7 @@ impl GpuIeBme {
             }
             return Ok(self.chunk);
         }
-        let row_blocks = self.tile_rows.div_ceil(WARPS);
+        let row_blocks = self.geo.tile_rows.div_ceil(WARPS);
         let wave = match self.wave[variant].get() {
             Some(&w) => w,
             None => {
@@ -386,11 +381,15 @@ impl GpuIeBme {
             }
         };
         let splits = (wave / row_blocks.max(1)).max(1);
-        let chunk = self.tile_cols.div_ceil(splits).clamp(1, most);
+        let chunk = self.geo.tile_cols.div_ceil(splits).clamp(1, most);
         // Above 8 tokens (2 blocks per SM) one wave of long chunks measured slower than ~2.5
         // waves of chunks of at most 8 tiles (58.8 against 41.8 us at N = 16 on 11008 x 4096,
         // H200, 2026-12-04).
-        Ok(if token_tiles(n) > 1 { chunk.min(8) } else { chunk })
+        Ok(if token_tiles(n) > 1 {
+            chunk.min(8)
+        } else {
+            chunk
+        })
     }
 
     /// `y[n · M + r] += (W · mask_t(x_n))[r]` for `n` tokens: `x` n x K f32, `y` n x M f32,
@@ -403,7 +402,15 @@ impl GpuIeBme {
         threshold: Threshold,
         y: DevPtr,
     ) -> Result<()> {
-        self.enqueue(gpu, (x, self.cols), n, threshold, (y, self.rows), 0, 0)
+        self.enqueue(
+            gpu,
+            (x, self.geo.cols),
+            n,
+            threshold,
+            (y, self.geo.rows),
+            0,
+            0,
+        )
     }
 
     /// `Y[t][r] (+)= (W · mask_t(X[t]))[r]` for `n` tokens whose rows lie `ldx` (X, f32) and
@@ -421,11 +428,14 @@ impl GpuIeBme {
         ldy: usize,
         accumulate: bool,
     ) -> Result<()> {
-        if ldx < self.cols || ldy < self.rows || ldx > i32::MAX as usize || ldy > i32::MAX as usize
+        if ldx < self.geo.cols
+            || ldy < self.geo.rows
+            || ldx > i32::MAX as usize
+            || ldy > i32::MAX as usize
         {
             return Err(CudaError::Option(format!(
                 "ie-bme row strides {ldx} (x) and {ldy} (y) must cover {} x {}",
-                self.rows, self.cols
+                self.geo.rows, self.geo.cols
             )));
         }
         if accumulate {
@@ -461,7 +471,7 @@ impl GpuIeBme {
                 "ie-bme kernels take 1..={MAX_TOKENS} tokens, got {n}"
             )));
         }
-        if self.rows == 0 || self.cols == 0 {
+        if self.geo.rows == 0 || self.geo.cols == 0 {
             return Ok(());
         }
         let (variant, tokens) = match (n, token_tiles(n)) {
@@ -472,23 +482,30 @@ impl GpuIeBme {
         };
         let name = format!(
             "ie_bme_r{}c{}_int{}_{tokens}",
-            self.area_rows, self.area_cols, self.bits
+            self.geo.area_rows, self.geo.area_cols, self.geo.bits
         );
         let f = gpu.function(&FAMILY, &name)?;
         let chunk = self.effective_chunk(gpu, &f, variant, n)?;
         let cfg = LaunchConfig {
             grid_dim: (
-                self.tile_rows.div_ceil(WARPS) as u32,
-                self.tile_cols.div_ceil(chunk) as u32,
+                self.geo.tile_rows.div_ceil(WARPS) as u32,
+                self.geo.tile_cols.div_ceil(chunk) as u32,
                 1,
             ),
             block_dim: (32 * WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (m, k, nn) = (self.rows as i32, self.cols as i32, n as i32);
+        let (m, k, nn) = (self.geo.rows as i32, self.geo.cols as i32, n as i32);
         let (ldx, ldy) = (ldx as i32, ldy as i32);
-        let (tr, tc, ch) = (self.tile_rows as i32, self.tile_cols as i32, chunk as i32);
-        let (gt, mp) = (self.group_tiles as i32, (self.tile_rows * TILE_ROWS) as i32);
+        let (tr, tc, ch) = (
+            self.geo.tile_rows as i32,
+            self.geo.tile_cols as i32,
+            chunk as i32,
+        );
+        let (gt, mp) = (
+            self.geo.group_tiles as i32,
+            (self.geo.tile_rows * TILE_ROWS) as i32,
+        );
         let t = threshold_arg(threshold);
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&self.bitmaps)
@@ -525,17 +542,17 @@ impl GpuIeBme {
         threshold: Threshold,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        crate::dense::check_len("ie-bme x (n x K)", n * self.cols, x.len())?;
-        crate::dense::check_len("ie-bme y (n x M)", n * self.rows, y.len())?;
+        crate::dense::check_len("ie-bme x (n x K)", n * self.geo.cols, x.len())?;
+        crate::dense::check_len("ie-bme y (n x M)", n * self.geo.rows, y.len())?;
         let (xp, yp) = (crate::dev_ptr(gpu, x), crate::dev_ptr(gpu, y));
         let flags = crate::dev_ptr(gpu, &self.flags);
         let epoch = self.epoch.next();
         self.enqueue(
             gpu,
-            (xp, self.cols),
+            (xp, self.geo.cols),
             n,
             threshold,
-            (yp, self.rows),
+            (yp, self.geo.rows),
             flags,
             epoch,
         )
@@ -546,18 +563,18 @@ impl GpuMatVec for GpuIeBme {
     fn label(&self) -> String {
         format!(
             "ie-bme/{}x{}/int{}",
-            self.area_rows, self.area_cols, self.bits
+            self.geo.area_rows, self.geo.area_cols, self.geo.bits
         )
     }
     fn rows(&self) -> usize {
-        self.rows
+        self.geo.rows
     }
     fn cols(&self) -> usize {
-        self.cols
+        self.geo.cols
     }
     /// Every tile is read whatever the activations (the kernel skips no tile).
     fn bytes_for(&self, _active: &[bool]) -> usize {
-        self.device_bytes + self.cols * 4 + self.rows * 4
+        self.device_bytes + self.geo.cols * 4 + self.geo.rows * 4
     }
     fn launch(
         &self,

@@ -386,6 +386,19 @@ fn reference_product(w: &[f64], m: usize, k: usize, x: &[f64], n: usize) -> Vec<
     y
 }
 
+/// `x` under the TEAL threshold (inactive inputs 0), as f64 for the reference.
+fn masked(x: &[f32], thr: sieve_formats::Threshold) -> Vec<f64> {
+    x.iter()
+        .map(|&v| {
+            if sieve_formats::format::is_active(v, thr) {
+                v as f64
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
 /// The first `n` tokens' part of a reference computed for more tokens (`y` is tokens x M).
 fn first_tokens(y: &[f64], m: usize, n: usize) -> &[f64] {
     &y[..n * m]
@@ -560,16 +573,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
             for (di, &dp) in opts.dp.iter().enumerate() {
                 let x = activations(k, seed ^ (0x100 + di as u64));
                 let thr = threshold_for_sparsity(&x, dp)?;
-                let xm: Vec<f64> = x
-                    .iter()
-                    .map(|&v| {
-                        if sieve_formats::format::is_active(v, thr) {
-                            v as f64
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
+                let xm = masked(&x, thr);
                 let want = reference_product(&wqf, m, k, &xm, 1);
                 let xd = gpu.upload(&x)?;
                 let mut y = gpu.poisoned_f32(m)?;
@@ -644,16 +648,7 @@ fn bench_ie_bme(
                 for &dp in opts.dp.iter().filter(|&&dp| dp > 0.0) {
                     let x = &xf32[..k];
                     let thr = threshold_for_sparsity(x, dp)?;
-                    let xm: Vec<f64> = x
-                        .iter()
-                        .map(|&v| {
-                            if sieve_formats::format::is_active(v, thr) {
-                                v as f64
-                            } else {
-                                0.0
-                            }
-                        })
-                        .collect();
+                    let xm = masked(x, thr);
                     let want = reference_product(&wq, m, k, &xm, 1);
                     copies[0].launch_tokens(gpu, &xd, 1, thr, &mut y)?;
                     let err = max_rel_error(&gpu.download(&y)?, &want);
