@@ -36,7 +36,10 @@
 // rows g and g + 8, which live across all tiles of the warp.
 //
 // Block = 8 warps = 8 consecutive tile rows x one chunk of `chunk` <= 32 / NT8 tiles along K
-// (split-K: one atomic per row and token at the end; the launcher sizes chunks for one wave). The block stages its chunk of X, masked (TEAL: |x| > t,
+// (split-K: one atomic per row and token at the end; the launcher sizes chunks for one wave of
+// blocks up to 8 tokens, at most 8 tiles above). Fused zeroing assumes, as every fused-zeroing
+// kernel here does, that the blockIdx.y = 0 blocks (the lowest linear block ids) are dispatched
+// before the blocks that wait for them. The block stages its chunk of X, masked (TEAL: |x| > t,
 // t < 0 keeps all) and converted to f16, in shared memory, 8 · NT8 token rows of 64 · chunk + 8
 // halves (row stride 4 mod 32 words: the B loads of lanes (g, l) hit 32 distinct banks). Rows of
 // tokens past N are left unwritten: they reach only mma columns that are never stored.

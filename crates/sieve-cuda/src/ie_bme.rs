@@ -27,7 +27,7 @@ pub const MAX_TOKENS: usize = 32;
 /// Tile rows per block (one warp each).
 const WARPS: usize = 8;
 /// Largest K chunk of a block, in tiles, for `n` tokens (its shared-memory staging of X holds
-/// 8 · ceil(n / 8) token rows of 32 / ceil(n / 8) tiles).
+/// 8 · T token rows of 32 / T tiles, T = [`token_tiles`]`(n)`: 1, 2 or 4).
 fn max_chunk(n: usize) -> usize {
     32 / token_tiles(n)
 }
@@ -78,7 +78,7 @@ pub fn encode_exact(m: &DenseMatrix) -> Result<Option<IeBme>> {
 }
 
 /// `m` quantized by IE-BME's quantizer with `payload` and decoded: the values an IE-BME pack of
-/// `m` holds (for synthetic models).
+/// `m` holds.
 pub fn snap(m: &DenseMatrix, payload: Payload) -> Result<DenseMatrix> {
     Ok(IeBme::encode(m, &options(payload, Reorder::Off))?.decode())
 }
@@ -115,6 +115,30 @@ pub struct IeBmeDevice {
 const NO_F16_KERNEL: &str =
     "ie-bme with f16 values has no GPU kernel: pack it with int4 or int8 values";
 
+/// Whether the GPU kernels take `m`: int4 / int8 values, 1 or 2 areas per tile side, padded
+/// dimensions within the kernels' 32-bit indices. Cheap: for refusing a model before anything
+/// is uploaded.
+pub fn check_supported(m: &IeBme) -> Result<()> {
+    if m.payload().group_size().is_none() {
+        return Err(CudaError::Option(NO_F16_KERNEL.into()));
+    }
+    let (ra, ca) = (m.area_rows(), m.area_cols());
+    if !matches!(ra, 1 | 2) || !matches!(ca, 1 | 2) {
+        return Err(CudaError::Option(format!(
+            "ie-bme areas {ra} x {ca}: the GPU kernels take 1 or 2 areas per tile side"
+        )));
+    }
+    let (rows, cols) = (m.rows(), m.cols());
+    if rows.next_multiple_of(TILE_ROWS) > i32::MAX as usize
+        || cols.next_multiple_of(TILE_COLS) > i32::MAX as usize
+    {
+        return Err(CudaError::Option(format!(
+            "matrix {rows} x {cols} exceeds the kernels' 32-bit dimensions"
+        )));
+    }
+    Ok(())
+}
+
 /// The biased code of stored value `index` (int4: `q + 8`, int8: `q + 128`).
 fn code(values: &ValuesRef, index: usize) -> Result<u32> {
     match values {
@@ -137,27 +161,14 @@ impl IeBmeDevice {
     /// The device layout of `m`; an error naming what the kernels do not take (the f16
     /// payload, areas other than 1 or 2 per tile side, a matrix past 32-bit offsets).
     pub fn new(m: &IeBme) -> Result<Self> {
-        let (bits, group) =
-            match m.payload() {
-                Payload::Int4 { group_size } => (4, group_size),
-                Payload::Int8 { group_size } => (8, group_size),
-                Payload::F16 => return Err(CudaError::Option(
-                    "ie-bme with f16 values has no GPU kernel: pack it with int4 or int8 values"
-                        .into(),
-                )),
-            };
+        check_supported(m)?;
+        let (bits, group) = match m.payload() {
+            Payload::Int4 { group_size } => (4, group_size),
+            Payload::Int8 { group_size } => (8, group_size),
+            Payload::F16 => return Err(CudaError::Option(NO_F16_KERNEL.into())),
+        };
         let (ra, ca) = (m.area_rows(), m.area_cols());
-        if !matches!(ra, 1 | 2) || !matches!(ca, 1 | 2) {
-            return Err(CudaError::Option(format!(
-                "ie-bme areas {ra} x {ca}: the GPU kernels take 1 or 2 areas per tile side"
-            )));
-        }
         let (rows, cols) = (m.rows(), m.cols());
-        if rows > i32::MAX as usize || cols > i32::MAX as usize {
-            return Err(CudaError::Option(format!(
-                "matrix {rows} x {cols} exceeds the kernels' 32-bit dimensions"
-            )));
-        }
         let q = ra * ca;
         let (tile_rows, tile_cols) = (m.tile_rows(), m.tile_cols());
         let tiles = tile_rows * tile_cols;
@@ -542,6 +553,11 @@ impl GpuIeBme {
         threshold: Threshold,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        if n == 0 || n > MAX_TOKENS {
+            return Err(CudaError::Option(format!(
+                "ie-bme kernels take 1..={MAX_TOKENS} tokens, got {n}"
+            )));
+        }
         crate::dense::check_len("ie-bme x (n x K)", n * self.geo.cols, x.len())?;
         crate::dense::check_len("ie-bme y (n x M)", n * self.geo.rows, y.len())?;
         let (xp, yp) = (crate::dev_ptr(gpu, x), crate::dev_ptr(gpu, y));

@@ -82,15 +82,28 @@ fn gpu_ie_bme_matches_the_format() {
                     let enc = encode(m, k, sp, areas, bits, reorder, seed);
                     let dev = GpuIeBme::upload(&gpu, &IeBmeDevice::new(&enc).unwrap()).unwrap();
                     let what = format!("{m}x{k} sp {sp} {areas:?} int{bits} {reorder:?}");
+                    let mut dev = dev;
                     for n in [1, 2, 3, 8, 9, 16, 17, 32] {
                         let x = x16(n, k, seed ^ n as u64);
                         let want = reference(&enc, &x, n, None);
                         let xd = gpu.upload(&x).unwrap();
-                        let mut y = gpu.poisoned_f32(n * m).unwrap();
-                        dev.launch_tokens(&gpu, &xd, n, None, &mut y).unwrap();
-                        gpu.synchronize().unwrap();
-                        let e = max_rel_error(&gpu.download(&y).unwrap(), &want);
-                        assert!(e < TOL, "{what} n={n}: rel error {e}");
+                        // The launcher's chunk, and chunks of 3 tiles and of the most the
+                        // staging holds (multi-tile pipelines, odd lengths).
+                        let most = if n <= 8 {
+                            32
+                        } else if n <= 16 {
+                            16
+                        } else {
+                            8
+                        };
+                        for chunk in [0, 3, most] {
+                            dev.chunk = chunk;
+                            let mut y = gpu.poisoned_f32(n * m).unwrap();
+                            dev.launch_tokens(&gpu, &xd, n, None, &mut y).unwrap();
+                            gpu.synchronize().unwrap();
+                            let e = max_rel_error(&gpu.download(&y).unwrap(), &want);
+                            assert!(e < TOL, "{what} n={n} chunk {chunk}: rel error {e}");
+                        }
                     }
                 }
             }

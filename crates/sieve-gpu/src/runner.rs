@@ -227,6 +227,21 @@ impl GpuModel {
         // What this runner cannot execute is refused here, naming the op and the format,
         // before anything is decoded or uploaded.
         let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
+        // IE-BME is on the list for its int4 / int8 packs; what its kernels do not take (f16
+        // values, wider area splits) is refused here too, by layer and projection.
+        let ie_bme_check = |what: String, lin: &sieve_model::linear::Linear| -> Result<()> {
+            match sieve_cpu::ie_bme::ie_bme_source(lin.format()) {
+                Some(e) => sieve_cuda::ie_bme::check_supported(e)
+                    .map_err(|err| GpuError::Unsupported(format!("{what}: {err}"))),
+                None => Ok(()),
+            }
+        };
+        for (l, layer) in model.layers().iter().enumerate() {
+            for (name, lin) in layer.linears() {
+                ie_bme_check(format!("layer {l} {name}"), lin)?;
+            }
+        }
+        ie_bme_check("lm_head".into(), model.lm_head())?;
         // GGUF blocks go to the device as their integers, scales and mins, IE-BME matrices with
         // integer values as they are encoded; every other matrix as its values, encoded there
         // in its format.
