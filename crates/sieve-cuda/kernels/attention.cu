@@ -34,6 +34,10 @@
 // qkv + z * q_stride and writes its partials z * H * S * (hd + 2) further; combine runs on
 // grid (H, n). Causality is the length: query z sees keys 0 .. len0 - 1 + z.
 //
+// Many sequences (seqs != null): grid (Hkv, S, n), query z is the next token of its own
+// sequence: length seqs[2z] + 1, cache slot seqs[2z + 1] (slot * slot_stride elements past the
+// layer's base); q and partials as in prefill. One launch serves a decode step of n sequences.
+//
 // attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
 //
 // Limits (checked by AttentionShape::new in src/attention.rs): hd <= 256 and a multiple of 8,
@@ -61,14 +65,22 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
                                                      const f16_bits* __restrict__ v_cache,
                                                      const int* __restrict__ state, float* __restrict__ part,
                                                      int H, int Hkv, int hd, float scale, int len0,
-                                                     int q_stride) {
+                                                     int q_stride, const int* __restrict__ seqs,
+                                                     long long slot_stride) {
     extern __shared__ float smem[];  // scores [G][TILE]; after the loop, the reduction [RB][G][hd]
     __shared__ float s_m[G], s_l[G], s_corr[G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
     const int g = H / Hkv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Decode: one query, len from the state. Prefill: query z of the batch sees len0 + z keys.
-    const int len = len0 > 0 ? len0 + (int)blockIdx.z : state[0] + 1;
+    // Sequences: query z's length and cache slot from seqs.
+    const int z = blockIdx.z;
+    const int len = seqs ? seqs[2 * z] + 1 : len0 > 0 ? len0 + z : state[0] + 1;
+    if (seqs) {
+        const size_t slot = (size_t)seqs[2 * z + 1] * (size_t)slot_stride;
+        k_cache += slot;
+        v_cache += slot;
+    }
     qkv += (size_t)blockIdx.z * q_stride;
     part += (size_t)blockIdx.z * H * S * (hd + 2);
     const int per = (len + S - 1) / S;
@@ -212,8 +224,10 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
 #define ATTENTION_ARGS                                                                             \
     const float *__restrict__ qkv, const f16_bits *__restrict__ k_cache,                           \
         const f16_bits *__restrict__ v_cache, const int *__restrict__ state, float *__restrict__ part, \
-        int H, int Hkv, int hd, float scale, int len0, int q_stride
-#define ATTENTION_PASS qkv, k_cache, v_cache, state, part, H, Hkv, hd, scale, len0, q_stride
+        int H, int Hkv, int hd, float scale, int len0, int q_stride, const int *__restrict__ seqs, \
+        long long slot_stride
+#define ATTENTION_PASS \
+    qkv, k_cache, v_cache, state, part, H, Hkv, hd, scale, len0, q_stride, seqs, slot_stride
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g1(ATTENTION_ARGS) {
     pdl_wait_then_release();

@@ -18,6 +18,9 @@
 //
 // rope_kv:   grid H + Hkv, position state[0].
 // rope_rows: grid (H + Hkv, n), row y of qkv at position p0 + y.
+// rope_seqs: grid (H + Hkv, n), row y of qkv is the next token of its own sequence: position
+//            seqs[2y], cache slot seqs[2y + 1] (the slot's rows start slot * slot_stride
+//            elements past the layer's base), so a decode step of many sequences is one launch.
 
 __device__ __forceinline__ void rope_head(float* __restrict__ qkv, const float* __restrict__ bias,
                                           const float* __restrict__ rope_cos,
@@ -75,4 +78,16 @@ rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* 
     size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     rope_head(qkv + blockIdx.y * qkv_row, bias, rope_cos, rope_sin, p0 + blockIdx.y, blockIdx.x, k_cache,
               v_cache, H, Hkv, hd);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+rope_seqs(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
+          const float* __restrict__ rope_sin, const int* __restrict__ seqs, long long slot_stride,
+          f16_bits* __restrict__ k_cache, f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+    pdl_wait_then_release();
+    const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
+    const int y = blockIdx.y;
+    const size_t slot = (size_t)seqs[2 * y + 1] * (size_t)slot_stride;
+    rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, seqs[2 * y], blockIdx.x, k_cache + slot,
+              v_cache + slot, H, Hkv, hd);
 }

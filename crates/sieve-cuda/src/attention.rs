@@ -1,4 +1,5 @@
-//! Grouped-query attention of one decode token (or of a prefill batch's tokens, causally) over
+//! Grouped-query attention of one decode token (or of a prefill batch's tokens, causally, or of
+//! one token of each of a batch's sequences) over
 //! the f16 KV cache, flash-decoding: split along the sequence, then combined
 //! (`kernels/attention.cu`); with the f64 CPU reference.
 
@@ -110,6 +111,70 @@ pub fn attention_batch(
     first_len: usize,
     queries: usize,
 ) -> Result<()> {
+    let len0 = i32_arg("prompt position", first_len)?;
+    let queries = Queries {
+        count: queries,
+        len0,
+        seqs: 0,
+        slot_stride: 0,
+    };
+    launch(gpu, shape, qkv, k_cache, v_cache, state, part, att, queries)
+}
+
+/// Attention of `n` queries of `n` different sequences, one decode step of a batch: query `z`
+/// (q row `z` of `qkv`) is at position `seqs[2z]` of the cache slot `seqs[2z + 1]`, whose rows
+/// start `slot_stride` f16 elements after those of slot 0 (`k_cache`, `v_cache`: slot 0's
+/// rows of the layer). Outputs `[n][H][hd]`, `part` holds `n` partial sets. The positions and
+/// slots are device memory (checked by the caller), so a captured graph replays for any.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_seqs(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    qkv: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    seqs: DevPtr,
+    slot_stride: usize,
+    part: DevPtr,
+    att: DevPtr,
+    n: usize,
+) -> Result<()> {
+    if seqs == 0 || n == 0 {
+        return Err(CudaError::Unsupported(
+            "attention over sequences needs their positions and at least one query".into(),
+        ));
+    }
+    let queries = Queries {
+        count: n,
+        len0: 0,
+        seqs,
+        slot_stride: slot_stride as i64,
+    };
+    launch(gpu, shape, qkv, k_cache, v_cache, 0, part, att, queries)
+}
+
+/// Which queries one launch runs (see `attention.cu`): the decode token at `state[0]`
+/// (`len0 == 0`, `seqs == 0`), a prompt's consecutive tokens (`len0 > 0`), or one token of
+/// each of `count` sequences (`seqs != 0`).
+struct Queries {
+    count: usize,
+    len0: i32,
+    seqs: DevPtr,
+    slot_stride: i64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    qkv: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    state: DevPtr,
+    part: DevPtr,
+    att: DevPtr,
+    queries: Queries,
+) -> Result<()> {
     let shared = shape.split_shared_bytes() as u32;
     let name = format!("attention_split_g{}", shape.kernel_group());
     let f = gpu.function(&FAMILY, &name)?;
@@ -120,7 +185,6 @@ pub fn attention_batch(
         shape.head_dim as i32,
     );
     let scale = 1.0f32 / (shape.head_dim as f32).sqrt();
-    let len0 = i32_arg("prompt position", first_len)?;
     let q_stride = ((shape.heads + 2 * shape.kv_heads) * shape.head_dim) as i32;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&qkv)
@@ -132,14 +196,16 @@ pub fn attention_batch(
         .arg(&hkv)
         .arg(&hd)
         .arg(&scale)
-        .arg(&len0)
-        .arg(&q_stride);
+        .arg(&queries.len0)
+        .arg(&q_stride)
+        .arg(&queries.seqs)
+        .arg(&queries.slot_stride);
     let mut c = grid_cfg(
         (shape.kv_heads as u32, shape.splits as u32),
         ATT_THREADS as u32,
         shared,
     );
-    c.grid_dim.2 = queries.max(1) as u32;
+    c.grid_dim.2 = queries.count.max(1) as u32;
     unsafe { b.launch(c) }.during("launching attention_split")?;
     let f = gpu.function(&FAMILY, "attention_combine")?;
     let s = shape.splits as i32;
@@ -147,7 +213,7 @@ pub fn attention_batch(
     b.arg(&part).arg(&att).arg(&s).arg(&hd);
     unsafe {
         b.launch(grid_cfg(
-            (shape.heads as u32, queries.max(1) as u32),
+            (shape.heads as u32, queries.count.max(1) as u32),
             128,
             0,
         ))

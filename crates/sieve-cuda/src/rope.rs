@@ -79,6 +79,45 @@ pub fn rope_rows(
     Ok(())
 }
 
+/// [`rope_kv`] for `n` rows of q|k|v, row `y` the next token of its own sequence: position
+/// `seqs[2y]`, cache slot `seqs[2y + 1]` (slot rows `slot_stride` f16 elements apart; the
+/// caches passed are slot 0's rows of the layer).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_seqs(
+    gpu: &Gpu,
+    qkv: DevPtr,
+    bias: DevPtr,
+    cos: DevPtr,
+    sin: DevPtr,
+    seqs: DevPtr,
+    slot_stride: usize,
+    n: usize,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    let f = gpu.function(&FAMILY, "rope_seqs")?;
+    let stride = slot_stride as i64;
+    let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&qkv)
+        .arg(&bias)
+        .arg(&cos)
+        .arg(&sin)
+        .arg(&seqs)
+        .arg(&stride)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&h)
+        .arg(&hkv)
+        .arg(&hd);
+    unsafe { b.launch(grid_cfg(((heads + kv_heads) as u32, n as u32), 128, 0)) }
+        .during("launching rope_seqs")?;
+    Ok(())
+}
+
 /// CPU references in the layouts the kernels use (f32, the KV cache as f32 values already
 /// rounded through f16 as the kernels store them).
 pub mod reference {

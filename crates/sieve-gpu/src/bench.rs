@@ -31,6 +31,9 @@ pub struct DecodeBenchOptions {
     pub tcbc_kernels: Vec<TcbcKernel>,
     /// Programmatic dependent launch settings to measure (each a result on the same model).
     pub pdl: Vec<bool>,
+    /// Sequences decoded together, one measurement each (the serving path's batched step,
+    /// [`GpuModel::step_slots`]); empty: none.
+    pub batches: Vec<usize>,
 }
 
 impl DecodeBenchOptions {
@@ -92,6 +95,24 @@ pub struct DecodeResult {
     pub share_linear: f64,
     pub share_attention: f64,
     pub share_other: f64,
+    /// The batched decode step at each size of `--batch`.
+    pub batched: Vec<BatchPoint>,
+}
+
+/// One batch size of the serving path's decode step: `batch` sequences, each at its own
+/// position after its own prompt, stepped together; the time is host wall time of the call
+/// (the pass, and the logits of every sequence copied to the host, as the server reads them).
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchPoint {
+    pub batch: usize,
+    /// One pass for the whole batch (false: the format has no token-batch path, so the step
+    /// replays each sequence's single-sequence graph).
+    pub one_pass: bool,
+    pub step_ms_median: f64,
+    pub step_ms_p10: f64,
+    pub step_ms_p90: f64,
+    /// Generated tokens per second over all sequences (`batch` / median step).
+    pub tokens_per_s: f64,
 }
 
 /// What the weights are stored as, read from the q|k|v kernel's label (`q|k|v: lowbit/q4_0`,
@@ -244,7 +265,79 @@ pub fn measure(
         share_attention: breakdown.attention_us / t,
         share_other: breakdown.other_us / t,
         breakdown,
+        batched: measure_batches(model, &prompt, opts)?,
     })
+}
+
+/// The serving path's step at every size of `opts.batches` (see [`BatchPoint`]): the model's
+/// KV cache becomes a pool of the largest size's slots, each slot gets a distinct prompt of
+/// `opts.prompt` tokens, then `min(tokens, 128)` steps of the batch are timed, each fed its
+/// sequences' greedy tokens (chosen on the host outside the timed call).
+fn measure_batches(
+    model: &mut GpuModel,
+    prompt: &[u32],
+    opts: &DecodeBenchOptions,
+) -> Result<Vec<BatchPoint>> {
+    let Some(&most) = opts.batches.iter().max() else {
+        return Ok(Vec::new());
+    };
+    let vocab = model.config().vocab_size;
+    let steps = opts.tokens.clamp(1, 128);
+    if prompt.len() + steps + 1 > model.capacity() {
+        return Err(GpuError::InvalidArgument(format!(
+            "batched steps need {} positions per slot; the cache holds {}",
+            prompt.len() + steps + 1,
+            model.capacity()
+        )));
+    }
+    model.set_slots(most)?;
+    let argmax = |l: &[f32]| {
+        (0..l.len())
+            .max_by(|&a, &b| l[a].total_cmp(&l[b]))
+            .unwrap_or(0) as u32
+    };
+    let mut out = Vec::new();
+    for &batch in &opts.batches {
+        let mut rows: Vec<(usize, usize, u32)> = Vec::with_capacity(batch);
+        for slot in 0..batch {
+            // Distinct prompts: the bench prompt rotated by the slot.
+            let mut p = prompt.to_vec();
+            let shift = slot % p.len().max(1);
+            p.rotate_left(shift);
+            if let Some(first) = p.first_mut() {
+                *first = ((*first as usize + slot) % vocab) as u32;
+            }
+            let logits = model.prefill_slot(slot, &p)?;
+            rows.push((slot, p.len(), argmax(&logits)));
+        }
+        // One untimed step (first launches, cuBLAS heuristics).
+        let logits = model.step_slots(&rows)?;
+        for (i, r) in rows.iter_mut().enumerate() {
+            *r = (r.0, r.1 + 1, argmax(&logits[i * vocab..(i + 1) * vocab]));
+        }
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..steps - 1 {
+            let t = Instant::now();
+            let logits = model.step_slots(&rows)?;
+            times.push(t.elapsed().as_secs_f64());
+            for (i, r) in rows.iter_mut().enumerate() {
+                *r = (r.0, r.1 + 1, argmax(&logits[i * vocab..(i + 1) * vocab]));
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = percentile(&times, 0.5);
+        out.push(BatchPoint {
+            batch,
+            one_pass: batch > 1 && model.decode_is_batched(),
+            step_ms_median: median * 1e3,
+            step_ms_p10: percentile(&times, 0.1) * 1e3,
+            step_ms_p90: percentile(&times, 0.9) * 1e3,
+            tokens_per_s: batch as f64 / median.max(1e-12),
+        });
+    }
+    // Back to one sequence, as the model was.
+    model.set_slots(1)?;
+    Ok(out)
 }
 
 /// Builds and measures the synthetic model `name` at each `(sp, dp)`; `on_result` sees each
@@ -404,6 +497,7 @@ mod tests {
             seed: 0,
             tcbc_kernels: vec![TcbcKernel::Lane8],
             pdl: vec![true],
+            batches: vec![],
         }
     }
 

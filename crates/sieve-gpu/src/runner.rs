@@ -124,6 +124,16 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
     mixed_formats_in_layer: false,
 };
 
+/// What the rows of a batched pass are ([`GpuModel::rows_through_layers`]).
+#[derive(Clone, Copy)]
+enum Rows {
+    /// Consecutive prompt tokens of the current slot, the first at position `p0`.
+    Prompt { p0: usize },
+    /// One token of each of several sequences: `seqs` (device i32) holds `[position, slot]`
+    /// per row; slots' caches are `slot_stride` f16 elements apart.
+    Sequences { seqs: u64, slot_stride: usize },
+}
+
 /// Device buffers of a step (see sieve-cuda's `kernels/step.cu` for the layouts).
 struct Buffers {
     x: CudaSlice<f32>,
@@ -217,7 +227,23 @@ pub struct GpuModel {
     slot: usize,
     /// Per slot, the captured step that ends at the logits (the serving path).
     slot_graphs: Vec<Option<StepGraph>>,
+    /// Scratch of the many-sequence step ([`Self::step_slots`]), allocated at its first use.
+    seq_bufs: Option<SequenceBuffers>,
 }
+
+/// Scratch of a decode step over several sequences: their `[position, slot]` pairs and their
+/// logits, [`MAX_SEQUENCES`] rows.
+struct SequenceBuffers {
+    seqs: CudaSlice<i32>,
+    logits: CudaSlice<f32>,
+}
+
+/// Sequences one batched decode launch sequence takes (larger batches run in parts).
+pub const MAX_SEQUENCES: usize = 64;
+
+/// Most sequences `sieve bench decode --batch` asks for (a sanity bound on user input; the
+/// memory check of [`GpuModel::set_slots`] decides what fits).
+pub const MAX_BATCH_SLOTS: usize = 1024;
 
 impl GpuModel {
     /// Uploads a model loaded by the CPU loaders (GGUF, safetensors, `.sieve` pack) with a KV
@@ -485,6 +511,7 @@ impl GpuModel {
             slots: 1,
             slot: 0,
             slot_graphs: vec![None],
+            seq_bufs: None,
         };
         model.report.launches_per_step = model.launches_per_step();
         Ok(model)
@@ -815,7 +842,8 @@ impl GpuModel {
             .max(c.num_heads * hd)
             .next_multiple_of(sieve_cuda::lowbit::K_ALIGN_MAX);
         let max_m = qkv_w.max(2 * c.intermediate_size);
-        let mut all: Vec<&DeviceLinear> = Vec::new();
+        // The head too: the many-sequence step runs it through the same path.
+        let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
         for l in &self.layers {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
@@ -835,7 +863,12 @@ impl GpuModel {
     /// Tokens `tokens` at positions `p0 ..` through every layer as one batch, filling the KV
     /// cache (no logits: the last prompt token runs through the decode step).
     fn prefill_chunk(&mut self, tokens: &[u32], p0: usize) -> Result<()> {
-        use crate::prefill::linear_rows;
+        self.upload_row_tokens(tokens)?;
+        self.rows_through_layers(tokens.len(), Rows::Prompt { p0 })
+    }
+
+    /// Writes `tokens` where [`Self::rows_through_layers`] embeds them from.
+    fn upload_row_tokens(&mut self, tokens: &[u32]) -> Result<()> {
         self.prefill_scratch()?;
         let Some(pb) = self.prefill_bufs.as_mut() else {
             return Err(GpuError::InvalidArgument("prefill scratch missing".into()));
@@ -845,14 +878,22 @@ impl GpuModel {
         let mut view = pb.tokens.slice_mut(0..ids.len());
         stream
             .memcpy_htod(&ids, &mut view)
-            .during("writing prompt tokens")?;
+            .during("writing the rows' tokens")?;
+        Ok(())
+    }
+
+    /// The `n` tokens in the scratch's token list through every layer, row by row (the
+    /// products as GEMMs or the low-bit kernels' token batches), ending with the residual
+    /// stream in the scratch's `x`. `rows` says where each row's keys and values go and what
+    /// it attends to.
+    fn rows_through_layers(&self, n: usize, rows: Rows) -> Result<()> {
+        use crate::prefill::linear_rows;
         let pb = self
             .prefill_bufs
             .as_ref()
             .ok_or_else(|| GpuError::InvalidArgument("prefill scratch missing".into()))?;
         let g = &self.gpu;
         let c = &self.config;
-        let n = tokens.len();
         let (d, hd, nh, nkv, inter) = (
             c.hidden_size,
             c.head_dim,
@@ -865,10 +906,12 @@ impl GpuModel {
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
         let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
         embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
-        // The layer as the plan orders it (`plan::LAYER`), each op over the chunk's n rows.
+        // The layer as the plan orders it (`plan::LAYER`), each op over the n rows.
         for (l, layer) in self.layers.iter().enumerate() {
             let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes(l);
             let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes(l);
+            let bias = layer.qkv_bias.as_ref().map(p).unwrap_or(0);
+            let (cos, sin) = (p(&self.bufs.rope_cos), p(&self.bufs.rope_sin));
             for op in plan::LAYER {
                 match op {
                     LayerOp::Norm(Norm::Attention) => {
@@ -877,32 +920,52 @@ impl GpuModel {
                     LayerOp::Product(Group::Qkv) => {
                         linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?
                     }
-                    LayerOp::RopeKv => rope::rope_rows(
-                        g,
-                        y,
-                        layer.qkv_bias.as_ref().map(p).unwrap_or(0),
-                        p(&self.bufs.rope_cos),
-                        p(&self.bufs.rope_sin),
-                        p0,
-                        n,
-                        kc,
-                        vc,
-                        nh,
-                        nkv,
-                        hd,
-                    )?,
-                    LayerOp::Attention => attention::attention_batch(
-                        g,
-                        &self.attention,
-                        y,
-                        kc,
-                        vc,
-                        0,
-                        p(&pb.part),
-                        att,
-                        p0 + 1,
-                        n,
-                    )?,
+                    LayerOp::RopeKv => match rows {
+                        Rows::Prompt { p0 } => {
+                            rope::rope_rows(g, y, bias, cos, sin, p0, n, kc, vc, nh, nkv, hd)?
+                        }
+                        Rows::Sequences { seqs, slot_stride } => rope::rope_seqs(
+                            g,
+                            y,
+                            bias,
+                            cos,
+                            sin,
+                            seqs,
+                            slot_stride,
+                            n,
+                            kc,
+                            vc,
+                            nh,
+                            nkv,
+                            hd,
+                        )?,
+                    },
+                    LayerOp::Attention => match rows {
+                        Rows::Prompt { p0 } => attention::attention_batch(
+                            g,
+                            &self.attention,
+                            y,
+                            kc,
+                            vc,
+                            0,
+                            p(&pb.part),
+                            att,
+                            p0 + 1,
+                            n,
+                        )?,
+                        Rows::Sequences { seqs, slot_stride } => attention::attention_seqs(
+                            g,
+                            &self.attention,
+                            y,
+                            kc,
+                            vc,
+                            seqs,
+                            slot_stride,
+                            p(&pb.part),
+                            att,
+                            n,
+                        )?,
+                    },
                     LayerOp::Product(Group::O) => {
                         linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?
                     }
@@ -1163,6 +1226,12 @@ impl GpuModel {
     /// was built with; what that cache held is gone). Fails, before allocating, when the pool
     /// does not fit in the free GPU memory.
     pub fn with_slots(mut self, slots: usize) -> Result<Self> {
+        self.set_slots(slots)?;
+        Ok(self)
+    }
+
+    /// [`Self::with_slots`] in place.
+    pub fn set_slots(&mut self, slots: usize) -> Result<()> {
         if slots == 0 {
             return Err(GpuError::InvalidArgument(
                 "the KV cache pool needs at least one slot".into(),
@@ -1191,7 +1260,7 @@ impl GpuModel {
         self.slot_graphs = (0..slots).map(|_| None).collect();
         self.drop_graphs();
         self.len = 0;
-        Ok(self)
+        Ok(())
     }
 
     /// Forgets every captured step (after a change to what the launches do).
@@ -1276,6 +1345,129 @@ impl GpuModel {
             .and_then(|()| Ok(self.gpu.download(&self.bufs.logits)?));
         self.slot = 0;
         result
+    }
+
+    /// True when a decode step of several sequences runs as one batched pass (every matrix,
+    /// the head included, has a token-batch path: see [`crate::prefill`]); otherwise
+    /// [`Self::step_slots`] runs the sequences one graph replay after another.
+    pub fn decode_is_batched(&self) -> bool {
+        let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
+        for l in &self.layers {
+            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
+        }
+        self.batched_prefill && crate::prefill::batchable(&all)
+    }
+
+    /// One decode step of several sequences: `(slot, position, token)` each, slots distinct.
+    /// Returns `[n][vocab]` logits in the order given. Every argument is checked before
+    /// anything runs. With [`Self::decode_is_batched`], the sequences go through every layer
+    /// together (the products read their weights once for all of them; each row's RoPE, cache
+    /// write and attention use its own slot and position); otherwise, and for one sequence,
+    /// each replays its slot's captured step.
+    pub fn step_slots(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<f32>> {
+        for (i, &(slot, position, token)) in batch.iter().enumerate() {
+            self.check_slot(slot)?;
+            if batch[..i].iter().any(|&(s, _, _)| s == slot) {
+                return Err(GpuError::InvalidArgument(format!(
+                    "slot {slot} appears twice in one decode step"
+                )));
+            }
+            if position >= self.capacity {
+                return Err(sieve_model::ModelError::ContextOverflow {
+                    tokens: position + 1,
+                    context: self.capacity,
+                }
+                .into());
+            }
+            self.check_tokens(&[token])?;
+        }
+        let v = self.config.vocab_size;
+        let mut logits = Vec::with_capacity(batch.len() * v);
+        if batch.len() < 2 || !self.decode_is_batched() {
+            for &(slot, position, token) in batch {
+                logits.extend(self.step_slot(slot, position, token)?);
+            }
+            return Ok(logits);
+        }
+        for part in batch.chunks(MAX_SEQUENCES) {
+            self.run_sequences_step(part)?;
+            let bufs = self
+                .seq_bufs
+                .as_ref()
+                .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+            let rows = self
+                .gpu
+                .stream()
+                .clone_dtoh(&bufs.logits.slice(0..part.len() * v))
+                .during("copying the batch's logits to the host")?;
+            logits.extend_from_slice(&rows);
+        }
+        Ok(logits)
+    }
+
+    /// The batched pass of [`Self::step_slots`] for at most [`MAX_SEQUENCES`] checked rows,
+    /// logits left in the sequence scratch.
+    fn run_sequences_step(&mut self, batch: &[(usize, usize, u32)]) -> Result<()> {
+        let c = self.config.clone();
+        let (d, v) = (c.hidden_size, c.vocab_size);
+        if self.seq_bufs.is_none() {
+            let stream = self.gpu.stream();
+            self.seq_bufs = Some(SequenceBuffers {
+                seqs: stream
+                    .alloc_zeros::<i32>(2 * MAX_SEQUENCES)
+                    .during("allocating the batch's positions")?,
+                logits: stream
+                    .alloc_zeros::<f32>(MAX_SEQUENCES * v)
+                    .during("allocating the batch's logits")?,
+            });
+        }
+        let tokens: Vec<u32> = batch.iter().map(|&(_, _, t)| t).collect();
+        self.upload_row_tokens(&tokens)?;
+        let seqs: Vec<i32> = batch
+            .iter()
+            .flat_map(|&(slot, position, _)| [position as i32, slot as i32])
+            .collect();
+        let stream = self.gpu.stream().clone();
+        let bufs = self
+            .seq_bufs
+            .as_mut()
+            .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+        let mut view = bufs.seqs.slice_mut(0..seqs.len());
+        stream
+            .memcpy_htod(&seqs, &mut view)
+            .during("writing the batch's positions")?;
+        let n = batch.len();
+        let row = c.num_kv_heads * c.head_dim;
+        let slot_stride = c.num_layers * self.capacity * row;
+        let g = &self.gpu;
+        let (seqs_ptr, logits_ptr) = (dev_ptr(g, &bufs.seqs), dev_ptr(g, &bufs.logits));
+        // Addresses are slot 0's: the kernels add each row's slot.
+        self.slot = 0;
+        self.rows_through_layers(
+            n,
+            Rows::Sequences {
+                seqs: seqs_ptr,
+                slot_stride,
+            },
+        )?;
+        let pb = self
+            .prefill_bufs
+            .as_ref()
+            .ok_or_else(|| GpuError::InvalidArgument("prefill scratch missing".into()))?;
+        let (x, xn) = (dev_ptr(g, &pb.x), dev_ptr(g, &pb.xn));
+        rmsnorm_rows(g, x, dev_ptr(g, &self.final_norm), xn, n, d, c.rms_norm_eps)?;
+        crate::prefill::linear_rows(
+            g,
+            &self.lm_head,
+            xn,
+            d,
+            dev_ptr(g, &pb.a16),
+            n,
+            logits_ptr,
+            v,
+            0.0,
+            dev_ptr(g, &pb.w16),
+        )
     }
 
     /// Captures the step graph of every slot that has none yet (each holds its slot's cache

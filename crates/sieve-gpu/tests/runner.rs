@@ -1275,3 +1275,132 @@ fn slot_pool_matches_cpu_per_sequence() {
         "a pool of 0 slots"
     );
 }
+
+/// The serving path's batched decode: one step of several sequences in one pass through the
+/// layers (`step_slots`) gives each sequence the logits its own single-sequence step gives
+/// (a second device model, stepped slot by slot, is the reference; the dense model is checked
+/// against the CPU too). Sequences of different lengths, batches of changing membership and
+/// order, a batch wider than one launch sequence takes, formats with and without a token-batch
+/// path; bad batches are refused before anything runs.
+#[test]
+fn batched_slot_steps_match_single_steps() {
+    use sieve_cpu::gguf_blocks::BlockType;
+    let name = "batched_slot_steps_match_single_steps";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    let context = 48;
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    let dense = tiny_model(FormatKind::Dense, 0.0, 0.0, 31);
+    let tiled = tiny_model(FormatKind::TiledCbc, 0.5, 0.0, 32);
+    let balanced = tiny_model(FormatKind::BalancedCbc, 0.5, 0.0, 33);
+    let mut q4 = tiny_model_of(
+        config(301, 96, 224, 2, 6, 2, 16),
+        FormatKind::Dense,
+        0.0,
+        0.0,
+        34,
+    );
+    to_gguf_blocks(&mut q4, BlockType::Q4_0);
+    for (label, model, batched, slots) in [
+        ("dense", &dense, true, 5usize),
+        ("tiled-cbc", &tiled, true, 5),
+        ("gguf q4_0", &q4, true, 5),
+        ("balanced-cbc (one slot at a time)", &balanced, false, 5),
+        ("dense, 70 sequences", &dense, true, 70),
+    ] {
+        let v = model.config().vocab_size;
+        let mut many = GpuModel::from_model(Gpu::new(0).unwrap(), model, context)
+            .unwrap()
+            .with_slots(slots)
+            .unwrap();
+        let mut one = GpuModel::from_model(Gpu::new(0).unwrap(), model, context)
+            .unwrap()
+            .with_slots(slots)
+            .unwrap();
+        assert_eq!(many.decode_is_batched(), batched, "{label}");
+        let mut cpu: Vec<_> = (0..slots).map(|_| model.new_cache(context)).collect();
+        let mut lens = vec![0usize; slots];
+        let mut next = vec![0u32; slots];
+        let mut worst = (0f32, 0f32);
+        for slot in 0..slots {
+            let prompt: Vec<u32> = (0..1 + (slot * 7) % 11)
+                .map(|i| ((slot * 37 + i * 11) % v) as u32)
+                .collect();
+            let a = many.prefill_slot(slot, &prompt).unwrap();
+            let b = one.prefill_slot(slot, &prompt).unwrap();
+            assert!(max_abs_diff(&a, &b) < 1e-5, "{label}: prefill slot {slot}");
+            if label == "dense" {
+                model
+                    .forward(&prompt, &mut cpu[slot], Logits::Last)
+                    .unwrap();
+            }
+            lens[slot] = prompt.len();
+            next[slot] = argmax(&b);
+        }
+        for step in 0..8 {
+            // Members and order change from step to step; every slot runs at least every
+            // other step.
+            let mut members: Vec<usize> = (0..slots).filter(|s| (s + step) % 3 != 0).collect();
+            if step % 2 == 1 {
+                members.reverse();
+            }
+            if step == 5 {
+                members = (0..slots).collect();
+            }
+            let batch: Vec<(usize, usize, u32)> =
+                members.iter().map(|&s| (s, lens[s], next[s])).collect();
+            let got = many.step_slots(&batch).unwrap();
+            assert_eq!(got.len(), batch.len() * v, "{label}: logits rows");
+            for (i, &(slot, position, token)) in batch.iter().enumerate() {
+                let row = &got[i * v..(i + 1) * v];
+                let want = one.step_slot(slot, position, token).unwrap();
+                let err = max_abs_diff(row, &want);
+                worst.0 = worst.0.max(err);
+                assert!(
+                    err < 0.03,
+                    "{label}: step {step}, slot {slot} at {position}: error {err} against its single step"
+                );
+                assert_eq!(argmax(row), argmax(&want), "{label}: greedy token");
+                if label == "dense" {
+                    let cpu_row = model
+                        .forward(&[token], &mut cpu[slot], Logits::Last)
+                        .unwrap();
+                    let err = max_abs_diff(row, &cpu_row);
+                    worst.1 = worst.1.max(err);
+                    assert!(err < 0.05, "{label}: slot {slot} against the CPU: {err}");
+                }
+                lens[slot] += 1;
+                next[slot] = argmax(&want);
+            }
+        }
+        eprintln!(
+            "{name}: {label}: max error {} against single steps, {} against the CPU",
+            worst.0, worst.1
+        );
+        // Refusals before anything runs: the state of every slot is unchanged after them.
+        let (s0, s1) = (0usize, 1usize);
+        let bad = [
+            ("slot twice", vec![(s0, lens[s0], 1), (s0, lens[s0], 2)]),
+            (
+                "slot outside the pool",
+                vec![(s0, lens[s0], 1), (slots, 0, 1)],
+            ),
+            (
+                "position past the context",
+                vec![(s0, lens[s0], 1), (s1, context, 1)],
+            ),
+            (
+                "token outside the vocabulary",
+                vec![(s0, lens[s0], 1), (s1, lens[s1], v as u32)],
+            ),
+        ];
+        for (what, batch) in bad {
+            assert!(many.step_slots(&batch).is_err(), "{label}: {what} accepted");
+        }
+        assert!(
+            many.step_slots(&[]).unwrap().is_empty(),
+            "{label}: empty batch"
+        );
+    }
+}

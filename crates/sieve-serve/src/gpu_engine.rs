@@ -1,12 +1,12 @@
 //! The GPU engine: [`DecodeEngine`] over `sieve-gpu`'s [`GpuModel`] with a pool of KV cache
 //! slots on the device.
 //!
-//! Each slot's step is the model's plan up to the logits, captured once as a CUDA graph with
-//! that slot's cache addresses; a decode step of the batch replays the graph of every running
-//! slot in turn and reads each sequence's logits back for the scheduler to sample on the host.
-//! The batch therefore costs one single-sequence step per sequence: the products are not yet
-//! batched across sequences (issue 28's batched kernels), so throughput equals one stream's
-//! and per-sequence TPOT grows with the batch.
+//! A decode step of several running sequences is one batched pass through every layer
+//! ([`GpuModel::step_slots`]): the products read their weights once for the whole batch
+//! (cuBLAS GEMMs for f16 weights, the low-bit and IE-BME kernels' token batches), each row's
+//! RoPE, cache write and attention go to its own slot and position. Models whose formats have
+//! no token-batch path (RLC-CSC, Balanced-CBC), and steps of one sequence, replay each slot's
+//! captured single-sequence step instead. The scheduler samples on the host from the logits.
 
 use crate::engine::DecodeEngine;
 use sieve_gpu::{GpuError, GpuModel};
@@ -104,15 +104,13 @@ impl DecodeEngine for GpuEngine {
                 )));
             }
         }
-        let mut logits = Vec::with_capacity(batch.len() * self.vocab_size());
-        for &(slot, token) in batch {
-            let position = self.lens[slot];
-            let row = self
-                .model
-                .step_slot(slot, position, token)
-                .map_err(model_error)?;
-            logits.extend_from_slice(&row);
-            self.lens[slot] = position + 1;
+        let rows: Vec<(usize, usize, u32)> = batch
+            .iter()
+            .map(|&(slot, token)| (slot, self.lens[slot], token))
+            .collect();
+        let logits = self.model.step_slots(&rows).map_err(model_error)?;
+        for &(slot, _) in batch {
+            self.lens[slot] += 1;
         }
         Ok(logits)
     }

@@ -55,6 +55,10 @@ pub struct DecodeArgs {
     /// measured on the same model).
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pdl: Vec<String>,
+    /// Also time the serving path's decode step of this many sequences at once, one
+    /// measurement per value (e.g. 1,8,32,64): aggregate tokens per second.
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
@@ -93,6 +97,18 @@ fn print_row(r: &DecodeResult) {
         r.launches_per_step,
         r.setup_s
     );
+    for b in &r.batched {
+        println!(
+            "{:<11}   batch {:>3} ({}): step {:>8.3} ms (p10 {:.3}, p90 {:.3}), {:>9.1} tok/s over all sequences",
+            r.model,
+            b.batch,
+            if b.one_pass { "one pass" } else { "per sequence" },
+            b.step_ms_median,
+            b.step_ms_p10,
+            b.step_ms_p90,
+            b.tokens_per_s
+        );
+    }
 }
 
 pub fn run(a: DecodeArgs) -> Result<()> {
@@ -110,6 +126,16 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     }
     if a.tokens == 0 {
         bail!("--tokens must be at least 1");
+    }
+    if let Some(&b) = a
+        .batch
+        .iter()
+        .find(|&&b| b == 0 || b > sieve_gpu::runner::MAX_BATCH_SLOTS)
+    {
+        bail!(
+            "--batch {b}: batch sizes go from 1 to {}",
+            sieve_gpu::runner::MAX_BATCH_SLOTS
+        );
     }
     let format = FormatKind::from_name(&a.format)?;
     let pattern: Pattern = a.pattern.parse()?;
@@ -145,6 +171,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 other => bail!("--pdl {other}: expected on or off"),
             })
             .collect::<Result<_>>()?,
+        batches: a.batch.clone(),
     };
     let results = match (&a.synthetic, &a.model) {
         (Some(name), _) => {
