@@ -146,6 +146,24 @@ fn pre_tokenizer_recipe(name: &str) -> Result<&'static PreTokenizerRecipe> {
         })
 }
 
+/// GPT-2's byte-level alphabet: the printable character that stands for each byte 0..=255
+/// (printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order).
+fn byte_level_alphabet() -> Vec<char> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256u32;
+    (0..256u32)
+        .map(|b| {
+            let code = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            char::from_u32(code).unwrap_or('?')
+        })
+        .collect()
+}
+
 /// A text <-> token-id converter with the model's special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -389,6 +407,54 @@ impl Tokenizer {
             spec.add_bos_token.unwrap_or(recipe.add_bos),
             spec.chat_template.clone(),
             special_ids,
+            true,
+        ))
+    }
+
+    /// A tokenizer for models with random weights (`--synthetic`), which have none: one token
+    /// per byte of the text (ids 3..=258, GPT-2's byte-level alphabet), id 0 `<unk>`, 1 `<s>`
+    /// (BOS), 2 `</s>`; ids from 259 up are placeholders `<tN>` that decode as that text.
+    /// No id ends a text: a random model's output means nothing, so generation runs to its
+    /// token limit, as a load test wants. `vocab_size` must be at least 259.
+    pub fn bytes(vocab_size: usize) -> Result<Self> {
+        const FIRST_BYTE: u32 = 3;
+        let first_placeholder = FIRST_BYTE as usize + 256;
+        if vocab_size < first_placeholder || u32::try_from(vocab_size).is_err() {
+            return Err(ModelError::InvalidArgument(format!(
+                "a byte tokenizer needs {first_placeholder} to 2^32 ids; the model has {vocab_size}"
+            )));
+        }
+        let mut vocab = Vocab::default();
+        for (id, name) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+            vocab.insert((*name).to_owned(), id as u32);
+        }
+        for (byte, ch) in byte_level_alphabet().into_iter().enumerate() {
+            vocab.insert(ch.to_string(), FIRST_BYTE + byte as u32);
+        }
+        for id in first_placeholder..vocab_size {
+            vocab.insert(format!("<t{id}>"), id as u32);
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .unk_token("<unk>".to_owned())
+            .build()
+            .map_err(|e| tokenizer_error("building the byte tokenizer", e))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, false, false)));
+        inner.with_decoder(Some(ByteLevel::new(false, false, false)));
+        let specials: Vec<AddedToken> = ["<unk>", "<s>", "</s>"]
+            .iter()
+            .map(|t| AddedToken::from(*t, true).normalized(false))
+            .collect();
+        inner.add_special_tokens(&specials);
+        Ok(Self::assemble(
+            inner,
+            vocab_size,
+            Some(1),
+            Vec::new(),
+            false,
+            None,
+            HashSet::from([0, 1, 2]),
             true,
         ))
     }
@@ -963,5 +1029,32 @@ mod tests {
             proptest::prop_assert!(pending.is_empty());
             proptest::prop_assert_eq!(out, text);
         }
+    }
+
+    #[test]
+    fn byte_tokenizer_round_trips_text_and_ends_nothing() {
+        let t = Tokenizer::bytes(32000).unwrap();
+        assert_eq!(t.vocab_size(), 32000);
+        let text = "Hello, wörld!\n\ttabs and  spaces";
+        let ids = t.encode(text, false).unwrap();
+        assert_eq!(ids.len(), text.len(), "one token per byte");
+        assert!(ids.iter().all(|&id| (3..259).contains(&id)), "{ids:?}");
+        assert_eq!(t.decode(&ids, false).unwrap(), text);
+        // Streaming decode gives the same text, the multi-byte character included.
+        let mut stream = t.stream(false);
+        let mut streamed = String::new();
+        for &id in &ids {
+            if let Some(piece) = stream.push(id).unwrap() {
+                streamed.push_str(&piece);
+            }
+        }
+        streamed.extend(stream.finish());
+        assert_eq!(streamed, text);
+        // Placeholders decode as their names; no id ends a text.
+        assert_eq!(t.decode(&[300], false).unwrap(), "<t300>");
+        assert!((0..32000).all(|id| !t.is_eos(id)));
+        assert_eq!(t.bos_id(), Some(1));
+        assert!(Tokenizer::bytes(258).is_err());
+        assert!(Tokenizer::bytes(0).is_err());
     }
 }

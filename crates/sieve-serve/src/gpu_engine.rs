@@ -61,6 +61,23 @@ impl GpuEngine {
         })
     }
 
+    /// An engine over a model already on the device (a synthetic model of a real shape, built
+    /// there layer by layer): its cache becomes a pool of `slots` slots, every slot's step
+    /// captured now.
+    pub fn from_gpu_model(mut model: GpuModel, slots: usize) -> Result<Self> {
+        if slots == 0 {
+            return Err(ModelError::InvalidArgument(
+                "the KV cache pool needs at least one slot".into(),
+            ));
+        }
+        model.set_slots(slots).map_err(model_error)?;
+        model.capture_slots().map_err(model_error)?;
+        Ok(Self {
+            lens: vec![0; slots],
+            model,
+        })
+    }
+
     /// The device model (upload report, configuration).
     pub fn model(&self) -> &GpuModel {
         &self.model

@@ -47,6 +47,8 @@ pub enum ServeError {
     Config(String),
     #[error(transparent)]
     Model(#[from] sieve_model::ModelError),
+    #[error(transparent)]
+    Gpu(#[from] sieve_gpu::GpuError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: String,
@@ -189,6 +191,24 @@ pub fn load_gpu_engine(
     config.validate()?;
     let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
     let engine = gpu_engine::GpuEngine::new(&model, gpu, config.max_batch, config.context)?;
+    Ok((engine, tokenizer))
+}
+
+/// A synthetic model of a real shape (`sieve_gpu::synthetic`: random weights pruned and
+/// stored as `options` say, built on `gpu` layer by layer) in a GPU engine, with the byte
+/// tokenizer ([`Tokenizer::bytes`]): for load tests at real scale without a model file.
+pub fn load_synthetic_gpu_engine(
+    name: &str,
+    options: &sieve_gpu::synthetic::SyntheticOptions,
+    config: &ServeConfig,
+    gpu: sieve_cuda::Gpu,
+) -> Result<(gpu_engine::GpuEngine, Tokenizer)> {
+    config.validate()?;
+    let shape = sieve_gpu::synthetic::config(name)?;
+    let tokenizer = Tokenizer::bytes(shape.vocab_size)?;
+    let context = config.context.min(shape.max_position_embeddings);
+    let model = sieve_gpu::synthetic::build(gpu, name, options, context)?;
+    let engine = gpu_engine::GpuEngine::from_gpu_model(model, config.max_batch)?;
     Ok((engine, tokenizer))
 }
 

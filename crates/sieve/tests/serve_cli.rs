@@ -289,6 +289,48 @@ fn serve_refuses_bad_settings_before_loading() {
         .expect("runs");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--max-batch"));
+    // A synthetic model's settings are checked before any device work: the shape's name, the
+    // sparsities, the values a format's kernels take; without a GPU it is refused by name.
+    for (args, says) in [
+        (
+            &["--synthetic", "llama9-1b"][..],
+            "unknown synthetic model 'llama9-1b'",
+        ),
+        (
+            &["--synthetic", "llama2-7b", "--sp", "1"][..],
+            "--sp 1 is outside [0, 1)",
+        ),
+        (
+            &[
+                "--synthetic",
+                "llama2-7b",
+                "--sp",
+                "0.5",
+                "--format",
+                "ie-bme",
+            ][..],
+            "ie-bme has no f16 GPU kernel",
+        ),
+    ] {
+        let out = sieve()
+            .arg("serve")
+            .args(args)
+            .args(["--port", "0"])
+            .output()
+            .expect("runs");
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    if sieve_cuda::Gpu::new(0).is_err() {
+        let out = sieve()
+            .args(["serve", "--synthetic", "llama2-7b", "--port", "0"])
+            .output()
+            .expect("runs");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("built on the GPU"), "{err}");
+    }
 }
 
 /// A start-up failure is `sieve serve`'s exit with the message, before it listens (issue 30:

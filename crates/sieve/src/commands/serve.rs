@@ -1,11 +1,12 @@
 //! `sieve serve`: the OpenAI-compatible HTTP server (the server itself is `sieve-serve`).
 
 use super::device::{self, Device};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use sieve_serve::engine::DecodeEngine;
 use sieve_serve::{
-    load_cpu_engine, load_gpu_engine, model_name_for, shutdown_signal, ServeConfig, Server,
+    load_cpu_engine, load_gpu_engine, load_synthetic_gpu_engine, model_name_for, shutdown_signal,
+    ServeConfig, Server,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,8 +14,25 @@ use std::time::Duration;
 #[derive(Args)]
 pub struct ServeArgs {
     /// Model file or directory (default: $SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic")]
     model: Option<PathBuf>,
+    /// Serve a synthetic model of a real shape instead (llama2-7b, llama2-13b, llama3-8b,
+    /// llama2-70b: random weights built on the GPU, a byte tokenizer, no end of text) for load
+    /// tests at real scale. GPU only.
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Weight sparsity of the synthetic model's projections.
+    #[arg(long, default_value_t = 0.0, requires = "synthetic")]
+    sp: f64,
+    /// Activation sparsity (TEAL thresholds) of the synthetic model.
+    #[arg(long, default_value_t = 0.0, requires = "synthetic")]
+    dp: f64,
+    /// Format of a sparse synthetic model: tiled-cbc, rlc-csc, balanced-cbc, ie-bme, dense.
+    #[arg(long, default_value = "tiled-cbc", requires = "synthetic")]
+    format: String,
+    /// What the synthetic model's kept weights are stored as (as `sieve bench decode --values`).
+    #[arg(long, default_value = "f16", requires = "synthetic")]
+    values: String,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// 0 picks a free port (the address is printed).
@@ -63,7 +81,7 @@ pub struct ServeArgs {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     let mut config = ServeConfig {
-        host: args.host,
+        host: args.host.clone(),
         port: args.port,
         model_name: String::new(),
         max_batch: args.max_batch,
@@ -71,7 +89,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_tokens_cap: args.max_tokens_cap,
         queue_capacity: args.queue,
         // Given but empty (`--api-key ''`, `SIEVE_API_KEY=`) stays given: `validate` refuses it.
-        api_key: args.api_key,
+        api_key: args.api_key.clone(),
         body_limit: args.body_limit,
         threads: args.threads,
         drain_timeout: Duration::from_secs(args.drain_timeout),
@@ -81,6 +99,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         write_timeout: Duration::from_secs(args.write_timeout),
     };
     config.validate()?;
+    if let Some(name) = &args.synthetic {
+        return serve_synthetic(name, &args, config);
+    }
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     config.model_name = model_name_for(&path);
     let gpu = device::open(args.device)?;
@@ -101,6 +122,61 @@ pub fn run(args: ServeArgs) -> Result<()> {
             (Box::new(engine), tokenizer)
         }
     };
+    listen(engine, tokenizer, config, &on)
+}
+
+/// `--synthetic NAME`: the model is built on the GPU from the shape and the settings given.
+fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Result<()> {
+    use sieve_formats::FormatKind;
+    use sieve_gpu::synthetic::{SyntheticOptions, SyntheticValues};
+    for (flag, v) in [("--sp", args.sp), ("--dp", args.dp)] {
+        if !(0.0..1.0).contains(&v) {
+            bail!("{flag} {v} is outside [0, 1)");
+        }
+    }
+    // A dense configuration is stored dense whatever --format says (as in bench decode).
+    let format = if args.sp == 0.0 {
+        FormatKind::Dense
+    } else {
+        FormatKind::from_name(&args.format)?
+    };
+    sieve_gpu::synthetic::config(name)?;
+    let values: SyntheticValues = args.values.parse()?;
+    values.check(format)?;
+    let Some(gpu) = device::open(args.device)? else {
+        bail!("--synthetic models are built on the GPU; this run has none (--device cuda on a machine with one)");
+    };
+    let on = gpu.info().name.clone();
+    let options = SyntheticOptions {
+        sp: args.sp,
+        pattern: sieve_formats::random::Pattern::Unstructured,
+        dp: args.dp,
+        format,
+        values,
+        seed: 0,
+        calib_tokens: 16,
+    };
+    config.model_name = format!(
+        "synthetic-{name}-sp{}-dp{}-{}-{}",
+        args.sp,
+        args.dp,
+        format.name(),
+        values.name()
+    );
+    eprintln!("sieve serve: building {} on {on}", config.model_name);
+    let (engine, tokenizer) = load_synthetic_gpu_engine(name, &options, &config, gpu)
+        .with_context(|| format!("building the synthetic {name} on the GPU"))?;
+    device::print_report(engine.model());
+    listen(Box::new(engine), tokenizer, config, &on)
+}
+
+/// Starts the server on `engine` and blocks until it stops.
+fn listen(
+    engine: Box<dyn DecodeEngine>,
+    tokenizer: sieve_model::tokenizer::Tokenizer,
+    config: ServeConfig,
+    on: &str,
+) -> Result<()> {
     let positions = engine.slot_capacity();
     let server = Server::start_with_shutdown(engine, tokenizer, &config, async {
         shutdown_signal().await;
