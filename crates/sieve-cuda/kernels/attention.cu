@@ -37,6 +37,8 @@
 // Many sequences (seqs != null): grid (Hkv, S, n), query z is the next token of its own
 // sequence: length seqs[2z] + 1, cache slot seqs[2z + 1] (slot * slot_stride elements past the
 // layer's base); q and partials as in prefill. One launch serves a decode step of n sequences.
+// A padding row (slot -(s + 1) < 0, see rope_seqs) reads slot s, which the batch's real row
+// of that slot has written: its output is valid and unused.
 //
 // attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
 //
@@ -77,7 +79,8 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     const int z = blockIdx.z;
     const int len = seqs ? seqs[2 * z] + 1 : len0 > 0 ? len0 + z : state[0] + 1;
     if (seqs) {
-        const size_t slot = (size_t)seqs[2 * z + 1] * (size_t)slot_stride;
+        const int s = seqs[2 * z + 1];
+        const size_t slot = (size_t)(s < 0 ? -(s + 1) : s) * (size_t)slot_stride;
         k_cache += slot;
         v_cache += slot;
     }

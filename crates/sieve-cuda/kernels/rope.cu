@@ -21,6 +21,8 @@
 // rope_seqs: grid (H + Hkv, n), row y of qkv is the next token of its own sequence: position
 //            seqs[2y], cache slot seqs[2y + 1] (the slot's rows start slot * slot_stride
 //            elements past the layer's base), so a decode step of many sequences is one launch.
+//            A negative slot marks a padding row (a captured step's batch rounded up): its q is
+//            rotated, nothing is written to any cache.
 
 __device__ __forceinline__ void rope_head(float* __restrict__ qkv, const float* __restrict__ bias,
                                           const float* __restrict__ rope_cos,
@@ -87,7 +89,9 @@ rope_seqs(float* __restrict__ qkv, const float* __restrict__ bias, const float* 
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;
-    const size_t slot = (size_t)seqs[2 * y + 1] * (size_t)slot_stride;
+    const int s = seqs[2 * y + 1];
+    if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
+    const size_t slot = (size_t)max(s, 0) * (size_t)slot_stride;
     rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, seqs[2 * y], blockIdx.x, k_cache + slot,
               v_cache + slot, H, Hkv, hd);
 }

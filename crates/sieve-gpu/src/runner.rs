@@ -229,6 +229,10 @@ pub struct GpuModel {
     slot_graphs: Vec<Option<StepGraph>>,
     /// Scratch of the many-sequence step ([`Self::step_slots`]), allocated at its first use.
     seq_bufs: Option<SequenceBuffers>,
+    /// Captured many-sequence steps by bucket (2^i rows, i = 1..=6), and which buckets have
+    /// run once eagerly.
+    seq_graphs: [Option<StepGraph>; 7],
+    seq_warm: [bool; 7],
 }
 
 /// Scratch of a decode step over several sequences: their `[position, slot]` pairs and their
@@ -512,6 +516,8 @@ impl GpuModel {
             slot: 0,
             slot_graphs: vec![None],
             seq_bufs: None,
+            seq_graphs: Default::default(),
+            seq_warm: [false; 7],
         };
         model.report.launches_per_step = model.launches_per_step();
         Ok(model)
@@ -776,13 +782,18 @@ impl GpuModel {
     }
 
     fn capture_ops(&self, ops: &[Op]) -> Result<StepGraph> {
+        self.capture_with(|m| ops.iter().try_for_each(|&op| m.launch(op)))
+    }
+
+    /// A graph of what `enqueue` launches on the stream.
+    fn capture_with(&self, enqueue: impl Fn(&Self) -> Result<()>) -> Result<StepGraph> {
         // Compile and load every kernel before capturing (module loads cannot be captured),
         // and let earlier asynchronous work (pageable copies) finish outside the capture.
         self.warm_kernels()?;
         self.gpu.synchronize()?;
         let stream = self.gpu.stream();
         StepGraph::begin_capture(stream)?;
-        let enqueued = ops.iter().try_for_each(|&op| self.launch(op));
+        let enqueued = enqueue(self);
         let graph = StepGraph::end_capture(stream, self.pdl);
         enqueued?;
         Ok(graph?)
@@ -1267,6 +1278,8 @@ impl GpuModel {
     fn drop_graphs(&mut self) {
         self.graphs = [None, None];
         self.slot_graphs.iter_mut().for_each(|g| *g = None);
+        self.seq_graphs = Default::default();
+        self.seq_warm = [false; 7];
     }
 
     /// KV cache slots in the pool.
@@ -1407,9 +1420,15 @@ impl GpuModel {
 
     /// The batched pass of [`Self::step_slots`] for at most [`MAX_SEQUENCES`] checked rows,
     /// logits left in the sequence scratch.
+    ///
+    /// With graphs, the batch is rounded up to a power of two (a bucket: 2, 4, .. 64) and the
+    /// bucket's pass replays a graph captured at its second use (the first runs eagerly, so
+    /// that every kernel is loaded and cuBLAS has chosen its algorithms outside the capture).
+    /// The extra rows repeat the first sequence's token and position with its slot negated
+    /// (`-(slot + 1)`): they attend over that slot and write no cache (`rope.cu`,
+    /// `attention.cu`), and their logits are never read.
     fn run_sequences_step(&mut self, batch: &[(usize, usize, u32)]) -> Result<()> {
-        let c = self.config.clone();
-        let (d, v) = (c.hidden_size, c.vocab_size);
+        let v = self.config.vocab_size;
         if self.seq_bufs.is_none() {
             let stream = self.gpu.stream();
             self.seq_bufs = Some(SequenceBuffers {
@@ -1421,11 +1440,24 @@ impl GpuModel {
                     .during("allocating the batch's logits")?,
             });
         }
-        let tokens: Vec<u32> = batch.iter().map(|&(_, _, t)| t).collect();
+        let n = batch.len();
+        let rows = if self.use_graphs {
+            n.next_power_of_two().clamp(2, MAX_SEQUENCES)
+        } else {
+            n
+        };
+        let (first_slot, first_position, first_token) = batch[0];
+        let padding = -(first_slot as i32) - 1;
+        let tokens: Vec<u32> = batch
+            .iter()
+            .map(|&(_, _, t)| t)
+            .chain(std::iter::repeat_n(first_token, rows - n))
+            .collect();
         self.upload_row_tokens(&tokens)?;
         let seqs: Vec<i32> = batch
             .iter()
             .flat_map(|&(slot, position, _)| [position as i32, slot as i32])
+            .chain((n..rows).flat_map(|_| [first_position as i32, padding]))
             .collect();
         let stream = self.gpu.stream().clone();
         let bufs = self
@@ -1436,17 +1468,52 @@ impl GpuModel {
         stream
             .memcpy_htod(&seqs, &mut view)
             .during("writing the batch's positions")?;
-        let n = batch.len();
+        if !self.use_graphs {
+            return self.enqueue_sequences_pass(rows);
+        }
+        let bucket = rows.trailing_zeros() as usize;
+        if self.seq_graphs[bucket].is_none() {
+            if !self.seq_warm[bucket] {
+                self.seq_warm[bucket] = true;
+                return self.enqueue_sequences_pass(rows);
+            }
+            match self.capture_with(|m| m.enqueue_sequences_pass(rows)) {
+                Ok(graph) => self.seq_graphs[bucket] = Some(graph),
+                Err(e) => {
+                    self.report.notes.push(format!(
+                        "CUDA graph capture of a {rows}-sequence step failed ({e}); steps run as eager launches"
+                    ));
+                    self.use_graphs = false;
+                    self.gpu.synchronize().ok();
+                    return self.enqueue_sequences_pass(rows);
+                }
+            }
+        }
+        if let Some(graph) = &self.seq_graphs[bucket] {
+            graph.launch()?;
+        }
+        Ok(())
+    }
+
+    /// The launches of a batched decode pass of `n` rows whose tokens and `[position, slot]`
+    /// pairs are on the device: every layer, the final norm and the head into the sequence
+    /// scratch's logits.
+    fn enqueue_sequences_pass(&self, n: usize) -> Result<()> {
+        let c = &self.config;
+        let (d, v) = (c.hidden_size, c.vocab_size);
         let row = c.num_kv_heads * c.head_dim;
         let slot_stride = c.num_layers * self.capacity * row;
         let g = &self.gpu;
-        let (seqs_ptr, logits_ptr) = (dev_ptr(g, &bufs.seqs), dev_ptr(g, &bufs.logits));
-        // Addresses are slot 0's: the kernels add each row's slot.
-        self.slot = 0;
+        let bufs = self
+            .seq_bufs
+            .as_ref()
+            .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+        // Cache addresses are slot 0's (self.slot is 0 outside the slot calls): the kernels
+        // add each row's slot.
         self.rows_through_layers(
             n,
             Rows::Sequences {
-                seqs: seqs_ptr,
+                seqs: dev_ptr(g, &bufs.seqs),
                 slot_stride,
             },
         )?;
@@ -1463,7 +1530,7 @@ impl GpuModel {
             d,
             dev_ptr(g, &pb.a16),
             n,
-            logits_ptr,
+            dev_ptr(g, &bufs.logits),
             v,
             0.0,
             dev_ptr(g, &pb.w16),
