@@ -17,6 +17,7 @@
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_BISECT 48
+#define ARGMAX_NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float block_reduce(float v, bool is_max, float* red) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -185,5 +186,62 @@ sample_token(float* __restrict__ logits, int V, float temperature, int top_k, fl
             state[0] = p + 1;
         }
         state[1] = chosen;
+    }
+}
+
+// argmax_rows: the greedy choice of each of n rows of logits (a batched decode step whose
+// sequences all decode greedily without a repetition penalty), so the host reads n ids instead
+// of n x V logits. Grid n, SAMPLE_THREADS threads; row r is logits[r * V ..].
+// out[r] = the lowest id of the row's largest finite-or--inf value (the CPU sampler's rule:
+// strictly greater wins, ties keep the lowest id); -1 when every logit is -inf; -2 when a logit
+// is NaN or +inf (the CPU sampler refuses those rows too).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+argmax_rows(const float* __restrict__ logits, int V, int* __restrict__ out) {
+    pdl_wait_then_release();
+    __shared__ float red_v[SAMPLE_THREADS / 32];
+    __shared__ int red_i[SAMPLE_THREADS / 32];
+    __shared__ int bad_any;
+    const float* row = logits + (size_t)blockIdx.x * V;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) bad_any = 0;
+    __syncthreads();
+    float best = ARGMAX_NEG_INF;
+    int best_id = -1;
+    bool bad = false;
+    for (int i = tid; i < V; i += SAMPLE_THREADS) {
+        const float l = row[i];
+        if (isnan(l) || l == -ARGMAX_NEG_INF) bad = true;
+        // -inf never wins (the CPU rule); ids rise along the loop, so ">" keeps the lowest.
+        else if (l > best) {
+            best = l;
+            best_id = i;
+        }
+    }
+    if (bad) atomicOr(&bad_any, 1);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, d);
+        const int oi = __shfl_xor_sync(FULL_MASK, best_id, d);
+        if (oi >= 0 && (best_id < 0 || ov > best || (ov == best && oi < best_id))) {
+            best = ov;
+            best_id = oi;
+        }
+    }
+    if (lane == 0) {
+        red_v[warp] = best;
+        red_i[warp] = best_id;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float b = red_v[0];
+        int id = red_i[0];
+        for (int w = 1; w < SAMPLE_THREADS / 32; ++w) {
+            const int oi = red_i[w];
+            if (oi >= 0 && (id < 0 || red_v[w] > b || (red_v[w] == b && oi < id))) {
+                b = red_v[w];
+                id = oi;
+            }
+        }
+        out[blockIdx.x] = bad_any ? -2 : id;
     }
 }

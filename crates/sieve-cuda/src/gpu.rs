@@ -129,6 +129,15 @@ impl Gpu {
         self.upload(&vec![f32::NAN; len.max(1)])
     }
 
+    /// Zeroes `bytes` bytes at `ptr` on the stream (a memset node when captured).
+    ///
+    /// # Safety
+    /// `ptr .. ptr + bytes` must lie inside one live allocation of this context.
+    pub unsafe fn zero_bytes(&self, ptr: crate::product::DevPtr, bytes: usize) -> Result<()> {
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .during("zeroing device memory")
+    }
+
     pub fn zero_f32(&self, buf: &mut CudaSlice<f32>) -> Result<()> {
         self.stream.memset_zeros(buf).during("zeroing a buffer")
     }

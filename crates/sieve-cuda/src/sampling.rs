@@ -58,3 +58,46 @@ pub fn sample_token(
     unsafe { b.launch(grid_cfg((1, 1), 1024, 0)) }.during("launching sample_token")?;
     Ok(())
 }
+
+/// What [`argmax_rows`] writes for a row whose logits are all -inf.
+pub const ARGMAX_ALL_NEG_INF: i32 = -1;
+/// What [`argmax_rows`] writes for a row with a NaN or +inf logit.
+pub const ARGMAX_NOT_FINITE: i32 = -2;
+
+/// The greedy token of each of `n` rows of `vocab` logits (`[n][vocab]` f32) into `out`
+/// (`n` i32): the lowest id of the largest value, or [`ARGMAX_ALL_NEG_INF`] /
+/// [`ARGMAX_NOT_FINITE`] (see `sampling.cu`; [`reference::argmax_row`] is the rule).
+pub fn argmax_rows(gpu: &Gpu, logits: DevPtr, vocab: usize, n: usize, out: DevPtr) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&FAMILY, "argmax_rows")?;
+    let v = i32_arg("vocabulary", vocab)?;
+    let rows = u32::try_from(n).map_err(|_| {
+        crate::error::CudaError::Unsupported(format!("{n} rows of logits in one launch"))
+    })?;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&logits).arg(&v).arg(&out);
+    unsafe { b.launch(grid_cfg((rows, 1), 1024, 0)) }.during("launching argmax_rows")?;
+    Ok(())
+}
+
+/// CPU references.
+pub mod reference {
+    use super::{ARGMAX_ALL_NEG_INF, ARGMAX_NOT_FINITE};
+
+    /// The greedy rule of the CPU sampler: the largest value wins, ties keep the lowest id,
+    /// -inf never wins; a NaN or +inf logit makes the row an error.
+    pub fn argmax_row(row: &[f32]) -> i32 {
+        if row.iter().any(|l| l.is_nan() || *l == f32::INFINITY) {
+            return ARGMAX_NOT_FINITE;
+        }
+        let mut best: Option<(f32, usize)> = None;
+        for (id, &l) in row.iter().enumerate() {
+            if l > f32::NEG_INFINITY && best.is_none_or(|(b, _)| l > b) {
+                best = Some((l, id));
+            }
+        }
+        best.map_or(ARGMAX_ALL_NEG_INF, |(_, id)| id as i32)
+    }
+}

@@ -281,8 +281,8 @@ fn measure_batches(
     let Some(&most) = opts.batches.iter().max() else {
         return Ok(Vec::new());
     };
-    let vocab = model.config().vocab_size;
     let steps = opts.tokens.clamp(1, 128);
+    // The prompt, one untimed step and the timed ones.
     if prompt.len() + steps + 1 > model.capacity() {
         return Err(GpuError::InvalidArgument(format!(
             "batched steps need {} positions per slot; the cache holds {}",
@@ -291,6 +291,22 @@ fn measure_batches(
         )));
     }
     model.set_slots(most)?;
+    let points = time_batches(model, prompt, opts, steps);
+    // Back to one sequence, as the model was (also after a failure).
+    let restored = model.set_slots(1);
+    let points = points?;
+    restored?;
+    Ok(points)
+}
+
+/// The timing loop of [`measure_batches`] on a pool of enough slots.
+fn time_batches(
+    model: &mut GpuModel,
+    prompt: &[u32],
+    opts: &DecodeBenchOptions,
+    steps: usize,
+) -> Result<Vec<BatchPoint>> {
+    let vocab = model.config().vocab_size;
     let argmax = |l: &[f32]| {
         (0..l.len())
             .max_by(|&a, &b| l[a].total_cmp(&l[b]))
@@ -316,7 +332,7 @@ fn measure_batches(
             *r = (r.0, r.1 + 1, argmax(&logits[i * vocab..(i + 1) * vocab]));
         }
         let mut times = Vec::with_capacity(steps);
-        for _ in 0..steps - 1 {
+        for _ in 0..steps {
             let t = Instant::now();
             let logits = model.step_slots(&rows)?;
             times.push(t.elapsed().as_secs_f64());
@@ -335,8 +351,6 @@ fn measure_batches(
             tokens_per_s: batch as f64 / median.max(1e-12),
         });
     }
-    // Back to one sequence, as the model was.
-    model.set_slots(1)?;
     Ok(out)
 }
 

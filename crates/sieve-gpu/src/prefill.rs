@@ -126,6 +126,18 @@ pub fn linear_rows(
     let blas = gpu.cublas()?;
     let k = lin.cols;
     let mut masked: Option<Threshold> = None;
+    // The IE-BME kernel's own zeroing (split-K blocks wait for an epoch flag) is not safe to
+    // replay from a captured graph, whose epoch is fixed: with beta = 0 the rows are zeroed
+    // here and every IE-BME part accumulates.
+    let ie_bme_accumulates = beta != 0.0
+        || lin
+            .parts
+            .iter()
+            .any(|p| matches!(p.matrix, DeviceMatrix::IeBme(_)));
+    if beta == 0.0 && ie_bme_accumulates {
+        // SAFETY: the caller's y holds n rows of ldy floats.
+        unsafe { gpu.zero_bytes(y, n * ldy * 4) }?;
+    }
     for p in &lin.parts {
         if let DeviceMatrix::LowBit(q) = &p.matrix {
             // The low-bit kernel reads rows padded to 128 columns, at most 32 tokens a launch.
@@ -162,7 +174,7 @@ pub fn linear_rows(
                     p.threshold,
                     yp + (t0 * ldy * 4) as u64,
                     ldy,
-                    beta != 0.0,
+                    ie_bme_accumulates,
                 )?;
             }
             continue;

@@ -240,6 +240,8 @@ pub struct GpuModel {
 struct SequenceBuffers {
     seqs: CudaSlice<i32>,
     logits: CudaSlice<f32>,
+    /// Each row's greedy token ([`GpuModel::step_slots_argmax`]).
+    chosen: CudaSlice<i32>,
 }
 
 /// Sequences one batched decode launch sequence takes (larger batches run in parts).
@@ -782,11 +784,13 @@ impl GpuModel {
     }
 
     fn capture_ops(&self, ops: &[Op]) -> Result<StepGraph> {
-        self.capture_with(|m| ops.iter().try_for_each(|&op| m.launch(op)))
+        self.capture_with(self.pdl, |m| ops.iter().try_for_each(|&op| m.launch(op)))
     }
 
-    /// A graph of what `enqueue` launches on the stream.
-    fn capture_with(&self, enqueue: impl Fn(&Self) -> Result<()>) -> Result<StepGraph> {
+    /// A graph of what `enqueue` launches on the stream, its kernel-to-kernel edges
+    /// programmatic when `pdl` (only for launches of sieve's own kernels, which all wait for
+    /// their predecessor before reading: see `sieve_cuda::graph`).
+    fn capture_with(&self, pdl: bool, enqueue: impl Fn(&Self) -> Result<()>) -> Result<StepGraph> {
         // Compile and load every kernel before capturing (module loads cannot be captured),
         // and let earlier asynchronous work (pageable copies) finish outside the capture.
         self.warm_kernels()?;
@@ -794,7 +798,7 @@ impl GpuModel {
         let stream = self.gpu.stream();
         StepGraph::begin_capture(stream)?;
         let enqueued = enqueue(self);
-        let graph = StepGraph::end_capture(stream, self.pdl);
+        let graph = StepGraph::end_capture(stream, pdl);
         enqueued?;
         Ok(graph?)
     }
@@ -917,10 +921,16 @@ impl GpuModel {
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
         let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
         embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
+        // Prompt rows go to the current slot; sequence rows address slot 0's rows and the
+        // kernels add each row's slot.
+        let base_slot = match rows {
+            Rows::Prompt { .. } => self.slot,
+            Rows::Sequences { .. } => 0,
+        };
         // The layer as the plan orders it (`plan::LAYER`), each op over the n rows.
         for (l, layer) in self.layers.iter().enumerate() {
-            let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes(l);
-            let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes(l);
+            let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes_at(base_slot, l);
+            let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes_at(base_slot, l);
             let bias = layer.qkv_bias.as_ref().map(p).unwrap_or(0);
             let (cos, sin) = (p(&self.bufs.rope_cos), p(&self.bufs.rope_sin));
             for op in plan::LAYER {
@@ -1256,20 +1266,44 @@ impl GpuModel {
         let bytes = elems.saturating_mul(4);
         // The current caches are freed first, so only the growth must fit.
         check_memory(&self.gpu, bytes.saturating_sub(self.report.kv_cache_bytes))?;
+        // Nothing captured may outlive the caches it addresses, whatever happens below.
+        self.drop_graphs();
+        let old_elems = self.bufs.k_cache.len();
         let stream = self.gpu.stream().clone();
         self.bufs.k_cache = stream.alloc_zeros::<f16>(1).during("freeing the K cache")?;
         self.bufs.v_cache = stream.alloc_zeros::<f16>(1).during("freeing the V cache")?;
-        self.bufs.k_cache = stream
-            .alloc_zeros::<f16>(elems)
-            .during("allocating the K cache pool")?;
-        self.bufs.v_cache = stream
-            .alloc_zeros::<f16>(elems)
-            .during("allocating the V cache pool")?;
+        let allocate = |n: usize| -> Result<(CudaSlice<f16>, CudaSlice<f16>)> {
+            Ok((
+                stream
+                    .alloc_zeros::<f16>(n)
+                    .during("allocating the K cache pool")?,
+                stream
+                    .alloc_zeros::<f16>(n)
+                    .during("allocating the V cache pool")?,
+            ))
+        };
+        match allocate(elems) {
+            Ok((k, v)) => (self.bufs.k_cache, self.bufs.v_cache) = (k, v),
+            Err(e) => {
+                // Back to the pool that was there (it fitted a moment ago); if even that
+                // fails, no position is left, so every step is refused instead of writing
+                // past a one-element cache.
+                self.slot_graphs = (0..self.slots).map(|_| None).collect();
+                match allocate(old_elems) {
+                    Ok((k, v)) => (self.bufs.k_cache, self.bufs.v_cache) = (k, v),
+                    Err(_) => {
+                        self.capacity = 0;
+                        self.report.kv_cache_bytes = 0;
+                    }
+                }
+                self.len = 0;
+                return Err(e);
+            }
+        }
         self.report.kv_cache_bytes = bytes;
         self.slots = slots;
         self.slot = 0;
         self.slot_graphs = (0..slots).map(|_| None).collect();
-        self.drop_graphs();
         self.len = 0;
         Ok(())
     }
@@ -1289,9 +1323,14 @@ impl GpuModel {
 
     /// Byte offset of layer `l`'s cache rows of the current slot.
     fn cache_offset_bytes(&self, l: usize) -> u64 {
+        self.cache_offset_bytes_at(self.slot, l)
+    }
+
+    /// Byte offset of layer `l`'s cache rows of slot `slot`.
+    fn cache_offset_bytes_at(&self, slot: usize, l: usize) -> u64 {
         let c = &self.config;
         let row = c.num_kv_heads * c.head_dim;
-        ((self.slot * c.num_layers + l) * self.capacity * row * 2) as u64
+        ((slot * c.num_layers + l) * self.capacity * row * 2) as u64
     }
 
     fn check_slot(&self, slot: usize) -> Result<()> {
@@ -1378,22 +1417,7 @@ impl GpuModel {
     /// write and attention use its own slot and position); otherwise, and for one sequence,
     /// each replays its slot's captured step.
     pub fn step_slots(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<f32>> {
-        for (i, &(slot, position, token)) in batch.iter().enumerate() {
-            self.check_slot(slot)?;
-            if batch[..i].iter().any(|&(s, _, _)| s == slot) {
-                return Err(GpuError::InvalidArgument(format!(
-                    "slot {slot} appears twice in one decode step"
-                )));
-            }
-            if position >= self.capacity {
-                return Err(sieve_model::ModelError::ContextOverflow {
-                    tokens: position + 1,
-                    context: self.capacity,
-                }
-                .into());
-            }
-            self.check_tokens(&[token])?;
-        }
+        self.check_batch(batch)?;
         let v = self.config.vocab_size;
         let mut logits = Vec::with_capacity(batch.len() * v);
         if batch.len() < 2 || !self.decode_is_batched() {
@@ -1418,13 +1442,85 @@ impl GpuModel {
         Ok(logits)
     }
 
+    /// [`Self::step_slots`] for sequences that all decode greedily (no repetition penalty):
+    /// each one's next token, the argmax of its logits chosen on the device, so the host reads
+    /// one id per sequence instead of its logits (the CPU sampler's rule: ties keep the lowest
+    /// id; logits with NaN or +inf, or all -inf, are an error naming the slot).
+    pub fn step_slots_argmax(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<u32>> {
+        self.check_batch(batch)?;
+        let v = self.config.vocab_size;
+        let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
+        if batch.len() < 2 || !self.decode_is_batched() {
+            for &(slot, position, token) in batch {
+                let row = self.step_slot(slot, position, token)?;
+                chosen.push(sampling::reference::argmax_row(&row));
+            }
+        } else {
+            for part in batch.chunks(MAX_SEQUENCES) {
+                self.run_sequences_step(part)?;
+                let bufs = self
+                    .seq_bufs
+                    .as_ref()
+                    .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+                let g = &self.gpu;
+                sampling::argmax_rows(
+                    g,
+                    dev_ptr(g, &bufs.logits),
+                    v,
+                    part.len(),
+                    dev_ptr(g, &bufs.chosen),
+                )?;
+                let ids = g
+                    .stream()
+                    .clone_dtoh(&bufs.chosen.slice(0..part.len()))
+                    .during("copying the batch's tokens to the host")?;
+                chosen.extend_from_slice(&ids);
+            }
+        }
+        chosen
+            .into_iter()
+            .zip(batch)
+            .map(|(id, &(slot, position, _))| match id {
+                sampling::ARGMAX_ALL_NEG_INF => Err(GpuError::InvalidArgument(format!(
+                    "slot {slot} at position {position}: every logit is -inf"
+                ))),
+                id if id < 0 => Err(GpuError::InvalidArgument(format!(
+                    "slot {slot} at position {position}: the logits hold NaN or +inf"
+                ))),
+                id => Ok(id as u32),
+            })
+            .collect()
+    }
+
+    /// Refuses a batch with a slot outside the pool or twice, a position past the context or
+    /// a token outside the vocabulary, before anything runs.
+    fn check_batch(&self, batch: &[(usize, usize, u32)]) -> Result<()> {
+        for (i, &(slot, position, token)) in batch.iter().enumerate() {
+            self.check_slot(slot)?;
+            if batch[..i].iter().any(|&(s, _, _)| s == slot) {
+                return Err(GpuError::InvalidArgument(format!(
+                    "slot {slot} appears twice in one decode step"
+                )));
+            }
+            if position >= self.capacity {
+                return Err(sieve_model::ModelError::ContextOverflow {
+                    tokens: position + 1,
+                    context: self.capacity,
+                }
+                .into());
+            }
+            self.check_tokens(&[token])?;
+        }
+        Ok(())
+    }
+
     /// The batched pass of [`Self::step_slots`] for at most [`MAX_SEQUENCES`] checked rows,
     /// logits left in the sequence scratch.
     ///
     /// With graphs, the batch is rounded up to a power of two (a bucket: 2, 4, .. 64) and the
     /// bucket's pass replays a graph captured at its second use (the first runs eagerly, so
     /// that every kernel is loaded and cuBLAS has chosen its algorithms outside the capture).
-    /// The extra rows repeat the first sequence's token and position with its slot negated
+    /// The extra rows run token 0 at the first sequence's position with its slot negated
     /// (`-(slot + 1)`): they attend over that slot and write no cache (`rope.cu`,
     /// `attention.cu`), and their logits are never read.
     fn run_sequences_step(&mut self, batch: &[(usize, usize, u32)]) -> Result<()> {
@@ -1438,6 +1534,9 @@ impl GpuModel {
                 logits: stream
                     .alloc_zeros::<f32>(MAX_SEQUENCES * v)
                     .during("allocating the batch's logits")?,
+                chosen: stream
+                    .alloc_zeros::<i32>(MAX_SEQUENCES)
+                    .during("allocating the batch's tokens")?,
             });
         }
         let n = batch.len();
@@ -1446,12 +1545,14 @@ impl GpuModel {
         } else {
             n
         };
-        let (first_slot, first_position, first_token) = batch[0];
+        let (first_slot, first_position, _) = batch[0];
         let padding = -(first_slot as i32) - 1;
+        // Padding rows run token 0, not the first sequence's: were one to write the cache
+        // anyway, that sequence's next logits would show it.
         let tokens: Vec<u32> = batch
             .iter()
             .map(|&(_, _, t)| t)
-            .chain(std::iter::repeat_n(first_token, rows - n))
+            .chain(std::iter::repeat_n(0, rows - n))
             .collect();
         self.upload_row_tokens(&tokens)?;
         let seqs: Vec<i32> = batch
@@ -1477,7 +1578,9 @@ impl GpuModel {
                 self.seq_warm[bucket] = true;
                 return self.enqueue_sequences_pass(rows);
             }
-            match self.capture_with(|m| m.enqueue_sequences_pass(rows)) {
+            // Plain edges: the pass holds cuBLAS kernels and memsets, which make no promise
+            // to wait for a programmatic predecessor.
+            match self.capture_with(false, |m| m.enqueue_sequences_pass(rows)) {
                 Ok(graph) => self.seq_graphs[bucket] = Some(graph),
                 Err(e) => {
                     self.report.notes.push(format!(
@@ -1508,8 +1611,6 @@ impl GpuModel {
             .seq_bufs
             .as_ref()
             .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
-        // Cache addresses are slot 0's (self.slot is 0 outside the slot calls): the kernels
-        // add each row's slot.
         self.rows_through_layers(
             n,
             Rows::Sequences {

@@ -73,6 +73,14 @@ impl<'t> Sequence<'t> {
         self.accept(token, cache_has_room)
     }
 
+    /// True when this sequence's next token is always the argmax of its logits (greedy, no
+    /// repetition penalty), so a backend may choose it on its device and pass it to
+    /// [`Sequence::accept`].
+    pub fn decodes_by_argmax(&self) -> bool {
+        let p = self.sampler.params();
+        p.is_greedy() && p.repetition_penalty == 1.0
+    }
+
     /// Draws the next token from `logits` with this sequence's sampler (the repetition penalty
     /// looking back over the prompt and the tokens accepted so far); [`Sequence::accept`] then
     /// takes it. [`Sequence::step`] is the two together.

@@ -23,6 +23,13 @@ pub trait DecodeEngine: Send {
     /// One decode step: for each `(slot, token)` runs `token` at the slot's next position and
     /// returns `[n][V]` logits in the order given. Slots must be distinct.
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>>;
+    /// [`DecodeEngine::decode`] for a batch whose sequences all decode greedily without a
+    /// repetition penalty: each sequence's next token (the argmax of its logits, the CPU
+    /// sampler's rule) chosen by the engine, so that no logits leave a device. `None` when
+    /// the engine has no such path (the scheduler then calls `decode` and samples itself).
+    fn decode_argmax(&mut self, _batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
+        None
+    }
 }
 
 /// The CPU engine: sieve-model's forward pass, one [`KvCache`] per slot, batched decode
@@ -115,5 +122,20 @@ impl DecodeEngine for CpuEngine {
         // One step is ~150 short parallel regions: keep the pool's workers hot through it.
         let model = &self.model;
         sieve_model::generate::with_hot_workers(|| model.decode_batch(&tokens, &mut caches))
+    }
+
+    /// The same greedy rule as the scheduler's sampler, applied here: the CPU gains nothing
+    /// from it, but every greedy request on the CPU then takes the path a GPU engine takes.
+    fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
+        let vocab = self.vocab_size();
+        Some(self.decode(batch).and_then(|logits| {
+            let mut greedy = sieve_model::sampling::Sampler::new(
+                sieve_model::sampling::SamplingParams::greedy(),
+            )?;
+            logits
+                .chunks_exact(vocab)
+                .map(|row| greedy.sample(row, &[]))
+                .collect()
+        }))
     }
 }

@@ -108,6 +108,24 @@ impl DecodeEngine for GpuEngine {
     }
 
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>> {
+        let rows = self.rows(batch)?;
+        let logits = self.model.step_slots(&rows).map_err(model_error)?;
+        self.advance(batch);
+        Ok(logits)
+    }
+
+    fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
+        Some(self.rows(batch).and_then(|rows| {
+            let tokens = self.model.step_slots_argmax(&rows).map_err(model_error)?;
+            self.advance(batch);
+            Ok(tokens)
+        }))
+    }
+}
+
+impl GpuEngine {
+    /// `(slot, position, token)` of each sequence of a decode step; slots checked.
+    fn rows(&self, batch: &[(usize, u32)]) -> Result<Vec<(usize, usize, u32)>> {
         for (i, &(slot, _)) in batch.iter().enumerate() {
             if slot >= self.lens.len() {
                 return Err(ModelError::InvalidArgument(format!(
@@ -121,14 +139,16 @@ impl DecodeEngine for GpuEngine {
                 )));
             }
         }
-        let rows: Vec<(usize, usize, u32)> = batch
+        Ok(batch
             .iter()
             .map(|&(slot, token)| (slot, self.lens[slot], token))
-            .collect();
-        let logits = self.model.step_slots(&rows).map_err(model_error)?;
+            .collect())
+    }
+
+    /// Every sequence of a finished step holds one position more.
+    fn advance(&mut self, batch: &[(usize, u32)]) {
         for &(slot, _) in batch {
             self.lens[slot] += 1;
         }
-        Ok(logits)
     }
 }

@@ -295,8 +295,19 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
 
         let batch: Vec<(usize, u32)> = running.iter().map(|r| (r.slot, r.next)).collect();
         metrics.observe_batch(batch.len());
-        let logits = match engine.decode(&batch) {
-            Ok(l) => l,
+        // Greedy sequences only: the engine may choose the tokens itself (on its device).
+        let by_argmax = running.iter().all(|r| r.sequence.decodes_by_argmax());
+        let chosen = if by_argmax {
+            engine.decode_argmax(&batch)
+        } else {
+            None
+        };
+        let outcome = match chosen {
+            Some(tokens) => tokens.map(Decoded::Tokens),
+            None => engine.decode(&batch).map(Decoded::Logits),
+        };
+        let decoded = match outcome {
+            Ok(d) => d,
             Err(e) => {
                 for r in running.drain(..) {
                     let _ = r.events.send(Event::Failed(format!("decode failed: {e}")));
@@ -309,10 +320,13 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
         let vocab = engine.vocab_size();
         let mut i = 0;
         running.retain_mut(|r| {
-            let row = &logits[i * vocab..(i + 1) * vocab];
+            let next = match &decoded {
+                Decoded::Logits(logits) => Next::Logits(&logits[i * vocab..(i + 1) * vocab]),
+                Decoded::Tokens(tokens) => Next::Token(tokens[i]),
+            };
             i += 1;
             let room = engine.slot_len(r.slot) < r.limit;
-            let keep = advance(r, row, room, metrics);
+            let keep = advance(r, next, room, metrics);
             if !keep {
                 free.push(r.slot);
             }
@@ -372,13 +386,30 @@ fn admit<'t>(
     };
     metrics.ttft.observe(job.enqueued.elapsed().as_secs_f64());
     let room = engine.slot_len(slot) < limit;
-    advance(&mut running, &logits, room, metrics).then_some(running)
+    advance(&mut running, Next::Logits(&logits), room, metrics).then_some(running)
 }
 
-/// Samples one token for `r` from `logits` and sends its text; `false` when `r` is finished
-/// (its last event sent) or failed.
-fn advance(r: &mut Running<'_>, logits: &[f32], room: bool, metrics: &Metrics) -> bool {
-    let step = match r.sequence.step(logits, room) {
+/// What a decode step gave the scheduler: every sequence's logits, or (greedy batches on an
+/// engine that chooses them) every sequence's next token.
+enum Decoded {
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+}
+
+/// One sequence's share of a [`Decoded`] step.
+enum Next<'a> {
+    Logits(&'a [f32]),
+    Token(u32),
+}
+
+/// Takes `r`'s next token (sampled here from its logits, or chosen by the engine) and sends
+/// its text; `false` when `r` is finished (its last event sent) or failed.
+fn advance(r: &mut Running<'_>, next: Next<'_>, room: bool, metrics: &Metrics) -> bool {
+    let step = match next {
+        Next::Logits(logits) => r.sequence.step(logits, room),
+        Next::Token(token) => r.sequence.accept(token, room),
+    };
+    let step = match step {
         Ok(s) => s,
         Err(e) => {
             let _ = r
