@@ -191,6 +191,10 @@ impl KvCache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+    /// Bytes the cache holds (keys and values of every position it can take).
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * std::mem::size_of::<f16>()
+    }
     /// Forgets every position (the memory is reused).
     pub fn clear(&mut self) {
         self.len = 0;

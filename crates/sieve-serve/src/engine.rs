@@ -30,6 +30,10 @@ pub trait DecodeEngine: Send {
     fn decode_argmax(&mut self, _batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
         None
     }
+    /// Bytes of the KV cache pool (on the device that holds it), for `/metrics`.
+    fn kv_cache_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// The CPU engine: sieve-model's forward pass, one [`KvCache`] per slot, batched decode
@@ -122,6 +126,10 @@ impl DecodeEngine for CpuEngine {
         // One step is ~150 short parallel regions: keep the pool's workers hot through it.
         let model = &self.model;
         sieve_model::generate::with_hot_workers(|| model.decode_batch(&tokens, &mut caches))
+    }
+
+    fn kv_cache_bytes(&self) -> usize {
+        self.caches.iter().map(KvCache::bytes).sum()
     }
 
     /// The same greedy rule as the scheduler's sampler, applied here: the CPU gains nothing

@@ -114,6 +114,10 @@ impl DecodeEngine for GpuEngine {
         Ok(logits)
     }
 
+    fn kv_cache_bytes(&self) -> usize {
+        self.model.report().kv_cache_bytes
+    }
+
     fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
         Some(self.rows(batch).and_then(|rows| {
             let tokens = self.model.step_slots_argmax(&rows).map_err(model_error)?;

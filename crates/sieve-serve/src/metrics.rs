@@ -84,6 +84,10 @@ pub struct Metrics {
     pub running: AtomicU64,
     pub slots_in_use: AtomicU64,
     pub slots_total: AtomicU64,
+    /// Bytes of the KV cache pool.
+    pub kv_cache_bytes: AtomicU64,
+    /// Decode steps whose tokens the engine chose itself (greedy batches on a device).
+    pub engine_chosen_steps: AtomicU64,
     pub queue_depth: AtomicU64,
     pub decode_steps: AtomicU64,
     /// Largest decode batch seen.
@@ -120,6 +124,8 @@ impl Metrics {
             running: AtomicU64::new(0),
             slots_in_use: AtomicU64::new(0),
             slots_total: AtomicU64::new(0),
+            kv_cache_bytes: AtomicU64::new(0),
+            engine_chosen_steps: AtomicU64::new(0),
             queue_depth: AtomicU64::new(0),
             decode_steps: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
@@ -236,6 +242,18 @@ impl Metrics {
             "sieve_kv_slots_total",
             "KV cache slots in the pool.",
             &self.slots_total,
+        );
+        gauge(
+            &mut out,
+            "sieve_kv_cache_bytes",
+            "Bytes of the KV cache pool (device memory for a GPU engine).",
+            &self.kv_cache_bytes,
+        );
+        counter(
+            &mut out,
+            "sieve_engine_chosen_steps_total",
+            "Decode steps whose tokens the engine chose (greedy batches: no logits copied to the host).",
+            &self.engine_chosen_steps,
         );
         gauge(
             &mut out,

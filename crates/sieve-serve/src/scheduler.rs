@@ -222,6 +222,9 @@ struct Running<'t> {
 pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, metrics: &Metrics) {
     let slots = engine.slots();
     metrics.slots_total.store(slots as u64, Ordering::Relaxed);
+    metrics
+        .kv_cache_bytes
+        .store(engine.kv_cache_bytes() as u64, Ordering::Relaxed);
     let mut free: Vec<usize> = (0..slots).rev().collect();
     let mut running: Vec<Running<'_>> = Vec::new();
     let publish = |running: &Vec<Running<'_>>| {
@@ -303,7 +306,10 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
             None
         };
         let outcome = match chosen {
-            Some(tokens) => tokens.map(Decoded::Tokens),
+            Some(tokens) => {
+                metrics.engine_chosen_steps.fetch_add(1, Ordering::Relaxed);
+                tokens.map(Decoded::Tokens)
+            }
             None => engine.decode(&batch).map(Decoded::Logits),
         };
         let decoded = match outcome {

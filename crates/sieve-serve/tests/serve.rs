@@ -77,6 +77,15 @@ async fn greedy_answers_equal_the_library_generate_streamed_or_not() {
     ] {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
+    // The pool's bytes, and the greedy decode steps whose tokens the engine chose.
+    let value = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    };
+    assert!(value("sieve_kv_cache_bytes") > 0, "{text}");
+    assert!(value("sieve_engine_chosen_steps_total") > 0, "{text}");
     server.shutdown().unwrap();
 }
 
