@@ -1346,36 +1346,74 @@ impl GpuModel {
     /// Runs `prompt` into slot `slot` from position 0 (what the slot held is overwritten) and
     /// returns the logits after its last token, `[vocab]`.
     pub fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>> {
+        self.extend_slot(slot, 0, prompt)
+    }
+
+    /// Runs `tokens` into slot `slot` at positions `start ..` (positions before `start` must
+    /// hold the sequence; from `start` on the slot is overwritten) and returns the logits after
+    /// the last one, `[vocab]`: one chunk of a prompt prefilled in several.
+    pub fn extend_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
         self.check_slot(slot)?;
-        if prompt.is_empty() {
+        if tokens.is_empty() {
             return Err(GpuError::InvalidArgument("the prompt has no tokens".into()));
         }
-        if prompt.len() > self.capacity {
+        if start + tokens.len() > self.capacity {
             return Err(sieve_model::ModelError::ContextOverflow {
-                tokens: prompt.len(),
+                tokens: start + tokens.len(),
                 context: self.capacity,
             }
             .into());
         }
-        self.check_tokens(prompt)?;
+        self.check_tokens(tokens)?;
         self.slot = slot;
-        let result = self.prefill_current_slot(prompt);
+        let result = self.prefill_current_slot(start, tokens);
         self.slot = 0;
         result
     }
 
-    fn prefill_current_slot(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
-        let n = prompt.len();
+    /// Runs `tokens` into slot `slot` at positions `start ..` without logits (a chunk of a
+    /// prompt that is not its last): every token through the batched prefill where the formats
+    /// allow, as the whole prompt's tokens before its last would go.
+    pub fn fill_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
+        self.check_slot(slot)?;
+        if start + tokens.len() > self.capacity {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: start + tokens.len(),
+                context: self.capacity,
+            }
+            .into());
+        }
+        self.check_tokens(tokens)?;
+        self.slot = slot;
+        let result = if self.prefill_is_batched() {
+            tokens
+                .chunks(crate::prefill::CHUNK)
+                .enumerate()
+                .try_for_each(|(c, chunk)| {
+                    self.prefill_chunk(chunk, start + c * crate::prefill::CHUNK)
+                })
+        } else {
+            tokens
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, &token)| self.run_logits_step(start + i, token))
+        };
+        self.slot = 0;
+        result
+    }
+
+    fn prefill_current_slot(&mut self, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        let n = tokens.len();
         if n > 1 && self.prefill_is_batched() {
-            for (c, chunk) in prompt[..n - 1].chunks(crate::prefill::CHUNK).enumerate() {
-                self.prefill_chunk(chunk, c * crate::prefill::CHUNK)?;
+            for (c, chunk) in tokens[..n - 1].chunks(crate::prefill::CHUNK).enumerate() {
+                self.prefill_chunk(chunk, start + c * crate::prefill::CHUNK)?;
             }
         } else {
-            for (pos, &token) in prompt[..n - 1].iter().enumerate() {
-                self.run_logits_step(pos, token)?;
+            for (i, &token) in tokens[..n - 1].iter().enumerate() {
+                self.run_logits_step(start + i, token)?;
             }
         }
-        self.run_logits_step(n - 1, prompt[n - 1])?;
+        self.run_logits_step(start + n - 1, tokens[n - 1])?;
         Ok(self.gpu.download(&self.bufs.logits)?)
     }
 

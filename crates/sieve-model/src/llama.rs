@@ -191,6 +191,18 @@ impl KvCache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+    /// Forgets the positions from `len` on (the next token runs at position `len`); a
+    /// length past the current one is refused.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(ModelError::InvalidArgument(format!(
+                "the cache holds {} positions; it cannot be cut to {len}",
+                self.len
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
     /// Bytes the cache holds (keys and values of every position it can take).
     pub fn bytes(&self) -> usize {
         (self.k.len() + self.v.len()) * std::mem::size_of::<f16>()

@@ -20,6 +20,25 @@ pub trait DecodeEngine: Send {
     fn slot_len(&self, slot: usize) -> usize;
     /// Empties slot `slot`, runs `prompt` into it and returns the last token's logits `[V]`.
     fn prefill(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>>;
+    /// A chunk of a prompt that is not its last: keeps the first `start` positions of slot
+    /// `slot` (at most what it holds) and runs `tokens` into the cache at positions `start ..`
+    /// (no logits).
+    fn extend(&mut self, _slot: usize, _start: usize, _tokens: &[u32]) -> Result<()> {
+        Err(ModelError::Unsupported(
+            "this engine prefills whole prompts only".into(),
+        ))
+    }
+    /// The last chunk of a prompt: [`DecodeEngine::extend`], then the logits after its last
+    /// token. A prompt prefilled in chunks this way gives the logits of one
+    /// [`DecodeEngine::prefill`] (up to the kernels a chunk's size selects).
+    fn prefill_from(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        if start == 0 {
+            return self.prefill(slot, tokens);
+        }
+        Err(ModelError::Unsupported(
+            "this engine prefills whole prompts only".into(),
+        ))
+    }
     /// One decode step: for each `(slot, token)` runs `token` at the slot's next position and
     /// returns `[n][V]` logits in the order given. Slots must be distinct.
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>>;
@@ -103,6 +122,17 @@ impl DecodeEngine for CpuEngine {
         let cache = &mut self.caches[slot];
         cache.clear();
         self.model.forward(prompt, cache, Logits::Last)
+    }
+
+    fn extend(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
+        self.prefill_from(slot, start, tokens).map(drop)
+    }
+
+    fn prefill_from(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.check_slot(slot)?;
+        let cache = &mut self.caches[slot];
+        cache.truncate(start)?;
+        self.model.forward(tokens, cache, Logits::Last)
     }
 
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>> {

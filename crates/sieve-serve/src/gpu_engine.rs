@@ -107,6 +107,25 @@ impl DecodeEngine for GpuEngine {
         Ok(logits)
     }
 
+    fn extend(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
+        self.check_start(slot, start)?;
+        self.model
+            .fill_slot(slot, start, tokens)
+            .map_err(model_error)?;
+        self.lens[slot] = start + tokens.len();
+        Ok(())
+    }
+
+    fn prefill_from(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.check_start(slot, start)?;
+        let logits = self
+            .model
+            .extend_slot(slot, start, tokens)
+            .map_err(model_error)?;
+        self.lens[slot] = start + tokens.len();
+        Ok(logits)
+    }
+
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>> {
         let rows = self.rows(batch)?;
         let logits = self.model.step_slots(&rows).map_err(model_error)?;
@@ -147,6 +166,17 @@ impl GpuEngine {
             .iter()
             .map(|&(slot, token)| (slot, self.lens[slot], token))
             .collect())
+    }
+
+    /// A chunk may start at most where the slot's sequence ends.
+    fn check_start(&self, slot: usize, start: usize) -> Result<()> {
+        let held = self.slot_len(slot);
+        if start > held {
+            return Err(ModelError::InvalidArgument(format!(
+                "slot {slot} holds {held} positions; a chunk cannot start at {start}"
+            )));
+        }
+        Ok(())
     }
 
     /// Every sequence of a finished step holds one position more.

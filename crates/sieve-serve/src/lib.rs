@@ -93,6 +93,9 @@ pub struct ServeConfig {
     pub body_timeout: Duration,
     /// Longest a response write may make no progress (a client that stopped reading).
     pub write_timeout: Duration,
+    /// Prompt tokens prefilled per scheduler step, and the chunk a longer prompt is cut into
+    /// (see [`scheduler`]).
+    pub prefill_chunk: usize,
 }
 
 impl Default for ServeConfig {
@@ -113,6 +116,7 @@ impl Default for ServeConfig {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(60),
+            prefill_chunk: scheduler::PREFILL_CHUNK,
         }
     }
 }
@@ -131,6 +135,9 @@ impl ServeConfig {
         }
         if self.queue_capacity == 0 {
             return bad("--queue must be at least 1");
+        }
+        if self.prefill_chunk == 0 {
+            return bad("--prefill-chunk must be at least 1");
         }
         if self.body_limit < 64 {
             return bad("--body-limit must be at least 64 bytes");
@@ -272,7 +279,7 @@ impl Server {
 
         // The scheduler starts first and says whether it could; its end (normal or not) is
         // seen by the HTTP side through `exited`.
-        let threads = config.threads;
+        let (threads, prefill_chunk) = (config.threads, config.prefill_chunk);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
         let scheduler = {
@@ -290,7 +297,9 @@ impl Server {
                     };
                     let _life = scheduler::SchedulerLife::start(&queue);
                     let _ = ready_tx.send(Ok(()));
-                    pool.install(|| scheduler::run(engine.as_mut(), &tokenizer, &queue, &metrics));
+                    pool.install(|| {
+                        scheduler::run(engine.as_mut(), &tokenizer, &queue, &metrics, prefill_chunk)
+                    });
                     Ok(())
                 })
                 .map_err(|e| ServeError::Runtime(format!("scheduler thread: {e}")))?

@@ -88,6 +88,8 @@ pub struct Metrics {
     pub kv_cache_bytes: AtomicU64,
     /// Decode steps whose tokens the engine chose itself (greedy batches on a device).
     pub engine_chosen_steps: AtomicU64,
+    /// Prompt chunks prefilled (one per prompt unless it is longer than `--prefill-chunk`).
+    pub prefill_chunks: AtomicU64,
     pub queue_depth: AtomicU64,
     pub decode_steps: AtomicU64,
     /// Largest decode batch seen.
@@ -126,6 +128,7 @@ impl Metrics {
             slots_total: AtomicU64::new(0),
             kv_cache_bytes: AtomicU64::new(0),
             engine_chosen_steps: AtomicU64::new(0),
+            prefill_chunks: AtomicU64::new(0),
             queue_depth: AtomicU64::new(0),
             decode_steps: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
@@ -254,6 +257,12 @@ impl Metrics {
             "sieve_engine_chosen_steps_total",
             "Decode steps whose tokens the engine chose (greedy batches: no logits copied to the host).",
             &self.engine_chosen_steps,
+        );
+        counter(
+            &mut out,
+            "sieve_prefill_chunks_total",
+            "Prompt chunks prefilled (a prompt longer than --prefill-chunk goes in several).",
+            &self.prefill_chunks,
         );
         gauge(
             &mut out,

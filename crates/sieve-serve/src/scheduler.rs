@@ -1,8 +1,17 @@
 //! Continuous batching. One scheduler thread owns the [`DecodeEngine`]: each iteration it
-//! drops sequences whose client went away, admits at most one waiting request (its prefill
-//! runs between two decode steps of the others) into a free cache slot, then runs one batched
-//! decode step over every running sequence. A finished sequence leaves the batch and frees its
-//! slot at once; waiting requests sit in a bounded [`Queue`].
+//! drops sequences whose client went away, admits waiting requests into free cache slots,
+//! runs up to `prefill_chunk` prompt tokens of the admitted prompts (a long prompt goes in
+//! chunks of that size over several iterations, so it holds up the running sequences' next
+//! token by one chunk's time, not its whole prefill), then runs one batched decode step over
+//! every running sequence. A finished sequence leaves the batch and frees its slot at once;
+//! waiting requests sit in a bounded [`Queue`].
+//!
+//! Chunk boundaries are fixed by the prompt alone, never by the load, so a request's tokens do
+//! not depend on what else runs: a prompt longer than `prefill_chunk` is cut into the fewest
+//! chunks of at most that size, equal within one token ([`chunk_ends`]). None is tiny, so every
+//! chunk runs the kernels a whole prompt runs (the CPU switches to its 8-token batch kernel
+//! below 9 tokens: with `prefill_chunk` of 18 or more a chunked prompt's answer equals the
+//! whole prompt's).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -200,9 +209,45 @@ impl Drop for SchedulerLife<'_> {
     }
 }
 
-/// Prompt tokens admitted per scheduler step beyond the first prompt: bounds how long one
-/// step's prefills hold up the running sequences' next token.
-pub const PREFILL_BUDGET: usize = 256;
+/// Prompt tokens prefilled per scheduler step by default (`--prefill-chunk`): bounds how long
+/// one step's prefills hold up the running sequences' next token.
+pub const PREFILL_CHUNK: usize = 256;
+
+/// A request whose prompt is being prefilled into its slot, chunk by chunk.
+struct Prefilling<'t> {
+    slot: usize,
+    job: Job,
+    sequence: Sequence<'t>,
+    /// Where each chunk of the prompt ends ([`chunk_ends`]).
+    ends: Vec<usize>,
+    /// Chunks already in the slot.
+    chunks_done: usize,
+    admitted: Instant,
+}
+
+impl Prefilling<'_> {
+    /// Prompt tokens already in the slot.
+    fn done(&self) -> usize {
+        match self.chunks_done {
+            0 => 0,
+            i => self.ends[i - 1],
+        }
+    }
+}
+
+/// The ends of the chunks a prompt of `len` tokens is prefilled in: the fewest chunks of at
+/// most `chunk` tokens, their sizes equal within one token (the longer ones first).
+pub fn chunk_ends(len: usize, chunk: usize) -> Vec<usize> {
+    let count = len.div_ceil(chunk.max(1)).max(1);
+    let (base, longer) = (len / count, len % count);
+    let mut end = 0;
+    (0..count)
+        .map(|i| {
+            end += base + usize::from(i < longer);
+            end
+        })
+        .collect()
+}
 
 /// A sequence in the running batch.
 struct Running<'t> {
@@ -218,8 +263,16 @@ struct Running<'t> {
     last_token: Instant,
 }
 
-/// Runs until the queue is closed and every job is done (or the queue is aborted).
-pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, metrics: &Metrics) {
+/// Runs until the queue is closed and every job is done (or the queue is aborted). Each
+/// iteration prefills at most `prefill_chunk` prompt tokens (at least one chunk).
+pub fn run(
+    engine: &mut dyn DecodeEngine,
+    tokenizer: &Tokenizer,
+    queue: &Queue,
+    metrics: &Metrics,
+    prefill_chunk: usize,
+) {
+    let prefill_chunk = prefill_chunk.max(1);
     let slots = engine.slots();
     metrics.slots_total.store(slots as u64, Ordering::Relaxed);
     metrics
@@ -227,16 +280,17 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
         .store(engine.kv_cache_bytes() as u64, Ordering::Relaxed);
     let mut free: Vec<usize> = (0..slots).rev().collect();
     let mut running: Vec<Running<'_>> = Vec::new();
-    let publish = |running: &Vec<Running<'_>>| {
+    let mut prefilling: VecDeque<Prefilling<'_>> = VecDeque::new();
+    // Slots in use: the running sequences' and the prompts being prefilled.
+    let publish = |running: &Vec<Running<'_>>, prefilling: &VecDeque<Prefilling<'_>>| {
         metrics
             .running
             .store(running.len() as u64, Ordering::Relaxed);
-        metrics
-            .slots_in_use
-            .store(running.len() as u64, Ordering::Relaxed);
-        queue.set_free_slots(slots.saturating_sub(running.len()));
+        let in_use = running.len() + prefilling.len();
+        metrics.slots_in_use.store(in_use as u64, Ordering::Relaxed);
+        queue.set_free_slots(slots.saturating_sub(in_use));
     };
-    publish(&running);
+    publish(&running, &prefilling);
     loop {
         if queue.aborted() {
             for r in running.drain(..) {
@@ -244,15 +298,20 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
                     "the server shut down before this finished".into(),
                 ));
             }
+            for p in prefilling.drain(..) {
+                let _ = p.job.events.send(Event::Failed(
+                    "the server shut down before this started".into(),
+                ));
+            }
             for job in queue.drain() {
                 let _ = job.events.send(Event::Failed(
                     "the server shut down before this started".into(),
                 ));
             }
-            publish(&running);
+            publish(&running, &prefilling);
             return;
         }
-        // Clients that went away: stop their generation and free their slot.
+        // Clients that went away: stop their generation (or prefill) and free their slot.
         running.retain(|r| {
             let gone = r.events.is_closed();
             if gone {
@@ -261,35 +320,85 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
             }
             !gone
         });
-        publish(&running);
+        prefilling.retain(|p| {
+            let gone = p.job.events.is_closed();
+            if gone {
+                free.push(p.slot);
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        publish(&running, &prefilling);
 
-        // Admissions: prompts up to PREFILL_BUDGET tokens in all per step (always at least
-        // one), so the running sequences wait at most about that many tokens of prefill.
-        let mut prefilled = 0;
+        // Admissions: every waiting request a free slot can take; with nothing else to do,
+        // wait for one.
         while let Some(&slot) = free.last() {
-            let first = prefilled == 0;
-            let budget = if first {
-                usize::MAX
-            } else {
-                PREFILL_BUDGET.saturating_sub(prefilled)
-            };
-            let Some(job) = queue.pop(first && running.is_empty(), budget) else {
+            let idle = running.is_empty() && prefilling.is_empty();
+            let Some(job) = queue.pop(idle, usize::MAX) else {
                 break;
             };
             if job.events.is_closed() {
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            prefilled += job.prompt.len().max(1);
-            free.pop();
-            match admit(engine, tokenizer, metrics, job, slot) {
-                Some(r) => running.push(r),
-                None => free.push(slot),
+            if let Some(p) = start_prefill(tokenizer, job, slot, prefill_chunk) {
+                free.pop();
+                prefilling.push_back(p);
             }
-            publish(&running);
+            publish(&running, &prefilling);
         }
+
+        // Prefill: chunks of the admitted prompts in admission order, up to `prefill_chunk`
+        // tokens this step (always at least one chunk).
+        let mut budget = prefill_chunk;
+        let mut first = true;
+        while let Some(p) = prefilling.front_mut() {
+            let (start, end) = (p.done(), p.ends[p.chunks_done]);
+            let chunk = end - start;
+            if !first && chunk > budget {
+                break;
+            }
+            first = false;
+            budget = budget.saturating_sub(chunk);
+            metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+            let last = end == p.job.prompt.len();
+            let tokens = &p.job.prompt[start..end];
+            let result = if last {
+                engine.prefill_from(p.slot, start, tokens).map(Some)
+            } else {
+                engine.extend(p.slot, start, tokens).map(|()| None)
+            };
+            let logits = match result {
+                Ok(l) => l,
+                Err(e) => {
+                    if let Some(p) = prefilling.pop_front() {
+                        let _ = p
+                            .job
+                            .events
+                            .send(Event::Failed(format!("prefill failed: {e}")));
+                        free.push(p.slot);
+                    }
+                    publish(&running, &prefilling);
+                    continue;
+                }
+            };
+            p.chunks_done += 1;
+            let Some(logits) = logits else {
+                // More chunks next step; the next prompt waits behind this one.
+                break;
+            };
+            if let Some(p) = prefilling.pop_front() {
+                let slot = p.slot;
+                match finish_prefill(engine, metrics, p, &logits) {
+                    Some(r) => running.push(r),
+                    None => free.push(slot),
+                }
+            }
+            publish(&running, &prefilling);
+        }
+
         if running.is_empty() {
-            if queue.is_closed() && queue.is_empty() {
+            if prefilling.is_empty() && queue.is_closed() && queue.is_empty() {
                 // Closed and empty: drained.
                 return;
             }
@@ -319,7 +428,7 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
                     let _ = r.events.send(Event::Failed(format!("decode failed: {e}")));
                     free.push(r.slot);
                 }
-                publish(&running);
+                publish(&running, &prefilling);
                 continue;
             }
         };
@@ -338,29 +447,25 @@ pub fn run(engine: &mut dyn DecodeEngine, tokenizer: &Tokenizer, queue: &Queue, 
             }
             keep
         });
-        publish(&running);
+        publish(&running, &prefilling);
     }
 }
 
-/// Prefills `job` into `slot` and samples its first token; `None` when it already finished.
-fn admit<'t>(
-    engine: &mut dyn DecodeEngine,
+/// Checks `job` and makes it a prompt to prefill into `slot` in chunks of at most `chunk`
+/// tokens; `None` when it is already done (its answer or error sent).
+fn start_prefill<'t>(
     tokenizer: &'t Tokenizer,
-    metrics: &Metrics,
     job: Job,
     slot: usize,
-) -> Option<Running<'t>> {
-    let fail = |message: String| {
-        let _ = job.events.send(Event::Failed(message));
-    };
+    chunk: usize,
+) -> Option<Prefilling<'t>> {
     let sequence = match Sequence::new(tokenizer, &job.prompt, &job.options) {
         Ok(s) => s,
         Err(e) => {
-            fail(e.to_string());
+            let _ = job.events.send(Event::Failed(e.to_string()));
             return None;
         }
     };
-    let limit = (job.prompt.len() + job.options.max_tokens).min(engine.slot_capacity());
     if job.options.max_tokens == 0 {
         let _ = job.events.send(Event::Done {
             reason: StopReason::MaxTokens,
@@ -369,30 +474,48 @@ fn admit<'t>(
         });
         return None;
     }
-    let admitted = Instant::now();
-    let logits = match engine.prefill(slot, &job.prompt) {
-        Ok(l) => l,
-        Err(e) => {
-            fail(format!("prefill failed: {e}"));
-            return None;
-        }
-    };
+    if job.prompt.is_empty() {
+        let _ = job
+            .events
+            .send(Event::Failed("the prompt has no tokens".into()));
+        return None;
+    }
+    Some(Prefilling {
+        slot,
+        ends: chunk_ends(job.prompt.len(), chunk),
+        job,
+        sequence,
+        chunks_done: 0,
+        admitted: Instant::now(),
+    })
+}
+
+/// A prompt fully in its slot: samples its first token from `logits` and makes it a running
+/// sequence; `None` when it already finished.
+fn finish_prefill<'t>(
+    engine: &mut dyn DecodeEngine,
+    metrics: &Metrics,
+    p: Prefilling<'t>,
+    logits: &[f32],
+) -> Option<Running<'t>> {
+    let prompt_tokens = p.job.prompt.len();
+    let limit = (prompt_tokens + p.job.options.max_tokens).min(engine.slot_capacity());
     metrics
         .prompt_tokens
-        .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
     let mut running = Running {
-        slot,
-        sequence,
-        events: job.events,
+        slot: p.slot,
+        sequence: p.sequence,
+        events: p.job.events,
         next: 0,
-        prompt_tokens: job.prompt.len(),
+        prompt_tokens,
         limit,
-        admitted,
-        last_token: admitted,
+        admitted: p.admitted,
+        last_token: p.admitted,
     };
-    metrics.ttft.observe(job.enqueued.elapsed().as_secs_f64());
-    let room = engine.slot_len(slot) < limit;
-    advance(&mut running, Next::Logits(&logits), room, metrics).then_some(running)
+    metrics.ttft.observe(p.job.enqueued.elapsed().as_secs_f64());
+    let room = engine.slot_len(p.slot) < limit;
+    advance(&mut running, Next::Logits(logits), room, metrics).then_some(running)
 }
 
 /// What a decode step gave the scheduler: every sequence's logits, or (greedy batches on an
@@ -458,5 +581,36 @@ pub fn run_in_pool(
     metrics: &Metrics,
     threads: Option<usize>,
 ) -> sieve_model::Result<()> {
-    sieve_model::generate::run_in_pool(threads, move || run(engine, tokenizer, queue, metrics))
+    sieve_model::generate::run_in_pool(threads, move || {
+        run(engine, tokenizer, queue, metrics, PREFILL_CHUNK)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn chunks_are_the_fewest_and_equal_within_one_token() {
+        assert_eq!(super::chunk_ends(5, 256), vec![5]);
+        assert_eq!(super::chunk_ends(256, 256), vec![256]);
+        assert_eq!(super::chunk_ends(257, 256), vec![129, 257]);
+        assert_eq!(super::chunk_ends(10, 3), vec![3, 6, 8, 10]);
+        assert_eq!(super::chunk_ends(1, 1), vec![1]);
+        for len in 1..200 {
+            for chunk in 1..40 {
+                let ends = super::chunk_ends(len, chunk);
+                assert_eq!(ends.len(), len.div_ceil(chunk), "{len} {chunk}");
+                assert_eq!(*ends.last().unwrap(), len);
+                let sizes: Vec<usize> = ends
+                    .iter()
+                    .scan(0, |prev, &e| {
+                        let size = e - *prev;
+                        *prev = e;
+                        Some(size)
+                    })
+                    .collect();
+                let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+                assert!(*hi <= chunk && hi - lo <= 1, "{len} {chunk}: {sizes:?}");
+            }
+        }
+    }
 }

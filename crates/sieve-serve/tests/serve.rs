@@ -453,3 +453,54 @@ async fn shutdown_finishes_requests_in_flight_and_refuses_new_ones() {
     let after = client.get(format!("{base}/health")).send().await;
     assert!(after.is_err(), "still answering after shutdown");
 }
+
+/// Prompts prefilled in chunks (here at most 20 tokens a step, so the longer prompts take
+/// several steps and their chunks interleave with the others' decode steps) give the same
+/// greedy answers as the library's generate, which runs each prompt whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_prefilled_in_chunks_answer_as_whole_ones() {
+    if model_path().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let server = start(&ServeConfig {
+        max_batch: 3,
+        prefill_chunk: 20,
+        ..config()
+    });
+    let base = format!("http://{}", server.addr());
+    let client = client();
+    let max_tokens = 10;
+    let mut prompts = prompts();
+    prompts.push(Prompt::Text(
+        "A long prompt, cut into many chunks: one, two, three, four, five, six, seven, \
+         eight, nine, ten, eleven, twelve, and then"
+            .into(),
+    ));
+    let tasks: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let (client, base) = (client.clone(), base.clone());
+            tokio::spawn(async move { ask(&client, &base, &prompt, max_tokens, i % 2 == 0).await })
+        })
+        .collect();
+    for (prompt, task) in prompts.iter().zip(tasks) {
+        let got = task
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{prompt:?}: {e}"));
+        let (want, ..) = greedy_answer(prompt, max_tokens);
+        assert_eq!(got.text, want, "{prompt:?}");
+    }
+    let text = metrics(&client, &base).await;
+    assert_eq!(metric(&text, "sieve_kv_slots_in_use"), Some(0.0), "{text}");
+    // The chat prompts and the long one went in more than one chunk each.
+    let chunks = metric(&text, "sieve_prefill_chunks_total").unwrap_or(0.0);
+    assert!(
+        chunks >= prompts.len() as f64 + 3.0,
+        "{chunks} chunks\n{text}"
+    );
+    server.shutdown().unwrap();
+}

@@ -293,6 +293,10 @@ fn serve_refuses_bad_settings_before_loading() {
     // sparsities, the values a format's kernels take; without a GPU it is refused by name.
     for (args, says) in [
         (
+            &["--prefill-chunk", "0"][..],
+            "--prefill-chunk must be at least 1",
+        ),
+        (
             &["--synthetic", "llama9-1b"][..],
             "unknown synthetic model 'llama9-1b'",
         ),

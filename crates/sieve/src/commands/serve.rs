@@ -62,6 +62,10 @@ pub struct ServeArgs {
     /// Model worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Prompt tokens prefilled per scheduler step; longer prompts go in chunks of this size
+    /// between the decode steps of the running sequences.
+    #[arg(long, default_value_t = sieve_serve::scheduler::PREFILL_CHUNK)]
+    prefill_chunk: usize,
     /// Seconds in-flight requests may take to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
@@ -97,6 +101,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         header_timeout: Duration::from_secs(args.header_timeout),
         body_timeout: Duration::from_secs(args.body_timeout),
         write_timeout: Duration::from_secs(args.write_timeout),
+        prefill_chunk: args.prefill_chunk,
     };
     config.validate()?;
     if let Some(name) = &args.synthetic {
