@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU-machine runs for batched serving (issue 28), in phases, one device call each
+# (carry .gpu from `SERVE=1 scripts/gpu-runner-bundle.sh`; `vendor` from
+# scripts/llama-cpp/fetch.sh for the llama-server phase). Logs and JSON go to $OUT.
+#
+#   PHASE=tests  the GPU tests first (runner: batched steps against single steps and the CPU,
+#                argmax_rows; sieve-cuda kernels, low-bit, IE-BME; the server tests against
+#                the GPU engine, default model at $SIEVE_HOME/models)            ~3 min
+#   PHASE=bench  `sieve bench decode --batch` on the 7B shape: dense f16, W4A16, Tiled-CBC
+#                0.5 / 0.5, each at 1, 2, 8, 32, 64 sequences                       ~5 min
+#   PHASE=serve  llama.cpp builds in the background while a random-weight 7B f16 GGUF is
+#                written and `sieve serve --model` on it takes `sieve bench serve` at 1, 8,
+#                32 clients; then llama-server on the same file under the same load  ~9 min
+#   PHASE=smol   the default model: sieve serve --device cuda against llama-server (built in
+#                an earlier call on the same warm machine) at 1, 8, 32, 64 clients    ~3 min
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export SIEVE_HOME=${SIEVE_HOME:-/tmp/sieve-home}
+sieve=.gpu/bin/sieve
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+
+wait_health() {
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$1/health" > /dev/null && return 0
+    sleep 0.5
+  done
+  echo "no /health on port $1"; return 1
+}
+
+# load PORT NAME CLIENTS...: sieve bench serve, 256 tokens a request, ~128-token prompts.
+load() {
+  local port=$1 name=$2; shift 2
+  for c in "$@"; do
+    $sieve bench serve --url "http://127.0.0.1:$port" --clients "$c" --requests "${REQUESTS:-2}" \
+      --max-tokens "${MAX_TOKENS:-256}" --prompt-words "${PROMPT_WORDS:-90}" \
+      --json "$OUT/load-$name-$c.json" 2>&1 | tail -2
+  done
+}
+
+case "${PHASE:-tests}" in
+tests)
+  while IFS=$'\t' read -r exe dir; do
+    dir="crates/${dir##*/crates/}"  # staged with the build machine's absolute path
+    (cd "$dir" && SIEVE_REQUIRE_GPU=1 SIEVE_SERVE_TEST_DEVICE=cuda "$OLDPWD/.gpu/tests/$exe") \
+      > "$OUT/$exe.log" 2>&1
+    echo "$exe: exit $?"
+    grep -E "^test result|FAILED|panicked|batched_slot|max error" "$OUT/$exe.log" | head -20
+  done < .gpu/tests.tsv
+  ;;
+bench)
+  $sieve bench decode --synthetic llama2-7b --sp 0,0.5 --dp 0,0.5 --values f16 \
+    --batch 1,2,8,32,64 --prompt 128 --tokens 128 --json "$OUT/batch-f16.json" 2>&1 | tee "$OUT/batch-f16.log"
+  $sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --values int4 \
+    --batch 1,2,8,32,64 --prompt 128 --tokens 128 --json "$OUT/batch-int4.json" 2>&1 | tee "$OUT/batch-int4.log"
+  ;;
+serve)
+  (nice -n 5 bash scripts/llama-cpp/build.sh > "$OUT/build.log" 2>&1; echo "build rc $?" >> "$OUT/build.log") &
+  build=$!
+  mkdir -p /tmp/g
+  python3 scripts/llama-cpp/random_gguf.py --shape llama2-7b --type f16 -o /tmp/g/7b-f16.gguf > "$OUT/gen.log" 2>&1 \
+    || { tail -3 "$OUT/gen.log"; exit 1; }
+  $sieve serve --model /tmp/g/7b-f16.gguf --device cuda --port 8090 --max-batch 32 --ctx 1024 \
+    > "$OUT/serve-sieve-7b.log" 2>&1 &
+  pid=$!
+  wait_health 8090 && load 8090 sieve-7b 1 8 32
+  curl -s http://127.0.0.1:8090/metrics > "$OUT/metrics-sieve-7b.txt"
+  kill -TERM $pid; wait $pid
+  wait "$build"; tail -2 "$OUT/build.log"
+  server=vendor/llama.cpp/build/bin/llama-server
+  "$server" -m /tmp/g/7b-f16.gguf --host 127.0.0.1 --port 8091 -ngl 99 --parallel 32 -c 32768 \
+    > "$OUT/llama-server-7b.log" 2>&1 &
+  pid=$!
+  wait_health 8091 && load 8091 llama-7b 1 8 32
+  kill -TERM $pid; wait $pid
+  ;;
+smol)
+  model=$SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  $sieve serve --model "$model" --device cuda --port 8090 --max-batch 64 --ctx 1024 \
+    > "$OUT/serve-sieve-smol.log" 2>&1 &
+  pid=$!
+  wait_health 8090 && load 8090 sieve-smol 1 8 32 64
+  curl -s http://127.0.0.1:8090/metrics > "$OUT/metrics-sieve-smol.txt"
+  kill -TERM $pid; wait $pid
+  vendor/llama.cpp/build/bin/llama-server -m "$model" --host 127.0.0.1 --port 8091 -ngl 99 \
+    --parallel 64 -c 65536 > "$OUT/llama-server-smol.log" 2>&1 &
+  pid=$!
+  wait_health 8091 && load 8091 llama-smol 1 8 32 64
+  kill -TERM $pid; wait $pid
+  ;;
+*) echo "PHASE is tests, bench, serve or smol"; exit 2 ;;
+esac
