@@ -1483,8 +1483,9 @@ impl GpuModel {
     /// [`Self::step_slots`] for sequences that all decode greedily (no repetition penalty):
     /// each one's next token, the argmax of its logits chosen on the device, so the host reads
     /// one id per sequence instead of its logits (the CPU sampler's rule: ties keep the lowest
-    /// id; logits with NaN or +inf, or all -inf, are an error naming the slot).
-    pub fn step_slots_argmax(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<u32>> {
+    /// id). A sequence whose logits hold NaN or +inf, or are all -inf, gets an error naming its
+    /// slot in its own row; the others' tokens stand.
+    pub fn step_slots_argmax(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<Result<u32>>> {
         self.check_batch(batch)?;
         let v = self.config.vocab_size;
         let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
@@ -1515,7 +1516,7 @@ impl GpuModel {
                 chosen.extend_from_slice(&ids);
             }
         }
-        chosen
+        Ok(chosen
             .into_iter()
             .zip(batch)
             .map(|(id, &(slot, position, _))| match id {
@@ -1527,7 +1528,7 @@ impl GpuModel {
                 ))),
                 id => Ok(id as u32),
             })
-            .collect()
+            .collect())
     }
 
     /// Refuses a batch with a slot outside the pool or twice, a position past the context or

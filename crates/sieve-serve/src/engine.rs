@@ -46,8 +46,15 @@ pub trait DecodeEngine: Send {
     /// repetition penalty: each sequence's next token (the argmax of its logits, the CPU
     /// sampler's rule) chosen by the engine, so that no logits leave a device. `None` when
     /// the engine has no such path (the scheduler then calls `decode` and samples itself).
-    fn decode_argmax(&mut self, _batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
+    /// Each sequence's token, or why its logits had none (NaN, +inf, all -inf): one bad row
+    /// fails its own sequence only.
+    fn decode_argmax(&mut self, _batch: &[(usize, u32)]) -> Option<Result<Vec<Result<u32>>>> {
         None
+    }
+    /// True when [`DecodeEngine::extend`] works, so long prompts may go in chunks; otherwise
+    /// the scheduler prefills every prompt whole.
+    fn prefills_in_chunks(&self) -> bool {
+        false
     }
     /// Bytes of the KV cache pool (on the device that holds it), for `/metrics`.
     fn kv_cache_bytes(&self) -> usize {
@@ -164,16 +171,20 @@ impl DecodeEngine for CpuEngine {
 
     /// The same greedy rule as the scheduler's sampler, applied here: the CPU gains nothing
     /// from it, but every greedy request on the CPU then takes the path a GPU engine takes.
-    fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
+    fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<Result<u32>>>> {
         let vocab = self.vocab_size();
         Some(self.decode(batch).and_then(|logits| {
             let mut greedy = sieve_model::sampling::Sampler::new(
                 sieve_model::sampling::SamplingParams::greedy(),
             )?;
-            logits
+            Ok(logits
                 .chunks_exact(vocab)
                 .map(|row| greedy.sample(row, &[]))
-                .collect()
+                .collect())
         }))
+    }
+
+    fn prefills_in_chunks(&self) -> bool {
+        true
     }
 }

@@ -109,6 +109,8 @@ impl DecodeEngine for GpuEngine {
 
     fn extend(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
         self.check_start(slot, start)?;
+        // From here the device may overwrite positions from `start` on.
+        self.lens[slot] = start;
         self.model
             .fill_slot(slot, start, tokens)
             .map_err(model_error)?;
@@ -118,6 +120,7 @@ impl DecodeEngine for GpuEngine {
 
     fn prefill_from(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
         self.check_start(slot, start)?;
+        self.lens[slot] = start;
         let logits = self
             .model
             .extend_slot(slot, start, tokens)
@@ -137,12 +140,16 @@ impl DecodeEngine for GpuEngine {
         self.model.report().kv_cache_bytes
     }
 
-    fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<u32>>> {
+    fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<Result<u32>>>> {
         Some(self.rows(batch).and_then(|rows| {
             let tokens = self.model.step_slots_argmax(&rows).map_err(model_error)?;
             self.advance(batch);
-            Ok(tokens)
+            Ok(tokens.into_iter().map(|t| t.map_err(model_error)).collect())
         }))
+    }
+
+    fn prefills_in_chunks(&self) -> bool {
+        true
     }
 }
 

@@ -90,6 +90,8 @@ pub struct Metrics {
     pub engine_chosen_steps: AtomicU64,
     /// Prompt chunks prefilled (one per prompt unless it is longer than `--prefill-chunk`).
     pub prefill_chunks: AtomicU64,
+    /// Admitted requests whose prompt is still being prefilled.
+    pub prefilling: AtomicU64,
     pub queue_depth: AtomicU64,
     pub decode_steps: AtomicU64,
     /// Largest decode batch seen.
@@ -129,6 +131,7 @@ impl Metrics {
             kv_cache_bytes: AtomicU64::new(0),
             engine_chosen_steps: AtomicU64::new(0),
             prefill_chunks: AtomicU64::new(0),
+            prefilling: AtomicU64::new(0),
             queue_depth: AtomicU64::new(0),
             decode_steps: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
@@ -257,6 +260,12 @@ impl Metrics {
             "sieve_engine_chosen_steps_total",
             "Decode steps whose tokens the engine chose (greedy batches: no logits copied to the host).",
             &self.engine_chosen_steps,
+        );
+        gauge(
+            &mut out,
+            "sieve_prefilling_sequences",
+            "Admitted requests whose prompt is still being prefilled (in chunks).",
+            &self.prefilling,
         );
         counter(
             &mut out,

@@ -222,7 +222,8 @@ struct Prefilling<'t> {
     ends: Vec<usize>,
     /// Chunks already in the slot.
     chunks_done: usize,
-    admitted: Instant,
+    /// When its first chunk ran.
+    admitted: Option<Instant>,
 }
 
 impl Prefilling<'_> {
@@ -286,6 +287,9 @@ pub fn run(
         metrics
             .running
             .store(running.len() as u64, Ordering::Relaxed);
+        metrics
+            .prefilling
+            .store(prefilling.len() as u64, Ordering::Relaxed);
         let in_use = running.len() + prefilling.len();
         metrics.slots_in_use.store(in_use as u64, Ordering::Relaxed);
         queue.set_free_slots(slots.saturating_sub(in_use));
@@ -341,26 +345,32 @@ pub fn run(
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            if let Some(p) = start_prefill(tokenizer, job, slot, prefill_chunk) {
+            let chunk = engine.prefills_in_chunks().then_some(prefill_chunk);
+            if let Some(p) = start_prefill(tokenizer, job, slot, engine.slot_capacity(), chunk) {
                 free.pop();
                 prefilling.push_back(p);
             }
             publish(&running, &prefilling);
         }
 
-        // Prefill: chunks of the admitted prompts in admission order, up to `prefill_chunk`
-        // tokens this step (always at least one chunk).
+        // Prefill: one chunk each of the admitted prompts in admission order, up to
+        // `prefill_chunk` tokens this step (always at least one chunk); a prompt whose next
+        // chunk does not fit what is left waits for the next step, and shorter ones behind it
+        // may use the rest.
         let mut budget = prefill_chunk;
         let mut first = true;
-        while let Some(p) = prefilling.front_mut() {
+        let mut i = 0;
+        while i < prefilling.len() {
+            let p = &mut prefilling[i];
             let (start, end) = (p.done(), p.ends[p.chunks_done]);
             let chunk = end - start;
             if !first && chunk > budget {
-                break;
+                i += 1;
+                continue;
             }
             first = false;
             budget = budget.saturating_sub(chunk);
-            metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+            p.admitted.get_or_insert_with(Instant::now);
             let last = end == p.job.prompt.len();
             let tokens = &p.job.prompt[start..end];
             let result = if last {
@@ -368,33 +378,36 @@ pub fn run(
             } else {
                 engine.extend(p.slot, start, tokens).map(|()| None)
             };
-            let logits = match result {
-                Ok(l) => l,
+            match result {
                 Err(e) => {
-                    if let Some(p) = prefilling.pop_front() {
+                    if let Some(p) = prefilling.remove(i) {
                         let _ = p
                             .job
                             .events
                             .send(Event::Failed(format!("prefill failed: {e}")));
                         free.push(p.slot);
                     }
-                    publish(&running, &prefilling);
-                    continue;
                 }
-            };
-            p.chunks_done += 1;
-            let Some(logits) = logits else {
-                // More chunks next step; the next prompt waits behind this one.
-                break;
-            };
-            if let Some(p) = prefilling.pop_front() {
-                let slot = p.slot;
-                match finish_prefill(engine, metrics, p, &logits) {
-                    Some(r) => running.push(r),
-                    None => free.push(slot),
+                Ok(None) => {
+                    metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+                    p.chunks_done += 1;
+                    i += 1;
+                }
+                Ok(Some(logits)) => {
+                    metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+                    if let Some(p) = prefilling.remove(i) {
+                        let slot = p.slot;
+                        match finish_prefill(engine, metrics, p, &logits) {
+                            Some(r) => running.push(r),
+                            None => free.push(slot),
+                        }
+                    }
                 }
             }
             publish(&running, &prefilling);
+            if budget == 0 {
+                break;
+            }
         }
 
         if running.is_empty() {
@@ -415,10 +428,11 @@ pub fn run(
             None
         };
         let outcome = match chosen {
-            Some(tokens) => {
+            Some(Ok(tokens)) => {
                 metrics.engine_chosen_steps.fetch_add(1, Ordering::Relaxed);
-                tokens.map(Decoded::Tokens)
+                Ok(Decoded::Tokens(tokens))
             }
+            Some(Err(e)) => Err(e),
             None => engine.decode(&batch).map(Decoded::Logits),
         };
         let decoded = match outcome {
@@ -432,14 +446,29 @@ pub fn run(
                 continue;
             }
         };
+        // Each sequence's token: the engine's, or sampled here from its logits, every sequence
+        // on its own pool thread (top-p over a large vocabulary sorts it: ~1 ms a sequence).
         let vocab = engine.vocab_size();
-        let mut i = 0;
+        let sampled: Vec<sieve_model::Result<u32>> = match decoded {
+            Decoded::Tokens(tokens) => tokens,
+            Decoded::Logits(logits) => {
+                use rayon::prelude::*;
+                running
+                    .par_iter_mut()
+                    .zip(logits.par_chunks(vocab))
+                    .map(|(r, row)| r.sequence.sample(row))
+                    .collect()
+            }
+        };
+        let mut sampled = sampled.into_iter();
         running.retain_mut(|r| {
-            let next = match &decoded {
-                Decoded::Logits(logits) => Next::Logits(&logits[i * vocab..(i + 1) * vocab]),
-                Decoded::Tokens(tokens) => Next::Token(tokens[i]),
+            let next = match sampled.next() {
+                Some(Ok(token)) => Next::Token(token),
+                Some(Err(e)) => Next::Failed(e),
+                None => Next::Failed(sieve_model::ModelError::InvalidArgument(
+                    "the decode step returned fewer rows than sequences".into(),
+                )),
             };
-            i += 1;
             let room = engine.slot_len(r.slot) < r.limit;
             let keep = advance(r, next, room, metrics);
             if !keep {
@@ -451,13 +480,15 @@ pub fn run(
     }
 }
 
-/// Checks `job` and makes it a prompt to prefill into `slot` in chunks of at most `chunk`
-/// tokens; `None` when it is already done (its answer or error sent).
+/// Checks `job` and makes it a prompt to prefill into `slot` (of `capacity` positions) in
+/// chunks of at most `chunk` tokens (`None`: whole); `None` when it is already done (its
+/// answer or error sent).
 fn start_prefill<'t>(
     tokenizer: &'t Tokenizer,
     job: Job,
     slot: usize,
-    chunk: usize,
+    capacity: usize,
+    chunk: Option<usize>,
 ) -> Option<Prefilling<'t>> {
     let sequence = match Sequence::new(tokenizer, &job.prompt, &job.options) {
         Ok(s) => s,
@@ -480,13 +511,23 @@ fn start_prefill<'t>(
             .send(Event::Failed("the prompt has no tokens".into()));
         return None;
     }
+    if job.prompt.len() > capacity {
+        let _ = job.events.send(Event::Failed(format!(
+            "the prompt has {} tokens; a cache slot holds {capacity}",
+            job.prompt.len()
+        )));
+        return None;
+    }
     Some(Prefilling {
         slot,
-        ends: chunk_ends(job.prompt.len(), chunk),
+        ends: match chunk {
+            Some(chunk) => chunk_ends(job.prompt.len(), chunk),
+            None => vec![job.prompt.len()],
+        },
         job,
         sequence,
         chunks_done: 0,
-        admitted: Instant::now(),
+        admitted: None,
     })
 }
 
@@ -503,6 +544,7 @@ fn finish_prefill<'t>(
     metrics
         .prompt_tokens
         .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+    let admitted = p.admitted.unwrap_or_else(Instant::now);
     let mut running = Running {
         slot: p.slot,
         sequence: p.sequence,
@@ -510,8 +552,8 @@ fn finish_prefill<'t>(
         next: 0,
         prompt_tokens,
         limit,
-        admitted: p.admitted,
-        last_token: p.admitted,
+        admitted,
+        last_token: admitted,
     };
     metrics.ttft.observe(p.job.enqueued.elapsed().as_secs_f64());
     let room = engine.slot_len(p.slot) < limit;
@@ -522,13 +564,16 @@ fn finish_prefill<'t>(
 /// engine that chooses them) every sequence's next token.
 enum Decoded {
     Logits(Vec<f32>),
-    Tokens(Vec<u32>),
+    /// One result per sequence: a bad row fails only its own sequence.
+    Tokens(Vec<sieve_model::Result<u32>>),
 }
 
-/// One sequence's share of a [`Decoded`] step.
+/// One sequence's next token: logits to sample from, the token itself (chosen by the engine or
+/// already sampled), or why there is none.
 enum Next<'a> {
     Logits(&'a [f32]),
     Token(u32),
+    Failed(sieve_model::ModelError),
 }
 
 /// Takes `r`'s next token (sampled here from its logits, or chosen by the engine) and sends
@@ -537,6 +582,7 @@ fn advance(r: &mut Running<'_>, next: Next<'_>, room: bool, metrics: &Metrics) -
     let step = match next {
         Next::Logits(logits) => r.sequence.step(logits, room),
         Next::Token(token) => r.sequence.accept(token, room),
+        Next::Failed(e) => Err(e),
     };
     let step = match step {
         Ok(s) => s,

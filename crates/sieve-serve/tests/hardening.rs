@@ -552,3 +552,104 @@ async fn admission_counts_free_slots_not_only_the_queue() {
     wait_for_idle_pool(&client, &base, Duration::from_secs(30)).await;
     server.shutdown().unwrap();
 }
+
+/// An engine that chooses greedy tokens itself and whose slot 1 row is bad (as a row of NaN
+/// logits would be): each step sleeps a little so that two requests share steps.
+struct PoisonedRowEngine {
+    vocab: usize,
+    token: u32,
+    lens: [usize; 2],
+}
+
+impl DecodeEngine for PoisonedRowEngine {
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn slots(&self) -> usize {
+        2
+    }
+    fn slot_capacity(&self) -> usize {
+        64
+    }
+    fn slot_len(&self, slot: usize) -> usize {
+        self.lens[slot]
+    }
+    fn prefill(&mut self, slot: usize, prompt: &[u32]) -> sieve_model::Result<Vec<f32>> {
+        self.lens[slot] = prompt.len();
+        let mut logits = vec![0.0; self.vocab];
+        logits[self.token as usize] = 10.0;
+        Ok(logits)
+    }
+    fn decode(&mut self, _batch: &[(usize, u32)]) -> sieve_model::Result<Vec<f32>> {
+        panic!("greedy requests take decode_argmax");
+    }
+    fn decode_argmax(
+        &mut self,
+        batch: &[(usize, u32)],
+    ) -> Option<sieve_model::Result<Vec<sieve_model::Result<u32>>>> {
+        std::thread::sleep(Duration::from_millis(5));
+        Some(Ok(batch
+            .iter()
+            .map(|&(slot, _)| {
+                self.lens[slot] += 1;
+                if slot == 1 {
+                    Err(sieve_model::ModelError::InvalidArgument(
+                        "slot 1: the logits hold NaN".into(),
+                    ))
+                } else {
+                    Ok(self.token)
+                }
+            })
+            .collect()))
+    }
+}
+
+/// One sequence's bad row in a step whose tokens the engine chose fails that request only:
+/// the request sharing its steps finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_row_fails_only_its_own_request() {
+    if model_path().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let (_, tokenizer) = reference();
+    let engine = PoisonedRowEngine {
+        vocab: tokenizer.vocab_size(),
+        token: tokenizer.encode(" hello", false).expect("encodes")[0],
+        lens: [0; 2],
+    };
+    let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
+    let base = format!("http://{}", server.addr());
+    let client = client();
+    let send = |max_tokens: usize| {
+        let (client, url) = (client.clone(), format!("{base}/v1/completions"));
+        tokio::spawn(async move {
+            let response = client
+                .post(url)
+                .json(&json!({"prompt": "Hi", "max_tokens": max_tokens, "temperature": 0}))
+                .send()
+                .await
+                .expect("answered");
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap_or_default())
+        })
+    };
+    // The first takes slot 0 and runs 30 steps; the second joins it in slot 1.
+    let long = send(30);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let bad = send(8);
+    let (bad_status, bad_body) = bad.await.unwrap();
+    let (long_status, long_body) = long.await.unwrap();
+    assert_eq!(long_status, 200, "{long_body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&long_body).unwrap()["usage"]["completion_tokens"],
+        30,
+        "{long_body}"
+    );
+    assert_ne!(bad_status, 200, "{bad_body}");
+    assert!(bad_body.contains("NaN"), "{bad_body}");
+    // They did share steps.
+    let text = metrics(&client, &base).await;
+    assert_eq!(metric(&text, "sieve_batch_size_max"), Some(2.0), "{text}");
+    server.shutdown().unwrap();
+}
