@@ -17,12 +17,12 @@
 // cache row of position p as f16, and their blocks also copy their v head (bias added) there.
 //
 // rope_kv:   grid H + Hkv, position state[0].
-// rope_rows: grid (H + Hkv, n), row y of qkv at position p0 + y.
-// rope_seqs: grid (H + Hkv, n), row y of qkv is the next token of its own sequence: position
-//            seqs[2y], cache slot seqs[2y + 1] (the slot's rows start slot * slot_stride
-//            elements past the layer's base), so a decode step of many sequences is one launch.
-//            A negative slot marks a padding row (a captured step's batch rounded up): its q is
-//            rotated, nothing is written to any cache.
+// rope_rows: grid (H + Hkv, n), row y of qkv at position p0 + y (a prompt chunk); or, with
+//            seqs, row y is the next token of its own sequence: position seqs[2y], cache slot
+//            seqs[2y + 1] (the slot's rows start slot * slot_stride elements past the layer's
+//            base), so a decode step of many sequences is one launch. A negative slot marks a
+//            padding row (a captured step's batch rounded up): its q is rotated, nothing is
+//            written to any cache.
 
 __device__ __forceinline__ void rope_head(float* __restrict__ qkv, const float* __restrict__ bias,
                                           const float* __restrict__ rope_cos,
@@ -74,24 +74,19 @@ rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __
 
 extern "C" __global__ void __launch_bounds__(128)
 rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
-          const float* __restrict__ rope_sin, int p0, f16_bits* __restrict__ k_cache,
-          f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
-    pdl_wait_then_release();
-    size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
-    rope_head(qkv + blockIdx.y * qkv_row, bias, rope_cos, rope_sin, p0 + blockIdx.y, blockIdx.x, k_cache,
-              v_cache, H, Hkv, hd);
-}
-
-extern "C" __global__ void __launch_bounds__(128)
-rope_seqs(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
-          const float* __restrict__ rope_sin, const int* __restrict__ seqs, long long slot_stride,
+          const float* __restrict__ rope_sin, int p0, const int* __restrict__ seqs, long long slot_stride,
           f16_bits* __restrict__ k_cache, f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;
-    const int s = seqs[2 * y + 1];
-    if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
-    const size_t slot = (size_t)max(s, 0) * (size_t)slot_stride;
-    rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, seqs[2 * y], blockIdx.x, k_cache + slot,
-              v_cache + slot, H, Hkv, hd);
+    int p = p0 + y;
+    size_t slot = 0;
+    if (seqs) {
+        p = seqs[2 * y];
+        const int s = seqs[2 * y + 1];
+        if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
+        slot = (size_t)max(s, 0) * (size_t)slot_stride;
+    }
+    rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, p, blockIdx.x, k_cache + slot, v_cache + slot, H,
+              Hkv, hd);
 }

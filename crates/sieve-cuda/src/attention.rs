@@ -4,7 +4,8 @@
 //! (`kernels/attention.cu`); with the f64 CPU reference.
 
 use crate::error::{CudaError, DriverContext, Result};
-use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
+use crate::gpu::{grid_cfg, Gpu, KernelFamily};
+use crate::prefill::Rows;
 use crate::product::DevPtr;
 use cudarc::driver::PushKernelArg;
 
@@ -93,62 +94,48 @@ pub fn attention(
     part: DevPtr,
     att: DevPtr,
 ) -> Result<()> {
-    attention_batch(gpu, shape, qkv, k_cache, v_cache, state, part, att, 0, 1)
-}
-
-/// Causal attention of `queries` consecutive tokens, the first at position `first_len - 1`
-/// (`first_len == 0`: one decode query at `state[0]`); q rows are `(H + 2 Hkv) hd` apart in
-/// `qkv`, outputs `[queries][H][hd]`, `part` holds `queries` partial sets.
-pub fn attention_batch(
-    gpu: &Gpu,
-    shape: &AttentionShape,
-    qkv: DevPtr,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
-    state: DevPtr,
-    part: DevPtr,
-    att: DevPtr,
-    first_len: usize,
-    queries: usize,
-) -> Result<()> {
-    let len0 = i32_arg("prompt position", first_len)?;
     let queries = Queries {
-        count: queries,
-        len0,
+        count: 1,
+        len0: 0,
         seqs: 0,
         slot_stride: 0,
     };
     launch(gpu, shape, qkv, k_cache, v_cache, state, part, att, queries)
 }
 
-/// Attention of `n` queries of `n` different sequences, one decode step of a batch: query `z`
-/// (q row `z` of `qkv`) is at position `seqs[2z]` of the cache slot `seqs[2z + 1]`, whose rows
-/// start `slot_stride` f16 elements after those of slot 0 (`k_cache`, `v_cache`: slot 0's
-/// rows of the layer). Outputs `[n][H][hd]`, `part` holds `n` partial sets. The positions and
-/// slots are device memory (checked by the caller), so a captured graph replays for any.
+/// Attention of `n` query rows of `qkv` (`(H + 2 Hkv) hd` apart), outputs `[n][H][hd]`,
+/// `part` holds `n` partial sets. [`Rows::Consecutive`] `{ first }`: a prompt chunk, query `z`
+/// at position `first + z` sees keys `0 ..= first + z` (causal); [`Rows::Sequences`]: query
+/// `z` is the next token of its own sequence, at its own slot and position (device memory,
+/// checked by the caller, so a captured graph replays for any).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_seqs(
+pub fn attention_rows(
     gpu: &Gpu,
     shape: &AttentionShape,
     qkv: DevPtr,
     k_cache: DevPtr,
     v_cache: DevPtr,
-    seqs: DevPtr,
-    slot_stride: usize,
     part: DevPtr,
     att: DevPtr,
+    rows: &Rows,
     n: usize,
 ) -> Result<()> {
-    if seqs == 0 || n == 0 {
-        return Err(CudaError::Unsupported(
-            "attention over sequences needs their positions and at least one query".into(),
-        ));
+    if n == 0 {
+        return Ok(());
     }
+    let (first, seqs, slot_stride) = rows.kernel_args()?;
+    // The kernel's len0 is the first query's key count (0 means "decode, from the state").
+    let len0 = match rows {
+        Rows::Consecutive { .. } => first
+            .checked_add(1)
+            .ok_or_else(|| CudaError::Unsupported(format!("prompt position {first}")))?,
+        Rows::Sequences { .. } => 0,
+    };
     let queries = Queries {
         count: n,
-        len0: 0,
+        len0,
         seqs,
-        slot_stride: slot_stride as i64,
+        slot_stride,
     };
     launch(gpu, shape, qkv, k_cache, v_cache, 0, part, att, queries)
 }

@@ -1,6 +1,6 @@
 //! The batched prefill's kernels besides the GEMMs, RoPE ([`crate::rope::rope_rows`]) and
-//! attention ([`crate::attention::attention_batch`]): `n` prompt tokens at once, row-wise
-//! (`kernels/prefill.cu`).
+//! attention ([`crate::attention::attention_rows`]): `n` prompt tokens at once, row-wise
+//! (`kernels/prefill.cu`); and [`Rows`], what the rows of such a pass are.
 
 use crate::error::{DriverContext, Result};
 use crate::gpu::{grid_cfg, grid_stride, i32_arg, Gpu, KernelFamily};
@@ -11,6 +11,36 @@ pub const FAMILY: KernelFamily = KernelFamily {
     name: "prefill",
     source: include_str!("../kernels/prefill.cu"),
 };
+
+/// What the `n` rows of a batched pass are, for RoPE's cache writes and attention.
+#[derive(Clone, Copy, Debug)]
+pub enum Rows {
+    /// Consecutive tokens of one sequence, the first at position `first` (a prompt chunk);
+    /// the caches passed are that sequence's.
+    Consecutive { first: usize },
+    /// One token of each of `n` sequences (a decode step of a batch): `seqs` (device i32)
+    /// holds `[position, slot]` per row, the caches passed are slot 0's and slot `s` starts
+    /// `slot_stride` f16 elements further. A negative slot `-(s + 1)` marks a padding row:
+    /// it attends over slot `s` and writes no cache.
+    Sequences { seqs: DevPtr, slot_stride: usize },
+}
+
+impl Rows {
+    /// The kernels' `(first position, seqs, slot stride)` arguments.
+    pub(crate) fn kernel_args(&self) -> Result<(i32, DevPtr, i64)> {
+        Ok(match *self {
+            Rows::Consecutive { first } => (i32_arg("position", first)?, 0, 0),
+            Rows::Sequences { seqs, slot_stride } => {
+                let stride = i64::try_from(slot_stride).map_err(|_| {
+                    crate::error::CudaError::Unsupported(format!(
+                        "a cache slot stride of {slot_stride} elements"
+                    ))
+                })?;
+                (0, seqs, stride)
+            }
+        })
+    }
+}
 
 /// `x[i] = embedding[tokens[i]]` for `n` tokens (`tokens` i32 on the device, checked by the caller).
 pub fn embed_rows(

@@ -1,9 +1,10 @@
 //! RoPE with the f16 KV-cache write (`kernels/rope.cu`): [`rope_kv`] for the decode step's
-//! token, [`rope_rows`] for a batched prefill, one device function under both; with the CPU
+//! token, [`rope_rows`] for a batched pass (a prompt chunk, or a decode step of many sequences), one device function under both; with the CPU
 //! reference of the rotation.
 
 use crate::error::{DriverContext, Result};
-use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
+use crate::gpu::{grid_cfg, Gpu, KernelFamily};
+use crate::prefill::Rows;
 use crate::product::DevPtr;
 use cudarc::driver::PushKernelArg;
 
@@ -45,14 +46,16 @@ pub fn rope_kv(
     Ok(())
 }
 
-/// [`rope_kv`] for `n` rows of q|k|v at positions `p0 ..`.
+/// [`rope_kv`] for `n` rows of q|k|v: consecutive positions of one sequence, or one token of
+/// each of `n` sequences at their own slots and positions (see [`Rows`]).
+#[allow(clippy::too_many_arguments)]
 pub fn rope_rows(
     gpu: &Gpu,
     qkv: DevPtr,
     bias: DevPtr,
     cos: DevPtr,
     sin: DevPtr,
-    p0: usize,
+    rows: &Rows,
     n: usize,
     k_cache: DevPtr,
     v_cache: DevPtr,
@@ -61,14 +64,16 @@ pub fn rope_rows(
     head_dim: usize,
 ) -> Result<()> {
     let f = gpu.function(&FAMILY, "rope_rows")?;
-    let p = i32_arg("position", p0)?;
+    let (p0, seqs, slot_stride) = rows.kernel_args()?;
     let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&qkv)
         .arg(&bias)
         .arg(&cos)
         .arg(&sin)
-        .arg(&p)
+        .arg(&p0)
+        .arg(&seqs)
+        .arg(&slot_stride)
         .arg(&k_cache)
         .arg(&v_cache)
         .arg(&h)
@@ -76,45 +81,6 @@ pub fn rope_rows(
         .arg(&hd);
     unsafe { b.launch(grid_cfg(((heads + kv_heads) as u32, n as u32), 128, 0)) }
         .during("launching rope_rows")?;
-    Ok(())
-}
-
-/// [`rope_kv`] for `n` rows of q|k|v, row `y` the next token of its own sequence: position
-/// `seqs[2y]`, cache slot `seqs[2y + 1]` (slot rows `slot_stride` f16 elements apart; the
-/// caches passed are slot 0's rows of the layer).
-#[allow(clippy::too_many_arguments)]
-pub fn rope_seqs(
-    gpu: &Gpu,
-    qkv: DevPtr,
-    bias: DevPtr,
-    cos: DevPtr,
-    sin: DevPtr,
-    seqs: DevPtr,
-    slot_stride: usize,
-    n: usize,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-) -> Result<()> {
-    let f = gpu.function(&FAMILY, "rope_seqs")?;
-    let stride = slot_stride as i64;
-    let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&qkv)
-        .arg(&bias)
-        .arg(&cos)
-        .arg(&sin)
-        .arg(&seqs)
-        .arg(&stride)
-        .arg(&k_cache)
-        .arg(&v_cache)
-        .arg(&h)
-        .arg(&hkv)
-        .arg(&hd);
-    unsafe { b.launch(grid_cfg(((heads + kv_heads) as u32, n as u32), 128, 0)) }
-        .during("launching rope_seqs")?;
     Ok(())
 }
 

@@ -20,7 +20,7 @@ use half::f16;
 use sieve_cuda::attention::{self, AttentionShape};
 use sieve_cuda::graph::StepGraph;
 use sieve_cuda::lowbit::LowBitMatrix;
-use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows};
+use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows, Rows};
 use sieve_cuda::sampling::{self, SampleArgs};
 use sieve_cuda::timing::EventPair;
 use sieve_cuda::{dev_ptr, rope, step, DriverContext, Gpu};
@@ -123,16 +123,6 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
     bias_groups: &[Group::Qkv],
     mixed_formats_in_layer: false,
 };
-
-/// What the rows of a batched pass are ([`GpuModel::rows_through_layers`]).
-#[derive(Clone, Copy)]
-enum Rows {
-    /// Consecutive prompt tokens of the current slot, the first at position `p0`.
-    Prompt { p0: usize },
-    /// One token of each of several sequences: `seqs` (device i32) holds `[position, slot]`
-    /// per row; slots' caches are `slot_stride` f16 elements apart.
-    Sequences { seqs: u64, slot_stride: usize },
-}
 
 /// Device buffers of a step (see sieve-cuda's `kernels/step.cu` for the layouts).
 struct Buffers {
@@ -879,7 +869,7 @@ impl GpuModel {
     /// cache (no logits: the last prompt token runs through the decode step).
     fn prefill_chunk(&mut self, tokens: &[u32], p0: usize) -> Result<()> {
         self.upload_row_tokens(tokens)?;
-        self.rows_through_layers(tokens.len(), Rows::Prompt { p0 })
+        self.rows_through_layers(tokens.len(), Rows::Consecutive { first: p0 })
     }
 
     /// Writes `tokens` where [`Self::rows_through_layers`] embeds them from.
@@ -924,7 +914,7 @@ impl GpuModel {
         // Prompt rows go to the current slot; sequence rows address slot 0's rows and the
         // kernels add each row's slot.
         let base_slot = match rows {
-            Rows::Prompt { .. } => self.slot,
+            Rows::Consecutive { .. } => self.slot,
             Rows::Sequences { .. } => 0,
         };
         // The layer as the plan orders it (`plan::LAYER`), each op over the n rows.
@@ -941,52 +931,20 @@ impl GpuModel {
                     LayerOp::Product(Group::Qkv) => {
                         linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?
                     }
-                    LayerOp::RopeKv => match rows {
-                        Rows::Prompt { p0 } => {
-                            rope::rope_rows(g, y, bias, cos, sin, p0, n, kc, vc, nh, nkv, hd)?
-                        }
-                        Rows::Sequences { seqs, slot_stride } => rope::rope_seqs(
-                            g,
-                            y,
-                            bias,
-                            cos,
-                            sin,
-                            seqs,
-                            slot_stride,
-                            n,
-                            kc,
-                            vc,
-                            nh,
-                            nkv,
-                            hd,
-                        )?,
-                    },
-                    LayerOp::Attention => match rows {
-                        Rows::Prompt { p0 } => attention::attention_batch(
-                            g,
-                            &self.attention,
-                            y,
-                            kc,
-                            vc,
-                            0,
-                            p(&pb.part),
-                            att,
-                            p0 + 1,
-                            n,
-                        )?,
-                        Rows::Sequences { seqs, slot_stride } => attention::attention_seqs(
-                            g,
-                            &self.attention,
-                            y,
-                            kc,
-                            vc,
-                            seqs,
-                            slot_stride,
-                            p(&pb.part),
-                            att,
-                            n,
-                        )?,
-                    },
+                    LayerOp::RopeKv => {
+                        rope::rope_rows(g, y, bias, cos, sin, &rows, n, kc, vc, nh, nkv, hd)?
+                    }
+                    LayerOp::Attention => attention::attention_rows(
+                        g,
+                        &self.attention,
+                        y,
+                        kc,
+                        vc,
+                        p(&pb.part),
+                        att,
+                        &rows,
+                        n,
+                    )?,
                     LayerOp::Product(Group::O) => {
                         linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?
                     }
@@ -1353,28 +1311,32 @@ impl GpuModel {
     /// hold the sequence; from `start` on the slot is overwritten) and returns the logits after
     /// the last one, `[vocab]`: one chunk of a prompt prefilled in several.
     pub fn extend_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.check_slot(slot)?;
-        if tokens.is_empty() {
+        self.check_span(slot, start, tokens)?;
+        let Some((&last, before)) = tokens.split_last() else {
             return Err(GpuError::InvalidArgument("the prompt has no tokens".into()));
-        }
-        if start + tokens.len() > self.capacity {
-            return Err(sieve_model::ModelError::ContextOverflow {
-                tokens: start + tokens.len(),
-                context: self.capacity,
-            }
-            .into());
-        }
-        self.check_tokens(tokens)?;
+        };
         self.slot = slot;
-        let result = self.prefill_current_slot(start, tokens);
+        let result = self
+            .fill_current_slot(start, before)
+            .and_then(|()| self.run_logits_step(start + before.len(), last))
+            .and_then(|()| Ok(self.gpu.download(&self.bufs.logits)?));
         self.slot = 0;
         result
     }
 
     /// Runs `tokens` into slot `slot` at positions `start ..` without logits (a chunk of a
-    /// prompt that is not its last): every token through the batched prefill where the formats
-    /// allow, as the whole prompt's tokens before its last would go.
+    /// prompt that is not its last), as a whole prompt's tokens before its last would go.
     pub fn fill_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
+        self.check_span(slot, start, tokens)?;
+        self.slot = slot;
+        let result = self.fill_current_slot(start, tokens);
+        self.slot = 0;
+        result
+    }
+
+    /// Refuses a slot outside the pool, positions past the context and tokens outside the
+    /// vocabulary, before anything runs.
+    fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
         self.check_slot(slot)?;
         if start + tokens.len() > self.capacity {
             return Err(sieve_model::ModelError::ContextOverflow {
@@ -1383,38 +1345,22 @@ impl GpuModel {
             }
             .into());
         }
-        self.check_tokens(tokens)?;
-        self.slot = slot;
-        let result = if self.prefill_is_batched() {
-            tokens
-                .chunks(crate::prefill::CHUNK)
-                .enumerate()
-                .try_for_each(|(c, chunk)| {
-                    self.prefill_chunk(chunk, start + c * crate::prefill::CHUNK)
-                })
-        } else {
-            tokens
-                .iter()
-                .enumerate()
-                .try_for_each(|(i, &token)| self.run_logits_step(start + i, token))
-        };
-        self.slot = 0;
-        result
+        self.check_tokens(tokens)
     }
 
-    fn prefill_current_slot(&mut self, start: usize, tokens: &[u32]) -> Result<Vec<f32>> {
-        let n = tokens.len();
-        if n > 1 && self.prefill_is_batched() {
-            for (c, chunk) in tokens[..n - 1].chunks(crate::prefill::CHUNK).enumerate() {
+    /// `tokens` into the current slot's cache at positions `start ..`: through the batched
+    /// prefill where the formats allow, else one decode step each.
+    fn fill_current_slot(&mut self, start: usize, tokens: &[u32]) -> Result<()> {
+        if !tokens.is_empty() && self.prefill_is_batched() {
+            for (c, chunk) in tokens.chunks(crate::prefill::CHUNK).enumerate() {
                 self.prefill_chunk(chunk, start + c * crate::prefill::CHUNK)?;
             }
         } else {
-            for (i, &token) in tokens[..n - 1].iter().enumerate() {
+            for (i, &token) in tokens.iter().enumerate() {
                 self.run_logits_step(start + i, token)?;
             }
         }
-        self.run_logits_step(start + n - 1, tokens[n - 1])?;
-        Ok(self.gpu.download(&self.bufs.logits)?)
+        Ok(())
     }
 
     /// Runs `token` at `position` of slot `slot` (positions before it must hold the sequence)
