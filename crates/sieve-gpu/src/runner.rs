@@ -1366,15 +1366,7 @@ impl GpuModel {
     /// Runs `token` at `position` of slot `slot` (positions before it must hold the sequence)
     /// and returns the logits, `[vocab]`.
     pub fn step_slot(&mut self, slot: usize, position: usize, token: u32) -> Result<Vec<f32>> {
-        self.check_slot(slot)?;
-        if position >= self.capacity {
-            return Err(sieve_model::ModelError::ContextOverflow {
-                tokens: position + 1,
-                context: self.capacity,
-            }
-            .into());
-        }
-        self.check_tokens(&[token])?;
+        self.check_span(slot, position, &[token])?;
         self.slot = slot;
         let result = self
             .run_logits_step(position, token)
@@ -1481,20 +1473,12 @@ impl GpuModel {
     /// a token outside the vocabulary, before anything runs.
     fn check_batch(&self, batch: &[(usize, usize, u32)]) -> Result<()> {
         for (i, &(slot, position, token)) in batch.iter().enumerate() {
-            self.check_slot(slot)?;
+            self.check_span(slot, position, &[token])?;
             if batch[..i].iter().any(|&(s, _, _)| s == slot) {
                 return Err(GpuError::InvalidArgument(format!(
                     "slot {slot} appears twice in one decode step"
                 )));
             }
-            if position >= self.capacity {
-                return Err(sieve_model::ModelError::ContextOverflow {
-                    tokens: position + 1,
-                    context: self.capacity,
-                }
-                .into());
-            }
-            self.check_tokens(&[token])?;
         }
         Ok(())
     }
