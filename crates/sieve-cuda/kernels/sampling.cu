@@ -51,24 +51,21 @@ __device__ float kept_mass(const float* logits, int V, float cut, float top, flo
     return block_reduce(s, false, red);
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_token(float* __restrict__ logits, int V, float temperature, int top_k, float top_p,
-             float penalty, int window, u64 seed, int* __restrict__ state, int* __restrict__ history,
-             int capacity) {
-    pdl_wait_then_release();
-    __shared__ float red[SAMPLE_THREADS / 32];
-    __shared__ int red_i[SAMPLE_THREADS / 32];
-    __shared__ float chunk_sum[SAMPLE_THREADS];
+// The choice for one row of logits (the whole block works on it; every thread returns the
+// chosen id). `recent` holds the row's last `recent_len` tokens for the penalty (the CPU
+// sampler's window), `p` is the position of the token that produced these logits (the draw's
+// hash input). Returns V when every logit is -inf (the callers map it to a valid id or a code).
+__device__ int sample_row(float* __restrict__ logits, int V, float temperature, int top_k, float top_p,
+                          float penalty, const int* __restrict__ recent, int recent_len, u64 seed, int p,
+                          float* red, int* red_i, float* chunk_sum) {
     const int tid = threadIdx.x;
-    const int p = state[0];
 
     if (penalty != 1.f) {
-        int first = max(0, p + 1 - window);
-        int i = first + tid;
-        if (tid < window && i <= p) {
-            int id = history[i];
+        int i = tid;
+        if (i < recent_len) {
+            int id = recent[i];
             bool later = false;
-            for (int j = i + 1; j <= p; ++j) later |= history[j] == id;
+            for (int j = i + 1; j < recent_len; ++j) later |= recent[j] == id;
             if (!later && id >= 0 && id < V) {
                 float l = logits[id];
                 logits[id] = l > 0.f ? l / penalty : l * penalty;
@@ -179,7 +176,22 @@ sample_token(float* __restrict__ logits, int V, float temperature, int top_k, fl
         __syncthreads();
         chosen = red_i[0];
     }
-    if (tid == 0) {
+    return chosen;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_token(float* __restrict__ logits, int V, float temperature, int top_k, float top_p,
+             float penalty, int window, u64 seed, int* __restrict__ state, int* __restrict__ history,
+             int capacity) {
+    pdl_wait_then_release();
+    __shared__ float red[SAMPLE_THREADS / 32];
+    __shared__ int red_i[SAMPLE_THREADS / 32];
+    __shared__ float chunk_sum[SAMPLE_THREADS];
+    const int p = state[0];
+    const int first = max(0, p + 1 - window);
+    int chosen = sample_row(logits, V, temperature, top_k, top_p, penalty, history + first, p + 1 - first,
+                            seed, p, red, red_i, chunk_sum);
+    if (threadIdx.x == 0) {
         if (chosen >= V) chosen = 0;
         if (p + 1 < capacity) {
             history[p + 1] = chosen;
@@ -187,6 +199,36 @@ sample_token(float* __restrict__ logits, int V, float temperature, int top_k, fl
         }
         state[1] = chosen;
     }
+}
+
+// sample_rows: the choice for each of n rows of logits, each with its own arguments (a batched
+// decode step of sequences with their own temperature / top-k / top-p / penalty / seed), so the
+// host reads n ids. Grid n, SAMPLE_THREADS threads; row r: logits[r * V ..], args[r], its
+// recent tokens recent[r * window .. + args[r].recent_len]; out[r] = the id, or -1 when every
+// logit of the row is -inf.
+struct SampleRowArgs {
+    float temperature;
+    int top_k;
+    float top_p;
+    float penalty;
+    int recent_len;
+    int position;
+    u64 seed;
+};
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_rows(float* __restrict__ logits, int V, const SampleRowArgs* __restrict__ args,
+            const int* __restrict__ recent, int window, int* __restrict__ out) {
+    pdl_wait_then_release();
+    __shared__ float red[SAMPLE_THREADS / 32];
+    __shared__ int red_i[SAMPLE_THREADS / 32];
+    __shared__ float chunk_sum[SAMPLE_THREADS];
+    const int r = blockIdx.x;
+    const SampleRowArgs a = args[r];
+    const int chosen = sample_row(logits + (size_t)r * V, V, a.temperature, a.top_k, a.top_p, a.penalty,
+                                  recent + (size_t)r * window, min(a.recent_len, window), a.seed, a.position,
+                                  red, red_i, chunk_sum);
+    if (threadIdx.x == 0) out[r] = chosen >= V ? -1 : chosen;
 }
 
 // argmax_rows: the greedy choice of each of n rows of logits (a batched decode step whose

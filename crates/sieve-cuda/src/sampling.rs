@@ -101,3 +101,107 @@ pub mod reference {
         best.map_or(ARGMAX_ALL_NEG_INF, |(_, id)| id as i32)
     }
 }
+
+/// Most recent tokens a row of [`sample_rows`] passes for its repetition penalty (the kernel
+/// gives each one thread of its block).
+pub const MAX_SAMPLE_WINDOW: usize = 1024;
+
+/// One row's arguments of [`sample_rows`], laid out as `SampleRowArgs` in `sampling.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SampleRowArgs {
+    pub temperature: f32,
+    pub top_k: i32,
+    pub top_p: f32,
+    pub penalty: f32,
+    /// Tokens of the row's window in `recent` (at most the launch's window).
+    pub recent_len: i32,
+    /// Position of the token that produced the row's logits (the draw's hash input).
+    pub position: i32,
+    pub seed: u64,
+}
+
+// SAFETY: plain old data, the layout of the kernel's struct (checked by a test); all-zero
+// bits are a valid value.
+unsafe impl cudarc::driver::DeviceRepr for SampleRowArgs {}
+unsafe impl cudarc::driver::ValidAsZeroBits for SampleRowArgs {}
+
+impl SampleRowArgs {
+    /// The kernel's arguments for `args` at `position` with `recent_len` window tokens.
+    pub fn new(args: &SampleArgs, position: usize, recent_len: usize) -> Result<Self> {
+        Ok(Self {
+            temperature: args.temperature,
+            top_k: i32_arg("top-k", args.top_k)?,
+            top_p: args.top_p,
+            penalty: args.repetition_penalty,
+            recent_len: i32_arg("penalty window", recent_len.min(MAX_SAMPLE_WINDOW))?,
+            position: i32_arg("position", position)?,
+            seed: args.seed,
+        })
+    }
+}
+
+/// What [`sample_rows`] writes for a row whose logits are all -inf.
+pub const SAMPLE_ALL_NEG_INF: i32 = -1;
+
+/// Each of `n` rows of `vocab` logits (`[n][vocab]` f32, modified in place by the penalties)
+/// sampled with its own arguments (`args`: `n` [`SampleRowArgs`] on the device; `recent`: `n`
+/// rows of `window` i32, row `r`'s first `args[r].recent_len` its penalty window) into `out`
+/// (`n` i32, [`SAMPLE_ALL_NEG_INF`] for a row of -inf only). The rule is `sample_token`'s.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_rows(
+    gpu: &Gpu,
+    logits: DevPtr,
+    vocab: usize,
+    args: DevPtr,
+    recent: DevPtr,
+    window: usize,
+    n: usize,
+    out: DevPtr,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&FAMILY, "sample_rows")?;
+    let v = i32_arg("vocabulary", vocab)?;
+    let w = i32_arg("penalty window", window.min(MAX_SAMPLE_WINDOW))?;
+    let rows = u32::try_from(n).map_err(|_| {
+        crate::error::CudaError::Unsupported(format!("{n} rows of logits in one launch"))
+    })?;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&logits)
+        .arg(&v)
+        .arg(&args)
+        .arg(&recent)
+        .arg(&w)
+        .arg(&out);
+    unsafe { b.launch(grid_cfg((rows, 1), 1024, 0)) }.during("launching sample_rows")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `SampleRowArgs` has the layout of the kernel's struct: 4-byte fields, then the u64 seed
+    /// at byte 24, 32 bytes in all.
+    #[test]
+    fn sample_row_args_match_the_kernel_struct() {
+        assert_eq!(std::mem::size_of::<SampleRowArgs>(), 32);
+        assert_eq!(std::mem::align_of::<SampleRowArgs>(), 8);
+        assert_eq!(std::mem::offset_of!(SampleRowArgs, position), 20);
+        assert_eq!(std::mem::offset_of!(SampleRowArgs, seed), 24);
+        let args = SampleArgs {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            repetition_penalty: 1.1,
+            window: 64,
+            seed: 9,
+        };
+        let row = SampleRowArgs::new(&args, 17, 5000).unwrap();
+        assert_eq!(row.recent_len as usize, MAX_SAMPLE_WINDOW);
+        assert_eq!((row.top_k, row.position, row.seed), (40, 17, 9));
+        assert!(SampleRowArgs::new(&args, usize::MAX, 1).is_err());
+    }
+}

@@ -230,9 +230,16 @@ pub struct GpuModel {
 struct SequenceBuffers {
     seqs: CudaSlice<i32>,
     logits: CudaSlice<f32>,
-    /// Each row's greedy token ([`GpuModel::step_slots_argmax`]).
+    /// Each row's token ([`GpuModel::step_slots_argmax`], [`GpuModel::step_slots_sampled`]).
     chosen: CudaSlice<i32>,
+    /// Each row's sampling arguments and penalty window ([`GpuModel::step_slots_sampled`]).
+    sample_args: CudaSlice<sampling::SampleRowArgs>,
+    recent: CudaSlice<i32>,
 }
+
+/// Tokens of a sequence's repetition-penalty window the device sampler takes (the CPU
+/// sampler's window).
+const SAMPLE_WINDOW: usize = sieve_model::generate::REPETITION_WINDOW;
 
 /// Sequences one batched decode launch sequence takes (larger batches run in parts).
 pub const MAX_SEQUENCES: usize = 64;
@@ -1469,6 +1476,117 @@ impl GpuModel {
             .collect())
     }
 
+    /// One decode step of several sequences, each sampled on the device with its own
+    /// arguments (`sampling[i]`: the kernel arguments and the sequence's recent tokens for the
+    /// repetition penalty, the last [`sieve_model::generate::REPETITION_WINDOW`] used), so the
+    /// host reads one id per sequence. The draw is the GPU sampler's (`sampling.cu`: the same
+    /// rules as the CPU's, top-k / top-p found by bisection, a hash of seed and position), not
+    /// the CPU sampler's generator. A sequence whose logits are all -inf gets its own error.
+    pub fn step_slots_sampled(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+        sampling: &[(SampleArgs, &[u32])],
+    ) -> Result<Vec<Result<u32>>> {
+        self.check_batch(batch)?;
+        if sampling.len() != batch.len() {
+            return Err(GpuError::InvalidArgument(format!(
+                "{} sampling settings for {} sequences",
+                sampling.len(),
+                batch.len()
+            )));
+        }
+        for (args, _) in sampling {
+            if args.top_k > i32::MAX as usize {
+                return Err(GpuError::InvalidArgument(format!("top-k {}", args.top_k)));
+            }
+        }
+        self.ensure_seq_bufs()?;
+        let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
+        if batch.len() < 2 || !self.decode_is_batched() {
+            for (row, samp) in batch.chunks(1).zip(sampling.chunks(1)) {
+                let (slot, position, token) = row[0];
+                self.slot = slot;
+                let ran = self.run_logits_step(position, token);
+                self.slot = 0;
+                ran?;
+                let logits = dev_ptr(&self.gpu, &self.bufs.logits);
+                chosen.extend(self.sample_on_device(logits, row, samp)?);
+            }
+        } else {
+            for (part, samp) in batch
+                .chunks(MAX_SEQUENCES)
+                .zip(sampling.chunks(MAX_SEQUENCES))
+            {
+                self.run_sequences_step(part)?;
+                let bufs = self
+                    .seq_bufs
+                    .as_ref()
+                    .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+                let logits = dev_ptr(&self.gpu, &bufs.logits);
+                chosen.extend(self.sample_on_device(logits, part, samp)?);
+            }
+        }
+        Ok(chosen
+            .into_iter()
+            .zip(batch)
+            .map(|(id, &(slot, position, _))| {
+                u32::try_from(id).map_err(|_| {
+                    GpuError::InvalidArgument(format!(
+                        "slot {slot} at position {position}: every logit is -inf"
+                    ))
+                })
+            })
+            .collect())
+    }
+
+    /// `sample_rows` over the `rows.len()` rows of logits at `logits` (at most
+    /// [`MAX_SEQUENCES`]); returns the kernel's ids (negative: no token).
+    fn sample_on_device(
+        &mut self,
+        logits: sieve_cuda::DevPtr,
+        rows: &[(usize, usize, u32)],
+        sampling: &[(SampleArgs, &[u32])],
+    ) -> Result<Vec<i32>> {
+        let n = rows.len();
+        let mut args = Vec::with_capacity(n);
+        let mut recent = vec![0i32; n * SAMPLE_WINDOW];
+        for (i, (&(_, position, _), (a, tokens))) in rows.iter().zip(sampling).enumerate() {
+            let window = a.window.min(SAMPLE_WINDOW);
+            let tail = &tokens[tokens.len().saturating_sub(window)..];
+            for (dst, &t) in recent[i * SAMPLE_WINDOW..].iter_mut().zip(tail) {
+                *dst = t as i32;
+            }
+            args.push(sampling::SampleRowArgs::new(a, position, tail.len())?);
+        }
+        let stream = self.gpu.stream().clone();
+        let bufs = self
+            .seq_bufs
+            .as_mut()
+            .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+        let mut view = bufs.sample_args.slice_mut(0..n);
+        stream
+            .memcpy_htod(&args, &mut view)
+            .during("writing the batch's sampling arguments")?;
+        let mut view = bufs.recent.slice_mut(0..n * SAMPLE_WINDOW);
+        stream
+            .memcpy_htod(&recent, &mut view)
+            .during("writing the batch's penalty windows")?;
+        let g = &self.gpu;
+        sampling::sample_rows(
+            g,
+            logits,
+            self.config.vocab_size,
+            dev_ptr(g, &bufs.sample_args),
+            dev_ptr(g, &bufs.recent),
+            SAMPLE_WINDOW,
+            n,
+            dev_ptr(g, &bufs.chosen),
+        )?;
+        Ok(stream
+            .clone_dtoh(&bufs.chosen.slice(0..n))
+            .during("copying the batch's tokens to the host")?)
+    }
+
     /// Refuses a batch with a slot outside the pool or twice, a position past the context or
     /// a token outside the vocabulary, before anything runs.
     fn check_batch(&self, batch: &[(usize, usize, u32)]) -> Result<()> {
@@ -1493,21 +1611,7 @@ impl GpuModel {
     /// (`-(slot + 1)`): they attend over that slot and write no cache (`rope.cu`,
     /// `attention.cu`), and their logits are never read.
     fn run_sequences_step(&mut self, batch: &[(usize, usize, u32)]) -> Result<()> {
-        let v = self.config.vocab_size;
-        if self.seq_bufs.is_none() {
-            let stream = self.gpu.stream();
-            self.seq_bufs = Some(SequenceBuffers {
-                seqs: stream
-                    .alloc_zeros::<i32>(2 * MAX_SEQUENCES)
-                    .during("allocating the batch's positions")?,
-                logits: stream
-                    .alloc_zeros::<f32>(MAX_SEQUENCES * v)
-                    .during("allocating the batch's logits")?,
-                chosen: stream
-                    .alloc_zeros::<i32>(MAX_SEQUENCES)
-                    .during("allocating the batch's tokens")?,
-            });
-        }
+        self.ensure_seq_bufs()?;
         let n = batch.len();
         let rows = if self.use_graphs {
             n.next_power_of_two().clamp(2, MAX_SEQUENCES)
@@ -1564,6 +1668,33 @@ impl GpuModel {
         if let Some(graph) = &self.seq_graphs[bucket] {
             graph.launch()?;
         }
+        Ok(())
+    }
+
+    /// Allocates the many-sequence scratch at its first use.
+    fn ensure_seq_bufs(&mut self) -> Result<()> {
+        if self.seq_bufs.is_some() {
+            return Ok(());
+        }
+        let v = self.config.vocab_size;
+        let stream = self.gpu.stream();
+        self.seq_bufs = Some(SequenceBuffers {
+            seqs: stream
+                .alloc_zeros::<i32>(2 * MAX_SEQUENCES)
+                .during("allocating the batch's positions")?,
+            logits: stream
+                .alloc_zeros::<f32>(MAX_SEQUENCES * v)
+                .during("allocating the batch's logits")?,
+            chosen: stream
+                .alloc_zeros::<i32>(MAX_SEQUENCES)
+                .during("allocating the batch's tokens")?,
+            sample_args: stream
+                .alloc_zeros::<sampling::SampleRowArgs>(MAX_SEQUENCES)
+                .during("allocating the batch's sampling arguments")?,
+            recent: stream
+                .alloc_zeros::<i32>(MAX_SEQUENCES * SAMPLE_WINDOW)
+                .during("allocating the batch's penalty windows")?,
+        });
         Ok(())
     }
 

@@ -1384,14 +1384,20 @@ fn batched_slot_steps_match_single_steps() {
             }
             let batch: Vec<(usize, usize, u32)> =
                 members.iter().map(|&s| (s, lens[s], next[s])).collect();
-            // Every third step chooses the tokens on the device (greedy) instead.
+            // Every third step chooses the tokens on the device instead: by argmax, or (steps
+            // 5 and 11) through the batched sampler with greedy settings.
             if step % 3 == 2 {
-                let got: Vec<u32> = many
-                    .step_slots_argmax(&batch)
-                    .unwrap()
-                    .into_iter()
-                    .map(|t| t.unwrap())
-                    .collect();
+                let got: Vec<u32> = if step % 6 == 5 {
+                    let recent: Vec<Vec<u32>> = batch.iter().map(|&(_, _, t)| vec![t]).collect();
+                    let sampling: Vec<(SampleArgs, &[u32])> =
+                        recent.iter().map(|r| (greedy(), &r[..])).collect();
+                    many.step_slots_sampled(&batch, &sampling).unwrap()
+                } else {
+                    many.step_slots_argmax(&batch).unwrap()
+                }
+                .into_iter()
+                .map(|t| t.unwrap())
+                .collect();
                 assert_eq!(got.len(), batch.len(), "{label}: one token per sequence");
                 for (i, &(slot, position, token)) in batch.iter().enumerate() {
                     let want = one.step_slot(slot, position, token).unwrap();
@@ -1526,5 +1532,99 @@ fn argmax_rows_match_the_cpu_greedy_rule() {
         if v > 1 {
             assert_eq!(want[1], (v / 2) as i32, "the lowest tied id");
         }
+    }
+}
+
+/// The batched sampler (`sample_rows`: one row per sequence, each with its own settings and
+/// penalty window) draws what `sample_token` draws for each row alone: greedy, temperature,
+/// top-k, top-p, a penalty over a window, different seeds and positions; a row of -inf only
+/// comes back as -1.
+#[test]
+fn sample_rows_draw_what_sample_token_draws() {
+    let Some(gpu) = gpu_or_skip("sample_rows_draw_what_sample_token_draws") else {
+        return;
+    };
+    use sieve_cuda::sampling::{SampleRowArgs, SAMPLE_ALL_NEG_INF};
+    let mut rng = Rng(5);
+    let v = 3001;
+    let window = 64;
+    let settings = [
+        greedy(),
+        SampleArgs {
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            window,
+            seed: 1,
+        },
+        SampleArgs {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 1.0,
+            repetition_penalty: 1.3,
+            window,
+            seed: 2,
+        },
+        SampleArgs {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 0.8,
+            repetition_penalty: 1.1,
+            window,
+            seed: 3,
+        },
+        SampleArgs {
+            temperature: 1.2,
+            top_k: 5,
+            top_p: 0.5,
+            repetition_penalty: 0.9,
+            window,
+            seed: u64::MAX,
+        },
+    ];
+    for round in 0..4 {
+        let n = settings.len() + 1;
+        let mut rows: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(v, 6.0)).collect();
+        rows[n - 1] = vec![f32::NEG_INFINITY; v];
+        // Each row's history: a few tokens, some repeated, the last at its position.
+        let histories: Vec<Vec<i32>> = (0..n)
+            .map(|r| {
+                (0..10 + 7 * r + round)
+                    .map(|i| ((i * 37 + r * 11) % 50) as i32)
+                    .collect()
+            })
+            .collect();
+        let mut want = Vec::new();
+        for (r, args) in settings.iter().enumerate() {
+            want.push(run_sampler(&gpu, &rows[r], args, &histories[r]).0);
+        }
+        let mut args = Vec::new();
+        let mut recent = vec![0i32; n * window];
+        for r in 0..n {
+            let a = settings.get(r).copied().unwrap_or_else(greedy);
+            let h = &histories[r];
+            let tail = &h[h.len().saturating_sub(window)..];
+            recent[r * window..r * window + tail.len()].copy_from_slice(tail);
+            args.push(SampleRowArgs::new(&a, h.len() - 1, tail.len()).unwrap());
+        }
+        let l = gpu.upload(&rows.concat()).unwrap();
+        let a = gpu.upload(&args).unwrap();
+        let rc = gpu.upload(&recent).unwrap();
+        let out = gpu.upload(&vec![i32::MIN; n]).unwrap();
+        sampling::sample_rows(
+            &gpu,
+            dev_ptr(&gpu, &l),
+            v,
+            dev_ptr(&gpu, &a),
+            dev_ptr(&gpu, &rc),
+            window,
+            n,
+            dev_ptr(&gpu, &out),
+        )
+        .unwrap();
+        let got = gpu.download(&out).unwrap();
+        assert_eq!(&got[..n - 1], &want[..], "round {round}");
+        assert_eq!(got[n - 1], SAMPLE_ALL_NEG_INF, "a row of -inf only");
     }
 }

@@ -73,6 +73,17 @@ impl<'t> Sequence<'t> {
         self.accept(token, cache_has_room)
     }
 
+    /// The sampling settings of this sequence.
+    pub fn sampling(&self) -> &crate::sampling::SamplingParams {
+        self.sampler.params()
+    }
+
+    /// The tokens the repetition penalty looks back over (the prompt's and the accepted ones,
+    /// the last [`REPETITION_WINDOW`]), for a backend that samples on its device.
+    pub fn recent_tokens(&self) -> &[u32] {
+        &self.history[self.history.len().saturating_sub(REPETITION_WINDOW)..]
+    }
+
     /// True when this sequence's next token is always the argmax of its logits (greedy, no
     /// repetition penalty), so a backend may choose it on its device and pass it to
     /// [`Sequence::accept`].

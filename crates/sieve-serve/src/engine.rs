@@ -51,6 +51,18 @@ pub trait DecodeEngine: Send {
     fn decode_argmax(&mut self, _batch: &[(usize, u32)]) -> Option<Result<Vec<Result<u32>>>> {
         None
     }
+    /// [`DecodeEngine::decode`] with each sequence's next token drawn by the engine with
+    /// `sampling[i]` (its settings and recent tokens), so that no logits leave a device; one
+    /// result per sequence. `None` when the engine has no such path (the scheduler then
+    /// samples from `decode`'s logits). An engine's draw may differ from the CPU sampler's for
+    /// the same seed (its own generator).
+    fn decode_sampled(
+        &mut self,
+        _batch: &[(usize, u32)],
+        _sampling: &[RowSampling<'_>],
+    ) -> Option<Result<Vec<Result<u32>>>> {
+        None
+    }
     /// True when [`DecodeEngine::extend`] works, so long prompts may go in chunks; otherwise
     /// the scheduler prefills every prompt whole.
     fn prefills_in_chunks(&self) -> bool {
@@ -60,6 +72,14 @@ pub trait DecodeEngine: Send {
     fn kv_cache_bytes(&self) -> usize {
         0
     }
+}
+
+/// How one sequence of a [`DecodeEngine::decode_sampled`] step draws its token.
+#[derive(Clone, Copy, Debug)]
+pub struct RowSampling<'a> {
+    pub params: &'a sieve_model::sampling::SamplingParams,
+    /// The tokens its repetition penalty looks back over.
+    pub recent: &'a [u32],
 }
 
 /// The CPU engine: sieve-model's forward pass, one [`KvCache`] per slot, batched decode

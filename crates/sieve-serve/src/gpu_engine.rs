@@ -8,7 +8,7 @@
 //! no token-batch path (RLC-CSC, Balanced-CBC), and steps of one sequence, replay each slot's
 //! captured single-sequence step instead. The scheduler samples on the host from the logits.
 
-use crate::engine::DecodeEngine;
+use crate::engine::{DecodeEngine, RowSampling};
 use sieve_gpu::{GpuError, GpuModel};
 use sieve_model::llama::Model;
 use sieve_model::{ModelError, Result};
@@ -143,6 +143,25 @@ impl DecodeEngine for GpuEngine {
     fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<Result<u32>>>> {
         Some(self.rows(batch).and_then(|rows| {
             let tokens = self.model.step_slots_argmax(&rows).map_err(model_error)?;
+            self.advance(batch);
+            Ok(tokens.into_iter().map(|t| t.map_err(model_error)).collect())
+        }))
+    }
+
+    fn decode_sampled(
+        &mut self,
+        batch: &[(usize, u32)],
+        sampling: &[RowSampling<'_>],
+    ) -> Option<Result<Vec<Result<u32>>>> {
+        Some(self.rows(batch).and_then(|rows| {
+            let args: Vec<(sieve_cuda::sampling::SampleArgs, &[u32])> = sampling
+                .iter()
+                .map(|s| (sieve_gpu::runner::sample_args(s.params), s.recent))
+                .collect();
+            let tokens = self
+                .model
+                .step_slots_sampled(&rows, &args)
+                .map_err(model_error)?;
             self.advance(batch);
             Ok(tokens.into_iter().map(|t| t.map_err(model_error)).collect())
         }))

@@ -86,7 +86,7 @@ pub struct Metrics {
     pub slots_total: AtomicU64,
     /// Bytes of the KV cache pool.
     pub kv_cache_bytes: AtomicU64,
-    /// Decode steps whose tokens the engine chose itself (greedy batches on a device).
+    /// Decode steps whose tokens the engine chose itself (on its device).
     pub engine_chosen_steps: AtomicU64,
     /// Prompt chunks prefilled (one per prompt unless it is longer than `--prefill-chunk`).
     pub prefill_chunks: AtomicU64,
@@ -258,7 +258,7 @@ impl Metrics {
         counter(
             &mut out,
             "sieve_engine_chosen_steps_total",
-            "Decode steps whose tokens the engine chose (greedy batches: no logits copied to the host).",
+            "Decode steps whose tokens the engine chose or drew itself (no logits copied to the host).",
             &self.engine_chosen_steps,
         );
         gauge(

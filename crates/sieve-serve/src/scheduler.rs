@@ -23,7 +23,7 @@ use sieve_model::sequence::Sequence;
 use sieve_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::DecodeEngine;
+use crate::engine::{DecodeEngine, RowSampling};
 use crate::metrics::Metrics;
 
 /// What the scheduler sends back for one request.
@@ -420,12 +420,20 @@ pub fn run(
 
         let batch: Vec<(usize, u32)> = running.iter().map(|r| (r.slot, r.next)).collect();
         metrics.observe_batch(batch.len());
-        // Greedy sequences only: the engine may choose the tokens itself (on its device).
+        // The engine may choose the tokens itself (on its device): greedy batches by argmax,
+        // others by each sequence's own sampling settings.
         let by_argmax = running.iter().all(|r| r.sequence.decodes_by_argmax());
         let chosen = if by_argmax {
             engine.decode_argmax(&batch)
         } else {
-            None
+            let sampling: Vec<RowSampling<'_>> = running
+                .iter()
+                .map(|r| RowSampling {
+                    params: r.sequence.sampling(),
+                    recent: r.sequence.recent_tokens(),
+                })
+                .collect();
+            engine.decode_sampled(&batch, &sampling)
         };
         let outcome = match chosen {
             Some(Ok(tokens)) => {

@@ -653,3 +653,90 @@ async fn a_bad_row_fails_only_its_own_request() {
     assert_eq!(metric(&text, "sieve_batch_size_max"), Some(2.0), "{text}");
     server.shutdown().unwrap();
 }
+
+/// An engine that draws every token itself (as the GPU engine does on the device) and checks
+/// what the scheduler hands it: each sequence's own settings and recent tokens.
+struct DrawingEngine {
+    vocab: usize,
+    token: u32,
+    lens: [usize; 2],
+}
+
+impl DecodeEngine for DrawingEngine {
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn slots(&self) -> usize {
+        2
+    }
+    fn slot_capacity(&self) -> usize {
+        64
+    }
+    fn slot_len(&self, slot: usize) -> usize {
+        self.lens[slot]
+    }
+    fn prefill(&mut self, slot: usize, prompt: &[u32]) -> sieve_model::Result<Vec<f32>> {
+        self.lens[slot] = prompt.len();
+        let mut logits = vec![0.0; self.vocab];
+        logits[self.token as usize] = 10.0;
+        Ok(logits)
+    }
+    fn decode(&mut self, _batch: &[(usize, u32)]) -> sieve_model::Result<Vec<f32>> {
+        panic!("sampled requests take decode_sampled");
+    }
+    fn decode_sampled(
+        &mut self,
+        batch: &[(usize, u32)],
+        sampling: &[sieve_serve::engine::RowSampling<'_>],
+    ) -> Option<sieve_model::Result<Vec<sieve_model::Result<u32>>>> {
+        assert_eq!(batch.len(), sampling.len());
+        Some(Ok(batch
+            .iter()
+            .zip(sampling)
+            .map(|(&(slot, token), s)| {
+                assert_eq!(s.params.temperature, 0.8);
+                assert_eq!(s.params.seed, 7);
+                // The window ends with the token this step runs.
+                assert_eq!(s.recent.last(), Some(&token));
+                self.lens[slot] += 1;
+                Ok(self.token)
+            })
+            .collect()))
+    }
+}
+
+/// Sampled requests on an engine that draws tokens itself: the scheduler passes each
+/// sequence's settings and window and takes the engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_requests_take_the_engines_draws() {
+    if model_path().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let (_, tokenizer) = reference();
+    let token = tokenizer.encode(" hello", false).expect("encodes")[0];
+    let engine = DrawingEngine {
+        vocab: tokenizer.vocab_size(),
+        token,
+        lens: [0; 2],
+    };
+    let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
+    let base = format!("http://{}", server.addr());
+    let client = client();
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": "Hi", "max_tokens": 5, "temperature": 0.8, "seed": 7}))
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"][0]["text"], " hello".repeat(5), "{body}");
+    let text = metrics(&client, &base).await;
+    assert_eq!(
+        metric(&text, "sieve_engine_chosen_steps_total"),
+        Some(4.0),
+        "{text}"
+    );
+    server.shutdown().unwrap();
+}
