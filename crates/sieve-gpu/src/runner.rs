@@ -1433,11 +1433,32 @@ impl GpuModel {
     pub fn step_slots_argmax(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<Result<u32>>> {
         self.check_batch(batch)?;
         let v = self.config.vocab_size;
+        self.ensure_seq_bufs()?;
         let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
         if batch.len() < 2 || !self.decode_is_batched() {
+            // Each sequence's own captured step, its token chosen where its logits are.
             for &(slot, position, token) in batch {
-                let row = self.step_slot(slot, position, token)?;
-                chosen.push(sampling::reference::argmax_row(&row));
+                self.slot = slot;
+                let ran = self.run_logits_step(position, token);
+                self.slot = 0;
+                ran?;
+                let bufs = self
+                    .seq_bufs
+                    .as_ref()
+                    .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+                let g = &self.gpu;
+                sampling::argmax_rows(
+                    g,
+                    dev_ptr(g, &self.bufs.logits),
+                    v,
+                    1,
+                    dev_ptr(g, &bufs.chosen),
+                )?;
+                let id = g
+                    .stream()
+                    .clone_dtoh(&bufs.chosen.slice(0..1))
+                    .during("copying the token to the host")?;
+                chosen.extend_from_slice(&id);
             }
         } else {
             for part in batch.chunks(MAX_SEQUENCES) {
