@@ -344,7 +344,7 @@ fn time_batches(
         let median = percentile(&times, 0.5);
         out.push(BatchPoint {
             batch,
-            one_pass: batch > 1 && model.decode_is_batched(),
+            one_pass: model.batch_pays(batch),
             step_ms_median: median * 1e3,
             step_ms_p10: percentile(&times, 0.1) * 1e3,
             step_ms_p90: percentile(&times, 0.9) * 1e3,

@@ -244,6 +244,13 @@ const SAMPLE_WINDOW: usize = sieve_model::generate::REPETITION_WINDOW;
 /// Sequences one batched decode launch sequence takes (larger batches run in parts).
 pub const MAX_SEQUENCES: usize = 64;
 
+/// Sequences from which a step of a model with Tiled-CBC matrices runs as one batched pass.
+/// Estimated from bytes, not yet measured: the pass decodes each matrix to f16 (reading its
+/// ~1.06 bytes per weight at sp 0.5, writing 2 and reading them again in the GEMM, ~5 bytes per
+/// weight in all) where one sequence's own step reads ~1.06 per weight; the pass pays from
+/// about 5 sequences.
+pub const DECODED_MIN_BATCH: usize = 5;
+
 /// Most sequences `sieve bench decode --batch` asks for (a sanity bound on user input; the
 /// memory check of [`GpuModel::set_slots`] decides what fits).
 pub const MAX_BATCH_SLOTS: usize = 1024;
@@ -1393,6 +1400,26 @@ impl GpuModel {
         self.batched_prefill && crate::prefill::batchable(&all)
     }
 
+    /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
+    /// permitting). 2 when every matrix is multiplied where it lies; with a Tiled-CBC matrix,
+    /// which the pass decodes to f16 first, [`DECODED_MIN_BATCH`].
+    pub fn min_batched_sequences(&self) -> usize {
+        let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
+        for l in &self.layers {
+            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
+        }
+        if crate::prefill::decoded_len(&all) > 0 {
+            DECODED_MIN_BATCH
+        } else {
+            2
+        }
+    }
+
+    /// True when a step of `n` sequences runs as one batched pass.
+    pub fn batch_pays(&self, n: usize) -> bool {
+        n >= self.min_batched_sequences() && self.decode_is_batched()
+    }
+
     /// One decode step of several sequences: `(slot, position, token)` each, slots distinct.
     /// Returns `[n][vocab]` logits in the order given. Every argument is checked before
     /// anything runs. With [`Self::decode_is_batched`], the sequences go through every layer
@@ -1403,7 +1430,7 @@ impl GpuModel {
         self.check_batch(batch)?;
         let v = self.config.vocab_size;
         let mut logits = Vec::with_capacity(batch.len() * v);
-        if batch.len() < 2 || !self.decode_is_batched() {
+        if !self.batch_pays(batch.len()) {
             for &(slot, position, token) in batch {
                 logits.extend(self.step_slot(slot, position, token)?);
             }
@@ -1435,7 +1462,7 @@ impl GpuModel {
         let v = self.config.vocab_size;
         self.ensure_seq_bufs()?;
         let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
-        if batch.len() < 2 || !self.decode_is_batched() {
+        if !self.batch_pays(batch.len()) {
             // Each sequence's own captured step, its token chosen where its logits are.
             for &(slot, position, token) in batch {
                 self.slot = slot;
@@ -1523,7 +1550,7 @@ impl GpuModel {
         }
         self.ensure_seq_bufs()?;
         let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
-        if batch.len() < 2 || !self.decode_is_batched() {
+        if !self.batch_pays(batch.len()) {
             for (row, samp) in batch.chunks(1).zip(sampling.chunks(1)) {
                 let (slot, position, token) = row[0];
                 self.slot = slot;
