@@ -55,9 +55,10 @@ __device__ float kept_mass(const float* logits, int V, float cut, float top, flo
 // chosen id). `recent` holds the row's last `recent_len` tokens for the penalty (the CPU
 // sampler's window), `p` is the position of the token that produced these logits (the draw's
 // hash input). Returns V when every logit is -inf (the callers map it to a valid id or a code).
+// With `bad` (a shared int the caller zeroed before a barrier), a NaN or +inf logit sets it.
 __device__ int sample_row(float* __restrict__ logits, int V, float temperature, int top_k, float top_p,
                           float penalty, const int* __restrict__ recent, int recent_len, u64 seed, int p,
-                          float* red, int* red_i, float* chunk_sum) {
+                          float* red, int* red_i, float* chunk_sum, int* bad) {
     const int tid = threadIdx.x;
 
     if (penalty != 1.f) {
@@ -77,13 +78,16 @@ __device__ int sample_row(float* __restrict__ logits, int V, float temperature, 
     // Argmax, lowest id on ties (as the CPU sampler).
     float best = __int_as_float(0xff800000);
     int best_id = V;
+    bool not_finite = false;
     for (int i = tid; i < V; i += SAMPLE_THREADS) {
         float l = logits[i];
+        not_finite |= isnan(l) || l == __int_as_float(0x7f800000);
         if (l > best) {
             best = l;
             best_id = i;
         }
     }
+    if (bad && not_finite) atomicOr(bad, 1);
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) {
         float ob = __shfl_xor_sync(FULL_MASK, best, d);
@@ -190,7 +194,7 @@ sample_token(float* __restrict__ logits, int V, float temperature, int top_k, fl
     const int p = state[0];
     const int first = max(0, p + 1 - window);
     int chosen = sample_row(logits, V, temperature, top_k, top_p, penalty, history + first, p + 1 - first,
-                            seed, p, red, red_i, chunk_sum);
+                            seed, p, red, red_i, chunk_sum, nullptr);
     if (threadIdx.x == 0) {
         if (chosen >= V) chosen = 0;
         if (p + 1 < capacity) {
@@ -204,8 +208,8 @@ sample_token(float* __restrict__ logits, int V, float temperature, int top_k, fl
 // sample_rows: the choice for each of n rows of logits, each with its own arguments (a batched
 // decode step of sequences with their own temperature / top-k / top-p / penalty / seed), so the
 // host reads n ids. Grid n, SAMPLE_THREADS threads; row r: logits[r * V ..], args[r], its
-// recent tokens recent[r * window .. + args[r].recent_len]; out[r] = the id, or -1 when every
-// logit of the row is -inf.
+// recent tokens recent[r * window .. + args[r].recent_len]; out[r] = the id, -1 when every
+// logit of the row is -inf, -2 when one is NaN or +inf (the CPU sampler refuses those rows).
 struct SampleRowArgs {
     float temperature;
     int top_k;
@@ -223,12 +227,14 @@ sample_rows(float* __restrict__ logits, int V, const SampleRowArgs* __restrict__
     __shared__ float red[SAMPLE_THREADS / 32];
     __shared__ int red_i[SAMPLE_THREADS / 32];
     __shared__ float chunk_sum[SAMPLE_THREADS];
+    __shared__ int bad;
     const int r = blockIdx.x;
-    const SampleRowArgs a = args[r];
-    const int chosen = sample_row(logits + (size_t)r * V, V, a.temperature, a.top_k, a.top_p, a.penalty,
-                                  recent + (size_t)r * window, min(a.recent_len, window), a.seed, a.position,
-                                  red, red_i, chunk_sum);
-    if (threadIdx.x == 0) out[r] = chosen >= V ? -1 : chosen;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    const int chosen = sample_row(logits + (size_t)r * V, V, args[r].temperature, args[r].top_k, args[r].top_p,
+                                  args[r].penalty, recent + (size_t)r * window, min(args[r].recent_len, window),
+                                  args[r].seed, args[r].position, red, red_i, chunk_sum, &bad);
+    if (threadIdx.x == 0) out[r] = bad ? -2 : chosen >= V ? -1 : chosen;
 }
 
 // argmax_rows: the greedy choice of each of n rows of logits (a batched decode step whose

@@ -131,7 +131,8 @@ impl SampleRowArgs {
     pub fn new(args: &SampleArgs, position: usize, recent_len: usize) -> Result<Self> {
         Ok(Self {
             temperature: args.temperature,
-            top_k: i32_arg("top-k", args.top_k)?,
+            // Any top-k from the vocabulary up keeps every token, as 0 does.
+            top_k: i32::try_from(args.top_k).unwrap_or(0),
             top_p: args.top_p,
             penalty: args.repetition_penalty,
             recent_len: i32_arg("penalty window", recent_len.min(MAX_SAMPLE_WINDOW))?,
@@ -143,11 +144,15 @@ impl SampleRowArgs {
 
 /// What [`sample_rows`] writes for a row whose logits are all -inf.
 pub const SAMPLE_ALL_NEG_INF: i32 = -1;
+/// What [`sample_rows`] writes for a row with a NaN or +inf logit.
+pub const SAMPLE_NOT_FINITE: i32 = -2;
 
 /// Each of `n` rows of `vocab` logits (`[n][vocab]` f32, modified in place by the penalties)
 /// sampled with its own arguments (`args`: `n` [`SampleRowArgs`] on the device; `recent`: `n`
 /// rows of `window` i32, row `r`'s first `args[r].recent_len` its penalty window) into `out`
-/// (`n` i32, [`SAMPLE_ALL_NEG_INF`] for a row of -inf only). The rule is `sample_token`'s.
+/// (`n` i32, [`SAMPLE_ALL_NEG_INF`] for a row of -inf only, [`SAMPLE_NOT_FINITE`] for one
+/// with NaN or +inf). The rule is `sample_token`'s. `window` is the row stride of `recent`,
+/// at most [`MAX_SAMPLE_WINDOW`].
 #[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     gpu: &Gpu,
@@ -164,7 +169,12 @@ pub fn sample_rows(
     }
     let f = gpu.function(&FAMILY, "sample_rows")?;
     let v = i32_arg("vocabulary", vocab)?;
-    let w = i32_arg("penalty window", window.min(MAX_SAMPLE_WINDOW))?;
+    if window > MAX_SAMPLE_WINDOW {
+        return Err(crate::error::CudaError::Unsupported(format!(
+            "a penalty window of {window} tokens (at most {MAX_SAMPLE_WINDOW})"
+        )));
+    }
+    let w = i32_arg("penalty window", window)?;
     let rows = u32::try_from(n).map_err(|_| {
         crate::error::CudaError::Unsupported(format!("{n} rows of logits in one launch"))
     })?;
@@ -203,5 +213,10 @@ mod tests {
         assert_eq!(row.recent_len as usize, MAX_SAMPLE_WINDOW);
         assert_eq!((row.top_k, row.position, row.seed), (40, 17, 9));
         assert!(SampleRowArgs::new(&args, usize::MAX, 1).is_err());
+        let huge = SampleArgs {
+            top_k: usize::MAX,
+            ..args
+        };
+        assert_eq!(SampleRowArgs::new(&huge, 1, 1).unwrap().top_k, 0);
     }
 }

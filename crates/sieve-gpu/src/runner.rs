@@ -1543,11 +1543,6 @@ impl GpuModel {
                 batch.len()
             )));
         }
-        for (args, _) in sampling {
-            if args.top_k > i32::MAX as usize {
-                return Err(GpuError::InvalidArgument(format!("top-k {}", args.top_k)));
-            }
-        }
         self.ensure_seq_bufs()?;
         let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
         if !self.batch_pays(batch.len()) {
@@ -1577,12 +1572,14 @@ impl GpuModel {
         Ok(chosen
             .into_iter()
             .zip(batch)
-            .map(|(id, &(slot, position, _))| {
-                u32::try_from(id).map_err(|_| {
-                    GpuError::InvalidArgument(format!(
-                        "slot {slot} at position {position}: every logit is -inf"
-                    ))
-                })
+            .map(|(id, &(slot, position, _))| match id {
+                sampling::SAMPLE_ALL_NEG_INF => Err(GpuError::InvalidArgument(format!(
+                    "slot {slot} at position {position}: every logit is -inf"
+                ))),
+                id if id < 0 => Err(GpuError::InvalidArgument(format!(
+                    "slot {slot} at position {position}: the logits hold NaN or +inf"
+                ))),
+                id => Ok(id as u32),
             })
             .collect())
     }
@@ -1717,6 +1714,14 @@ impl GpuModel {
             graph.launch()?;
         }
         Ok(())
+    }
+
+    /// Allocates now the scratch that batched prefill and many-sequence steps would allocate
+    /// at their first use (the serving engine calls it at start-up, so that a pool that leaves
+    /// too little memory fails there, not in a request).
+    pub fn reserve_scratch(&mut self) -> Result<()> {
+        self.prefill_scratch()?;
+        self.ensure_seq_bufs()
     }
 
     /// Allocates the many-sequence scratch at its first use.

@@ -1537,14 +1537,14 @@ fn argmax_rows_match_the_cpu_greedy_rule() {
 
 /// The batched sampler (`sample_rows`: one row per sequence, each with its own settings and
 /// penalty window) draws what `sample_token` draws for each row alone: greedy, temperature,
-/// top-k, top-p, a penalty over a window, different seeds and positions; a row of -inf only
-/// comes back as -1.
+/// top-k, top-p, a penalty over a window (histories longer than it too), different seeds and
+/// positions; a row of -inf only comes back as -1, one with a NaN as -2.
 #[test]
 fn sample_rows_draw_what_sample_token_draws() {
     let Some(gpu) = gpu_or_skip("sample_rows_draw_what_sample_token_draws") else {
         return;
     };
-    use sieve_cuda::sampling::{SampleRowArgs, SAMPLE_ALL_NEG_INF};
+    use sieve_cuda::sampling::{SampleRowArgs, SAMPLE_ALL_NEG_INF, SAMPLE_NOT_FINITE};
     let mut rng = Rng(5);
     let v = 3001;
     let window = 64;
@@ -1584,13 +1584,14 @@ fn sample_rows_draw_what_sample_token_draws() {
         },
     ];
     for round in 0..4 {
-        let n = settings.len() + 1;
+        let n = settings.len() + 2;
         let mut rows: Vec<Vec<f32>> = (0..n).map(|_| rng.vec(v, 6.0)).collect();
-        rows[n - 1] = vec![f32::NEG_INFINITY; v];
+        rows[n - 2] = vec![f32::NEG_INFINITY; v];
+        rows[n - 1][v / 2] = f32::NAN;
         // Each row's history: a few tokens, some repeated, the last at its position.
         let histories: Vec<Vec<i32>> = (0..n)
             .map(|r| {
-                (0..10 + 7 * r + round)
+                (0..10 + 29 * r + round)
                     .map(|i| ((i * 37 + r * 11) % 50) as i32)
                     .collect()
             })
@@ -1624,7 +1625,8 @@ fn sample_rows_draw_what_sample_token_draws() {
         )
         .unwrap();
         let got = gpu.download(&out).unwrap();
-        assert_eq!(&got[..n - 1], &want[..], "round {round}");
-        assert_eq!(got[n - 1], SAMPLE_ALL_NEG_INF, "a row of -inf only");
+        assert_eq!(&got[..n - 2], &want[..], "round {round}");
+        assert_eq!(got[n - 2], SAMPLE_ALL_NEG_INF, "a row of -inf only");
+        assert_eq!(got[n - 1], SAMPLE_NOT_FINITE, "a row with a NaN");
     }
 }

@@ -5,8 +5,10 @@
 //! ([`GpuModel::step_slots`]): the products read their weights once for the whole batch
 //! (cuBLAS GEMMs for f16 weights, the low-bit and IE-BME kernels' token batches), each row's
 //! RoPE, cache write and attention go to its own slot and position. Models whose formats have
-//! no token-batch path (RLC-CSC, Balanced-CBC), and steps of one sequence, replay each slot's
-//! captured single-sequence step instead. The scheduler samples on the host from the logits.
+//! no token-batch path (RLC-CSC, Balanced-CBC), steps of one sequence, and Tiled-CBC steps of
+//! fewer than `DECODED_MIN_BATCH` sequences replay each slot's captured single-sequence step
+//! instead. Either way each sequence's next token is chosen on the device (argmax, or its own
+//! sampling settings) and the host reads one id per sequence.
 
 use crate::engine::{DecodeEngine, RowSampling};
 use sieve_gpu::{GpuError, GpuModel};
@@ -53,8 +55,10 @@ impl GpuEngine {
         let mut model = GpuModel::from_model(gpu, model, context)
             .and_then(|m| m.with_slots(slots))
             .map_err(model_error)?;
-        // Every slot's graph now (about a tenth of a second each), not in a request's TTFT.
+        // Every slot's graph now (about a tenth of a second each), not in a request's TTFT,
+        // and the batch scratch, so that what does not fit fails here.
         model.capture_slots().map_err(model_error)?;
+        model.reserve_scratch().map_err(model_error)?;
         Ok(Self {
             lens: vec![0; slots],
             model,
@@ -72,6 +76,7 @@ impl GpuEngine {
         }
         model.set_slots(slots).map_err(model_error)?;
         model.capture_slots().map_err(model_error)?;
+        model.reserve_scratch().map_err(model_error)?;
         Ok(Self {
             lens: vec![0; slots],
             model,
