@@ -6,8 +6,9 @@
 #   PHASE=tests  the GPU tests first (runner: batched steps against single steps and the CPU,
 #                argmax_rows; sieve-cuda kernels, low-bit, IE-BME; the server tests against
 #                the GPU engine, default model at $SIEVE_HOME/models)            ~3 min
-#   PHASE=bench  `sieve bench decode --batch` on the 7B shape: dense f16, W4A16, Tiled-CBC
-#                0.5 / 0.5, each at 1, 2, 8, 32, 64 sequences                       ~5 min
+#   PHASE=bench  Tiled-CBC's two ways for N tokens (`bench gemm`: the batched crossover),
+#                `sieve bench decode --batch` on the 7B shape: dense f16, W4A16, Tiled-CBC
+#                0.5 / 0.5, each at 1, 2, 8, 32, 64 sequences                       ~7 min
 #   PHASE=serve  llama.cpp builds in the background while a random-weight 7B f16 GGUF is
 #                written and `sieve serve --model` on it takes `sieve bench serve` at 1, 8,
 #                32 clients; then llama-server on the same file under the same load  ~9 min
@@ -50,6 +51,8 @@ tests)
   done < .gpu/tests.tsv
   ;;
 bench)
+  $sieve bench gemm --shapes llama2-7b --precision f16,tcbc-per-token,tcbc-decode-gemm --n 1,2,4,8,16,32 \
+    --sp 0.5,0.7 --graph --json "$OUT/gemm-tcbc.json" 2>&1 | tail -60 | tee "$OUT/gemm-tcbc.log"
   $sieve bench decode --synthetic llama2-7b --sp 0,0.5 --dp 0,0.5 --values f16 \
     --batch 1,2,8,32,64 --prompt 128 --tokens 128 --json "$OUT/batch-f16.json" 2>&1 | tee "$OUT/batch-f16.log"
   $sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --values int4 \

@@ -1,5 +1,6 @@
 //! `sieve bench gemm`: the low-bit products (dense W4A16 / W8A16, GGUF Q4_0 / Q8_0 blocks,
-//! Balanced-CBC with int8 / int4 values) against cuBLAS f16 at N = 1..32 tokens, with the
+//! Balanced-CBC with int8 / int4 values, IE-BME) and Tiled-CBC's two ways with N tokens
+//! against cuBLAS f16 at N = 1..32 tokens, with the
 //! rules of `sieve bench kernels` ([`super`]): weights rotate over device copies that together
 //! exceed 4x the L2, event-timed medians after warm-up (and with `graph` CUDA-graph replays),
 //! cuBLAS f16 on the same shape and N in the same run, and every kernel's output checked
@@ -65,10 +66,17 @@ pub enum Precision {
     IeBmeInt4,
     /// IE-BME 2 x 2 areas, int8 values, scales per row and 128 columns.
     IeBmeInt8,
+    /// Tiled-CBC (f16 values, unstructured sparsity sp) for N tokens as N products of one
+    /// token each (the lane8 kernel): what N sequences cost stepped one by one.
+    TcbcPerToken,
+    /// Tiled-CBC for N tokens as the batched decode pass runs it: the matrix decoded to f16
+    /// (`tcbc_decode_t`), then one cuBLAS GEMM. With `tcbc-per-token`, the crossover that
+    /// `sieve_gpu::runner::DECODED_MIN_BATCH` estimates.
+    TcbcDecodeGemm,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 14] = [
+    pub const ALL: [Precision; 16] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -83,6 +91,8 @@ impl Precision {
         Precision::BcbcF16,
         Precision::IeBmeInt4,
         Precision::IeBmeInt8,
+        Precision::TcbcPerToken,
+        Precision::TcbcDecodeGemm,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -100,6 +110,8 @@ impl Precision {
             Precision::BcbcF16 => "bcbc-f16",
             Precision::IeBmeInt4 => "ie-bme-int4",
             Precision::IeBmeInt8 => "ie-bme-int8",
+            Precision::TcbcPerToken => "tcbc-per-token",
+            Precision::TcbcDecodeGemm => "tcbc-decode-gemm",
         }
     }
     fn is_balanced(self) -> bool {
@@ -526,6 +538,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
     }
 
     bench_ie_bme(ctx, shape, seed, &x16, &bases)?;
+    bench_tiled_cbc(ctx, shape, seed, &x16, &bases)?;
 
     // Balanced-CBC rows: matrix-vector products with TEAL thresholds.
     let balanced: Vec<Precision> = opts
@@ -657,6 +670,115 @@ fn bench_ie_bme(
                     })?;
                     ctx.record(p, shape, 1, sp, dp, &t, &bases[ni], bytes, err);
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Tiled-CBC rows at every sp and N (dp 0): N single-token products, or decode to f16 and one
+/// cuBLAS GEMM (see [`Precision::TcbcDecodeGemm`]).
+fn bench_tiled_cbc(
+    ctx: &mut Ctx,
+    shape: &Shape,
+    seed: u64,
+    x16: &[f16],
+    bases: &[Timed],
+) -> Result<()> {
+    use crate::product::{dev_ptr, GpuAccumulate};
+    use crate::tiled_cbc::GpuTiledCbc;
+    use cudarc::cublas::sys;
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let wanted: Vec<Precision> = opts
+        .precisions
+        .iter()
+        .copied()
+        .filter(|p| matches!(p, Precision::TcbcPerToken | Precision::TcbcDecodeGemm))
+        .collect();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let (m, k) = (shape.m, shape.k);
+    let nmax = *opts.n.iter().max().unwrap_or(&1);
+    let xf32: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+    let xf: Vec<f64> = x16.iter().map(|v| v.to_f64()).collect();
+    for (pi, &sp) in opts.sp.iter().enumerate() {
+        let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x60 + pi as u64))?;
+        let enc = sieve_formats::tiled_cbc::TiledCbc::encode(&w)?;
+        let wq: Vec<f64> = enc.decode().data().iter().map(|v| v.to_f64()).collect();
+        let want_all = reference_product(&wq, m, k, &xf, nmax);
+        let first = GpuTiledCbc::upload(gpu, &enc)?;
+        let bytes_w = first.bytes_for(&vec![true; k]);
+        let mut copies = vec![first];
+        for _ in 1..ctx.copies(bytes_w) {
+            copies.push(GpuTiledCbc::upload(gpu, &enc)?);
+        }
+        let nc = copies.len();
+        // The decoded K x M f16 operand, rewritten by every product (one buffer: its write is
+        // part of the cost, as in the batched pass).
+        let decoded = crate::dense::zeroed_f16(gpu, m * k)?;
+        let blas = gpu.cublas()?;
+        for (ni, &n) in opts.n.iter().enumerate() {
+            let want = first_tokens(&want_all, m, n);
+            let xd = gpu.upload(&xf32[..n * k])?;
+            let x16d = gpu.upload(&x16[..n * k])?;
+            let mut y = gpu.poisoned_f32(n * m)?;
+            for &p in &wanted {
+                let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                    let w = &copies[i % nc];
+                    let yp = dev_ptr(gpu, y);
+                    match p {
+                        Precision::TcbcPerToken => {
+                            // SAFETY: y holds n rows of m floats.
+                            unsafe { gpu.zero_bytes(yp, n * m * 4) }?;
+                            for t in 0..n {
+                                let xt = dev_ptr(gpu, &xd) + (t * k * 4) as u64;
+                                w.launch_add(gpu, xt, None, yp + (t * m * 4) as u64)?;
+                            }
+                            Ok(())
+                        }
+                        _ => {
+                            let dp = dev_ptr(gpu, &decoded);
+                            w.decode_transposed(gpu, dp)?;
+                            let (alpha, beta) = (1.0f32, 0.0f32);
+                            // Column-major: Yᵀ (M x n) = D (M x K, ld M) · Xᵀ (K x n).
+                            unsafe {
+                                cudarc::cublas::result::gemm_ex(
+                                    *blas.handle(),
+                                    sys::cublasOperation_t::CUBLAS_OP_N,
+                                    sys::cublasOperation_t::CUBLAS_OP_N,
+                                    m as i32,
+                                    n as i32,
+                                    k as i32,
+                                    (&alpha as *const f32).cast(),
+                                    dp as *const _,
+                                    sys::cudaDataType::CUDA_R_16F,
+                                    m as i32,
+                                    dev_ptr(gpu, &x16d) as *const _,
+                                    sys::cudaDataType::CUDA_R_16F,
+                                    k as i32,
+                                    (&beta as *const f32).cast(),
+                                    yp as *mut _,
+                                    sys::cudaDataType::CUDA_R_32F,
+                                    m as i32,
+                                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                                )
+                            }?;
+                            Ok(())
+                        }
+                    }
+                };
+                launch(0, &mut y)?;
+                let err = max_rel_error(&gpu.download(&y)?, want);
+                let t = ctx.time(nc, &mut y, want, launch)?;
+                let bytes = match p {
+                    Precision::TcbcPerToken => n * bytes_w + n * k * 4 + n * m * 4,
+                    // Read the encoding, write and read back the f16 matrix, the GEMM's x / y.
+                    _ => bytes_w + 2 * m * k * 2 + n * k * 2 + n * m * 4,
+                };
+                ctx.record(p, shape, n, sp, 0.0, &t, &bases[ni], bytes, err);
             }
         }
     }

@@ -30,7 +30,7 @@ pub struct GemmArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     n: Vec<usize>,
     /// Weight sparsities of the Balanced-CBC rows (N = round(16 (1 - sp)) of every 16 rows) and
-    /// of the IE-BME rows (unstructured).
+    /// of the IE-BME and Tiled-CBC rows (unstructured).
     #[arg(long, value_delimiter = ',', default_value = "0.5")]
     sp: Vec<f64>,
     /// Activation sparsities (TEAL) of the Balanced-CBC rows and of the IE-BME rows at N = 1.
@@ -40,7 +40,9 @@ pub struct GemmArgs {
     /// gguf-q4_0, gguf-q8_0, the kernels of the other GGUF types on sieve's quantization
     /// (q4_k-kernel, q5_k-kernel, q6_k-kernel, q4_1-kernel), bcbc-int8, bcbc-int4 (group 128),
     /// bcbc-f16 (N = 1 only), ie-bme-int4, ie-bme-int8 (UnionSparse's union bitmaps, 2 x 2
-    /// areas, group 128, every N).
+    /// areas, group 128, every N), tcbc-per-token and tcbc-decode-gemm (Tiled-CBC f16 at sp:
+    /// N one-token products, or decoded to f16 then one cuBLAS GEMM, the batched serving
+    /// step's way).
     #[arg(
         long,
         value_delimiter = ',',
