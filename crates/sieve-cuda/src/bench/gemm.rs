@@ -723,8 +723,9 @@ fn bench_tiled_cbc(
             let want = first_tokens(&want_all, m, n);
             let xd = gpu.upload(&xf32[..n * k])?;
             let x16d = gpu.upload(&x16[..n * k])?;
-            let mut y = gpu.poisoned_f32(n * m)?;
             for &p in &wanted {
+                // Poisoned per precision, so that each one's check sees only its own output.
+                let mut y = gpu.poisoned_f32(n * m)?;
                 let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
                     let w = &copies[i % nc];
                     let yp = dev_ptr(gpu, y);
@@ -773,10 +774,12 @@ fn bench_tiled_cbc(
                 launch(0, &mut y)?;
                 let err = max_rel_error(&gpu.download(&y)?, want);
                 let t = ctx.time(nc, &mut y, want, launch)?;
+                // `bytes_w` already holds one product's f32 x and y.
                 let bytes = match p {
-                    Precision::TcbcPerToken => n * bytes_w + n * k * 4 + n * m * 4,
-                    // Read the encoding, write and read back the f16 matrix, the GEMM's x / y.
-                    _ => bytes_w + 2 * m * k * 2 + n * k * 2 + n * m * 4,
+                    Precision::TcbcPerToken => n * bytes_w,
+                    // Read the encoding (not x or y), write and read back the f16 matrix, the
+                    // GEMM's f16 x and f32 y.
+                    _ => bytes_w - k * 4 - m * 4 + 2 * m * k * 2 + n * k * 2 + n * m * 4,
                 };
                 ctx.record(p, shape, n, sp, 0.0, &t, &bases[ni], bytes, err);
             }
