@@ -384,6 +384,61 @@ impl Cublas {
     }
 }
 
+/// `Y = beta Y + X · Wᵀ` for `n` rows of f16 activations `X` (`ldx` = K per row) against an
+/// M x K f16 weight matrix, f32 output `Y` (`ldy` per row), one cuBLAS GemmEx in the
+/// column-major view `Yᵀ = op(W) · Xᵀ`: `w_transposed` false when `w` is M x K row-major
+/// (`op = T`, `ldw` per row), true when it is K x M row-major (`op = N`, `ldw` per row).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f16_rows(
+    gpu: &Gpu,
+    w: DevPtr,
+    ldw: usize,
+    w_transposed: bool,
+    m: usize,
+    k: usize,
+    x: DevPtr,
+    n: usize,
+    y: DevPtr,
+    ldy: usize,
+    beta: f32,
+) -> Result<()> {
+    use cudarc::cublas::sys;
+    let blas = gpu.cublas()?;
+    let alpha = 1.0f32;
+    let op = if w_transposed {
+        sys::cublasOperation_t::CUBLAS_OP_N
+    } else {
+        sys::cublasOperation_t::CUBLAS_OP_T
+    };
+    let dim = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Unsupported(format!("a GEMM {what} of {v}")))
+    };
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            op,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            dim("M", m)?,
+            dim("N", n)?,
+            dim("K", k)?,
+            (&alpha as *const f32).cast(),
+            w as *const _,
+            sys::cudaDataType::CUDA_R_16F,
+            dim("weight stride", ldw)?,
+            x as *const _,
+            sys::cudaDataType::CUDA_R_16F,
+            dim("K", k)?,
+            (&beta as *const f32).cast(),
+            y as *mut _,
+            sys::cudaDataType::CUDA_R_32F,
+            dim("output stride", ldy)?,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )?;
+    }
+    Ok(())
+}
+
 /// A zeroed device buffer of `len` f16 (activations for [`Cublas::gemm`]).
 pub fn zeroed_f16(gpu: &Gpu, len: usize) -> Result<CudaSlice<f16>> {
     gpu.upload(&vec![f16::ZERO; len.max(1)])

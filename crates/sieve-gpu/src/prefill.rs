@@ -122,8 +122,6 @@ pub fn linear_rows(
     beta: f32,
     w16: DevPtr,
 ) -> Result<()> {
-    use cudarc::cublas::sys;
-    let blas = gpu.cublas()?;
     let k = lin.cols;
     let mut masked: Option<Threshold> = None;
     // The IE-BME kernel's own zeroing (split-K blocks wait for an epoch flag) is not safe to
@@ -184,20 +182,12 @@ pub fn linear_rows(
             masked = Some(p.threshold);
         }
         let m = p.rows;
-        let (w, op, lda) = match &p.matrix {
-            DeviceMatrix::DenseRows(d) => (
-                dev_ptr(gpu, d.weights()),
-                sys::cublasOperation_t::CUBLAS_OP_T,
-                k,
-            ),
-            DeviceMatrix::DenseCols(d) => (
-                dev_ptr(gpu, d.weights()),
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                d.ldm(),
-            ),
+        let (w, transposed, lda) = match &p.matrix {
+            DeviceMatrix::DenseRows(d) => (dev_ptr(gpu, d.weights()), false, k),
+            DeviceMatrix::DenseCols(d) => (dev_ptr(gpu, d.weights()), true, d.ldm()),
             DeviceMatrix::TiledCbc(t) => {
                 t.decode_transposed(gpu, w16)?;
-                (w16, sys::cublasOperation_t::CUBLAS_OP_N, m)
+                (w16, true, m)
             }
             DeviceMatrix::RlcCsc(_) => {
                 return Err(GpuError::Unsupported(
@@ -220,33 +210,8 @@ pub fn linear_rows(
                 ))
             }
         };
-        let alpha = 1.0f32;
         let yp = y + (p.row_offset * 4) as u64;
-        // Column-major view: Yᵀ (M x n, ld = ldy) = op(W) (M x K) · Aᵀ (K x n, ld = K).
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *blas.handle(),
-                op,
-                sys::cublasOperation_t::CUBLAS_OP_N,
-                m as i32,
-                n as i32,
-                k as i32,
-                (&alpha as *const f32).cast(),
-                w as *const _,
-                sys::cudaDataType::CUDA_R_16F,
-                lda as i32,
-                a16 as *const _,
-                sys::cudaDataType::CUDA_R_16F,
-                k as i32,
-                (&beta as *const f32).cast(),
-                yp as *mut _,
-                sys::cudaDataType::CUDA_R_32F,
-                ldy as i32,
-                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-            .map_err(sieve_cuda::CudaError::from)?;
-        }
+        sieve_cuda::dense::gemm_f16_rows(gpu, w, lda, transposed, m, k, a16, n, yp, ldy, beta)?;
     }
     Ok(())
 }

@@ -1458,70 +1458,18 @@ impl GpuModel {
     /// id). A sequence whose logits hold NaN or +inf, or are all -inf, gets an error naming its
     /// slot in its own row; the others' tokens stand.
     pub fn step_slots_argmax(&mut self, batch: &[(usize, usize, u32)]) -> Result<Vec<Result<u32>>> {
-        self.check_batch(batch)?;
         let v = self.config.vocab_size;
-        self.ensure_seq_bufs()?;
-        let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
-        if !self.batch_pays(batch.len()) {
-            // Each sequence's own captured step, its token chosen where its logits are.
-            for &(slot, position, token) in batch {
-                self.slot = slot;
-                let ran = self.run_logits_step(position, token);
-                self.slot = 0;
-                ran?;
-                let bufs = self
-                    .seq_bufs
-                    .as_ref()
-                    .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
-                let g = &self.gpu;
-                sampling::argmax_rows(
-                    g,
-                    dev_ptr(g, &self.bufs.logits),
-                    v,
-                    1,
-                    dev_ptr(g, &bufs.chosen),
-                )?;
-                let id = g
-                    .stream()
-                    .clone_dtoh(&bufs.chosen.slice(0..1))
-                    .during("copying the token to the host")?;
-                chosen.extend_from_slice(&id);
-            }
-        } else {
-            for part in batch.chunks(MAX_SEQUENCES) {
-                self.run_sequences_step(part)?;
-                let bufs = self
-                    .seq_bufs
-                    .as_ref()
-                    .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
-                let g = &self.gpu;
-                sampling::argmax_rows(
-                    g,
-                    dev_ptr(g, &bufs.logits),
-                    v,
-                    part.len(),
-                    dev_ptr(g, &bufs.chosen),
-                )?;
-                let ids = g
-                    .stream()
-                    .clone_dtoh(&bufs.chosen.slice(0..part.len()))
-                    .during("copying the batch's tokens to the host")?;
-                chosen.extend_from_slice(&ids);
-            }
-        }
-        Ok(chosen
-            .into_iter()
-            .zip(batch)
-            .map(|(id, &(slot, position, _))| match id {
-                sampling::ARGMAX_ALL_NEG_INF => Err(GpuError::InvalidArgument(format!(
-                    "slot {slot} at position {position}: every logit is -inf"
-                ))),
-                id if id < 0 => Err(GpuError::InvalidArgument(format!(
-                    "slot {slot} at position {position}: the logits hold NaN or +inf"
-                ))),
-                id => Ok(id as u32),
-            })
-            .collect())
+        self.step_and_choose(batch, |m, logits, rows| {
+            let bufs = m
+                .seq_bufs
+                .as_ref()
+                .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
+            let g = &m.gpu;
+            sampling::argmax_rows(g, logits, v, rows.len(), dev_ptr(g, &bufs.chosen))?;
+            Ok(g.stream()
+                .clone_dtoh(&bufs.chosen.slice(0..rows.len()))
+                .during("copying the batch's tokens to the host")?)
+        })
     }
 
     /// One decode step of several sequences, each sampled on the device with its own
@@ -1529,13 +1477,13 @@ impl GpuModel {
     /// repetition penalty, the last [`sieve_model::generate::REPETITION_WINDOW`] used), so the
     /// host reads one id per sequence. The draw is the GPU sampler's (`sampling.cu`: the same
     /// rules as the CPU's, top-k / top-p found by bisection, a hash of seed and position), not
-    /// the CPU sampler's generator. A sequence whose logits are all -inf gets its own error.
+    /// the CPU sampler's generator. A sequence whose logits hold NaN or +inf, or are all -inf,
+    /// gets its own error.
     pub fn step_slots_sampled(
         &mut self,
         batch: &[(usize, usize, u32)],
         sampling: &[(SampleArgs, &[u32])],
     ) -> Result<Vec<Result<u32>>> {
-        self.check_batch(batch)?;
         if sampling.len() != batch.len() {
             return Err(GpuError::InvalidArgument(format!(
                 "{} sampling settings for {} sequences",
@@ -1543,37 +1491,60 @@ impl GpuModel {
                 batch.len()
             )));
         }
+        self.step_and_choose(batch, |m, logits, rows| {
+            m.sample_on_device(logits, &batch[rows.clone()], &sampling[rows])
+        })
+    }
+
+    /// A decode step of `batch` (checked first) with each sequence's token chosen on the
+    /// device: one batched pass per [`MAX_SEQUENCES`] where it pays, else each slot's own
+    /// captured step; `choose(model, logits, rows)` turns the logits of `batch[rows]` (one row
+    /// per sequence at `logits`) into the kernels' ids, whose codes -1 (every logit -inf) and
+    /// other negatives (NaN or +inf) become that sequence's error.
+    fn step_and_choose(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+        mut choose: impl FnMut(
+            &mut Self,
+            sieve_cuda::DevPtr,
+            std::ops::Range<usize>,
+        ) -> Result<Vec<i32>>,
+    ) -> Result<Vec<Result<u32>>> {
+        self.check_batch(batch)?;
         self.ensure_seq_bufs()?;
         let mut chosen: Vec<i32> = Vec::with_capacity(batch.len());
         if !self.batch_pays(batch.len()) {
-            for (row, samp) in batch.chunks(1).zip(sampling.chunks(1)) {
-                let (slot, position, token) = row[0];
+            // Each sequence's own captured step, its token chosen where its logits are.
+            for (i, &(slot, position, token)) in batch.iter().enumerate() {
                 self.slot = slot;
                 let ran = self.run_logits_step(position, token);
                 self.slot = 0;
                 ran?;
                 let logits = dev_ptr(&self.gpu, &self.bufs.logits);
-                chosen.extend(self.sample_on_device(logits, row, samp)?);
+                chosen.extend(choose(self, logits, i..i + 1)?);
             }
         } else {
-            for (part, samp) in batch
-                .chunks(MAX_SEQUENCES)
-                .zip(sampling.chunks(MAX_SEQUENCES))
-            {
+            for (c, part) in batch.chunks(MAX_SEQUENCES).enumerate() {
                 self.run_sequences_step(part)?;
                 let bufs = self
                     .seq_bufs
                     .as_ref()
                     .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
                 let logits = dev_ptr(&self.gpu, &bufs.logits);
-                chosen.extend(self.sample_on_device(logits, part, samp)?);
+                let first = c * MAX_SEQUENCES;
+                chosen.extend(choose(self, logits, first..first + part.len())?);
             }
         }
+        // The two kernels share their codes.
+        const _: () = assert!(
+            sampling::ARGMAX_ALL_NEG_INF == sampling::SAMPLE_ALL_NEG_INF
+                && sampling::ARGMAX_NOT_FINITE == sampling::SAMPLE_NOT_FINITE
+        );
         Ok(chosen
             .into_iter()
             .zip(batch)
             .map(|(id, &(slot, position, _))| match id {
-                sampling::SAMPLE_ALL_NEG_INF => Err(GpuError::InvalidArgument(format!(
+                sampling::ARGMAX_ALL_NEG_INF => Err(GpuError::InvalidArgument(format!(
                     "slot {slot} at position {position}: every logit is -inf"
                 ))),
                 id if id < 0 => Err(GpuError::InvalidArgument(format!(

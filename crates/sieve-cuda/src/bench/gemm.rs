@@ -687,7 +687,6 @@ fn bench_tiled_cbc(
 ) -> Result<()> {
     use crate::product::{dev_ptr, GpuAccumulate};
     use crate::tiled_cbc::GpuTiledCbc;
-    use cudarc::cublas::sys;
     let gpu = ctx.gpu;
     let opts = ctx.opts;
     let wanted: Vec<Precision> = opts
@@ -718,7 +717,6 @@ fn bench_tiled_cbc(
         // The decoded K x M f16 operand, rewritten by every product (one buffer: its write is
         // part of the cost, as in the batched pass).
         let decoded = crate::dense::zeroed_f16(gpu, m * k)?;
-        let blas = gpu.cublas()?;
         for (ni, &n) in opts.n.iter().enumerate() {
             let want = first_tokens(&want_all, m, n);
             let xd = gpu.upload(&xf32[..n * k])?;
@@ -742,31 +740,20 @@ fn bench_tiled_cbc(
                         _ => {
                             let dp = dev_ptr(gpu, &decoded);
                             w.decode_transposed(gpu, dp)?;
-                            let (alpha, beta) = (1.0f32, 0.0f32);
-                            // Column-major: Yᵀ (M x n) = D (M x K, ld M) · Xᵀ (K x n).
-                            unsafe {
-                                cudarc::cublas::result::gemm_ex(
-                                    *blas.handle(),
-                                    sys::cublasOperation_t::CUBLAS_OP_N,
-                                    sys::cublasOperation_t::CUBLAS_OP_N,
-                                    m as i32,
-                                    n as i32,
-                                    k as i32,
-                                    (&alpha as *const f32).cast(),
-                                    dp as *const _,
-                                    sys::cudaDataType::CUDA_R_16F,
-                                    m as i32,
-                                    dev_ptr(gpu, &x16d) as *const _,
-                                    sys::cudaDataType::CUDA_R_16F,
-                                    k as i32,
-                                    (&beta as *const f32).cast(),
-                                    yp as *mut _,
-                                    sys::cudaDataType::CUDA_R_32F,
-                                    m as i32,
-                                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                                )
-                            }?;
+                            // D is K x M row-major (the decoded, transposed matrix).
+                            crate::dense::gemm_f16_rows(
+                                gpu,
+                                dp,
+                                m,
+                                true,
+                                m,
+                                k,
+                                dev_ptr(gpu, &x16d),
+                                n,
+                                yp,
+                                m,
+                                0.0,
+                            )?;
                             Ok(())
                         }
                     }
