@@ -553,15 +553,53 @@ async fn admission_counts_free_slots_not_only_the_queue() {
     server.shutdown().unwrap();
 }
 
-/// An engine that chooses greedy tokens itself and whose slot 1 row is bad (as a row of NaN
-/// logits would be): each step sleeps a little so that two requests share steps.
-struct PoisonedRowEngine {
+/// An engine that chooses every token itself, as the GPU engine does on the device (always
+/// `token`): greedy batches through `decode_argmax`, others through `decode_sampled`, where it
+/// checks what the scheduler hands it (each sequence's settings and recent tokens). Slot
+/// `poisoned`'s row is bad, as a row of NaN logits would be; each step sleeps `step` so that
+/// two requests share steps.
+struct ChoosingEngine {
     vocab: usize,
     token: u32,
     lens: [usize; 2],
+    poisoned: Option<usize>,
+    step: Duration,
+    /// The temperature and seed sampled requests must arrive with.
+    sampled: (f32, u64),
 }
 
-impl DecodeEngine for PoisonedRowEngine {
+impl ChoosingEngine {
+    fn new(poisoned: Option<usize>, step: Duration) -> Self {
+        let (_, tokenizer) = reference();
+        Self {
+            vocab: tokenizer.vocab_size(),
+            token: tokenizer.encode(" hello", false).expect("encodes")[0],
+            lens: [0; 2],
+            poisoned,
+            step,
+            sampled: (0.8, 7),
+        }
+    }
+
+    fn choose(&mut self, batch: &[(usize, u32)]) -> Vec<sieve_model::Result<u32>> {
+        std::thread::sleep(self.step);
+        batch
+            .iter()
+            .map(|&(slot, _)| {
+                self.lens[slot] += 1;
+                if Some(slot) == self.poisoned {
+                    Err(sieve_model::ModelError::InvalidArgument(format!(
+                        "slot {slot}: the logits hold NaN"
+                    )))
+                } else {
+                    Ok(self.token)
+                }
+            })
+            .collect()
+    }
+}
+
+impl DecodeEngine for ChoosingEngine {
     fn vocab_size(&self) -> usize {
         self.vocab
     }
@@ -581,26 +619,26 @@ impl DecodeEngine for PoisonedRowEngine {
         Ok(logits)
     }
     fn decode(&mut self, _batch: &[(usize, u32)]) -> sieve_model::Result<Vec<f32>> {
-        panic!("greedy requests take decode_argmax");
+        panic!("this engine chooses its tokens: decode_argmax or decode_sampled");
     }
     fn decode_argmax(
         &mut self,
         batch: &[(usize, u32)],
     ) -> Option<sieve_model::Result<Vec<sieve_model::Result<u32>>>> {
-        std::thread::sleep(Duration::from_millis(5));
-        Some(Ok(batch
-            .iter()
-            .map(|&(slot, _)| {
-                self.lens[slot] += 1;
-                if slot == 1 {
-                    Err(sieve_model::ModelError::InvalidArgument(
-                        "slot 1: the logits hold NaN".into(),
-                    ))
-                } else {
-                    Ok(self.token)
-                }
-            })
-            .collect()))
+        Some(Ok(self.choose(batch)))
+    }
+    fn decode_sampled(
+        &mut self,
+        batch: &[(usize, u32)],
+        sampling: &[sieve_serve::engine::RowSampling<'_>],
+    ) -> Option<sieve_model::Result<Vec<sieve_model::Result<u32>>>> {
+        assert_eq!(batch.len(), sampling.len());
+        for (&(_, token), s) in batch.iter().zip(sampling) {
+            assert_eq!((s.params.temperature, s.params.seed), self.sampled);
+            // The window ends with the token this step runs.
+            assert_eq!(s.recent.last(), Some(&token));
+        }
+        Some(Ok(self.choose(batch)))
     }
 }
 
@@ -612,12 +650,7 @@ async fn a_bad_row_fails_only_its_own_request() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let (_, tokenizer) = reference();
-    let engine = PoisonedRowEngine {
-        vocab: tokenizer.vocab_size(),
-        token: tokenizer.encode(" hello", false).expect("encodes")[0],
-        lens: [0; 2],
-    };
+    let engine = ChoosingEngine::new(Some(1), Duration::from_millis(5));
     let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
     let base = format!("http://{}", server.addr());
     let client = client();
@@ -654,57 +687,6 @@ async fn a_bad_row_fails_only_its_own_request() {
     server.shutdown().unwrap();
 }
 
-/// An engine that draws every token itself (as the GPU engine does on the device) and checks
-/// what the scheduler hands it: each sequence's own settings and recent tokens.
-struct DrawingEngine {
-    vocab: usize,
-    token: u32,
-    lens: [usize; 2],
-}
-
-impl DecodeEngine for DrawingEngine {
-    fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-    fn slots(&self) -> usize {
-        2
-    }
-    fn slot_capacity(&self) -> usize {
-        64
-    }
-    fn slot_len(&self, slot: usize) -> usize {
-        self.lens[slot]
-    }
-    fn prefill(&mut self, slot: usize, prompt: &[u32]) -> sieve_model::Result<Vec<f32>> {
-        self.lens[slot] = prompt.len();
-        let mut logits = vec![0.0; self.vocab];
-        logits[self.token as usize] = 10.0;
-        Ok(logits)
-    }
-    fn decode(&mut self, _batch: &[(usize, u32)]) -> sieve_model::Result<Vec<f32>> {
-        panic!("sampled requests take decode_sampled");
-    }
-    fn decode_sampled(
-        &mut self,
-        batch: &[(usize, u32)],
-        sampling: &[sieve_serve::engine::RowSampling<'_>],
-    ) -> Option<sieve_model::Result<Vec<sieve_model::Result<u32>>>> {
-        assert_eq!(batch.len(), sampling.len());
-        Some(Ok(batch
-            .iter()
-            .zip(sampling)
-            .map(|(&(slot, token), s)| {
-                assert_eq!(s.params.temperature, 0.8);
-                assert_eq!(s.params.seed, 7);
-                // The window ends with the token this step runs.
-                assert_eq!(s.recent.last(), Some(&token));
-                self.lens[slot] += 1;
-                Ok(self.token)
-            })
-            .collect()))
-    }
-}
-
 /// Sampled requests on an engine that draws tokens itself: the scheduler passes each
 /// sequence's settings and window and takes the engine's tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -713,13 +695,7 @@ async fn sampled_requests_take_the_engines_draws() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let (_, tokenizer) = reference();
-    let token = tokenizer.encode(" hello", false).expect("encodes")[0];
-    let engine = DrawingEngine {
-        vocab: tokenizer.vocab_size(),
-        token,
-        lens: [0; 2],
-    };
+    let engine = ChoosingEngine::new(None, Duration::ZERO);
     let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
     let base = format!("http://{}", server.addr());
     let client = client();
