@@ -17,6 +17,11 @@
 //! AVX-512, AVX2 + F16C and portable, picked once per call from the process's SIMD level
 //! ([`crate::simd`]) and the head dimension; the portable loops are the reference the others
 //! are tested against.
+//!
+//! The cache may also hold 8-bit rows ([`CachedLayer::Int8`], the rule in
+//! [`sieve_formats::kv_cache`]): each row is widened from i8 without its scale, and the scale is
+//! folded into the scalar each row meets anyway: `score = (scale · s_k) · q · k_int` and
+//! `out += (p · s_v) · v_int`. Half the bytes per cached row; the same task split and merge.
 
 use crate::kernels;
 use crate::simd::SimdLevel;
@@ -35,6 +40,22 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+/// One layer's cached keys and values, positions `[pos][Hkv][hd]`, as the cache stores them.
+#[derive(Clone, Copy, Debug)]
+pub enum CachedLayer<'a> {
+    F16 {
+        keys: &'a [f16],
+        values: &'a [f16],
+    },
+    /// i8 rows with one f32 scale per (position, KV head): `key_scales[pos · Hkv + kv head]`.
+    Int8 {
+        keys: &'a [i8],
+        values: &'a [i8],
+        key_scales: &'a [f32],
+        value_scales: &'a [f32],
+    },
+}
+
 /// One span's share of the attention of the query heads of one KV head.
 struct Partial {
     /// Per head of the group: the largest scaled score of the span.
@@ -46,16 +67,9 @@ struct Partial {
 }
 
 /// Attention of one query token (`q`: `[H][hd]`) over the first `visible` positions of one
-/// layer's cache (`keys`, `values`: `[pos][Hkv][hd]` f16), into `att` (`[H][hd]`). Query head
-/// `h` reads KV head `h / (H / Hkv)`.
-pub fn attend_one(
-    heads: Heads,
-    q: &[f32],
-    keys: &[f16],
-    values: &[f16],
-    visible: usize,
-    att: &mut [f32],
-) {
+/// layer's cache (`cache`: `[pos][Hkv][hd]`), into `att` (`[H][hd]`). Query head `h` reads KV
+/// head `h / (H / Hkv)`.
+pub fn attend_one(heads: Heads, q: &[f32], cache: CachedLayer, visible: usize, att: &mut [f32]) {
     let Heads {
         q_heads: nh,
         kv_heads: nkv,
@@ -79,23 +93,60 @@ pub fn attend_one(
             let qs = &q[kvh * group * hd..(kvh + 1) * group * hd];
             let mut scores = vec![0f32; group * len];
             let mut out = vec![0f32; group * hd];
-            let rows = Rows {
-                keys,
-                values,
-                row,
-                offset: kvh * hd,
-                start,
-                end,
+            // Per head of the group: the span's largest score and `Σ e^(s - max)`, the
+            // scores turned into those unnormalised probabilities in place.
+            let probabilities = |scores: &mut [f32]| {
+                let mut max = vec![f32::NEG_INFINITY; group];
+                let mut sum = vec![0f32; group];
+                for g in 0..group {
+                    let sc = &mut scores[g * len..(g + 1) * len];
+                    max[g] = sc.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+                    sum[g] = kernels::exp_shifted_sum(sc, max[g]);
+                }
+                (max, sum)
             };
-            loops.scores(qs, &rows, hd, scale, &mut scores);
-            let mut max = vec![f32::NEG_INFINITY; group];
-            let mut sum = vec![0f32; group];
-            for g in 0..group {
-                let sc = &mut scores[g * len..(g + 1) * len];
-                max[g] = sc.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-                sum[g] = kernels::exp_shifted_sum(sc, max[g]);
-            }
-            loops.accumulate(&scores, &rows, hd, &mut out);
+            let offset = kvh * hd;
+            let (max, sum) = match cache {
+                CachedLayer::F16 { keys, values } => {
+                    let rows = Rows {
+                        keys,
+                        values,
+                        row,
+                        offset,
+                        start,
+                        end,
+                    };
+                    loops.scores(qs, &rows, hd, scale, &mut scores);
+                    let parts = probabilities(&mut scores);
+                    loops.accumulate(&scores, &rows, hd, &mut out);
+                    parts
+                }
+                CachedLayer::Int8 {
+                    keys,
+                    values,
+                    key_scales,
+                    value_scales,
+                } => {
+                    let rows = Rows {
+                        keys,
+                        values,
+                        row,
+                        offset,
+                        start,
+                        end,
+                    };
+                    let scales = Scales {
+                        keys: key_scales,
+                        values: value_scales,
+                        kv_heads: nkv,
+                        head: kvh,
+                    };
+                    loops.scores_i8(qs, &rows, &scales, hd, scale, &mut scores);
+                    let parts = probabilities(&mut scores);
+                    loops.accumulate_i8(&scores, &rows, &scales, hd, &mut out);
+                    parts
+                }
+            };
             Partial { max, sum, out }
         })
         .collect();
@@ -120,18 +171,35 @@ pub fn attend_one(
 
 /// The cached rows one task reads: positions `start..end` of one KV head (`offset` into each
 /// `row`-wide position).
-struct Rows<'a> {
-    keys: &'a [f16],
-    values: &'a [f16],
+struct Rows<'a, T> {
+    keys: &'a [T],
+    values: &'a [T],
     row: usize,
     offset: usize,
     start: usize,
     end: usize,
 }
 
+/// The scales of an 8-bit cache's rows of one KV head (`head` of `kv_heads`).
+struct Scales<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    kv_heads: usize,
+    head: usize,
+}
+
+impl Scales<'_> {
+    fn key(&self, position: usize) -> f32 {
+        self.keys[position * self.kv_heads + self.head]
+    }
+    fn value(&self, position: usize) -> f32 {
+        self.values[position * self.kv_heads + self.head]
+    }
+}
+
 /// `scores[g · len + i] = scale · q_g · k_(start + i)` for each query head `g` of the group,
 /// each key row widened once.
-fn scores_portable(qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut [f32]) {
+fn scores_portable(qs: &[f32], rows: &Rows<f16>, hd: usize, scale: f32, scores: &mut [f32]) {
     let len = rows.end - rows.start;
     let mut wide = vec![0f32; hd];
     for (i, p) in (rows.start..rows.end).enumerate() {
@@ -144,7 +212,7 @@ fn scores_portable(qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut 
 }
 
 /// `out_g += Σ_i weights[g · len + i] · v_(start + i)`, each value row widened once.
-fn accumulate_portable(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+fn accumulate_portable(weights: &[f32], rows: &Rows<f16>, hd: usize, out: &mut [f32]) {
     let len = rows.end - rows.start;
     let mut wide = vec![0f32; hd];
     for (i, p) in (rows.start..rows.end).enumerate() {
@@ -152,6 +220,54 @@ fn accumulate_portable(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32])
         kernels::f16_to_f32(&rows.values[at..at + hd], &mut wide);
         for (g, o) in out.chunks_exact_mut(hd).enumerate() {
             kernels::axpy(weights[g * len + i], &wide, o);
+        }
+    }
+}
+
+/// `wide[j] = q[j]` as f32 (the row's scale is applied by the caller).
+fn widen_i8(q: &[i8], wide: &mut [f32]) {
+    for (w, &v) in wide.iter_mut().zip(q) {
+        *w = v as f32;
+    }
+}
+
+/// [`scores_portable`] over 8-bit rows: `scale · s_k(p) · q_g · k_int(p)`.
+fn scores_portable_i8(
+    qs: &[f32],
+    rows: &Rows<i8>,
+    scales: &Scales,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let len = rows.end - rows.start;
+    let mut wide = vec![0f32; hd];
+    for (i, p) in (rows.start..rows.end).enumerate() {
+        let at = p * rows.row + rows.offset;
+        widen_i8(&rows.keys[at..at + hd], &mut wide);
+        let row_scale = scale * scales.key(p);
+        for (g, qv) in qs.chunks_exact(hd).enumerate() {
+            scores[g * len + i] = kernels::dot_f32(qv, &wide) * row_scale;
+        }
+    }
+}
+
+/// [`accumulate_portable`] over 8-bit rows: `out_g += (w · s_v(p)) · v_int(p)`.
+fn accumulate_portable_i8(
+    weights: &[f32],
+    rows: &Rows<i8>,
+    scales: &Scales,
+    hd: usize,
+    out: &mut [f32],
+) {
+    let len = rows.end - rows.start;
+    let mut wide = vec![0f32; hd];
+    for (i, p) in (rows.start..rows.end).enumerate() {
+        let at = p * rows.row + rows.offset;
+        widen_i8(&rows.values[at..at + hd], &mut wide);
+        let row_scale = scales.value(p);
+        for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+            kernels::axpy(weights[g * len + i] * row_scale, &wide, o);
         }
     }
 }
@@ -182,7 +298,7 @@ impl Loops {
     }
 
     /// `scores[g · len + i] = scale · q_g · k_(start + i)` ([`scores_portable`]).
-    fn scores(self, qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut [f32]) {
+    fn scores(self, qs: &[f32], rows: &Rows<f16>, hd: usize, scale: f32, scores: &mut [f32]) {
         match self {
             // SAFETY: `Loops::of` chose this version, so the CPU has AVX-512 F, AVX2, FMA and
             // F16C, and `hd` is a multiple of 16; every row read lies inside `keys` / `values`
@@ -198,7 +314,7 @@ impl Loops {
     }
 
     /// `out_g += Σ_i weights[g · len + i] · v_(start + i)` ([`accumulate_portable`]).
-    fn accumulate(self, weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+    fn accumulate(self, weights: &[f32], rows: &Rows<f16>, hd: usize, out: &mut [f32]) {
         match self {
             // SAFETY: as in `scores` (`group · len` weights, `group · hd` outputs).
             #[cfg(target_arch = "x86_64")]
@@ -209,6 +325,49 @@ impl Loops {
             _ => accumulate_portable(weights, rows, hd, out),
         }
     }
+
+    /// [`Self::scores`] over 8-bit rows ([`scores_portable_i8`]); the AVX-512 level runs the
+    /// AVX2 loops (the widening, not the FMAs, is what an i8 row costs).
+    fn scores_i8(
+        self,
+        qs: &[f32],
+        rows: &Rows<i8>,
+        scales: &Scales,
+        hd: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        match self {
+            // SAFETY: `Loops::of` chose AVX2 or AVX-512 (which implies AVX2, FMA), so the CPU
+            // has AVX2 and FMA, and `hd` is a multiple of 8; the rows read lie inside `keys`
+            // and the scales inside `scales.keys` (positions below what the caller made
+            // visible); `scores` holds `group · len` values.
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx2 | Loops::Avx512 => unsafe {
+                x86::scores_i8(qs, rows, scales, hd, scale, scores)
+            },
+            _ => scores_portable_i8(qs, rows, scales, hd, scale, scores),
+        }
+    }
+
+    /// [`Self::accumulate`] over 8-bit rows ([`accumulate_portable_i8`]).
+    fn accumulate_i8(
+        self,
+        weights: &[f32],
+        rows: &Rows<i8>,
+        scales: &Scales,
+        hd: usize,
+        out: &mut [f32],
+    ) {
+        match self {
+            // SAFETY: as in `scores_i8` (`group · len` weights, `group · hd` outputs).
+            #[cfg(target_arch = "x86_64")]
+            Loops::Avx2 | Loops::Avx512 => unsafe {
+                x86::accumulate_i8(weights, rows, scales, hd, out)
+            },
+            _ => accumulate_portable_i8(weights, rows, scales, hd, out),
+        }
+    }
 }
 
 /// The two loops of a task with AVX2 + F16C, for head dims that are a multiple of 8: each row
@@ -217,12 +376,13 @@ impl Loops {
 /// into registers (`vcvtph2ps` from memory), no buffer: half the instructions per cached row.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::Rows;
+    use super::{Rows, Scales};
+    use half::f16;
     use std::arch::x86_64::*;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen(src: *const half::f16, dst: &mut [f32], hd: usize) {
+    unsafe fn widen(src: *const f16, dst: &mut [f32], hd: usize) {
         let d = dst.as_mut_ptr();
         for j in (0..hd).step_by(8) {
             let v = _mm256_cvtph_ps(_mm_loadu_si128(src.add(j) as *const __m128i));
@@ -233,7 +393,7 @@ mod x86 {
     use crate::kernels::x86::hsum;
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn scores(qs: &[f32], rows: &Rows, hd: usize, scale: f32, scores: &mut [f32]) {
+    pub unsafe fn scores(qs: &[f32], rows: &Rows<f16>, hd: usize, scale: f32, scores: &mut [f32]) {
         let len = rows.end - rows.start;
         let group = qs.len() / hd;
         let mut wide = vec![0f32; hd];
@@ -245,22 +405,108 @@ mod x86 {
                 hd,
             );
             for g in 0..group {
-                let q = qs.as_ptr().add(g * hd);
-                let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                let mut j = 0;
-                while j + 16 <= hd {
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
-                    b = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(q.add(j + 8)),
-                        _mm256_loadu_ps(w.add(j + 8)),
-                        b,
-                    );
-                    j += 16;
-                }
-                if j < hd {
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
-                }
-                scores[g * len + i] = hsum(_mm256_add_ps(a, b)) * scale;
+                scores[g * len + i] = dot(qs.as_ptr().add(g * hd), w, hd) * scale;
+            }
+        }
+    }
+
+    /// `q · w` over `hd` floats (a multiple of 8), two accumulators.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot(q: *const f32, w: *const f32, hd: usize) -> f32 {
+        let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut j = 0;
+        while j + 16 <= hd {
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
+            b = _mm256_fmadd_ps(
+                _mm256_loadu_ps(q.add(j + 8)),
+                _mm256_loadu_ps(w.add(j + 8)),
+                b,
+            );
+            j += 16;
+        }
+        if j < hd {
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
+        }
+        hsum(_mm256_add_ps(a, b))
+    }
+
+    /// `o += s · w` over `hd` floats (a multiple of 8).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn axpy(s: f32, w: *const f32, o: *mut f32, hd: usize) {
+        let s = _mm256_set1_ps(s);
+        for j in (0..hd).step_by(8) {
+            let acc = _mm256_loadu_ps(o.add(j));
+            _mm256_storeu_ps(o.add(j), _mm256_fmadd_ps(s, _mm256_loadu_ps(w.add(j)), acc));
+        }
+    }
+
+    /// `dst[j] = src[j]` as f32, 8 at a time (`hd` a multiple of 8).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn widen_i8(src: *const i8, dst: &mut [f32], hd: usize) {
+        let d = dst.as_mut_ptr();
+        for j in (0..hd).step_by(8) {
+            let bytes = _mm_loadl_epi64(src.add(j) as *const __m128i);
+            _mm256_storeu_ps(d.add(j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        }
+    }
+
+    /// [`scores`] over 8-bit rows (the module notes of the file: the scale joins `scale`).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores_i8(
+        qs: &[f32],
+        rows: &Rows<i8>,
+        scales: &Scales,
+        hd: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let len = rows.end - rows.start;
+        let group = qs.len() / hd;
+        let mut wide = vec![0f32; hd];
+        let w = wide.as_ptr();
+        for (i, p) in (rows.start..rows.end).enumerate() {
+            widen_i8(
+                rows.keys.as_ptr().add(p * rows.row + rows.offset),
+                &mut wide,
+                hd,
+            );
+            let row_scale = scale * scales.key(p);
+            for g in 0..group {
+                scores[g * len + i] = dot(qs.as_ptr().add(g * hd), w, hd) * row_scale;
+            }
+        }
+    }
+
+    /// [`accumulate`] over 8-bit rows: each weight times the row's value scale.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate_i8(
+        weights: &[f32],
+        rows: &Rows<i8>,
+        scales: &Scales,
+        hd: usize,
+        out: &mut [f32],
+    ) {
+        let len = rows.end - rows.start;
+        let group = out.len() / hd;
+        let mut wide = vec![0f32; hd];
+        let w = wide.as_ptr();
+        for (i, p) in (rows.start..rows.end).enumerate() {
+            widen_i8(
+                rows.values.as_ptr().add(p * rows.row + rows.offset),
+                &mut wide,
+                hd,
+            );
+            let row_scale = scales.value(p);
+            for g in 0..group {
+                axpy(
+                    weights[g * len + i] * row_scale,
+                    w,
+                    out.as_mut_ptr().add(g * hd),
+                    hd,
+                );
             }
         }
     }
@@ -269,7 +515,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn scores_avx512(
         qs: &[f32],
-        rows: &Rows,
+        rows: &Rows<f16>,
         hd: usize,
         scale: f32,
         scores: &mut [f32],
@@ -292,7 +538,7 @@ mod x86 {
 
     /// [`accumulate`] with 512-bit registers (`hd` a multiple of 16).
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn accumulate_avx512(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+    pub unsafe fn accumulate_avx512(weights: &[f32], rows: &Rows<f16>, hd: usize, out: &mut [f32]) {
         let len = rows.end - rows.start;
         let group = out.len() / hd;
         for (i, p) in (rows.start..rows.end).enumerate() {
@@ -309,7 +555,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn accumulate(weights: &[f32], rows: &Rows, hd: usize, out: &mut [f32]) {
+    pub unsafe fn accumulate(weights: &[f32], rows: &Rows<f16>, hd: usize, out: &mut [f32]) {
         let len = rows.end - rows.start;
         let group = out.len() / hd;
         let mut wide = vec![0f32; hd];
@@ -321,12 +567,7 @@ mod x86 {
                 hd,
             );
             for g in 0..group {
-                let s = _mm256_set1_ps(weights[g * len + i]);
-                let o = out.as_mut_ptr().add(g * hd);
-                for j in (0..hd).step_by(8) {
-                    let acc = _mm256_loadu_ps(o.add(j));
-                    _mm256_storeu_ps(o.add(j), _mm256_fmadd_ps(s, _mm256_loadu_ps(w.add(j)), acc));
-                }
+                axpy(weights[g * len + i], w, out.as_mut_ptr().add(g * hd), hd);
             }
         }
     }
@@ -415,6 +656,36 @@ mod tests {
                     );
                 }
             };
+            // The same rows in 8 bits: the int8 loops against their portable version.
+            let widen = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            let (keys8, key_scales) = quantize8(&widen(&keys), hd);
+            let (values8, value_scales) = quantize8(&widen(&values), hd);
+            let rows8 = Rows {
+                keys: &keys8,
+                values: &values8,
+                row,
+                offset: (nkv - 1) * hd,
+                start,
+                end: visible,
+            };
+            let scales = Scales {
+                keys: &key_scales,
+                values: &value_scales,
+                kv_heads: nkv,
+                head: nkv - 1,
+            };
+            let mut want_s8 = vec![0f32; group * len];
+            scores_portable_i8(&qs, &rows8, &scales, hd, 0.125, &mut want_s8);
+            let mut want_o8 = vec![0.5f32; group * hd];
+            accumulate_portable_i8(&weights, &rows8, &scales, hd, &mut want_o8);
+            // The 8-bit rows are close to the f16 ones (half a grid step per value), so the
+            // portable int8 loops are not trivially equal to themselves only.
+            for (x, y) in want_s8.iter().zip(&want_s) {
+                assert!(
+                    (x - y).abs() <= 0.05 * (1.0 + y.abs()),
+                    "int8 score {x} vs f16 {y}"
+                );
+            }
             for level in SimdLevel::available() {
                 let loops = Loops::of(level, hd);
                 let mut s = vec![0f32; group * len];
@@ -423,22 +694,46 @@ mod tests {
                 loops.accumulate(&weights, &rows, hd, &mut o);
                 close(&s, &want_s, &format!("{loops:?} scores"));
                 close(&o, &want_o, &format!("{loops:?} accumulate"));
+                let mut s = vec![0f32; group * len];
+                let mut o = vec![0.5f32; group * hd];
+                loops.scores_i8(&qs, &rows8, &scales, hd, 0.125, &mut s);
+                loops.accumulate_i8(&weights, &rows8, &scales, hd, &mut o);
+                close(&s, &want_s8, &format!("{loops:?} int8 scores"));
+                close(&o, &want_o8, &format!("{loops:?} int8 accumulate"));
             }
         }
+    }
+
+    /// `[pos][Hkv][hd]` f32 rows quantized by the cache's rule, one scale per `hd` values.
+    fn quantize8(x: &[f32], hd: usize) -> (Vec<i8>, Vec<f32>) {
+        let mut q = vec![0i8; x.len()];
+        let scales = x
+            .chunks_exact(hd)
+            .zip(q.chunks_exact_mut(hd))
+            .map(|(xr, qr)| sieve_formats::kv_cache::quantize_row(xr, qr))
+            .collect();
+        (q, scales)
+    }
+
+    fn dequantize8(q: &[i8], scales: &[f32], hd: usize) -> Vec<f32> {
+        let mut out = vec![0f32; q.len()];
+        for ((qr, o), &s) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(scales) {
+            sieve_formats::kv_cache::dequantize_row(qr, s, o);
+        }
+        out
     }
 
     fn round16(x: &[f32]) -> Vec<f16> {
         x.iter().map(|&v| f16::from_f32(v)).collect()
     }
 
-    /// Against f64 attention over the same (f16) keys and values: only f32 rounding and the
-    /// span merge separate them. Against f64 attention over the f32 keys and values before
-    /// rounding: within the bound f16 storage allows, derived per query head from the data:
-    /// each score moves by at most `δ = Σ|q_i| · max|k - k16| / sqrt(hd)`, which scales every
-    /// softmax weight by a factor in `[e^-2δ, e^2δ]`, so the output moves by at most
-    /// `(e^2δ - 1) · max|v| + max|v - v16|`.
-    #[test]
-    fn f16_cache_attention_matches_the_f32_path_within_the_rounding_bound() {
+    /// Against f64 attention over the same stored (f16 or 8-bit) keys and values: only f32
+    /// rounding and the span merge separate them. Against f64 attention over the f32 keys and
+    /// values before storage: within the bound the storage allows, derived per query head from
+    /// the data: each score moves by at most `δ = Σ|q_i| · max|k - k_stored| / sqrt(hd)`, which
+    /// scales every softmax weight by a factor in `[e^-2δ, e^2δ]`, so the output moves by at
+    /// most `(e^2δ - 1) · max|v| + max|v - v_stored|`.
+    fn check_cache_attention_against_references(int8: bool) {
         let mut seed = 7u64;
         for &(nh, nkv, hd, visible) in &[
             (9, 3, 64, 512),
@@ -457,18 +752,35 @@ mod tests {
             let k: Vec<f32> = (0..visible * row).map(|_| 4.0 * lcg(&mut seed)).collect();
             let v: Vec<f32> = (0..visible * row).map(|_| 2.0 * lcg(&mut seed)).collect();
             let (k16, v16) = (round16(&k), round16(&v));
+            let (k8, ks) = quantize8(&k, hd);
+            let (v8, vs) = quantize8(&v, hd);
             let mut att = vec![f32::NAN; nh * hd];
-            attend_one(heads, &q, &k16, &v16, visible, &mut att);
             let widen = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
-            let exact16 = reference(heads, &q, &widen(&k16), &widen(&v16), visible);
+            let (cache, k_stored, v_stored) = if int8 {
+                let cache = CachedLayer::Int8 {
+                    keys: &k8,
+                    values: &v8,
+                    key_scales: &ks,
+                    value_scales: &vs,
+                };
+                (cache, dequantize8(&k8, &ks, hd), dequantize8(&v8, &vs, hd))
+            } else {
+                let cache = CachedLayer::F16 {
+                    keys: &k16,
+                    values: &v16,
+                };
+                (cache, widen(&k16), widen(&v16))
+            };
+            attend_one(heads, &q, cache, visible, &mut att);
+            let exact_stored = reference(heads, &q, &k_stored, &v_stored, visible);
             let exact32 = reference(heads, &q, &k, &v, visible);
             let err = |a: &[f32], b: &[f32]| {
                 a.iter().zip(b).fold(0f64, |m, (x, y)| {
                     m.max((*x as f64 - y.to_owned() as f64).abs())
                 })
             };
-            let k_err = err(&k, &widen(&k16));
-            let v_err = err(&v, &widen(&v16));
+            let k_err = err(&k, &k_stored);
+            let v_err = err(&v, &v_stored);
             let v_max = v.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
             for h in 0..nh {
                 let q_l1: f64 = q[h * hd..(h + 1) * hd].iter().map(|x| x.abs() as f64).sum();
@@ -478,17 +790,27 @@ mod tests {
                     let got = att[h * hd + i] as f64;
                     let tight = 1e-5 * v_max;
                     assert!(
-                        (got - exact16[h * hd + i]).abs() <= tight,
-                        "{nh}/{nkv}/{hd} @{visible} head {h}: {got} vs {}",
-                        exact16[h * hd + i]
+                        (got - exact_stored[h * hd + i]).abs() <= tight,
+                        "int8 {int8} {nh}/{nkv}/{hd} @{visible} head {h}: {got} vs {}",
+                        exact_stored[h * hd + i]
                     );
                     assert!(
                         (got - exact32[h * hd + i]).abs() <= bound + tight,
-                        "{nh}/{nkv}/{hd} @{visible} head {h}: {got} vs f32 {} (bound {bound})",
+                        "int8 {int8} {nh}/{nkv}/{hd} @{visible} head {h}: {got} vs f32 {} (bound {bound})",
                         exact32[h * hd + i]
                     );
                 }
             }
         }
+    }
+
+    #[test]
+    fn f16_cache_attention_matches_the_f32_path_within_the_rounding_bound() {
+        check_cache_attention_against_references(false);
+    }
+
+    #[test]
+    fn int8_cache_attention_matches_the_f32_path_within_the_rounding_bound() {
+        check_cache_attention_against_references(true);
     }
 }

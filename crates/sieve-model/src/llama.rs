@@ -11,7 +11,8 @@
 //! | `xn` (normed input) | `[n][d]` | RMSNorm(x) · weight |
 //! | `q` | `[n][H][hd]` | after RoPE |
 //! | `k`, `v` | `[n][Hkv][hd]` | copied into the cache after RoPE (k) |
-//! | cache `k`, `v` | `[layer][pos][Hkv][hd]` | f16; `pos < C`; positions `< p0 + n` are valid |
+//! | cache `k`, `v` | `[layer][pos][Hkv][hd]` | f16 or i8; `pos < C`; positions `< p0 + n` are valid |
+//! | cache scales (8-bit) | `[layer][pos][Hkv]` | f32, one per row of `hd` ([`kv_cache`]) |
 //! | `att` (attention output) | `[n][H][hd]` | input of `o_proj` |
 //! | `gate`, `up` | `[n][I]` | `silu(gate) * up` is written into `gate` |
 //! | `cos`, `sin` | `[n][hd/2]` | RoPE angles of the call's positions |
@@ -28,7 +29,10 @@
 //! Keys and values enter the cache rounded to f16 (half the bytes a decode step reads after a
 //! long prompt), and every attention reads them from there, so a token's logits do not depend on
 //! whether it was decoded alone or inside a prompt. Decode reads each cached row once for all
-//! the query heads of its KV head ([`sieve_cpu::attention`]).
+//! the query heads of its KV head ([`sieve_cpu::attention`]). With
+//! [`Model::set_kv_precision`]`(Int8)` the cache stores each (position, KV head) row as i8 with
+//! one f32 scale instead (`--kv-cache int8`, 0.53x the bytes at hd 64), by the same rule the GPU
+//! cache uses.
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
@@ -38,7 +42,9 @@ use crate::weights::{Tensor, TensorSource};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+use sieve_cpu::attention::CachedLayer;
 use sieve_cpu::{gemm, kernels};
+pub use sieve_formats::kv_cache::{self, KvPrecision};
 
 pub mod phases;
 use phases::{Clock, Phase};
@@ -167,17 +173,36 @@ pub struct Model {
     lm_head: Linear,
     /// Per-pair inverse frequencies, `hd/2` of them, after any `rope_scaling`.
     inv_freq: Vec<f64>,
+    /// What caches made by [`Self::try_new_cache`] store (f16 unless set).
+    kv_precision: KvPrecision,
 }
 
-/// The keys and values of every position seen so far (see the module header for the layout).
+/// The keys and values of every position seen so far (see the module header for the layout),
+/// in f16 or 8 bits ([`KvPrecision`]).
 #[derive(Clone, Debug)]
 pub struct KvCache {
-    k: Vec<f16>,
-    v: Vec<f16>,
+    store: KvStore,
     capacity: usize,
     len: usize,
-    /// `Hkv * hd`, floats per position per layer.
+    /// `Hkv * hd`, values per position per layer.
     row: usize,
+    head_dim: usize,
+}
+
+/// The cache's arrays: `[layer][pos][Hkv][hd]` values, and for 8 bits `[layer][pos][Hkv]`
+/// scales ([`sieve_formats::kv_cache`]).
+#[derive(Clone, Debug)]
+enum KvStore {
+    F16 {
+        k: Vec<f16>,
+        v: Vec<f16>,
+    },
+    Int8 {
+        k: Vec<i8>,
+        v: Vec<i8>,
+        k_scales: Vec<f32>,
+        v_scales: Vec<f32>,
+    },
 }
 
 impl KvCache {
@@ -191,6 +216,12 @@ impl KvCache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+    pub fn precision(&self) -> KvPrecision {
+        match self.store {
+            KvStore::F16 { .. } => KvPrecision::F16,
+            KvStore::Int8 { .. } => KvPrecision::Int8,
+        }
+    }
     /// Forgets the positions from `len` on (the next token runs at position `len`); a
     /// length past the current one is refused.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
@@ -203,9 +234,17 @@ impl KvCache {
         self.len = len;
         Ok(())
     }
-    /// Bytes the cache holds (keys and values of every position it can take).
+    /// Bytes the cache holds (keys and values of every position it can take, and their scales).
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * std::mem::size_of::<f16>()
+        match &self.store {
+            KvStore::F16 { k, v } => (k.len() + v.len()) * std::mem::size_of::<f16>(),
+            KvStore::Int8 {
+                k,
+                v,
+                k_scales,
+                v_scales,
+            } => k.len() + v.len() + (k_scales.len() + v_scales.len()) * std::mem::size_of::<f32>(),
+        }
     }
     /// Forgets every position (the memory is reused).
     pub fn clear(&mut self) {
@@ -214,25 +253,102 @@ impl KvCache {
     fn layer_offset(&self, layer: usize) -> usize {
         layer * self.capacity * self.row
     }
+    /// Refuses a cache made for a model of another shape.
+    fn check_for(&self, c: &ModelConfig) -> Result<()> {
+        let values = match &self.store {
+            KvStore::F16 { k, .. } => k.len(),
+            KvStore::Int8 { k, .. } => k.len(),
+        };
+        if self.row != c.num_kv_heads * c.head_dim
+            || self.head_dim != c.head_dim
+            || values != c.num_layers * self.capacity * self.row
+        {
+            return Err(ModelError::InvalidArgument(
+                "KV cache was made for another model".into(),
+            ));
+        }
+        Ok(())
+    }
+    /// Stores the keys and values (`[n][Hkv][hd]` each) of positions `pos..pos + n` of `layer`:
+    /// rounded to f16, or quantized per (position, KV head) row.
+    fn store(&mut self, layer: usize, pos: usize, keys: &[f32], values: &[f32]) {
+        let at = self.layer_offset(layer) + pos * self.row;
+        let span = at..at + keys.len();
+        let hd = self.head_dim;
+        match &mut self.store {
+            KvStore::F16 { k, v } => {
+                k[span.clone()].convert_from_f32_slice(keys);
+                v[span].convert_from_f32_slice(values);
+            }
+            KvStore::Int8 {
+                k,
+                v,
+                k_scales,
+                v_scales,
+            } => {
+                let scales = at / hd..(at + keys.len()) / hd;
+                let quantize = |x: &[f32], q: &mut [i8], s: &mut [f32]| {
+                    for ((xr, qr), sr) in x.chunks_exact(hd).zip(q.chunks_exact_mut(hd)).zip(s) {
+                        *sr = kv_cache::quantize_row(xr, qr);
+                    }
+                };
+                quantize(keys, &mut k[span.clone()], &mut k_scales[scales.clone()]);
+                quantize(values, &mut v[span], &mut v_scales[scales]);
+            }
+        }
+    }
+    /// The first `visible` positions of `layer`, as attention reads them.
+    fn layer(&self, layer: usize, visible: usize) -> CachedLayer<'_> {
+        let at = self.layer_offset(layer);
+        let span = at..at + visible * self.row;
+        match &self.store {
+            KvStore::F16 { k, v } => CachedLayer::F16 {
+                keys: &k[span.clone()],
+                values: &v[span],
+            },
+            KvStore::Int8 {
+                k,
+                v,
+                k_scales,
+                v_scales,
+            } => {
+                let scales = at / self.head_dim..(at + visible * self.row) / self.head_dim;
+                CachedLayer::Int8 {
+                    keys: &k[span.clone()],
+                    values: &v[span],
+                    key_scales: &k_scales[scales.clone()],
+                    value_scales: &v_scales[scales],
+                }
+            }
+        }
+    }
 }
 
-/// `len` zero f16 values, allocated fallibly: a cache the machine cannot hold is an error naming
+/// Arrays whose all-zero bit pattern is the value zero.
+trait ZeroBits: Copy {}
+impl ZeroBits for f16 {}
+impl ZeroBits for i8 {}
+impl ZeroBits for f32 {}
+
+/// `len` zero values, allocated fallibly: a cache the machine cannot hold is an error naming
 /// its size. The memory comes zeroed from the allocator, so pages never written stay unmapped.
-fn zeroed_f16s(what: &str, len: usize) -> Result<Vec<f16>> {
+fn zeroed<T: ZeroBits>(what: &str, len: usize) -> Result<Vec<T>> {
     if len == 0 {
         return Ok(Vec::new());
     }
     let too_big = || {
         ModelError::from(sieve_formats::FormatError::Size(format!(
-            "{what}: {len} f16 values cannot be allocated"
+            "{what}: {len} values of {} bytes cannot be allocated",
+            std::mem::size_of::<T>()
         )))
     };
-    let layout = std::alloc::Layout::array::<f16>(len).map_err(|_| too_big())?;
-    // SAFETY: `layout` has a non-zero size (len > 0); the pointer is checked for null; all-zero
-    // bits are the f16 value +0.0, so every element is initialized; the Vec takes ownership
-    // with the length, capacity and layout the global allocator was asked for.
+    let layout = std::alloc::Layout::array::<T>(len).map_err(|_| too_big())?;
+    // SAFETY: `layout` has a non-zero size (len > 0 and every ZeroBits type has a size); the
+    // pointer is checked for null; all-zero bits are the value 0 of every ZeroBits type (f16
+    // +0.0, i8 0, f32 +0.0), so every element is initialized; the Vec takes ownership with the
+    // length, capacity and layout the global allocator was asked for.
     unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout) as *mut f16;
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut T;
         if ptr.is_null() {
             return Err(too_big());
         }
@@ -505,6 +621,7 @@ impl Model {
             final_norm,
             lm_head,
             inv_freq,
+            kv_precision: KvPrecision::F16,
             config: c,
         })
     }
@@ -537,6 +654,15 @@ impl Model {
         out
     }
 
+    /// Makes every cache made from now on ([`Self::try_new_cache`]) store `precision`
+    /// (`--kv-cache`); caches made before keep theirs.
+    pub fn set_kv_precision(&mut self, precision: KvPrecision) {
+        self.kv_precision = precision;
+    }
+    pub fn kv_precision(&self) -> KvPrecision {
+        self.kv_precision
+    }
+
     /// An empty cache for `capacity` positions, capped at the model's `max_position_embeddings`.
     /// Panics only when the cache cannot be allocated; [`Self::try_new_cache`] returns that as an
     /// error instead (every command-line path uses it).
@@ -557,13 +683,25 @@ impl Model {
             "KV cache (layers x positions x KV heads x head_dim)",
             &[c.num_layers, capacity, row],
         )?;
-        let what = format!("KV cache for {capacity} positions");
+        let what = format!("{} KV cache for {capacity} positions", self.kv_precision);
+        let store = match self.kv_precision {
+            KvPrecision::F16 => KvStore::F16 {
+                k: zeroed(&what, size)?,
+                v: zeroed(&what, size)?,
+            },
+            KvPrecision::Int8 => KvStore::Int8 {
+                k: zeroed(&what, size)?,
+                v: zeroed(&what, size)?,
+                k_scales: zeroed(&what, size / c.head_dim.max(1))?,
+                v_scales: zeroed(&what, size / c.head_dim.max(1))?,
+            },
+        };
         Ok(KvCache {
-            k: zeroed_f16s(&what, size)?,
-            v: zeroed_f16s(&what, size)?,
+            store,
             capacity,
             len: 0,
             row,
+            head_dim: c.head_dim,
         })
     }
 
@@ -575,13 +713,7 @@ impl Model {
         if n == 0 {
             return Err(ModelError::InvalidArgument("no tokens to run".into()));
         }
-        if cache.row != c.num_kv_heads * c.head_dim
-            || cache.k.len() != c.num_layers * cache.capacity * cache.row
-        {
-            return Err(ModelError::InvalidArgument(
-                "KV cache was made for another model".into(),
-            ));
-        }
+        cache.check_for(c)?;
         let p0 = cache.len;
         if p0 + n > cache.capacity {
             return Err(ModelError::ContextOverflow {
@@ -614,7 +746,6 @@ impl Model {
         let mut proj = vec![0f32; n * d];
         let mut gate = vec![0f32; n * inter];
         let mut up = vec![0f32; n * inter];
-        let row = cache.row;
         clock.lap(Phase::Embed);
         // The layer as the plan writes it; each arm is this executor's kernel for the op.
         for (l, layer) in self.layers.iter().enumerate() {
@@ -632,16 +763,10 @@ impl Model {
                     LayerOp::RopeKv => {
                         apply_rope(&mut q, nh, hd, &cos, &sin);
                         apply_rope(&mut k, nkv, hd, &cos, &sin);
-                        let base = cache.layer_offset(l);
-                        let span = base + p0 * row..base + (p0 + n) * row;
-                        cache.k[span.clone()].convert_from_f32_slice(&k);
-                        cache.v[span].convert_from_f32_slice(&v);
+                        cache.store(l, p0, &k, &v);
                     }
                     LayerOp::Attention => {
-                        let base = cache.layer_offset(l);
-                        let keys = &cache.k[base..base + (p0 + n) * row];
-                        let values = &cache.v[base..base + (p0 + n) * row];
-                        self.attention_cached(&q, keys, values, p0, n, &mut att);
+                        self.attention_cached(&q, cache.layer(l, p0 + n), p0, n, &mut att);
                     }
                     LayerOp::Product(Group::O) => {
                         layer.o_proj.forward(&att, n, &mut proj)?;
@@ -846,6 +971,7 @@ impl Model {
             final_norm,
             lm_head,
             inv_freq,
+            kv_precision: KvPrecision::F16,
         })
     }
 
@@ -865,25 +991,48 @@ impl Model {
         (cos, sin)
     }
 
-    /// [`Self::attention`] over one layer's f16 cache (`[0, p0 + n)` positions): few queries
-    /// (decode) read it in place, grouped by KV head ([`sieve_cpu::attention::attend_one`]); many
-    /// (prefill) widen it to f32 for the blocked GEMMs, a small cost beside theirs.
+    /// [`Self::attention`] over one layer's cache (`[0, p0 + n)` positions, f16 or 8-bit):
+    /// few queries (decode) read it in place, grouped by KV head
+    /// ([`sieve_cpu::attention::attend_one`]); many (prefill) widen it to f32 for the blocked
+    /// GEMMs, a small cost beside theirs.
     fn attention_cached(
         &self,
         q: &[f32],
-        keys: &[f16],
-        values: &[f16],
+        cache: CachedLayer,
         p0: usize,
         n: usize,
         att: &mut [f32],
     ) {
         if n >= ATTENTION_GEMM_MIN {
-            let widen = |x: &[f16]| {
-                let mut out = vec![0f32; x.len()];
-                kernels::f16_to_f32(x, &mut out);
-                out
+            let hd = self.config.head_dim;
+            let (keys, values) = match cache {
+                CachedLayer::F16 { keys, values } => {
+                    let widen = |x: &[f16]| {
+                        let mut out = vec![0f32; x.len()];
+                        kernels::f16_to_f32(x, &mut out);
+                        out
+                    };
+                    (widen(keys), widen(values))
+                }
+                CachedLayer::Int8 {
+                    keys,
+                    values,
+                    key_scales,
+                    value_scales,
+                } => {
+                    let widen = |x: &[i8], scales: &[f32]| {
+                        let mut out = vec![0f32; x.len()];
+                        for ((q, o), &s) in
+                            x.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(scales)
+                        {
+                            kv_cache::dequantize_row(q, s, o);
+                        }
+                        out
+                    };
+                    (widen(keys, key_scales), widen(values, value_scales))
+                }
             };
-            return self.attention_blocked(q, &widen(keys), &widen(values), p0, n, att);
+            return self.attention_blocked(q, &keys, &values, p0, n, att);
         }
         let c = &self.config;
         let heads = sieve_cpu::attention::Heads {
@@ -897,7 +1046,7 @@ impl Model {
             .zip(att.chunks_exact_mut(width))
             .enumerate()
         {
-            sieve_cpu::attention::attend_one(heads, qt, keys, values, p0 + t + 1, out);
+            sieve_cpu::attention::attend_one(heads, qt, cache, p0 + t + 1, out);
         }
     }
 
@@ -1073,13 +1222,7 @@ impl Model {
             )));
         }
         for cache in caches.iter() {
-            if cache.row != c.num_kv_heads * c.head_dim
-                || cache.k.len() != c.num_layers * cache.capacity * cache.row
-            {
-                return Err(ModelError::InvalidArgument(
-                    "KV cache was made for another model".into(),
-                ));
-            }
+            cache.check_for(c)?;
             if cache.len + 1 > cache.capacity {
                 return Err(ModelError::ContextOverflow {
                     tokens: cache.len + 1,
@@ -1124,10 +1267,9 @@ impl Model {
                             apply_rope(&mut k[i * kw..(i + 1) * kw], nkv, hd, cos, sin);
                         }
                         for (i, cache) in caches.iter_mut().enumerate() {
-                            let at = cache.layer_offset(l) + cache.len * cache.row;
-                            let row = cache.row;
-                            cache.k[at..at + row].convert_from_f32_slice(&k[i * kw..(i + 1) * kw]);
-                            cache.v[at..at + row].convert_from_f32_slice(&v[i * kw..(i + 1) * kw]);
+                            let p0 = cache.len;
+                            let rows = i * kw..(i + 1) * kw;
+                            cache.store(l, p0, &k[rows.clone()], &v[rows]);
                         }
                     }
                     LayerOp::Attention => caches
@@ -1135,18 +1277,9 @@ impl Model {
                         .zip(att.par_chunks_mut(qw))
                         .enumerate()
                         .for_each(|(i, (cache, out))| {
-                            let (row, p0) = (cache.row, cache.len);
-                            let base = cache.layer_offset(l);
-                            let keys = &cache.k[base..base + (p0 + 1) * row];
-                            let values = &cache.v[base..base + (p0 + 1) * row];
-                            self.attention_cached(
-                                &q[i * qw..(i + 1) * qw],
-                                keys,
-                                values,
-                                p0,
-                                1,
-                                out,
-                            );
+                            let p0 = cache.len;
+                            let layer = cache.layer(l, p0 + 1);
+                            self.attention_cached(&q[i * qw..(i + 1) * qw], layer, p0, 1, out);
                         }),
                     LayerOp::Product(Group::O) => {
                         layer.o_proj.forward_rows(&att, n, &mut proj)?;
@@ -1648,8 +1781,18 @@ pub(crate) mod tests {
 
     #[test]
     fn batched_decode_equals_single_sequence_decode_bit_for_bit() {
+        batched_decode_equals_single_sequence_decode(KvPrecision::F16);
+    }
+
+    #[test]
+    fn batched_decode_equals_single_sequence_decode_with_an_int8_cache() {
+        batched_decode_equals_single_sequence_decode(KvPrecision::Int8);
+    }
+
+    fn batched_decode_equals_single_sequence_decode(precision: KvPrecision) {
         let src = random_source(tiny_config(), 31);
-        let model = Model::from_source(&src).unwrap();
+        let mut model = Model::from_source(&src).unwrap();
+        model.set_kv_precision(precision);
         let prompts: [&[u32]; 3] = [&[1, 5, 9], &[2], &[7, 3, 3, 8, 1]];
         let mut batched: Vec<KvCache> = Vec::new();
         let mut single: Vec<KvCache> = Vec::new();
@@ -1692,6 +1835,63 @@ pub(crate) mod tests {
             model.decode_batch(&[1], &mut [&mut full]),
             Err(ModelError::ContextOverflow { .. })
         ));
+    }
+
+    /// The 8-bit cache against the f16 one on the same model: the same shape of work, logits
+    /// close (each stored value within half a grid step, `max|row| / 254`), prefill through
+    /// the GEMM path and token-by-token decode agreeing, `(hd + 4) / 2hd` of the bytes, and a
+    /// cache refused by a model of another shape.
+    #[test]
+    fn int8_cache_tracks_the_f16_cache() {
+        let config = tiny_config();
+        let src = random_source(config.clone(), 5);
+        let mut model = Model::from_source(&src).unwrap();
+        let vocab = config.vocab_size;
+        // Long enough for the blocked (GEMM) prefill path.
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % vocab as u32).collect();
+        let mut f16_cache = model.new_cache(64);
+        let want = model.forward(&prompt, &mut f16_cache, Logits::All).unwrap();
+        model.set_kv_precision(KvPrecision::Int8);
+        let mut int8_cache = model.new_cache(64);
+        assert_eq!(int8_cache.precision(), KvPrecision::Int8);
+        assert_eq!(f16_cache.precision(), KvPrecision::F16);
+        let rows = config.num_layers * 64 * config.num_kv_heads;
+        assert_eq!(f16_cache.bytes(), 2 * rows * config.head_dim * 2);
+        assert_eq!(int8_cache.bytes(), 2 * rows * (config.head_dim + 4));
+        let got = model
+            .forward(&prompt, &mut int8_cache, Logits::All)
+            .unwrap();
+        let spread = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst > 0.0, "the int8 cache changed nothing: is it used?");
+        assert!(
+            worst <= 0.05 * spread,
+            "int8 logits moved {worst} (spread {spread})"
+        );
+        // Prefill (GEMM over the dequantized cache) and decode (8-bit loops) read the same
+        // stored rows: the last prompt token decoded alone gives the prompt's last logits.
+        let mut stepped = model.new_cache(64);
+        model
+            .forward(&prompt[..prompt.len() - 1], &mut stepped, Logits::Last)
+            .unwrap();
+        let last = model
+            .forward(&prompt[prompt.len() - 1..], &mut stepped, Logits::Last)
+            .unwrap();
+        let tail = &got[(prompt.len() - 1) * vocab..];
+        for (a, b) in last.iter().zip(tail) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        // The f16 cache on a model set to int8, and the int8 cache on a model of another
+        // shape: the first works (caches keep their own precision), the second is refused.
+        assert!(model.forward(&[1], &mut f16_cache, Logits::Last).is_ok());
+        let mut other = tiny_config();
+        other.num_kv_heads = 1;
+        other.num_heads = 4;
+        let other = Model::from_source(&random_source(other, 5)).unwrap();
+        assert!(other.forward(&[1], &mut int8_cache, Logits::Last).is_err());
     }
 
     #[test]
