@@ -20,7 +20,8 @@
 //! (a broken model) give scale `inf`/NaN and read back as NaN rather than as plausible numbers.
 
 /// How the cache stores keys and values.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KvPrecision {
     /// f16 (the reference; what llama.cpp keeps by default).
     #[default]

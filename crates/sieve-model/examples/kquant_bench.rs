@@ -333,7 +333,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     run_in_pool(Some(threads), || {
         for _ in 0..rounds {
             for ((_, m), (pre, dec)) in models.iter().zip(runs.iter_mut()) {
-                let (p, d) = measure(m, &prompt, decode)?;
+                let (p, d) = measure(m, &prompt, decode, m.kv_precision())?;
                 pre.push(p);
                 dec.push(d);
             }

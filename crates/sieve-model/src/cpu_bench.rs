@@ -18,7 +18,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
-use crate::llama::{Logits, Model};
+use crate::llama::{KvPrecision, Logits, Model};
 use crate::packed::load_model_and_tokenizer_with as load;
 use crate::tokenizer::Tokenizer;
 
@@ -36,6 +36,8 @@ pub struct CpuBenchOptions {
     pub prompt_tokens: usize,
     pub decode_tokens: usize,
     pub repeats: usize,
+    /// Every model is measured once per cache precision given (`--kv-cache f16,int8`).
+    pub kv_caches: Vec<KvPrecision>,
 }
 
 impl Default for CpuBenchOptions {
@@ -44,6 +46,7 @@ impl Default for CpuBenchOptions {
             prompt_tokens: 64,
             decode_tokens: 128,
             repeats: 3,
+            kv_caches: vec![KvPrecision::F16],
         }
     }
 }
@@ -58,6 +61,9 @@ pub struct CpuBenchRow {
     /// 8-bit and 4-bit records, not the f16 blob they were built from): one decode step reads
     /// at most this.
     pub weight_bytes: usize,
+    /// What the KV cache stores, and its bytes at the run's last position (prompt + decode).
+    pub kv_cache: KvPrecision,
+    pub kv_cache_bytes: usize,
     /// Median prefill tokens/s over the rounds, and every round's value.
     pub prefill_tok_s: f64,
     pub prefill_runs: Vec<f64>,
@@ -125,17 +131,25 @@ fn argmax(logits: &[f32]) -> u32 {
 
 /// One round on one model: (prefill tok/s, decode tok/s), with the pool's workers kept hot as
 /// `generate` keeps them.
-pub fn measure(model: &Model, prompt: &[u32], decode_tokens: usize) -> Result<(f64, f64)> {
-    crate::generate::with_hot_workers(|| measure_on_this_thread(model, prompt, decode_tokens))
+pub fn measure(
+    model: &Model,
+    prompt: &[u32],
+    decode_tokens: usize,
+    kv: KvPrecision,
+) -> Result<(f64, f64)> {
+    crate::generate::with_hot_workers(|| measure_on_this_thread(model, prompt, decode_tokens, kv))
 }
 
 fn measure_on_this_thread(
     model: &Model,
     prompt: &[u32],
     decode_tokens: usize,
+    kv: KvPrecision,
 ) -> Result<(f64, f64)> {
-    let mut cache =
-        model.try_new_cache(prompt.len().saturating_add(decode_tokens).saturating_add(1))?;
+    let mut cache = model.try_new_cache_as(
+        prompt.len().saturating_add(decode_tokens).saturating_add(1),
+        kv,
+    )?;
     if cache.capacity() < prompt.len() + decode_tokens {
         return Err(ModelError::ContextOverflow {
             tokens: prompt.len() + decode_tokens,
@@ -244,9 +258,14 @@ pub fn run(
     if targets.is_empty() {
         return Err(ModelError::InvalidArgument("no models to benchmark".into()));
     }
-    if options.prompt_tokens == 0 || options.decode_tokens == 0 || options.repeats == 0 {
+    if options.prompt_tokens == 0
+        || options.decode_tokens == 0
+        || options.repeats == 0
+        || options.kv_caches.is_empty()
+    {
         return Err(ModelError::InvalidArgument(
-            "prompt tokens, decode tokens and repeats must all be at least 1".into(),
+            "prompt tokens, decode tokens, repeats and KV cache precisions must all be at least 1"
+                .into(),
         ));
     }
     // Every size is checked before anything is loaded or built: the positions against the
@@ -281,25 +300,42 @@ pub fn run(
         let prompt = bench_prompt(&tokenizer, options.prompt_tokens)?;
         models.push((t.label(), model, prompt));
     }
+    // One measured configuration per (model, cache precision), the model loaded once.
+    let labelled = |name: &str, kv: KvPrecision| {
+        if options.kv_caches.len() > 1 {
+            format!("{name} (kv {kv})")
+        } else {
+            name.to_string()
+        }
+    };
+    let configs: Vec<(usize, KvPrecision)> = (0..models.len())
+        .flat_map(|m| options.kv_caches.iter().map(move |&kv| (m, kv)))
+        .collect();
     let load_before = load_average();
-    let mut runs = vec![(Vec::new(), Vec::new()); models.len()];
+    let mut runs = vec![(Vec::new(), Vec::new()); configs.len()];
     for _ in 0..options.repeats {
-        for ((name, model, prompt), (pre, dec)) in models.iter().zip(runs.iter_mut()) {
-            let (p, d) = measure(model, prompt, options.decode_tokens)?;
-            progress(name, p, d);
+        for (&(m, kv), (pre, dec)) in configs.iter().zip(runs.iter_mut()) {
+            let (name, model, prompt) = &models[m];
+            let (p, d) = measure(model, prompt, options.decode_tokens, kv)?;
+            progress(&labelled(name, kv), p, d);
             pre.push(p);
             dec.push(d);
         }
     }
-    let rows = models
+    let rows = configs
         .iter()
         .zip(runs)
-        .map(|((name, model, _), (pre, dec))| {
+        .map(|(&(m, kv), (pre, dec))| {
+            let (name, model, _) = &models[m];
             let (formats, weight_bytes) = describe(model);
+            let c = model.config();
+            let rows = c.num_layers * positions * c.num_kv_heads;
             CpuBenchRow {
-                model: name.clone(),
+                model: labelled(name, kv),
                 formats,
                 weight_bytes,
+                kv_cache: kv,
+                kv_cache_bytes: 2 * rows * kv.row_bytes(c.head_dim),
                 prefill_tok_s: median(&pre),
                 prefill_runs: pre,
                 decode_tok_s: median(&dec),
@@ -324,8 +360,8 @@ impl CpuBenchReport {
     pub fn markdown(&self) -> String {
         let mut s = format!(
             "threads {}, simd {}, prompt {} tokens, decode {} tokens, median of {} rounds, \
-             load {} -> {}\n\n| model | formats | weight MB | prefill tok/s | decode tok/s | \
-             decode vs first |\n|---|---|---|---|---|---|\n",
+             load {} -> {}\n\n| model | formats | weight MB | KV cache | prefill tok/s | \
+             decode tok/s | decode vs first |\n|---|---|---|---|---|---|---|\n",
             self.threads,
             self.simd,
             self.prompt_tokens,
@@ -343,10 +379,12 @@ impl CpuBenchReport {
                     .join(", ")
             };
             s.push_str(&format!(
-                "| {} | {} | {:.1} | {:.1} ({}) | {:.1} ({}) | {:.2}x |\n",
+                "| {} | {} | {:.1} | {} {:.1} MB | {:.1} ({}) | {:.1} ({}) | {:.2}x |\n",
                 r.model,
                 r.formats,
                 r.weight_bytes as f64 / 1e6,
+                r.kv_cache,
+                r.kv_cache_bytes as f64 / 1e6,
                 r.prefill_tok_s,
                 runs(&r.prefill_runs),
                 r.decode_tok_s,
@@ -377,8 +415,24 @@ mod tests {
     fn measure_runs_prefill_and_decode_on_a_tiny_model() {
         use crate::llama::tests::{random_source, tiny_config};
         let model = Model::from_source(&random_source(tiny_config(), 3)).unwrap();
-        let (p, d) = measure(&model, &[1, 2, 3, 4], 5).unwrap();
-        assert!(p > 0.0 && d > 0.0 && p.is_finite() && d.is_finite());
+        for kv in [KvPrecision::F16, KvPrecision::Int8] {
+            let (p, d) = measure(&model, &[1, 2, 3, 4], 5, kv).unwrap();
+            assert!(p > 0.0 && d > 0.0 && p.is_finite() && d.is_finite());
+        }
+        let no_caches = CpuBenchOptions {
+            kv_caches: Vec::new(),
+            ..CpuBenchOptions::default()
+        };
+        let err = run(
+            &[BenchTarget {
+                path: "m.gguf".into(),
+                f16_weights: false,
+            }],
+            &no_caches,
+            |_, _, _| {},
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("KV cache"), "{err}");
         let err = run(&[], &CpuBenchOptions::default(), |_, _, _| {});
         assert!(err.is_err());
     }
@@ -402,6 +456,7 @@ mod tests {
             prompt_tokens: usize::MAX,
             decode_tokens: 4,
             repeats: 1,
+            kv_caches: vec![KvPrecision::F16],
         };
         let err = run(&[target(&file, false)], &huge, |_, _, _| {})
             .unwrap_err()

@@ -676,6 +676,12 @@ impl Model {
     /// [`Self::new_cache`], with the size checked ([`sieve_formats::size`]) and the allocation
     /// fallible: a cache the machine cannot hold is [`ModelError::Format`] naming its size.
     pub fn try_new_cache(&self, capacity: usize) -> Result<KvCache> {
+        self.try_new_cache_as(capacity, self.kv_precision)
+    }
+
+    /// [`Self::try_new_cache`] storing `precision` whatever the model is set to (benchmarks
+    /// measure both on one loaded model).
+    pub fn try_new_cache_as(&self, capacity: usize, precision: KvPrecision) -> Result<KvCache> {
         let c = &self.config;
         let capacity = capacity.min(c.max_position_embeddings);
         let row = c.num_kv_heads * c.head_dim;
@@ -683,8 +689,8 @@ impl Model {
             "KV cache (layers x positions x KV heads x head_dim)",
             &[c.num_layers, capacity, row],
         )?;
-        let what = format!("{} KV cache for {capacity} positions", self.kv_precision);
-        let store = match self.kv_precision {
+        let what = format!("{precision} KV cache for {capacity} positions");
+        let store = match precision {
             KvPrecision::F16 => KvStore::F16 {
                 k: zeroed(&what, size)?,
                 v: zeroed(&what, size)?,

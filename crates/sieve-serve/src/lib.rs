@@ -96,6 +96,8 @@ pub struct ServeConfig {
     /// Prompt tokens prefilled per scheduler step, and the chunk a longer prompt is cut into
     /// (see [`scheduler`]).
     pub prefill_chunk: usize,
+    /// What the KV cache slots store (`--kv-cache`).
+    pub kv_cache: sieve_model::llama::KvPrecision,
 }
 
 impl Default for ServeConfig {
@@ -117,6 +119,7 @@ impl Default for ServeConfig {
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(60),
             prefill_chunk: scheduler::PREFILL_CHUNK,
+            kv_cache: sieve_model::llama::KvPrecision::F16,
         }
     }
 }
@@ -183,7 +186,8 @@ pub fn model_name_for(path: &Path) -> String {
 /// Loads a model file into a CPU engine with `config.max_batch` slots of `config.context`.
 pub fn load_cpu_engine(path: &Path, config: &ServeConfig) -> Result<(CpuEngine, Tokenizer)> {
     config.validate()?;
-    let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    let (mut model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    model.set_kv_precision(config.kv_cache);
     let engine = CpuEngine::new(model, config.max_batch, config.context)?;
     Ok((engine, tokenizer))
 }
@@ -196,6 +200,13 @@ pub fn load_gpu_engine(
     gpu: sieve_cuda::Gpu,
 ) -> Result<(gpu_engine::GpuEngine, Tokenizer)> {
     config.validate()?;
+    if config.kv_cache != sieve_model::llama::KvPrecision::F16 {
+        return Err(ServeError::Config(format!(
+            "--kv-cache {}: the GPU cache stores f16 only in this build (--device cpu serves \
+             the 8-bit cache)",
+            config.kv_cache
+        )));
+    }
     let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
     let engine = gpu_engine::GpuEngine::new(&model, gpu, config.max_batch, config.context)?;
     Ok((engine, tokenizer))
@@ -211,6 +222,13 @@ pub fn load_synthetic_gpu_engine(
     gpu: sieve_cuda::Gpu,
 ) -> Result<(gpu_engine::GpuEngine, Tokenizer)> {
     config.validate()?;
+    if config.kv_cache != sieve_model::llama::KvPrecision::F16 {
+        return Err(ServeError::Config(format!(
+            "--kv-cache {}: the GPU cache stores f16 only in this build (--device cpu serves \
+             the 8-bit cache)",
+            config.kv_cache
+        )));
+    }
     let shape = sieve_gpu::synthetic::config(name)?;
     let tokenizer = Tokenizer::bytes(shape.vocab_size)?;
     let context = config.context.min(shape.max_position_embeddings);

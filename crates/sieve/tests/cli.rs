@@ -486,3 +486,47 @@ fn cpu_kernel_switches_are_checked_before_any_work() {
     );
     assert!(!out.stdout.is_empty());
 }
+
+/// `--kv-cache int8` on the CPU: perplexity within a few percent of the f16 cache's on the same
+/// tokens, the JSON line saying which cache ran; an unknown precision is refused by name.
+#[test]
+fn eval_runs_the_int8_kv_cache_close_to_the_f16_one() {
+    let Some(model) = default_model() else { return };
+    let model = model.display().to_string();
+    let d = TempDir::new("kv8");
+    let data = d.path("text.txt");
+    let line = "The tower is 324 metres tall, about the same height as an 81-storey building. \
+                It was the tallest structure in the world for 41 years.\n";
+    std::fs::write(&data, line.repeat(20)).unwrap();
+    let ppl = |kv: &str| {
+        let out = run(&[
+            "eval",
+            "ppl",
+            "--model",
+            &model,
+            "--data",
+            &data,
+            "--ctx",
+            "128",
+            "--max-tokens",
+            "256",
+            "--device",
+            "cpu",
+            "--kv-cache",
+            kv,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(line["kv_cache"], kv);
+        line["ppl"].as_f64().unwrap()
+    };
+    let (f16, int8) = (ppl("f16"), ppl("int8"));
+    assert!(f16.is_finite() && int8.is_finite(), "{f16} {int8}");
+    assert!((int8 / f16 - 1.0).abs() < 0.05, "f16 {f16} vs int8 {int8}");
+    let err = fails(&["eval", "ppl", "--kv-cache", "int4"]);
+    assert!(err.contains("int4") && err.contains("int8"), "{err}");
+}

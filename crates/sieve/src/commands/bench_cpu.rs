@@ -29,6 +29,9 @@ pub struct CpuArgs {
     /// Rounds over all models (medians reported).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// KV cache precisions, each model measured with each (f16, int8).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f16")]
+    kv_cache: Vec<super::device::KvCache>,
     /// Also write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -71,6 +74,7 @@ fn run_on_pool(args: CpuArgs) -> Result<()> {
         prompt_tokens: args.prompt_tokens,
         decode_tokens: args.decode_tokens,
         repeats: args.repeats,
+        kv_caches: args.kv_cache.iter().map(|k| k.precision()).collect(),
     };
     let report = cpu_bench::run(&targets, &options, |name, p, d| {
         eprintln!("{name}: prefill {p:.1} tok/s, decode {d:.1} tok/s")

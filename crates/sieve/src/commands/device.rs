@@ -1,7 +1,8 @@
 //! `--device auto|cuda|cpu`: where a model runs.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use sieve_cuda::Gpu;
+use sieve_model::llama::{KvPrecision, Model};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Device {
@@ -9,6 +10,39 @@ pub enum Device {
     Auto,
     Cuda,
     Cpu,
+}
+
+/// `--kv-cache f16|int8`: what the KV cache stores ([`sieve_formats::kv_cache`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCache {
+    /// f16 keys and values.
+    #[default]
+    F16,
+    /// i8 keys and values with one f32 scale per position and KV head: 0.53x the bytes at
+    /// head_dim 64.
+    Int8,
+}
+
+impl KvCache {
+    pub fn precision(self) -> KvPrecision {
+        match self {
+            KvCache::F16 => KvPrecision::F16,
+            KvCache::Int8 => KvPrecision::Int8,
+        }
+    }
+}
+
+/// `model` on `gpu` with a KV cache of `capacity` positions storing `kv`.
+pub fn upload(
+    gpu: Gpu,
+    model: &Model,
+    capacity: usize,
+    kv: KvCache,
+) -> Result<sieve_gpu::GpuModel> {
+    if kv != KvCache::F16 {
+        bail!("--kv-cache {}: the GPU cache stores f16 only in this build (--device cpu runs the 8-bit cache)", kv.precision());
+    }
+    Ok(sieve_gpu::GpuModel::from_model(gpu, model, capacity)?)
 }
 
 /// The GPU to run on, or `None` for the CPU. `--device cuda` without a usable GPU is an error;

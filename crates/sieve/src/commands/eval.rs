@@ -38,6 +38,9 @@ pub enum EvalCommand {
         /// Where to run: the GPU when one is present (auto), the GPU (cuda) or the CPU.
         #[arg(long, value_enum, default_value_t = super::device::Device::Auto)]
         device: super::device::Device,
+        /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
+        #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
+        kv_cache: super::device::KvCache,
     },
 }
 
@@ -49,6 +52,8 @@ struct PplLine {
     tokens: usize,
     ctx: usize,
     ppl: f64,
+    /// What the KV cache stored.
+    kv_cache: sieve_model::llama::KvPrecision,
     /// Mean negative log-likelihood per scored token, in nats.
     nll: f64,
 }
@@ -63,6 +68,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             threads,
             f16_weights,
             device,
+            kv_cache,
         } => {
             if let Some(n) = threads {
                 init_threads(n)?;
@@ -73,9 +79,10 @@ pub fn run(command: EvalCommand) -> Result<()> {
             };
             let path = super::model_path::resolve_model(model.as_deref())?;
             // `.sieve` files (by magic) and every other model layout.
-            let (model, tokenizer) =
+            let (mut model, tokenizer) =
                 sieve_model::packed::load_model_and_tokenizer_with(&path, f16_weights)
                     .with_context(|| format!("opening {}", path.display()))?;
+            model.set_kv_precision(kv_cache.precision());
             sieve_model::generate::check_window(model.config(), ctx)?;
             // Read and tokenized in chunks up to --max-tokens, not the whole file first.
             let tokens = tokenizer
@@ -94,7 +101,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             };
             let result = match super::device::open(device)? {
                 Some(gpu) => {
-                    let mut gpu_model = sieve_gpu::GpuModel::from_model(gpu, &model, ctx)?;
+                    let mut gpu_model = super::device::upload(gpu, &model, ctx, kv_cache)?;
                     drop(model);
                     super::device::print_report(&gpu_model);
                     sieve_gpu::generate::perplexity(&mut gpu_model, &tokens, ctx, progress)?
@@ -108,6 +115,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
                 tokens: result.scored_tokens,
                 ctx,
                 ppl: result.perplexity(),
+                kv_cache: kv_cache.precision(),
                 nll: result.mean_nll(),
             };
             println!("{}", serde_json::to_string(&line)?);

@@ -42,6 +42,9 @@ pub struct GenerateArgs {
     /// Where to run: the GPU when one is present (auto), the GPU (cuda) or the CPU.
     #[arg(long, value_enum, default_value_t = super::device::Device::Auto)]
     device: super::device::Device,
+    /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
+    #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
+    kv_cache: super::device::KvCache,
     /// CPU: print where a decode step's time goes (wall time per phase of the forward pass).
     #[arg(long)]
     profile: bool,
@@ -56,9 +59,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     // `.sieve` files (by magic) and every other model layout.
-    let (model, tokenizer) =
+    let (mut model, tokenizer) =
         sieve_model::packed::load_model_and_tokenizer_with(&path, args.f16_weights)
             .with_context(|| format!("opening {}", path.display()))?;
+    model.set_kv_precision(args.kv_cache.precision());
 
     let (text, add_bos) = if args.chat {
         let rendered = render_chat(
@@ -90,7 +94,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     if let Some(gpu) = super::device::open(args.device)? {
         let capacity = prompt.len().saturating_add(args.max_tokens);
-        let mut gpu_model = sieve_gpu::GpuModel::from_model(gpu, &model, capacity)?;
+        let mut gpu_model = super::device::upload(gpu, &model, capacity, args.kv_cache)?;
         drop(model);
         super::device::print_report(&gpu_model);
         let result = sieve_gpu::generate::generate(

@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// between the decode steps of the running sequences.
     #[arg(long, default_value_t = sieve_serve::scheduler::PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// What the KV cache slots store: f16, or int8 (one scale per position and KV head;
+    /// about half the memory per slot).
+    #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
+    kv_cache: super::device::KvCache,
     /// Seconds in-flight requests may take to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
@@ -102,6 +106,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         body_timeout: Duration::from_secs(args.body_timeout),
         write_timeout: Duration::from_secs(args.write_timeout),
         prefill_chunk: args.prefill_chunk,
+        kv_cache: args.kv_cache.precision(),
     };
     config.validate()?;
     if let Some(name) = &args.synthetic {
