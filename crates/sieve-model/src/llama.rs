@@ -47,6 +47,7 @@ use sieve_cpu::{gemm, kernels};
 pub use sieve_formats::kv_cache::{self, KvPrecision};
 
 pub mod phases;
+pub mod tensor_parallel;
 use phases::{Clock, Phase};
 mod walk;
 pub use walk::LayerWalk;
@@ -253,15 +254,54 @@ impl KvCache {
     fn layer_offset(&self, layer: usize) -> usize {
         layer * self.capacity * self.row
     }
+    /// An empty cache of `layers` x `capacity` positions x `kv_heads` x `head_dim`, storing
+    /// `precision` (sizes checked, allocation fallible).
+    fn zeroed(
+        layers: usize,
+        capacity: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        precision: KvPrecision,
+    ) -> Result<KvCache> {
+        let row = kv_heads * head_dim;
+        let size = sieve_formats::size::product(
+            "KV cache (layers x positions x KV heads x head_dim)",
+            &[layers, capacity, row],
+        )?;
+        let what = format!("{precision} KV cache for {capacity} positions");
+        let store = match precision {
+            KvPrecision::F16 => KvStore::F16 {
+                k: zeroed(&what, size)?,
+                v: zeroed(&what, size)?,
+            },
+            KvPrecision::Int8 => KvStore::Int8 {
+                k: zeroed(&what, size)?,
+                v: zeroed(&what, size)?,
+                k_scales: zeroed(&what, size / head_dim.max(1))?,
+                v_scales: zeroed(&what, size / head_dim.max(1))?,
+            },
+        };
+        Ok(KvCache {
+            store,
+            capacity,
+            len: 0,
+            row,
+            head_dim,
+        })
+    }
     /// Refuses a cache made for a model of another shape.
     fn check_for(&self, c: &ModelConfig) -> Result<()> {
+        self.check_shape(c.num_layers, c.num_kv_heads, c.head_dim)
+    }
+    /// Refuses a cache that is not `layers` x capacity x `kv_heads` x `head_dim`.
+    fn check_shape(&self, layers: usize, kv_heads: usize, head_dim: usize) -> Result<()> {
         let values = match &self.store {
             KvStore::F16 { k, .. } => k.len(),
             KvStore::Int8 { k, .. } => k.len(),
         };
-        if self.row != c.num_kv_heads * c.head_dim
-            || self.head_dim != c.head_dim
-            || values != c.num_layers * self.capacity * self.row
+        if self.row != kv_heads * head_dim
+            || self.head_dim != head_dim
+            || values != layers * self.capacity * self.row
         {
             return Err(ModelError::InvalidArgument(
                 "KV cache was made for another model".into(),
@@ -684,31 +724,13 @@ impl Model {
     pub fn try_new_cache_as(&self, capacity: usize, precision: KvPrecision) -> Result<KvCache> {
         let c = &self.config;
         let capacity = capacity.min(c.max_position_embeddings);
-        let row = c.num_kv_heads * c.head_dim;
-        let size = sieve_formats::size::product(
-            "KV cache (layers x positions x KV heads x head_dim)",
-            &[c.num_layers, capacity, row],
-        )?;
-        let what = format!("{precision} KV cache for {capacity} positions");
-        let store = match precision {
-            KvPrecision::F16 => KvStore::F16 {
-                k: zeroed(&what, size)?,
-                v: zeroed(&what, size)?,
-            },
-            KvPrecision::Int8 => KvStore::Int8 {
-                k: zeroed(&what, size)?,
-                v: zeroed(&what, size)?,
-                k_scales: zeroed(&what, size / c.head_dim.max(1))?,
-                v_scales: zeroed(&what, size / c.head_dim.max(1))?,
-            },
-        };
-        Ok(KvCache {
-            store,
+        KvCache::zeroed(
+            c.num_layers,
             capacity,
-            len: 0,
-            row,
-            head_dim: c.head_dim,
-        })
+            c.num_kv_heads,
+            c.head_dim,
+            precision,
+        )
     }
 
     /// Runs `tokens` at positions `cache.len()..`, appends their keys and values to the cache
