@@ -188,17 +188,6 @@ __device__ __forceinline__ void rope_head_i8(float* __restrict__ qkv, const floa
     }
 }
 
-// The row y of a batched pass: its position and, for a row of the many-sequences path, the
-// offset of its slot in cache values (-1 for a padding row, which writes no cache).
-__device__ __forceinline__ int rope_row_position(int p0, const int* __restrict__ seqs, long long slot_stride,
-                                                 int y, long long& slot_values) {
-    slot_values = 0;
-    if (!seqs) return p0 + y;
-    const int s = seqs[2 * y + 1];
-    slot_values = s < 0 ? -1 : (long long)s * slot_stride;
-    return seqs[2 * y];
-}
-
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
         const float* __restrict__ rope_sin, const int* __restrict__ state, f16_bits* __restrict__ k_cache,
@@ -214,10 +203,14 @@ rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* 
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;
-    long long slot;
-    const int p = rope_row_position(p0, seqs, slot_stride, y, slot);
-    if (slot < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
-    slot = max(slot, 0ll);
+    int p = p0 + y;
+    size_t slot = 0;
+    if (seqs) {
+        p = seqs[2 * y];
+        const int s = seqs[2 * y + 1];
+        if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
+        slot = (size_t)max(s, 0) * (size_t)slot_stride;
+    }
     rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, p, blockIdx.x, k_cache + slot, v_cache + slot, H,
               Hkv, hd);
 }
@@ -240,11 +233,15 @@ rope_rows_i8(float* __restrict__ qkv, const float* __restrict__ bias, const floa
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;
-    long long slot;
-    const int p = rope_row_position(p0, seqs, slot_stride, y, slot);
-    if (slot < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
-    slot = max(slot, 0ll);
-    const long long scale_slot = slot / hd;  // the scales hold one entry per hd values
+    int p = p0 + y;
+    size_t slot = 0;
+    if (seqs) {
+        p = seqs[2 * y];
+        const int s = seqs[2 * y + 1];
+        if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
+        slot = (size_t)max(s, 0) * (size_t)slot_stride;
+    }
+    const size_t scale_slot = slot / hd;  // the scales hold one entry per hd values
     rope_head_i8(qkv + y * qkv_row, bias, rope_cos, rope_sin, p, blockIdx.x, k_cache + slot, v_cache + slot,
                  k_scales + scale_slot, v_scales + scale_slot, H, Hkv, hd);
 }
