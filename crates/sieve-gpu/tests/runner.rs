@@ -701,7 +701,7 @@ fn tiny_dense_model_with_int8_kv_cache_matches_cpu() {
     let name = "tiny_dense_model_with_int8_kv_cache_matches_cpu";
     for (what, config) in [
         ("groups of 3", config(301, 96, 200, 2, 6, 2, 16)),
-        ("groups of 8, hd 64", config(301, 128, 200, 2, 8, 1, 64)),
+        ("groups of 8, hd 64", config(301, 512, 256, 2, 8, 1, 64)),
     ] {
         let mut model = tiny_model_of(config, FormatKind::Dense, 0.0, 0.0, 41);
         model.set_kv_precision(KvPrecision::Int8);
