@@ -1,5 +1,6 @@
-// Grouped-query attention of one decode token over the f16 KV cache, split along the sequence
-// (flash-decoding), then a combine kernel.
+// Grouped-query attention of one decode token over the KV cache (f16, or i8 with one f32 scale
+// per (position, KV head) row: the _i8 kernels), split along the sequence (flash-decoding),
+// then a combine kernel.
 //
 // attention_split_g<G>: grid (Hkv, S), 128 threads (4 warps); G = the group size g = H / Hkv
 // rounded up to 1, 2, 4 or 8 (heads j >= g are masked). Block (kv head h, split s) takes the
@@ -7,11 +8,12 @@
 // len = state[0] + 1 and per = ceil(len / S): the grid is fixed when the step is captured, the
 // split of the work follows the sequence length read from device memory.
 //
-// Lanes lie along the head dimension, so every cache read is coalesced: a row of hd f16 is
-// hd / 8 16-byte chunks, read by a group of L lanes (L = hd / 8 rounded up to a power of two;
-// lanes past hd / 8 idle), R = 32 / L rows per warp, RB = 4 R rows per block step:
+// Lanes lie along the head dimension, so every cache read is coalesced: a row of hd values is
+// hd / 8 chunks of 8 (16 bytes of f16, or 8 bytes of i8), read by a group of L lanes (L = hd / 8
+// rounded up to a power of two; lanes past hd / 8 idle), R = 32 / L rows per warp, RB = 4 R
+// rows per block step:
 //
-//      cache row p (hd f16):  | chunk 0 | chunk 1 | ... |      lane = sub * L + c
+//      cache row p (hd values): | chunk 0 | chunk 1 | ... |    lane = sub * L + c
 //      warp w, sub-row sub:   row  t0 + i * RB + w * R + sub, chunk c, for i < ATT_LOADS
 //
 //   per tile of TILE = ATT_LOADS * RB positions:
@@ -23,6 +25,13 @@
 //        running sum l_j, correction corr_j = exp(m_old - m_new), all in shared memory;
 //     4. values: acc[j][8] = acc * corr_j + sum over the thread's rows of prob[j][row] * V chunk.
 //   After the last tile the RB row groups' accumulators are reduced through shared memory.
+//
+// The 8-bit cache (attention_split_i8_g<G>, Cache = CacheI8): the same mapping over i8 chunks,
+// plus each row's key and value scale (k_scales, v_scales f32 [position][Hkv], loaded with the
+// row's chunks in step 1). The integers are multiplied as they are and the scales folded in
+// once per row: step 2 stores score = scale_k(row) * (q . k_int), step 4 adds
+// prob * scale_v(row) * v_int. The f16 kernels (Cache = CacheF16) have no scale and their
+// arithmetic is that of the kernel before the 8-bit cache.
 //   output per (query head, split): part[(head * S + s) * (hd + 2)] = { m, l, acc[0..hd] }
 //   (an empty split writes m = -inf, l = 0).
 //
@@ -36,7 +45,7 @@
 //
 // Many sequences (seqs != null): grid (Hkv, S, n), query z is the next token of its own
 // sequence: length seqs[2z] + 1, cache slot seqs[2z + 1] (slot * slot_stride elements past the
-// layer's base); q and partials as in prefill. One launch serves a decode step of n sequences.
+// layer's base, its scales slot * slot_stride / hd entries); q and partials as in prefill. One launch serves a decode step of n sequences.
 // A padding row (slot -(s + 1) < 0, see rope_seqs) reads slot s, which the batch's real row
 // of that slot has written: its output is valid and unused.
 //
@@ -57,18 +66,44 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-__device__ __forceinline__ uint4 ld_cache16(const f16_bits* p) {
-    return __ldg(reinterpret_cast<const uint4*>(p));
-}
+// What attention_split_body reads per lane and row: a chunk of 8 cache values, widened to f32.
+struct CacheF16 {
+    typedef f16_bits elem;
+    typedef uint4 chunk;  // 8 f16
+    static constexpr bool scaled = false;
+    __device__ __forceinline__ static chunk load(const elem* p) {
+        return __ldg(reinterpret_cast<const uint4*>(p));
+    }
+    __device__ __forceinline__ static chunk zero() { return make_uint4(0, 0, 0, 0); }
+    __device__ __forceinline__ static void unpack(const chunk& v, float out[8]) { unpack8(v, out); }
+};
 
-template <int G>
+struct CacheI8 {
+    typedef signed char elem;
+    typedef uint2 chunk;  // 8 i8, element i in byte i (little-endian)
+    static constexpr bool scaled = true;
+    __device__ __forceinline__ static chunk load(const elem* p) {
+        return __ldg(reinterpret_cast<const uint2*>(p));
+    }
+    __device__ __forceinline__ static chunk zero() { return make_uint2(0, 0); }
+    __device__ __forceinline__ static void unpack(const chunk& v, float out[8]) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            out[b] = (float)(signed char)(v.x >> (8 * b));
+            out[4 + b] = (float)(signed char)(v.y >> (8 * b));
+        }
+    }
+};
+
+template <int G, typename Cache>
 __device__ __forceinline__ void attention_split_body(const float* __restrict__ qkv,
-                                                     const f16_bits* __restrict__ k_cache,
-                                                     const f16_bits* __restrict__ v_cache,
+                                                     const typename Cache::elem* __restrict__ k_cache,
+                                                     const typename Cache::elem* __restrict__ v_cache,
                                                      const int* __restrict__ state, float* __restrict__ part,
                                                      int H, int Hkv, int hd, float scale, int len0,
                                                      int q_stride, const int* __restrict__ seqs,
-                                                     long long slot_stride) {
+                                                     long long slot_stride, const float* __restrict__ k_scales,
+                                                     const float* __restrict__ v_scales) {
     extern __shared__ float smem[];  // scores [G][TILE]; after the loop, the reduction [RB][G][hd]
     __shared__ float s_m[G], s_l[G], s_corr[G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
@@ -83,6 +118,10 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
         const size_t slot = (size_t)(s < 0 ? -(s + 1) : s) * (size_t)slot_stride;
         k_cache += slot;
         v_cache += slot;
+        if (Cache::scaled) {
+            k_scales += slot / hd;
+            v_scales += slot / hd;
+        }
     }
     qkv += (size_t)blockIdx.z * q_stride;
     part += (size_t)blockIdx.z * H * S * (hd + 2);
@@ -113,24 +152,30 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     __syncthreads();
 
     const size_t row = (size_t)Hkv * hd;
-    const f16_bits* kbase = k_cache + (size_t)kvh * hd + c * 8;
-    const f16_bits* vbase = v_cache + (size_t)kvh * hd + c * 8;
+    const typename Cache::elem* kbase = k_cache + (size_t)kvh * hd + c * 8;
+    const typename Cache::elem* vbase = v_cache + (size_t)kvh * hd + c * 8;
     float* sc = smem;
     for (int t0 = p0; t0 < p1; t0 += TILE) {
-        // 1. The tile's K and V chunks, all in flight together.
-        uint4 kv[ATT_LOADS], vv[ATT_LOADS];
+        // 1. The tile's K and V chunks (and, for the 8-bit cache, their rows' scales), all in
+        // flight together.
+        typename Cache::chunk kv[ATT_LOADS], vv[ATT_LOADS];
+        float kscale[ATT_LOADS], vscale[ATT_LOADS];
 #pragma unroll
         for (int i = 0; i < ATT_LOADS; ++i) {
             const int p = t0 + i * RB + rstep;
             const bool ok = p < p1 && has_chunk;
-            kv[i] = ok ? ld_cache16(kbase + (size_t)p * row) : make_uint4(0, 0, 0, 0);
-            vv[i] = ok ? ld_cache16(vbase + (size_t)p * row) : make_uint4(0, 0, 0, 0);
+            kv[i] = ok ? Cache::load(kbase + (size_t)p * row) : Cache::zero();
+            vv[i] = ok ? Cache::load(vbase + (size_t)p * row) : Cache::zero();
+            if (Cache::scaled) {
+                kscale[i] = ok ? __ldg(k_scales + (size_t)p * Hkv + kvh) : 0.f;
+                vscale[i] = ok ? __ldg(v_scales + (size_t)p * Hkv + kvh) : 0.f;
+            }
         }
         // 2. Scores of the thread's rows, summed over the row's L lanes.
 #pragma unroll
         for (int i = 0; i < ATT_LOADS; ++i) {
             float kf[8];
-            unpack8(kv[i], kf);
+            Cache::unpack(kv[i], kf);
             float d[G];
 #pragma unroll
             for (int j = 0; j < G; ++j) {
@@ -146,8 +191,10 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
                 const int idx = i * RB + rstep;
                 const bool valid = t0 + idx < p1;
 #pragma unroll
-                for (int j = 0; j < G; ++j)
-                    if (j < g) sc[j * TILE + idx] = valid ? d[j] : ATT_NEG_INF;
+                for (int j = 0; j < G; ++j) {
+                    const float score = Cache::scaled ? d[j] * kscale[i] : d[j];
+                    if (j < g) sc[j * TILE + idx] = valid ? score : ATT_NEG_INF;
+                }
             }
         }
         __syncthreads();
@@ -186,12 +233,12 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
 #pragma unroll
         for (int i = 0; i < ATT_LOADS; ++i) {
             float vf[8];
-            unpack8(vv[i], vf);
+            Cache::unpack(vv[i], vf);
             const int idx = i * RB + rstep;
 #pragma unroll
             for (int j = 0; j < G; ++j) {
                 if (j < g) {
-                    const float pr = sc[j * TILE + idx];
+                    const float pr = Cache::scaled ? sc[j * TILE + idx] * vscale[i] : sc[j * TILE + idx];
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pr, vf[e], acc[j][e]);
                 }
@@ -224,30 +271,31 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     }
 }
 
-#define ATTENTION_ARGS                                                                             \
-    const float *__restrict__ qkv, const f16_bits *__restrict__ k_cache,                           \
-        const f16_bits *__restrict__ v_cache, const int *__restrict__ state, float *__restrict__ part, \
-        int H, int Hkv, int hd, float scale, int len0, int q_stride, const int *__restrict__ seqs, \
-        long long slot_stride
+#define ATTENTION_ARGS(ELEM)                                                                       \
+    const float *__restrict__ qkv, const ELEM *__restrict__ k_cache, const ELEM *__restrict__ v_cache, \
+        const int *__restrict__ state, float *__restrict__ part, int H, int Hkv, int hd, float scale,  \
+        int len0, int q_stride, const int *__restrict__ seqs, long long slot_stride
 #define ATTENTION_PASS \
     qkv, k_cache, v_cache, state, part, H, Hkv, hd, scale, len0, q_stride, seqs, slot_stride
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g1(ATTENTION_ARGS) {
-    pdl_wait_then_release();
-    attention_split_body<1>(ATTENTION_PASS);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g2(ATTENTION_ARGS) {
-    pdl_wait_then_release();
-    attention_split_body<2>(ATTENTION_PASS);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g4(ATTENTION_ARGS) {
-    pdl_wait_then_release();
-    attention_split_body<4>(ATTENTION_PASS);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g8(ATTENTION_ARGS) {
-    pdl_wait_then_release();
-    attention_split_body<8>(ATTENTION_PASS);
-}
+// attention_split_g<G> over the f16 cache, attention_split_i8_g<G> over the 8-bit one (its
+// two scale buffers follow the f16 kernel's arguments).
+#define ATTENTION_SPLIT_KERNELS(G)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g##G(ATTENTION_ARGS(f16_bits)) { \
+        pdl_wait_then_release();                                                                    \
+        attention_split_body<G, CacheF16>(ATTENTION_PASS, nullptr, nullptr);                        \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_i8_g##G(                \
+        ATTENTION_ARGS(signed char), const float* __restrict__ k_scales,                            \
+        const float* __restrict__ v_scales) {                                                       \
+        pdl_wait_then_release();                                                                    \
+        attention_split_body<G, CacheI8>(ATTENTION_PASS, k_scales, v_scales);                       \
+    }
+
+ATTENTION_SPLIT_KERNELS(1)
+ATTENTION_SPLIT_KERNELS(2)
+ATTENTION_SPLIT_KERNELS(4)
+ATTENTION_SPLIT_KERNELS(8)
 
 extern "C" __global__ void __launch_bounds__(128)
 attention_combine(const float* __restrict__ part, float* __restrict__ att, int S, int hd) {

@@ -1,10 +1,12 @@
 //! Grouped-query attention of one decode token (or of a prefill batch's tokens, causally, or of
 //! one token of each of a batch's sequences) over
-//! the f16 KV cache, flash-decoding: split along the sequence, then combined
-//! (`kernels/attention.cu`); with the f64 CPU reference.
+//! the KV cache (f16, or i8 rows with one scale per (position, KV head): [`KvCache`]),
+//! flash-decoding: split along the sequence, then combined (`kernels/attention.cu`); with the
+//! f64 CPU reference.
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{grid_cfg, Gpu, KernelFamily};
+use crate::kv_cache::KvCache;
 use crate::prefill::Rows;
 use crate::product::DevPtr;
 use cudarc::driver::PushKernelArg;
@@ -88,8 +90,7 @@ pub fn attention(
     gpu: &Gpu,
     shape: &AttentionShape,
     qkv: DevPtr,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
+    cache: KvCache,
     state: DevPtr,
     part: DevPtr,
     att: DevPtr,
@@ -100,7 +101,7 @@ pub fn attention(
         seqs: 0,
         slot_stride: 0,
     };
-    launch(gpu, shape, qkv, k_cache, v_cache, state, part, att, queries)
+    launch(gpu, shape, qkv, cache, state, part, att, queries)
 }
 
 /// Attention of `n` query rows of `qkv` (`(H + 2 Hkv) hd` apart), outputs `[n][H][hd]`,
@@ -113,8 +114,7 @@ pub fn attention_rows(
     gpu: &Gpu,
     shape: &AttentionShape,
     qkv: DevPtr,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
+    cache: KvCache,
     part: DevPtr,
     att: DevPtr,
     rows: &Rows,
@@ -137,7 +137,7 @@ pub fn attention_rows(
         seqs,
         slot_stride,
     };
-    launch(gpu, shape, qkv, k_cache, v_cache, 0, part, att, queries)
+    launch(gpu, shape, qkv, cache, 0, part, att, queries)
 }
 
 /// Which queries one launch runs (see `attention.cu`): the decode token at `state[0]`
@@ -155,15 +155,24 @@ fn launch(
     gpu: &Gpu,
     shape: &AttentionShape,
     qkv: DevPtr,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
+    cache: KvCache,
     state: DevPtr,
     part: DevPtr,
     att: DevPtr,
     queries: Queries,
 ) -> Result<()> {
     let shared = shape.split_shared_bytes() as u32;
-    let name = format!("attention_split_g{}", shape.kernel_group());
+    let (k_cache, v_cache, scales) = match cache {
+        KvCache::F16 { k, v } => (k, v, None),
+        KvCache::Int8 {
+            k,
+            v,
+            k_scales,
+            v_scales,
+        } => (k, v, Some((k_scales, v_scales))),
+    };
+    let cache_kind = if scales.is_some() { "_i8" } else { "" };
+    let name = format!("attention_split{cache_kind}_g{}", shape.kernel_group());
     let f = gpu.function(&FAMILY, &name)?;
     gpu.allow_dynamic_shared(&f, shared as usize)?;
     let (h, hkv, hd) = (
@@ -187,6 +196,9 @@ fn launch(
         .arg(&q_stride)
         .arg(&queries.seqs)
         .arg(&queries.slot_stride);
+    if let Some((k_scales, v_scales)) = &scales {
+        b.arg(k_scales).arg(v_scales);
+    }
     let mut c = grid_cfg(
         (shape.kv_heads as u32, shape.splits as u32),
         ATT_THREADS as u32,
@@ -209,8 +221,31 @@ fn launch(
     Ok(())
 }
 
-/// The f64 CPU reference.
+/// The f64 CPU reference, and the 8-bit cache as the kernels store it.
 pub mod reference {
+    use sieve_formats::kv_cache::{dequantize_row, quantize_row};
+
+    /// The 8-bit cache of `values` (`[pos][Hkv][hd]` f32): its i8 rows (same layout) and one
+    /// scale per row (`[pos][Hkv]`), by the rule the GPU's cache write applies.
+    pub fn quantize_cache(values: &[f32], hd: usize) -> (Vec<i8>, Vec<f32>) {
+        let mut q = vec![0i8; values.len()];
+        let scales = values
+            .chunks(hd)
+            .zip(q.chunks_mut(hd))
+            .map(|(row, qrow)| quantize_row(row, qrow))
+            .collect();
+        (q, scales)
+    }
+
+    /// What the 8-bit cache reads back (`q * scale` per row), in [`attention`]'s layout.
+    pub fn dequantize_cache(q: &[i8], scales: &[f32], hd: usize) -> Vec<f32> {
+        let mut out = vec![0f32; q.len()];
+        for ((qrow, orow), &s) in q.chunks(hd).zip(out.chunks_mut(hd)).zip(scales) {
+            dequantize_row(qrow, s, orow);
+        }
+        out
+    }
+
     /// Attention of `q` (`[H][hd]`) over `len` cached positions (`k`, `v`: `[pos][Hkv][hd]`).
     pub fn attention(
         q: &[f32],

@@ -26,8 +26,8 @@
 //! | module | kernels |
 //! |---|---|
 //! | [`step`] | embedding gather, RMSNorm that zeroes the next product's output, SwiGLU, the teacher-forced advance |
-//! | [`rope`] | RoPE with the f16 KV-cache write: one token (decode) or `n` rows (prefill), one device function |
-//! | [`attention`] | flash-decoding grouped-query attention over the f16 cache, split + combine; causal for prefill batches |
+//! | [`rope`] | RoPE with the KV-cache write (f16, or i8 rows quantized as written): one token (decode) or `n` rows (prefill), one device function |
+//! | [`attention`] | flash-decoding grouped-query attention over the f16 or 8-bit cache ([`kv_cache`]), split + combine; causal for prefill batches |
 //! | [`sampling`] | repetition penalty, greedy / temperature / top-k / top-p, the next token into the step state |
 //! | [`prefill`] | row-wise embedding, RMSNorm, f16 GEMM input under the TEAL threshold, SwiGLU |
 //!
@@ -46,6 +46,7 @@ pub mod error;
 pub mod gpu;
 pub mod graph;
 pub mod ie_bme;
+pub mod kv_cache;
 pub mod lowbit;
 pub mod prefill;
 pub mod product;
@@ -58,4 +59,5 @@ pub mod timing;
 
 pub use error::{CudaError, DriverContext, Result};
 pub use gpu::{gpu_or_skip, DeviceInfo, Gpu};
+pub use kv_cache::{KvCache, KvPrecision};
 pub use product::{dev_ptr, matvec_host, DevPtr, GpuAccumulate, GpuMatVec};

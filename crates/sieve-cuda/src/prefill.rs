@@ -20,7 +20,8 @@ pub enum Rows {
     Consecutive { first: usize },
     /// One token of each of `n` sequences (a decode step of a batch): `seqs` (device i32)
     /// holds `[position, slot]` per row, the caches passed are slot 0's and slot `s` starts
-    /// `slot_stride` f16 elements further. A negative slot `-(s + 1)` marks a padding row:
+    /// `slot_stride` cache values further (an 8-bit cache's scales `slot_stride / head_dim`
+    /// entries further). A negative slot `-(s + 1)` marks a padding row:
     /// it attends over slot `s` and writes no cache.
     Sequences { seqs: DevPtr, slot_stride: usize },
 }

@@ -1,20 +1,60 @@
-//! RoPE with the f16 KV-cache write (`kernels/rope.cu`): [`rope_kv`] for the decode step's
+//! RoPE with the KV-cache write (`kernels/rope.cu`): [`rope_kv`] for the decode step's
 //! token, [`rope_rows`] for a batched pass (a prompt chunk, or a decode step of many sequences), one device function under both; with the CPU
-//! reference of the rotation.
+//! reference of the rotation. The cache is f16, or i8 rows with one scale per (position, KV
+//! head) quantized as they are written ([`KvCache`]).
 
-use crate::error::{DriverContext, Result};
+use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{grid_cfg, Gpu, KernelFamily};
+use crate::kv_cache::KvCache;
 use crate::prefill::Rows;
 use crate::product::DevPtr;
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{LaunchArgs, PushKernelArg};
 
 pub const FAMILY: KernelFamily = KernelFamily {
     name: "rope",
     source: include_str!("../kernels/rope.cu"),
 };
 
+/// Threads of a rope block (`ROPE_THREADS` in `rope.cu`).
+const ROPE_THREADS: usize = 128;
+
+/// The kernel's name for `cache` (`base` or `base_i8`); refuses a head dimension the 8-bit
+/// write cannot take (one rotated pair per thread of a block).
+fn kernel_name(base: &str, cache: &KvCache, head_dim: usize) -> Result<String> {
+    Ok(match cache {
+        KvCache::F16 { .. } => base.to_string(),
+        KvCache::Int8 { .. } => {
+            if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 2 * ROPE_THREADS {
+                return Err(CudaError::Unsupported(format!(
+                    "head dimension {head_dim}: the 8-bit KV cache write needs an even one up to {}",
+                    2 * ROPE_THREADS
+                )));
+            }
+            format!("{base}_i8")
+        }
+    })
+}
+
+/// Pushes the cache's buffers in the kernels' order: `k, v` (and `k_scales, v_scales`).
+fn push_cache<'a>(b: &mut LaunchArgs<'a>, cache: &'a KvCache) {
+    match cache {
+        KvCache::F16 { k, v } => {
+            b.arg(k).arg(v);
+        }
+        KvCache::Int8 {
+            k,
+            v,
+            k_scales,
+            v_scales,
+        } => {
+            b.arg(k).arg(v).arg(k_scales).arg(v_scales);
+        }
+    }
+}
+
 /// RoPE over the q and k heads of `qkv` at position `state[0]` (biases added first when
 /// `bias` is non-zero), rotated k and v written to the layer's caches.
+#[allow(clippy::too_many_arguments)]
 pub fn rope_kv(
     gpu: &Gpu,
     qkv: DevPtr,
@@ -22,27 +62,25 @@ pub fn rope_kv(
     cos: DevPtr,
     sin: DevPtr,
     state: DevPtr,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
+    cache: KvCache,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<()> {
-    let f = gpu.function(&FAMILY, "rope_kv")?;
+    let f = gpu.function(&FAMILY, &kernel_name("rope_kv", &cache, head_dim)?)?;
     let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&qkv)
-        .arg(&bias)
-        .arg(&cos)
-        .arg(&sin)
-        .arg(&state)
-        .arg(&k_cache)
-        .arg(&v_cache)
-        .arg(&h)
-        .arg(&hkv)
-        .arg(&hd);
-    unsafe { b.launch(grid_cfg(((heads + kv_heads) as u32, 1), 128, 0)) }
-        .during("launching rope_kv")?;
+    b.arg(&qkv).arg(&bias).arg(&cos).arg(&sin).arg(&state);
+    push_cache(&mut b, &cache);
+    b.arg(&h).arg(&hkv).arg(&hd);
+    unsafe {
+        b.launch(grid_cfg(
+            ((heads + kv_heads) as u32, 1),
+            ROPE_THREADS as u32,
+            0,
+        ))
+    }
+    .during("launching rope_kv")?;
     Ok(())
 }
 
@@ -57,13 +95,12 @@ pub fn rope_rows(
     sin: DevPtr,
     rows: &Rows,
     n: usize,
-    k_cache: DevPtr,
-    v_cache: DevPtr,
+    cache: KvCache,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<()> {
-    let f = gpu.function(&FAMILY, "rope_rows")?;
+    let f = gpu.function(&FAMILY, &kernel_name("rope_rows", &cache, head_dim)?)?;
     let (p0, seqs, slot_stride) = rows.kernel_args()?;
     let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
     let mut b = gpu.stream().launch_builder(&f);
@@ -73,19 +110,23 @@ pub fn rope_rows(
         .arg(&sin)
         .arg(&p0)
         .arg(&seqs)
-        .arg(&slot_stride)
-        .arg(&k_cache)
-        .arg(&v_cache)
-        .arg(&h)
-        .arg(&hkv)
-        .arg(&hd);
-    unsafe { b.launch(grid_cfg(((heads + kv_heads) as u32, n as u32), 128, 0)) }
-        .during("launching rope_rows")?;
+        .arg(&slot_stride);
+    push_cache(&mut b, &cache);
+    b.arg(&h).arg(&hkv).arg(&hd);
+    unsafe {
+        b.launch(grid_cfg(
+            ((heads + kv_heads) as u32, n as u32),
+            ROPE_THREADS as u32,
+            0,
+        ))
+    }
+    .during("launching rope_rows")?;
     Ok(())
 }
 
 /// CPU references in the layouts the kernels use (f32, the KV cache as f32 values already
-/// rounded through f16 as the kernels store them).
+/// rounded through f16 as the kernels store them; the 8-bit cache's rows are
+/// [`sieve_formats::kv_cache::quantize_row`]'s, see [`crate::attention::reference`]).
 pub mod reference {
     use half::f16;
 

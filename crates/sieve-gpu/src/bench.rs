@@ -10,7 +10,7 @@ use crate::runner::{GpuModel, StepPart, StepProfile};
 use crate::synthetic::{self, SyntheticOptions, SyntheticValues};
 use serde::Serialize;
 use sieve_cuda::tiled_cbc::TcbcKernel;
-use sieve_cuda::Gpu;
+use sieve_cuda::{Gpu, KvPrecision};
 use sieve_formats::random::Pattern;
 use sieve_formats::FormatKind;
 use std::time::Instant;
@@ -67,6 +67,8 @@ pub struct DecodeResult {
     pub format: String,
     /// What the kept weights are stored as (f16, int8, int4:G, q4_0, ...).
     pub values: String,
+    /// How the KV cache stores keys and values (f16, int8).
+    pub kv_cache: String,
     pub kernels: Vec<String>,
     pub setup_s: f64,
     pub ttft_ms: f64,
@@ -234,6 +236,7 @@ pub fn measure(
         model: label.to_string(),
         sp,
         dp,
+        kv_cache: model.kv_precision().name().to_string(),
         // Tiled-CBC: the format with its kernel (lane8 or rr), from the q|k|v product's label.
         format: match model.report().kernels.first() {
             Some(k) if opts.format == FormatKind::TiledCbc => {
@@ -354,12 +357,23 @@ fn time_batches(
     Ok(out)
 }
 
-/// Builds and measures the synthetic model `name` at each `(sp, dp)`; `on_result` sees each
-/// configuration as it finishes (the CLI prints it).
+/// Builds and measures the synthetic model `name` at each `(sp, dp)` with an f16 KV cache;
+/// `on_result` sees each configuration as it finishes (the CLI prints it).
 pub fn run_synthetic(
     name: &str,
     configs: &[(f64, f64)],
     opts: &DecodeBenchOptions,
+    on_result: impl FnMut(&DecodeResult),
+) -> Result<Vec<DecodeResult>> {
+    run_synthetic_with(name, configs, opts, KvPrecision::F16, on_result)
+}
+
+/// [`run_synthetic`] with the KV cache stored as `kv` says.
+pub fn run_synthetic_with(
+    name: &str,
+    configs: &[(f64, f64)],
+    opts: &DecodeBenchOptions,
+    kv: KvPrecision,
     mut on_result: impl FnMut(&DecodeResult),
 ) -> Result<Vec<DecodeResult>> {
     let config = synthetic::config(name)?;
@@ -407,7 +421,7 @@ pub fn run_synthetic(
                 calib_tokens: 16,
             };
             let t = Instant::now();
-            let mut model = synthetic::build(gpu, name, &synth, capacity)?;
+            let mut model = synthetic::build_with(gpu, name, &synth, capacity, kv)?;
             let setup_s = t.elapsed().as_secs_f64();
             let o = DecodeBenchOptions {
                 format,

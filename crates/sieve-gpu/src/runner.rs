@@ -14,6 +14,7 @@
 //! ```
 
 use crate::error::{GpuError, Result};
+use crate::kv_cache::DeviceKvCache;
 use crate::matrix::{DeviceLinear, HostMatrix};
 use cudarc::driver::CudaSlice;
 use half::f16;
@@ -23,7 +24,7 @@ use sieve_cuda::lowbit::LowBitMatrix;
 use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows, Rows};
 use sieve_cuda::sampling::{self, SampleArgs};
 use sieve_cuda::timing::EventPair;
-use sieve_cuda::{dev_ptr, rope, step, DriverContext, Gpu};
+use sieve_cuda::{dev_ptr, rope, step, DriverContext, Gpu, KvCache, KvPrecision};
 use sieve_formats::{FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
@@ -134,8 +135,8 @@ struct Buffers {
     h: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     part: CudaSlice<f32>,
-    k_cache: CudaSlice<f16>,
-    v_cache: CudaSlice<f16>,
+    /// The KV cache pool (`crate::kv_cache`): every slot's, every layer's.
+    kv: DeviceKvCache,
     rope_cos: CudaSlice<f32>,
     rope_sin: CudaSlice<f32>,
     /// `[position, token]`.
@@ -166,12 +167,23 @@ impl StepProfile {
 pub struct UploadReport {
     /// Bytes of weights (with format metadata) on the device.
     pub weight_bytes: usize,
+    /// Bytes of the KV cache pool (K and V, every slot; the 8-bit cache's scales included).
     pub kv_cache_bytes: usize,
+    /// How the KV cache stores keys and values.
+    #[serde(serialize_with = "serialize_precision")]
+    pub kv_precision: KvPrecision,
     /// Kernel of each projection group, e.g. `q|k|v: tiled-cbc/lane8`.
     pub kernels: Vec<String>,
     pub notes: Vec<String>,
     /// Launches of one decode step.
     pub launches_per_step: usize,
+}
+
+fn serialize_precision<S: serde::Serializer>(
+    p: &KvPrecision,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(p.name())
 }
 
 /// The sampler kernel's arguments for `p` (validated by `SamplingParams::validate`): greedy
@@ -256,9 +268,20 @@ pub const DECODED_MIN_BATCH: usize = 5;
 pub const MAX_BATCH_SLOTS: usize = 1024;
 
 impl GpuModel {
-    /// Uploads a model loaded by the CPU loaders (GGUF, safetensors, `.sieve` pack) with a KV
-    /// cache for `capacity` positions (capped at the model's context).
+    /// Uploads a model loaded by the CPU loaders (GGUF, safetensors, `.sieve` pack) with an
+    /// f16 KV cache for `capacity` positions (capped at the model's context).
     pub fn from_model(gpu: Gpu, model: &Model, capacity: usize) -> Result<Self> {
+        Self::from_model_with(gpu, model, capacity, KvPrecision::F16)
+    }
+
+    /// [`Self::from_model`] with the KV cache stored as `kv` says (f16, or i8 rows with one
+    /// scale per position and KV head, quantized as they are written).
+    pub fn from_model_with(
+        gpu: Gpu,
+        model: &Model,
+        capacity: usize,
+        kv: KvPrecision,
+    ) -> Result<Self> {
         let c = model.config().clone();
         // What this runner cannot execute is refused here, naming the op and the format,
         // before anything is decoded or uploaded.
@@ -302,6 +325,7 @@ impl GpuModel {
             gpu,
             c,
             capacity,
+            kv,
             model.embed_tokens().to_vec(),
             model.final_norm().to_vec(),
             (head.0, head.1, head.2),
@@ -363,13 +387,15 @@ impl GpuModel {
         )
     }
 
-    /// Builds the device model from its parts; `layer(l)` supplies layer `l` (so that a large
-    /// model is generated or decoded one layer at a time, never whole in host memory).
+    /// Builds the device model from its parts, with a KV cache of `capacity` positions stored
+    /// as `kv` says; `layer(l)` supplies layer `l` (so that a large model is generated or
+    /// decoded one layer at a time, never whole in host memory).
     #[allow(clippy::too_many_arguments)]
     pub fn build(
         gpu: Gpu,
         config: ModelConfig,
         capacity: usize,
+        kv: KvPrecision,
         embed: Vec<f16>,
         final_norm: Vec<f32>,
         lm_head: (HostMatrix, Threshold, FormatKind),
@@ -403,9 +429,18 @@ impl GpuModel {
             )));
         }
         let attention = AttentionShape::new(&gpu, nh, nkv, hd, capacity)?;
-        let row = nkv * hd;
-        let kv_cache_bytes = 2 * c.num_layers * capacity * row * 2;
-        check_memory(&gpu, kv_cache_bytes + vocab * d * 2)?;
+        let cache_rows = c
+            .num_layers
+            .checked_mul(capacity)
+            .and_then(|r| r.checked_mul(nkv));
+        let kv_cache_bytes = cache_rows
+            .and_then(|rows| DeviceKvCache::bytes_for(kv, rows, hd))
+            .ok_or_else(|| {
+                GpuError::InvalidArgument(format!(
+                    "a KV cache of {capacity} positions overflows the address space"
+                ))
+            })?;
+        check_memory(&gpu, kv_cache_bytes.saturating_add(vocab * d * 2))?;
         let stream = gpu.stream().clone();
         let zeros_f32 = |n: usize| {
             stream
@@ -432,12 +467,7 @@ impl GpuModel {
             h: zeros_f32(inter)?,
             logits: zeros_f32(vocab)?,
             part: zeros_f32(attention.partials_len())?,
-            k_cache: stream
-                .alloc_zeros::<f16>(c.num_layers * capacity * row)
-                .during("allocating the K cache")?,
-            v_cache: stream
-                .alloc_zeros::<f16>(c.num_layers * capacity * row)
-                .during("allocating the V cache")?,
+            kv: DeviceKvCache::allocate(&stream, kv, c.num_layers * capacity * nkv, hd)?,
             rope_cos: gpu.upload(&cos)?,
             rope_sin: gpu.upload(&sin)?,
             state: gpu.upload(&[0i32, 0])?,
@@ -445,6 +475,7 @@ impl GpuModel {
         };
         let mut report = UploadReport {
             kv_cache_bytes,
+            kv_precision: kv,
             ..Default::default()
         };
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -651,8 +682,6 @@ impl GpuModel {
         let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let state = dev_ptr(g, &b.state);
-        let cache_at =
-            |cache: &CudaSlice<f16>, l: usize| dev_ptr(g, cache) + self.cache_offset_bytes(l);
         match op {
             Op::Plan(StepOp::Embed) => {
                 step::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
@@ -677,8 +706,7 @@ impl GpuModel {
                 p(&b.rope_cos),
                 p(&b.rope_sin),
                 state,
-                cache_at(&b.k_cache, l),
-                cache_at(&b.v_cache, l),
+                self.cache_view(l)?,
                 c.num_heads,
                 c.num_kv_heads,
                 c.head_dim,
@@ -687,8 +715,7 @@ impl GpuModel {
                 g,
                 &self.attention,
                 p(&b.qkv),
-                cache_at(&b.k_cache, l),
-                cache_at(&b.v_cache, l),
+                self.cache_view(l)?,
                 state,
                 p(&b.part),
                 p(&b.att),
@@ -933,8 +960,7 @@ impl GpuModel {
         };
         // The layer as the plan orders it (`plan::LAYER`), each op over the n rows.
         for (l, layer) in self.layers.iter().enumerate() {
-            let kc = dev_ptr(g, &self.bufs.k_cache) + self.cache_offset_bytes_at(base_slot, l);
-            let vc = dev_ptr(g, &self.bufs.v_cache) + self.cache_offset_bytes_at(base_slot, l);
+            let cache = self.cache_view_at(base_slot, l)?;
             let bias = layer.qkv_bias.as_ref().map(p).unwrap_or(0);
             let (cos, sin) = (p(&self.bufs.rope_cos), p(&self.bufs.rope_sin));
             for op in plan::LAYER {
@@ -946,14 +972,13 @@ impl GpuModel {
                         linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?
                     }
                     LayerOp::RopeKv => {
-                        rope::rope_rows(g, y, bias, cos, sin, &rows, n, kc, vc, nh, nkv, hd)?
+                        rope::rope_rows(g, y, bias, cos, sin, &rows, n, cache, nh, nkv, hd)?
                     }
                     LayerOp::Attention => attention::attention_rows(
                         g,
                         &self.attention,
                         y,
-                        kc,
-                        vc,
+                        cache,
                         p(&pb.part),
                         att,
                         &rows,
@@ -1231,38 +1256,34 @@ impl GpuModel {
             ));
         }
         let c = &self.config;
-        let per_slot = c.num_layers * self.capacity * c.num_kv_heads * c.head_dim;
-        let elems = per_slot.checked_mul(slots).ok_or_else(|| {
-            GpuError::InvalidArgument(format!("{slots} KV cache slots overflow the address space"))
-        })?;
-        let bytes = elems.saturating_mul(4);
+        let hd = c.head_dim;
+        let precision = self.bufs.kv.precision();
+        let per_slot = c.num_layers * self.capacity * c.num_kv_heads;
+        let rows = per_slot.checked_mul(slots);
+        let bytes = rows
+            .and_then(|r| DeviceKvCache::bytes_for(precision, r, hd))
+            .ok_or_else(|| {
+                GpuError::InvalidArgument(format!(
+                    "{slots} KV cache slots overflow the address space"
+                ))
+            })?;
+        let rows = rows.unwrap_or(0);
         // The current caches are freed first, so only the growth must fit.
         check_memory(&self.gpu, bytes.saturating_sub(self.report.kv_cache_bytes))?;
         // Nothing captured may outlive the caches it addresses, whatever happens below.
         self.drop_graphs();
-        let old_elems = self.bufs.k_cache.len();
+        let old_rows = self.bufs.kv.rows(hd);
         let stream = self.gpu.stream().clone();
-        self.bufs.k_cache = stream.alloc_zeros::<f16>(1).during("freeing the K cache")?;
-        self.bufs.v_cache = stream.alloc_zeros::<f16>(1).during("freeing the V cache")?;
-        let allocate = |n: usize| -> Result<(CudaSlice<f16>, CudaSlice<f16>)> {
-            Ok((
-                stream
-                    .alloc_zeros::<f16>(n)
-                    .during("allocating the K cache pool")?,
-                stream
-                    .alloc_zeros::<f16>(n)
-                    .during("allocating the V cache pool")?,
-            ))
-        };
-        match allocate(elems) {
-            Ok((k, v)) => (self.bufs.k_cache, self.bufs.v_cache) = (k, v),
+        self.bufs.kv = DeviceKvCache::allocate(&stream, precision, 1, hd)?;
+        match DeviceKvCache::allocate(&stream, precision, rows, hd) {
+            Ok(pool) => self.bufs.kv = pool,
             Err(e) => {
                 // Back to the pool that was there (it fitted a moment ago); if even that
                 // fails, no position is left, so every step is refused instead of writing
-                // past a one-element cache.
+                // past a one-row cache.
                 self.slot_graphs = (0..self.slots).map(|_| None).collect();
-                match allocate(old_elems) {
-                    Ok((k, v)) => (self.bufs.k_cache, self.bufs.v_cache) = (k, v),
+                match DeviceKvCache::allocate(&stream, precision, old_rows, hd) {
+                    Ok(pool) => self.bufs.kv = pool,
                     Err(_) => {
                         self.capacity = 0;
                         self.report.kv_cache_bytes = 0;
@@ -1293,16 +1314,22 @@ impl GpuModel {
         self.slots
     }
 
-    /// Byte offset of layer `l`'s cache rows of the current slot.
-    fn cache_offset_bytes(&self, l: usize) -> u64 {
-        self.cache_offset_bytes_at(self.slot, l)
+    /// How the KV cache stores keys and values.
+    pub fn kv_precision(&self) -> KvPrecision {
+        self.bufs.kv.precision()
     }
 
-    /// Byte offset of layer `l`'s cache rows of slot `slot`.
-    fn cache_offset_bytes_at(&self, slot: usize, l: usize) -> u64 {
+    /// Layer `l`'s cache of the current slot, as the kernels address it.
+    fn cache_view(&self, l: usize) -> Result<KvCache> {
+        self.cache_view_at(self.slot, l)
+    }
+
+    /// Layer `l`'s cache of slot `slot`: `(slot * layers + l) * capacity` positions into the
+    /// pool (`crate::kv_cache`).
+    fn cache_view_at(&self, slot: usize, l: usize) -> Result<KvCache> {
         let c = &self.config;
-        let row = c.num_kv_heads * c.head_dim;
-        ((slot * c.num_layers + l) * self.capacity * row * 2) as u64
+        let values = (slot * c.num_layers + l) * self.capacity * c.num_kv_heads * c.head_dim;
+        self.bufs.kv.view_at(&self.gpu, values, c.head_dim)
     }
 
     fn check_slot(&self, slot: usize) -> Result<()> {

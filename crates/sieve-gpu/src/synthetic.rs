@@ -15,7 +15,7 @@ use half::f16;
 use rayon::prelude::*;
 use sieve_cuda::balanced_lowbit::{snap_row, LowBitValues, INT4_GROUPS};
 use sieve_cuda::lowbit::{quantize_q4_0, quantize_q8_0, LowBitKind, LowBitMatrix};
-use sieve_cuda::Gpu;
+use sieve_cuda::{Gpu, KvPrecision};
 use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
 use sieve_formats::random::Pattern;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
@@ -316,8 +316,19 @@ pub fn balanced_matrix(rows: usize, cols: usize, sp: f64, seed: u64) -> Result<D
     Ok(DenseMatrix::new(rows, cols, data)?)
 }
 
-/// Builds the synthetic model `name` on the GPU and calibrates its thresholds.
+/// Builds the synthetic model `name` on the GPU (f16 KV cache) and calibrates its thresholds.
 pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> Result<GpuModel> {
+    build_with(gpu, name, opts, capacity, KvPrecision::F16)
+}
+
+/// [`build`] with the KV cache stored as `kv` says.
+pub fn build_with(
+    gpu: Gpu,
+    name: &str,
+    opts: &SyntheticOptions,
+    capacity: usize,
+    kv: KvPrecision,
+) -> Result<GpuModel> {
     let c = config(name)?;
     if !(0.0..1.0).contains(&opts.dp) {
         return Err(GpuError::InvalidArgument(format!(
@@ -421,6 +432,7 @@ pub fn build(gpu: Gpu, name: &str, opts: &SyntheticOptions, capacity: usize) -> 
         gpu,
         c.clone(),
         capacity,
+        kv,
         embed,
         vec![1.0; d],
         (head, None, FormatKind::Dense),
