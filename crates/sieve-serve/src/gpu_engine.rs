@@ -40,7 +40,8 @@ fn model_error(e: GpuError) -> ModelError {
 
 impl GpuEngine {
     /// Uploads `model` to `gpu` with `slots` KV caches of `context` positions (capped at the
-    /// model's context). Fails with the bytes needed when model and pool do not fit.
+    /// model's context), storing what the model is set to ([`Model::set_kv_precision`]).
+    /// Fails with the bytes needed when model and pool do not fit.
     pub fn new(model: &Model, gpu: sieve_cuda::Gpu, slots: usize, context: usize) -> Result<Self> {
         if slots == 0 {
             return Err(ModelError::InvalidArgument(
@@ -52,7 +53,7 @@ impl GpuEngine {
                 "the context must hold at least 2 positions, got {context}"
             )));
         }
-        let mut model = GpuModel::from_model(gpu, model, context)
+        let mut model = GpuModel::from_model_with(gpu, model, context, model.kv_precision())
             .and_then(|m| m.with_slots(slots))
             .map_err(model_error)?;
         // Every slot's graph now (about a tenth of a second each), not in a request's TTFT,

@@ -200,14 +200,8 @@ pub fn load_gpu_engine(
     gpu: sieve_cuda::Gpu,
 ) -> Result<(gpu_engine::GpuEngine, Tokenizer)> {
     config.validate()?;
-    if config.kv_cache != sieve_model::llama::KvPrecision::F16 {
-        return Err(ServeError::Config(format!(
-            "--kv-cache {}: the GPU cache stores f16 only in this build (--device cpu serves \
-             the 8-bit cache)",
-            config.kv_cache
-        )));
-    }
-    let (model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    let (mut model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    model.set_kv_precision(config.kv_cache);
     let engine = gpu_engine::GpuEngine::new(&model, gpu, config.max_batch, config.context)?;
     Ok((engine, tokenizer))
 }
@@ -222,17 +216,10 @@ pub fn load_synthetic_gpu_engine(
     gpu: sieve_cuda::Gpu,
 ) -> Result<(gpu_engine::GpuEngine, Tokenizer)> {
     config.validate()?;
-    if config.kv_cache != sieve_model::llama::KvPrecision::F16 {
-        return Err(ServeError::Config(format!(
-            "--kv-cache {}: the GPU cache stores f16 only in this build (--device cpu serves \
-             the 8-bit cache)",
-            config.kv_cache
-        )));
-    }
     let shape = sieve_gpu::synthetic::config(name)?;
     let tokenizer = Tokenizer::bytes(shape.vocab_size)?;
     let context = config.context.min(shape.max_position_embeddings);
-    let model = sieve_gpu::synthetic::build(gpu, name, options, context)?;
+    let model = sieve_gpu::synthetic::build_with(gpu, name, options, context, config.kv_cache)?;
     let engine = gpu_engine::GpuEngine::from_gpu_model(model, config.max_batch)?;
     Ok((engine, tokenizer))
 }

@@ -504,3 +504,62 @@ async fn prompts_prefilled_in_chunks_answer_as_whole_ones() {
     );
     server.shutdown().unwrap();
 }
+
+/// `--kv-cache int8` (CPU engine): the pool's slots hold 8-bit rows and their scales (the bytes
+/// `/metrics` reports are exactly that), and every greedy answer equals the library's
+/// `generate` over an 8-bit cache. (On the GPU machine the 8-bit device cache is checked by the
+/// runner's tests against the CPU; this test stays on the CPU engine.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn int8_kv_cache_slots_answer_as_the_library_does() {
+    let Some(path) = model_path() else { return };
+    if on_gpu() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let config = ServeConfig {
+        max_batch: 2,
+        context: 512,
+        kv_cache: sieve_model::llama::KvPrecision::Int8,
+        ..config()
+    };
+    let (engine, tokenizer) = sieve_serve::load_cpu_engine(&path, &config).expect("engine");
+    let server = sieve_serve::Server::start(Box::new(engine), tokenizer, &config).expect("starts");
+    let base = format!("http://{}", server.addr());
+    let client = client();
+    let (mut model, tokenizer) =
+        sieve_model::packed::load_model_and_tokenizer(&path).expect("the model loads");
+    model.set_kv_precision(sieve_model::llama::KvPrecision::Int8);
+    let max_tokens = 12;
+    for text in ["The capital of France is", "def fibonacci(n):"] {
+        let ids = tokenizer
+            .encode(text, tokenizer.add_bos_by_default())
+            .unwrap();
+        let options = sieve_model::generate::GenerateOptions {
+            max_tokens,
+            ..Default::default()
+        };
+        let want = sieve_model::generate::run_in_pool(None, || {
+            sieve_model::generate::generate(&model, &tokenizer, &ids, &options, |_| Ok(()))
+        })
+        .expect("pool")
+        .expect("generates");
+        let got = ask(
+            &client,
+            &base,
+            &Prompt::Text(text.into()),
+            max_tokens,
+            false,
+        )
+        .await
+        .expect("answers");
+        assert_eq!(got.text, want.text, "{text}");
+    }
+    let text = metrics(&client, &base).await;
+    let c = model.config();
+    let want_bytes = 2 * 2 * c.num_layers * 512 * c.num_kv_heads * (c.head_dim + 4);
+    assert!(
+        text.contains(&format!("sieve_kv_cache_bytes {want_bytes}")),
+        "want {want_bytes} in\n{text}"
+    );
+    server.shutdown().unwrap();
+}

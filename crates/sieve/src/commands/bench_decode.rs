@@ -59,6 +59,9 @@ pub struct DecodeArgs {
     /// measurement per value (e.g. 1,8,32,64): aggregate tokens per second.
     #[arg(long, value_delimiter = ',')]
     batch: Vec<usize>,
+    /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
+    #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
+    kv_cache: super::device::KvCache,
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
@@ -72,12 +75,13 @@ fn print_row(r: &DecodeResult) {
         String::new()
     };
     println!(
-        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} kv {:<4} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
         r.model,
         r.sp,
         r.dp,
         r.format,
         r.values,
+        r.kv_cache,
         if r.pdl { "on" } else { "off" },
         r.tpot_ms_median,
         r.tpot_ms_p10,
@@ -176,18 +180,19 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let results = match (&a.synthetic, &a.model) {
         (Some(name), _) => {
             let configs: Vec<(f64, f64)> = a.sp.iter().copied().zip(a.dp.iter().copied()).collect();
-            bench::run_synthetic(name, &configs, &opts, print_row)?
+            bench::run_synthetic_with(name, &configs, &opts, a.kv_cache.precision(), print_row)?
         }
         (None, Some(path)) => {
-            let (model, _tok) = sieve_model::packed::load_model_and_tokenizer(path)
+            let (mut model, _tok) = sieve_model::packed::load_model_and_tokenizer(path)
                 .with_context(|| format!("opening {}", path.display()))?;
+            model.set_kv_precision(a.kv_cache.precision());
             let context = model.config().max_position_embeddings;
             opts.check_context(context, &path.display().to_string())?;
             let capacity = opts.positions_needed();
             let gpu = sieve_cuda::Gpu::new(0).context("bench decode needs a GPU")?;
             let copy = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
             let t = std::time::Instant::now();
-            let mut m = sieve_gpu::GpuModel::from_model(gpu, &model, capacity)?;
+            let mut m = super::device::upload(gpu, &model, capacity)?;
             drop(model);
             super::device::print_report(&m);
             let label = path

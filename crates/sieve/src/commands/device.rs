@@ -1,6 +1,6 @@
 //! `--device auto|cuda|cpu`: where a model runs.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use sieve_cuda::Gpu;
 use sieve_model::llama::{KvPrecision, Model};
 
@@ -32,17 +32,15 @@ impl KvCache {
     }
 }
 
-/// `model` on `gpu` with a KV cache of `capacity` positions storing `kv`.
-pub fn upload(
-    gpu: Gpu,
-    model: &Model,
-    capacity: usize,
-    kv: KvCache,
-) -> Result<sieve_gpu::GpuModel> {
-    if kv != KvCache::F16 {
-        bail!("--kv-cache {}: the GPU cache stores f16 only in this build (--device cpu runs the 8-bit cache)", kv.precision());
-    }
-    Ok(sieve_gpu::GpuModel::from_model(gpu, model, capacity)?)
+/// `model` on `gpu` with a KV cache of `capacity` positions storing what the model is set to
+/// ([`Model::set_kv_precision`]).
+pub fn upload(gpu: Gpu, model: &Model, capacity: usize) -> Result<sieve_gpu::GpuModel> {
+    Ok(sieve_gpu::GpuModel::from_model_with(
+        gpu,
+        model,
+        capacity,
+        model.kv_precision(),
+    )?)
 }
 
 /// The GPU to run on, or `None` for the CPU. `--device cuda` without a usable GPU is an error;

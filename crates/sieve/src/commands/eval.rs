@@ -101,7 +101,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             };
             let result = match super::device::open(device)? {
                 Some(gpu) => {
-                    let mut gpu_model = super::device::upload(gpu, &model, ctx, kv_cache)?;
+                    let mut gpu_model = super::device::upload(gpu, &model, ctx)?;
                     drop(model);
                     super::device::print_report(&gpu_model);
                     sieve_gpu::generate::perplexity(&mut gpu_model, &tokens, ctx, progress)?

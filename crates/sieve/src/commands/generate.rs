@@ -94,7 +94,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     if let Some(gpu) = super::device::open(args.device)? {
         let capacity = prompt.len().saturating_add(args.max_tokens);
-        let mut gpu_model = super::device::upload(gpu, &model, capacity, args.kv_cache)?;
+        let mut gpu_model = super::device::upload(gpu, &model, capacity)?;
         drop(model);
         super::device::print_report(&gpu_model);
         let result = sieve_gpu::generate::generate(
