@@ -14,6 +14,9 @@
 #                32 clients; then llama-server on the same file under the same load  ~9 min
 #   PHASE=smol   the default model: sieve serve --device cuda against llama-server (built in
 #                an earlier call on the same warm machine) at 1, 8, 32, 64 clients    ~3 min
+#   PHASE=kv8    the 8-bit KV cache (issue 26): its kernel tests, then `bench decode` on the
+#                7B shape at 8192 positions with the f16 and the int8 cache, and the default
+#                model's perplexity on the GPU with each (the CPU's: 21.316 / 21.266)  ~4 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -92,5 +95,19 @@ smol)
   wait_health 8091 && load 8091 llama-smol 1 8 32 64
   kill -TERM $pid; wait $pid
   ;;
-*) echo "PHASE is tests, bench, serve or smol"; exit 2 ;;
+kv8)
+  while IFS=$'\t' read -r exe dir; do
+    case "$exe" in kv_cache-*|runner-*) ;; *) continue ;; esac
+    dir="crates/${dir##*/crates/}"
+    (cd "$dir" && SIEVE_REQUIRE_GPU=1 "$OLDPWD/.gpu/tests/$exe" kv int8) > "$OUT/kv8-$exe.log" 2>&1
+    echo "$exe: exit $?"
+    grep -E "^test result|FAILED|panicked|max error" "$OUT/kv8-$exe.log" | head -20
+  done < .gpu/tests.tsv
+  for kv in f16 int8; do
+    $sieve bench decode --synthetic llama2-7b --sp 0,0.5 --dp 0,0.5 --context 8192 --kv-cache $kv \
+      --prompt 128 --tokens 128 --json "$OUT/kv8-decode-$kv.json" 2>&1 | tee "$OUT/kv8-decode-$kv.log"
+    $sieve eval ppl --device cuda --kv-cache $kv --ctx 1024 --max-tokens 4096 2>&1 | tail -1
+  done
+  ;;
+*) echo "PHASE is tests, bench, serve, smol or kv8"; exit 2 ;;
 esac
