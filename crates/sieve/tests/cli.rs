@@ -530,3 +530,54 @@ fn eval_runs_the_int8_kv_cache_close_to_the_f16_one() {
     let err = fails(&["eval", "ppl", "--kv-cache", "int4"]);
     assert!(err.contains("int4") && err.contains("int8"), "{err}");
 }
+
+/// `--tensor-parallel 3` on the CPU (SmolLM2: 9 query heads, 3 KV heads, one KV head per rank)
+/// writes the greedy text of the unsplit model, and says how it split; a split that would cut a
+/// head group, or one asked of the GPU, is refused before the model loads.
+#[test]
+fn generate_split_over_three_ranks_writes_the_same_text() {
+    let Some(model) = default_model() else { return };
+    let model = model.display().to_string();
+    let text = |ranks: &str| {
+        let out = run(&[
+            "generate",
+            "--model",
+            &model,
+            "--device",
+            "cpu",
+            "--f16-weights",
+            "--max-tokens",
+            "16",
+            "--tensor-parallel",
+            ranks,
+            "The capital of France is",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        (String::from_utf8_lossy(&out.stdout).into_owned(), stderr)
+    };
+    let (whole, _) = text("1");
+    let (split, stderr) = text("3");
+    assert!(whole.len() > 20, "{whole}");
+    assert_eq!(split, whole);
+    assert!(
+        stderr.contains("3 ranks") && stderr.contains("3 query heads and 1 KV heads each"),
+        "{stderr}"
+    );
+    let err = fails(&[
+        "generate",
+        "--model",
+        &model,
+        "--device",
+        "cpu",
+        "--tensor-parallel",
+        "2",
+        "hi",
+    ]);
+    assert!(
+        err.contains("--tensor-parallel 2") && err.contains("multiples"),
+        "{err}"
+    );
+    let err = fails(&["generate", "--tensor-parallel", "3", "hi"]);
+    assert!(err.contains("--device cpu"), "{err}");
+}

@@ -30,8 +30,11 @@
 use super::{add_into, apply_rope, rms_norm, silu, KvCache, KvPrecision, Layer, Logits, Model};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::generate::{generate_with, Executor, GenerateOptions, Generation, Next};
 use crate::linear::Linear;
 use crate::plan::{self, Group, LayerOp};
+use crate::sequence::Sequence;
+use crate::tokenizer::Tokenizer;
 use rayon::prelude::*;
 use sieve_cpu::attention::{attend_one, Heads};
 use sieve_formats::{DenseMatrix, FormatKind};
@@ -402,6 +405,81 @@ impl<'m> TensorParallelModel<'m> {
     }
 }
 
+/// [`crate::generate::generate`] through a sharded model: the same sampling, stop rules and
+/// streaming, the forward passes of [`TensorParallelModel::forward`] over one cache per rank.
+pub fn generate(
+    tp: &TensorParallelModel,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_text: impl FnMut(&str) -> Result<()>,
+) -> Result<Generation> {
+    let context = tp.model.config().max_position_embeddings;
+    if prompt.is_empty() {
+        return Err(ModelError::InvalidArgument(
+            "the prompt has no tokens".into(),
+        ));
+    }
+    if prompt.len() > context {
+        return Err(ModelError::ContextOverflow {
+            tokens: prompt.len(),
+            context,
+        });
+    }
+    let sequence = Sequence::new(tokenizer, prompt, options)?;
+    let caches = tp.new_caches(
+        prompt.len().saturating_add(options.max_tokens),
+        tp.model.kv_precision(),
+    )?;
+    crate::generate::with_hot_workers(|| {
+        generate_with(&mut RankExecutor { tp, caches }, sequence, prompt, on_text)
+    })
+}
+
+/// [`generate`]'s side of [`generate_with`]: forward passes over the ranks' caches, logits to
+/// the host's sampler.
+struct RankExecutor<'t, 'm> {
+    tp: &'t TensorParallelModel<'m>,
+    caches: Vec<KvCache>,
+}
+
+impl Executor for RankExecutor<'_, '_> {
+    type Error = ModelError;
+    fn prefill(&mut self, prompt: &[u32]) -> Result<Next> {
+        let logits = self.tp.forward(prompt, &mut self.caches, Logits::Last)?;
+        Ok(Next::Logits(logits))
+    }
+    fn step(&mut self, token: u32) -> Result<Next> {
+        let logits = self.tp.forward(&[token], &mut self.caches, Logits::Last)?;
+        Ok(Next::Logits(logits))
+    }
+    fn has_room(&self) -> bool {
+        self.caches.first().is_some_and(|c| c.len() < c.capacity())
+    }
+}
+
+impl TensorParallelModel<'_> {
+    /// Bytes each rank holds: its slices of the layers and of the LM head as the CPU holds them
+    /// (`cpu_bytes`), the replicated embeddings and norms.
+    pub fn rank_weight_bytes(&self) -> Vec<usize> {
+        let c = self.model.config();
+        let replicated =
+            self.model.embed_tokens().len() * 2 + (2 * c.num_layers + 1) * c.hidden_size * 4;
+        self.ranks
+            .iter()
+            .map(|rank| {
+                replicated
+                    + rank.lm_head.format().cpu_bytes()
+                    + rank
+                        .layers
+                        .iter()
+                        .flat_map(|l| l.linears().map(|(_, lin)| lin.format().cpu_bytes()))
+                        .sum::<usize>()
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -491,6 +569,25 @@ mod tests {
         }
         let worst = compare(&model, 2, KvPrecision::F16, 6);
         assert!(worst < 1e-3, "logits moved {worst}");
+    }
+
+    #[test]
+    fn rank_bytes_split_the_layers_and_replicate_the_rest() {
+        let model = Model::from_source(&random_source(tiny_config(), 2)).unwrap();
+        let whole = TensorParallelModel::shard(&model, 1)
+            .unwrap()
+            .rank_weight_bytes()[0];
+        let halves = TensorParallelModel::shard(&model, 2)
+            .unwrap()
+            .rank_weight_bytes();
+        let c = model.config();
+        let replicated =
+            c.vocab_size * c.hidden_size * 2 + (2 * c.num_layers + 1) * c.hidden_size * 4;
+        assert_eq!(halves.len(), 2);
+        // Dense f16: the sliced bytes add up to the whole's (the vocabulary's odd row goes to
+        // rank 0).
+        assert_eq!(halves[0] + halves[1] - replicated, whole);
+        assert!(halves[0] > halves[1]);
     }
 
     #[test]

@@ -45,6 +45,11 @@ pub struct GenerateArgs {
     /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// Split the model over N ranks (tensor parallelism: heads, MLP columns and vocabulary
+    /// rows per rank, two all-reduces per layer). Runs the CPU reference of the split (the
+    /// ranks one after another, for checking, not for speed); needs --device cpu.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
     /// CPU: print where a decode step's time goes (wall time per phase of the forward pass).
     #[arg(long)]
     profile: bool,
@@ -52,6 +57,13 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.tensor_parallel != 1 && args.device != super::device::Device::Cpu {
+        anyhow::bail!(
+            "--tensor-parallel {}: only the CPU reference of the split exists in this build (GPU \
+             ranks over NCCL are not built yet); add --device cpu",
+            args.tensor_parallel
+        );
+    }
     // Everything runs on a pool worker (see `run_in_pool`).
     run_in_pool(args.threads, move || run_on_pool(args))?
 }
@@ -119,7 +131,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         return Ok(());
     }
     sieve_model::llama::phases::enable(args.profile);
-    let result = generate(&model, &tokenizer, &prompt, &options, |piece| {
+    let print = |piece: &str| {
         stdout
             .write_all(piece.as_bytes())
             .and_then(|_| stdout.flush())
@@ -127,7 +139,33 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
                 path: "stdout".into(),
                 source: e,
             })
-    })?;
+    };
+    let result = if args.tensor_parallel != 1 {
+        use sieve_model::llama::tensor_parallel::{self, CommVolume, TensorParallelModel};
+        let tp = TensorParallelModel::shard(&model, args.tensor_parallel)?;
+        let layout = tp.layout();
+        let comm = CommVolume::per_token(model.config(), layout.world, 4);
+        let mb: Vec<String> = tp
+            .rank_weight_bytes()
+            .iter()
+            .map(|b| format!("{:.1}", *b as f64 / 1e6))
+            .collect();
+        eprintln!(
+            "tensor parallel: {} ranks (CPU reference, run one after another), {} query heads \
+             and {} KV heads each; MB per rank {}; per token {} all-reduces of {} values, {} \
+             bytes sent per rank (ring, f32)",
+            layout.world,
+            layout.heads,
+            layout.kv_heads,
+            mb.join(", "),
+            comm.all_reduces,
+            comm.values_per_all_reduce,
+            comm.bytes_sent_per_rank
+        );
+        tensor_parallel::generate(&tp, &tokenizer, &prompt, &options, print)?
+    } else {
+        generate(&model, &tokenizer, &prompt, &options, print)?
+    };
     println!();
     eprintln!("{}", result.stats.summary());
     if args.profile {
