@@ -196,6 +196,23 @@ rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __
     rope_head(qkv, bias, rope_cos, rope_sin, state[0], blockIdx.x, k_cache, v_cache, H, Hkv, hd);
 }
 
+// Row blockIdx.y's position and cache offset (elements past the layer's base): position p0 + y
+// of a prompt chunk (seqs null), or its sequence's next position and slot. False for a padding
+// row's KV-head blocks (slot -(s + 1) < 0), which write no cache.
+__device__ __forceinline__ bool rope_row_target(int p0, const int* __restrict__ seqs, long long slot_stride,
+                                                int H, int* p, size_t* slot) {
+    const int y = blockIdx.y;
+    *p = p0 + y;
+    *slot = 0;
+    if (seqs) {
+        *p = seqs[2 * y];
+        const int s = seqs[2 * y + 1];
+        if (s < 0 && (int)blockIdx.x >= H) return false;
+        *slot = (size_t)max(s, 0) * (size_t)slot_stride;
+    }
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
           const float* __restrict__ rope_sin, int p0, const int* __restrict__ seqs, long long slot_stride,
@@ -203,14 +220,9 @@ rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* 
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;
-    int p = p0 + y;
-    size_t slot = 0;
-    if (seqs) {
-        p = seqs[2 * y];
-        const int s = seqs[2 * y + 1];
-        if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
-        slot = (size_t)max(s, 0) * (size_t)slot_stride;
-    }
+    int p;
+    size_t slot;
+    if (!rope_row_target(p0, seqs, slot_stride, H, &p, &slot)) return;
     rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, p, blockIdx.x, k_cache + slot, v_cache + slot, H,
               Hkv, hd);
 }
@@ -233,14 +245,9 @@ rope_rows_i8(float* __restrict__ qkv, const float* __restrict__ bias, const floa
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;
-    int p = p0 + y;
-    size_t slot = 0;
-    if (seqs) {
-        p = seqs[2 * y];
-        const int s = seqs[2 * y + 1];
-        if (s < 0 && (int)blockIdx.x >= H) return;  // padding row: no cache write
-        slot = (size_t)max(s, 0) * (size_t)slot_stride;
-    }
+    int p;
+    size_t slot;
+    if (!rope_row_target(p0, seqs, slot_stride, H, &p, &slot)) return;
     const size_t scale_slot = slot / hd;  // the scales hold one entry per hd values
     rope_head_i8(qkv + y * qkv_row, bias, rope_cos, rope_sin, p, blockIdx.x, k_cache + slot, v_cache + slot,
                  k_scales + scale_slot, v_scales + scale_slot, H, Hkv, hd);

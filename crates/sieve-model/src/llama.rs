@@ -821,13 +821,7 @@ impl Model {
         }
         cache.len = p0 + n;
 
-        let rows = match which {
-            Logits::Last => &x[(n - 1) * d..],
-            Logits::All => &x[..],
-        };
-        let m = rows.len() / d;
-        let mut normed = vec![0f32; m * d];
-        rms_norm(rows, &self.final_norm, c.rms_norm_eps, &mut normed);
+        let (normed, m) = self.final_normed(&x, n, which);
         let mut logits = vec![0f32; m * c.vocab_size];
         self.lm_head.forward(&normed, m, &mut logits)?;
         clock.lap(Phase::Head);
@@ -1001,6 +995,25 @@ impl Model {
             inv_freq,
             kv_precision: KvPrecision::F16,
         })
+    }
+
+    /// The final RMSNorm of the rows [`Logits`] asks for of the residual stream `x` (`n` rows):
+    /// `(normed rows, how many)`.
+    fn final_normed(&self, x: &[f32], n: usize, which: Logits) -> (Vec<f32>, usize) {
+        let d = self.config.hidden_size;
+        let rows = match which {
+            Logits::Last => &x[(n - 1) * d..],
+            Logits::All => x,
+        };
+        let m = rows.len() / d;
+        let mut normed = vec![0f32; m * d];
+        rms_norm(
+            rows,
+            &self.final_norm,
+            self.config.rms_norm_eps,
+            &mut normed,
+        );
+        (normed, m)
     }
 
     /// RoPE cos/sin tables for positions `p0..p0 + n`, `head_dim / 2` frequencies per position.

@@ -380,13 +380,7 @@ impl<'m> TensorParallelModel<'m> {
         for cache in caches.iter_mut() {
             cache.len = p0 + n;
         }
-        let rows = match which {
-            Logits::Last => &x[(n - 1) * d..],
-            Logits::All => &x[..],
-        };
-        let m = rows.len() / d;
-        let mut normed = vec![0f32; m * d];
-        rms_norm(rows, self.model.final_norm(), c.rms_norm_eps, &mut normed);
+        let (normed, m) = self.model.final_normed(&x, n, which);
         // The all-gather: each rank's vocabulary slice into its place of every row.
         let vocab = c.vocab_size;
         let mut logits = vec![0f32; m * vocab];
