@@ -99,7 +99,7 @@ kv8)
   while IFS=$'\t' read -r exe dir; do
     case "$exe" in kv_cache-*|runner-*) ;; *) continue ;; esac
     dir="crates/${dir##*/crates/}"
-    (cd "$dir" && SIEVE_REQUIRE_GPU=1 "$OLDPWD/.gpu/tests/$exe" kv int8) > "$OUT/kv8-$exe.log" 2>&1
+    (cd "$dir" && SIEVE_REQUIRE_GPU=1 "$OLDPWD/.gpu/tests/$exe" kv int8 batched_slot_steps rope_and_attention) > "$OUT/kv8-$exe.log" 2>&1
     echo "$exe: exit $?"
     grep -E "^test result|FAILED|panicked|max error" "$OUT/kv8-$exe.log" | head -20
   done < .gpu/tests.tsv

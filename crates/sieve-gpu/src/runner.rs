@@ -170,20 +170,12 @@ pub struct UploadReport {
     /// Bytes of the KV cache pool (K and V, every slot; the 8-bit cache's scales included).
     pub kv_cache_bytes: usize,
     /// How the KV cache stores keys and values.
-    #[serde(serialize_with = "serialize_precision")]
     pub kv_precision: KvPrecision,
     /// Kernel of each projection group, e.g. `q|k|v: tiled-cbc/lane8`.
     pub kernels: Vec<String>,
     pub notes: Vec<String>,
     /// Launches of one decode step.
     pub launches_per_step: usize,
-}
-
-fn serialize_precision<S: serde::Serializer>(
-    p: &KvPrecision,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(p.name())
 }
 
 /// The sampler kernel's arguments for `p` (validated by `SamplingParams::validate`): greedy
@@ -268,10 +260,11 @@ pub const DECODED_MIN_BATCH: usize = 5;
 pub const MAX_BATCH_SLOTS: usize = 1024;
 
 impl GpuModel {
-    /// Uploads a model loaded by the CPU loaders (GGUF, safetensors, `.sieve` pack) with an
-    /// f16 KV cache for `capacity` positions (capped at the model's context).
+    /// Uploads a model loaded by the CPU loaders (GGUF, safetensors, `.sieve` pack) with a KV
+    /// cache for `capacity` positions (capped at the model's context) storing what the model is
+    /// set to ([`Model::set_kv_precision`]; f16 unless set).
     pub fn from_model(gpu: Gpu, model: &Model, capacity: usize) -> Result<Self> {
-        Self::from_model_with(gpu, model, capacity, KvPrecision::F16)
+        Self::from_model_with(gpu, model, capacity, model.kv_precision())
     }
 
     /// [`Self::from_model`] with the KV cache stored as `kv` says (f16, or i8 rows with one

@@ -641,13 +641,16 @@ fn check_gpu_model_against_cpu_with_max(
     // The prompt token by token through the decode step fills the same cache as the batch.
     if g.prefill_is_batched() {
         g.set_batched_prefill(false);
+        // Up to the CPU's first near tie, as above: an 8-bit cache may store a key one grid
+        // step apart when the two paths round the activations differently.
+        let n = compared.min(16);
         let mut stepwise = vec![g.prefill(&prompt).unwrap()];
-        while stepwise.len() < 16 {
+        while stepwise.len() < n {
             stepwise.push(g.next_token().unwrap());
         }
         assert_eq!(
-            stepwise[..],
-            gpu_tokens[..16],
+            stepwise[..n],
+            gpu_tokens[..n],
             "{name}: stepwise vs batched prefill"
         );
         g.set_batched_prefill(true);

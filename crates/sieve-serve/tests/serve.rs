@@ -505,16 +505,13 @@ async fn prompts_prefilled_in_chunks_answer_as_whole_ones() {
     server.shutdown().unwrap();
 }
 
-/// `--kv-cache int8` (CPU engine): the pool's slots hold 8-bit rows and their scales (the bytes
-/// `/metrics` reports are exactly that), and every greedy answer equals the library's
-/// `generate` over an 8-bit cache. (On the GPU machine the 8-bit device cache is checked by the
-/// runner's tests against the CPU; this test stays on the CPU engine.)
+/// `--kv-cache int8`: the pool's slots hold 8-bit rows and their scales (the bytes `/metrics`
+/// reports are exactly that), and every greedy answer equals the library's `generate` over an
+/// 8-bit cache on the same device (with `SIEVE_SERVE_TEST_DEVICE=cuda`: the GPU engine against
+/// the GPU runner's `generate`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn int8_kv_cache_slots_answer_as_the_library_does() {
     let Some(path) = model_path() else { return };
-    if on_gpu() {
-        return;
-    }
     let _serial = SERIAL.lock().await;
     let config = ServeConfig {
         max_batch: 2,
@@ -522,8 +519,7 @@ async fn int8_kv_cache_slots_answer_as_the_library_does() {
         kv_cache: sieve_model::llama::KvPrecision::Int8,
         ..config()
     };
-    let (engine, tokenizer) = sieve_serve::load_cpu_engine(&path, &config).expect("engine");
-    let server = sieve_serve::Server::start(Box::new(engine), tokenizer, &config).expect("starts");
+    let server = start(&config);
     let base = format!("http://{}", server.addr());
     let client = client();
     let (mut model, tokenizer) =
@@ -538,11 +534,28 @@ async fn int8_kv_cache_slots_answer_as_the_library_does() {
             max_tokens,
             ..Default::default()
         };
-        let want = sieve_model::generate::run_in_pool(None, || {
-            sieve_model::generate::generate(&model, &tokenizer, &ids, &options, |_| Ok(()))
-        })
-        .expect("pool")
-        .expect("generates");
+        let want = if on_gpu() {
+            let gpu = sieve_cuda::Gpu::new(0).expect("SIEVE_SERVE_TEST_DEVICE=cuda needs a GPU");
+            let mut gpu_model =
+                sieve_gpu::GpuModel::from_model(gpu, &model, 512).expect("the model uploads");
+            assert_eq!(
+                gpu_model.report().kv_precision,
+                sieve_model::llama::KvPrecision::Int8
+            );
+            let g =
+                sieve_gpu::generate::generate(&mut gpu_model, &tokenizer, &ids, &options, |_| {
+                    Ok(())
+                })
+                .expect("generates on the GPU");
+            g.text
+        } else {
+            sieve_model::generate::run_in_pool(None, || {
+                sieve_model::generate::generate(&model, &tokenizer, &ids, &options, |_| Ok(()))
+            })
+            .expect("pool")
+            .expect("generates")
+            .text
+        };
         let got = ask(
             &client,
             &base,
@@ -552,7 +565,7 @@ async fn int8_kv_cache_slots_answer_as_the_library_does() {
         )
         .await
         .expect("answers");
-        assert_eq!(got.text, want.text, "{text}");
+        assert_eq!(got.text, want, "{text}");
     }
     let text = metrics(&client, &base).await;
     let c = model.config();

@@ -65,10 +65,11 @@ pub fn open(device: Device) -> Result<Option<Gpu>> {
 pub fn print_report(model: &sieve_gpu::GpuModel) {
     let r = model.report();
     eprintln!(
-        "device: {} ({:.2} GB of weights, {:.2} GB KV cache, {} launches per step in one CUDA graph)",
+        "device: {} ({:.2} GB of weights, {:.2} GB {} KV cache, {} launches per step in one CUDA graph)",
         model.gpu().info().name,
         r.weight_bytes as f64 / 1e9,
         r.kv_cache_bytes as f64 / 1e9,
+        r.kv_precision,
         r.launches_per_step
     );
     for note in &r.notes {
