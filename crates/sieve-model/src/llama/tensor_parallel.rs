@@ -17,8 +17,9 @@
 //!
 //! Heads are split evenly (`H` and `Hkv` must be multiples of `w`); the MLP's `I` columns and the
 //! vocabulary may split unevenly (the first ranks take one more). A rank's slices keep their
-//! format: every matrix is decoded, cut and encoded again in its own kind (GGUF blocks become
-//! f16 here; a GPU rank keeps row slices in blocks). TEAL thresholds stay per matrix, so each
+//! format: GGUF blocks are cut in whole blocks (the splits of SmolLM2 and the Llama shapes fall
+//! on the 32-wide blocks; the K types' 256-wide ones may not, and such a slice becomes f16),
+//! every other matrix is decoded, cut and encoded again in its own kind. TEAL thresholds stay per matrix, so each
 //! rank skips the inactive inputs of its own slice. Biases of the row-split matrices are cut
 //! with their rows; a bias of o_proj or down_proj is added once, by rank 0.
 //!
@@ -37,7 +38,8 @@ use crate::sequence::Sequence;
 use crate::tokenizer::Tokenizer;
 use rayon::prelude::*;
 use sieve_cpu::attention::{attend_one, Heads};
-use sieve_formats::{DenseMatrix, FormatKind};
+use sieve_cpu::gguf_blocks::QuantMatrix;
+use sieve_formats::{DenseMatrix, FormatKind, WeightFormat};
 use std::ops::Range;
 
 /// How a model of `config` splits over `world` ranks ([`ShardLayout::new`]).
@@ -160,6 +162,43 @@ pub struct TensorParallelModel<'m> {
 /// Rows `rows` and columns `cols` of `lin`, in its own format (module notes); its bias cut to
 /// `rows` when `bias` is true, dropped otherwise; its threshold kept.
 fn slice(lin: &Linear, rows: Range<usize>, cols: Range<usize>, bias: bool) -> Result<Linear> {
+    let blocks = match lin.quant_blocks() {
+        Some(q) => slice_blocks(q, rows.clone(), cols.clone())?,
+        None => None,
+    };
+    let mut out = match blocks {
+        Some(part) => part,
+        None => slice_decoded(lin, rows.clone(), cols)?,
+    };
+    if let (true, Some(b)) = (bias, lin.bias()) {
+        out = out.with_bias(b[rows].to_vec())?;
+    }
+    out.set_threshold(lin.threshold())?;
+    Ok(out)
+}
+
+/// GGUF blocks cut in whole blocks (each row's blocks are consecutive), so a rank multiplies the
+/// same blocks with the same 8-bit activations as the whole model; `None` when `cols` does not
+/// fall on block boundaries (the K types' 256-wide blocks against an uneven MLP split).
+fn slice_blocks(q: &QuantMatrix, rows: Range<usize>, cols: Range<usize>) -> Result<Option<Linear>> {
+    let ty = q.block_type();
+    let (elems, bytes) = (ty.block_elems(), ty.block_bytes());
+    if !cols.start.is_multiple_of(elems) || !cols.end.is_multiple_of(elems) {
+        return Ok(None);
+    }
+    let row_bytes = q.blocks().len() / WeightFormat::rows(q).max(1);
+    let span = cols.start / elems * bytes..cols.end / elems * bytes;
+    let mut blocks = Vec::with_capacity(rows.len() * span.len());
+    for r in rows.clone() {
+        blocks.extend_from_slice(&q.blocks()[r * row_bytes..][span.clone()]);
+    }
+    let part = QuantMatrix::new(ty, rows.len(), cols.len(), blocks)?;
+    Ok(Some(Linear::from_quantized(part)))
+}
+
+/// Any other format: decoded, cut, and encoded again in its own kind (dense f16 for blocks that
+/// do not cut on their boundaries).
+fn slice_decoded(lin: &Linear, rows: Range<usize>, cols: Range<usize>) -> Result<Linear> {
     let dense = lin.format().decode();
     let k = dense.cols();
     let mut data = Vec::with_capacity(rows.len() * cols.len());
@@ -172,15 +211,10 @@ fn slice(lin: &Linear, rows: Range<usize>, cols: Range<usize>, bias: bool) -> Re
     } else {
         lin.format().kind()
     };
-    let mut out = match kind {
+    Ok(match kind {
         FormatKind::Dense => Linear::from_format(Box::new(sieve_cpu::dense::FastDense::new(part))),
         kind => Linear::from_format(sieve_formats::registry::encode_default(kind, &part)?),
-    };
-    if let (true, Some(b)) = (bias, lin.bias()) {
-        out = out.with_bias(b[rows].to_vec())?;
-    }
-    out.set_threshold(lin.threshold())?;
-    Ok(out)
+    })
 }
 
 impl<'m> TensorParallelModel<'m> {
@@ -582,6 +616,41 @@ mod tests {
         // rank 0).
         assert_eq!(halves[0] + halves[1] - replicated, whole);
         assert!(halves[0] > halves[1]);
+    }
+
+    /// GGUF blocks are cut in whole blocks: each rank multiplies blocks (with the same 8-bit
+    /// activations of its slice), and the logits agree with the whole model's.
+    #[test]
+    fn gguf_blocks_shard_in_whole_blocks() {
+        use sieve_cpu::gguf_blocks::{BlockType, QuantMatrix};
+        let mut c = tiny_config();
+        (c.hidden_size, c.intermediate_size, c.head_dim) = (64, 128, 16);
+        let mut model = Model::from_source(&random_source(c, 25)).unwrap();
+        let to_blocks = |lin: &mut Linear, q4: bool| {
+            let w = lin.format().decode();
+            let (rows, cols) = (w.rows(), w.cols());
+            let q = if q4 {
+                QuantMatrix::quantize_q4_1(rows, cols, w.data())
+            } else {
+                QuantMatrix::quantize_q8_0(rows, cols, w.data())
+            };
+            *lin = Linear::from_quantized(q.unwrap());
+        };
+        for layer in model.layers_mut() {
+            for (name, lin) in layer.linears_mut() {
+                to_blocks(lin, name.contains("mlp"));
+            }
+        }
+        to_blocks(model.lm_head_mut(), false);
+        let tp = TensorParallelModel::shard(&model, 2).unwrap();
+        for rank in &tp.ranks {
+            assert_eq!(rank.layers[0].o_proj.block_type(), Some(BlockType::Q8_0));
+            assert_eq!(rank.layers[0].down_proj.block_type(), Some(BlockType::Q4_1));
+            assert_eq!(rank.layers[0].down_proj.cols(), 64);
+            assert_eq!(rank.lm_head.block_type(), Some(BlockType::Q8_0));
+        }
+        let worst = compare(&model, 2, KvPrecision::F16, 6);
+        assert!(worst < 1e-4, "logits moved {worst}");
     }
 
     #[test]
