@@ -338,8 +338,8 @@ impl Loops {
         scores: &mut [f32],
     ) {
         match self {
-            // SAFETY: `Loops::of` chose AVX2 or AVX-512 (which implies AVX2, FMA), so the CPU
-            // has AVX2 and FMA, and `hd` is a multiple of 8; the rows read lie inside `keys`
+            // SAFETY: `Loops::of` chose AVX2 or AVX-512 (each level includes AVX2, FMA and
+            // F16C), so the CPU has them, and `hd` is a multiple of 8; the rows read lie inside `keys`
             // and the scales inside `scales.keys` (positions below what the caller made
             // visible); `scores` holds `group · len` values.
             #[cfg(target_arch = "x86_64")]
@@ -370,8 +370,12 @@ impl Loops {
     }
 }
 
-/// The two loops of a task with AVX2 + F16C, for head dims that are a multiple of 8: each row
-/// is widened 8 values at a time into an L1 buffer, then used by every head of the group.
+/// The two loops of a task with AVX2 + F16C, for head dims that are a multiple of 8: rows are
+/// widened four at a time into an L1 tile (f16 by `vcvtph2ps`, i8 by `vpmovsxbd`), then every
+/// head of the group takes the tile: the scores of four rows share each load of q and one
+/// horizontal reduction, and the weighted values of four rows share each load and store of the
+/// output (against one reduction, and one output load and store, per row before: decode at
+/// 8000 positions 1.17x with either cache, docs/BENCHMARKS.md).
 /// With AVX-512 (head dims a multiple of 16) each row is widened 16 values at a time straight
 /// into registers (`vcvtph2ps` from memory), no buffer: half the instructions per cached row.
 #[cfg(target_arch = "x86_64")]
@@ -380,81 +384,182 @@ mod x86 {
     use half::f16;
     use std::arch::x86_64::*;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen(src: *const f16, dst: &mut [f32], hd: usize) {
-        let d = dst.as_mut_ptr();
-        for j in (0..hd).step_by(8) {
-            let v = _mm256_cvtph_ps(_mm_loadu_si128(src.add(j) as *const __m128i));
-            _mm256_storeu_ps(d.add(j), v);
-        }
+    /// Rows per tile of the AVX2 loops.
+    const TILE: usize = 4;
+
+    /// Where a task's cached rows are: f16, or i8 widened without their scale.
+    #[derive(Clone, Copy)]
+    enum Src {
+        F16(*const f16),
+        I8(*const i8),
     }
 
-    use crate::kernels::x86::hsum;
-
+    /// Widens the row at element `at` of `src` into `dst` (`hd` floats, a multiple of 8).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn scores(qs: &[f32], rows: &Rows<f16>, hd: usize, scale: f32, scores: &mut [f32]) {
-        let len = rows.end - rows.start;
-        let group = qs.len() / hd;
-        let mut wide = vec![0f32; hd];
-        let w = wide.as_ptr();
-        for (i, p) in (rows.start..rows.end).enumerate() {
-            widen(
-                rows.keys.as_ptr().add(p * rows.row + rows.offset),
-                &mut wide,
-                hd,
-            );
-            for g in 0..group {
-                scores[g * len + i] = dot(qs.as_ptr().add(g * hd), w, hd) * scale;
+    unsafe fn widen(src: Src, at: usize, dst: *mut f32, hd: usize) {
+        match src {
+            Src::F16(p) => {
+                for j in (0..hd).step_by(8) {
+                    let v = _mm256_cvtph_ps(_mm_loadu_si128(p.add(at + j) as *const __m128i));
+                    _mm256_storeu_ps(dst.add(j), v);
+                }
+            }
+            Src::I8(p) => {
+                for j in (0..hd).step_by(8) {
+                    let bytes = _mm_loadl_epi64(p.add(at + j) as *const __m128i);
+                    _mm256_storeu_ps(dst.add(j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+                }
             }
         }
     }
 
-    /// `q · w` over `hd` floats (a multiple of 8), two accumulators.
+    /// Widens the tile's `n <= TILE` rows from position `p` into `wide` (`TILE · hd` floats);
+    /// rows past `n` are zeroed so that the tile's sums stay finite.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot(q: *const f32, w: *const f32, hd: usize) -> f32 {
-        let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut j = 0;
-        while j + 16 <= hd {
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
-            b = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.add(j + 8)),
-                _mm256_loadu_ps(w.add(j + 8)),
-                b,
-            );
-            j += 16;
-        }
-        if j < hd {
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(j)), _mm256_loadu_ps(w.add(j)), a);
-        }
-        hsum(_mm256_add_ps(a, b))
-    }
-
-    /// `o += s · w` over `hd` floats (a multiple of 8).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn axpy(s: f32, w: *const f32, o: *mut f32, hd: usize) {
-        let s = _mm256_set1_ps(s);
-        for j in (0..hd).step_by(8) {
-            let acc = _mm256_loadu_ps(o.add(j));
-            _mm256_storeu_ps(o.add(j), _mm256_fmadd_ps(s, _mm256_loadu_ps(w.add(j)), acc));
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen_tile<T>(
+        src: Src,
+        rows: &Rows<T>,
+        p: usize,
+        n: usize,
+        wide: &mut [f32],
+        hd: usize,
+    ) {
+        for r in 0..TILE {
+            let dst = wide.as_mut_ptr().add(r * hd);
+            if r < n {
+                widen(src, (p + r) * rows.row + rows.offset, dst, hd);
+            } else {
+                std::ptr::write_bytes(dst, 0, hd);
+            }
         }
     }
 
-    /// `dst[j] = src[j]` as f32, 8 at a time (`hd` a multiple of 8).
+    /// `q · w_r` for the tile's four widened rows `w_r = w + r · hd`: one load of q per 8
+    /// values for four rows, and one horizontal reduction for the four sums.
     #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn widen_i8(src: *const i8, dst: &mut [f32], hd: usize) {
-        let d = dst.as_mut_ptr();
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot4(q: *const f32, w: *const f32, hd: usize) -> __m128 {
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
         for j in (0..hd).step_by(8) {
-            let bytes = _mm_loadl_epi64(src.add(j) as *const __m128i);
-            _mm256_storeu_ps(d.add(j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+            let qv = _mm256_loadu_ps(q.add(j));
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(w.add(j)), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(w.add(hd + j)), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(w.add(2 * hd + j)), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(w.add(3 * hd + j)), a3);
         }
+        // Within each 128-bit lane: [Σa0, Σa1, Σa2, Σa3] of its half; then the halves added.
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1))
+    }
+
+    /// Scores of the task's rows, four at a time: `scores[g · len + i] = row_scale(i) · q_g ·
+    /// k_i`, with `row_scale` the attention scale times the row's key scale (8-bit rows).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_tiled<T>(
+        src: Src,
+        qs: &[f32],
+        rows: &Rows<T>,
+        scales: Option<&Scales>,
+        hd: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let len = rows.end - rows.start;
+        let group = qs.len() / hd;
+        let mut wide = vec![0f32; TILE * hd];
+        let mut tile_scale = [scale; TILE];
+        for t in (0..len).step_by(TILE) {
+            let n = (len - t).min(TILE);
+            let p = rows.start + t;
+            widen_tile(src, rows, p, n, &mut wide, hd);
+            if let Some(s) = scales {
+                for (r, ts) in tile_scale.iter_mut().enumerate().take(n) {
+                    *ts = scale * s.key(p + r);
+                }
+            }
+            let row_scale = _mm_loadu_ps(tile_scale.as_ptr());
+            for g in 0..group {
+                let s = _mm_mul_ps(dot4(qs.as_ptr().add(g * hd), wide.as_ptr(), hd), row_scale);
+                let mut four = [0f32; TILE];
+                _mm_storeu_ps(four.as_mut_ptr(), s);
+                scores[g * len + t..g * len + t + n].copy_from_slice(&four[..n]);
+            }
+        }
+    }
+
+    /// `out_g += Σ_i weights[g · len + i] · row_scale(i) · v_i`, four rows at a time: each
+    /// output chunk loaded and stored once per tile, not once per row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate_tiled<T>(
+        src: Src,
+        weights: &[f32],
+        rows: &Rows<T>,
+        scales: Option<&Scales>,
+        hd: usize,
+        out: &mut [f32],
+    ) {
+        let len = rows.end - rows.start;
+        let group = out.len() / hd;
+        let mut wide = vec![0f32; TILE * hd];
+        let w = wide.as_ptr();
+        for t in (0..len).step_by(TILE) {
+            let n = (len - t).min(TILE);
+            let p = rows.start + t;
+            widen_tile(src, rows, p, n, &mut wide, hd);
+            for g in 0..group {
+                let mut f = [0f32; TILE];
+                for (r, fr) in f.iter_mut().enumerate().take(n) {
+                    let value_scale = scales.map_or(1.0, |s| s.value(p + r));
+                    *fr = weights[g * len + t + r] * value_scale;
+                }
+                let (f0, f1, f2, f3) = (
+                    _mm256_set1_ps(f[0]),
+                    _mm256_set1_ps(f[1]),
+                    _mm256_set1_ps(f[2]),
+                    _mm256_set1_ps(f[3]),
+                );
+                let o = out.as_mut_ptr().add(g * hd);
+                for j in (0..hd).step_by(8) {
+                    let mut acc = _mm256_loadu_ps(o.add(j));
+                    acc = _mm256_fmadd_ps(f0, _mm256_loadu_ps(w.add(j)), acc);
+                    acc = _mm256_fmadd_ps(f1, _mm256_loadu_ps(w.add(hd + j)), acc);
+                    acc = _mm256_fmadd_ps(f2, _mm256_loadu_ps(w.add(2 * hd + j)), acc);
+                    acc = _mm256_fmadd_ps(f3, _mm256_loadu_ps(w.add(3 * hd + j)), acc);
+                    _mm256_storeu_ps(o.add(j), acc);
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores(qs: &[f32], rows: &Rows<f16>, hd: usize, scale: f32, scores: &mut [f32]) {
+        scores_tiled(
+            Src::F16(rows.keys.as_ptr()),
+            qs,
+            rows,
+            None,
+            hd,
+            scale,
+            scores,
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn accumulate(weights: &[f32], rows: &Rows<f16>, hd: usize, out: &mut [f32]) {
+        accumulate_tiled(Src::F16(rows.values.as_ptr()), weights, rows, None, hd, out)
     }
 
     /// [`scores`] over 8-bit rows (the module notes of the file: the scale joins `scale`).
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn scores_i8(
         qs: &[f32],
         rows: &Rows<i8>,
@@ -463,25 +568,19 @@ mod x86 {
         scale: f32,
         scores: &mut [f32],
     ) {
-        let len = rows.end - rows.start;
-        let group = qs.len() / hd;
-        let mut wide = vec![0f32; hd];
-        let w = wide.as_ptr();
-        for (i, p) in (rows.start..rows.end).enumerate() {
-            widen_i8(
-                rows.keys.as_ptr().add(p * rows.row + rows.offset),
-                &mut wide,
-                hd,
-            );
-            let row_scale = scale * scales.key(p);
-            for g in 0..group {
-                scores[g * len + i] = dot(qs.as_ptr().add(g * hd), w, hd) * row_scale;
-            }
-        }
+        scores_tiled(
+            Src::I8(rows.keys.as_ptr()),
+            qs,
+            rows,
+            Some(scales),
+            hd,
+            scale,
+            scores,
+        )
     }
 
     /// [`accumulate`] over 8-bit rows: each weight times the row's value scale.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn accumulate_i8(
         weights: &[f32],
         rows: &Rows<i8>,
@@ -489,26 +588,14 @@ mod x86 {
         hd: usize,
         out: &mut [f32],
     ) {
-        let len = rows.end - rows.start;
-        let group = out.len() / hd;
-        let mut wide = vec![0f32; hd];
-        let w = wide.as_ptr();
-        for (i, p) in (rows.start..rows.end).enumerate() {
-            widen_i8(
-                rows.values.as_ptr().add(p * rows.row + rows.offset),
-                &mut wide,
-                hd,
-            );
-            let row_scale = scales.value(p);
-            for g in 0..group {
-                axpy(
-                    weights[g * len + i] * row_scale,
-                    w,
-                    out.as_mut_ptr().add(g * hd),
-                    hd,
-                );
-            }
-        }
+        accumulate_tiled(
+            Src::I8(rows.values.as_ptr()),
+            weights,
+            rows,
+            Some(scales),
+            hd,
+            out,
+        )
     }
 
     /// [`scores`] with 512-bit registers (`hd` a multiple of 16).
@@ -550,24 +637,6 @@ mod x86 {
                     let o = out.as_mut_ptr().add(g * hd + j);
                     _mm512_storeu_ps(o, _mm512_fmadd_ps(s, vv, _mm512_loadu_ps(o)));
                 }
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn accumulate(weights: &[f32], rows: &Rows<f16>, hd: usize, out: &mut [f32]) {
-        let len = rows.end - rows.start;
-        let group = out.len() / hd;
-        let mut wide = vec![0f32; hd];
-        let w = wide.as_ptr();
-        for (i, p) in (rows.start..rows.end).enumerate() {
-            widen(
-                rows.values.as_ptr().add(p * rows.row + rows.offset),
-                &mut wide,
-                hd,
-            );
-            for g in 0..group {
-                axpy(weights[g * len + i], w, out.as_mut_ptr().add(g * hd), hd);
             }
         }
     }
@@ -619,9 +688,13 @@ mod tests {
     #[test]
     fn every_kernel_matches_the_portable_loops() {
         let mut seed = 11u64;
-        for &(nkv, group, hd, visible, start) in
-            &[(3, 3, 64, 133, 5), (2, 2, 16, 40, 0), (1, 4, 32, 7, 3)]
-        {
+        for &(nkv, group, hd, visible, start) in &[
+            (3, 3, 64, 133, 5),
+            (2, 2, 16, 40, 0),
+            (1, 4, 32, 7, 3),
+            (2, 3, 64, 23, 2),
+            (1, 1, 8, 3, 1),
+        ] {
             let row = nkv * hd;
             let keys = round16(
                 &(0..visible * row)
