@@ -45,6 +45,8 @@ pub struct Gpu {
     /// Looked-up kernels, so that a launch costs no driver lookup on the host.
     functions: Mutex<HashMap<(&'static str, String), CudaFunction>>,
     cublas: Mutex<Option<Arc<cudarc::cublas::CudaBlas>>>,
+    /// Blocks of a kernel resident at once on the whole GPU, per (family, kernel, block size).
+    resident: Mutex<HashMap<(&'static str, String, u32), u32>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -93,6 +95,7 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             cublas: Mutex::new(None),
+            resident: Mutex::new(HashMap::new()),
         })
     }
 
@@ -175,6 +178,33 @@ impl Gpu {
             fs.insert(key, f.clone());
         }
         Ok(f)
+    }
+
+    /// Blocks of `name` (launched with `block_threads` threads and no dynamic shared memory)
+    /// resident at once on the whole GPU, asked of the driver once and cached. Ask it where a
+    /// matrix is uploaded, not first in a launch: the query loads the kernel, which must not
+    /// happen while a CUDA graph is being captured (it invalidates the capture).
+    pub fn resident_blocks(
+        &self,
+        family: &KernelFamily,
+        name: &str,
+        block_threads: u32,
+    ) -> Result<u32> {
+        let key = (family.name, name.to_string(), block_threads);
+        if let Ok(r) = self.resident.lock() {
+            if let Some(&r) = r.get(&key) {
+                return Ok(r);
+            }
+        }
+        let per_sm = self
+            .function(family, name)?
+            .occupancy_max_active_blocks_per_multiprocessor(block_threads, 0, None)
+            .during("asking a kernel's occupancy")?;
+        let blocks = (per_sm * self.info.multiprocessors).max(1);
+        if let Ok(mut r) = self.resident.lock() {
+            r.insert(key, blocks);
+        }
+        Ok(blocks)
     }
 
     /// Lets `f` launch with `bytes` of dynamic shared memory (above 48 KB a kernel must opt in),

@@ -11,7 +11,7 @@
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
 use crate::product::{check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use sieve_formats::ie_bme::{
     IeBme, IeBmeOptions, Payload, Reorder, ValuesRef, TILE_COLS, TILE_ROWS,
 };
@@ -317,6 +317,14 @@ impl IeBmeDevice {
 }
 
 /// An [`IeBmeDevice`] on the GPU with its kernels.
+/// The kernel of a geometry's area and bits for a token variant (`n1`, `n8`, `n16`, `n32`).
+fn kernel_name(geo: &Geometry, tokens: &str) -> String {
+    format!(
+        "ie_bme_r{}c{}_int{}_{tokens}",
+        geo.area_rows, geo.area_cols, geo.bits
+    )
+}
+
 pub struct GpuIeBme {
     geo: Geometry,
     device_bytes: usize,
@@ -328,14 +336,20 @@ pub struct GpuIeBme {
     /// Per tile row: the epoch of the launch that zeroed its rows of y (fused zeroing).
     flags: CudaSlice<u32>,
     epoch: LaunchEpoch,
-    /// Blocks resident at once on the device, per kernel variant (n1, n8, n16, n32).
-    wave: [std::sync::OnceLock<usize>; 4],
+    /// Blocks resident at once on the device, per kernel variant (n1, n8, n16, n32), asked at
+    /// upload (never first inside a graph capture).
+    wave: [usize; 4],
     /// Tiles per block along K (0: chosen from the shape and the device).
     pub chunk: usize,
 }
 
 impl GpuIeBme {
     pub fn upload(gpu: &Gpu, d: &IeBmeDevice) -> Result<Self> {
+        let mut wave = [0usize; 4];
+        for (w, tokens) in wave.iter_mut().zip(["n1", "n8", "n16", "n32"]) {
+            let name = kernel_name(&d.geo, tokens);
+            *w = gpu.resident_blocks(&FAMILY, &name, 32 * WARPS as u32)? as usize;
+        }
         Ok(Self {
             geo: d.geo,
             device_bytes: d.device_bytes(),
@@ -346,7 +360,7 @@ impl GpuIeBme {
             scales: gpu.upload(&d.scales)?,
             flags: gpu.upload(&vec![0u32; d.geo.tile_rows.max(1)])?,
             epoch: LaunchEpoch::default(),
-            wave: Default::default(),
+            wave,
             chunk: 0,
         })
     }
@@ -363,13 +377,7 @@ impl GpuIeBme {
 
     /// Tiles per block along K: the fewest that fill one wave of blocks (short warps pay their
     /// pipeline fill and the X staging per tile), at most [`max_chunk`].
-    fn effective_chunk(
-        &self,
-        gpu: &Gpu,
-        f: &CudaFunction,
-        variant: usize,
-        n: usize,
-    ) -> Result<usize> {
+    fn effective_chunk(&self, variant: usize, n: usize) -> Result<usize> {
         let most = max_chunk(n);
         if self.chunk > 0 {
             if self.chunk > most {
@@ -381,16 +389,7 @@ impl GpuIeBme {
             return Ok(self.chunk);
         }
         let row_blocks = self.geo.tile_rows.div_ceil(WARPS);
-        let wave = match self.wave[variant].get() {
-            Some(&w) => w,
-            None => {
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(32 * WARPS as u32, 0, None)
-                    .during("asking the occupancy of an ie-bme kernel")?;
-                let w = (per_sm as usize * gpu.info().multiprocessors as usize).max(1);
-                *self.wave[variant].get_or_init(|| w)
-            }
-        };
+        let wave = self.wave[variant];
         let splits = (wave / row_blocks.max(1)).max(1);
         let chunk = self.geo.tile_cols.div_ceil(splits).clamp(1, most);
         // Above 8 tokens (2 blocks per SM) one wave of long chunks measured slower than ~2.5
@@ -491,12 +490,8 @@ impl GpuIeBme {
             (_, 2) => (2, "n16"),
             _ => (3, "n32"),
         };
-        let name = format!(
-            "ie_bme_r{}c{}_int{}_{tokens}",
-            self.geo.area_rows, self.geo.area_cols, self.geo.bits
-        );
-        let f = gpu.function(&FAMILY, &name)?;
-        let chunk = self.effective_chunk(gpu, &f, variant, n)?;
+        let f = gpu.function(&FAMILY, &kernel_name(&self.geo, tokens))?;
+        let chunk = self.effective_chunk(variant, n)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 self.geo.tile_rows.div_ceil(WARPS) as u32,

@@ -1302,13 +1302,18 @@ pub struct GpuLowBit {
     super_scales: CudaSlice<u32>,
     row_scales: CudaSlice<f32>,
     bytes: usize,
-    /// Resident blocks on the whole GPU per kernel instance (index nt - 1), asked of the driver
-    /// once: the persistent grid's size.
-    resident: [OnceLock<u32>; 4],
+    /// Resident blocks on the whole GPU per kernel instance (index nt - 1): the persistent
+    /// grid's size, asked at upload (never first inside a graph capture).
+    resident: [u32; 4],
 }
 
 impl GpuLowBit {
     pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
+        let mut resident = [0u32; 4];
+        for (i, r) in resident.iter_mut().enumerate() {
+            let name = format!("{}_nt{}", m.kind.kernel_prefix(), i + 1);
+            *r = gpu.resident_blocks(&FAMILY, &name, 256)?;
+        }
         let l = m.device_layout();
         let bytes = l.bytes();
         // Kinds without high planes or mins still pass a (never read) one-word buffer.
@@ -1327,7 +1332,7 @@ impl GpuLowBit {
             super_scales: gpu.upload(&or_one(&l.super_scales))?,
             row_scales: gpu.upload(&l.row_scales)?,
             bytes,
-            resident: Default::default(),
+            resident,
         })
     }
 
@@ -1400,16 +1405,7 @@ impl GpuLowBit {
         let f = gpu.function(&FAMILY, &name)?;
         // Persistent blocks: never more than stay resident at once (the kernel walks the row
         // tiles with a grid stride, keeping loads in flight across tile boundaries).
-        let resident = match self.resident[nt - 1].get() {
-            Some(&r) => r,
-            None => {
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
-                    .during("asking the occupancy of a low-bit GEMV")?;
-                let r = (per_sm * gpu.info().multiprocessors).max(1);
-                *self.resident[nt - 1].get_or_init(|| r)
-            }
-        };
+        let resident = self.resident[nt - 1];
         // Persistent for every kind: measured on an H200 over the products of a 7B decode step
         // in one graph (dev/lowbit-tune, 2026-12-04), 2-9% faster than one block per row tile
         // (the same for W4A16 g128). `SIEVE_LOWBIT_GRID=tiles` keeps the other for measuring.

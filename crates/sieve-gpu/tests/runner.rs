@@ -1431,7 +1431,18 @@ fn batched_slot_steps_match_single_steps() {
                 .collect();
             let a = many.prefill_slot(slot, &prompt).unwrap();
             let b = one.prefill_slot(slot, &prompt).unwrap();
-            assert!(max_abs_diff(&a, &b) < 1e-5, "{label}: prefill slot {slot}");
+            // Two runs of the same prefill: equal, but for IE-BME's split-K, whose blocks add
+            // their partial sums with atomics in whatever order they finish.
+            let prefill_tol = if label.starts_with("ie-bme") {
+                1e-3
+            } else {
+                1e-5
+            };
+            let diff = max_abs_diff(&a, &b);
+            assert!(
+                diff < prefill_tol,
+                "{label}: prefill slot {slot} differs by {diff} between two runs"
+            );
             if label == "dense" {
                 model
                     .forward(&prompt, &mut cpu[slot], Logits::Last)
@@ -1587,8 +1598,9 @@ fn argmax_rows_match_the_cpu_greedy_rule() {
             .map(|r| sampling::reference::argmax_row(r))
             .collect();
         assert_eq!(got, want, "vocabulary {v}");
-        // The reference itself: what the CPU sampler picks for the finite rows.
-        for (r, &w) in rows.iter().zip(&want).take(3) {
+        // The reference itself: what the CPU sampler picks for the rows it can answer (row 2
+        // of a one-word vocabulary is all -inf: the sampler refuses it, as it should).
+        for (r, &w) in rows.iter().zip(&want).take(3).filter(|(_, &w)| w >= 0) {
             let mut s = sieve_model::sampling::Sampler::new(
                 sieve_model::sampling::SamplingParams::greedy(),
             )
