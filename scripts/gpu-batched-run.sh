@@ -17,6 +17,10 @@
 #   PHASE=kv8    the 8-bit KV cache (issue 26): its kernel tests, then `bench decode` on the
 #                7B shape at 8192 positions with the f16 and the int8 cache, and the default
 #                model's perplexity on the GPU with each (the CPU's: 21.316 / 21.266)  ~4 min
+#   PHASE=decoder  Tiled-CBC's decode-then-GEMM against per-token products (`bench gemm`, 7B
+#                shapes, sp 0.5) and `bench decode --batch` of a Tiled-CBC 0.5 / 0.5 model
+#                around the one-pass crossover (DECODED_MIN_BATCH); then the 8-bit cache's
+#                decode at 8192 positions against the f16 cache's                    ~4 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -109,5 +113,16 @@ kv8)
     $sieve eval ppl --device cuda --kv-cache $kv --ctx 1024 --max-tokens 4096 2>&1 | tail -1
   done
   ;;
-*) echo "PHASE is tests, bench, serve, smol or kv8"; exit 2 ;;
+decoder)
+  $sieve bench gemm --shapes llama2-7b --precision f16,tcbc-per-token,tcbc-decode-gemm --n 1,4,8,32 \
+    --sp 0.5 --graph --json "$OUT/decoder-gemm.json" 2>&1 | tail -40 | tee "$OUT/decoder-gemm.log"
+  $sieve bench decode --synthetic llama2-7b --sp 0.5 --dp 0.5 --values f16 \
+    --batch 1,2,4,5,8,16,32,64 --prompt 128 --tokens 128 --json "$OUT/decoder-batch.json" 2>&1 \
+    | tee "$OUT/decoder-batch.log"
+  for kv in f16 int8; do
+    $sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --context 8192 --kv-cache $kv \
+      --prompt 128 --tokens 128 --json "$OUT/kv8-decode-$kv.json" 2>&1 | tee "$OUT/kv8-decode-$kv.log"
+  done
+  ;;
+*) echo "PHASE is tests, bench, serve, smol, kv8 or decoder"; exit 2 ;;
 esac
