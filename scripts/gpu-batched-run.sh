@@ -49,7 +49,9 @@ load() {
 
 case "${PHASE:-tests}" in
 tests)
+  # ONLY=regex: just the test executables whose names match (e.g. ONLY='runner|serve').
   while IFS=$'\t' read -r exe dir; do
+    [[ -n "${ONLY:-}" && ! "$exe" =~ ${ONLY:-} ]] && continue
     dir="crates/${dir##*/crates/}"  # staged with the build machine's absolute path
     (cd "$dir" && SIEVE_REQUIRE_GPU=1 SIEVE_SERVE_TEST_DEVICE=cuda "$OLDPWD/.gpu/tests/$exe") \
       > "$OUT/$exe.log" 2>&1
