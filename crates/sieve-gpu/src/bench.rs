@@ -72,6 +72,8 @@ pub struct DecodeResult {
     pub kernels: Vec<String>,
     pub setup_s: f64,
     pub ttft_ms: f64,
+    /// The TTFT's batched prefill by kind of work (prompts of one chunk).
+    pub prefill_profile: Option<crate::runner::PrefillProfile>,
     pub tpot_ms_median: f64,
     pub tpot_ms_p10: f64,
     pub tpot_ms_p90: f64,
@@ -191,6 +193,13 @@ pub fn measure(
     let started = Instant::now();
     model.prefill(&prompt)?;
     let ttft_ms = started.elapsed().as_secs_f64() * 1e3;
+    // Where the TTFT goes, for a prompt that fits one batched chunk.
+    let prefill_profile =
+        if (2..=crate::prefill::CHUNK + 1).contains(&prompt.len()) && model.prefill_is_batched() {
+            Some(model.profile_prefill(&prompt)?)
+        } else {
+            None
+        };
     let mut steps = time_decode(model, opts.tokens)?;
     steps.sort_by(f64::total_cmp);
     let total: f64 = steps.iter().sum();
@@ -248,6 +257,7 @@ pub fn measure(
         kernels: model.report().kernels.clone(),
         setup_s,
         ttft_ms,
+        prefill_profile,
         tpot_ms_median: tpot * 1e3,
         tpot_ms_p10: percentile(&steps, 0.1) * 1e3,
         tpot_ms_p90: percentile(&steps, 0.9) * 1e3,

@@ -162,6 +162,24 @@ impl StepProfile {
     }
 }
 
+/// GPU time of one batched prefill by kind of work (CUDA events between the launch groups,
+/// summed over layers), and of the decode step that runs the prompt's last token.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PrefillProfile {
+    /// Prompt tokens in the batched pass (the last one runs through the decode step).
+    pub batched_tokens: usize,
+    /// (kind of work, µs over every layer), in the layer's order.
+    pub by_op: Vec<(&'static str, f64)>,
+    /// The last prompt token's decode step (graph replay, logits and the sampler).
+    pub last_step_us: f64,
+}
+
+impl PrefillProfile {
+    pub fn total_us(&self) -> f64 {
+        self.by_op.iter().map(|(_, us)| us).sum::<f64>() + self.last_step_us
+    }
+}
+
 /// What the runner says about the model it uploaded (printed by the CLI).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct UploadReport {
@@ -926,6 +944,17 @@ impl GpuModel {
     /// stream in the scratch's `x`. `rows` says where each row's keys and values go and what
     /// it attends to.
     fn rows_through_layers(&self, n: usize, rows: Rows) -> Result<()> {
+        self.rows_through_layers_marked(n, rows, &mut |_| Ok(()))
+    }
+
+    /// [`Self::rows_through_layers`], calling `mark(kind)` after each launch group is enqueued
+    /// (for [`Self::profile_prefill`]'s events).
+    fn rows_through_layers_marked(
+        &self,
+        n: usize,
+        rows: Rows,
+        mark: &mut dyn FnMut(&'static str) -> Result<()>,
+    ) -> Result<()> {
         use crate::prefill::linear_rows;
         let pb = self
             .prefill_bufs
@@ -945,6 +974,7 @@ impl GpuModel {
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
         let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
         embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
+        mark("embed")?;
         // Prompt rows go to the current slot; sequence rows address slot 0's rows and the
         // kernels add each row's slot.
         let base_slot = match rows {
@@ -991,9 +1021,66 @@ impl GpuModel {
                         linear_rows(g, &layer.down, y, 2 * inter, a16, n, x, d, 1.0, w16)?
                     }
                 }
+                mark(op.name())?;
             }
         }
         Ok(())
+    }
+
+    /// One batched prefill of `prompt` with CUDA events between its launch groups: where the
+    /// time to first token goes. Fails where the prefill is not batched.
+    pub fn profile_prefill(&mut self, prompt: &[u32]) -> Result<PrefillProfile> {
+        let n = prompt.len();
+        if !(2..=crate::prefill::CHUNK + 1).contains(&n) || !self.prefill_is_batched() {
+            return Err(GpuError::InvalidArgument(format!(
+                "a prefill profile takes one batched chunk (2..={} tokens) of a model with \
+                 batched prefill",
+                crate::prefill::CHUNK + 1
+            )));
+        }
+        self.reset(prompt)?;
+        self.upload_row_tokens(&prompt[..n - 1])?;
+        self.gpu.synchronize()?;
+        // The GPU spins while the host enqueues the pass, so that the events bracket GPU work
+        // and not the host's launch gaps (those are what a graph would remove).
+        sieve_cuda::timing::spin(&self.gpu, 50_000_000)?;
+        let mut marks: Vec<(&'static str, EventPair)> = Vec::new();
+        let mut current = EventPair::new(&self.gpu)?;
+        current.start(&self.gpu)?;
+        let gpu = &self.gpu;
+        self.rows_through_layers_marked(n - 1, Rows::Consecutive { first: 0 }, &mut |kind| {
+            current.end(gpu)?;
+            let next = EventPair::new(gpu)?;
+            next.start(gpu)?;
+            marks.push((kind, std::mem::replace(&mut current, next)));
+            Ok(())
+        })?;
+        let stream = self.gpu.stream().clone();
+        stream
+            .memcpy_htod(
+                &[(n - 1) as i32, prompt[n - 1] as i32],
+                &mut self.bufs.state,
+            )
+            .during("writing the step state")?;
+        let last = EventPair::new(&self.gpu)?;
+        last.start(&self.gpu)?;
+        self.run_step(true)?;
+        last.end(&self.gpu)?;
+        self.len = n;
+        self.gpu.synchronize()?;
+        let mut prof = PrefillProfile {
+            batched_tokens: n - 1,
+            last_step_us: last.elapsed_us()?,
+            ..Default::default()
+        };
+        for (kind, events) in &marks {
+            let us = events.elapsed_us()?;
+            match prof.by_op.iter_mut().find(|(k, _)| k == kind) {
+                Some((_, total)) => *total += us,
+                None => prof.by_op.push((kind, us)),
+            }
+        }
+        Ok(prof)
     }
 
     fn read_state(&self) -> Result<(usize, u32)> {

@@ -693,6 +693,39 @@ fn tiny_dense_model_matches_cpu() {
     );
 }
 
+/// The prefill profile runs the same prefill: its first token is the plain prefill's, every
+/// kind of work of the layer appears once with a time, and a prompt past one chunk is refused.
+#[test]
+fn prefill_profile_runs_the_same_prefill() {
+    let name = "prefill_profile_runs_the_same_prefill";
+    let Some(gpu) = gpu_or_skip(name) else {
+        return;
+    };
+    let model = tiny_model(FormatKind::Dense, 0.0, 0.0, 5);
+    let mut g = GpuModel::from_model(gpu, &model, 512).unwrap();
+    let v = model.config().vocab_size;
+    let prompt: Vec<u32> = (0..40).map(|i| ((i * 13 + 1) % v) as u32).collect();
+    let want = g.prefill(&prompt).unwrap();
+    let profile = g.profile_prefill(&prompt).unwrap();
+    g.next_token().unwrap();
+    let again = g.prefill(&prompt).unwrap();
+    assert_eq!(want, again, "{name}: prefill after the profile");
+    assert_eq!(profile.batched_tokens, prompt.len() - 1);
+    let kinds: Vec<&str> = profile.by_op.iter().map(|(k, _)| *k).collect();
+    let mut expected = vec!["embed"];
+    expected.extend(sieve_model::plan::LAYER.iter().map(|op| op.name()));
+    assert_eq!(kinds, expected, "{name}");
+    assert!(
+        profile.by_op.iter().all(|(_, us)| *us > 0.0) && profile.last_step_us > 0.0,
+        "{name}: {profile:?}"
+    );
+    let long: Vec<u32> = (0..400).map(|i| (i % v) as u32).collect();
+    assert!(
+        g.profile_prefill(&long).is_err(),
+        "{name}: a prompt past one chunk"
+    );
+}
+
 /// The 8-bit KV cache: the GPU's cache writes (decode, batched prefill) and attention against
 /// the CPU model with the same cache rule (`Model::set_kv_precision`), the tokens and logits
 /// checked as for the f16 cache. The two quantize keys computed in different orders (and the

@@ -101,6 +101,21 @@ fn print_row(r: &DecodeResult) {
         r.launches_per_step,
         r.setup_s
     );
+    if let Some(p) = &r.prefill_profile {
+        let parts: Vec<String> = p
+            .by_op
+            .iter()
+            .map(|(kind, us)| format!("{kind} {:.0}", us))
+            .collect();
+        println!(
+            "{:<11}   prefill of {} tokens on the GPU {:.0} us: {}; last token's step {:.0}",
+            r.model,
+            p.batched_tokens,
+            p.total_us(),
+            parts.join(", "),
+            p.last_step_us
+        );
+    }
     for b in &r.batched {
         println!(
             "{:<11}   batch {:>3} ({}): step {:>8.3} ms (p10 {:.3}, p90 {:.3}), {:>9.1} tok/s over all sequences",
