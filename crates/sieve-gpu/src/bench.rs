@@ -31,8 +31,8 @@ pub struct DecodeBenchOptions {
     pub tcbc_kernels: Vec<TcbcKernel>,
     /// Programmatic dependent launch settings to measure (each a result on the same model).
     pub pdl: Vec<bool>,
-    /// Sequences decoded together, one measurement each (the serving path's batched step,
-    /// [`GpuModel::step_slots`]); empty: none.
+    /// Sequences decoded together, one measurement each (the serving path's greedy batched
+    /// step, [`GpuModel::step_slots_argmax`]); empty: none.
     pub batches: Vec<usize>,
 }
 
@@ -105,7 +105,8 @@ pub struct DecodeResult {
 
 /// One batch size of the serving path's decode step: `batch` sequences, each at its own
 /// position after its own prompt, stepped together; the time is host wall time of the call
-/// (the pass, and the logits of every sequence copied to the host, as the server reads them).
+/// (the pass, the greedy choice on the device and one token id per sequence copied to the host,
+/// as the server's greedy requests run it).
 #[derive(Clone, Debug, Serialize)]
 pub struct BatchPoint {
     pub batch: usize,
@@ -339,19 +340,22 @@ fn time_batches(
             let logits = model.prefill_slot(slot, &p)?;
             rows.push((slot, p.len(), argmax(&logits)));
         }
+        // The server's greedy step: the tokens chosen on the device, one id per sequence back
+        // (the logits of 32 sequences are 4 MB a step to copy).
+        let mut step = |rows: &mut Vec<(usize, usize, u32)>| -> Result<()> {
+            let tokens = model.step_slots_argmax(rows)?;
+            for (r, t) in rows.iter_mut().zip(tokens) {
+                *r = (r.0, r.1 + 1, t?);
+            }
+            Ok(())
+        };
         // One untimed step (first launches, cuBLAS heuristics).
-        let logits = model.step_slots(&rows)?;
-        for (i, r) in rows.iter_mut().enumerate() {
-            *r = (r.0, r.1 + 1, argmax(&logits[i * vocab..(i + 1) * vocab]));
-        }
+        step(&mut rows)?;
         let mut times = Vec::with_capacity(steps);
         for _ in 0..steps {
             let t = Instant::now();
-            let logits = model.step_slots(&rows)?;
+            step(&mut rows)?;
             times.push(t.elapsed().as_secs_f64());
-            for (i, r) in rows.iter_mut().enumerate() {
-                *r = (r.0, r.1 + 1, argmax(&logits[i * vocab..(i + 1) * vocab]));
-            }
         }
         times.sort_by(f64::total_cmp);
         let median = percentile(&times, 0.5);
