@@ -118,7 +118,7 @@ kv8)
 decoder)
   $sieve bench gemm --shapes llama2-7b --precision f16,tcbc-per-token,tcbc-decode-gemm --n 1,4,8,32 \
     --sp 0.5 --graph --json "$OUT/decoder-gemm.json" 2>&1 | tail -40 | tee "$OUT/decoder-gemm.log"
-  $sieve bench decode --synthetic llama2-7b --sp 0.5 --dp 0.5 --values f16 \
+  $sieve bench decode --synthetic llama2-7b --sp 0,0.5 --dp 0,0.5 --values f16 \
     --batch 1,2,4,5,8,16,32,64 --prompt 128 --tokens 128 --json "$OUT/decoder-batch.json" 2>&1 \
     | tee "$OUT/decoder-batch.log"
   for kv in f16 int8; do
