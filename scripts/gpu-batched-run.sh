@@ -68,8 +68,12 @@ bench)
     --batch 1,2,8,32,64 --prompt 128 --tokens 128 --json "$OUT/batch-int4.json" 2>&1 | tee "$OUT/batch-int4.log"
   ;;
 serve)
-  (nice -n 5 bash scripts/llama-cpp/build.sh > "$OUT/build.log" 2>&1; echo "build rc $?" >> "$OUT/build.log") &
-  build=$!
+  # The llama.cpp build runs beside sieve's load (BUILD_STARTED=1: the caller started it, with
+  # /tmp/llama-build.log and /tmp/llama-build.done, e.g. beside PHASE=tests in the same call).
+  if [ "${BUILD_STARTED:-0}" != 1 ]; then
+    (TARGETS=llama-server nice -n 5 bash scripts/llama-cpp/build.sh > /tmp/llama-build.log 2>&1
+     echo "build rc $?" >> /tmp/llama-build.log; touch /tmp/llama-build.done) &
+  fi
   mkdir -p /tmp/g
   python3 scripts/llama-cpp/random_gguf.py --shape llama2-7b --type f16 -o /tmp/g/7b-f16.gguf > "$OUT/gen.log" 2>&1 \
     || { tail -3 "$OUT/gen.log"; exit 1; }
@@ -79,7 +83,8 @@ serve)
   wait_health 8090 && load 8090 sieve-7b 1 8 32
   curl -s http://127.0.0.1:8090/metrics > "$OUT/metrics-sieve-7b.txt"
   kill -TERM $pid; wait $pid
-  wait "$build"; tail -2 "$OUT/build.log"
+  for _ in $(seq 1 600); do [ -e /tmp/llama-build.done ] && break; sleep 1; done
+  cp /tmp/llama-build.log "$OUT/build.log"; tail -2 "$OUT/build.log"
   server=vendor/llama.cpp/build/bin/llama-server
   "$server" -m /tmp/g/7b-f16.gguf --host 127.0.0.1 --port 8091 -ngl 99 --parallel 32 -c 32768 \
     > "$OUT/llama-server-7b.log" 2>&1 &
