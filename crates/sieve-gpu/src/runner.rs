@@ -1055,13 +1055,7 @@ impl GpuModel {
             marks.push((kind, std::mem::replace(&mut current, next)));
             Ok(())
         })?;
-        let stream = self.gpu.stream().clone();
-        stream
-            .memcpy_htod(
-                &[(n - 1) as i32, prompt[n - 1] as i32],
-                &mut self.bufs.state,
-            )
-            .during("writing the step state")?;
+        self.write_state(n - 1, prompt[n - 1])?;
         let last = EventPair::new(&self.gpu)?;
         last.start(&self.gpu)?;
         self.run_step(true)?;
@@ -1081,6 +1075,15 @@ impl GpuModel {
             }
         }
         Ok(prof)
+    }
+
+    /// Sets the decode step's state: the position it runs and the token it takes.
+    fn write_state(&mut self, position: usize, token: u32) -> Result<()> {
+        let stream = self.gpu.stream().clone();
+        stream
+            .memcpy_htod(&[position as i32, token as i32], &mut self.bufs.state)
+            .during("writing the step state")?;
+        Ok(())
     }
 
     fn read_state(&self) -> Result<(usize, u32)> {
@@ -1151,13 +1154,7 @@ impl GpuModel {
             for (c, chunk) in prompt[..n - 1].chunks(crate::prefill::CHUNK).enumerate() {
                 self.prefill_chunk(chunk, c * crate::prefill::CHUNK)?;
             }
-            let stream = self.gpu.stream().clone();
-            stream
-                .memcpy_htod(
-                    &[(n - 1) as i32, prompt[n - 1] as i32],
-                    &mut self.bufs.state,
-                )
-                .during("writing the step state")?;
+            self.write_state(n - 1, prompt[n - 1])?;
         } else {
             for _ in 0..n - 1 {
                 self.run_step(false)?;
@@ -1902,10 +1899,7 @@ impl GpuModel {
     /// One step of the current slot up to the logits: a replay of the slot's graph (captured
     /// on first use) or eager launches.
     fn run_logits_step(&mut self, position: usize, token: u32) -> Result<()> {
-        let stream = self.gpu.stream().clone();
-        stream
-            .memcpy_htod(&[position as i32, token as i32], &mut self.bufs.state)
-            .during("writing the step state")?;
+        self.write_state(position, token)?;
         if !self.use_graphs {
             return self.ops().into_iter().try_for_each(|op| self.launch(op));
         }
