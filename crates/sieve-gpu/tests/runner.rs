@@ -33,6 +33,17 @@ impl Rng {
     }
 }
 
+/// Runs the GPU tests of this file one at a time. They share the device's primary context,
+/// and in parallel a graph capture failed ("operation failed due to a previous error during
+/// capture", then eager launches) in a different test on each run (Q8_0 blocks, then the dense
+/// model; H200, 2026-12-05): most likely another test's device-wide synchronization (a cuBLAS
+/// handle's destruction synchronizes the device) landing inside the capture. `sieve` runs one
+/// engine per process.
+fn serial_gpu() -> std::sync::MutexGuard<'static, ()> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -42,6 +53,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn rmsnorm_and_silu_match_reference() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("rmsnorm_and_silu_match_reference") else {
         return;
     };
@@ -85,6 +97,7 @@ fn rmsnorm_and_silu_match_reference() {
 /// splits empty, partial and spanning several 128-position tiles.
 #[test]
 fn rope_and_attention_match_reference() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("rope_and_attention_match_reference") else {
         return;
     };
@@ -239,6 +252,7 @@ fn run_sampler(gpu: &Gpu, logits: &[f32], args: &SampleArgs, history: &[i32]) ->
 
 #[test]
 fn sampler_matches_cpu_rules() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("sampler_matches_cpu_rules") else {
         return;
     };
@@ -686,6 +700,7 @@ fn check_gpu_model_against_cpu_with_max(
 
 #[test]
 fn tiny_dense_model_matches_cpu() {
+    let _serial = serial_gpu();
     check_model_against_cpu(
         "tiny_dense_model_matches_cpu",
         &mut tiny_model(FormatKind::Dense, 0.0, 0.0, 1),
@@ -697,6 +712,7 @@ fn tiny_dense_model_matches_cpu() {
 /// kind of work of the layer appears once with a time, and a prompt past one chunk is refused.
 #[test]
 fn prefill_profile_runs_the_same_prefill() {
+    let _serial = serial_gpu();
     let name = "prefill_profile_runs_the_same_prefill";
     let Some(gpu) = gpu_or_skip(name) else {
         return;
@@ -734,6 +750,7 @@ fn prefill_profile_runs_the_same_prefill() {
 /// and greedy tokens are compared up to the first near tie.
 #[test]
 fn tiny_dense_model_with_int8_kv_cache_matches_cpu() {
+    let _serial = serial_gpu();
     let name = "tiny_dense_model_with_int8_kv_cache_matches_cpu";
     for (what, config) in [
         ("groups of 3", config(301, 96, 200, 2, 6, 2, 16)),
@@ -774,6 +791,7 @@ fn tiny_dense_model_with_int8_kv_cache_matches_cpu() {
 
 #[test]
 fn tiny_dense_teal_model_matches_cpu() {
+    let _serial = serial_gpu();
     check_model_against_cpu(
         "tiny_dense_teal_model_matches_cpu",
         &mut tiny_model(FormatKind::Dense, 0.0, 0.5, 2),
@@ -783,6 +801,7 @@ fn tiny_dense_teal_model_matches_cpu() {
 
 #[test]
 fn tiny_tiled_cbc_model_matches_cpu() {
+    let _serial = serial_gpu();
     check_model_against_cpu(
         "tiny_tiled_cbc_model_matches_cpu",
         &mut tiny_model(FormatKind::TiledCbc, 0.5, 0.5, 3),
@@ -792,6 +811,7 @@ fn tiny_tiled_cbc_model_matches_cpu() {
 
 #[test]
 fn tiny_rlc_csc_model_matches_cpu() {
+    let _serial = serial_gpu();
     check_model_against_cpu(
         "tiny_rlc_csc_model_matches_cpu",
         &mut tiny_model(FormatKind::RlcCsc, 0.5, 0.5, 4),
@@ -803,6 +823,7 @@ fn tiny_rlc_csc_model_matches_cpu() {
 /// with thresholds.
 #[test]
 fn tiny_balanced_cbc_model_matches_cpu() {
+    let _serial = serial_gpu();
     for (sp, seed) in [(0.5, 5), (0.3, 6)] {
         check_model_against_cpu(
             "tiny_balanced_cbc_model_matches_cpu",
@@ -835,6 +856,7 @@ fn to_gguf_blocks(model: &mut Model, ty: sieve_cpu::gguf_blocks::BlockType) {
 /// with and without TEAL thresholds, against the CPU running the dequantized weights.
 #[test]
 fn tiny_gguf_block_models_match_cpu() {
+    let _serial = serial_gpu();
     use sieve_cpu::gguf_blocks::BlockType;
     if gpu_or_skip("tiny_gguf_block_models_match_cpu").is_none() {
         return;
@@ -932,6 +954,7 @@ fn to_random_gguf_blocks(
 /// logits up to ~45.
 #[test]
 fn tiny_k_quant_models_match_cpu() {
+    let _serial = serial_gpu();
     use sieve_cpu::gguf_blocks::BlockType;
     if gpu_or_skip("tiny_k_quant_models_match_cpu").is_none() {
         return;
@@ -1021,6 +1044,7 @@ fn tiny_k_quant_models_match_cpu() {
 /// them) run the low-bit kernels (named in the upload report) with the CPU's tokens.
 #[test]
 fn tiny_balanced_low_bit_models_match_cpu() {
+    let _serial = serial_gpu();
     use sieve_cuda::balanced_lowbit::LowBitValues;
     if gpu_or_skip("tiny_balanced_low_bit_models_match_cpu").is_none() {
         return;
@@ -1056,6 +1080,7 @@ fn tiny_balanced_low_bit_models_match_cpu() {
 /// Values without a GPU kernel in a format are refused before anything is built.
 #[test]
 fn synthetic_values_are_checked_against_the_format() {
+    let _serial = serial_gpu();
     use sieve_gpu::synthetic::SyntheticValues;
     let parse = |s: &str| s.parse::<SyntheticValues>();
     assert_eq!(
@@ -1100,6 +1125,7 @@ fn synthetic_values_are_checked_against_the_format() {
 
 #[test]
 fn unsupported_formats_are_refused_by_name() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("unsupported_formats_are_refused_by_name") else {
         return;
     };
@@ -1125,6 +1151,7 @@ fn unsupported_formats_are_refused_by_name() {
 /// the f16 column kernel on exact activations.
 #[test]
 fn tiny_ie_bme_models_match_cpu() {
+    let _serial = serial_gpu();
     use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
     if gpu_or_skip("tiny_ie_bme_models_match_cpu").is_none() {
         return;
@@ -1182,6 +1209,7 @@ fn tiny_ie_bme_models_match_cpu() {
 /// full ones).
 #[test]
 fn synthetic_thresholds_hit_the_activation_sparsity() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("synthetic_thresholds_hit_the_activation_sparsity") else {
         return;
     };
@@ -1217,6 +1245,7 @@ fn synthetic_thresholds_hit_the_activation_sparsity() {
 /// ~20-wide spread (f16 KV cache and summation order; the measured error is printed).
 #[test]
 fn models_from_env_match_cpu() {
+    let _serial = serial_gpu();
     let Ok(list) = std::env::var("SIEVE_GPU_CHECK_MODELS") else {
         eprintln!("models_from_env_match_cpu: skipped, SIEVE_GPU_CHECK_MODELS is not set");
         return;
@@ -1233,6 +1262,7 @@ fn models_from_env_match_cpu() {
 /// needed), naming the layer, the op, the projection and the format.
 #[test]
 fn the_plan_check_refuses_what_the_runner_cannot_execute() {
+    let _serial = serial_gpu();
     use sieve_gpu::runner::GPU_CAPABILITIES;
     use sieve_model::plan::Plan;
 
@@ -1283,6 +1313,7 @@ fn the_plan_check_refuses_what_the_runner_cannot_execute() {
 /// over; bad slots, positions and tokens are refused.
 #[test]
 fn slot_pool_matches_cpu_per_sequence() {
+    let _serial = serial_gpu();
     let name = "slot_pool_matches_cpu_per_sequence";
     let Some(gpu) = gpu_or_skip(name) else { return };
     let model = tiny_model(FormatKind::Dense, 0.0, 0.0, 11);
@@ -1377,6 +1408,7 @@ fn slot_pool_matches_cpu_per_sequence() {
 /// path; bad batches are refused before anything runs.
 #[test]
 fn batched_slot_steps_match_single_steps() {
+    let _serial = serial_gpu();
     use sieve_cpu::gguf_blocks::BlockType;
     let name = "batched_slot_steps_match_single_steps";
     if gpu_or_skip(name).is_none() {
@@ -1467,7 +1499,7 @@ fn batched_slot_steps_match_single_steps() {
             // Two runs of the same prefill: equal, but for IE-BME's split-K, whose blocks add
             // their partial sums with atomics in whatever order they finish.
             let prefill_tol = if label.starts_with("ie-bme") {
-                1e-3
+                0.2 * single_tol
             } else {
                 1e-5
             };
@@ -1597,6 +1629,7 @@ fn batched_slot_steps_match_single_steps() {
 /// a row of -inf only, rows with NaN or +inf; vocabularies around the block size.
 #[test]
 fn argmax_rows_match_the_cpu_greedy_rule() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("argmax_rows_match_the_cpu_greedy_rule") else {
         return;
     };
@@ -1655,6 +1688,7 @@ fn argmax_rows_match_the_cpu_greedy_rule() {
 /// positions; a row of -inf only comes back as -1, one with a NaN as -2.
 #[test]
 fn sample_rows_draw_what_sample_token_draws() {
+    let _serial = serial_gpu();
     let Some(gpu) = gpu_or_skip("sample_rows_draw_what_sample_token_draws") else {
         return;
     };
