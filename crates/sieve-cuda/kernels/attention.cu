@@ -28,11 +28,13 @@
 //
 // The 8-bit cache (attention_split_i8_g<G>, Cache = CacheI8): the same mapping over i8 chunks,
 // plus each row's key and value scale (k_scales, v_scales f32 [position][Hkv], loaded with the
-// row's chunks in step 1), and for G <= 2 twice the rows per thread and tile (att_loads: the
-// same bytes in flight as the f16 kernel's ATT_LOADS loads of 16 bytes). The integers are
-// multiplied as they are and the scales folded in once per row: step 2 stores
-// score = scale_k(row) * (q . k_int), step 4 adds prob * scale_v(row) * v_int. The f16 kernels (Cache = CacheF16) have no scale and their
-// arithmetic is that of the kernel before the 8-bit cache.
+// row's chunks in step 1). The integers are multiplied as they are and the scales folded in
+// once per row: step 2 stores score = scale_k(row) * (q . k_int), step 4 adds
+// prob * scale_v(row) * v_int. The f16 kernels (Cache = CacheF16) have no scale and their
+// arithmetic is that of the kernel before the 8-bit cache. (Twice the rows per tile for the
+// 8-bit cache, to keep the f16 kernel's bytes in flight, was measured on a 7B decode step:
+// 5.90 against 6.02 ms at 8192 positions, 4.60 against 4.42 ms at ~200; not kept. H200,
+// 2026-12-05.)
 //   output per (query head, split): part[(head * S + s) * (hd + 2)] = { m, l, acc[0..hd] }
 //   (an empty split writes m = -inf, l = 0).
 //
@@ -96,15 +98,6 @@ struct CacheI8 {
     }
 };
 
-// Chunks per thread and tile, K and V each. The 8-bit cache's chunks are 8 bytes, not 16: for
-// G <= 2 it takes twice the rows per tile, the f16 kernel's bytes in flight for about its
-// registers (with ATT_LOADS rows the 8-bit cache read at half the f16 cache's bandwidth, 7B at
-// 8192 positions, H200, 2026-12-05); larger groups hold too many q and acc registers for that.
-template <int G, typename Cache>
-__host__ __device__ constexpr int att_loads() {
-    return Cache::scaled && G <= 2 ? 2 * ATT_LOADS : ATT_LOADS;
-}
-
 template <int G, typename Cache>
 __device__ __forceinline__ void attention_split_body(const float* __restrict__ qkv,
                                                      const typename Cache::elem* __restrict__ k_cache,
@@ -114,7 +107,6 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
                                                      int q_stride, const int* __restrict__ seqs,
                                                      long long slot_stride, const float* __restrict__ k_scales,
                                                      const float* __restrict__ v_scales) {
-    constexpr int LOADS = att_loads<G, Cache>();
     extern __shared__ float smem[];  // scores [G][TILE]; after the loop, the reduction [RB][G][hd]
     __shared__ float s_m[G], s_l[G], s_corr[G];
     const int kvh = blockIdx.x, split = blockIdx.y, S = gridDim.y;
@@ -142,7 +134,7 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     const int chunks = hd >> 3;
     int L = 1;
     while (L < chunks) L <<= 1;
-    const int R = 32 / L, RB = ATT_WARPS * R, TILE = LOADS * RB;
+    const int R = 32 / L, RB = ATT_WARPS * R, TILE = ATT_LOADS * RB;
     const int sub = lane / L, c = lane % L;
     const bool has_chunk = c < chunks;
     const int rstep = warp * R + sub;  // this thread's row within a block step
@@ -169,10 +161,10 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     for (int t0 = p0; t0 < p1; t0 += TILE) {
         // 1. The tile's K and V chunks (and, for the 8-bit cache, their rows' scales), all in
         // flight together.
-        typename Cache::chunk kv[LOADS], vv[LOADS];
-        float kscale[LOADS], vscale[LOADS];
+        typename Cache::chunk kv[ATT_LOADS], vv[ATT_LOADS];
+        float kscale[ATT_LOADS], vscale[ATT_LOADS];
 #pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
+        for (int i = 0; i < ATT_LOADS; ++i) {
             const int p = t0 + i * RB + rstep;
             const bool ok = p < p1 && has_chunk;
             kv[i] = ok ? Cache::load(kbase + (size_t)p * row) : Cache::zero();
@@ -184,7 +176,7 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
         }
         // 2. Scores of the thread's rows, summed over the row's L lanes.
 #pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
+        for (int i = 0; i < ATT_LOADS; ++i) {
             float kf[8];
             Cache::unpack(kv[i], kf);
             float d[G];
@@ -242,7 +234,7 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
             for (int e = 0; e < 8; ++e) acc[j][e] *= corr;
         }
 #pragma unroll
-        for (int i = 0; i < LOADS; ++i) {
+        for (int i = 0; i < ATT_LOADS; ++i) {
             float vf[8];
             Cache::unpack(vv[i], vf);
             const int idx = i * RB + rstep;

@@ -75,12 +75,10 @@ impl AttentionShape {
     }
     /// Dynamic shared memory of `attention_split_g<G>` in bytes: the tile's scores
     /// `[G][TILE]`, reused after the loop for the reduction `[RB][G][hd]` (see `attention.cu`).
-    /// `loads`: chunks per thread and tile (`att_loads` in the kernel: ATT_LOADS, twice that
-    /// for the 8-bit cache and groups of at most 2).
-    fn split_shared_bytes(&self, loads: usize) -> usize {
+    fn split_shared_bytes(&self) -> usize {
         let lanes_per_row = (self.head_dim / 8).next_power_of_two();
         let rows_per_step = ATT_WARPS * (32 / lanes_per_row);
-        let tile = loads * rows_per_step;
+        let tile = ATT_LOADS * rows_per_step;
         let g = self.kernel_group();
         4 * (g * tile).max(rows_per_step * g * self.head_dim)
     }
@@ -180,6 +178,7 @@ fn launch(
     att: DevPtr,
     queries: Queries,
 ) -> Result<()> {
+    let shared = shape.split_shared_bytes() as u32;
     let (k_cache, v_cache, scales) = match cache {
         KvCache::F16 { k, v } => (k, v, None),
         KvCache::Int8 {
@@ -189,12 +188,7 @@ fn launch(
             v_scales,
         } => (k, v, Some((k_scales, v_scales))),
     };
-    let (cache_kind, loads) = match scales {
-        Some(_) if shape.kernel_group() <= 2 => ("_i8", 2 * ATT_LOADS),
-        Some(_) => ("_i8", ATT_LOADS),
-        None => ("", ATT_LOADS),
-    };
-    let shared = shape.split_shared_bytes(loads) as u32;
+    let cache_kind = if scales.is_some() { "_i8" } else { "" };
     let name = format!("attention_split{cache_kind}_g{}", shape.kernel_group());
     let f = gpu.function(&FAMILY, &name)?;
     gpu.allow_dynamic_shared(&f, shared as usize)?;
