@@ -1496,9 +1496,11 @@ fn batched_slot_steps_match_single_steps() {
                 .collect();
             let a = many.prefill_slot(slot, &prompt).unwrap();
             let b = one.prefill_slot(slot, &prompt).unwrap();
-            // Two runs of the same prefill: equal, but for IE-BME's split-K, whose blocks add
-            // their partial sums with atomics in whatever order they finish.
-            let prefill_tol = if label.starts_with("ie-bme") {
+            // Two runs of the same prefill: equal, but for the split-K kernels (IE-BME, and
+            // Tiled-CBC's decode step for the last prompt token), whose blocks add their partial
+            // sums with atomics in whatever order they finish (Tiled-CBC: 1.3e-5 apart, H200).
+            let split_k_atomics = label.starts_with("ie-bme") || label.starts_with("tiled-cbc");
+            let prefill_tol = if split_k_atomics {
                 0.2 * single_tol
             } else {
                 1e-5
