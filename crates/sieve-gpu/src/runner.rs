@@ -266,12 +266,12 @@ const SAMPLE_WINDOW: usize = sieve_model::generate::REPETITION_WINDOW;
 /// Sequences one batched decode launch sequence takes (larger batches run in parts).
 pub const MAX_SEQUENCES: usize = 64;
 
-/// Sequences from which a step of a model with Tiled-CBC matrices runs as one batched pass.
-/// Estimated from bytes, not yet measured: the pass decodes each matrix to f16 (reading its
-/// ~1.06 bytes per weight at sp 0.5, writing 2 and reading them again in the GEMM, ~5 bytes per
-/// weight in all) where one sequence's own step reads ~1.06 per weight; the pass pays from
-/// about 5 sequences.
-pub const DECODED_MIN_BATCH: usize = 5;
+/// Sequences from which a step of a model with Tiled-CBC matrices runs as one batched pass,
+/// measured: the pass decodes each matrix to f16 and runs cuBLAS, 23.4 ms a step for the 7B
+/// shape at sp 0.5 / dp 0.5 whatever the batch (5 to 16 sequences), where one sequence's own
+/// step takes 2.66 ms, so the pass pays from 9 sequences (H200, 2026-12-05, `sieve bench
+/// decode --batch`; docs/BENCHMARKS.md).
+pub const DECODED_MIN_BATCH: usize = 9;
 
 /// Most sequences `sieve bench decode --batch` asks for (a sanity bound on user input; the
 /// memory check of [`GpuModel::set_slots`] decides what fits).

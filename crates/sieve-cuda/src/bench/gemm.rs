@@ -71,7 +71,7 @@ pub enum Precision {
     TcbcPerToken,
     /// Tiled-CBC for N tokens as the batched decode pass runs it: the matrix decoded to f16
     /// (`tcbc_decode_t`), then one cuBLAS GEMM. With `tcbc-per-token`, the crossover that
-    /// `sieve_gpu::runner::DECODED_MIN_BATCH` estimates.
+    /// `sieve_gpu::runner::DECODED_MIN_BATCH` is set from (per product; the whole step's is larger).
     TcbcDecodeGemm,
 }
 
