@@ -196,7 +196,7 @@ pub fn measure(
     let ttft_ms = started.elapsed().as_secs_f64() * 1e3;
     // Where the TTFT goes, for a prompt that fits one batched chunk.
     let prefill_profile =
-        if (2..=crate::prefill::CHUNK + 1).contains(&prompt.len()) && model.prefill_is_batched() {
+        if (2..=crate::prefill::CHUNK).contains(&prompt.len()) && model.prefill_is_batched() {
             Some(model.profile_prefill(&prompt)?)
         } else {
             None

@@ -726,13 +726,13 @@ fn prefill_profile_runs_the_same_prefill() {
     g.next_token().unwrap();
     let again = g.prefill(&prompt).unwrap();
     assert_eq!(want, again, "{name}: prefill after the profile");
-    assert_eq!(profile.batched_tokens, prompt.len() - 1);
+    assert_eq!(profile.batched_tokens, prompt.len());
     let kinds: Vec<&str> = profile.by_op.iter().map(|(k, _)| *k).collect();
     let mut expected = vec!["embed"];
     expected.extend(sieve_model::plan::LAYER.iter().map(|op| op.name()));
     assert_eq!(kinds, expected, "{name}");
     assert!(
-        profile.by_op.iter().all(|(_, us)| *us > 0.0) && profile.last_step_us > 0.0,
+        profile.by_op.iter().all(|(_, us)| *us > 0.0) && profile.head_us > 0.0,
         "{name}: {profile:?}"
     );
     let long: Vec<u32> = (0..400).map(|i| (i % v) as u32).collect();

@@ -108,12 +108,12 @@ fn print_row(r: &DecodeResult) {
             .map(|(kind, us)| format!("{kind} {:.0}", us))
             .collect();
         println!(
-            "{:<11}   prefill of {} tokens on the GPU {:.0} us: {}; last token's step {:.0}",
+            "{:<11}   prefill of {} tokens on the GPU {:.0} us: {}; last row's logits and sampling {:.0}",
             r.model,
             p.batched_tokens,
             p.total_us(),
             parts.join(", "),
-            p.last_step_us
+            p.head_us
         );
     }
     for b in &r.batched {
