@@ -53,6 +53,7 @@ pub mod product;
 pub mod rlc_csc;
 pub mod rope;
 pub mod sampling;
+pub mod slide;
 pub mod step;
 pub mod tiled_cbc;
 pub mod timing;
