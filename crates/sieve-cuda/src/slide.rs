@@ -377,6 +377,10 @@ impl GpuSlide {
     }
 
     pub fn upload_device(gpu: &Gpu, d: &SlideDevice) -> Result<Self> {
+        // Look every kernel up now: loading a module inside a graph capture invalidates it.
+        for name in ["slide_lift_rows", "slide_zero_rows"] {
+            gpu.function(&FAMILY, name)?;
+        }
         let mut resident = [0usize; TOKEN_VARIANTS.len()];
         for (r, nt) in resident.iter_mut().zip(TOKEN_VARIANTS) {
             *r = gpu.resident_blocks(&FAMILY, &format!("slide_spmm_nt{nt}"), 32 * WARPS as u32)?

@@ -29,6 +29,7 @@ use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
 use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::max_rel_error;
+use sieve_formats::slide::{Slide, SlideOptions};
 use sieve_formats::WeightFormat;
 use std::fmt::Write as _;
 
@@ -73,10 +74,13 @@ pub enum Precision {
     /// (`tcbc_decode_t`), then one cuBLAS GEMM. With `tcbc-per-token`, the crossover that
     /// `sieve_gpu::runner::DECODED_MIN_BATCH` is set from (per product; the whole step's is larger).
     TcbcDecodeGemm,
+    /// SlideSparse: a (2N-2):2N matrix (`--pattern`) lifted to 2:4 and multiplied on the sparse
+    /// tensor cores (`mma.sp`), f16 values; the activation lifting (f32 -> f16) is timed with it.
+    SlideF16,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 16] = [
+    pub const ALL: [Precision; 17] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -93,6 +97,7 @@ impl Precision {
         Precision::IeBmeInt8,
         Precision::TcbcPerToken,
         Precision::TcbcDecodeGemm,
+        Precision::SlideF16,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -112,6 +117,7 @@ impl Precision {
             Precision::IeBmeInt8 => "ie-bme-int8",
             Precision::TcbcPerToken => "tcbc-per-token",
             Precision::TcbcDecodeGemm => "tcbc-decode-gemm",
+            Precision::SlideF16 => "slide-f16",
         }
     }
     fn is_balanced(self) -> bool {
@@ -154,6 +160,8 @@ pub struct GemmBenchOptions {
     pub sp: Vec<f64>,
     /// Activation sparsities of the Balanced-CBC rows.
     pub dp: Vec<f64>,
+    /// (2N-2):2N patterns of the `slide-f16` rows (e.g. 6:8).
+    pub patterns: Vec<Pattern>,
     pub precisions: Vec<Precision>,
     pub reps: usize,
     pub graph: bool,
@@ -169,6 +177,7 @@ impl Default for GemmBenchOptions {
             n: vec![1, 2, 4, 8, 16, 32],
             sp: vec![0.5],
             dp: vec![0.0, 0.5],
+            patterns: vec![Pattern::NM { n: 6, m: 8 }],
             precisions: vec![
                 Precision::F16,
                 Precision::W8A16,
@@ -197,6 +206,14 @@ impl GemmBenchOptions {
         for v in self.sp.iter().chain(&self.dp) {
             if !(0.0..1.0).contains(v) {
                 return bad(format!("sparsity {v} outside [0, 1)"));
+            }
+        }
+        if self.precisions.contains(&Precision::SlideF16) {
+            if self.patterns.is_empty() {
+                return bad("slide-f16 needs at least one --pattern".into());
+            }
+            for &p in &self.patterns {
+                SlideOptions::from_pattern(p)?;
             }
         }
         if self.reps == 0 || (self.graph && (self.graph_launches == 0 || self.graph_replays == 0)) {
@@ -539,6 +556,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
 
     bench_ie_bme(ctx, shape, seed, &x16, &bases)?;
     bench_tiled_cbc(ctx, shape, seed, &x16, &bases)?;
+    bench_slide(ctx, shape, seed, &x16, &bases)?;
 
     // Balanced-CBC rows: matrix-vector products with TEAL thresholds.
     let balanced: Vec<Precision> = opts
@@ -775,6 +793,79 @@ fn bench_tiled_cbc(
     Ok(())
 }
 
+/// SlideSparse rows at every (2N-2):2N pattern and N (dp 0): f32 activations lifted to f16
+/// (`slide_lift_rows`), then the `mma.sp` product; both launches timed. `sp` is the pattern's
+/// 2 / 2N.
+fn bench_slide(
+    ctx: &mut Ctx,
+    shape: &Shape,
+    seed: u64,
+    x16: &[f16],
+    bases: &[Timed],
+) -> Result<()> {
+    use crate::product::dev_ptr;
+    use crate::slide::{reference, GpuSlide};
+    if !ctx.opts.precisions.contains(&Precision::SlideF16) {
+        return Ok(());
+    }
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let (m, k) = (shape.m, shape.k);
+    let nmax = *opts.n.iter().max().unwrap_or(&1);
+    // Already f16-exact, so the lifting's rounding changes nothing and the reference sees the
+    // kernel's operand.
+    let xf32: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+    for (pi, &pattern) in opts.patterns.iter().enumerate() {
+        let slide_opts = SlideOptions::from_pattern(pattern)?;
+        let w = sparse_matrix(m, k, 0.0, pattern, seed ^ (0x80 + pi as u64))?;
+        let enc = Slide::encode(&w, &slide_opts)?;
+        let (want_all, _) = reference(&enc, &xf32, k, nmax, None);
+        let layout = crate::slide::SlideDevice::new(&enc)?;
+        let bytes_w = layout.device_bytes();
+        let copies: Vec<GpuSlide> = (0..ctx.copies(bytes_w))
+            .map(|_| GpuSlide::upload_device(gpu, &layout))
+            .collect::<Result<_>>()?;
+        let nc = copies.len();
+        let lifted = crate::dense::zeroed_f16(gpu, copies[0].lifted_len(nmax))?;
+        let sp = 1.0 / slide_opts.n as f64;
+        for (ni, &n) in opts.n.iter().enumerate() {
+            let want = first_tokens(&want_all, m, n);
+            let xd = gpu.upload(&xf32[..n * k])?;
+            let mut y = gpu.poisoned_f32(n * m)?;
+            let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                copies[i % nc].launch_rows(
+                    gpu,
+                    dev_ptr(gpu, &xd),
+                    k,
+                    n,
+                    None,
+                    dev_ptr(gpu, &lifted),
+                    dev_ptr(gpu, y),
+                    m,
+                    false,
+                )
+            };
+            launch(0, &mut y)?;
+            let err = max_rel_error(&gpu.download(&y)?, want);
+            let t = ctx.time(nc, &mut y, want, launch)?;
+            // Weights and metadata, f32 x read, the lifted f16 rows written and read, y.
+            let bytes = bytes_w + n * k * 4 + 2 * copies[0].lifted_len(n) * 2 + n * m * 4;
+            ctx.record(
+                Precision::SlideF16,
+                shape,
+                n,
+                sp,
+                0.0,
+                &t,
+                &bases[ni],
+                bytes,
+                err,
+            );
+        }
+    }
+    Ok(())
+}
+
 impl GemmReport {
     pub fn markdown(&self) -> String {
         let mut s = String::new();
@@ -856,6 +947,14 @@ mod tests {
         o.n = vec![1];
         o.sp = vec![1.0];
         assert!(o.validate().is_err());
+        o.sp = vec![0.5];
+        o.precisions.push(Precision::SlideF16);
+        assert!(o.validate().is_ok());
+        o.patterns = vec![Pattern::NM { n: 4, m: 8 }];
+        assert!(o.validate().is_err(), "4:8 is not (2N-2):2N");
+        o.patterns.clear();
+        assert!(o.validate().is_err());
+        assert!("slide-f16".parse::<Precision>().is_ok());
         assert!("w4a16".parse::<Precision>().is_ok());
         assert!("w3a16".parse::<Precision>().is_err());
     }

@@ -36,13 +36,17 @@ pub struct GemmArgs {
     /// Activation sparsities (TEAL) of the Balanced-CBC rows and of the IE-BME rows at N = 1.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5")]
     dp: Vec<f64>,
+    /// (2N-2):2N patterns of the slide-f16 rows (2:4, 4:6, 6:8, ... 14:16).
+    #[arg(long, value_delimiter = ',', default_value = "6:8")]
+    pattern: Vec<sieve_formats::random::Pattern>,
     /// Precisions: f16 (cuBLAS, always timed as the baseline), w8a16, w4a16 (group 128),
     /// gguf-q4_0, gguf-q8_0, the kernels of the other GGUF types on sieve's quantization
     /// (q4_k-kernel, q5_k-kernel, q6_k-kernel, q4_1-kernel), bcbc-int8, bcbc-int4 (group 128),
     /// bcbc-f16 (N = 1 only), ie-bme-int4, ie-bme-int8 (UnionSparse's union bitmaps, 2 x 2
     /// areas, group 128, every N), tcbc-per-token and tcbc-decode-gemm (Tiled-CBC f16 at sp:
     /// N one-token products, or decoded to f16 then one cuBLAS GEMM, the batched serving
-    /// step's way).
+    /// step's way), slide-f16 (SlideSparse: a --pattern matrix lifted to 2:4 on the sparse
+    /// tensor cores, the activation lifting timed with it).
     #[arg(
         long,
         value_delimiter = ',',
@@ -72,6 +76,7 @@ impl GemmArgs {
             n: self.n.clone(),
             sp: self.sp.clone(),
             dp: self.dp.clone(),
+            patterns: self.pattern.clone(),
             precisions: self.precision.clone(),
             reps: self.reps,
             graph: self.graph,
