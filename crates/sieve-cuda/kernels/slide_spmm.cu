@@ -56,6 +56,9 @@
 #define SLIDE_WARPS 4
 #define SLIDE_ROW_TILES 2                        // row tiles of 16 per warp
 
+// Plain `.sp`, not `.sp::ordered_metadata`: ptxas advises the latter for future architectures (on
+// sm_90 both run the same), and it would be safe here (every nibble has idx0 < idx1), but it needs
+// PTX ISA 8.5 (CUDA 12.5) while `.sp` compiles with any NVRTC that knows sm_90a.
 // D = A · B + D on the 2:4 sparse tensor cores: A 16 x 32 f16 compressed to 16 x 16 (a), B 32 x 8
 // f16 (b), f32 accumulators; metadata e, sparsity selector 0.
 __device__ __forceinline__ void mma_sp_16832(float c[4], const uint4& a, const uint4& b, u32 e) {
