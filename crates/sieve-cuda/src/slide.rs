@@ -442,17 +442,8 @@ impl GpuSlide {
     ) -> Result<()> {
         check_threshold(threshold)?;
         let ni = self.check_tokens(n)?;
-        if ldx < self.geo.cols {
-            return Err(CudaError::Option(format!(
-                "slide x row stride {ldx} is shorter than K = {}",
-                self.geo.cols
-            )));
-        }
-        if !lifted.is_multiple_of(16) {
-            return Err(CudaError::Option(
-                "slide lifted activations must be 16-byte aligned".into(),
-            ));
-        }
+        check_stride("x", ldx, "K", self.geo.cols)?;
+        check_lifted_aligned(lifted)?;
         let f = gpu.function(&FAMILY, "slide_lift_rows")?;
         let l = i32_arg("x row stride", ldx)?;
         let kl = i32_arg("lifted length", self.geo.expanded_cols)?;
@@ -514,17 +505,8 @@ impl GpuSlide {
         accumulate: bool,
     ) -> Result<()> {
         let ni = self.check_tokens(n)?;
-        if ldy < self.geo.rows {
-            return Err(CudaError::Option(format!(
-                "slide y row stride {ldy} is shorter than M = {}",
-                self.geo.rows
-            )));
-        }
-        if !lifted.is_multiple_of(16) {
-            return Err(CudaError::Option(
-                "slide lifted activations must be 16-byte aligned".into(),
-            ));
-        }
+        check_stride("y", ldy, "M", self.geo.rows)?;
+        check_lifted_aligned(lifted)?;
         let ldy_i = i32_arg("y row stride", ldy)?;
         let m = i32_arg("rows", self.geo.rows)?;
         let (splits, per_split) = self.splits(n)?;
@@ -597,6 +579,26 @@ impl GpuSlide {
         self.lift_rows(gpu, x, ldx, n, threshold, lifted)?;
         self.spmm_lifted(gpu, lifted, n, y, ldy, accumulate)
     }
+}
+
+/// Refuses a row stride shorter than the row it must hold.
+fn check_stride(what: &str, stride: usize, dim: &str, len: usize) -> Result<()> {
+    if stride < len {
+        return Err(CudaError::Option(format!(
+            "slide {what} row stride {stride} is shorter than {dim} = {len}"
+        )));
+    }
+    Ok(())
+}
+
+/// The lifted rows are read in 16-byte vectors.
+fn check_lifted_aligned(lifted: DevPtr) -> Result<()> {
+    if !lifted.is_multiple_of(16) {
+        return Err(CudaError::Option(
+            "slide lifted activations must be 16-byte aligned".into(),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
