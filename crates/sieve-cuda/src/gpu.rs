@@ -325,7 +325,7 @@ fn compile_log(source: &str, options: &[String]) -> Option<String> {
 }
 
 /// All kernel families of this crate: the products', then the model step's.
-pub fn families() -> [KernelFamily; 13] {
+pub fn families() -> [KernelFamily; 14] {
     [
         crate::balanced_cbc::FAMILY,
         crate::balanced_lowbit::FAMILY,
@@ -334,6 +334,7 @@ pub fn families() -> [KernelFamily; 13] {
         crate::lowbit::FAMILY,
         crate::rlc_csc::FAMILY,
         crate::tiled_cbc::FAMILY,
+        crate::tiled_cbc::SPMM_FAMILY,
         crate::slide::FAMILY,
         crate::step::FAMILY,
         crate::rope::FAMILY,

@@ -4,7 +4,7 @@
 //! one flag per row tile for the fused zeroing of the output.
 
 use crate::error::{CudaError, DriverContext, Result};
-use crate::gpu::{Gpu, KernelFamily};
+use crate::gpu::{grid_cfg, grid_stride, i32_arg, Gpu, KernelFamily};
 use crate::product::{
     active_column_bytes, check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch,
 };
@@ -16,6 +16,20 @@ pub const FAMILY: KernelFamily = KernelFamily {
     name: "tiled_cbc_spmspv",
     source: include_str!("../kernels/tiled_cbc_spmspv.cu"),
 };
+
+/// The tensor-core SpMM over the same arrays (`kernels/tiled_cbc_spmm.cu`): several tokens at
+/// once, the weights decoded into mma fragments, never into an f16 copy.
+pub const SPMM_FAMILY: KernelFamily = KernelFamily {
+    name: "tiled_cbc_spmm",
+    source: include_str!("../kernels/tiled_cbc_spmm.cu"),
+};
+
+/// Token tiles of 8 per SpMM block, one kernel each (`tcbc_spmm_nt{1,2,4,8}`): 8 to 64 tokens.
+const SPMM_TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
+/// A split walks at least this many GTiles, so the three-stage pipeline fills.
+const SPMM_MIN_GTILES_PER_SPLIT: usize = 8;
+/// Resident SpMM blocks per multiprocessor (the kernels' `__launch_bounds__` minimum).
+const SPMM_BLOCKS_PER_SM: usize = 2;
 
 /// Which kernel runs the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,6 +151,11 @@ impl GpuTiledCbc {
                 }
             }
         }
+        // Look the SpMM kernels up now: loading a module inside a graph capture invalidates it.
+        for nt in SPMM_TOKEN_TILES {
+            gpu.function(&SPMM_FAMILY, &format!("tcbc_spmm_nt{nt}"))?;
+        }
+        gpu.function(&SPMM_FAMILY, "tcbc_zero_rows")?;
         Ok(Self {
             tile_offset: gpu.upload(f.tile_offset())?,
             col_info: gpu.upload(f.col_info())?,
@@ -357,6 +376,120 @@ impl GpuTiledCbc {
             .arg(&k)
             .arg(&kt);
         unsafe { b.launch(cfg) }.during("launching tcbc_decode_t")?;
+        Ok(())
+    }
+}
+
+impl GpuTiledCbc {
+    /// True when [`Self::spmm_rows`] can read activations `lda` elements apart: its 16-byte
+    /// copies need `lda` and K to be multiples of 8 (otherwise decode, then GEMM).
+    pub fn spmm_supports(&self, lda: usize) -> bool {
+        self.cols.is_multiple_of(8) && lda.is_multiple_of(8) && lda >= self.cols
+    }
+
+    /// `(splits, GTiles per split)` for `token_tiles` blocks along the tokens: about
+    /// [`SPMM_BLOCKS_PER_SM`] blocks per multiprocessor, each split at least
+    /// [`SPMM_MIN_GTILES_PER_SPLIT`] GTiles long.
+    fn spmm_splits(&self, gpu: &Gpu, token_tiles: usize) -> (usize, usize) {
+        let target = gpu.info().multiprocessors as usize * SPMM_BLOCKS_PER_SM;
+        let wanted = target
+            .div_ceil((self.row_tiles * token_tiles).max(1))
+            .max(1);
+        let most = (self.col_tiles / SPMM_MIN_GTILES_PER_SPLIT).max(1);
+        let per_split = self.col_tiles.div_ceil(wanted.min(most)).max(1);
+        (self.col_tiles.div_ceil(per_split), per_split)
+    }
+
+    /// `Y[i][r] (+)= (W · A[i])[r]` for `n` tokens: `A` f16 rows `lda` elements apart (masked by
+    /// the caller), `Y` f32 rows `ldy` floats apart, added to when `accumulate`, else written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn spmm_rows(
+        &self,
+        gpu: &Gpu,
+        a: DevPtr,
+        lda: usize,
+        n: usize,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.spmm_supports(lda) {
+            return Err(CudaError::Option(format!(
+                "the Tiled-CBC SpMM needs K ({}) and the activation stride ({lda}) to be multiples \
+                 of 8, the stride at least K",
+                self.cols
+            )));
+        }
+        if !a.is_multiple_of(16) {
+            return Err(CudaError::Option(
+                "the Tiled-CBC SpMM reads its activations in 16-byte copies: A is not 16-byte aligned"
+                    .into(),
+            ));
+        }
+        if ldy < self.rows {
+            return Err(CudaError::Option(format!(
+                "the Tiled-CBC SpMM's output stride {ldy} is shorter than M = {}",
+                self.rows
+            )));
+        }
+        let nt = SPMM_TOKEN_TILES
+            .into_iter()
+            .find(|&nt| 8 * nt >= n)
+            .unwrap_or(SPMM_TOKEN_TILES[SPMM_TOKEN_TILES.len() - 1]);
+        let token_tiles = n.div_ceil(8 * nt);
+        if token_tiles > i32::MAX as usize || self.row_tiles > 65535 {
+            return Err(CudaError::Unsupported(format!(
+                "{n} tokens of {} rows exceed one Tiled-CBC SpMM launch's grid",
+                self.rows
+            )));
+        }
+        let (splits, per_split) = self.spmm_splits(gpu, token_tiles);
+        let (ni, m, ldy_i) = (
+            i32_arg("tokens", n)?,
+            i32_arg("rows", self.rows)?,
+            i32_arg("y row stride", ldy)?,
+        );
+        if splits > 1 && !accumulate {
+            let f = gpu.function(&SPMM_FAMILY, "tcbc_zero_rows")?;
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(&y).arg(&ldy_i).arg(&ni).arg(&m);
+            unsafe { b.launch(grid_cfg(grid_stride(n * self.rows), 256, 0)) }
+                .during("launching tcbc_zero_rows")?;
+        }
+        let mode: i32 = match (splits > 1, accumulate) {
+            (true, _) => 2,
+            (false, true) => 1,
+            (false, false) => 0,
+        };
+        let f = gpu.function(&SPMM_FAMILY, &format!("tcbc_spmm_nt{nt}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (token_tiles as u32, splits as u32, self.row_tiles as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k, kt) = (self.cols as i32, self.col_tiles as i32);
+        let lda_i = i32_arg("activation row stride", lda)?;
+        let per_split = i32_arg("GTiles per split", per_split)?;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.tile_offset)
+            .arg(&self.col_info)
+            .arg(&self.bitmaps)
+            .arg(&self.rank)
+            .arg(&self.values)
+            .arg(&a)
+            .arg(&lda_i)
+            .arg(&y)
+            .arg(&ldy_i)
+            .arg(&m)
+            .arg(&k)
+            .arg(&kt)
+            .arg(&ni)
+            .arg(&per_split)
+            .arg(&mode);
+        unsafe { b.launch(cfg) }.during("launching tcbc_spmm")?;
         Ok(())
     }
 }

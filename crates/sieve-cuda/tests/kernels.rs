@@ -509,3 +509,110 @@ fn sparse_kernels_on_unpruned_llama_shape() {
         check(&gpu, &gr, &m, &x, t, &format!("{what} rlc-csc"));
     }
 }
+
+/// The tensor-core SpMM over Tiled-CBC (`tcbc_spmm`) for 1..130 tokens against the f64 product
+/// of W with the f16 activations it multiplies: odd M, K a multiple of 8 (its requirement),
+/// padded activation and output strides, written (NaN-poisoned) and accumulated outputs, every
+/// token-tile kernel and multi-tile grids.
+#[test]
+fn tiled_cbc_spmm_matches_reference() {
+    let Some(gpu) = gpu_or_skip("tiled_cbc_spmm_matches_reference") else {
+        return;
+    };
+    use sieve_cuda::product::dev_ptr;
+    let shapes: &[(usize, usize, &[usize])] = &[
+        (1, 8, &[1, 3]),
+        (7, 16, &[1, 8, 9]),
+        (33, 64, &[2, 17, 64, 65]),
+        (257, 136, &[5, 33, 130]),
+        (300, 1000, &[1, 16, 40]),
+        (1000, 72, &[8, 64]),
+        (513, 4104, &[3, 24, 65]),
+        (4096, 4096, &[1, 17]),
+    ];
+    for &(m, k, ns) in shapes {
+        for sp in [0.0, 0.5, 0.95] {
+            let s = seed();
+            let w = sparse_matrix(m, k, sp, Pattern::Unstructured, s).expect("valid shape");
+            let f = TiledCbc::encode(&w).expect("encode");
+            let g = GpuTiledCbc::upload(&gpu, &f).expect("upload");
+            for &n in ns {
+                // Activation rows 8 elements longer than K, output rows 3 floats longer than M.
+                let (lda, ldy) = (k + 8, m + 3);
+                assert!(g.spmm_supports(lda));
+                let mut a = vec![f16::ZERO; n * lda];
+                let mut want = vec![0.0f64; n * m];
+                let mut scale = 0.0f64;
+                for tok in 0..n {
+                    let x: Vec<f32> = activations(k, s ^ (0x77 + tok as u64))
+                        .iter()
+                        .map(|v| f16::from_f32(*v).to_f32())
+                        .collect();
+                    for (c, v) in x.iter().enumerate() {
+                        a[tok * lda + c] = f16::from_f32(*v);
+                    }
+                    let yt = matvec_f64(&w, &x, None);
+                    scale = scale.max(error_scale(&w, &x, None, &yt));
+                    want[tok * m..(tok + 1) * m].copy_from_slice(&yt);
+                }
+                let ad = gpu.upload(&a).expect("upload a");
+                for accumulate in [false, true] {
+                    let what = format!("{m}x{k} sp={sp} n={n} accumulate={accumulate} seed={s}");
+                    // Written: NaN everywhere first; accumulated: a known base per element.
+                    let base: Vec<f32> = (0..n * ldy)
+                        .map(|i| {
+                            if accumulate {
+                                (i % 7) as f32 - 3.0
+                            } else {
+                                f32::NAN
+                            }
+                        })
+                        .collect();
+                    let yd = gpu.upload(&base).expect("upload y");
+                    g.spmm_rows(
+                        &gpu,
+                        dev_ptr(&gpu, &ad),
+                        lda,
+                        n,
+                        dev_ptr(&gpu, &yd),
+                        ldy,
+                        accumulate,
+                    )
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let got = gpu.download(&yd).expect("download");
+                    let mut err = 0.0f64;
+                    for tok in 0..n {
+                        for r in 0..m {
+                            let b = if accumulate {
+                                base[tok * ldy + r] as f64
+                            } else {
+                                0.0
+                            };
+                            let v = got[tok * ldy + r] as f64;
+                            assert!(v.is_finite(), "{what}: token {tok} row {r} unwritten");
+                            err = err.max((v - b - want[tok * m + r]).abs());
+                        }
+                        // The padding past M is never written.
+                        for r in m..ldy {
+                            assert_eq!(
+                                got[tok * ldy + r].to_bits(),
+                                base[tok * ldy + r].to_bits(),
+                                "{what}: token {tok} wrote past M at {r}"
+                            );
+                        }
+                    }
+                    assert!(err / scale < TOL, "{what}: rel error {}", err / scale);
+                }
+            }
+        }
+    }
+    // Its requirements are typed errors, not wrong answers.
+    let w = sparse_matrix(40, 20, 0.5, Pattern::Unstructured, seed()).expect("valid");
+    let g = GpuTiledCbc::upload(&gpu, &TiledCbc::encode(&w).expect("encode")).expect("upload");
+    assert!(!g.spmm_supports(20));
+    let a = gpu.upload(&vec![f16::ZERO; 40]).expect("upload");
+    let y = gpu.poisoned_f32(80).expect("alloc");
+    assert!(g
+        .spmm_rows(&gpu, dev_ptr(&gpu, &a), 20, 2, dev_ptr(&gpu, &y), 40, false)
+        .is_err());
+}

@@ -8,7 +8,8 @@
 //! |---|---|
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
-//! | Tiled-CBC | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
+//! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
+//! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
 //! | RLC-CSC, Balanced-CBC | no decoder: the prompt runs token by token through the decode step |
 //!
@@ -26,6 +27,10 @@ use sieve_formats::Threshold;
 
 /// Tokens per batched pass (bounds the scratch buffers).
 pub const CHUNK: usize = 256;
+
+/// Most tokens a Tiled-CBC product runs through the tensor-core SpMM (`tcbc_spmm`); above,
+/// the matrix is decoded to f16 once and cuBLAS multiplies it.
+pub const TCBC_SPMM_MAX_TOKENS: usize = CHUNK;
 
 /// Scratch of the batched pass, sized for [`CHUNK`] tokens and the model's widest matrix.
 pub struct PrefillBuffers {
@@ -96,12 +101,19 @@ pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     })
 }
 
-/// Elements of the largest decoded (Tiled-CBC) matrix among `linears`.
+/// True when a Tiled-CBC matrix of `cols` columns is decoded to f16 for a pass of up to
+/// [`CHUNK`] tokens rather than multiplied by the SpMM (see [`linear_rows`]).
+fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize) -> bool {
+    CHUNK > TCBC_SPMM_MAX_TOKENS || !t.spmm_supports(cols)
+}
+
+/// Elements of the largest Tiled-CBC matrix among `linears` that a pass decodes to f16 (0 when
+/// the SpMM multiplies them all).
 pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
-        .filter(|(p, _)| matches!(p.matrix, DeviceMatrix::TiledCbc(_)))
+        .filter(|(p, k)| matches!(&p.matrix, DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, *k)))
         .map(|(p, k)| p.rows * k)
         .max()
         .unwrap_or(0)
@@ -183,6 +195,13 @@ pub fn linear_rows(
             masked = Some(p.threshold);
         }
         let m = p.rows;
+        if let DeviceMatrix::TiledCbc(t) = &p.matrix {
+            if n <= TCBC_SPMM_MAX_TOKENS && t.spmm_supports(k) && a16.is_multiple_of(16) {
+                let yp = y + (p.row_offset * 4) as u64;
+                t.spmm_rows(gpu, a16, k, n, yp, ldy, beta != 0.0)?;
+                continue;
+            }
+        }
         let (w, transposed, lda) = match &p.matrix {
             DeviceMatrix::DenseRows(d) => (dev_ptr(gpu, d.weights()), false, k),
             DeviceMatrix::DenseCols(d) => (dev_ptr(gpu, d.weights()), true, d.ldm()),

@@ -1534,8 +1534,8 @@ impl GpuModel {
     }
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
-    /// permitting). 2 when every matrix is multiplied where it lies; with a Tiled-CBC matrix,
-    /// which the pass decodes to f16 first, [`DECODED_MIN_BATCH`].
+    /// permitting). 2 when every matrix is multiplied where it lies (Tiled-CBC by the SpMM);
+    /// with a Tiled-CBC matrix the pass decodes to f16 first, [`DECODED_MIN_BATCH`].
     pub fn min_batched_sequences(&self) -> usize {
         let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
         for l in &self.layers {

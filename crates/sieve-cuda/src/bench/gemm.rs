@@ -74,13 +74,16 @@ pub enum Precision {
     /// (`tcbc_decode_t`), then one cuBLAS GEMM. With `tcbc-per-token`, the crossover that
     /// `sieve_gpu::runner::DECODED_MIN_BATCH` is set from (per product; the whole step's is larger).
     TcbcDecodeGemm,
+    /// Tiled-CBC for N tokens on the tensor cores, the weights read compressed and decoded into
+    /// mma fragments (`tcbc_spmm`, SPDP's SpMM): what the batched pass runs where it can.
+    TcbcSpmm,
     /// SlideSparse: a (2N-2):2N matrix (`--pattern`) lifted to 2:4 and multiplied on the sparse
     /// tensor cores (`mma.sp`), f16 values; the activation lifting (f32 -> f16) is timed with it.
     SlideF16,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 17] = [
+    pub const ALL: [Precision; 18] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -97,6 +100,7 @@ impl Precision {
         Precision::IeBmeInt8,
         Precision::TcbcPerToken,
         Precision::TcbcDecodeGemm,
+        Precision::TcbcSpmm,
         Precision::SlideF16,
     ];
     pub fn name(self) -> &'static str {
@@ -117,6 +121,7 @@ impl Precision {
             Precision::IeBmeInt8 => "ie-bme-int8",
             Precision::TcbcPerToken => "tcbc-per-token",
             Precision::TcbcDecodeGemm => "tcbc-decode-gemm",
+            Precision::TcbcSpmm => "tcbc-spmm",
             Precision::SlideF16 => "slide-f16",
         }
     }
@@ -694,8 +699,8 @@ fn bench_ie_bme(
     Ok(())
 }
 
-/// Tiled-CBC rows at every sp and N (dp 0): N single-token products, or decode to f16 and one
-/// cuBLAS GEMM (see [`Precision::TcbcDecodeGemm`]).
+/// Tiled-CBC rows at every sp and N (dp 0): N single-token products, decode to f16 and one
+/// cuBLAS GEMM (see [`Precision::TcbcDecodeGemm`]), or the tensor-core SpMM.
 fn bench_tiled_cbc(
     ctx: &mut Ctx,
     shape: &Shape,
@@ -711,7 +716,12 @@ fn bench_tiled_cbc(
         .precisions
         .iter()
         .copied()
-        .filter(|p| matches!(p, Precision::TcbcPerToken | Precision::TcbcDecodeGemm))
+        .filter(|p| {
+            matches!(
+                p,
+                Precision::TcbcPerToken | Precision::TcbcDecodeGemm | Precision::TcbcSpmm
+            )
+        })
         .collect();
     if wanted.is_empty() {
         return Ok(());
@@ -755,6 +765,9 @@ fn bench_tiled_cbc(
                             }
                             Ok(())
                         }
+                        Precision::TcbcSpmm => {
+                            w.spmm_rows(gpu, dev_ptr(gpu, &x16d), k, n, yp, m, false)
+                        }
                         _ => {
                             let dp = dev_ptr(gpu, &decoded);
                             w.decode_transposed(gpu, dp)?;
@@ -782,6 +795,8 @@ fn bench_tiled_cbc(
                 // `bytes_w` already holds one product's f32 x and y.
                 let bytes = match p {
                     Precision::TcbcPerToken => n * bytes_w,
+                    // The encoding once, the f16 x, the f32 y.
+                    Precision::TcbcSpmm => bytes_w - k * 4 - m * 4 + n * k * 2 + n * m * 4,
                     // Read the encoding (not x or y), write and read back the f16 matrix, the
                     // GEMM's f16 x and f32 y.
                     _ => bytes_w - k * 4 - m * 4 + 2 * m * k * 2 + n * k * 2 + n * m * 4,
