@@ -2,13 +2,15 @@
 //! one token of each of a batch's sequences) over
 //! the KV cache (f16, or i8 rows with one scale per (position, KV head): [`KvCache`]),
 //! flash-decoding: split along the sequence, then combined (`kernels/attention.cu`); with the
-//! f64 CPU reference.
+//! f64 CPU reference. Prompt chunks of f16 caches go to the tensor-core kernel of
+//! [`crate::prompt_attention`].
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{grid_cfg, Gpu, KernelFamily};
 use crate::kv_cache::KvCache;
 use crate::prefill::Rows;
 use crate::product::DevPtr;
+use crate::prompt_attention;
 use cudarc::driver::PushKernelArg;
 
 pub const FAMILY: KernelFamily = KernelFamily {
@@ -110,8 +112,45 @@ pub fn attention(
 /// at position `first + z` sees keys `0 ..= first + z` (causal); [`Rows::Sequences`]: query
 /// `z` is the next token of its own sequence, at its own slot and position (device memory,
 /// checked by the caller, so a captured graph replays for any).
+///
+/// A prompt chunk of at least [`prompt_attention::MIN_ROWS`] rows over a shape and cache the
+/// tensor-core kernel supports runs [`prompt_attention::prompt_attention`] (no partials);
+/// everything else runs [`attention_rows_split`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_rows(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    qkv: DevPtr,
+    cache: KvCache,
+    part: DevPtr,
+    att: DevPtr,
+    rows: &Rows,
+    n: usize,
+) -> Result<()> {
+    if let Rows::Consecutive { first } = *rows {
+        if n >= prompt_attention::MIN_ROWS
+            && prompt_attention::supports(shape.heads, shape.kv_heads, shape.head_dim, &cache)
+        {
+            return prompt_attention::prompt_attention(
+                gpu,
+                shape.heads,
+                shape.kv_heads,
+                shape.head_dim,
+                qkv,
+                cache,
+                att,
+                first,
+                n,
+            );
+        }
+    }
+    attention_rows_split(gpu, shape, qkv, cache, part, att, rows, n)
+}
+
+/// [`attention_rows`] through the flash-decoding split kernel and combine, for every kind of
+/// rows (the prompt kernel's fallback, and its baseline).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows_split(
     gpu: &Gpu,
     shape: &AttentionShape,
     qkv: DevPtr,

@@ -325,7 +325,7 @@ fn compile_log(source: &str, options: &[String]) -> Option<String> {
 }
 
 /// All kernel families of this crate: the products', then the model step's.
-pub fn families() -> [KernelFamily; 14] {
+pub fn families() -> [KernelFamily; 15] {
     [
         crate::balanced_cbc::FAMILY,
         crate::balanced_lowbit::FAMILY,
@@ -339,6 +339,7 @@ pub fn families() -> [KernelFamily; 14] {
         crate::step::FAMILY,
         crate::rope::FAMILY,
         crate::attention::FAMILY,
+        crate::prompt_attention::FAMILY,
         crate::sampling::FAMILY,
         crate::prefill::FAMILY,
     ]

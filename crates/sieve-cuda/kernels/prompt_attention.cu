@@ -1,0 +1,275 @@
+// Causal grouped-query attention of a prompt chunk over the f16 KV cache on tensor cores
+// (flash-attention 2): n consecutive query rows at positions first .. first + n - 1, query z
+// sees keys 0 ..= first + z; the chunk's own keys are already in the cache (RoPE and the cache
+// write run first). The 8-bit cache and other head dimensions take attention.cu's kernel.
+//
+// prompt_attention_hd<HD> (HD = 64, 128): grid (ceil(n / 64), H), 128 threads (4 warps).
+// Block (x, h) takes query head h (KV head h / (H / Hkv)) and the 64 query rows of tile
+// gridDim.x - 1 - x (the longest rows first); warp w owns rows q0 + 16 w .. q0 + 16 w + 15 of
+// that tile. Rows past n are clamped to row n - 1 (computed, never written).
+//
+//   q    f32  qkv[z * q_stride + h * HD + d]        (q_stride = (H + 2 Hkv) HD, RoPE applied)
+//   K, V f16  cache[(p * Hkv + kvh) * HD + d]       (position p, KV head kvh)
+//   out  f32  att[(z * H + h) * HD + d]             (what attention_combine writes)
+//
+// Per block, the keys 0 .. first + (last row of the tile) in tiles of BN = 64 positions:
+//
+//   shared (dynamic): buffer b in {0, 1}: K tile [BN][HD + 8] f16, then V tile [BN][HD + 8]
+//   f16. The 8 f16 of padding per row make the row stride 4 banks mod 32, so the 8 rows an
+//   ldmatrix phase reads (16 bytes each) hit 32 different banks. Filled with cp.async, 16 bytes
+//   a thread per copy, tile j + 1 in flight while tile j is computed; positions past the
+//   chunk's end (first + n) are zero-filled, never read.
+//
+// mma.sync m16n8k16 (f16 in, f32 accumulate); lane = 4 gr + tq:
+//   A (16 x 16, row-major): a0 = (row gr, cols 2tq, 2tq+1), a1 = (gr + 8, 2tq..),
+//                           a2 = (gr, 2tq + 8..), a3 = (gr + 8, 2tq + 8..)
+//   B (16 x 8, "col"):      b0 = (k rows 2tq, 2tq+1 of column gr), b1 = (k rows 2tq + 8, +9)
+//   C (16 x 8):             c0, c1 = (row gr, cols 2tq, 2tq+1), c2, c3 = (row gr + 8, same cols)
+// (the lower 16 bits of a register hold the lower index).
+//
+//   1. Q: the warp's 16 rows x HD as HD / 16 A fragments, loaded once from f32 (float2 loads)
+//      and rounded to f16 (the softmax scale is applied to the f32 scores instead).
+//   2. S = Q K^T, 16 x BN per warp: B[k = dim][n = key] = K[key][dim], i.e. the cache row of a
+//      key is a column of B: ldmatrix (no .trans) of 8 keys x 8 dims gives lane (gr, tq) the
+//      dims 2tq, 2tq+1 of key gr, which is b0 (dims 0..7 of the k step) or b1 (dims 8..15).
+//      One ldmatrix.x4 (lane l addresses key 8 nt + (l & 7), dims 32 kp + 8 (l >> 3)) gives
+//      b0, b1 of k step 2 kp and of k step 2 kp + 1.
+//   3. Online softmax in f32 per row (rows gr and gr + 8 of each lane, the row's other values
+//      in the 3 lanes of the same gr: shuffles xor 1, 2): scores times scale * log2(e), keys
+//      past the row's position set to -inf, running max m, e^x as exp2; the running sum l
+//      stays a per-lane partial (every lane of a row rescales by the same factor) and is summed
+//      over the 4 lanes once at the end.
+//   4. O += P V: the C fragments of S (f32) become the A fragments of P (f16) in place, key
+//      step kk = S n-tiles 2 kk (a0, a1) and 2 kk + 1 (a2, a3). B[k = key][n = dim] =
+//      V[key][dim] is row-major, so ldmatrix.trans: lane (gr, tq) gets keys 2tq, 2tq+1 of dim
+//      gr. One ldmatrix.x4.trans (lane l addresses key 16 kk + (l & 7) + 8 ((l >> 3) & 1),
+//      dims 16 dp + 8 (l >> 4)) gives b0, b1 of O n-tiles 2 dp and 2 dp + 1.
+//   A warp skips the tiles whose keys all lie past its rows' positions (it still copies and
+//   synchronizes); masking is applied only in the tiles that reach past the warp's first row.
+//   Every row sees key 0 in tile 0, so the running max is finite from the first tile on.
+//
+// Registers per thread at HD = 128: Q 32, O 64, S 32, P 16 (u32 / f32).
+// Limits (checked by src/prompt_attention.rs): HD in {64, 128}, H a multiple of Hkv,
+// first + n < 2^31, qkv 8-byte and caches 16-byte aligned.
+
+#define PA_THREADS 128
+#define PA_WARPS 4
+#define PA_BM (16 * PA_WARPS)
+#define PA_BN 64
+#define PA_PAD 8
+#define PA_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem)));
+}
+
+// Two floats as f16x2, lo in the lower 16 bits.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    return (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+}
+
+// Copies the K and V rows of positions j0 .. j0 + PA_BN - 1 into one buffer; positions at or
+// past kv_end are zero-filled (src_bytes 0, from a valid address).
+template <int HD>
+__device__ __forceinline__ void prompt_load_tile(f16_bits* ks, f16_bits* vs,
+                                                 const f16_bits* __restrict__ k_cache,
+                                                 const f16_bits* __restrict__ v_cache, int j0,
+                                                 int kv_end, int Hkv, int kvh, int tid) {
+    constexpr int LD = HD + PA_PAD;
+    constexpr int CH = HD / 8;  // 16-byte chunks per row
+    static_assert(PA_BN * CH % PA_THREADS == 0, "whole copies per thread");
+#pragma unroll
+    for (int it = 0; it < PA_BN * CH / PA_THREADS; ++it) {
+        const int i = tid + it * PA_THREADS;
+        const int r = i / CH, c = i % CH;
+        const int key = j0 + r;
+        const bool ok = key < kv_end;
+        const size_t off = ((size_t)(ok ? key : 0) * Hkv + kvh) * HD + c * 8;
+        cp_async16(ks + r * LD + c * 8, k_cache + off, ok ? 16 : 0);
+        cp_async16(vs + r * LD + c * 8, v_cache + off, ok ? 16 : 0);
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void prompt_attention_body(const float* __restrict__ qkv,
+                                                      const f16_bits* __restrict__ k_cache,
+                                                      const f16_bits* __restrict__ v_cache,
+                                                      float* __restrict__ att, int n, int first, int H,
+                                                      int Hkv, int q_stride, float scale_log2) {
+    static_assert(HD % 32 == 0, "HD / 16 k steps are taken two at a time");
+    constexpr int LD = HD + PA_PAD;
+    constexpr int KT = HD / 16;   // k steps of Q K^T
+    constexpr int DT = HD / 8;    // n-tiles of O
+    constexpr int NT = PA_BN / 8; // n-tiles of S
+    extern __shared__ __align__(16) f16_bits pa_smem[];
+
+    const int h = blockIdx.y;
+    const int kvh = h / (H / Hkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * PA_BM;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gr = lane >> 2, tq = lane & 3;
+
+    // The block's keys: 0 .. first + its last row.
+    const int kv_end = first + min(q0 + PA_BM, n);
+    const int ntiles = (kv_end + PA_BN - 1) / PA_BN;
+    // The warp's rows (clamped to the chunk) and the keys they see.
+    const int wq0 = q0 + warp * 16;
+    const bool warp_live = wq0 < n;
+    const int warp_kv_end = first + min(wq0 + 16, n);
+    const int z0 = min(wq0 + gr, n - 1), z1 = min(wq0 + gr + 8, n - 1);
+    const int pos0 = first + z0, pos1 = first + z1;
+
+    // 1. Q fragments.
+    u32 qf[KT][4];
+    {
+        const float* r0 = qkv + (size_t)z0 * q_stride + (size_t)h * HD + 2 * tq;
+        const float* r1 = qkv + (size_t)z1 * q_stride + (size_t)h * HD + 2 * tq;
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk) {
+            const float2 a = *reinterpret_cast<const float2*>(r0 + 16 * kk);
+            const float2 b = *reinterpret_cast<const float2*>(r1 + 16 * kk);
+            const float2 c = *reinterpret_cast<const float2*>(r0 + 16 * kk + 8);
+            const float2 d = *reinterpret_cast<const float2*>(r1 + 16 * kk + 8);
+            qf[kk][0] = pack_f16x2(a.x, a.y);
+            qf[kk][1] = pack_f16x2(b.x, b.y);
+            qf[kk][2] = pack_f16x2(c.x, c.y);
+            qf[kk][3] = pack_f16x2(d.x, d.y);
+        }
+    }
+
+    float o[DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float m0 = PA_NEG_INF, m1 = PA_NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    prompt_load_tile<HD>(pa_smem, pa_smem + PA_BN * LD, k_cache, v_cache, 0, kv_end, Hkv, kvh, tid);
+    cp_async_commit();
+    for (int j = 0; j < ntiles; ++j) {
+        if (j + 1 < ntiles) {
+            f16_bits* nb = pa_smem + (size_t)((j + 1) & 1) * 2 * PA_BN * LD;
+            prompt_load_tile<HD>(nb, nb + PA_BN * LD, k_cache, v_cache, (j + 1) * PA_BN, kv_end, Hkv,
+                                 kvh, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // tile j has landed (only tile j + 1's group may be pending)
+        __syncthreads();
+        const int j0 = j * PA_BN;
+        if (warp_live && j0 < warp_kv_end) {  // warp-uniform
+            const f16_bits* ks = pa_smem + (size_t)(j & 1) * 2 * PA_BN * LD;
+            const f16_bits* vs = ks + PA_BN * LD;
+
+            // 2. S = Q K^T.
+            float s[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+                for (int kp = 0; kp < KT / 2; ++kp) {
+                    u32 b[4];
+                    ldmatrix_x4(b, ks + (8 * nt + (lane & 7)) * LD + 32 * kp + 8 * (lane >> 3));
+                    mma_16816(s[nt], qf[2 * kp], b[0], b[1]);
+                    mma_16816(s[nt], qf[2 * kp + 1], b[2], b[3]);
+                }
+            }
+
+            // 3. Online softmax.
+            const bool mask = j0 + PA_BN - 1 > first + wq0;
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = s[nt][e] * scale_log2;
+                    if (mask) {
+                        const int key = j0 + 8 * nt + 2 * tq + (e & 1);
+                        if (key > (e < 2 ? pos0 : pos1)) v = PA_NEG_INF;
+                    }
+                    s[nt][e] = v;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+            // mx0, mx1 are finite (key 0 in tile 0); exp2(-inf) = 0 on the first tile.
+            const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+            m0 = mx0;
+            m1 = mx1;
+            l0 *= c0;
+            l1 *= c1;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                o[dt][0] *= c0;
+                o[dt][1] *= c0;
+                o[dt][2] *= c1;
+                o[dt][3] *= c1;
+            }
+            u32 pf[NT / 2][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const float p0 = exp2f(s[nt][0] - m0), p1 = exp2f(s[nt][1] - m0);
+                const float p2 = exp2f(s[nt][2] - m1), p3 = exp2f(s[nt][3] - m1);
+                l0 += p0 + p1;
+                l1 += p2 + p3;
+                // S n-tile nt holds keys 8 nt .. 8 nt + 7: the low (a0, a1) or high (a2, a3)
+                // half of P's key step nt / 2.
+                pf[nt / 2][(nt & 1) * 2 + 0] = pack_f16x2(p0, p1);
+                pf[nt / 2][(nt & 1) * 2 + 1] = pack_f16x2(p2, p3);
+            }
+
+            // 4. O += P V.
+#pragma unroll
+            for (int kk = 0; kk < NT / 2; ++kk) {
+#pragma unroll
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(
+                        b, vs + (16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * dp + 8 * (lane >> 4));
+                    mma_16816(o[2 * dp], pf[kk], b[0], b[1]);
+                    mma_16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // the buffer of tile j is refilled with tile j + 2 next iteration
+    }
+
+    if (!warp_live) return;
+    l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
+    l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
+    l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
+    l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const int zr0 = wq0 + gr, zr1 = wq0 + gr + 8;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+        const int d = 8 * dt + 2 * tq;
+        if (zr0 < n)
+            *reinterpret_cast<float2*>(att + ((size_t)zr0 * H + h) * HD + d) =
+                make_float2(o[dt][0] * inv0, o[dt][1] * inv0);
+        if (zr1 < n)
+            *reinterpret_cast<float2*>(att + ((size_t)zr1 * H + h) * HD + d) =
+                make_float2(o[dt][2] * inv1, o[dt][3] * inv1);
+    }
+}
+
+#define PROMPT_ATTENTION_KERNEL(HD)                                                                  \
+    extern "C" __global__ void __launch_bounds__(PA_THREADS) prompt_attention_hd##HD(               \
+        const float* __restrict__ qkv, const f16_bits* __restrict__ k_cache,                         \
+        const f16_bits* __restrict__ v_cache, float* __restrict__ att, int n, int first, int H,      \
+        int Hkv, int q_stride, float scale_log2) {                                                   \
+        pdl_wait_then_release();                                                                     \
+        prompt_attention_body<HD>(qkv, k_cache, v_cache, att, n, first, H, Hkv, q_stride, scale_log2); \
+    }
+
+PROMPT_ATTENTION_KERNEL(64)
+PROMPT_ATTENTION_KERNEL(128)

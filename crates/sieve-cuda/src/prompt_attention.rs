@@ -1,0 +1,323 @@
+//! Causal grouped-query attention of a prompt chunk over the f16 KV cache on tensor cores
+//! (flash-attention 2, `kernels/prompt_attention.cu`): `n` consecutive query rows, query `z`
+//! at position `first + z` sees keys `0 ..= first + z`. Its output is what
+//! [`crate::attention::attention_rows`]' split + combine writes for the same rows, and that
+//! function runs this kernel for a prompt chunk of at least [`MIN_ROWS`] rows whose shape it
+//! supports ([`supports`]); the f64 CPU reference is [`crate::attention::reference::attention`].
+
+use crate::error::{CudaError, DriverContext, Result};
+use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
+use crate::kv_cache::KvCache;
+use crate::product::DevPtr;
+use cudarc::driver::PushKernelArg;
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "prompt_attention",
+    source: include_str!("../kernels/prompt_attention.cu"),
+};
+
+/// Head dimensions with a compiled kernel (`prompt_attention_hd<HD>`).
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Query rows of a prompt chunk from which `attention_rows` takes this kernel (below, the
+/// split kernel's grid of one block per query and split fills the GPU better).
+pub const MIN_ROWS: usize = 16;
+/// Query rows per block (4 warps of 16) and key positions per shared-memory tile.
+const TILE_ROWS: usize = 64;
+const TILE_KEYS: usize = 64;
+/// f16 of padding per shared-memory row (see the kernel's header).
+const PAD: usize = 8;
+const THREADS: u32 = 128;
+
+/// Whether the kernel runs this attention shape over this cache: f16, a compiled head
+/// dimension, whole groups of query heads.
+pub fn supports(heads: usize, kv_heads: usize, head_dim: usize, cache: &KvCache) -> bool {
+    matches!(cache, KvCache::F16 { .. })
+        && HEAD_DIMS.contains(&head_dim)
+        && kv_heads > 0
+        && heads >= kv_heads
+        && heads.is_multiple_of(kv_heads)
+}
+
+/// Dynamic shared memory of `prompt_attention_hd<HD>` in bytes: two buffers of a K and a V
+/// tile of `TILE_KEYS` rows of `hd + PAD` f16.
+fn shared_bytes(head_dim: usize) -> usize {
+    2 * 2 * TILE_KEYS * (head_dim + PAD) * 2
+}
+
+/// Attention of `n` query rows of `qkv` (f32, `(H + 2 Hkv) hd` apart, q first), the first at
+/// position `first`, over the f16 `cache` (`[position][Hkv][hd]`, holding positions
+/// `0 .. first + n`); output `att` f32 `[n][H][hd]`. Errors (no launch) for an unsupported
+/// shape or cache, a position past 32 bits, or misaligned buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn prompt_attention(
+    gpu: &Gpu,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    qkv: DevPtr,
+    cache: KvCache,
+    att: DevPtr,
+    first: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let KvCache::F16 { k, v } = cache else {
+        return Err(CudaError::Unsupported(
+            "the prompt attention kernel reads an f16 KV cache; the 8-bit cache takes the split kernel".into(),
+        ));
+    };
+    if !supports(heads, kv_heads, head_dim, &cache) {
+        return Err(CudaError::Unsupported(format!(
+            "prompt attention with {heads} query heads over {kv_heads} KV heads of dimension \
+             {head_dim}: the kernel needs whole groups and a head dimension in {HEAD_DIMS:?}"
+        )));
+    }
+    let end = first
+        .checked_add(n)
+        .ok_or_else(|| CudaError::Unsupported(format!("prompt positions {first} + {n}")))?;
+    i32_arg("prompt end position", end)?;
+    let q_stride = heads
+        .checked_add(2 * kv_heads)
+        .and_then(|r| r.checked_mul(head_dim))
+        .ok_or_else(|| CudaError::Unsupported(format!("a qkv row of {heads} heads")))?;
+    let q_stride = i32_arg("qkv row width", q_stride)?;
+    let (hi, hkvi) = (
+        i32_arg("query heads", heads)?,
+        i32_arg("KV heads", kv_heads)?,
+    );
+    if heads > 65535 {
+        return Err(CudaError::Unsupported(format!(
+            "{heads} query heads: the grid's y is at most 65535"
+        )));
+    }
+    for (what, ptr, align) in [
+        ("qkv", qkv, 8),
+        ("att", att, 8),
+        ("k cache", k, 16),
+        ("v cache", v, 16),
+    ] {
+        if ptr == 0 || ptr % align != 0 {
+            return Err(CudaError::Unsupported(format!(
+                "prompt attention: {what} at {ptr:#x} is not {align}-byte aligned"
+            )));
+        }
+    }
+    let tiles = u32::try_from(n.div_ceil(TILE_ROWS))
+        .map_err(|_| CudaError::Unsupported(format!("{n} prompt rows")))?;
+    let name = format!("prompt_attention_hd{head_dim}");
+    let f = gpu.function(&FAMILY, &name)?;
+    let shared = shared_bytes(head_dim);
+    gpu.allow_dynamic_shared(&f, shared)?;
+    let (ni, firsti) = (
+        i32_arg("prompt rows", n)?,
+        i32_arg("prompt position", first)?,
+    );
+    let scale_log2 = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&qkv)
+        .arg(&k)
+        .arg(&v)
+        .arg(&att)
+        .arg(&ni)
+        .arg(&firsti)
+        .arg(&hi)
+        .arg(&hkvi)
+        .arg(&q_stride)
+        .arg(&scale_log2);
+    unsafe { b.launch(grid_cfg((tiles, heads as u32), THREADS, shared as u32)) }
+        .during("launching prompt_attention")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One m16n8k16 product through the kernel's fragment index math, emulated per lane: Q's A
+    /// fragments as loaded, K's B fragments as `ldmatrix` (no .trans) hands them out for the
+    /// kernel's lane addresses, and the C layout read back; then P (C of S reused as A) times V
+    /// through `ldmatrix.trans`. Checks the maps against plain matrix products.
+    #[test]
+    fn fragment_maps_match_matrix_products() {
+        const HD: usize = 64;
+        const KEYS: usize = 64;
+        let q: Vec<f32> = (0..16 * HD).map(|i| ((i * 7) % 13) as f32 - 6.0).collect();
+        let k: Vec<f32> = (0..KEYS * HD)
+            .map(|i| ((i * 5) % 11) as f32 - 5.0)
+            .collect();
+        let v: Vec<f32> = (0..KEYS * HD).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+        // A fragment of a 16 x 16 block (rows 0..16, cols c0..c0+16) of a row-major matrix.
+        let a_frag = |m: &dyn Fn(usize, usize) -> f32, c0: usize, lane: usize| -> [[f32; 2]; 4] {
+            let (gr, tq) = (lane / 4, lane % 4);
+            let at = |r: usize, c: usize| [m(r, c0 + c), m(r, c0 + c + 1)];
+            [
+                at(gr, 2 * tq),
+                at(gr + 8, 2 * tq),
+                at(gr, 2 * tq + 8),
+                at(gr + 8, 2 * tq + 8),
+            ]
+        };
+        // ldmatrix.x4: lane l supplies the address of row l % 8 of matrix l / 8 (8 consecutive
+        // elements from (row, col)); lane receives, of matrix i, row l / 4, elements 2 (l % 4),
+        // +1, or with .trans, rows 2 (l % 4), +1 of column l / 4.
+        let ldmatrix =
+            |m: &[f32], addr: &dyn Fn(usize) -> (usize, usize), trans: bool, lane: usize| {
+                let mut out = [[0f32; 2]; 4];
+                for (i, o) in out.iter_mut().enumerate() {
+                    let (gr, tq) = (lane / 4, lane % 4);
+                    let elem = |row: usize, col: usize| {
+                        let (r, c) = addr(8 * i + row);
+                        m[r * HD + c + col]
+                    };
+                    *o = if trans {
+                        [elem(2 * tq, gr), elem(2 * tq + 1, gr)]
+                    } else {
+                        [elem(gr, 2 * tq), elem(gr, 2 * tq + 1)]
+                    };
+                }
+                out
+            };
+        // mma m16n8k16 of one warp from per-lane fragments: gather A and B back into matrices.
+        let mma = |a: &[[[f32; 2]; 4]; 32], b: &[[[f32; 2]; 2]; 32], c: &mut [[f32; 4]; 32]| {
+            let mut am = [[0f32; 16]; 16];
+            let mut bm = [[0f32; 8]; 16];
+            for lane in 0..32 {
+                let (gr, tq) = (lane / 4, lane % 4);
+                for e in 0..2 {
+                    am[gr][2 * tq + e] = a[lane][0][e];
+                    am[gr + 8][2 * tq + e] = a[lane][1][e];
+                    am[gr][2 * tq + 8 + e] = a[lane][2][e];
+                    am[gr + 8][2 * tq + 8 + e] = a[lane][3][e];
+                    bm[2 * tq + e][gr] = b[lane][0][e];
+                    bm[2 * tq + 8 + e][gr] = b[lane][1][e];
+                }
+            }
+            for lane in 0..32 {
+                let (gr, tq) = (lane / 4, lane % 4);
+                for (e, (r, col)) in [
+                    (gr, 2 * tq),
+                    (gr, 2 * tq + 1),
+                    (gr + 8, 2 * tq),
+                    (gr + 8, 2 * tq + 1),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    c[lane][e] += (0..16).map(|kk| am[r][kk] * bm[kk][col]).sum::<f32>();
+                }
+            }
+        };
+        // S = Q K^T as the kernel computes it.
+        let mut s = [[[0f32; 4]; 32]; KEYS / 8];
+        let qm = |r: usize, c: usize| q[r * HD + c];
+        for (nt, s_nt) in s.iter_mut().enumerate() {
+            for kp in 0..HD / 32 {
+                let mut b = [[[[0f32; 2]; 2]; 32]; 2];
+                let mut a = [[[[0f32; 2]; 4]; 32]; 2];
+                for lane in 0..32 {
+                    let r = ldmatrix(
+                        &k,
+                        &|l| (8 * nt + (l & 7), 32 * kp + 8 * (l >> 3)),
+                        false,
+                        lane,
+                    );
+                    b[0][lane] = [r[0], r[1]];
+                    b[1][lane] = [r[2], r[3]];
+                    a[0][lane] = a_frag(&qm, 32 * kp, lane);
+                    a[1][lane] = a_frag(&qm, 32 * kp + 16, lane);
+                }
+                mma(&a[0], &b[0], s_nt);
+                mma(&a[1], &b[1], s_nt);
+            }
+        }
+        let mut sm = vec![0f32; 16 * KEYS];
+        for (nt, s_nt) in s.iter().enumerate() {
+            for lane in 0..32 {
+                let (gr, tq) = (lane / 4, lane % 4);
+                sm[gr * KEYS + 8 * nt + 2 * tq] = s_nt[lane][0];
+                sm[gr * KEYS + 8 * nt + 2 * tq + 1] = s_nt[lane][1];
+                sm[(gr + 8) * KEYS + 8 * nt + 2 * tq] = s_nt[lane][2];
+                sm[(gr + 8) * KEYS + 8 * nt + 2 * tq + 1] = s_nt[lane][3];
+            }
+        }
+        for r in 0..16 {
+            for key in 0..KEYS {
+                let want: f32 = (0..HD).map(|d| q[r * HD + d] * k[key * HD + d]).sum();
+                assert_eq!(sm[r * KEYS + key], want, "S[{r}][{key}]");
+            }
+        }
+        // O = S V, S's C fragments reused as A fragments, V through ldmatrix.trans.
+        let mut o = [[[0f32; 4]; 32]; HD / 8];
+        for kk in 0..KEYS / 16 {
+            let mut a = [[[0f32; 2]; 4]; 32];
+            for (lane, al) in a.iter_mut().enumerate() {
+                for half in 0..2 {
+                    let c = s[2 * kk + half][lane];
+                    al[half * 2] = [c[0], c[1]];
+                    al[half * 2 + 1] = [c[2], c[3]];
+                }
+            }
+            for dp in 0..HD / 16 {
+                let mut b = [[[[0f32; 2]; 2]; 32]; 2];
+                for lane in 0..32 {
+                    let r = ldmatrix(
+                        &v,
+                        &|l| {
+                            (
+                                16 * kk + (l & 7) + 8 * ((l >> 3) & 1),
+                                16 * dp + 8 * (l >> 4),
+                            )
+                        },
+                        true,
+                        lane,
+                    );
+                    b[0][lane] = [r[0], r[1]];
+                    b[1][lane] = [r[2], r[3]];
+                }
+                let (lo, hi) = o.split_at_mut(2 * dp + 1);
+                mma(&a, &b[0], &mut lo[2 * dp]);
+                mma(&a, &b[1], &mut hi[0]);
+            }
+        }
+        for (dt, o_dt) in o.iter().enumerate() {
+            for lane in 0..32 {
+                let (gr, tq) = (lane / 4, lane % 4);
+                for (e, (r, d)) in [
+                    (gr, 2 * tq),
+                    (gr, 2 * tq + 1),
+                    (gr + 8, 2 * tq),
+                    (gr + 8, 2 * tq + 1),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let d = 8 * dt + d;
+                    let want: f32 = (0..KEYS)
+                        .map(|key| sm[r * KEYS + key] * v[key * HD + d])
+                        .sum();
+                    assert_eq!(o_dt[lane][e], want, "O[{r}][{d}]");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_outside_the_kernel_are_typed_errors() {
+        let f16 = KvCache::F16 { k: 256, v: 512 };
+        let i8 = KvCache::Int8 {
+            k: 256,
+            v: 512,
+            k_scales: 1024,
+            v_scales: 2048,
+        };
+        assert!(supports(32, 32, 128, &f16));
+        assert!(supports(32, 8, 64, &f16));
+        assert!(!supports(32, 8, 64, &i8));
+        assert!(!supports(32, 8, 96, &f16));
+        assert!(!supports(30, 8, 128, &f16));
+        assert!(!supports(32, 0, 128, &f16));
+        assert_eq!(shared_bytes(128), 69_632);
+    }
+}
