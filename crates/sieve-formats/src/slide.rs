@@ -281,6 +281,35 @@ impl Slide {
         self.geom.lift(x)
     }
 
+    /// The rows of `parts` one after another (q|k|v, gate|up as one matrix): every part must
+    /// have the same K and N. Rows are stored independently, so this is their concatenation.
+    pub fn concat_rows(parts: &[&Slide]) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            return Err(FormatError::Option(
+                "slide concat_rows of no matrices".into(),
+            ));
+        };
+        if let Some(p) = parts.iter().find(|p| p.geom != first.geom) {
+            return Err(FormatError::Option(format!(
+                "slide matrices joined by rows must share K and N: {} columns at N = {} vs {} \
+                 at N = {}",
+                p.geom.cols, p.geom.n, first.geom.cols, first.geom.n
+            )));
+        }
+        Ok(Self {
+            rows: parts.iter().map(|p| p.rows).sum(),
+            geom: first.geom,
+            values: parts
+                .iter()
+                .flat_map(|p| p.values.iter().copied())
+                .collect(),
+            metadata: parts
+                .iter()
+                .flat_map(|p| p.metadata.iter().copied())
+                .collect(),
+        })
+    }
+
     /// The expanded 2:4 matrix `W'` (M x K'), placeholders as +0. `W'·lift(x) == W·x`. This is
     /// what a cuSPARSELt path would hand to its own compressor.
     pub fn expanded(&self) -> DenseMatrix {
@@ -618,6 +647,10 @@ impl WeightFormat for Slide {
         w.f16s(&self.values);
         w.u32s(&self.metadata);
     }
+    /// The encoded matrix itself, for backends that take it as it is (the GPU upload).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
 }
 
 /// Prunes `w` to (2N-2):2N by magnitude: in every block of 2N columns of each row the
@@ -833,5 +866,38 @@ mod tests {
         bad.write_payload(&mut bw);
         let e = Slide::read_payload(&mut ByteReader::new(&bw.buf)).unwrap_err();
         assert!(e.to_string().contains("padding"), "{e}");
+    }
+
+    #[test]
+    fn concat_rows_equals_encoding_the_joined_rows() {
+        use crate::random::{sparse_matrix, Pattern};
+        let a = sparse_matrix(5, 30, 0.0, Pattern::NM { n: 6, m: 8 }, 1).unwrap();
+        let b = sparse_matrix(3, 30, 0.0, Pattern::NM { n: 6, m: 8 }, 2).unwrap();
+        let opts = SlideOptions { n: 4 };
+        let (sa, sb) = (
+            Slide::encode(&a, &opts).unwrap(),
+            Slide::encode(&b, &opts).unwrap(),
+        );
+        let mut data = a.data().to_vec();
+        data.extend_from_slice(b.data());
+        let joined = DenseMatrix::new(8, 30, data).unwrap();
+        let want = Slide::encode(&joined, &opts).unwrap();
+        assert_eq!(Slide::concat_rows(&[&sa, &sb]).unwrap(), want);
+        // Another K, or another N, is refused.
+        let c = Slide::encode(
+            &sparse_matrix(2, 32, 0.0, Pattern::NM { n: 6, m: 8 }, 3).unwrap(),
+            &opts,
+        )
+        .unwrap();
+        assert!(Slide::concat_rows(&[&sa, &c]).is_err());
+        let d = Slide::encode(&a, &SlideOptions { n: 8 }).unwrap();
+        assert!(Slide::concat_rows(&[&sa, &d]).is_err());
+        assert!(Slide::concat_rows(&[]).is_err());
+        // The encoded matrix is reachable through the trait object.
+        let f: &dyn WeightFormat = &sa;
+        assert_eq!(
+            f.as_any().and_then(|a| a.downcast_ref::<Slide>()),
+            Some(&sa)
+        );
     }
 }

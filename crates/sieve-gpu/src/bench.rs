@@ -247,11 +247,14 @@ pub fn measure(
         sp,
         dp,
         kv_cache: model.kv_precision().name().to_string(),
-        // Tiled-CBC: the format with its kernel (lane8 or rr), from the q|k|v product's label.
+        // Tiled-CBC: the format with its kernel (lane8 or rr), SlideSparse with its pattern
+        // (slide/6:8), from the q|k|v product's label.
         format: match model.report().kernels.first() {
-            Some(k) if opts.format == FormatKind::TiledCbc => {
-                k.split(": ").nth(1).unwrap_or("tiled-cbc").to_string()
-            }
+            Some(k) if matches!(opts.format, FormatKind::TiledCbc | FormatKind::Slide) => k
+                .split(": ")
+                .nth(1)
+                .unwrap_or(opts.format.name())
+                .to_string(),
             _ => opts.format.name().to_string(),
         },
         values: values_of(model.report().kernels.first().map(String::as_str)),
@@ -413,6 +416,7 @@ pub fn run_synthetic_with(
         for &v in &values {
             v.check(format)?;
         }
+        synthetic::check_pattern(format, opts.pattern)?;
     }
     for &(sp, dp) in configs {
         let format = if sp == 0.0 {

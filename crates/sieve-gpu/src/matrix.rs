@@ -9,7 +9,8 @@
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme with int4 / int8 values ([`HostMatrix::IeBme`], or int4 values re-encoded exactly) | any | union bitmaps decoded into tensor-core fragments |
-//! | ie-bme with f16 values, slide | - | refused: no GPU decode kernel yet |
+//! | slide ((2N-2):2N, [`HostMatrix::Slide`] as the pack encodes it) | any | lift (TEAL mask and f16 rounding fused) into [`SlideProduct`]'s scratch, then the 2:4 `mma.sp` product with one token |
+//! | ie-bme with f16 values | - | refused: no GPU decode kernel yet |
 //! | balanced-cbc | any | lane-per-16-rows spMspV (N of every 16 rows per column) |
 //! | balanced-cbc, values on an int8 / int4 grid (`sieve pack --values`) | any | the same from 8- / 4-bit values |
 //!
@@ -25,11 +26,13 @@ use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
 use sieve_cuda::ie_bme::{GpuIeBme, IeBmeDevice};
 use sieve_cuda::lowbit::{GpuLowBit, LowBitMatrix};
 use sieve_cuda::rlc_csc::GpuRlcCsc;
+use sieve_cuda::slide::GpuSlide;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::ie_bme::IeBme;
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
+use sieve_formats::slide::Slide;
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
 
@@ -42,6 +45,9 @@ pub enum HostMatrix {
     LowBit(LowBitMatrix),
     /// An IE-BME matrix as the pack holds it (its integers, scales and bitmaps).
     IeBme(IeBme),
+    /// A SlideSparse matrix as the pack holds it (its N, kept values and metadata): the
+    /// device layout is a re-layout of this encoding, never of the decoded values.
+    Slide(Slide),
 }
 
 impl HostMatrix {
@@ -50,6 +56,7 @@ impl HostMatrix {
             HostMatrix::Values(m) => m.rows(),
             HostMatrix::LowBit(m) => m.rows(),
             HostMatrix::IeBme(m) => m.rows(),
+            HostMatrix::Slide(m) => m.rows(),
         }
     }
     pub fn cols(&self) -> usize {
@@ -57,6 +64,7 @@ impl HostMatrix {
             HostMatrix::Values(m) => m.cols(),
             HostMatrix::LowBit(m) => m.cols(),
             HostMatrix::IeBme(m) => m.cols(),
+            HostMatrix::Slide(m) => m.cols(),
         }
     }
     /// Whether `self` and `other` can be joined by rows into one device matrix.
@@ -64,6 +72,7 @@ impl HostMatrix {
         match (self, other) {
             (HostMatrix::Values(_), HostMatrix::Values(_)) => true,
             (HostMatrix::LowBit(a), HostMatrix::LowBit(b)) => a.kind() == b.kind(),
+            (HostMatrix::Slide(a), HostMatrix::Slide(b)) => a.n() == b.n(),
             _ => false,
         }
     }
@@ -76,6 +85,43 @@ pub struct LowBitProduct {
     x16: CudaSlice<f16>,
 }
 
+/// A SlideSparse matrix with the scratch its decode-step product lifts one token into.
+pub struct SlideProduct {
+    pub matrix: GpuSlide,
+    /// N of (2N-2):2N.
+    n: usize,
+    /// [`GpuSlide::lifted_len`]`(1)` f16: the lifted, masked input of one token.
+    lifted: CudaSlice<f16>,
+}
+
+impl SlideProduct {
+    /// Uploads `s` with its one-token scratch (every kernel looked up now, not in a capture).
+    pub fn upload(gpu: &Gpu, s: &Slide) -> Result<Self> {
+        let matrix = GpuSlide::upload(gpu, s)?;
+        let lifted = gpu.upload(&vec![f16::ZERO; matrix.lifted_len(1)])?;
+        Ok(Self {
+            matrix,
+            n: s.n(),
+            lifted,
+        })
+    }
+    /// N of (2N-2):2N.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+}
+
+impl GpuAccumulate for SlideProduct {
+    /// `y += W · f16(mask_t(x))` for one token: the lift into the matrix's own scratch, then
+    /// the product with n = 1 (its split-K parts add into `y` with atomics). Nothing is
+    /// allocated or looked up, so the step's graph captures it.
+    fn launch_add(&self, gpu: &Gpu, x: DevPtr, t: Threshold, y: DevPtr) -> sieve_cuda::Result<()> {
+        let lifted = sieve_cuda::dev_ptr(gpu, &self.lifted);
+        let (k, m) = (self.matrix.cols(), self.matrix.rows());
+        self.matrix.launch_rows(gpu, x, k, 1, t, lifted, y, m, true)
+    }
+}
+
 /// One matrix in device memory with the kernel that multiplies it.
 pub enum DeviceMatrix {
     DenseRows(GpuDense),
@@ -86,6 +132,7 @@ pub enum DeviceMatrix {
     BalancedLowBit(GpuBalancedLowBit),
     LowBit(LowBitProduct),
     IeBme(GpuIeBme),
+    Slide(SlideProduct),
 }
 
 impl DeviceMatrix {
@@ -101,7 +148,10 @@ impl DeviceMatrix {
             FormatKind::Dense => {
                 let bytes = m.rows() * m.cols() * 2;
                 if threshold.is_some() {
-                    (DeviceMatrix::DenseCols(GpuDenseColMajor::upload(gpu, m)?), bytes)
+                    (
+                        DeviceMatrix::DenseCols(GpuDenseColMajor::upload(gpu, m)?),
+                        bytes,
+                    )
                 } else {
                     (DeviceMatrix::DenseRows(GpuDense::upload(gpu, m)?), bytes)
                 }
@@ -131,26 +181,30 @@ impl DeviceMatrix {
                     }
                     None => {
                         let bytes = f.storage().total_bytes();
-                        (DeviceMatrix::BalancedCbc(GpuBalancedCbc::upload(gpu, &f)?), bytes)
+                        (
+                            DeviceMatrix::BalancedCbc(GpuBalancedCbc::upload(gpu, &f)?),
+                            bytes,
+                        )
                     }
                 }
             }
-            FormatKind::IeBme => match sieve_cuda::ie_bme::encode_exact(m)? {
-                Some(e) => Self::upload_ie_bme(gpu, &e)?,
-                None => {
-                    return Err(GpuError::Unsupported(
+            FormatKind::IeBme => {
+                match sieve_cuda::ie_bme::encode_exact(m)? {
+                    Some(e) => Self::upload_ie_bme(gpu, &e)?,
+                    None => return Err(GpuError::Unsupported(
                         "ie-bme values that are not on an int4 grid reached the GPU as values: \
                          the GPU multiplies ie-bme from int4 / int8 values (sieve pack --format \
                          ie-bme --values int4|int8), not f16"
                             .into(),
-                    ))
+                    )),
                 }
-            },
-            other => {
-                return Err(GpuError::Unsupported(format!(
-                    "format '{}' has no GPU decode kernel yet (GPU formats: dense, tiled-cbc, rlc-csc, balanced-cbc, ie-bme with int4 / int8 values); re-pack with one of those or run on the CPU (--device cpu)",
-                    other.name()
-                )))
+            }
+            FormatKind::Slide => {
+                return Err(GpuError::Unsupported(
+                    "slide matrices go to the GPU as the pack encodes them (their N with \
+                     them), not as values"
+                        .into(),
+                ))
             }
         })
     }
@@ -170,6 +224,14 @@ impl DeviceMatrix {
         Ok((DeviceMatrix::IeBme(GpuIeBme::upload(gpu, &layout)?), bytes))
     }
 
+    /// Uploads an encoded SlideSparse matrix with its one-token scratch. The bytes are the
+    /// device layout's (values and metadata, rows padded to 32 and K' to 128).
+    pub fn upload_slide(gpu: &Gpu, s: &Slide) -> Result<(Self, usize)> {
+        let p = SlideProduct::upload(gpu, s)?;
+        let bytes = p.matrix.device_bytes();
+        Ok((DeviceMatrix::Slide(p), bytes))
+    }
+
     /// Uploads `m` as it comes: values in `kind`, low-bit matrices as they are.
     pub fn upload_host(
         gpu: &Gpu,
@@ -181,6 +243,7 @@ impl DeviceMatrix {
             HostMatrix::Values(v) => Self::upload(gpu, kind, v, threshold),
             HostMatrix::LowBit(q) => Self::upload_low_bit(gpu, q),
             HostMatrix::IeBme(e) => Self::upload_ie_bme(gpu, e),
+            HostMatrix::Slide(s) => Self::upload_slide(gpu, s),
         }
     }
 
@@ -188,6 +251,8 @@ impl DeviceMatrix {
     pub fn launches(&self) -> usize {
         match self {
             DeviceMatrix::LowBit(_) => 2,
+            // Lift, then the product (split K accumulates: no zeroing launch).
+            DeviceMatrix::Slide(_) => 2,
             _ => 1,
         }
     }
@@ -211,6 +276,15 @@ impl DeviceMatrix {
                     "ie-bme/int8"
                 }
             }
+            DeviceMatrix::Slide(p) => match p.n {
+                2 => "slide/2:4",
+                3 => "slide/4:6",
+                4 => "slide/6:8",
+                5 => "slide/8:10",
+                6 => "slide/10:12",
+                7 => "slide/12:14",
+                _ => "slide/14:16",
+            },
             DeviceMatrix::LowBit(m) => match m.matrix.kind() {
                 sieve_cuda::lowbit::LowBitKind::W4G128 => "lowbit/w4a16-g128",
                 sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0",
@@ -241,6 +315,7 @@ impl DeviceMatrix {
                 sieve_cuda::lowbit::activations_to_f16(gpu, x, k, k, ldx, 1, t, x16)?;
                 p.matrix.launch_ptr(gpu, x16, 1, y, p.matrix.rows(), true)?;
             }
+            DeviceMatrix::Slide(p) => p.launch_add(gpu, x, t, y)?,
         }
         Ok(())
     }
@@ -261,6 +336,13 @@ impl DeviceMatrix {
             DeviceMatrix::LowBit(p) => {
                 let (m, k) = (p.matrix.rows(), p.matrix.cols());
                 p.matrix.device_bytes() + k * 4 + 2 * p.matrix.padded_cols() * 2 + m * 8
+            }
+            // Every value and metadata word (the tensor cores skip no inactive input), the
+            // lift map and the f32 input read, the lifted row written and read, the f32
+            // output read and written.
+            DeviceMatrix::Slide(p) => {
+                let (m, k, kp) = (p.matrix.rows(), p.matrix.cols(), p.matrix.lifted_row_len());
+                p.matrix.device_bytes() + kp * 4 + k * 4 + 2 * kp * 2 + m * 8
             }
         }
     }
@@ -330,6 +412,16 @@ impl DeviceLinear {
                         })
                         .collect();
                     DeviceMatrix::upload_low_bit(gpu, &LowBitMatrix::concat_rows(&low)?)?
+                }
+                HostMatrix::Slide(_) => {
+                    let slides: Vec<&Slide> = mats
+                        .iter()
+                        .filter_map(|(m, _)| match m {
+                            HostMatrix::Slide(s) => Some(s),
+                            _ => None,
+                        })
+                        .collect();
+                    DeviceMatrix::upload_slide(gpu, &Slide::concat_rows(&slides)?)?
                 }
                 HostMatrix::IeBme(_) => {
                     return Err(GpuError::InvalidArgument(

@@ -11,6 +11,7 @@
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
+//! | SlideSparse | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
 //! | RLC-CSC, Balanced-CBC | no decoder: the prompt runs token by token through the decode step |
 //!
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
@@ -48,7 +49,8 @@ pub struct PrefillBuffers {
     pub att: CudaSlice<f32>,
     /// Attention split partials for `n` queries.
     pub part: CudaSlice<f32>,
-    /// A decoded K x M f16 weight matrix (formats without a dense device copy).
+    /// f16 scratch of [`scratch16_len`] elements: a decoded K x M weight matrix (Tiled-CBC
+    /// past the SpMM), or a SlideSparse matrix's lifted activations `[n][K'p]`.
     pub w16: CudaSlice<f16>,
 }
 
@@ -86,8 +88,9 @@ impl PrefillBuffers {
     }
 }
 
-/// True when every matrix of `linears` can run as a GEMM (RLC-CSC and Balanced-CBC have no
-/// decode-to-dense kernel yet: their prompts run token by token).
+/// True when every matrix of `linears` has a token-batch product (a GEMM, or a kernel that
+/// takes many tokens: low-bit, IE-BME, Tiled-CBC's and SlideSparse's SpMMs). RLC-CSC and
+/// Balanced-CBC have neither yet: their prompts run token by token.
 pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     linears.iter().all(|l| {
         l.parts.iter().all(|p| {
@@ -119,9 +122,30 @@ pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
         .unwrap_or(0)
 }
 
+/// f16 elements of the lifted activations of [`CHUNK`] tokens for the widest SlideSparse
+/// matrix among `linears` (0 without one).
+pub fn lifted_len(linears: &[&DeviceLinear]) -> usize {
+    linears
+        .iter()
+        .flat_map(|l| l.parts.iter())
+        .filter_map(|p| match &p.matrix {
+            DeviceMatrix::Slide(s) => Some(s.matrix.lifted_len(CHUNK)),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Elements of the pass's f16 scratch ([`PrefillBuffers::w16`]): the larger of
+/// [`decoded_len`] and [`lifted_len`].
+pub fn scratch16_len(linears: &[&DeviceLinear]) -> usize {
+    decoded_len(linears).max(lifted_len(linears))
+}
+
 /// `Y[n][row_offset ..] = beta Y + A · Wᵀ` for every part of `lin`: each part's input is
 /// `x` (f32, `ldx` per row) masked by the part's threshold into `a16` first. `ldy` floats per
-/// row of Y.
+/// row of Y. `w16` is the f16 scratch of [`scratch16_len`] elements (for up to [`CHUNK`]
+/// tokens); beta is 0 (Y written) or 1 (added to) for the parts that are not GEMMs.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_rows(
     gpu: &Gpu,
@@ -190,6 +214,20 @@ pub fn linear_rows(
             }
             continue;
         }
+        if let DeviceMatrix::Slide(s) = &p.matrix {
+            // The lift reads the f32 rows and applies the threshold itself; the lifted rows
+            // of all n tokens go to w16, then one product (split K adds with atomics, after
+            // the kernel's own zeroing when beta = 0).
+            if n > CHUNK {
+                return Err(GpuError::InvalidArgument(format!(
+                    "{n} tokens in one slide pass: its scratch holds {CHUNK}"
+                )));
+            }
+            let yp = y + (p.row_offset * 4) as u64;
+            s.matrix
+                .launch_rows(gpu, x, ldx, n, p.threshold, w16, yp, ldy, beta != 0.0)?;
+            continue;
+        }
         if masked != Some(p.threshold) {
             sieve_cuda::prefill::rows_to_f16(gpu, x, ldx, a16, n, k, p.threshold)?;
             masked = Some(p.threshold);
@@ -222,6 +260,11 @@ pub fn linear_rows(
             DeviceMatrix::IeBme(_) => {
                 return Err(GpuError::Unsupported(
                     "an IE-BME matrix reached the GEMM path".into(),
+                ))
+            }
+            DeviceMatrix::Slide(_) => {
+                return Err(GpuError::Unsupported(
+                    "a slide matrix reached the GEMM path".into(),
                 ))
             }
             DeviceMatrix::LowBit(_) => {

@@ -108,6 +108,12 @@ pub fn low_bit_of_blocks(q: &sieve_cpu::gguf_blocks::QuantMatrix) -> Result<LowB
     )?)
 }
 
+/// The SlideSparse matrix behind `f`, when `f` is one (a pack's slide layers load as the
+/// format's own type).
+pub fn slide_source(f: &dyn sieve_formats::WeightFormat) -> Option<&sieve_formats::slide::Slide> {
+    f.as_any()?.downcast_ref()
+}
+
 /// What this runner executes of a plan (checked before anything is uploaded).
 pub const GPU_CAPABILITIES: Capabilities = Capabilities {
     backend: "cuda",
@@ -117,6 +123,7 @@ pub const GPU_CAPABILITIES: Capabilities = Capabilities {
         FormatKind::RlcCsc,
         FormatKind::BalancedCbc,
         FormatKind::IeBme,
+        FormatKind::Slide,
     ],
     blocks: BlockSupport::NativeFor(&[
         "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
@@ -313,8 +320,8 @@ impl GpuModel {
         }
         ie_bme_check("lm_head".into(), model.lm_head())?;
         // GGUF blocks go to the device as their integers, scales and mins, IE-BME matrices with
-        // integer values as they are encoded; every other matrix as its values, encoded there
-        // in its format.
+        // integer values and SlideSparse matrices as they are encoded; every other matrix as
+        // its values, encoded there in its format.
         let decode =
             |lin: &sieve_model::linear::Linear| -> Result<(HostMatrix, Threshold, FormatKind)> {
                 let weights = match (
@@ -326,7 +333,10 @@ impl GpuModel {
                     (None, Some(e)) if e.payload().group_size().is_some() => {
                         HostMatrix::IeBme(e.clone())
                     }
-                    (None, _) => HostMatrix::Values(lin.format().decode()),
+                    (None, _) => match slide_source(lin.format()) {
+                        Some(s) => HostMatrix::Slide(s.clone()),
+                        None => HostMatrix::Values(lin.format().decode()),
+                    },
                 };
                 Ok((weights, lin.threshold(), lin.format().kind()))
             };
@@ -904,7 +914,7 @@ impl GpuModel {
         for l in &self.layers {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        let decoded = crate::prefill::decoded_len(&all);
+        let decoded = crate::prefill::scratch16_len(&all);
         self.prefill_bufs = Some(crate::prefill::PrefillBuffers::new(
             &self.gpu,
             d,

@@ -6,7 +6,8 @@
 //! Weights are uniform in `±sqrt(3 / K)` (unit-variance outputs for unit-variance inputs), so
 //! the residual stream and the activations keep realistic magnitudes through 80 layers.
 //! Unstructured pruning keeps each weight with probability `1 - sp` (the expected sparsity);
-//! an N:M pattern keeps N random weights of every M along a row.
+//! an N:M pattern keeps N random weights of every M along a row. SlideSparse needs an N:M
+//! pattern of the form (2N-2):2N (`--pattern 6:8`), which sets its N.
 
 use crate::error::{GpuError, Result};
 use crate::matrix::HostMatrix;
@@ -18,6 +19,7 @@ use sieve_cuda::lowbit::{quantize_q4_0, quantize_q8_0, LowBitKind, LowBitMatrix}
 use sieve_cuda::{Gpu, KvPrecision};
 use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload, Reorder};
 use sieve_formats::random::Pattern;
+use sieve_formats::slide::{Slide, SlideOptions};
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 
@@ -194,6 +196,19 @@ pub fn snap_dense(m: &DenseMatrix, values: LowBitValues) -> Result<DenseMatrix> 
     Ok(DenseMatrix::new(m.rows(), cols, data)?)
 }
 
+/// Refuses, before anything is built, a pattern `format` cannot hold: SlideSparse stores
+/// (2N-2):2N (2:4, 6:8, ...) and takes its N from the pattern.
+pub fn check_pattern(format: FormatKind, pattern: Pattern) -> Result<()> {
+    if format == FormatKind::Slide {
+        SlideOptions::from_pattern(pattern).map_err(|e| {
+            GpuError::InvalidArgument(format!(
+                "slide needs a (2N-2):2N pattern (e.g. --pattern 6:8 or 2:4): {e}"
+            ))
+        })?;
+    }
+    Ok(())
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct SyntheticOptions {
     /// Weight sparsity of the layers' projections (the head stays dense, as `sieve pack` leaves it).
@@ -343,6 +358,7 @@ pub fn build_with(
     let upload_t: Threshold = if opts.dp > 0.0 { Some(0.0) } else { None };
     let seed = opts.seed;
     opts.values.check(opts.format)?;
+    check_pattern(opts.format, opts.pattern)?;
     let values = opts.values;
     let stored = move |w: DenseMatrix| -> Result<HostMatrix> {
         Ok(match (opts.format, values) {
@@ -360,6 +376,11 @@ pub fn build_with(
                 };
                 HostMatrix::IeBme(IeBme::encode(&w, &opts)?)
             }
+            // SlideSparse as a pack holds it, with the pattern's N.
+            (FormatKind::Slide, SyntheticValues::F16) => HostMatrix::Slide(Slide::encode(
+                &w,
+                &SlideOptions::from_pattern(opts.pattern)?,
+            )?),
             (_, SyntheticValues::F16) => HostMatrix::Values(w),
             (FormatKind::Dense, v) => match v.dense_kind() {
                 Some(kind) => HostMatrix::LowBit(quantize_dense(&w, kind)?),

@@ -833,6 +833,67 @@ fn tiny_balanced_cbc_model_matches_cpu() {
     }
 }
 
+/// [`tiny_model`] with every projection and the head pruned to (2N-2):2N by magnitude and
+/// stored as SlideSparse at that N, as a pack loads them (`format_from_blob`: the format's own
+/// type, whose encoding the GPU upload takes). Thresholds (dp > 0) are the dense model's.
+fn tiny_slide_model(n: usize, dp: f64, seed: u64) -> Model {
+    use sieve_formats::slide::{prune_to_pattern, Slide, SlideOptions};
+    let mut model = tiny_model(FormatKind::Dense, 0.0, dp, seed);
+    for (_, lin) in model.linears_mut() {
+        let pruned = prune_to_pattern(&lin.format().decode(), n).unwrap();
+        let s = Slide::encode(&pruned, &SlideOptions { n }).unwrap();
+        lin.replace_format(sieve_cpu::format_from_blob(&s.to_bytes()).unwrap())
+            .unwrap();
+    }
+    model
+}
+
+/// SlideSparse models at 6:8 and 2:4 (every projection and the head): the decode step (the
+/// lift into the matrix's scratch, then `mma.sp` with one token, split K adding with atomics)
+/// and the batched prefill (the prompt's tokens lifted and multiplied in one product) decode
+/// the CPU's greedy tokens, with the teacher-forced logits within the other formats' 0.05.
+/// The GPU rounds the masked activations to f16 (as the low-bit kernels do), the CPU's slide
+/// product keeps them f32. With TEAL thresholds, an input within that rounding of its
+/// threshold is active on one side only, so the allowance is the CPU's own sensitivity to
+/// thresholds moved by 2^-11 and, as for the low-bit kernels, greedy paths may then part: the
+/// thresholded model's tokens are not compared.
+#[test]
+fn tiny_slide_models_match_cpu() {
+    let _serial = serial_gpu();
+    let name = "tiny_slide_models_match_cpu";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    for (n, label, dp, seed) in [
+        (4, "slide/6:8", 0.0, 51),
+        (2, "slide/2:4", 0.0, 52),
+        (4, "slide/6:8", 0.5, 53),
+    ] {
+        let mut model = tiny_slide_model(n, dp, seed);
+        let g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
+        let kernels = &g.report().kernels;
+        assert!(
+            kernels.iter().all(|k| k.ends_with(label)),
+            "{label}: {kernels:?}"
+        );
+        assert!(g.prefill_is_batched(), "{label}: batched prefill");
+        assert!(g.decode_is_batched(), "{label}: batched decode");
+        drop(g);
+        check_gpu_model_against_cpu(
+            &format!("{name} {label} dp {dp}"),
+            None,
+            &mut model,
+            0.05,
+            if dp > 0.0 { f32::INFINITY } else { 0.0 },
+            if dp > 0.0 {
+                F16_ROUNDING
+            } else {
+                THRESHOLD_NUDGE
+            },
+        );
+    }
+}
+
 /// Every projection and the head of `model` replaced by GGUF blocks of `ty` (ggml's reference
 /// quantizers), thresholds kept.
 fn to_gguf_blocks(model: &mut Model, ty: sieve_cpu::gguf_blocks::BlockType) {
@@ -1130,6 +1191,7 @@ fn unsupported_formats_are_refused_by_name() {
         return;
     };
     let m = sparse_matrix(64, 64, 0.5, Pattern::Unstructured, 1).unwrap();
+    // Slide goes to the GPU encoded (HostMatrix::Slide, with its N), never as values.
     let err = sieve_gpu::matrix::DeviceMatrix::upload(&gpu, FormatKind::Slide, &m, None)
         .err()
         .unwrap();
@@ -1284,7 +1346,7 @@ fn the_plan_check_refuses_what_the_runner_cannot_execute() {
         "{err}"
     );
 
-    // A format without a GPU kernel.
+    // Slide in one projection of a dense layer: a GPU format, but one format per layer.
     let mut model = tiny_model(FormatKind::Dense, 0.0, 0.0, 12);
     let gate = model.layers()[0].gate_proj.format().decode();
     let (slide, _) = sieve_formats::slide::encode_or_prune(&gate, Pattern::Unstructured).unwrap();
@@ -1297,12 +1359,16 @@ fn the_plan_check_refuses_what_the_runner_cannot_execute() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("layer 0 gate|up") && err.contains("mlp.gate_proj") && err.contains("Slide"),
+        err.contains("layer 0") && err.contains("mlp.gate_proj is Slide"),
         "{err}"
     );
     // The CPU runs both.
     assert!(Plan::of(&model)
         .check(&sieve_model::plan::Capabilities::CPU)
+        .is_ok());
+    // A model slide throughout (as `sieve pack --format slide` makes it) passes.
+    assert!(Plan::of(&tiny_slide_model(4, 0.0, 13))
+        .check(&GPU_CAPABILITIES)
         .is_ok());
 }
 
@@ -1426,6 +1492,7 @@ fn batched_slot_steps_match_single_steps() {
     let dense = tiny_model(FormatKind::Dense, 0.0, 0.0, 31);
     let tiled = tiny_model(FormatKind::TiledCbc, 0.5, 0.0, 32);
     let balanced = tiny_model(FormatKind::BalancedCbc, 0.5, 0.0, 33);
+    let slide = tiny_slide_model(4, 0.0, 36);
     let mut q4 = tiny_model_of(
         config(301, 96, 224, 2, 6, 2, 16),
         FormatKind::Dense,
@@ -1459,6 +1526,7 @@ fn batched_slot_steps_match_single_steps() {
         ("tiled-cbc", &tiled, true, 14, true, F16),
         ("gguf q4_0", &q4, true, 5, true, F16),
         ("ie-bme int4", &ie_bme, true, 5, true, F16),
+        ("slide 6:8", &slide, true, 5, true, F16),
         (
             "balanced-cbc (one slot at a time)",
             &balanced,
@@ -1497,10 +1565,13 @@ fn batched_slot_steps_match_single_steps() {
                 .collect();
             let a = many.prefill_slot(slot, &prompt).unwrap();
             let b = one.prefill_slot(slot, &prompt).unwrap();
-            // Two runs of the same prefill: equal, but for the split-K kernels (IE-BME, and
-            // Tiled-CBC's decode step for the last prompt token), whose blocks add their partial
-            // sums with atomics in whatever order they finish (Tiled-CBC: 1.3e-5 apart, H200).
-            let split_k_atomics = label.starts_with("ie-bme") || label.starts_with("tiled-cbc");
+            // Two runs of the same prefill: equal, but for the split-K kernels (IE-BME,
+            // SlideSparse, and Tiled-CBC's decode step for the last prompt token), whose blocks
+            // add their partial sums with atomics in whatever order they finish (Tiled-CBC:
+            // 1.3e-5 apart, H200).
+            let split_k_atomics = label.starts_with("ie-bme")
+                || label.starts_with("tiled-cbc")
+                || label.starts_with("slide");
             let prefill_tol = if split_k_atomics {
                 0.2 * single_tol
             } else {

@@ -25,7 +25,8 @@ pub struct DecodeArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7")]
     dp: Vec<f64>,
     /// Format of the sparse configurations: tiled-cbc, rlc-csc, balanced-cbc, ie-bme (with
-    /// --values int4[:64|128] or int8), dense.
+    /// --values int4[:64|128] or int8), slide (with --pattern (2N-2):2N, e.g. 6:8 or 2:4),
+    /// dense.
     #[arg(long, default_value = "tiled-cbc")]
     format: String,
     /// What the synthetic models' kept weights are stored as, one model each: f16, int8, int4
