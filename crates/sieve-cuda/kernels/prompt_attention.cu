@@ -1,7 +1,7 @@
 // Causal grouped-query attention of a prompt chunk over the f16 KV cache on tensor cores
 // (flash-attention 2): n consecutive query rows at positions first .. first + n - 1, query z
 // sees keys 0 ..= first + z; the chunk's own keys are already in the cache (RoPE and the cache
-// write run first). The 8-bit cache and other head dimensions take attention.cu's kernel.
+// write run first). Other head dimensions take attention.cu's kernel.
 //
 // prompt_attention_hd<HD> (HD = 64, 128): grid (ceil(n / 64), H), 128 threads (4 warps).
 // Block (x, h) takes query head h (KV head h / (H / Hkv)) and the 64 query rows of tile
@@ -44,13 +44,23 @@
 //      V[key][dim] is row-major, so ldmatrix.trans: lane (gr, tq) gets keys 2tq, 2tq+1 of dim
 //      gr. One ldmatrix.x4.trans (lane l addresses key 16 kk + (l & 7) + 8 ((l >> 3) & 1),
 //      dims 16 dp + 8 (l >> 4)) gives b0, b1 of O n-tiles 2 dp and 2 dp + 1.
+//
+// The 8-bit cache (prompt_attention_i8_hd<HD>: i8 rows [position][Hkv][HD] and f32 scales
+// [position][Hkv], see attention.cu): the tile's bytes and its rows' K and V scales are staged
+// with cp.async (two staging buffers of [BN][HD] K bytes, [BN][HD] V bytes, [2][BN] scales;
+// tile j + 1 in flight), then widened into one [K, V] f16 tile pair as above, value =
+// f16(int * scale) per element (the f32 product rounded once), between two barriers; steps
+// 2-4 are the f16 kernel's.
+//
 //   A warp skips the tiles whose keys all lie past its rows' positions (it still copies and
 //   synchronizes); masking is applied only in the tiles that reach past the warp's first row.
 //   Every row sees key 0 in tile 0, so the running max is finite from the first tile on.
 //
 // Registers per thread at HD = 128: Q 32, O 64, S 32, P 16 (u32 / f32).
 // Limits (checked by src/prompt_attention.rs): HD in {64, 128}, H a multiple of Hkv,
-// first + n < 2^31, qkv 8-byte and caches 16-byte aligned.
+// first + n < 2^31, qkv and att 8-byte, caches 16-byte, scales 4-byte aligned.
+// Dynamic shared memory: f16 2 * 2 * BN * (HD + 8) * 2 bytes (69,632 at HD 128); 8-bit
+// 2 * BN * (HD + 8) * 2 + 2 * (2 * BN * HD + 2 * BN * 4) bytes (68,608 at HD 128).
 
 #define PA_THREADS 128
 #define PA_WARPS 4
@@ -98,12 +108,79 @@ __device__ __forceinline__ void prompt_load_tile(f16_bits* ks, f16_bits* vs,
     }
 }
 
+// The 8-bit cache's staging buffer of one tile: K bytes [BN][HD], V bytes [BN][HD], K scales
+// [BN], V scales [BN] (f32). Positions at or past kv_end stage zeros (values and scales).
 template <int HD>
+__device__ __forceinline__ void prompt_stage_tile_i8(signed char* stage,
+                                                     const signed char* __restrict__ k_cache,
+                                                     const signed char* __restrict__ v_cache,
+                                                     const float* __restrict__ k_scales,
+                                                     const float* __restrict__ v_scales, int j0,
+                                                     int kv_end, int Hkv, int kvh, int tid) {
+    constexpr int CH = HD / 16;  // 16-byte chunks per row
+    static_assert(PA_BN * CH % PA_THREADS == 0, "whole copies per thread");
+    static_assert(2 * PA_BN == PA_THREADS, "one scale per thread");
+    signed char* ks = stage;
+    signed char* vs = stage + PA_BN * HD;
+    float* sc = reinterpret_cast<float*>(stage + 2 * PA_BN * HD);  // [2][BN]: K's, then V's
+#pragma unroll
+    for (int it = 0; it < PA_BN * CH / PA_THREADS; ++it) {
+        const int i = tid + it * PA_THREADS;
+        const int r = i / CH, c = i % CH;
+        const int key = j0 + r;
+        const bool ok = key < kv_end;
+        const size_t off = ((size_t)(ok ? key : 0) * Hkv + kvh) * HD + c * 16;
+        cp_async16(ks + r * HD + c * 16, k_cache + off, ok ? 16 : 0);
+        cp_async16(vs + r * HD + c * 16, v_cache + off, ok ? 16 : 0);
+    }
+    const int r = tid % PA_BN, key = j0 + r;
+    const float* src = tid < PA_BN ? k_scales : v_scales;
+    if (key < kv_end)
+        cp_async4(sc + tid, src + (size_t)key * Hkv + kvh);
+    else
+        sc[tid] = 0.f;
+}
+
+// Staged 8-bit rows to the f16 tiles the mma loop reads: value = f16(int * row scale), the
+// f32 product rounded once (the numbers the f16 cache would hold for that row, to rounding).
+template <int HD>
+__device__ __forceinline__ void prompt_widen_tile_i8(f16_bits* kt, f16_bits* vt, const signed char* stage,
+                                                     int tid) {
+    constexpr int LD = HD + PA_PAD;
+    constexpr int CH = HD / 8;  // 8-value pieces per row
+    static_assert(2 * PA_BN * CH % PA_THREADS == 0, "whole pieces per thread");
+    const float* sc = reinterpret_cast<const float*>(stage + 2 * PA_BN * HD);
+#pragma unroll
+    for (int it = 0; it < 2 * PA_BN * CH / PA_THREADS; ++it) {
+        const int i = tid + it * PA_THREADS;
+        const int m = i / (PA_BN * CH);  // 0: K, 1: V
+        const int r = (i / CH) % PA_BN, c = i % CH;
+        const uint2 q = *reinterpret_cast<const uint2*>(stage + (size_t)m * PA_BN * HD + r * HD + c * 8);
+        const float scale = sc[m * PA_BN + r];
+        u32 w[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const u32 src = b < 2 ? q.x : q.y;
+            const int sh = 16 * (b & 1);
+            const float lo = (float)(signed char)(src >> sh) * scale;
+            const float hi = (float)(signed char)(src >> (sh + 8)) * scale;
+            w[b] = pack_f16x2(lo, hi);
+        }
+        f16_bits* dst = (m == 0 ? kt : vt) + r * LD + c * 8;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// Elem: f16_bits (the f16 cache) or signed char (the 8-bit cache, I8: its scales non-null).
+template <int HD, typename Elem>
 __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ qkv,
-                                                      const f16_bits* __restrict__ k_cache,
-                                                      const f16_bits* __restrict__ v_cache,
+                                                      const Elem* __restrict__ k_cache,
+                                                      const Elem* __restrict__ v_cache,
                                                       float* __restrict__ att, int n, int first, int H,
-                                                      int Hkv, int q_stride, float scale_log2) {
+                                                      int Hkv, int q_stride, float scale_log2,
+                                                      const float* __restrict__ k_scales,
+                                                      const float* __restrict__ v_scales) {
+    constexpr bool I8 = sizeof(Elem) == 1;
     static_assert(HD % 32 == 0, "HD / 16 k steps are taken two at a time");
     constexpr int LD = HD + PA_PAD;
     constexpr int KT = HD / 16;   // k steps of Q K^T
@@ -150,20 +227,36 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
     for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float m0 = PA_NEG_INF, m1 = PA_NEG_INF, l0 = 0.f, l1 = 0.f;
 
-    prompt_load_tile<HD>(pa_smem, pa_smem + PA_BN * LD, k_cache, v_cache, 0, kv_end, Hkv, kvh, tid);
+    // f16: tile j in buffer j & 1 (2 x [K, V] f16 tiles). 8-bit: one [K, V] f16 tile, then two
+    // staging buffers; tile j is staged in buffer j & 1 and widened into the f16 tile.
+    constexpr int STAGE = 2 * PA_BN * HD + 2 * PA_BN * 4;  // bytes of one staging buffer
+    signed char* stage = reinterpret_cast<signed char*>(pa_smem + 2 * PA_BN * LD);
+    auto load = [&](int t) {
+        if constexpr (I8) {
+            prompt_stage_tile_i8<HD>(stage + (t & 1) * STAGE, (const signed char*)k_cache,
+                                     (const signed char*)v_cache, k_scales, v_scales, t * PA_BN, kv_end, Hkv,
+                                     kvh, tid);
+        } else {
+            f16_bits* b = pa_smem + (size_t)(t & 1) * 2 * PA_BN * LD;
+            prompt_load_tile<HD>(b, b + PA_BN * LD, (const f16_bits*)k_cache, (const f16_bits*)v_cache,
+                                 t * PA_BN, kv_end, Hkv, kvh, tid);
+        }
+    };
+    load(0);
     cp_async_commit();
     for (int j = 0; j < ntiles; ++j) {
-        if (j + 1 < ntiles) {
-            f16_bits* nb = pa_smem + (size_t)((j + 1) & 1) * 2 * PA_BN * LD;
-            prompt_load_tile<HD>(nb, nb + PA_BN * LD, k_cache, v_cache, (j + 1) * PA_BN, kv_end, Hkv,
-                                 kvh, tid);
-        }
+        if (j + 1 < ntiles) load(j + 1);
         cp_async_commit();
         cp_async_wait<1>();  // tile j has landed (only tile j + 1's group may be pending)
         __syncthreads();
+        if constexpr (I8) {
+            // The f16 tile's last readers finished before the previous iteration's final barrier.
+            prompt_widen_tile_i8<HD>(pa_smem, pa_smem + PA_BN * LD, stage + (j & 1) * STAGE, tid);
+            __syncthreads();
+        }
         const int j0 = j * PA_BN;
         if (warp_live && j0 < warp_kv_end) {  // warp-uniform
-            const f16_bits* ks = pa_smem + (size_t)(j & 1) * 2 * PA_BN * LD;
+            const f16_bits* ks = pa_smem + (I8 ? 0 : (size_t)(j & 1) * 2 * PA_BN * LD);
             const f16_bits* vs = ks + PA_BN * LD;
 
             // 2. S = Q K^T.
@@ -262,14 +355,26 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
     }
 }
 
-#define PROMPT_ATTENTION_KERNEL(HD)                                                                  \
+// prompt_attention_hd<HD> over the f16 cache, prompt_attention_i8_hd<HD> over the 8-bit one
+// (its two scale buffers after the f16 kernel's arguments).
+#define PROMPT_ATTENTION_KERNELS(HD)                                                                 \
     extern "C" __global__ void __launch_bounds__(PA_THREADS) prompt_attention_hd##HD(               \
         const float* __restrict__ qkv, const f16_bits* __restrict__ k_cache,                         \
         const f16_bits* __restrict__ v_cache, float* __restrict__ att, int n, int first, int H,      \
         int Hkv, int q_stride, float scale_log2) {                                                   \
         pdl_wait_then_release();                                                                     \
-        prompt_attention_body<HD>(qkv, k_cache, v_cache, att, n, first, H, Hkv, q_stride, scale_log2); \
+        prompt_attention_body<HD, f16_bits>(qkv, k_cache, v_cache, att, n, first, H, Hkv, q_stride,  \
+                                            scale_log2, nullptr, nullptr);                           \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(PA_THREADS) prompt_attention_i8_hd##HD(            \
+        const float* __restrict__ qkv, const signed char* __restrict__ k_cache,                      \
+        const signed char* __restrict__ v_cache, float* __restrict__ att, int n, int first, int H,   \
+        int Hkv, int q_stride, float scale_log2, const float* __restrict__ k_scales,                 \
+        const float* __restrict__ v_scales) {                                                        \
+        pdl_wait_then_release();                                                                     \
+        prompt_attention_body<HD, signed char>(qkv, k_cache, v_cache, att, n, first, H, Hkv,         \
+                                               q_stride, scale_log2, k_scales, v_scales);            \
     }
 
-PROMPT_ATTENTION_KERNEL(64)
-PROMPT_ATTENTION_KERNEL(128)
+PROMPT_ATTENTION_KERNELS(64)
+PROMPT_ATTENTION_KERNELS(128)

@@ -2,7 +2,7 @@
 //! one token of each of a batch's sequences) over
 //! the KV cache (f16, or i8 rows with one scale per (position, KV head): [`KvCache`]),
 //! flash-decoding: split along the sequence, then combined (`kernels/attention.cu`); with the
-//! f64 CPU reference. Prompt chunks of f16 caches go to the tensor-core kernel of
+//! f64 CPU reference. Prompt chunks of 16 rows or more go to the tensor-core kernel of
 //! [`crate::prompt_attention`].
 
 use crate::error::{CudaError, DriverContext, Result};
@@ -113,7 +113,7 @@ pub fn attention(
 /// `z` is the next token of its own sequence, at its own slot and position (device memory,
 /// checked by the caller, so a captured graph replays for any).
 ///
-/// A prompt chunk of at least [`prompt_attention::MIN_ROWS`] rows over a shape and cache the
+/// A prompt chunk of at least [`prompt_attention::MIN_ROWS`] rows of a shape the
 /// tensor-core kernel supports runs [`prompt_attention::prompt_attention`] (no partials);
 /// everything else runs [`attention_rows_split`].
 #[allow(clippy::too_many_arguments)]
@@ -129,7 +129,7 @@ pub fn attention_rows(
 ) -> Result<()> {
     if let Rows::Consecutive { first } = *rows {
         if n >= prompt_attention::MIN_ROWS
-            && prompt_attention::supports(shape.heads, shape.kv_heads, shape.head_dim, &cache)
+            && prompt_attention::supports(shape.heads, shape.kv_heads, shape.head_dim)
         {
             return prompt_attention::prompt_attention(
                 gpu,

@@ -28,7 +28,7 @@
 //! | [`step`] | embedding gather, RMSNorm that zeroes the next product's output, SwiGLU, the teacher-forced advance |
 //! | [`rope`] | RoPE with the KV-cache write (f16, or i8 rows quantized as written): one token (decode) or `n` rows (prefill), one device function |
 //! | [`attention`] | flash-decoding grouped-query attention over the f16 or 8-bit cache ([`kv_cache`]), split + combine; causal for prefill batches |
-//! | [`prompt_attention`] | flash-attention 2 over a prompt chunk (causal, f16 cache, mma.sync), which `attention::attention_rows` takes for prompt chunks of 16 rows or more |
+//! | [`prompt_attention`] | flash-attention 2 over a prompt chunk (causal, f16 or 8-bit cache, mma.sync), which `attention::attention_rows` takes for prompt chunks of 16 rows or more |
 //! | [`sampling`] | repetition penalty, greedy / temperature / top-k / top-p, the next token into the step state |
 //! | [`prefill`] | row-wise embedding, RMSNorm, f16 GEMM input under the TEAL threshold, SwiGLU |
 //!

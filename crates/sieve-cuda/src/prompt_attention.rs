@@ -1,9 +1,10 @@
-//! Causal grouped-query attention of a prompt chunk over the f16 KV cache on tensor cores
-//! (flash-attention 2, `kernels/prompt_attention.cu`): `n` consecutive query rows, query `z`
-//! at position `first + z` sees keys `0 ..= first + z`. Its output is what
-//! [`crate::attention::attention_rows`]' split + combine writes for the same rows, and that
-//! function runs this kernel for a prompt chunk of at least [`MIN_ROWS`] rows whose shape it
-//! supports ([`supports`]); the f64 CPU reference is [`crate::attention::reference::attention`].
+//! Causal grouped-query attention of a prompt chunk over the KV cache (f16, or 8-bit rows with
+//! their scales, [`KvCache`]) on tensor cores (flash-attention 2, `kernels/prompt_attention.cu`):
+//! `n` consecutive query rows, query `z` at position `first + z` sees keys `0 ..= first + z`.
+//! Its output is what [`crate::attention::attention_rows`]' split + combine writes for the same
+//! rows, and that function runs this kernel for a prompt chunk of at least [`MIN_ROWS`] rows
+//! whose shape it supports ([`supports`]); the f64 CPU reference is
+//! [`crate::attention::reference::attention`].
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
@@ -16,7 +17,7 @@ pub const FAMILY: KernelFamily = KernelFamily {
     source: include_str!("../kernels/prompt_attention.cu"),
 };
 
-/// Head dimensions with a compiled kernel (`prompt_attention_hd<HD>`).
+/// Head dimensions with a compiled kernel (`prompt_attention[_i8]_hd<HD>`).
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Query rows of a prompt chunk from which `attention_rows` takes this kernel (below, the
 /// split kernel's grid of one block per query and split fills the GPU better).
@@ -28,26 +29,31 @@ const TILE_KEYS: usize = 64;
 const PAD: usize = 8;
 const THREADS: u32 = 128;
 
-/// Whether the kernel runs this attention shape over this cache: f16, a compiled head
+/// Whether the kernel runs this attention shape (over either cache): a compiled head
 /// dimension, whole groups of query heads.
-pub fn supports(heads: usize, kv_heads: usize, head_dim: usize, cache: &KvCache) -> bool {
-    matches!(cache, KvCache::F16 { .. })
-        && HEAD_DIMS.contains(&head_dim)
+pub fn supports(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    HEAD_DIMS.contains(&head_dim)
         && kv_heads > 0
         && heads >= kv_heads
         && heads.is_multiple_of(kv_heads)
 }
 
-/// Dynamic shared memory of `prompt_attention_hd<HD>` in bytes: two buffers of a K and a V
-/// tile of `TILE_KEYS` rows of `hd + PAD` f16.
-fn shared_bytes(head_dim: usize) -> usize {
-    2 * 2 * TILE_KEYS * (head_dim + PAD) * 2
+/// Dynamic shared memory in bytes: of `prompt_attention_hd<HD>`, two buffers of a K and a V
+/// tile of `TILE_KEYS` rows of `hd + PAD` f16; of `prompt_attention_i8_hd<HD>`, one such pair,
+/// then two staging buffers of the tiles' bytes and their rows' two scales.
+fn shared_bytes(head_dim: usize, int8: bool) -> usize {
+    let tile_pair = 2 * TILE_KEYS * (head_dim + PAD) * 2;
+    if int8 {
+        tile_pair + 2 * (2 * TILE_KEYS * head_dim + 2 * TILE_KEYS * 4)
+    } else {
+        2 * tile_pair
+    }
 }
 
 /// Attention of `n` query rows of `qkv` (f32, `(H + 2 Hkv) hd` apart, q first), the first at
-/// position `first`, over the f16 `cache` (`[position][Hkv][hd]`, holding positions
-/// `0 .. first + n`); output `att` f32 `[n][H][hd]`. Errors (no launch) for an unsupported
-/// shape or cache, a position past 32 bits, or misaligned buffers.
+/// position `first`, over `cache` (`[position][Hkv][hd]`, holding positions `0 .. first + n`);
+/// output `att` f32 `[n][H][hd]`. Errors (no launch) for an unsupported shape, a position past
+/// 32 bits, or misaligned buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn prompt_attention(
     gpu: &Gpu,
@@ -63,17 +69,21 @@ pub fn prompt_attention(
     if n == 0 {
         return Ok(());
     }
-    let KvCache::F16 { k, v } = cache else {
-        return Err(CudaError::Unsupported(
-            "the prompt attention kernel reads an f16 KV cache; the 8-bit cache takes the split kernel".into(),
-        ));
-    };
-    if !supports(heads, kv_heads, head_dim, &cache) {
+    if !supports(heads, kv_heads, head_dim) {
         return Err(CudaError::Unsupported(format!(
             "prompt attention with {heads} query heads over {kv_heads} KV heads of dimension \
              {head_dim}: the kernel needs whole groups and a head dimension in {HEAD_DIMS:?}"
         )));
     }
+    let (k, v, scales) = match cache {
+        KvCache::F16 { k, v } => (k, v, None),
+        KvCache::Int8 {
+            k,
+            v,
+            k_scales,
+            v_scales,
+        } => (k, v, Some((k_scales, v_scales))),
+    };
     let end = first
         .checked_add(n)
         .ok_or_else(|| CudaError::Unsupported(format!("prompt positions {first} + {n}")))?;
@@ -92,11 +102,14 @@ pub fn prompt_attention(
             "{heads} query heads: the grid's y is at most 65535"
         )));
     }
+    let (ks, vs) = scales.unwrap_or((4, 4));
     for (what, ptr, align) in [
         ("qkv", qkv, 8),
         ("att", att, 8),
         ("k cache", k, 16),
         ("v cache", v, 16),
+        ("k scales", ks, 4),
+        ("v scales", vs, 4),
     ] {
         if ptr == 0 || ptr % align != 0 {
             return Err(CudaError::Unsupported(format!(
@@ -106,9 +119,10 @@ pub fn prompt_attention(
     }
     let tiles = u32::try_from(n.div_ceil(TILE_ROWS))
         .map_err(|_| CudaError::Unsupported(format!("{n} prompt rows")))?;
-    let name = format!("prompt_attention_hd{head_dim}");
+    let cache_kind = if scales.is_some() { "_i8" } else { "" };
+    let name = format!("prompt_attention{cache_kind}_hd{head_dim}");
     let f = gpu.function(&FAMILY, &name)?;
-    let shared = shared_bytes(head_dim);
+    let shared = shared_bytes(head_dim, scales.is_some());
     gpu.allow_dynamic_shared(&f, shared)?;
     let (ni, firsti) = (
         i32_arg("prompt rows", n)?,
@@ -126,6 +140,9 @@ pub fn prompt_attention(
         .arg(&hkvi)
         .arg(&q_stride)
         .arg(&scale_log2);
+    if let Some((k_scales, v_scales)) = &scales {
+        b.arg(k_scales).arg(v_scales);
+    }
     unsafe { b.launch(grid_cfg((tiles, heads as u32), THREADS, shared as u32)) }
         .during("launching prompt_attention")?;
     Ok(())
@@ -304,20 +321,14 @@ mod tests {
     }
 
     #[test]
-    fn shapes_outside_the_kernel_are_typed_errors() {
-        let f16 = KvCache::F16 { k: 256, v: 512 };
-        let i8 = KvCache::Int8 {
-            k: 256,
-            v: 512,
-            k_scales: 1024,
-            v_scales: 2048,
-        };
-        assert!(supports(32, 32, 128, &f16));
-        assert!(supports(32, 8, 64, &f16));
-        assert!(!supports(32, 8, 64, &i8));
-        assert!(!supports(32, 8, 96, &f16));
-        assert!(!supports(30, 8, 128, &f16));
-        assert!(!supports(32, 0, 128, &f16));
-        assert_eq!(shared_bytes(128), 69_632);
+    fn kernel_limits() {
+        assert!(supports(32, 32, 128));
+        assert!(supports(32, 8, 64));
+        assert!(!supports(32, 8, 96));
+        assert!(!supports(30, 8, 128));
+        assert!(!supports(32, 0, 128));
+        // The kernel header's figures.
+        assert_eq!(shared_bytes(128, false), 69_632);
+        assert_eq!(shared_bytes(128, true), 68_608);
     }
 }
