@@ -610,7 +610,7 @@ fn tiled_cbc_spmm_matches_reference() {
     let w = sparse_matrix(40, 20, 0.5, Pattern::Unstructured, seed()).expect("valid");
     let g = GpuTiledCbc::upload(&gpu, &TiledCbc::encode(&w).expect("encode")).expect("upload");
     assert!(!g.spmm_supports(20));
-    let a = gpu.upload(&vec![f16::ZERO; 40]).expect("upload");
+    let a = gpu.upload(&[f16::ZERO; 40]).expect("upload");
     let y = gpu.poisoned_f32(80).expect("alloc");
     assert!(g
         .spmm_rows(&gpu, dev_ptr(&gpu, &a), 20, 2, dev_ptr(&gpu, &y), 40, false)
