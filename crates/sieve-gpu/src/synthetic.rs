@@ -517,6 +517,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn slide_takes_its_n_from_a_2n_minus_2_of_2n_pattern() {
+        for (n, m) in [(6, 8), (2, 4), (14, 16)] {
+            assert!(check_pattern(FormatKind::Slide, Pattern::NM { n, m }).is_ok());
+        }
+        for p in [
+            Pattern::Unstructured,
+            Pattern::NM { n: 4, m: 8 },
+            Pattern::NM { n: 1, m: 2 },
+        ] {
+            let err = check_pattern(FormatKind::Slide, p).unwrap_err().to_string();
+            assert!(err.contains("slide") && err.contains("6:8"), "{err}");
+        }
+        // Other formats take any pattern.
+        assert!(check_pattern(FormatKind::TiledCbc, Pattern::Unstructured).is_ok());
+        // Slide holds f16 values only.
+        assert!(SyntheticValues::F16.check(FormatKind::Slide).is_ok());
+        assert!(SyntheticValues::Int8.check(FormatKind::Slide).is_err());
+    }
+
+    #[test]
     fn balanced_matrices_keep_n_of_every_16_rows_of_a_column() {
         for (rows, cols, sp) in [(48, 7, 0.5), (37, 5, 0.7), (16, 3, 0.0), (5, 4, 0.5)] {
             let w = balanced_matrix(rows, cols, sp, 9).unwrap();

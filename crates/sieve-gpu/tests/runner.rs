@@ -848,6 +848,23 @@ fn tiny_slide_model(n: usize, dp: f64, seed: u64) -> Model {
     model
 }
 
+/// A slide pack's layers reach the GPU upload as their encoding, with their N (no GPU needed).
+#[test]
+fn slide_layers_reach_the_gpu_upload_encoded() {
+    use sieve_gpu::runner::slide_source;
+    for (n, seed) in [(4, 61), (2, 62)] {
+        let model = tiny_slide_model(n, 0.0, seed);
+        for (name, lin) in model.layers()[0].linears() {
+            let s = slide_source(lin.format()).unwrap_or_else(|| panic!("{name}: not slide"));
+            assert_eq!(s.n(), n, "{name}");
+            assert_eq!(s.decode(), lin.format().decode(), "{name}");
+        }
+        assert!(slide_source(model.lm_head().format()).is_some());
+    }
+    let dense = tiny_model(FormatKind::Dense, 0.0, 0.0, 63);
+    assert!(slide_source(dense.lm_head().format()).is_none());
+}
+
 /// SlideSparse models at 6:8 and 2:4 (every projection and the head): the decode step (the
 /// lift into the matrix's scratch, then `mma.sp` with one token, split K adding with atomics)
 /// and the batched prefill (the prompt's tokens lifted and multiplied in one product) decode
