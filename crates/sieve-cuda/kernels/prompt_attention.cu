@@ -150,7 +150,8 @@ __device__ __forceinline__ void prompt_widen_tile_i8(f16_bits* kt, f16_bits* vt,
     constexpr int CH = HD / 8;  // 8-value pieces per row
     static_assert(2 * PA_BN * CH % PA_THREADS == 0, "whole pieces per thread");
     const float* sc = reinterpret_cast<const float*>(stage + 2 * PA_BN * HD);
-#pragma unroll
+    // Partly unrolled: Q and O stay live across this loop (a full unroll spilled at HD 128).
+#pragma unroll 4
     for (int it = 0; it < 2 * PA_BN * CH / PA_THREADS; ++it) {
         const int i = tid + it * PA_THREADS;
         const int m = i / (PA_BN * CH);  // 0: K, 1: V
