@@ -383,6 +383,16 @@ fn bench_and_sim_outputs_and_options_are_checked_before_any_work() {
         e.contains("positions") && e.contains("context of 32768"),
         "{e}"
     );
+    // Slide takes its N from a (2N-2):2N pattern: refused before any GPU work without one.
+    let e = fails(&[
+        "bench",
+        "decode",
+        "--synthetic",
+        "llama2-7b",
+        "--format",
+        "slide",
+    ]);
+    assert!(e.contains("slide needs a (2N-2):2N pattern"), "{e}");
     let e = fails(&[
         "bench",
         "cpu",
