@@ -320,6 +320,203 @@ mod tests {
         }
     }
 
+    /// The kernel's control flow per block, warp and lane, emulated in f32 (no f16 rounding):
+    /// the reversed tile order, row clamping, the block's and the warp's key ranges, tiles a
+    /// warp skips, the mask and when it applies, zero-filled keys past the chunk, the quad
+    /// reductions of the running max and the per-lane partial sums. The products inside a
+    /// tile are taken as matrices (their fragment maps are checked above). Output `[n][H][hd]`.
+    #[allow(clippy::too_many_arguments)]
+    fn emulate_kernel(
+        qkv: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        first: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) -> Vec<f32> {
+        let (bm, bn) = (TILE_ROWS, TILE_KEYS);
+        let q_stride = (heads + 2 * kv_heads) * hd;
+        let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        let mut att = vec![f32::NAN; n * heads * hd];
+        let grid_x = n.div_ceil(bm);
+        for bx in 0..grid_x {
+            for h in 0..heads {
+                let kvh = h / (heads / kv_heads);
+                let q0 = (grid_x - 1 - bx) * bm;
+                let kv_end = first + (q0 + bm).min(n);
+                let ntiles = kv_end.div_ceil(bn);
+                // What the shared-memory tiles hold: zero past kv_end.
+                let cache_at = |c: &[f32], key: usize, d: usize| {
+                    if key < kv_end {
+                        c[(key * kv_heads + kvh) * hd + d]
+                    } else {
+                        0.0
+                    }
+                };
+                for warp in 0..4 {
+                    let wq0 = q0 + 16 * warp;
+                    let live = wq0 < n;
+                    let warp_kv_end = first + (wq0 + 16).min(n);
+                    // Lane (gr, tq), register e: row gr + 8 (e >= 2), column 2 tq + (e & 1).
+                    let row = |lane: usize, e: usize| (wq0 + lane / 4 + 8 * (e / 2)).min(n - 1);
+                    let mut m = [[f32::NEG_INFINITY; 2]; 32];
+                    let mut l = [[0f32; 2]; 32];
+                    let mut o = vec![[[0f32; 4]; 32]; hd / 8];
+                    for j in 0..ntiles {
+                        let j0 = j * bn;
+                        if !(live && j0 < warp_kv_end) {
+                            continue;
+                        }
+                        let mask = j0 + bn - 1 > first + wq0;
+                        let mut s = vec![[[0f32; 4]; 32]; bn / 8];
+                        for (nt, s_nt) in s.iter_mut().enumerate() {
+                            for (lane, sl) in s_nt.iter_mut().enumerate() {
+                                for (e, se) in sl.iter_mut().enumerate() {
+                                    let z = row(lane, e);
+                                    let key = j0 + 8 * nt + 2 * (lane % 4) + (e & 1);
+                                    let dot: f32 = (0..hd)
+                                        .map(|d| {
+                                            qkv[z * q_stride + h * hd + d] * cache_at(k, key, d)
+                                        })
+                                        .sum();
+                                    let mut val = dot * scale_log2;
+                                    if mask && key > first + z {
+                                        val = f32::NEG_INFINITY;
+                                    }
+                                    *se = val;
+                                }
+                            }
+                        }
+                        // Lane maxima, then over the 4 lanes of a row (xor 1, 2).
+                        let mut mx = m;
+                        for s_nt in &s {
+                            for lane in 0..32 {
+                                for e in 0..4 {
+                                    mx[lane][e / 2] = mx[lane][e / 2].max(s_nt[lane][e]);
+                                }
+                            }
+                        }
+                        let quad = mx;
+                        for lane in 0..32 {
+                            for r in 0..2 {
+                                mx[lane][r] = (0..4)
+                                    .map(|t| quad[lane / 4 * 4 + t][r])
+                                    .fold(f32::NEG_INFINITY, f32::max);
+                                assert!(mx[lane][r].is_finite(), "tile {j}: a row without keys");
+                            }
+                        }
+                        let mut p = vec![[[0f32; 4]; 32]; bn / 8];
+                        for lane in 0..32 {
+                            for r in 0..2 {
+                                let c = (m[lane][r] - mx[lane][r]).exp2();
+                                m[lane][r] = mx[lane][r];
+                                l[lane][r] *= c;
+                                for o_dt in o.iter_mut() {
+                                    o_dt[lane][2 * r] *= c;
+                                    o_dt[lane][2 * r + 1] *= c;
+                                }
+                            }
+                            for nt in 0..bn / 8 {
+                                for e in 0..4 {
+                                    let pe = (s[nt][lane][e] - m[lane][e / 2]).exp2();
+                                    l[lane][e / 2] += pe;
+                                    p[nt][lane][e] = pe;
+                                }
+                            }
+                        }
+                        // O += P V, P gathered from the lanes' C fragments.
+                        let p_at = |r: usize, key: usize| {
+                            let lane = (r % 8) * 4 + (key % 8) / 2;
+                            p[key / 8][lane][2 * (r / 8) + key % 2]
+                        };
+                        for (dt, o_dt) in o.iter_mut().enumerate() {
+                            for (lane, ol) in o_dt.iter_mut().enumerate() {
+                                for (e, oe) in ol.iter_mut().enumerate() {
+                                    let r = lane / 4 + 8 * (e / 2);
+                                    let d = 8 * dt + 2 * (lane % 4) + (e & 1);
+                                    *oe += (0..bn)
+                                        .map(|kk| p_at(r, kk) * cache_at(v, j0 + kk, d))
+                                        .sum::<f32>();
+                                }
+                            }
+                        }
+                    }
+                    if !live {
+                        continue;
+                    }
+                    for lane in 0..32 {
+                        for e in 0..4 {
+                            let r = e / 2;
+                            let sum: f32 = (0..4).map(|t| l[lane / 4 * 4 + t][r]).sum();
+                            let z = wq0 + lane / 4 + 8 * r;
+                            if z < n {
+                                for (dt, o_dt) in o.iter().enumerate() {
+                                    let d = 8 * dt + 2 * (lane % 4) + (e & 1);
+                                    att[(z * heads + h) * hd + d] = o_dt[lane][e] / sum;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        att
+    }
+
+    #[test]
+    fn emulated_kernel_matches_reference() {
+        let mut seed = 0x1234_5678u64;
+        let mut rnd = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+                })
+                .collect()
+        };
+        let hd = 64;
+        for (group, kv_heads) in [(1usize, 1usize), (4, 1), (2, 2)] {
+            let heads = group * kv_heads;
+            let w = (heads + 2 * kv_heads) * hd;
+            for (n, first) in [(1usize, 0usize), (17, 0), (16, 45), (70, 0), (130, 45)] {
+                // NaN past the chunk: the emulated tiles, like the kernel's, never read it.
+                let mut k = rnd((first + n) * kv_heads * hd);
+                let mut v = rnd((first + n) * kv_heads * hd);
+                k.extend(std::iter::repeat_n(f32::NAN, 3 * kv_heads * hd));
+                v.extend(std::iter::repeat_n(f32::NAN, 3 * kv_heads * hd));
+                let qkv = rnd(n * w);
+                let got = emulate_kernel(&qkv, &k, &v, n, first, heads, kv_heads, hd);
+                for z in 0..n {
+                    let want = crate::attention::reference::attention(
+                        &qkv[z * w..][..heads * hd],
+                        &k,
+                        &v,
+                        first + z + 1,
+                        heads,
+                        kv_heads,
+                        hd,
+                    );
+                    let err = got[z * heads * hd..][..heads * hd]
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(
+                            0f32,
+                            |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+                        );
+                    assert!(
+                        err < 1e-4,
+                        "{heads}/{kv_heads} heads, {n} rows from {first}, row {z}: {err}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn kernel_limits() {
         assert!(supports(32, 32, 128));
