@@ -1,12 +1,14 @@
-// Causal grouped-query attention of a prompt chunk over the f16 KV cache on tensor cores
-// (flash-attention 2): n consecutive query rows at positions first .. first + n - 1, query z
-// sees keys 0 ..= first + z; the chunk's own keys are already in the cache (RoPE and the cache
-// write run first). Other head dimensions take attention.cu's kernel.
+// Causal grouped-query attention of a prompt chunk over the KV cache (f16; the 8-bit cache
+// below) on tensor cores (flash-attention 2): n consecutive query rows at positions first ..
+// first + n - 1, query z sees keys 0 ..= first + z; the chunk's own keys are already in the
+// cache (RoPE and the cache write run first). Other head dimensions take attention.cu's kernel.
 //
-// prompt_attention_hd<HD> (HD = 64, 128): grid (ceil(n / 64), H), 128 threads (4 warps).
-// Block (x, h) takes query head h (KV head h / (H / Hkv)) and the 64 query rows of tile
-// gridDim.x - 1 - x (the longest rows first); warp w owns rows q0 + 16 w .. q0 + 16 w + 15 of
-// that tile. Rows past n are clamped to row n - 1 (computed, never written).
+// prompt_attention_hd<HD> (HD = 64, 128): grid (H, ceil(n / 64)), 128 threads (4 warps).
+// Block (h, y) takes query head h (KV head h / (H / Hkv)) and the 64 query rows of tile
+// gridDim.y - 1 - y (the longest rows first: blocks are issued in order of x, then y, in
+// practice, so every head's last tile starts before any shorter one); warp w owns rows
+// q0 + 16 w .. q0 + 16 w + 15 of that tile. Rows past n are clamped to row n - 1 (computed,
+// never written).
 //
 //   q    f32  qkv[z * q_stride + h * HD + d]        (q_stride = (H + 2 Hkv) HD, RoPE applied)
 //   K, V f16  cache[(p * Hkv + kvh) * HD + d]       (position p, KV head kvh)
@@ -189,9 +191,9 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
     constexpr int NT = PA_BN / 8; // n-tiles of S
     extern __shared__ __align__(16) f16_bits pa_smem[];
 
-    const int h = blockIdx.y;
+    const int h = blockIdx.x;
     const int kvh = h / (H / Hkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * PA_BM;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * PA_BM;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gr = lane >> 2, tq = lane & 3;
 

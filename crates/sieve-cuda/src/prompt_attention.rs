@@ -97,11 +97,6 @@ pub fn prompt_attention(
         i32_arg("query heads", heads)?,
         i32_arg("KV heads", kv_heads)?,
     );
-    if heads > 65535 {
-        return Err(CudaError::Unsupported(format!(
-            "{heads} query heads: the grid's y is at most 65535"
-        )));
-    }
     let (ks, vs) = scales.unwrap_or((4, 4));
     for (what, ptr, align) in [
         ("qkv", qkv, 8),
@@ -117,8 +112,12 @@ pub fn prompt_attention(
             )));
         }
     }
-    let tiles = u32::try_from(n.div_ceil(TILE_ROWS))
-        .map_err(|_| CudaError::Unsupported(format!("{n} prompt rows")))?;
+    let tiles = n.div_ceil(TILE_ROWS);
+    if tiles > 65535 {
+        return Err(CudaError::Unsupported(format!(
+            "{n} prompt rows: the grid's y ({tiles} tiles of {TILE_ROWS}) is at most 65535"
+        )));
+    }
     let cache_kind = if scales.is_some() { "_i8" } else { "" };
     let name = format!("prompt_attention{cache_kind}_hd{head_dim}");
     let f = gpu.function(&FAMILY, &name)?;
@@ -143,7 +142,7 @@ pub fn prompt_attention(
     if let Some((k_scales, v_scales)) = &scales {
         b.arg(k_scales).arg(v_scales);
     }
-    unsafe { b.launch(grid_cfg((tiles, heads as u32), THREADS, shared as u32)) }
+    unsafe { b.launch(grid_cfg((hi as u32, tiles as u32), THREADS, shared as u32)) }
         .during("launching prompt_attention")?;
     Ok(())
 }
