@@ -45,7 +45,7 @@
 // Prefill (len0 > 0): grid (Hkv, S, n), query z at position len0 - 1 + z reads its q from
 // qkv + z * q_stride and writes its partials z * H * S * (hd + 2) further; combine runs on
 // grid (H, n). Causality is the length: query z sees keys 0 .. len0 - 1 + z. (Prompt chunks of
-// 16 rows or more at hd 64 / 128 take the tensor-core kernel of prompt_attention.cu instead.)
+// 16 rows or more at hd 64, 96 or 128 take the tensor-core kernel of prompt_attention.cu instead.)
 //
 // Many sequences (seqs != null): grid (Hkv, S, n), query z is the next token of its own
 // sequence: length seqs[2z] + 1, cache slot seqs[2z + 1] (slot * slot_stride elements past the

@@ -3,7 +3,7 @@
 // first + n - 1, query z sees keys 0 ..= first + z; the chunk's own keys are already in the
 // cache (RoPE and the cache write run first). Other head dimensions take attention.cu's kernel.
 //
-// prompt_attention_hd<HD> (HD = 64, 128): grid (H, ceil(n / 64)), 128 threads (4 warps).
+// prompt_attention_hd<HD> (HD = 64, 96, 128): grid (H, ceil(n / 64)), 128 threads (4 warps).
 // Block (h, y) takes query head h (KV head h / (H / Hkv)) and the 64 query rows of tile
 // gridDim.y - 1 - y (the longest rows first: blocks are issued in order of x, then y, in
 // practice, so every head's last tile starts before any shorter one); warp w owns rows
@@ -59,7 +59,7 @@
 //   Every row sees key 0 in tile 0, so the running max is finite from the first tile on.
 //
 // Registers per thread at HD = 128: Q 32, O 64, S 32, P 16 (u32 / f32).
-// Limits (checked by src/prompt_attention.rs): HD in {64, 128}, H a multiple of Hkv,
+// Limits (checked by src/prompt_attention.rs): HD in {64, 96, 128}, H a multiple of Hkv,
 // first + n < 2^31, qkv and att 8-byte, caches 16-byte, scales 4-byte aligned.
 // Dynamic shared memory: f16 2 * 2 * BN * (HD + 8) * 2 bytes (69,632 at HD 128); 8-bit
 // 2 * BN * (HD + 8) * 2 + 2 * (2 * BN * HD + 2 * BN * 4) bytes (68,608 at HD 128).
@@ -380,4 +380,5 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
     }
 
 PROMPT_ATTENTION_KERNELS(64)
+PROMPT_ATTENTION_KERNELS(96)
 PROMPT_ATTENTION_KERNELS(128)

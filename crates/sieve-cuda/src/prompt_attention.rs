@@ -18,7 +18,7 @@ pub const FAMILY: KernelFamily = KernelFamily {
 };
 
 /// Head dimensions with a compiled kernel (`prompt_attention[_i8]_hd<HD>`).
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
+pub const HEAD_DIMS: [usize; 3] = [64, 96, 128];
 /// Query rows of a prompt chunk from which `attention_rows` takes this kernel (below, the
 /// split kernel's grid of one block per query and split fills the GPU better).
 pub const MIN_ROWS: usize = 16;
@@ -477,8 +477,7 @@ mod tests {
                 })
                 .collect()
         };
-        let hd = 64;
-        for (group, kv_heads) in [(1usize, 1usize), (4, 1), (2, 2)] {
+        for (hd, group, kv_heads) in [(64, 1usize, 1usize), (64, 4, 1), (96, 2, 2)] {
             let heads = group * kv_heads;
             let w = (heads + 2 * kv_heads) * hd;
             for (n, first) in [(1usize, 0usize), (17, 0), (16, 45), (70, 0), (130, 45)] {
@@ -520,7 +519,8 @@ mod tests {
     fn kernel_limits() {
         assert!(supports(32, 32, 128));
         assert!(supports(32, 8, 64));
-        assert!(!supports(32, 8, 96));
+        assert!(supports(32, 8, 96));
+        assert!(!supports(32, 8, 80));
         assert!(!supports(30, 8, 128));
         assert!(!supports(32, 0, 128));
         // The kernel header's figures.

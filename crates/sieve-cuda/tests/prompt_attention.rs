@@ -1,7 +1,7 @@
 //! The tensor-core prompt attention (`prompt_attention`, flash-attention 2) against the f64
 //! reference (`attention::reference::attention`), over the f16 cache and the 8-bit one: prompt
 //! chunks of 1, 15, 16, 17, 127 and 300 rows, from position 0 and after earlier tokens
-//! (len0 > 0), hd 64 and 128, groups of 1, 4 and 8 query heads per KV head. The cache rows past
+//! (len0 > 0), hd 64, 96 and 128, groups of 1, 4 and 8 query heads per KV head. The cache rows past
 //! the chunk hold NaN (f16) or NaN scales (8-bit), and the output has a NaN row past the last,
 //! so that a read of a key the rows may not see, or a write past `n`, shows. Also: `attention_rows` takes the kernel from `MIN_ROWS` rows and its
 //! output matches the split kernel's; unsupported shapes are typed errors. Without a GPU each
@@ -229,7 +229,7 @@ fn int8_prompt_attention_matches_reference() {
 
 fn check_against_reference(gpu: &Gpu, int8: bool) {
     let mut rng = Rng(if int8 { 0x18 } else { 0x9a77 });
-    for hd in [64usize, 128] {
+    for hd in [64usize, 96, 128] {
         for (group, kv_heads) in [(1usize, 3usize), (4, 2), (8, 1)] {
             let heads = group * kv_heads;
             let w = (heads + 2 * kv_heads) * hd;
@@ -362,7 +362,7 @@ fn prompt_attention_refuses_unsupported_shapes() {
     let unsupported = |r: Result<(), CudaError>| matches!(r, Err(CudaError::Unsupported(_)));
     // Head dimension without a kernel, a partial group, no KV heads.
     assert!(unsupported(prompt_attention(
-        &gpu, 8, 2, 96, q, view, a, 0, 16
+        &gpu, 8, 2, 80, q, view, a, 0, 16
     )));
     assert!(unsupported(prompt_attention(
         &gpu, 7, 2, 128, q, view, a, 0, 16
