@@ -3,16 +3,23 @@
 // first + n - 1, query z sees keys 0 ..= first + z; the chunk's own keys are already in the
 // cache (RoPE and the cache write run first). Other head dimensions take attention.cu's kernel.
 //
-// prompt_attention_hd<HD> (HD = 64, 96, 128): grid (H, ceil(n / 64)), 128 threads (4 warps).
+// prompt_attention_hd<HD> (HD = 64, 96, 128): grid (H, ceil(n / 64), S), 128 threads (4 warps).
 // Block (h, y) takes query head h (KV head h / (H / Hkv)) and the 64 query rows of tile
 // gridDim.y - 1 - y (the longest rows first: blocks are issued in order of x, then y, in
 // practice, so every head's last tile starts before any shorter one); warp w owns rows
 // q0 + 16 w .. q0 + 16 w + 15 of that tile. Rows past n are clamped to row n - 1 (computed,
 // never written).
 //
+// Splits along the keys (S = gridDim.z > 1, for a few rows over a long context, where
+// H x ceil(n / 64) blocks would leave the GPU idle): split s takes the block's key tiles
+// [s * per, min((s + 1) * per, tiles)), per = ceil(tiles / S), and writes attention.cu's
+// partials { m, l, acc[HD] } per (row, head, split) for attention_combine (grid (H, n)),
+// instead of the output. With S = 1 the block writes att itself.
+//
 //   q    f32  qkv[z * q_stride + h * HD + d]        (q_stride = (H + 2 Hkv) HD, RoPE applied)
 //   K, V f16  cache[(p * Hkv + kvh) * HD + d]       (position p, KV head kvh)
 //   out  f32  att[(z * H + h) * HD + d]             (what attention_combine writes)
+//        or   part[((z * H + h) * S + s) * (HD + 2) + {0: m, 1: l, 2 + d: acc}]   (S > 1)
 //
 // Per block, the keys 0 .. first + (last row of the tile) in tiles of BN = 64 positions:
 //
@@ -174,13 +181,27 @@ __device__ __forceinline__ void prompt_widen_tile_i8(f16_bits* kt, f16_bits* vt,
     }
 }
 
+// One row's partials { m (natural log), l, acc[HD] } from the lane's O registers of row half R
+// (0: row gr, 1: row gr + 8).
+template <int HD, int R>
+__device__ __forceinline__ void prompt_store_partials(float* out, float m, float l, const float (&o)[HD / 8][4],
+                                                      int tq) {
+    if (tq == 0) {
+        out[0] = m * 0.6931471805599453f;
+        out[1] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt)
+        *reinterpret_cast<float2*>(out + 2 + 8 * dt + 2 * tq) = make_float2(o[dt][2 * R], o[dt][2 * R + 1]);
+}
+
 // Elem: f16_bits (the f16 cache) or signed char (the 8-bit cache, I8: its scales non-null).
 template <int HD, typename Elem>
 __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ qkv,
                                                       const Elem* __restrict__ k_cache,
                                                       const Elem* __restrict__ v_cache,
-                                                      float* __restrict__ att, int n, int first, int H,
-                                                      int Hkv, int q_stride, float scale_log2,
+                                                      float* __restrict__ att, float* __restrict__ part, int n,
+                                                      int first, int H, int Hkv, int q_stride, float scale_log2,
                                                       const float* __restrict__ k_scales,
                                                       const float* __restrict__ v_scales) {
     constexpr bool I8 = sizeof(Elem) == 1;
@@ -200,6 +221,10 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
     // The block's keys: 0 .. first + its last row.
     const int kv_end = first + min(q0 + PA_BM, n);
     const int ntiles = (kv_end + PA_BN - 1) / PA_BN;
+    // This split's key tiles (all of them without splits).
+    const int S = gridDim.z, split = blockIdx.z;
+    const int per = (ntiles + S - 1) / S;
+    const int t_begin = min(split * per, ntiles), t_end = min(t_begin + per, ntiles);
     // The warp's rows (clamped to the chunk) and the keys they see.
     const int wq0 = q0 + warp * 16;
     const bool warp_live = wq0 < n;
@@ -245,10 +270,10 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
                                  t * PA_BN, kv_end, Hkv, kvh, tid);
         }
     };
-    load(0);
+    if (t_begin < t_end) load(t_begin);
     cp_async_commit();
-    for (int j = 0; j < ntiles; ++j) {
-        if (j + 1 < ntiles) load(j + 1);
+    for (int j = t_begin; j < t_end; ++j) {
+        if (j + 1 < t_end) load(j + 1);
         cp_async_commit();
         cp_async_wait<1>();  // tile j has landed (only tile j + 1's group may be pending)
         __syncthreads();
@@ -297,8 +322,11 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
             mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-            // mx0, mx1 are finite (key 0 in tile 0); exp2(-inf) = 0 on the first tile.
-            const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+            // Without splits mx0, mx1 are finite (key 0 in tile 0), and exp2(-inf) = 0 on the
+            // first tile. A split that starts past a row's position leaves it at -inf: exponents
+            // are then taken from 0 (every p is exp2(-inf) = 0, and o, l stay 0).
+            const float u0 = mx0 == PA_NEG_INF ? 0.f : mx0, u1 = mx1 == PA_NEG_INF ? 0.f : mx1;
+            const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
             m0 = mx0;
             m1 = mx1;
             l0 *= c0;
@@ -313,8 +341,8 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
             u32 pf[NT / 2][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const float p0 = exp2f(s[nt][0] - m0), p1 = exp2f(s[nt][1] - m0);
-                const float p2 = exp2f(s[nt][2] - m1), p3 = exp2f(s[nt][3] - m1);
+                const float p0 = exp2f(s[nt][0] - u0), p1 = exp2f(s[nt][1] - u0);
+                const float p2 = exp2f(s[nt][2] - u1), p3 = exp2f(s[nt][3] - u1);
                 l0 += p0 + p1;
                 l1 += p2 + p3;
                 // S n-tile nt holds keys 8 nt .. 8 nt + 7: the low (a0, a1) or high (a2, a3)
@@ -344,8 +372,21 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
     l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
     const int zr0 = wq0 + gr, zr1 = wq0 + gr + 8;
+    if (S > 1) {
+        // attention_combine's partials: part[((z H + h) S + split) (HD + 2)] = { m, l, acc },
+        // m in natural-log units of the scaled score (-inf and l = 0 for a row the split does
+        // not reach).
+        const size_t rec = (size_t)S * (HD + 2);
+        if (zr0 < n)
+            prompt_store_partials<HD, 0>(part + ((size_t)zr0 * H + h) * rec + (size_t)split * (HD + 2), m0, l0,
+                                         o, tq);
+        if (zr1 < n)
+            prompt_store_partials<HD, 1>(part + ((size_t)zr1 * H + h) * rec + (size_t)split * (HD + 2), m1, l1,
+                                         o, tq);
+        return;
+    }
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
         const int d = 8 * dt + 2 * tq;
@@ -363,19 +404,19 @@ __device__ __forceinline__ void prompt_attention_body(const float* __restrict__ 
 #define PROMPT_ATTENTION_KERNELS(HD)                                                                 \
     extern "C" __global__ void __launch_bounds__(PA_THREADS) prompt_attention_hd##HD(               \
         const float* __restrict__ qkv, const f16_bits* __restrict__ k_cache,                         \
-        const f16_bits* __restrict__ v_cache, float* __restrict__ att, int n, int first, int H,      \
-        int Hkv, int q_stride, float scale_log2) {                                                   \
+        const f16_bits* __restrict__ v_cache, float* __restrict__ att, float* __restrict__ part,     \
+        int n, int first, int H, int Hkv, int q_stride, float scale_log2) {                          \
         pdl_wait_then_release();                                                                     \
-        prompt_attention_body<HD, f16_bits>(qkv, k_cache, v_cache, att, n, first, H, Hkv, q_stride,  \
-                                            scale_log2, nullptr, nullptr);                           \
+        prompt_attention_body<HD, f16_bits>(qkv, k_cache, v_cache, att, part, n, first, H, Hkv,      \
+                                            q_stride, scale_log2, nullptr, nullptr);                 \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(PA_THREADS) prompt_attention_i8_hd##HD(            \
         const float* __restrict__ qkv, const signed char* __restrict__ k_cache,                      \
-        const signed char* __restrict__ v_cache, float* __restrict__ att, int n, int first, int H,   \
-        int Hkv, int q_stride, float scale_log2, const float* __restrict__ k_scales,                 \
-        const float* __restrict__ v_scales) {                                                        \
+        const signed char* __restrict__ v_cache, float* __restrict__ att, float* __restrict__ part,  \
+        int n, int first, int H, int Hkv, int q_stride, float scale_log2,                            \
+        const float* __restrict__ k_scales, const float* __restrict__ v_scales) {                    \
         pdl_wait_then_release();                                                                     \
-        prompt_attention_body<HD, signed char>(qkv, k_cache, v_cache, att, n, first, H, Hkv,         \
+        prompt_attention_body<HD, signed char>(qkv, k_cache, v_cache, att, part, n, first, H, Hkv,   \
                                                q_stride, scale_log2, k_scales, v_scales);            \
     }
 

@@ -6,7 +6,7 @@
 //! [`crate::prompt_attention`].
 
 use crate::error::{CudaError, DriverContext, Result};
-use crate::gpu::{grid_cfg, Gpu, KernelFamily};
+use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
 use crate::kv_cache::KvCache;
 use crate::prefill::Rows;
 use crate::product::DevPtr;
@@ -114,7 +114,8 @@ pub fn attention(
 /// checked by the caller, so a captured graph replays for any).
 ///
 /// A prompt chunk of at least [`prompt_attention::MIN_ROWS`] rows of a shape the
-/// tensor-core kernel supports runs [`prompt_attention::prompt_attention`] (no partials);
+/// tensor-core kernel supports runs [`prompt_attention::prompt_attention_split`] (partials
+/// and the combine only where a few rows see a long context, [`prompt_attention::splits_for`]);
 /// everything else runs [`attention_rows_split`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_rows(
@@ -131,16 +132,25 @@ pub fn attention_rows(
         if n >= prompt_attention::MIN_ROWS
             && prompt_attention::supports(shape.heads, shape.kv_heads, shape.head_dim)
         {
-            return prompt_attention::prompt_attention(
+            let splits = prompt_attention::splits_for(
+                gpu.info().multiprocessors as usize,
+                shape.heads,
+                first,
+                n,
+                shape.splits,
+            );
+            return prompt_attention::prompt_attention_split(
                 gpu,
                 shape.heads,
                 shape.kv_heads,
                 shape.head_dim,
                 qkv,
                 cache,
+                part,
                 att,
                 first,
                 n,
+                splits,
             );
         }
     }
@@ -262,18 +272,40 @@ fn launch(
     );
     c.grid_dim.2 = queries.count.max(1) as u32;
     unsafe { b.launch(c) }.during("launching attention_split")?;
+    combine(
+        gpu,
+        part,
+        att,
+        shape.heads,
+        queries.count.max(1),
+        queries.splits,
+        shape.head_dim,
+    )
+}
+
+/// `attention_combine`: `att[z][h]` (f32 `[count][heads][hd]`) from the `splits` partials per
+/// (query, head) in `part` (`{ m, l, acc[hd] }`, see `attention.cu`).
+pub(crate) fn combine(
+    gpu: &Gpu,
+    part: DevPtr,
+    att: DevPtr,
+    heads: usize,
+    count: usize,
+    splits: usize,
+    head_dim: usize,
+) -> Result<()> {
     let f = gpu.function(&FAMILY, "attention_combine")?;
-    let s = queries.splits as i32;
+    let (s, hd) = (
+        i32_arg("splits", splits)?,
+        i32_arg("head dimension", head_dim)?,
+    );
+    let grid = (
+        u32::try_from(heads).map_err(|_| CudaError::Unsupported(format!("{heads} heads")))?,
+        u32::try_from(count).map_err(|_| CudaError::Unsupported(format!("{count} queries")))?,
+    );
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&part).arg(&att).arg(&s).arg(&hd);
-    unsafe {
-        b.launch(grid_cfg(
-            (shape.heads as u32, queries.count.max(1) as u32),
-            128,
-            0,
-        ))
-    }
-    .during("launching attention_combine")?;
+    unsafe { b.launch(grid_cfg(grid, 128, 0)) }.during("launching attention_combine")?;
     Ok(())
 }
 

@@ -50,6 +50,29 @@ fn shared_bytes(head_dim: usize, int8: bool) -> usize {
     }
 }
 
+/// Splits along the keys for `n` rows from `first` (at most `max_splits`, the partials buffer's):
+/// none while the `heads x ceil(n / 64)` blocks fill half the SMs or more (the partials cost
+/// `n x H x splits x (hd + 2)` floats written and read back); otherwise enough for about two
+/// blocks per SM, each split at least 4 key tiles (256 positions).
+pub fn splits_for(
+    multiprocessors: usize,
+    heads: usize,
+    first: usize,
+    n: usize,
+    max_splits: usize,
+) -> usize {
+    let blocks = (heads * n.div_ceil(TILE_ROWS)).max(1);
+    if 2 * blocks > multiprocessors {
+        return 1;
+    }
+    let key_tiles = (first + n).div_ceil(TILE_KEYS);
+    (2 * multiprocessors)
+        .div_ceil(blocks)
+        .min(key_tiles / 4)
+        .min(max_splits)
+        .max(1)
+}
+
 /// Attention of `n` query rows of `qkv` (f32, `(H + 2 Hkv) hd` apart, q first), the first at
 /// position `first`, over `cache` (`[position][Hkv][hd]`, holding positions `0 .. first + n`);
 /// output `att` f32 `[n][H][hd]`. Errors (no launch) for an unsupported shape, a position past
@@ -66,8 +89,36 @@ pub fn prompt_attention(
     first: usize,
     n: usize,
 ) -> Result<()> {
+    prompt_attention_split(
+        gpu, heads, kv_heads, head_dim, qkv, cache, 0, att, first, n, 1,
+    )
+}
+
+/// [`prompt_attention`] with the keys split `splits` ways (see [`splits_for`]): the kernel
+/// writes `attention_combine`'s partials to `part` (f32, at least `n x H x splits x (hd + 2)`,
+/// unused for one split), then the combine writes `att`.
+#[allow(clippy::too_many_arguments)]
+pub fn prompt_attention_split(
+    gpu: &Gpu,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    qkv: DevPtr,
+    cache: KvCache,
+    part: DevPtr,
+    att: DevPtr,
+    first: usize,
+    n: usize,
+    splits: usize,
+) -> Result<()> {
     if n == 0 {
         return Ok(());
+    }
+    if splits == 0 || splits > 65535 || (splits > 1 && (part == 0 || !part.is_multiple_of(8))) {
+        return Err(CudaError::Unsupported(format!(
+            "prompt attention in {splits} splits with partials at {part:#x}: 1 to 65535 splits, \
+             and more than one needs an 8-byte aligned partials buffer"
+        )));
     }
     if !supports(heads, kv_heads, head_dim) {
         return Err(CudaError::Unsupported(format!(
@@ -133,6 +184,7 @@ pub fn prompt_attention(
         .arg(&k)
         .arg(&v)
         .arg(&att)
+        .arg(&part)
         .arg(&ni)
         .arg(&firsti)
         .arg(&hi)
@@ -142,8 +194,12 @@ pub fn prompt_attention(
     if let Some((k_scales, v_scales)) = &scales {
         b.arg(k_scales).arg(v_scales);
     }
-    unsafe { b.launch(grid_cfg((hi as u32, tiles as u32), THREADS, shared as u32)) }
-        .during("launching prompt_attention")?;
+    let mut cfg = grid_cfg((hi as u32, tiles as u32), THREADS, shared as u32);
+    cfg.grid_dim.2 = splits as u32;
+    unsafe { b.launch(cfg) }.during("launching prompt_attention")?;
+    if splits > 1 {
+        crate::attention::combine(gpu, part, att, heads, n, splits, head_dim)?;
+    }
     Ok(())
 }
 
@@ -334,18 +390,26 @@ mod tests {
         heads: usize,
         kv_heads: usize,
         hd: usize,
+        splits: usize,
     ) -> Vec<f32> {
         let (bm, bn) = (TILE_ROWS, TILE_KEYS);
         let q_stride = (heads + 2 * kv_heads) * hd;
         let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
         let mut att = vec![f32::NAN; n * heads * hd];
+        // attention_combine's partials, [z][h][split][hd + 2].
+        let mut part = vec![f32::NAN; n * heads * splits * (hd + 2)];
         let grid_x = n.div_ceil(bm);
-        for bx in 0..grid_x {
-            for h in 0..heads {
+        for (bx, h, split) in (0..grid_x)
+            .flat_map(|bx| (0..heads).flat_map(move |h| (0..splits).map(move |s| (bx, h, s))))
+        {
+            {
                 let kvh = h / (heads / kv_heads);
                 let q0 = (grid_x - 1 - bx) * bm;
                 let kv_end = first + (q0 + bm).min(n);
                 let ntiles = kv_end.div_ceil(bn);
+                let per = ntiles.div_ceil(splits);
+                let t_begin = (split * per).min(ntiles);
+                let t_end = (t_begin + per).min(ntiles);
                 // What the shared-memory tiles hold: zero past kv_end.
                 let cache_at = |c: &[f32], key: usize, d: usize| {
                     if key < kv_end {
@@ -363,7 +427,7 @@ mod tests {
                     let mut m = [[f32::NEG_INFINITY; 2]; 32];
                     let mut l = [[0f32; 2]; 32];
                     let mut o = vec![[[0f32; 4]; 32]; hd / 8];
-                    for j in 0..ntiles {
+                    for j in t_begin..t_end {
                         let j0 = j * bn;
                         if !(live && j0 < warp_kv_end) {
                             continue;
@@ -403,13 +467,20 @@ mod tests {
                                 mx[lane][r] = (0..4)
                                     .map(|t| quad[lane / 4 * 4 + t][r])
                                     .fold(f32::NEG_INFINITY, f32::max);
-                                assert!(mx[lane][r].is_finite(), "tile {j}: a row without keys");
+                                if splits == 1 {
+                                    assert!(
+                                        mx[lane][r].is_finite(),
+                                        "tile {j}: a row without keys"
+                                    );
+                                }
                             }
                         }
                         let mut p = vec![[[0f32; 4]; 32]; bn / 8];
+                        // Exponents from 0 for a row without a key yet (a split past it).
+                        let u = mx.map(|r| r.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x }));
                         for lane in 0..32 {
                             for r in 0..2 {
-                                let c = (m[lane][r] - mx[lane][r]).exp2();
+                                let c = (m[lane][r] - u[lane][r]).exp2();
                                 m[lane][r] = mx[lane][r];
                                 l[lane][r] *= c;
                                 for o_dt in o.iter_mut() {
@@ -419,7 +490,7 @@ mod tests {
                             }
                             for nt in 0..bn / 8 {
                                 for e in 0..4 {
-                                    let pe = (s[nt][lane][e] - m[lane][e / 2]).exp2();
+                                    let pe = (s[nt][lane][e] - u[lane][e / 2]).exp2();
                                     l[lane][e / 2] += pe;
                                     p[nt][lane][e] = pe;
                                 }
@@ -450,14 +521,41 @@ mod tests {
                             let r = e / 2;
                             let sum: f32 = (0..4).map(|t| l[lane / 4 * 4 + t][r]).sum();
                             let z = wq0 + lane / 4 + 8 * r;
-                            if z < n {
-                                for (dt, o_dt) in o.iter().enumerate() {
-                                    let d = 8 * dt + 2 * (lane % 4) + (e & 1);
+                            if z >= n {
+                                continue;
+                            }
+                            let rec = &mut part[((z * heads + h) * splits + split) * (hd + 2)..]
+                                [..hd + 2];
+                            rec[0] = m[lane][r] * std::f32::consts::LN_2;
+                            rec[1] = sum;
+                            for (dt, o_dt) in o.iter().enumerate() {
+                                let d = 8 * dt + 2 * (lane % 4) + (e & 1);
+                                if splits == 1 {
                                     att[(z * heads + h) * hd + d] = o_dt[lane][e] / sum;
+                                } else {
+                                    rec[2 + d] = o_dt[lane][e];
                                 }
                             }
                         }
                     }
+                }
+            }
+        }
+        if splits > 1 {
+            // attention_combine.
+            for (rec, out) in part.chunks(splits * (hd + 2)).zip(att.chunks_mut(hd)) {
+                let big = rec
+                    .chunks(hd + 2)
+                    .map(|p| p[0])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let weight = |p: &[f32]| if p[1] > 0.0 { (p[0] - big).exp() } else { 0.0 };
+                let total: f32 = rec.chunks(hd + 2).map(|p| p[1] * weight(p)).sum();
+                for (d, o) in out.iter_mut().enumerate() {
+                    *o = rec
+                        .chunks(hd + 2)
+                        .map(|p| p[2 + d] * weight(p))
+                        .sum::<f32>()
+                        / total;
                 }
             }
         }
@@ -480,14 +578,25 @@ mod tests {
         for (hd, group, kv_heads) in [(64, 1usize, 1usize), (64, 4, 1), (96, 2, 2)] {
             let heads = group * kv_heads;
             let w = (heads + 2 * kv_heads) * hd;
-            for (n, first) in [(1usize, 0usize), (17, 0), (16, 45), (70, 0), (130, 45)] {
+            let cases = [
+                (1usize, 0usize),
+                (17, 0),
+                (16, 45),
+                (70, 0),
+                (130, 45),
+                (20, 300),
+            ];
+            for (n, first, splits) in cases
+                .into_iter()
+                .flat_map(|(n, f)| [(n, f, 1usize), (n, f, 3)])
+            {
                 // NaN past the chunk: the emulated tiles, like the kernel's, never read it.
                 let mut k = rnd((first + n) * kv_heads * hd);
                 let mut v = rnd((first + n) * kv_heads * hd);
                 k.extend(std::iter::repeat_n(f32::NAN, 3 * kv_heads * hd));
                 v.extend(std::iter::repeat_n(f32::NAN, 3 * kv_heads * hd));
                 let qkv = rnd(n * w);
-                let got = emulate_kernel(&qkv, &k, &v, n, first, heads, kv_heads, hd);
+                let got = emulate_kernel(&qkv, &k, &v, n, first, heads, kv_heads, hd, splits);
                 for z in 0..n {
                     let want = crate::attention::reference::attention(
                         &qkv[z * w..][..heads * hd],
@@ -508,11 +617,26 @@ mod tests {
                         );
                     assert!(
                         err < 1e-4,
-                        "{heads}/{kv_heads} heads, {n} rows from {first}, row {z}: {err}"
+                        "{heads}/{kv_heads} heads, {n} rows from {first}, {splits} splits, row {z}: {err}"
                     );
                 }
             }
         }
+    }
+
+    #[test]
+    fn splits_only_for_few_rows_over_many_keys() {
+        // 7B on an H200 (132 SMs): a 127-token prompt, a 256-row chunk after 1024 tokens.
+        assert_eq!(splits_for(132, 32, 0, 127, 64), 1);
+        assert_eq!(splits_for(132, 32, 1024, 256, 64), 1);
+        // A GQA model's 8 heads, 60 rows after 2000: 8 blocks, 32 key tiles.
+        assert_eq!(splits_for(132, 8, 2000, 60, 64), 8);
+        // 16 rows after 4000: 32 blocks, 63 key tiles.
+        assert_eq!(splits_for(132, 32, 4000, 16, 64), 9);
+        assert_eq!(splits_for(132, 32, 4000, 16, 4), 4);
+        // Short contexts never split below 4 key tiles a split.
+        assert_eq!(splits_for(132, 8, 100, 16, 64), 1);
+        assert_eq!(splits_for(132, 8, 0, 1, 64), 1);
     }
 
     #[test]

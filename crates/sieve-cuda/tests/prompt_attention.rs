@@ -11,7 +11,7 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::attention::{self, reference, AttentionShape};
 use sieve_cuda::prefill::Rows;
-use sieve_cuda::prompt_attention::{self, prompt_attention};
+use sieve_cuda::prompt_attention::{self, prompt_attention, prompt_attention_split};
 use sieve_cuda::{dev_ptr, gpu_or_skip, CudaError, Gpu, KvCache};
 use sieve_formats::kv_cache::quantize_row;
 
@@ -271,6 +271,38 @@ fn check_against_reference(gpu: &Gpu, int8: bool) {
                         let err = scaled_error(&got[r.clone()], &want[r], hd);
                         assert!(err < TOL, "{what}: row {z}: max error {err}");
                     }
+                    // The keys split 3 ways (partials, then attention_combine): with 45 + n
+                    // keys (1 or 2 tiles) some splits are empty, with 300 rows none is.
+                    let splits = 3;
+                    let part = gpu.poisoned_f32(n * heads * splits * (hd + 2)).unwrap();
+                    let att = gpu.poisoned_f32((n + 1) * heads * hd).unwrap();
+                    prompt_attention_split(
+                        gpu,
+                        heads,
+                        kv_heads,
+                        hd,
+                        pp(&qkvd),
+                        cache.view(gpu),
+                        pp(&part),
+                        pp(&att),
+                        first,
+                        n,
+                        splits,
+                    )
+                    .unwrap_or_else(|e| panic!("{what}, {splits} splits: {e}"));
+                    let got = gpu.download(&att).unwrap();
+                    assert!(
+                        got[n * heads * hd..].iter().all(|x| x.is_nan()),
+                        "{what}, {splits} splits: wrote past the last row"
+                    );
+                    for z in 0..n {
+                        let r = z * heads * hd..(z + 1) * heads * hd;
+                        let err = scaled_error(&got[r.clone()], &want[r], hd);
+                        assert!(
+                            err < TOL,
+                            "{what}, {splits} splits: row {z}: max error {err}"
+                        );
+                    }
                 }
             }
         }
@@ -287,13 +319,18 @@ fn attention_rows_takes_the_prompt_kernel() {
     let mut rng = Rng(0x5eed);
     let (heads, kv_heads, hd) = (8usize, 2usize, 128usize);
     let w = (heads + 2 * kv_heads) * hd;
-    let first = 100;
-    let sizes = [
-        prompt_attention::MIN_ROWS - 1,
-        prompt_attention::MIN_ROWS,
-        200,
+    // (first, n): below MIN_ROWS (split kernel), at it, a long chunk, and a few rows after a
+    // long context (the prompt kernel with key splits, `splits_for`).
+    let cases = [
+        (100, prompt_attention::MIN_ROWS - 1),
+        (100, prompt_attention::MIN_ROWS),
+        (100, 200),
+        (2000, 20),
     ];
-    for (n, int8) in sizes.into_iter().flat_map(|n| [(n, false), (n, true)]) {
+    for (first, n, int8) in cases
+        .into_iter()
+        .flat_map(|(f, n)| [(f, n, false), (f, n, true)])
+    {
         let capacity = first + n + 7;
         let shape = AttentionShape::new(&gpu, heads, kv_heads, hd, capacity).unwrap();
         let cache = if int8 {
@@ -325,7 +362,7 @@ fn attention_rows_takes_the_prompt_kernel() {
         let err = scaled_error(&gpu.download(&att).unwrap(), &want, hd);
         assert!(
             err < TOL,
-            "attention_rows, {n} rows, int8 {int8}: max error {err}"
+            "attention_rows, {n} rows from {first}, int8 {int8}: max error {err}"
         );
         let att = gpu.poisoned_f32(n * heads * hd).unwrap();
         attention::attention_rows_split(
@@ -343,7 +380,7 @@ fn attention_rows_takes_the_prompt_kernel() {
         let err = scaled_error(&gpu.download(&att).unwrap(), &want, hd);
         assert!(
             err < TOL,
-            "attention_rows_split, {n} rows, int8 {int8}: max error {err}"
+            "attention_rows_split, {n} rows from {first}, int8 {int8}: max error {err}"
         );
     }
 }
@@ -432,16 +469,23 @@ fn prompt_attention_timing() {
         let att = gpu.poisoned_f32(n * heads * hd).unwrap();
         let pp = |s: &CudaSlice<f32>| dev_ptr(&gpu, s);
         let rows = Rows::Consecutive { first };
+        // attention_rows: the prompt kernel, with the key splits it picks.
+        let key_splits = prompt_attention::splits_for(
+            gpu.info().multiprocessors as usize,
+            heads,
+            first,
+            n,
+            shape.splits,
+        );
         let tc = sieve_cuda::timing::time_launches(&gpu, 5, 50, |_| {
-            prompt_attention(
+            attention::attention_rows(
                 &gpu,
-                heads,
-                kv_heads,
-                hd,
+                &shape,
                 pp(&qkvd),
                 cache.view(&gpu),
+                pp(&part),
                 pp(&att),
-                first,
+                &rows,
                 n,
             )
         })
@@ -460,7 +504,7 @@ fn prompt_attention_timing() {
         })
         .unwrap();
         eprintln!(
-            "{} rows from {first}, {heads} heads, hd {hd}, int8 cache {int8}: prompt_attention {:.1} us, split + combine {:.1} us (medians, one layer, {})",
+            "{} rows from {first}, {heads} heads, hd {hd}, int8 cache {int8}: prompt_attention ({key_splits} key splits) {:.1} us, split + combine {:.1} us (medians, one layer, {})",
             n,
             tc.median_us,
             split.median_us,
