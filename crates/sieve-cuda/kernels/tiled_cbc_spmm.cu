@@ -195,7 +195,7 @@ __device__ __forceinline__ void tcbc_spmm(const u32* __restrict__ tile_offset, c
 }
 
 #define TCBC_SPMM_KERNEL(NT)                                                                             \
-    extern "C" __global__ void __launch_bounds__(TSP_WARPS * 32, 2) tcbc_spmm_nt##NT(                     \
+    extern "C" __global__ void __launch_bounds__(TSP_WARPS * 32, (NT) <= 4 ? 3 : 2) tcbc_spmm_nt##NT(                     \
         const u32* __restrict__ tile_offset, const u32* __restrict__ col_info, const u64* __restrict__ bitmaps, \
         const unsigned char* __restrict__ rank, const f16_bits* __restrict__ values,                      \
         const f16_bits* __restrict__ a, int lda, float* __restrict__ y, int ldy, int M, int K, int KT, int n,   \

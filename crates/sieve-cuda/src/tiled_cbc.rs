@@ -28,8 +28,6 @@ pub const SPMM_FAMILY: KernelFamily = KernelFamily {
 const SPMM_TOKEN_TILES: [usize; 4] = [1, 2, 4, 8];
 /// A split walks at least this many GTiles, so the three-stage pipeline fills.
 const SPMM_MIN_GTILES_PER_SPLIT: usize = 8;
-/// Resident SpMM blocks per multiprocessor (the kernels' `__launch_bounds__` minimum).
-const SPMM_BLOCKS_PER_SM: usize = 2;
 
 /// Which kernel runs the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,6 +129,8 @@ pub struct GpuTiledCbc {
     /// `gtiles_per_block` is 0.
     pub lane8_waves: usize,
     pub lane8_shape: Lane8Shape,
+    /// Resident blocks per multiprocessor of each SpMM kernel (`SPMM_TOKEN_TILES` order).
+    spmm_resident: [usize; SPMM_TOKEN_TILES.len()],
 }
 
 impl GpuTiledCbc {
@@ -151,9 +151,13 @@ impl GpuTiledCbc {
                 }
             }
         }
-        // Look the SpMM kernels up now: loading a module inside a graph capture invalidates it.
-        for nt in SPMM_TOKEN_TILES {
-            gpu.function(&SPMM_FAMILY, &format!("tcbc_spmm_nt{nt}"))?;
+        // Look the SpMM kernels up now, with their occupancy: loading a module or asking the
+        // occupancy inside a graph capture invalidates it.
+        let mut spmm_resident = [1usize; SPMM_TOKEN_TILES.len()];
+        for (r, nt) in spmm_resident.iter_mut().zip(SPMM_TOKEN_TILES) {
+            let name = format!("tcbc_spmm_nt{nt}");
+            gpu.function(&SPMM_FAMILY, &name)?;
+            *r = (gpu.resident_blocks(&SPMM_FAMILY, &name, 256)? as usize).max(1);
         }
         gpu.function(&SPMM_FAMILY, "tcbc_zero_rows")?;
         Ok(Self {
@@ -173,6 +177,7 @@ impl GpuTiledCbc {
             kernel: TcbcKernel::Lane8,
             lane8_waves: 1,
             lane8_shape: Lane8Shape::DEFAULT,
+            spmm_resident,
         })
     }
 
@@ -387,11 +392,11 @@ impl GpuTiledCbc {
         self.cols.is_multiple_of(8) && lda.is_multiple_of(8) && lda >= self.cols
     }
 
-    /// `(splits, GTiles per split)` for `token_tiles` blocks along the tokens: about
-    /// [`SPMM_BLOCKS_PER_SM`] blocks per multiprocessor, each split at least
+    /// `(splits, GTiles per split)` for `token_tiles` blocks along the tokens: one wave of the
+    /// kernel's resident blocks (`resident` per multiprocessor), each split at least
     /// [`SPMM_MIN_GTILES_PER_SPLIT`] GTiles long.
-    fn spmm_splits(&self, gpu: &Gpu, token_tiles: usize) -> (usize, usize) {
-        let target = gpu.info().multiprocessors as usize * SPMM_BLOCKS_PER_SM;
+    fn spmm_splits(&self, gpu: &Gpu, token_tiles: usize, resident: usize) -> (usize, usize) {
+        let target = gpu.info().multiprocessors as usize * resident;
         let wanted = target
             .div_ceil((self.row_tiles * token_tiles).max(1))
             .max(1);
@@ -435,10 +440,11 @@ impl GpuTiledCbc {
                 self.rows
             )));
         }
-        let nt = SPMM_TOKEN_TILES
-            .into_iter()
-            .find(|&nt| 8 * nt >= n)
-            .unwrap_or(SPMM_TOKEN_TILES[SPMM_TOKEN_TILES.len() - 1]);
+        let variant = SPMM_TOKEN_TILES
+            .iter()
+            .position(|&nt| 8 * nt >= n)
+            .unwrap_or(SPMM_TOKEN_TILES.len() - 1);
+        let nt = SPMM_TOKEN_TILES[variant];
         let token_tiles = n.div_ceil(8 * nt);
         if token_tiles > i32::MAX as usize || self.row_tiles > 65535 {
             return Err(CudaError::Unsupported(format!(
@@ -446,7 +452,7 @@ impl GpuTiledCbc {
                 self.rows
             )));
         }
-        let (splits, per_split) = self.spmm_splits(gpu, token_tiles);
+        let (splits, per_split) = self.spmm_splits(gpu, token_tiles, self.spmm_resident[variant]);
         let (ni, m, ldy_i) = (
             i32_arg("tokens", n)?,
             i32_arg("rows", self.rows)?,

@@ -1,8 +1,8 @@
 //! Prefill in one batch: the prompt's tokens go through every layer together, the products as
 //! cuBLAS GEMMs on f16 weights, so that time to first token is a few GEMMs per layer instead of
 //! one decode step per prompt token. `GpuModel::prefill` then takes the last row's logits and
-//! samples with the decode step's tail; the server's slots (`prefill_slot`, `extend_slot`) still
-//! run their last prompt token through the decode step.
+//! samples with the decode step's tail; the server's slots (`extend_slot`) do the same, so their
+//! answers are `generate`'s.
 //!
 //! | weights on the device | GEMM operand |
 //! |---|---|

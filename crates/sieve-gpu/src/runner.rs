@@ -1093,8 +1093,16 @@ impl GpuModel {
     /// step was 4.2 of a 7B prompt's 21 ms: H200, 2026-12-05).
     fn sample_after_batched_prompt(&mut self, prompt: &[u32]) -> Result<()> {
         let n = prompt.len();
+        self.write_state(n - 1, prompt[n - 1])?;
+        self.tail_after_batched_rows(n, true)
+    }
+
+    /// The decode step's tail on the last of `rows` rows that went through the batched pass
+    /// (chunk by chunk): that row's residual into the step's buffer, then final norm and LM
+    /// head (the logits), and the sampler when `sample`.
+    fn tail_after_batched_rows(&mut self, rows: usize, sample: bool) -> Result<()> {
         let d = self.config.hidden_size;
-        let row = (n - 1) % crate::prefill::CHUNK;
+        let row = (rows - 1) % crate::prefill::CHUNK;
         let stream = self.gpu.stream().clone();
         let pb = self
             .prefill_bufs
@@ -1104,13 +1112,10 @@ impl GpuModel {
         stream
             .memcpy_dtod(&last, &mut self.bufs.x)
             .during("copying the prompt's last row")?;
-        self.write_state(n - 1, prompt[n - 1])?;
-        for op in [
-            Op::Plan(StepOp::FinalNorm),
-            Op::Plan(StepOp::LmHead),
-            Op::Next(true),
-        ] {
-            self.launch(op)?;
+        self.launch(Op::Plan(StepOp::FinalNorm))?;
+        self.launch(Op::Plan(StepOp::LmHead))?;
+        if sample {
+            self.launch(Op::Next(true))?;
         }
         Ok(())
     }
@@ -1473,10 +1478,18 @@ impl GpuModel {
             return Err(GpuError::InvalidArgument("the prompt has no tokens".into()));
         };
         self.slot = slot;
-        let result = self
-            .fill_current_slot(start, before)
-            .and_then(|()| self.run_logits_step(start + before.len(), last))
-            .and_then(|()| Ok(self.gpu.download(&self.bufs.logits)?));
+        // Several tokens go through the batched pass whole and only the last row takes the
+        // step's tail, as `prefill` does, so a slot's answer is the library's `generate`'s
+        // (the decode step's products round differently from the batched pass's: H100,
+        // 2026-12-05, two server tests' greedy texts parted after a token that way).
+        let result = if !before.is_empty() && self.prefill_is_batched() {
+            self.fill_current_slot(start, tokens)
+                .and_then(|()| self.tail_after_batched_rows(tokens.len(), false))
+        } else {
+            self.fill_current_slot(start, before)
+                .and_then(|()| self.run_logits_step(start + before.len(), last))
+        }
+        .and_then(|()| Ok(self.gpu.download(&self.bufs.logits)?));
         self.slot = 0;
         result
     }
