@@ -280,6 +280,12 @@ pub const MAX_SEQUENCES: usize = 64;
 /// decode --batch`; docs/BENCHMARKS.md).
 pub const DECODED_MIN_BATCH: usize = 9;
 
+/// Sequences from which a step of a model whose Tiled-CBC matrices the SpMM multiplies
+/// (`tcbc_spmm`, no decoding) runs as one batched pass, measured on the 7B shape at sp 0.5 /
+/// dp 0.5: one pass 7.56 ms for 2 sequences and 7.86 ms for 8, where one sequence's own step
+/// takes 3.02 ms (H100, 2026-12-05, `sieve bench decode --batch`).
+pub const SPMM_MIN_BATCH: usize = 3;
+
 /// Most sequences `sieve bench decode --batch` asks for (a sanity bound on user input; the
 /// memory check of [`GpuModel::set_slots`] decides what fits).
 pub const MAX_BATCH_SLOTS: usize = 1024;
@@ -1557,17 +1563,20 @@ impl GpuModel {
     }
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
-    /// permitting). 2 when every matrix is multiplied where it lies (Tiled-CBC by the SpMM);
-    /// with a Tiled-CBC matrix the pass decodes to f16 first, [`DECODED_MIN_BATCH`].
+    /// permitting). 2 when every matrix is multiplied where it lies; with Tiled-CBC matrices
+    /// the SpMM multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first,
+    /// [`DECODED_MIN_BATCH`].
     pub fn min_batched_sequences(&self) -> usize {
         let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
         for l in &self.layers {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        if crate::prefill::decoded_len(&all) > 0 {
-            DECODED_MIN_BATCH
-        } else {
+        if crate::prefill::decoded_len(&all) == 0 {
             2
+        } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES) {
+            SPMM_MIN_BATCH
+        } else {
+            DECODED_MIN_BATCH
         }
     }
 
