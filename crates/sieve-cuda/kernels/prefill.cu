@@ -8,6 +8,8 @@
 // rows_to_f16:  grid-stride over n x K, out[i][j] = f16(mask_t(x[i * ldx + j])), the GEMM input
 //               of one product under its threshold.
 // silu_rows:    gate = silu(gate) * up in place.
+// zero_rows:    y[i][j] = 0 for n rows of M floats, ldy apart (before a split-K product that
+//               adds its parts atomically: the Tiled-CBC and SlideSparse SpMMs).
 // RoPE with the cache write is rope.cu's rope_rows; the causal attention reuses attention.cu's
 // kernels with one query per blockIdx.z.
 
@@ -62,4 +64,13 @@ embed_rows(const f16_bits* __restrict__ emb, const int* __restrict__ tokens, flo
         size_t r = i / d, c = i % d;
         x[i] = h2f(emb[(size_t)tokens[r] * d + c]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+zero_rows(float* __restrict__ y, int ldy, int n, int M) {
+    pdl_wait_then_release();
+    const size_t total = (size_t)n * M;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[(i / M) * (size_t)ldy + i % M] = 0.f;
 }

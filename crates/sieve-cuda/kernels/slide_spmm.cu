@@ -8,7 +8,7 @@
 //                    conversion, with the lifting fused in.
 //   slide_spmm_nt{1,2,4,8}: X' times the re-laid-out W' on mma.sp m16n8k32 (8 * nt tokens per
 //                    block), f32 accumulation; y written, added, or (split K) atomically added.
-//   slide_zero_rows: zeroes n rows of M floats (stride ldy) before a split-K launch that writes.
+//   (a split-K launch that writes zeroes y first with prefill.cu's zero_rows)
 //
 // Lifted activations X' (device order). K'p = K' padded to STAGE_K = 128. Within every window of
 // 32 lifted columns (one mma's K) the 16 column pairs are stored transposed 4 x 4, so that the
@@ -111,15 +111,6 @@ slide_lift_rows(const float* __restrict__ x, int ldx, const u32* __restrict__ li
         *reinterpret_cast<uint4*>(out + row * (size_t)k_padded + (size_t)chunk * 8) =
             make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-slide_zero_rows(float* __restrict__ y, int ldy, int n, int M) {
-    pdl_wait_then_release();
-    const size_t total = (size_t)n * M;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x)
-        y[(i / M) * (size_t)ldy + i % M] = 0.f;
 }
 
 // mode: 0 write y, 1 add to y, 2 atomically add to y (split K).

@@ -33,7 +33,8 @@
 // B fragments (tokens 8 j + g, k = 2t, 2t+1 and 2t+8, 2t+9) are two u32 loads from x. Per GTile
 // a warp issues 2 x NT mma.sync; accumulators: 2 row tiles x NT token tiles x 4 f32.
 // Output: lane (g, t) holds rows g, g+8 x tokens 2t, 2t+1 of each (row tile, token tile); it is
-// written (mode 0), added (mode 1) or atomically added (mode 2, split K over GTiles).
+// written (mode 0), added (mode 1) or atomically added (mode 2, split K over GTiles; y zeroed
+// first by prefill.cu's zero_rows when the product writes).
 //
 // Requirements (checked by the launcher in src/tiled_cbc.rs): lda a multiple of 8 and A
 // 16-byte aligned (16-byte copies), K a multiple of 8 (a copy of 8 columns is all in or all out).
@@ -207,13 +208,3 @@ TCBC_SPMM_KERNEL(1)
 TCBC_SPMM_KERNEL(2)
 TCBC_SPMM_KERNEL(4)
 TCBC_SPMM_KERNEL(8)
-
-// Zeroes n rows of M floats (stride ldy) before a split-K launch that would otherwise write.
-extern "C" __global__ void __launch_bounds__(256)
-tcbc_zero_rows(float* __restrict__ y, int ldy, int n, int M) {
-    pdl_wait_then_release();
-    const size_t total = (size_t)n * M;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x)
-        y[(i / M) * (size_t)ldy + i % M] = 0.f;
-}

@@ -110,3 +110,23 @@ pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize) -> Result<()> {
     unsafe { b.launch(grid_cfg(grid_stride(n * inter), 256, 0)) }.during("launching silu_rows")?;
     Ok(())
 }
+
+/// Zeroes `n` rows of `m` floats, `ldy` apart, at `y` (before a split-K product that adds its
+/// parts atomically). Look it up first with [`zero_rows_ready`] where a graph may capture it.
+pub fn zero_rows(gpu: &Gpu, y: DevPtr, ldy: usize, n: usize, m: usize) -> Result<()> {
+    let f = gpu.function(&FAMILY, "zero_rows")?;
+    let (ldy_i, ni, mi) = (
+        i32_arg("row stride", ldy)?,
+        i32_arg("rows", n)?,
+        i32_arg("columns", m)?,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&y).arg(&ldy_i).arg(&ni).arg(&mi);
+    unsafe { b.launch(grid_cfg(grid_stride(n * m), 256, 0)) }.during("launching zero_rows")?;
+    Ok(())
+}
+
+/// Loads [`zero_rows`]'s kernel now (loading a module inside a graph capture invalidates it).
+pub fn zero_rows_ready(gpu: &Gpu) -> Result<()> {
+    gpu.function(&FAMILY, "zero_rows").map(|_| ())
+}

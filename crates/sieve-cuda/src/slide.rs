@@ -378,9 +378,8 @@ impl GpuSlide {
 
     pub fn upload_device(gpu: &Gpu, d: &SlideDevice) -> Result<Self> {
         // Look every kernel up now: loading a module inside a graph capture invalidates it.
-        for name in ["slide_lift_rows", "slide_zero_rows"] {
-            gpu.function(&FAMILY, name)?;
-        }
+        gpu.function(&FAMILY, "slide_lift_rows")?;
+        crate::prefill::zero_rows_ready(gpu)?;
         let mut resident = [0usize; TOKEN_VARIANTS.len()];
         for (r, nt) in resident.iter_mut().zip(TOKEN_VARIANTS) {
             *r = gpu.resident_blocks(&FAMILY, &format!("slide_spmm_nt{nt}"), 32 * WARPS as u32)?
@@ -511,11 +510,7 @@ impl GpuSlide {
         let m = i32_arg("rows", self.geo.rows)?;
         let (splits, per_split) = self.splits(n)?;
         if splits > 1 && !accumulate {
-            let f = gpu.function(&FAMILY, "slide_zero_rows")?;
-            let mut b = gpu.stream().launch_builder(&f);
-            b.arg(&y).arg(&ldy_i).arg(&ni).arg(&m);
-            unsafe { b.launch(grid_cfg(grid_stride(n * self.geo.rows), 256, 0)) }
-                .during("launching slide_zero_rows")?;
+            crate::prefill::zero_rows(gpu, y, ldy, n, self.geo.rows)?;
         }
         let mode: i32 = match (splits > 1, accumulate) {
             (true, _) => 2,

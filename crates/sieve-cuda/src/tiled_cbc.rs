@@ -4,7 +4,7 @@
 //! one flag per row tile for the fused zeroing of the output.
 
 use crate::error::{CudaError, DriverContext, Result};
-use crate::gpu::{grid_cfg, grid_stride, i32_arg, Gpu, KernelFamily};
+use crate::gpu::{i32_arg, Gpu, KernelFamily};
 use crate::product::{
     active_column_bytes, check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec, LaunchEpoch,
 };
@@ -159,7 +159,7 @@ impl GpuTiledCbc {
             gpu.function(&SPMM_FAMILY, &name)?;
             *r = (gpu.resident_blocks(&SPMM_FAMILY, &name, 256)? as usize).max(1);
         }
-        gpu.function(&SPMM_FAMILY, "tcbc_zero_rows")?;
+        crate::prefill::zero_rows_ready(gpu)?;
         Ok(Self {
             tile_offset: gpu.upload(f.tile_offset())?,
             col_info: gpu.upload(f.col_info())?,
@@ -459,11 +459,7 @@ impl GpuTiledCbc {
             i32_arg("y row stride", ldy)?,
         );
         if splits > 1 && !accumulate {
-            let f = gpu.function(&SPMM_FAMILY, "tcbc_zero_rows")?;
-            let mut b = gpu.stream().launch_builder(&f);
-            b.arg(&y).arg(&ldy_i).arg(&ni).arg(&m);
-            unsafe { b.launch(grid_cfg(grid_stride(n * self.rows), 256, 0)) }
-                .during("launching tcbc_zero_rows")?;
+            crate::prefill::zero_rows(gpu, y, ldy, n, self.rows)?;
         }
         let mode: i32 = match (splits > 1, accumulate) {
             (true, _) => 2,
