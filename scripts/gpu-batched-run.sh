@@ -17,6 +17,9 @@
 #   PHASE=kv8    the 8-bit KV cache (issue 26): its kernel tests, then `bench decode` on the
 #                7B shape at 8192 positions with the f16 and the int8 cache, and the default
 #                model's perplexity on the GPU with each (the CPU's: 21.316 / 21.266)  ~4 min
+#   PHASE=ttft   time to first token, same run: llama.cpp's llama-bench (built in an earlier
+#                call) on a random-weight 7B f16 GGUF at 128 and 2048 prompt tokens, and
+#                `sieve bench decode` on the 7B shape (dense and Tiled-CBC 0.5 / 0.5)   ~3 min
 #   PHASE=decoder  Tiled-CBC's decode-then-GEMM against per-token products (`bench gemm`, 7B
 #                shapes, sp 0.5) and `bench decode --batch` of a Tiled-CBC 0.5 / 0.5 model
 #                around the one-pass crossover (DECODED_MIN_BATCH); then the 8-bit cache's
@@ -120,6 +123,17 @@ kv8)
     $sieve eval ppl --device cuda --kv-cache $kv --ctx 1024 --max-tokens 4096 2>&1 | tail -1
   done
   ;;
+ttft)
+  mkdir -p /tmp/g
+  [ -e /tmp/g/7b-f16.gguf ] || python3 scripts/llama-cpp/random_gguf.py --shape llama2-7b --type f16 \
+    -o /tmp/g/7b-f16.gguf > "$OUT/gen.log" 2>&1 || { tail -3 "$OUT/gen.log"; exit 1; }
+  vendor/llama.cpp/build/bin/llama-bench -m /tmp/g/7b-f16.gguf -ngl 99 -fa 1 -p 128,2048 -n 0 -r 5 \
+    2>&1 | tee "$OUT/ttft-llama.log" | grep -E "model|---|pp"
+  $sieve bench decode --synthetic llama2-7b --sp 0,0.5 --dp 0,0.5 --prompt 128 --tokens 64 \
+    --json "$OUT/ttft-128.json" 2>&1 | tee "$OUT/ttft-128.log" | grep -iE "ttft|tpot|sp "
+  $sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 2048 --tokens 64 \
+    --json "$OUT/ttft-2048.json" 2>&1 | tee "$OUT/ttft-2048.log" | grep -iE "ttft|tpot|sp "
+  ;;
 decoder)
   $sieve bench gemm --shapes llama2-7b --precision f16,tcbc-per-token,tcbc-decode-gemm --n 1,4,8,32 \
     --sp 0.5 --graph --json "$OUT/decoder-gemm.json" 2>&1 | tail -40 | tee "$OUT/decoder-gemm.log"
@@ -131,5 +145,5 @@ decoder)
       --prompt 128 --tokens 128 --json "$OUT/kv8-decode-$kv.json" 2>&1 | tee "$OUT/kv8-decode-$kv.log"
   done
   ;;
-*) echo "PHASE is tests, bench, serve, smol, kv8 or decoder"; exit 2 ;;
+*) echo "PHASE is tests, bench, serve, smol, kv8, ttft or decoder"; exit 2 ;;
 esac

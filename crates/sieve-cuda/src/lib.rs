@@ -29,6 +29,7 @@
 //! | [`rope`] | RoPE with the KV-cache write (f16, or i8 rows quantized as written): one token (decode) or `n` rows (prefill), one device function |
 //! | [`attention`] | flash-decoding grouped-query attention over the f16 or 8-bit cache ([`kv_cache`]), split + combine; causal for prefill batches |
 //! | [`prompt_attention`] | flash-attention 2 over a prompt chunk (causal, f16 or 8-bit cache, mma.sync), which `attention::attention_rows` takes for prompt chunks of 16 rows or more |
+//! | [`persistent`] | the whole decode step of a dense f16 model as one persistent kernel: stages from the plan, grid barriers, L2 prefetch of the next stage's weights, a watchdog, per-stage trace |
 //! | [`sampling`] | repetition penalty, greedy / temperature / top-k / top-p, the next token into the step state |
 //! | [`prefill`] | row-wise embedding, RMSNorm, f16 GEMM input under the TEAL threshold, SwiGLU |
 //!
@@ -49,6 +50,7 @@ pub mod graph;
 pub mod ie_bme;
 pub mod kv_cache;
 pub mod lowbit;
+pub mod persistent;
 pub mod prefill;
 pub mod product;
 pub mod prompt_attention;

@@ -6,7 +6,7 @@
 //! attention and the rest from an event-bracketed eager step.
 
 use crate::error::{GpuError, Result};
-use crate::runner::{GpuModel, StepPart, StepProfile};
+use crate::runner::{GpuModel, StepMode, StepPart, StepProfile};
 use crate::synthetic::{self, SyntheticOptions, SyntheticValues};
 use serde::Serialize;
 use sieve_cuda::tiled_cbc::TcbcKernel;
@@ -37,6 +37,9 @@ pub struct DecodeBenchOptions {
     /// Sequences decoded together, one measurement each (the serving path's greedy batched
     /// step, [`GpuModel::step_slots_argmax`]); empty: none.
     pub batches: Vec<usize>,
+    /// How the decode step runs, one result each (empty: the graph step). A model the
+    /// persistent step cannot run is measured with the graph step only, the result saying why.
+    pub steps: Vec<StepMode>,
 }
 
 impl DecodeBenchOptions {
@@ -91,6 +94,15 @@ pub struct DecodeResult {
     pub launches_per_step: usize,
     /// Programmatic dependent launch between the step's kernels.
     pub pdl: bool,
+    /// How the step ran (graph, persistent), and why not persistent when that was asked for
+    /// and the model cannot.
+    pub step: StepMode,
+    pub step_note: Option<String>,
+    /// The persistent step's stamped stages (one traced step after the timed ones).
+    pub persistent_trace: Option<sieve_cuda::persistent::TraceSummary>,
+    /// The same step as an SVG timeline (written by the CLI's `--trace`).
+    #[serde(skip)]
+    pub trace_svg: Option<String>,
     pub breakdown: StepProfile,
     /// Graph replays of parts of the step (µs per step): everything, the products alone,
     /// everything but the products, everything but attention.
@@ -152,6 +164,57 @@ pub fn pdl_settings(opts: &DecodeBenchOptions) -> &[bool] {
     } else {
         &opts.pdl
     }
+}
+
+/// The step modes to measure: as asked, or the graph step.
+pub fn step_settings(opts: &DecodeBenchOptions) -> &[StepMode] {
+    if opts.steps.is_empty() {
+        &[StepMode::Graph]
+    } else {
+        &opts.steps
+    }
+}
+
+/// Measures `model` once per step mode of `opts` (and PDL setting, for the graph step),
+/// handing each result to `on_result`. A model the persistent step cannot run gets the reason
+/// in its graph result, or an error when persistent was the only mode asked for.
+pub fn measure_steps(
+    model: &mut GpuModel,
+    label: &str,
+    sp: f64,
+    dp: f64,
+    setup_s: f64,
+    opts: &DecodeBenchOptions,
+    copy_gbs: f64,
+    mut on_result: impl FnMut(DecodeResult),
+) -> Result<()> {
+    let modes = step_settings(opts);
+    let why_not = model.persistent_unsupported();
+    if let (Some(why), [StepMode::Persistent]) = (&why_not, modes) {
+        return Err(GpuError::Unsupported(format!(
+            "the persistent step cannot run {label}: {why}"
+        )));
+    }
+    for &mode in modes {
+        if mode == StepMode::Persistent && why_not.is_some() {
+            continue;
+        }
+        model.set_step_mode(mode)?;
+        let pdls: &[bool] = if mode == StepMode::Graph {
+            pdl_settings(opts)
+        } else {
+            &[true]
+        };
+        for &pdl in pdls {
+            model.set_pdl(pdl);
+            let mut r = measure(model, label, sp, dp, setup_s, opts, copy_gbs)?;
+            if modes.contains(&StepMode::Persistent) {
+                r.step_note = why_not.as_ref().map(|w| format!("not persistent: {w}"));
+            }
+            on_result(r);
+        }
+    }
+    model.set_step_mode(StepMode::Graph)
 }
 
 /// Times `tokens` decode steps (one host read per token) and returns the per-token seconds.
@@ -250,6 +313,20 @@ pub fn measure(
         s.sort_by(f64::total_cmp);
         tpot_ctx = percentile(&s, 0.5) * 1e3;
     }
+    // One traced persistent step after the prompt: where its time goes.
+    let (persistent_trace, trace_svg) = if model.step_mode() == StepMode::Persistent {
+        model.set_persistent_trace(true);
+        model.prefill(&prompt)?;
+        model.next_token()?;
+        let trace = model.last_trace()?;
+        model.set_persistent_trace(false);
+        match trace {
+            Some(t) => (Some(t.summary()), Some(t.svg())),
+            None => (None, None),
+        }
+    } else {
+        (None, None)
+    };
     let tpot = percentile(&steps, 0.5);
     let bw = breakdown.weight_bytes as f64 / tpot / 1e9;
     let t = breakdown.total_us().max(1e-9);
@@ -285,6 +362,10 @@ pub fn measure(
         pct_of_copy: 100.0 * bw / copy_gbs,
         launches_per_step: model.report().launches_per_step,
         pdl: model.pdl(),
+        step: model.step_mode(),
+        step_note: None,
+        persistent_trace,
+        trace_svg,
         graph_step_us: part_us[0],
         graph_linear_only_us: part_us[1],
         graph_no_linear_us: part_us[2],
@@ -465,13 +546,11 @@ pub fn run_synthetic_with(
                 if format == FormatKind::TiledCbc {
                     model.set_tcbc_kernel(kernel)?;
                 }
-                for &pdl in pdl_settings(opts) {
-                    model.set_pdl(pdl);
-                    let mut r = measure(&mut model, name, sp, dp, setup_s, &o, copy_gbs)?;
+                measure_steps(&mut model, name, sp, dp, setup_s, &o, copy_gbs, |mut r| {
                     r.values = v.name();
                     on_result(&r);
                     out.push(r);
-                }
+                })?;
             }
         }
     }
@@ -555,6 +634,7 @@ mod tests {
             tcbc_kernels: vec![TcbcKernel::Lane8],
             pdl: vec![true],
             batches: vec![],
+            steps: vec![],
         }
     }
 

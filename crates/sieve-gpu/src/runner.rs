@@ -31,6 +31,9 @@ use sieve_model::llama::Model;
 use sieve_model::plan::{self, BlockSupport, Capabilities, Group, LayerOp, Norm, Plan, StepOp};
 use sieve_model::sampling::SamplingParams;
 
+mod persistent;
+pub use persistent::{stages_of, StepMode};
+
 /// One decoder layer as the runner uploads it.
 pub struct HostLayer {
     pub input_norm: Vec<f32>,
@@ -252,6 +255,12 @@ pub struct GpuModel {
     /// run once eagerly.
     seq_graphs: [Option<StepGraph>; 7],
     seq_warm: [bool; 7],
+    /// How [`Self::run_step`] runs a step.
+    step_mode: StepMode,
+    /// The persistent step and the slot whose cache it addresses, built at its first use.
+    persistent: Option<(sieve_cuda::persistent::PersistentStep, usize)>,
+    /// Stamp the persistent step's stages ([`Self::persistent_trace`]).
+    persistent_trace: bool,
 }
 
 /// Scratch of a decode step over several sequences: their `[position, slot]` pairs and their
@@ -582,6 +591,9 @@ impl GpuModel {
             seq_bufs: None,
             seq_graphs: Default::default(),
             seq_warm: [false; 7],
+            step_mode: StepMode::Graph,
+            persistent: None,
+            persistent_trace: false,
         };
         model.report.launches_per_step = model.launches_per_step();
         Ok(model)
@@ -797,6 +809,15 @@ impl GpuModel {
     }
 
     fn enqueue_step(&self, sample: bool) -> Result<()> {
+        if self.step_mode == StepMode::Persistent {
+            let Some((step, _)) = &self.persistent else {
+                return Err(GpuError::InvalidArgument(
+                    "the persistent step was not built before its launch".into(),
+                ));
+            };
+            step.launch(&self.gpu)?;
+            return self.launch(Op::Next(sample));
+        }
         for op in self.ops() {
             self.launch(op)?;
         }
@@ -805,6 +826,12 @@ impl GpuModel {
 
     /// Runs one step: a graph replay (captured on first use) or eager launches.
     fn run_step(&mut self, sample: bool) -> Result<()> {
+        if self.step_mode == StepMode::Persistent
+            && self.persistent.as_ref().map(|(_, slot)| *slot) != Some(self.slot)
+        {
+            self.drop_graphs();
+            self.persistent = Some((self.build_persistent()?, self.slot));
+        }
         if !self.use_graphs {
             return self.enqueue_step(sample);
         }
@@ -836,6 +863,11 @@ impl GpuModel {
     }
 
     fn capture(&self, sample: bool) -> Result<StepGraph> {
+        if self.step_mode == StepMode::Persistent {
+            // No programmatic edge: every block of the persistent kernel must be resident at
+            // once, so it starts only when the previous kernel has left the GPU.
+            return self.capture_with(false, |m| m.enqueue_step(sample));
+        }
         let mut ops = self.ops();
         ops.push(Op::Next(sample));
         self.capture_ops(&ops)
@@ -1137,6 +1169,7 @@ impl GpuModel {
 
     fn read_state(&self) -> Result<(usize, u32)> {
         let s = self.gpu.download(&self.bufs.state)?;
+        self.check_step()?;
         Ok((s[0] as usize, s[1] as u32))
     }
 
@@ -1259,6 +1292,7 @@ impl GpuModel {
         for i in 0..tokens.len() {
             self.run_step(false)?;
             let logits = self.gpu.download(&self.bufs.logits)?;
+            self.check_step()?;
             each(i, &logits)?;
         }
         self.len = tokens.len();
@@ -1428,8 +1462,57 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Runs decode steps as a CUDA graph of the plan's kernels or as one persistent kernel.
+    /// Persistent needs a dense f16 model with the f16 cache: otherwise an error says why and
+    /// the mode stays as it was.
+    pub fn set_step_mode(&mut self, mode: StepMode) -> Result<()> {
+        if mode == StepMode::Persistent {
+            let step = self.build_persistent()?;
+            self.drop_graphs();
+            self.persistent = Some((step, self.slot));
+        } else {
+            self.drop_graphs();
+        }
+        self.step_mode = mode;
+        self.report.launches_per_step = match mode {
+            StepMode::Graph => self.launches_per_step(),
+            StepMode::Persistent => 2,
+        };
+        Ok(())
+    }
+    pub fn step_mode(&self) -> StepMode {
+        self.step_mode
+    }
+
+    /// Stamps the persistent step's stages per block from the next step on
+    /// ([`Self::last_trace`]).
+    pub fn set_persistent_trace(&mut self, on: bool) {
+        self.persistent_trace = on;
+        self.drop_graphs();
+    }
+
+    /// The stage stamps of the last persistent step (after it finished), if traced.
+    pub fn last_trace(&self) -> Result<Option<sieve_cuda::persistent::Trace>> {
+        match &self.persistent {
+            Some((step, _)) => {
+                self.gpu.synchronize()?;
+                Ok(step.trace(&self.gpu)?)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// An error if a persistent step aborted (its watchdog fired); call after a synchronize.
+    pub fn check_step(&self) -> Result<()> {
+        if let Some((step, _)) = &self.persistent {
+            step.check(&self.gpu)?;
+        }
+        Ok(())
+    }
+
     /// Forgets every captured step (after a change to what the launches do).
     fn drop_graphs(&mut self) {
+        self.persistent = None;
         self.graphs = [None, None];
         self.slot_graphs.iter_mut().for_each(|g| *g = None);
         self.seq_graphs = Default::default();

@@ -1869,3 +1869,119 @@ fn sample_rows_draw_what_sample_token_draws() {
         assert_eq!(got[n - 1], SAMPLE_NOT_FINITE, "a row with a NaN");
     }
 }
+
+/// The persistent step (one kernel for the whole step) against the graph step of the same
+/// upload: the same greedy tokens, teacher-forced logits within a small tolerance (the two sum
+/// in different orders), at head dims 64 and 128, grouped and plain attention, with the
+/// prompt's positions from the batched prefill and the decode's from the persistent kernel;
+/// its trace covers every stage; formats it does not run are refused by name.
+#[test]
+fn persistent_step_matches_the_graph_step() {
+    let _serial = serial_gpu();
+    let name = "persistent_step_matches_the_graph_step";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    for (c, seed) in [
+        (config(301, 256, 512, 2, 4, 2, 64), 11),
+        (config(257, 320, 704, 3, 4, 1, 128), 12),
+        (config(300, 192, 384, 2, 3, 3, 64), 13),
+    ] {
+        let model = tiny_model_of(c.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+        let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
+        let steps = 40;
+        let mut g =
+            GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
+        let mut want_tokens = vec![g.prefill(&prompt).unwrap()];
+        while want_tokens.len() < steps {
+            want_tokens.push(g.next_token().unwrap());
+        }
+        let mut seq = prompt.clone();
+        seq.extend(&want_tokens);
+        let v = c.vocab_size;
+        let mut want = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            want.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+
+        assert!(g.persistent_unsupported().is_none(), "{name}");
+        g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
+            .unwrap();
+        assert_eq!(g.report().launches_per_step, 2);
+        let mut tokens = vec![g.prefill(&prompt).unwrap()];
+        while tokens.len() < steps {
+            tokens.push(g.next_token().unwrap());
+        }
+        assert_eq!(
+            tokens, want_tokens,
+            "{name}: greedy tokens, hd {}",
+            c.head_dim
+        );
+        let mut got = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            got.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+        let errors = position_errors(&got, &want, v);
+        let worst = errors[errors.len() - 1];
+        let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        eprintln!(
+            "{name}: hd {} g {}: max logit difference {worst} over {} positions (logits up to {spread})",
+            c.head_dim,
+            c.num_heads / c.num_kv_heads,
+            seq.len()
+        );
+        assert!(worst < 2e-3 * spread.max(1.0), "{name}: {worst}");
+
+        // One traced step: every stage of every block stamped, in order.
+        g.set_persistent_trace(true);
+        g.prefill(&prompt).unwrap();
+        g.next_token().unwrap();
+        let trace = g.last_trace().unwrap().expect("a traced step");
+        assert_eq!(trace.stages.len(), 5 * c.num_layers + 1);
+        assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
+        let summary = trace.summary();
+        assert!(summary.step_us > 0.0, "{summary:?}");
+        assert_eq!(summary.work_us.len(), 6, "{summary:?}");
+        eprintln!("{name}: {summary:?}");
+        g.set_persistent_trace(false);
+
+        // Back to the graph step: the same tokens again.
+        g.set_step_mode(sieve_gpu::runner::StepMode::Graph).unwrap();
+        let mut again = vec![g.prefill(&prompt).unwrap()];
+        while again.len() < 8 {
+            again.push(g.next_token().unwrap());
+        }
+        assert_eq!(
+            again[..],
+            want_tokens[..8],
+            "{name}: graph after persistent"
+        );
+    }
+
+    // A format the persistent kernel does not run, and a head dim it does not take.
+    let sparse = tiny_model_of(
+        config(301, 256, 512, 2, 4, 2, 64),
+        FormatKind::TiledCbc,
+        0.5,
+        0.5,
+        3,
+    );
+    let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &sparse, 32).unwrap();
+    let err = g
+        .set_step_mode(sieve_gpu::runner::StepMode::Persistent)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layer 0's q|k|v"), "{err}");
+    assert_eq!(g.step_mode(), sieve_gpu::runner::StepMode::Graph);
+    let odd = tiny_model(FormatKind::Dense, 0.0, 0.0, 4);
+    let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &odd, 32).unwrap();
+    let err = g
+        .set_step_mode(sieve_gpu::runner::StepMode::Persistent)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("head dim 16"), "{err}");
+}

@@ -6,6 +6,7 @@ use sieve_cuda::tiled_cbc::TcbcKernel;
 use sieve_formats::random::Pattern;
 use sieve_formats::FormatKind;
 use sieve_gpu::bench::{self, DecodeBenchOptions, DecodeResult};
+use sieve_gpu::runner::StepMode;
 use std::path::PathBuf;
 
 use super::report_files::ReportFiles;
@@ -63,6 +64,15 @@ pub struct DecodeArgs {
     /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// How the decode step runs: graph (a CUDA graph of the plan's kernels), persistent (one
+    /// kernel for the whole step: dense f16 models with the f16 cache), or persistent,graph
+    /// (both measured on the same model).
+    #[arg(long, value_delimiter = ',', default_value = "graph")]
+    step: Vec<String>,
+    /// Write each persistent result's traced step as an SVG timeline (a row per SM) here;
+    /// with several persistent results, the second goes to NAME-2.svg and so on.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
@@ -76,13 +86,14 @@ fn print_row(r: &DecodeResult) {
         String::new()
     };
     println!(
-        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} kv {:<4} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} kv {:<4} {:<10} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
         r.model,
         r.sp,
         r.dp,
         r.format,
         r.values,
         r.kv_cache,
+        r.step.name(),
         if r.pdl { "on" } else { "off" },
         r.tpot_ms_median,
         r.tpot_ms_p10,
@@ -102,6 +113,24 @@ fn print_row(r: &DecodeResult) {
         r.launches_per_step,
         r.setup_s
     );
+    if let Some(note) = &r.step_note {
+        println!("{:<11}   {note}", r.model);
+    }
+    if let Some(t) = &r.persistent_trace {
+        let work: Vec<String> = t
+            .work_us
+            .iter()
+            .map(|(kind, us)| format!("{kind} {us:.0}"))
+            .collect();
+        println!(
+            "{:<11}   persistent step traced: {:.0} us; stage work (slowest block, summed) {}; barriers {:.0} us; blocks idle {:.0}% of the step",
+            r.model,
+            t.step_us,
+            work.join(", "),
+            t.barrier_us,
+            100.0 * t.idle_fraction
+        );
+    }
     if let Some(p) = &r.prefill_profile {
         let parts: Vec<String> = p
             .by_op
@@ -192,6 +221,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?,
         batches: a.batch.clone(),
+        steps: a
+            .step
+            .iter()
+            .map(|s| match s.as_str() {
+                "graph" => Ok(StepMode::Graph),
+                "persistent" => Ok(StepMode::Persistent),
+                other => bail!("--step {other}: expected graph or persistent"),
+            })
+            .collect::<Result<_>>()?,
     };
     let results = match (&a.synthetic, &a.model) {
         (Some(name), _) => {
@@ -221,16 +259,33 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             };
             let setup_s = t.elapsed().as_secs_f64();
             let mut out = Vec::new();
-            for &pdl in bench::pdl_settings(&opts) {
-                m.set_pdl(pdl);
-                let r = bench::measure(&mut m, &label, 0.0, 0.0, setup_s, &o, copy)?;
+            bench::measure_steps(&mut m, &label, 0.0, 0.0, setup_s, &o, copy, |r| {
                 print_row(&r);
                 out.push(r);
-            }
+            })?;
             out
         }
         (None, None) => bail!("give --synthetic NAME or --model PATH"),
     };
+    if let Some(path) = &a.trace {
+        let svgs: Vec<&String> = results
+            .iter()
+            .filter_map(|r| r.trace_svg.as_ref())
+            .collect();
+        if svgs.is_empty() {
+            eprintln!("--trace: no persistent step was measured, nothing written");
+        }
+        for (i, svg) in svgs.iter().enumerate() {
+            let file = if i == 0 {
+                path.clone()
+            } else {
+                let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+                path.with_file_name(format!("{stem}-{}.svg", i + 1))
+            };
+            std::fs::write(&file, svg).with_context(|| format!("writing {}", file.display()))?;
+            println!("trace: {}", file.display());
+        }
+    }
     files.write_json(|| Ok(serde_json::to_string_pretty(&results)?))?;
     files.write_plot(|| Ok(bench::plot_svg(&results)))?;
     Ok(())

@@ -1,0 +1,495 @@
+// The whole decode step of a dense f16 model in one launch: a persistent kernel whose blocks
+// (one per SM, 512 threads) walk an on-device list of stages derived from the model's plan,
+// with a grid-wide barrier between stages instead of a kernel boundary.
+//
+//   stages  int2 [n] = { kind, layer }, built on the host from sieve_model::plan::step_ops:
+//     QKV_EMBED / QKV  x = embedding[token] (first layer only) ; xs = mask(rmsnorm(x) * w)
+//                      q|k|v rows in rotate-half pairs (i, i + hd/2) of a head: one warp takes
+//                      both rows of a pair, adds the bias, rotates q and k, writes q to the qkv
+//                      buffer and k, v (f16) straight to the cache row of position p
+//                      (norm + q|k|v product + RoPE + KV write: one stage)
+//     ATTENTION        task (q head h, split s) per block: scores of the split's positions,
+//                      softmax partials {m, l, acc[hd]} to `part`; the split that arrives last
+//                      at the head's counter combines the S partials into att[h] (no barrier)
+//     O                x[r] += W_o[r] . mask(att)
+//     GATE_UP          xs = mask(rmsnorm(x) * w) ; h[r] = silu(gate[r] . xs) * (up[r] . xs)
+//                      (norm + gate|up product + SwiGLU: one stage)
+//     DOWN             x[r] += W_down[r] . mask(h)
+//     HEAD             logits[r] = W_lm[r] . mask(rmsnorm(x) * w_final)
+//   The sampler (or the teacher-forced advance) stays a kernel of its own after this one.
+//
+// Products (row-major f16 weights, K a multiple of 8): warp w of block b is global warp
+// gw = b * 16 + w; it takes row pairs t = gw, gw + GW, ... (GW = 16 * gridDim.x) of the stage:
+//
+//      row a:  [ 16B | 16B | ... ]   lane l reads vectors l, l+32, ..., 4 at a time from each
+//      row b:  [ 16B | 16B | ... ]   row (8 loads, 4 KB per warp in flight)
+//      xs (the stage's input, f32) sits in shared memory, staged once per block and stage.
+//
+// Before waiting at a barrier a warp asks L2 for the first bytes of its rows of the next stage
+// (weights never depend on the barrier), so that the next stage starts on L2 hits.
+//
+// Grid barrier: a block arrives with an atomic on sync[0]; the last to arrive resets the count
+// and bumps the generation sync[1], which the others wait on. A wait longer than watchdog_ns
+// writes the stage (1-based) to *error, raises sync[2] (abort), and every block leaves: a
+// dependency bug gives an error on the host instead of a hung GPU. The host re-zeroes `sync`
+// after an abort. sync[3 + h] counts the splits of head h that are done (reset by its combiner).
+//
+// Intermediate buffers written in this launch (x, qkv, att, h, part, the new cache row) are read
+// with ld.global.cg: the L1 is not coherent across SMs. Weights go through the read-only path.
+//
+// Trace (optional): trace[(stage * gridDim.x + block) * 2 + {0, 1}] = %globaltimer at the
+// stage's start (after the barrier) and end (before the next barrier).
+
+#define PS_THREADS 512
+#define PS_WARPS 16
+#define PS_SCORE_CAP 4096
+#define PS_PREFETCH_BYTES 4096
+#define PS_NEG_INF __int_as_float(0xff800000)
+
+enum { ST_QKV = 0, ST_QKV_EMBED = 1, ST_ATTENTION = 2, ST_O = 3, ST_GATE_UP = 4, ST_DOWN = 5, ST_HEAD = 6 };
+
+struct PLayer {
+    u64 attn_norm, qkv, qkv_bias, k_cache, v_cache, o, mlp_norm, gate_up, down;
+    float t_qkv, t_o, t_gate_up, t_down;
+};
+
+struct PArgs {
+    u64 layers, stages, embed, final_norm, lm_head;
+    u64 x, qkv, att, h, logits, part, state, rope_cos, rope_sin;
+    u64 sync, error, trace, watchdog_ns;
+    int n_stages, d, H, Hkv, hd, I, vocab, splits;
+    float eps, t_head, att_scale;
+    int xs_floats;
+};
+
+__device__ __forceinline__ u64 global_timer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ float ldcg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldcg_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void stcg_f32(float* p, float v) {
+    asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    __syncthreads();  // red may still be read from the previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < PS_WARPS; ++i) t += red[i];
+    return t;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = PS_NEG_INF;
+#pragma unroll
+    for (int i = 0; i < PS_WARPS; ++i) t = fmaxf(t, red[i]);
+    return t;
+}
+
+// Every block waits until all have arrived. False when the step was aborted.
+__device__ bool grid_barrier(u32* sync, u32* error, u64 watchdog_ns, int stage) {
+    __shared__ int s_ok;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 gen = load_acquire(sync + 1);
+        __threadfence();
+        int ok = 1;
+        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+            atomicExch(sync, 0u);
+            __threadfence();
+            atomicAdd(sync + 1, 1u);
+        } else {
+            const u64 start = global_timer();
+            int spins = 0;
+            while (load_acquire(sync + 1) == gen) {
+                if (++spins == 256) {
+                    spins = 0;
+                    if (load_acquire(sync + 2)) {
+                        ok = 0;
+                        break;
+                    }
+                    if (global_timer() - start > watchdog_ns) {
+                        atomicCAS(error, 0u, (u32)(stage + 1));
+                        atomicExch(sync + 2, 1u);
+                        ok = 0;
+                        break;
+                    }
+                }
+            }
+        }
+        __threadfence();
+        s_ok = ok;
+    }
+    __syncthreads();
+    return s_ok != 0;
+}
+
+// xs[i] = mask_t(src[i] * scale * w[i]) with scale = 1 / rms(src) (w null: no norm, scale 1).
+// Layer 0's first stage takes src from the embedding row instead and writes this block's slice
+// of x from it.
+__device__ void stage_input(float* xs, const float* src, const f16_bits* emb_row, float* x_out, const float* w,
+                            int n, float eps, float t, float* red) {
+    float ss = 0.f;
+    const int per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = lo + per;
+    for (int i = threadIdx.x; i < n; i += PS_THREADS) {
+        float v = emb_row ? h2f(emb_row[i]) : ldcg_f32(src + i);
+        if (emb_row && i >= lo && i < hi) stcg_f32(x_out + i, v);
+        xs[i] = v;
+        ss += v * v;
+    }
+    float scale = 1.f;
+    if (w) scale = 1.f / sqrtf(block_sum(ss, red) / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += PS_THREADS) {
+        float v = w ? xs[i] * scale * w[i] : xs[i];
+        xs[i] = active(v, t) ? v : 0.f;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float dot8(const uint4& w, const float* xs, int v) {
+    const float4* xp = reinterpret_cast<const float4*>(xs) + 2 * v;
+    float4 a = xp[0], b = xp[1];
+    float wf[8];
+    unpack8(w, wf);
+    return wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y + wf[6] * b.z +
+           wf[7] * b.w;
+}
+
+// (row a . xs, row b . xs) by one warp; every lane gets both sums.
+__device__ __forceinline__ float2 dot2(const f16_bits* a, const f16_bits* b, const float* xs, int K, int lane) {
+    const uint4* ra = reinterpret_cast<const uint4*>(a);
+    const uint4* rb = reinterpret_cast<const uint4*>(b);
+    const int nvec = K >> 3;
+    float sa = 0.f, sb = 0.f;
+    int v = lane;
+    for (; v + 96 < nvec; v += 128) {
+        uint4 wa[4], wb[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            wa[u] = ld_stream16(ra + v + 32 * u);
+            wb[u] = ld_stream16(rb + v + 32 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            sa += dot8(wa[u], xs, v + 32 * u);
+            sb += dot8(wb[u], xs, v + 32 * u);
+        }
+    }
+    for (; v < nvec; v += 32) {
+        uint4 wa = ld_stream16(ra + v), wb = ld_stream16(rb + v);
+        sa += dot8(wa, xs, v);
+        sb += dot8(wb, xs, v);
+    }
+    return make_float2(warp_sum(sa), warp_sum(sb));
+}
+
+__device__ __forceinline__ void prefetch_rows(const f16_bits* a, const f16_bits* b, int K, int lane) {
+    const int bytes = min(K * 2, PS_PREFETCH_BYTES);
+    for (int off = lane * 128; off < bytes; off += 32 * 128) {
+        prefetch_l2(reinterpret_cast<const char*>(a) + off);
+        prefetch_l2(reinterpret_cast<const char*>(b) + off);
+    }
+}
+
+// The two rows (and their count, K) that warp gw multiplies first in stage st; false if none.
+__device__ bool first_rows(const PArgs& a, int2 st, int gw, const f16_bits*& ra, const f16_bits*& rb, int& K) {
+    const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
+    const int half = a.hd / 2;
+    switch (st.x) {
+    case ST_QKV:
+    case ST_QKV_EMBED: {
+        if (gw >= (a.H + 2 * a.Hkv) * half) return false;
+        K = a.d;
+        const int r0 = (gw / half) * a.hd + gw % half;
+        ra = reinterpret_cast<const f16_bits*>(L->qkv) + (size_t)r0 * K;
+        rb = ra + (size_t)half * K;
+        return true;
+    }
+    case ST_GATE_UP:
+        if (gw >= a.I) return false;
+        K = a.d;
+        ra = reinterpret_cast<const f16_bits*>(L->gate_up) + (size_t)gw * K;
+        rb = ra + (size_t)a.I * K;
+        return true;
+    case ST_O:
+    case ST_DOWN:
+    case ST_HEAD: {
+        const int M = st.x == ST_HEAD ? a.vocab : a.d;
+        if (2 * gw >= M) return false;
+        K = st.x == ST_O ? a.H * a.hd : st.x == ST_DOWN ? a.I : a.d;
+        const u64 w = st.x == ST_O ? L->o : st.x == ST_DOWN ? L->down : a.lm_head;
+        ra = reinterpret_cast<const f16_bits*>(w) + (size_t)(2 * gw) * K;
+        rb = 2 * gw + 1 < M ? ra + K : ra;
+        return true;
+    }
+    default:
+        return false;
+    }
+}
+
+__device__ void qkv_stage(const PArgs& a, const PLayer* L, const float* xs, int p) {
+    const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5), GW = gridDim.x * PS_WARPS;
+    const int half = a.hd / 2, K = a.d;
+    const int T = (a.H + 2 * a.Hkv) * half;
+    const f16_bits* W = reinterpret_cast<const f16_bits*>(L->qkv);
+    const float* bias = reinterpret_cast<const float*>(L->qkv_bias);
+    const float* cs = reinterpret_cast<const float*>(a.rope_cos) + (size_t)p * half;
+    const float* sn = reinterpret_cast<const float*>(a.rope_sin) + (size_t)p * half;
+    const size_t kv_row = (size_t)p * a.Hkv * a.hd;
+    for (int t = gw; t < T; t += GW) {
+        const int head = t / half, i = t % half;
+        const int r0 = head * a.hd + i, r1 = r0 + half;
+        float2 y = dot2(W + (size_t)r0 * K, W + (size_t)r1 * K, xs, K, lane);
+        if (lane != 0) continue;
+        float u = y.x, v = y.y;
+        if (bias) {
+            u += bias[r0];
+            v += bias[r1];
+        }
+        if (head < a.H + a.Hkv) {
+            const float c = cs[i], s = sn[i];
+            const float ru = u * c - v * s, rv = v * c + u * s;
+            u = ru;
+            v = rv;
+        }
+        if (head < a.H) {
+            stcg_f32(reinterpret_cast<float*>(a.qkv) + r0, u);
+            stcg_f32(reinterpret_cast<float*>(a.qkv) + r1, v);
+        } else {
+            const bool is_k = head < a.H + a.Hkv;
+            const int kvh = is_k ? head - a.H : head - a.H - a.Hkv;
+            f16_bits* dst = reinterpret_cast<f16_bits*>(is_k ? L->k_cache : L->v_cache) + kv_row + (size_t)kvh * a.hd;
+            dst[i] = f2h(u);
+            dst[i + half] = f2h(v);
+        }
+    }
+}
+
+// Rows of W (M x K) against xs, two per warp: y[r] = dot (HEAD), or y[r] += dot (O, DOWN).
+__device__ void rows_stage(const f16_bits* W, const float* xs, float* y, int M, int K, bool add) {
+    const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5), GW = gridDim.x * PS_WARPS;
+    for (int t = gw; 2 * t < M; t += GW) {
+        const int r0 = 2 * t, r1 = min(r0 + 1, M - 1);
+        float2 s = dot2(W + (size_t)r0 * K, W + (size_t)r1 * K, xs, K, lane);
+        if (lane == 0) {
+            stcg_f32(y + r0, add ? ldcg_f32(y + r0) + s.x : s.x);
+            if (r1 != r0) stcg_f32(y + r1, add ? ldcg_f32(y + r1) + s.y : s.y);
+        }
+    }
+}
+
+__device__ void gate_up_stage(const PArgs& a, const PLayer* L, const float* xs) {
+    const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5), GW = gridDim.x * PS_WARPS;
+    const f16_bits* W = reinterpret_cast<const f16_bits*>(L->gate_up);
+    float* h = reinterpret_cast<float*>(a.h);
+    for (int t = gw; t < a.I; t += GW) {
+        float2 s = dot2(W + (size_t)t * a.d, W + (size_t)(a.I + t) * a.d, xs, a.d, lane);
+        if (lane == 0) stcg_f32(h + t, s.x / (1.f + __expf(-s.x)) * s.y);
+    }
+}
+
+// Attention of query head h over positions [b, e) of the cache (f16 [C][Hkv][hd]): this
+// block's partial {m, l, acc[hd]}; the last split of the head to finish combines them.
+__device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, int len, float* sc, float* red,
+                               float* qs, float* accs) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hd = a.hd, S = a.splits, kh = h / (a.H / a.Hkv);
+    const int per = (len + S - 1) / S, b = min(s * per, len), e = min(b + per, len), n = e - b;
+    const size_t row = (size_t)a.Hkv * hd;
+    const f16_bits* kc = reinterpret_cast<const f16_bits*>(L->k_cache) + (size_t)kh * hd;
+    const f16_bits* vc = reinterpret_cast<const f16_bits*>(L->v_cache) + (size_t)kh * hd;
+    if (tid < hd) qs[tid] = ldcg_f32(reinterpret_cast<const float*>(a.qkv) + (size_t)h * hd + tid) * a.att_scale;
+    __syncthreads();
+    // Scores: a warp per position, lane l holds dims [l*E, l*E + E) (E = hd / 32, even), four
+    // positions' loads in flight at once.
+    const int E2 = hd / 64;  // u32 words per lane
+    for (int t0 = b + warp; t0 < e; t0 += 4 * PS_WARPS) {
+        u32 kw[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int t = t0 + j * PS_WARPS;
+#pragma unroll
+            for (int wi = 0; wi < 4; ++wi)
+                kw[j][wi] = (t < e && wi < E2) ? ldcg_u32(kc + (size_t)t * row + lane * 2 * E2 + 2 * wi) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float dot = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < 4; ++wi) {
+                if (wi < E2) {
+                    float lo, hi;
+                    unpack2(kw[j][wi], lo, hi);
+                    dot += qs[lane * 2 * E2 + 2 * wi] * lo + qs[lane * 2 * E2 + 2 * wi + 1] * hi;
+                }
+            }
+            dot = warp_sum(dot);
+            const int t = t0 + j * PS_WARPS;
+            if (lane == 0 && t < e) sc[t - b] = dot;
+        }
+    }
+    __syncthreads();
+    float m = PS_NEG_INF;
+    for (int i = tid; i < n; i += PS_THREADS) m = fmaxf(m, sc[i]);
+    m = block_max(m, red);
+    float l = 0.f;
+    for (int i = tid; i < n; i += PS_THREADS) {
+        const float pv = __expf(sc[i] - m);
+        sc[i] = pv;
+        l += pv;
+    }
+    l = block_sum(l, red);  // its barriers also publish sc
+    // Values: thread (word c of a row, group g) sums positions b + g, b + g + NG, ...
+    const int W2 = hd / 2, NG = PS_THREADS / W2, c = tid % W2, g = tid / W2;
+    float a0 = 0.f, a1 = 0.f;
+    for (int t0 = b + g; t0 < e; t0 += 4 * NG) {
+        u32 vw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int t = t0 + j * NG;
+            vw[j] = t < e ? ldcg_u32(vc + (size_t)t * row + 2 * c) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int t = t0 + j * NG;
+            if (t < e) {
+                float lo, hi;
+                unpack2(vw[j], lo, hi);
+                const float pv = sc[t - b];
+                a0 += pv * lo;
+                a1 += pv * hi;
+            }
+        }
+    }
+    if (g < NG) {
+        accs[g * hd + 2 * c] = a0;
+        accs[g * hd + 2 * c + 1] = a1;
+    }
+    __syncthreads();
+    float* part = reinterpret_cast<float*>(a.part) + (size_t)(h * S + s) * (hd + 2);
+    if (tid < hd) {
+        float acc = 0.f;
+        for (int j = 0; j < NG; ++j) acc += accs[j * hd + tid];
+        stcg_f32(part + 2 + tid, acc);
+    }
+    if (tid == 0) {
+        stcg_f32(part, n > 0 ? m : PS_NEG_INF);
+        stcg_f32(part + 1, n > 0 ? l : 0.f);
+    }
+    __shared__ int s_last;
+    __syncthreads();
+    u32* count = reinterpret_cast<u32*>(a.sync) + 3 + h;
+    if (tid == 0) {
+        __threadfence();
+        s_last = atomicAdd(count, 1u) == (u32)(S - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (tid < hd) {
+        const float* base = reinterpret_cast<const float*>(a.part) + (size_t)h * S * (hd + 2);
+        float M = PS_NEG_INF;
+        for (int j = 0; j < S; ++j) M = fmaxf(M, ldcg_f32(base + (size_t)j * (hd + 2)));
+        float num = 0.f, den = 0.f;
+        for (int j = 0; j < S; ++j) {
+            const float* pj = base + (size_t)j * (hd + 2);
+            const float mj = ldcg_f32(pj);
+            const float wj = mj == PS_NEG_INF ? 0.f : __expf(mj - M);
+            den += wj * ldcg_f32(pj + 1);
+            num += wj * ldcg_f32(pj + 2 + tid);
+        }
+        stcg_f32(reinterpret_cast<float*>(a.att) + (size_t)h * hd + tid, num / den);
+    }
+    if (tid == 0) atomicExch(count, 0u);
+}
+
+extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(const PArgs a) {
+    extern __shared__ float smem[];
+    float* xs = smem;                          // [xs_floats]
+    float* sc = xs + a.xs_floats;              // [PS_SCORE_CAP]
+    float* accs = sc + PS_SCORE_CAP;           // [PS_THREADS * 2]
+    float* qs = accs + 2 * PS_THREADS;         // [256]
+    __shared__ float red[PS_WARPS];
+    const int* state = reinterpret_cast<const int*>(a.state);
+    const int p = (int)ldcg_u32(state);
+    int tok = (int)ldcg_u32(state + 1);
+    if (tok < 0 || tok >= a.vocab) tok = 0;  // the host checks every id it writes
+    const int2* stages = reinterpret_cast<const int2*>(a.stages);
+    u32* sync = reinterpret_cast<u32*>(a.sync);
+    u32* error = reinterpret_cast<u32*>(a.error);
+    u64* trace = reinterpret_cast<u64*>(a.trace);
+    const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5);
+    float* x = reinterpret_cast<float*>(a.x);
+    for (int si = 0; si < a.n_stages; ++si) {
+        const int2 st = stages[si];
+        const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
+        if (trace && threadIdx.x == 0) trace[((size_t)si * gridDim.x + blockIdx.x) * 2] = global_timer();
+        switch (st.x) {
+        case ST_QKV:
+        case ST_QKV_EMBED: {
+            const f16_bits* emb =
+                st.x == ST_QKV_EMBED ? reinterpret_cast<const f16_bits*>(a.embed) + (size_t)tok * a.d : nullptr;
+            stage_input(xs, x, emb, x, reinterpret_cast<const float*>(L->attn_norm), a.d, a.eps, L->t_qkv, red);
+            qkv_stage(a, L, xs, p);
+            break;
+        }
+        case ST_ATTENTION:
+            for (int task = blockIdx.x; task < a.H * a.splits; task += gridDim.x) {
+                attention_task(a, L, task / a.splits, task % a.splits, p + 1, sc, red, qs, accs);
+                __syncthreads();
+            }
+            break;
+        case ST_O:
+            stage_input(xs, reinterpret_cast<const float*>(a.att), nullptr, nullptr, nullptr, a.H * a.hd, a.eps,
+                        L->t_o, red);
+            rows_stage(reinterpret_cast<const f16_bits*>(L->o), xs, x, a.d, a.H * a.hd, true);
+            break;
+        case ST_GATE_UP:
+            stage_input(xs, x, nullptr, nullptr, reinterpret_cast<const float*>(L->mlp_norm), a.d, a.eps,
+                        L->t_gate_up, red);
+            gate_up_stage(a, L, xs);
+            break;
+        case ST_DOWN:
+            stage_input(xs, reinterpret_cast<const float*>(a.h), nullptr, nullptr, nullptr, a.I, a.eps, L->t_down,
+                        red);
+            rows_stage(reinterpret_cast<const f16_bits*>(L->down), xs, x, a.d, a.I, true);
+            break;
+        case ST_HEAD:
+            stage_input(xs, x, nullptr, nullptr, reinterpret_cast<const float*>(a.final_norm), a.d, a.eps, a.t_head,
+                        red);
+            rows_stage(reinterpret_cast<const f16_bits*>(a.lm_head), xs, reinterpret_cast<float*>(a.logits),
+                       a.vocab, a.d, false);
+            break;
+        default:
+            break;
+        }
+        if (trace && threadIdx.x == 0) trace[((size_t)si * gridDim.x + blockIdx.x) * 2 + 1] = global_timer();
+        if (si + 1 < a.n_stages) {
+            const f16_bits *ra, *rb;
+            int K;
+            if (first_rows(a, stages[si + 1], gw, ra, rb, K)) prefetch_rows(ra, rb, K, lane);
+            if (!grid_barrier(sync, error, a.watchdog_ns, si)) return;
+        }
+    }
+}

@@ -1,0 +1,556 @@
+//! The decode step as one persistent kernel (`kernels/persistent_step.cu`): every SM runs a
+//! loop over an on-device list of stages derived from the model's plan, with grid-wide
+//! barriers instead of kernel boundaries and the next stage's weights asked of L2 before each
+//! barrier. Dense f16 weights (row-major) and the f16 KV cache; everything else keeps the
+//! graph step, which is also this step's reference (the runner's tests compare the two).
+//!
+//! The launcher takes raw device addresses ([`DevPtr`]) like the other model kernels, so the
+//! runner points it at its own buffers and captures the launch in a graph.
+
+use crate::error::{CudaError, DriverContext, Result};
+use crate::gpu::{i32_arg, Gpu, KernelFamily};
+use crate::product::DevPtr;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "persistent_step",
+    source: include_str!("../kernels/persistent_step.cu"),
+};
+
+const THREADS: u32 = 512;
+/// Positions one attention task scores at once (`PS_SCORE_CAP`).
+const SCORE_CAP: usize = 4096;
+/// Floats of shared memory besides the stage input: scores, value partials, q.
+const SCRATCH_FLOATS: usize = SCORE_CAP + 2 * THREADS as usize + 256;
+/// Words of the sync buffer before the per-head counters: count, generation, abort.
+const SYNC_HEADER: usize = 3;
+/// A barrier wait longer than this aborts the step with an error (a dependency bug, or a grid
+/// that is not all resident), instead of hanging the GPU.
+const WATCHDOG_NS: u64 = 2_000_000_000;
+
+/// What one stage of the list does (`ST_*` in the kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum StageKind {
+    /// Norm, q|k|v product, RoPE and the KV-cache write.
+    Qkv = 0,
+    /// The same, `x` first taken from the embedding row of the step's token.
+    QkvFromEmbedding = 1,
+    /// Split attention, combined by the last split of each head.
+    Attention = 2,
+    /// `x += W_o · att`.
+    O = 3,
+    /// Norm, gate|up product and SwiGLU.
+    GateUp = 4,
+    /// `x += W_down · h`.
+    Down = 5,
+    /// Final norm and the LM head into the logits.
+    Head = 6,
+}
+
+impl StageKind {
+    pub const ALL: [StageKind; 7] = [
+        StageKind::Qkv,
+        StageKind::QkvFromEmbedding,
+        StageKind::Attention,
+        StageKind::O,
+        StageKind::GateUp,
+        StageKind::Down,
+        StageKind::Head,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            StageKind::Qkv | StageKind::QkvFromEmbedding => "norm+qkv+rope",
+            StageKind::Attention => "attention",
+            StageKind::O => "o",
+            StageKind::GateUp => "norm+gate|up+swiglu",
+            StageKind::Down => "down",
+            StageKind::Head => "norm+head",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stage {
+    pub kind: StageKind,
+    pub layer: usize,
+}
+
+/// One layer's device addresses and thresholds (`PLayer`; 0 for an absent bias). Weights are
+/// row-major f16: q|k|v joined (H + 2 Hkv) hd x d, o d x H hd, gate|up joined 2I x d, down d x I.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PersistentLayer {
+    pub attn_norm: DevPtr,
+    pub qkv: DevPtr,
+    pub qkv_bias: DevPtr,
+    pub k_cache: DevPtr,
+    pub v_cache: DevPtr,
+    pub o: DevPtr,
+    pub mlp_norm: DevPtr,
+    pub gate_up: DevPtr,
+    pub down: DevPtr,
+    pub t_qkv: f32,
+    pub t_o: f32,
+    pub t_gate_up: f32,
+    pub t_down: f32,
+}
+unsafe impl cudarc::driver::DeviceRepr for PersistentLayer {}
+unsafe impl cudarc::driver::ValidAsZeroBits for PersistentLayer {}
+
+/// The model's sizes.
+#[derive(Clone, Copy, Debug)]
+pub struct PersistentShape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub capacity: usize,
+    pub eps: f32,
+}
+
+/// The step's buffers and model-wide weights (the layout of `kernels/step.cu`).
+#[derive(Clone, Copy, Debug)]
+pub struct PersistentIo {
+    pub embed: DevPtr,
+    pub final_norm: DevPtr,
+    pub lm_head: DevPtr,
+    pub t_head: f32,
+    pub x: DevPtr,
+    pub qkv: DevPtr,
+    pub att: DevPtr,
+    pub h: DevPtr,
+    pub logits: DevPtr,
+    pub state: DevPtr,
+    pub rope_cos: DevPtr,
+    pub rope_sin: DevPtr,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct PersistentArgs {
+    layers: DevPtr,
+    stages: DevPtr,
+    embed: DevPtr,
+    final_norm: DevPtr,
+    lm_head: DevPtr,
+    x: DevPtr,
+    qkv: DevPtr,
+    att: DevPtr,
+    h: DevPtr,
+    logits: DevPtr,
+    part: DevPtr,
+    state: DevPtr,
+    rope_cos: DevPtr,
+    rope_sin: DevPtr,
+    sync: DevPtr,
+    error: DevPtr,
+    trace: DevPtr,
+    watchdog_ns: u64,
+    n_stages: i32,
+    d: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    intermediate: i32,
+    vocab: i32,
+    splits: i32,
+    eps: f32,
+    t_head: f32,
+    att_scale: f32,
+    xs_floats: i32,
+}
+unsafe impl cudarc::driver::DeviceRepr for PersistentArgs {}
+
+/// Why a model's step cannot run persistent (None: it can), from its sizes alone.
+pub fn unsupported_shape(s: &PersistentShape) -> Option<String> {
+    if s.head_dim == 0 || !s.head_dim.is_multiple_of(64) || s.head_dim > 256 {
+        return Some(format!(
+            "head dim {} (the persistent step takes 64, 128, 192 or 256)",
+            s.head_dim
+        ));
+    }
+    if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+        return Some(format!("{} heads over {} KV heads", s.heads, s.kv_heads));
+    }
+    for (what, k) in [
+        ("hidden size", s.hidden),
+        ("attention width", s.heads * s.head_dim),
+        ("intermediate size", s.intermediate),
+    ] {
+        if k == 0 || !k.is_multiple_of(8) {
+            return Some(format!(
+                "{what} {k} is not a multiple of 8 (16-byte weight rows)"
+            ));
+        }
+    }
+    None
+}
+
+/// A model's persistent step: the stage list, the layer table, and the kernel's scratch.
+pub struct PersistentStep {
+    stages: Vec<Stage>,
+    _stages_dev: CudaSlice<i32>,
+    _layers_dev: CudaSlice<PersistentLayer>,
+    _part: CudaSlice<f32>,
+    sync: CudaSlice<u32>,
+    error: CudaSlice<u32>,
+    trace: Option<CudaSlice<u64>>,
+    args: PersistentArgs,
+    blocks: u32,
+    shared_bytes: u32,
+}
+
+impl PersistentStep {
+    /// Uploads the stage list and layer table. `stages` must reference layers in `layers`.
+    pub fn new(
+        gpu: &Gpu,
+        shape: PersistentShape,
+        layers: &[PersistentLayer],
+        stages: &[Stage],
+        io: PersistentIo,
+    ) -> Result<Self> {
+        if let Some(why) = unsupported_shape(&shape) {
+            return Err(CudaError::Unsupported(format!("persistent step: {why}")));
+        }
+        if let Some(s) = stages.iter().find(|s| s.layer >= layers.len()) {
+            return Err(CudaError::Option(format!(
+                "persistent step: a stage names layer {} of {}",
+                s.layer,
+                layers.len()
+            )));
+        }
+        let blocks = gpu.info().multiprocessors.max(1);
+        let xs_floats = shape
+            .hidden
+            .max(shape.intermediate)
+            .max(shape.heads * shape.head_dim)
+            .next_multiple_of(4);
+        let shared_bytes = (xs_floats + SCRATCH_FLOATS) * 4;
+        let f = gpu.function(&FAMILY, "persistent_step")?;
+        gpu.allow_dynamic_shared(&f, shared_bytes)?;
+        // Enough splits per head to give every block a task, and few enough positions per
+        // split for the score buffer.
+        let splits = (blocks as usize)
+            .div_ceil(shape.heads)
+            .max(shape.capacity.div_ceil(SCORE_CAP))
+            .max(1);
+        let flat: Vec<i32> = stages
+            .iter()
+            .flat_map(|s| [s.kind as i32, s.layer as i32])
+            .collect();
+        let stages_dev = gpu.upload(&flat)?;
+        let layers_dev = gpu.upload(layers)?;
+        let part = gpu.upload(&vec![0f32; shape.heads * splits * (shape.head_dim + 2)])?;
+        let sync = gpu.upload(&vec![0u32; SYNC_HEADER + shape.heads])?;
+        let error = gpu.upload(&[0u32])?;
+        let p = |s: &CudaSlice<f32>| crate::product::dev_ptr(gpu, s);
+        let args = PersistentArgs {
+            layers: crate::product::dev_ptr(gpu, &layers_dev),
+            stages: crate::product::dev_ptr(gpu, &stages_dev),
+            embed: io.embed,
+            final_norm: io.final_norm,
+            lm_head: io.lm_head,
+            x: io.x,
+            qkv: io.qkv,
+            att: io.att,
+            h: io.h,
+            logits: io.logits,
+            part: p(&part),
+            state: io.state,
+            rope_cos: io.rope_cos,
+            rope_sin: io.rope_sin,
+            sync: crate::product::dev_ptr(gpu, &sync),
+            error: crate::product::dev_ptr(gpu, &error),
+            trace: 0,
+            watchdog_ns: WATCHDOG_NS,
+            n_stages: i32_arg("stages", stages.len())?,
+            d: i32_arg("hidden size", shape.hidden)?,
+            heads: i32_arg("heads", shape.heads)?,
+            kv_heads: i32_arg("KV heads", shape.kv_heads)?,
+            head_dim: i32_arg("head dim", shape.head_dim)?,
+            intermediate: i32_arg("intermediate size", shape.intermediate)?,
+            vocab: i32_arg("vocabulary", shape.vocab)?,
+            splits: i32_arg("attention splits", splits)?,
+            eps: shape.eps,
+            t_head: io.t_head,
+            att_scale: 1.0 / (shape.head_dim as f32).sqrt(),
+            xs_floats: i32_arg("stage input", xs_floats)?,
+        };
+        Ok(Self {
+            stages: stages.to_vec(),
+            _stages_dev: stages_dev,
+            _layers_dev: layers_dev,
+            _part: part,
+            sync,
+            error,
+            trace: None,
+            args,
+            blocks,
+            shared_bytes: shared_bytes as u32,
+        })
+    }
+
+    pub fn stages(&self) -> &[Stage] {
+        &self.stages
+    }
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    /// Stamps every stage's start and end per block from now on (or stops: `false`).
+    pub fn set_trace(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
+        if on {
+            let n = self.stages.len() * self.blocks as usize * 2;
+            let t = gpu.upload(&vec![0u64; n])?;
+            self.args.trace = crate::product::dev_ptr(gpu, &t);
+            self.trace = Some(t);
+        } else {
+            self.args.trace = 0;
+            self.trace = None;
+        }
+        Ok(())
+    }
+
+    /// Enqueues one step (capturable).
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        let f = gpu.function(&FAMILY, "persistent_step")?;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.args);
+        let cfg = LaunchConfig {
+            grid_dim: (self.blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: self.shared_bytes,
+        };
+        unsafe { b.launch(cfg) }.during("launching persistent_step")?;
+        Ok(())
+    }
+
+    /// After the stream is synchronized: an error if a barrier timed out (the sync words are
+    /// reset so that the next step starts clean).
+    pub fn check(&self, gpu: &Gpu) -> Result<()> {
+        let e = gpu.download(&self.error)?;
+        if e.first().copied().unwrap_or(0) != 0 {
+            let stage = e[0] as usize - 1;
+            let what = self
+                .stages
+                .get(stage)
+                .map(|s| format!("{} of layer {}", s.kind.name(), s.layer))
+                .unwrap_or_else(|| format!("stage {stage}"));
+            // SAFETY: both addresses are the starts of this step's own allocations, of these
+            // lengths.
+            unsafe {
+                gpu.zero_bytes(self.args.sync, self.sync.len() * 4)?;
+                gpu.zero_bytes(self.args.error, 4)?;
+            }
+            gpu.synchronize()?;
+            return Err(CudaError::Option(format!(
+                "persistent step: the barrier after {what} timed out after {} s (aborted)",
+                WATCHDOG_NS / 1_000_000_000
+            )));
+        }
+        Ok(())
+    }
+
+    /// The last traced step: per stage, per block, (start, end) in ns of the GPU's global timer.
+    pub fn trace(&self, gpu: &Gpu) -> Result<Option<Trace>> {
+        let Some(t) = &self.trace else {
+            return Ok(None);
+        };
+        let raw = gpu.download(t)?;
+        Ok(Some(Trace {
+            stages: self.stages.clone(),
+            blocks: self.blocks as usize,
+            stamps: raw,
+        }))
+    }
+}
+
+/// Stage start and end stamps of one step, per block.
+#[derive(Clone, Debug)]
+pub struct Trace {
+    pub stages: Vec<Stage>,
+    pub blocks: usize,
+    /// `[(stage * blocks + block) * 2 + {0: start, 1: end}]`, ns.
+    pub stamps: Vec<u64>,
+}
+
+/// Where the step's time goes, from a [`Trace`].
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct TraceSummary {
+    /// Step time: first start to last end, µs.
+    pub step_us: f64,
+    /// (stage class, µs): per stage, the slowest block's work (its start to its end), summed
+    /// over the stages of the class.
+    pub work_us: Vec<(&'static str, f64)>,
+    /// Time between the slowest block's end of a stage and the latest start of the next:
+    /// the barrier, summed over the step, µs.
+    pub barrier_us: f64,
+    /// Mean fraction of the step a block spends waiting (at barriers, or without a task).
+    pub idle_fraction: f64,
+}
+
+impl Trace {
+    fn at(&self, stage: usize, block: usize) -> (u64, u64) {
+        let i = (stage * self.blocks + block) * 2;
+        (self.stamps[i], self.stamps[i + 1])
+    }
+
+    pub fn summary(&self) -> TraceSummary {
+        let n = self.stages.len();
+        if n == 0 || self.blocks == 0 || self.stamps.len() < n * self.blocks * 2 {
+            return TraceSummary::default();
+        }
+        let t0 = (0..self.blocks).map(|b| self.at(0, b).0).min().unwrap_or(0);
+        let t1 = (0..self.blocks)
+            .map(|b| self.at(n - 1, b).1)
+            .max()
+            .unwrap_or(t0);
+        let mut work: Vec<(&'static str, f64)> = Vec::new();
+        let mut barrier = 0.0;
+        let mut busy = 0.0;
+        for s in 0..n {
+            let start = (0..self.blocks).map(|b| self.at(s, b).0).min().unwrap_or(0);
+            let end = (0..self.blocks).map(|b| self.at(s, b).1).max().unwrap_or(0);
+            let name = self.stages[s].kind.name();
+            let us = end.saturating_sub(start) as f64 / 1e3;
+            match work.iter_mut().find(|(k, _)| *k == name) {
+                Some(w) => w.1 += us,
+                None => work.push((name, us)),
+            }
+            busy += (0..self.blocks)
+                .map(|b| {
+                    let (a, e) = self.at(s, b);
+                    e.saturating_sub(a) as f64
+                })
+                .sum::<f64>();
+            if s + 1 < n {
+                let next = (0..self.blocks)
+                    .map(|b| self.at(s + 1, b).0)
+                    .max()
+                    .unwrap_or(end);
+                barrier += next.saturating_sub(end) as f64 / 1e3;
+            }
+        }
+        let span = t1.saturating_sub(t0) as f64;
+        TraceSummary {
+            step_us: span / 1e3,
+            work_us: work,
+            barrier_us: barrier,
+            idle_fraction: if span > 0.0 {
+                1.0 - busy / (span * self.blocks as f64)
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// The step as an SVG timeline: a row per block, a rectangle per stage coloured by class.
+    pub fn svg(&self) -> String {
+        let n = self.stages.len();
+        let t0 = (0..self.blocks).map(|b| self.at(0, b).0).min().unwrap_or(0);
+        let t1 = (0..self.blocks)
+            .map(|b| self.at(n.saturating_sub(1), b).1)
+            .max()
+            .unwrap_or(t0)
+            .max(t0 + 1);
+        let (width, row) = (1600.0, 4.0);
+        let scale = width / (t1 - t0) as f64;
+        let colour = |k: StageKind| match k {
+            StageKind::Qkv | StageKind::QkvFromEmbedding => "#4e79a7",
+            StageKind::Attention => "#f28e2b",
+            StageKind::O => "#e15759",
+            StageKind::GateUp => "#76b7b2",
+            StageKind::Down => "#59a14f",
+            StageKind::Head => "#b07aa1",
+        };
+        let height = row * self.blocks as f64 + 40.0;
+        let mut s = format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\">\n\
+             <text x=\"4\" y=\"{}\" font-size=\"12\" font-family=\"sans-serif\">persistent step, \
+             {:.1} us, {} blocks (rows), {} stages; blue qkv, orange attention, red o, teal gate|up, \
+             green down, purple head; white = waiting</text>\n",
+            height - 8.0,
+            (t1 - t0) as f64 / 1e3,
+            self.blocks,
+            n
+        );
+        for b in 0..self.blocks {
+            for (si, st) in self.stages.iter().enumerate() {
+                let (a, e) = self.at(si, b);
+                let x = (a.saturating_sub(t0)) as f64 * scale;
+                let w = (e.saturating_sub(a) as f64 * scale).max(0.2);
+                s.push_str(&format!(
+                    "<rect x=\"{x:.2}\" y=\"{:.1}\" width=\"{w:.2}\" height=\"{:.1}\" fill=\"{}\"/>\n",
+                    b as f64 * row,
+                    row - 0.5,
+                    colour(st.kind)
+                ));
+            }
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(hd: usize) -> PersistentShape {
+        PersistentShape {
+            hidden: 576,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: hd,
+            intermediate: 1536,
+            vocab: 100,
+            capacity: 64,
+            eps: 1e-5,
+        }
+    }
+
+    #[test]
+    fn shapes_outside_the_kernel_are_named() {
+        assert!(unsupported_shape(&shape(64)).is_none());
+        assert!(unsupported_shape(&shape(128)).is_none());
+        let why = unsupported_shape(&shape(96)).unwrap();
+        assert!(why.contains("head dim 96"), "{why}");
+        let mut s = shape(64);
+        s.kv_heads = 2;
+        assert!(unsupported_shape(&s).unwrap().contains("9 heads over 2"));
+        s = shape(64);
+        s.intermediate = 1534;
+        assert!(unsupported_shape(&s)
+            .unwrap()
+            .contains("intermediate size 1534"));
+    }
+
+    #[test]
+    fn trace_summary_separates_work_from_barriers() {
+        // Two stages, two blocks: stage 0 runs 0..10 and 0..6 ns, stage 1 starts at 14 and 15.
+        let t = Trace {
+            stages: vec![
+                Stage {
+                    kind: StageKind::Qkv,
+                    layer: 0,
+                },
+                Stage {
+                    kind: StageKind::Head,
+                    layer: 0,
+                },
+            ],
+            blocks: 2,
+            stamps: vec![0, 10_000, 0, 6_000, 14_000, 20_000, 15_000, 20_000],
+        };
+        let s = t.summary();
+        assert!((s.step_us - 20.0).abs() < 1e-9);
+        assert_eq!(s.work_us, vec![("norm+qkv+rope", 10.0), ("norm+head", 6.0)]);
+        assert!((s.barrier_us - 5.0).abs() < 1e-9);
+        // busy = 10 + 6 + 6 + 5 = 27 of 2 x 20.
+        assert!((s.idle_fraction - (1.0 - 27.0 / 40.0)).abs() < 1e-9);
+        assert!(t.svg().contains("<rect"));
+    }
+}

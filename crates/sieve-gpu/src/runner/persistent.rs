@@ -1,0 +1,256 @@
+//! The persistent step ([`sieve_cuda::persistent`]) as the runner builds it: stages from the
+//! model's plan, the layer table from the uploaded weights and the current slot's KV cache.
+
+use super::{DeviceLayer, GpuModel, Op};
+use crate::error::{GpuError, Result};
+use crate::matrix::{DeviceLinear, DeviceMatrix};
+use sieve_cuda::kv_cache::KvCache;
+use sieve_cuda::persistent::{
+    PersistentIo, PersistentLayer, PersistentShape, PersistentStep, Stage, StageKind,
+};
+use sieve_cuda::product::{dev_ptr, threshold_arg, DevPtr};
+use sieve_model::plan::{Group, LayerOp, Norm, StepOp};
+
+/// How a decode step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StepMode {
+    /// A CUDA graph of the plan's kernels (every format; the reference).
+    Graph,
+    /// One persistent kernel for the whole step, then the sampler (dense f16 models).
+    Persistent,
+}
+
+impl StepMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            StepMode::Graph => "graph",
+            StepMode::Persistent => "persistent",
+        }
+    }
+}
+
+/// The persistent stages of a decode step's plan ops (without [`StepOp::Next`]): each norm
+/// fused into the product after it, RoPE and the cache write into q|k|v, SwiGLU into gate|up,
+/// the embedding into the first q|k|v stage. An op order this does not know is an error.
+pub fn stages_of(ops: &[StepOp]) -> std::result::Result<Vec<Stage>, String> {
+    use LayerOp as L;
+    use StepOp::Layer;
+    let mut stages = Vec::new();
+    let mut embed = false;
+    let mut i = 0;
+    while i < ops.len() {
+        let (kind, layer, used) = match ops[i..] {
+            [StepOp::Embed, ..] => {
+                embed = true;
+                i += 1;
+                continue;
+            }
+            [Layer(a, L::Norm(Norm::Attention)), Layer(b, L::Product(Group::Qkv)), Layer(c, L::RopeKv), ..]
+                if a == b && b == c =>
+            {
+                let kind = if std::mem::take(&mut embed) {
+                    StageKind::QkvFromEmbedding
+                } else {
+                    StageKind::Qkv
+                };
+                (kind, a, 3)
+            }
+            [Layer(a, L::Attention), ..] => (StageKind::Attention, a, 1),
+            [Layer(a, L::Product(Group::O)), ..] => (StageKind::O, a, 1),
+            [Layer(a, L::Norm(Norm::Mlp)), Layer(b, L::Product(Group::GateUp)), Layer(c, L::SwiGlu), ..]
+                if a == b && b == c =>
+            {
+                (StageKind::GateUp, a, 3)
+            }
+            [Layer(a, L::Product(Group::Down)), ..] => (StageKind::Down, a, 1),
+            [StepOp::FinalNorm, StepOp::LmHead, ..] => (StageKind::Head, 0, 2),
+            _ => {
+                return Err(format!(
+                    "the plan's op {:?} has no persistent stage",
+                    ops[i]
+                ))
+            }
+        };
+        if embed {
+            return Err("the embedding is not followed by a q|k|v stage".into());
+        }
+        stages.push(Stage { kind, layer });
+        i += used;
+    }
+    Ok(stages)
+}
+
+/// The row-major f16 weights and threshold of a group that is one dense part, or why not.
+fn dense_rows(
+    gpu: &sieve_cuda::gpu::Gpu,
+    what: &str,
+    lin: &DeviceLinear,
+) -> std::result::Result<(DevPtr, f32), String> {
+    match lin.parts.as_slice() {
+        [p] => match &p.matrix {
+            DeviceMatrix::DenseRows(m) => {
+                Ok((dev_ptr(gpu, m.weights()), threshold_arg(p.threshold)))
+            }
+            other => Err(format!(
+                "{what} is {} (the persistent step takes dense f16 rows)",
+                other.label()
+            )),
+        },
+        parts => Err(format!(
+            "{what} has {} parts under different thresholds (the persistent step takes one)",
+            parts.len()
+        )),
+    }
+}
+
+impl GpuModel {
+    fn persistent_shape(&self) -> PersistentShape {
+        let c = &self.config;
+        PersistentShape {
+            hidden: c.hidden_size,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            intermediate: c.intermediate_size,
+            vocab: c.vocab_size,
+            capacity: self.capacity,
+            eps: c.rms_norm_eps,
+        }
+    }
+
+    /// Why this model's step cannot run persistent (None: it can).
+    pub fn persistent_unsupported(&self) -> Option<String> {
+        self.persistent_layers().err()
+    }
+
+    fn persistent_layers(&self) -> std::result::Result<Vec<PersistentLayer>, String> {
+        if let Some(why) = sieve_cuda::persistent::unsupported_shape(&self.persistent_shape()) {
+            return Err(why);
+        }
+        dense_rows(&self.gpu, "the LM head", &self.lm_head)?;
+        let g = &self.gpu;
+        let p = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(g, s);
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (l, dl) in self.layers.iter().enumerate() {
+            let DeviceLayer {
+                input_norm,
+                post_norm,
+                qkv,
+                qkv_bias,
+                o,
+                gate_up,
+                down,
+            } = dl;
+            let named = |g: &str| format!("layer {l}'s {g}");
+            let (wqkv, t_qkv) = dense_rows(g, &named("q|k|v"), qkv)?;
+            let (wo, t_o) = dense_rows(g, &named("o"), o)?;
+            let (wgu, t_gate_up) = dense_rows(g, &named("gate|up"), gate_up)?;
+            let (wd, t_down) = dense_rows(g, &named("down"), down)?;
+            let (k_cache, v_cache) = match self.cache_view(l).map_err(|e| e.to_string())? {
+                KvCache::F16 { k, v } => (k, v),
+                KvCache::Int8 { .. } => {
+                    return Err("the 8-bit KV cache (the persistent step reads f16)".into())
+                }
+            };
+            out.push(PersistentLayer {
+                attn_norm: p(input_norm),
+                qkv: wqkv,
+                qkv_bias: qkv_bias.as_ref().map(p).unwrap_or(0),
+                k_cache,
+                v_cache,
+                o: wo,
+                mlp_norm: p(post_norm),
+                gate_up: wgu,
+                down: wd,
+                t_qkv,
+                t_o,
+                t_gate_up,
+                t_down,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Builds the persistent step for the current slot (the caller drops the captured graphs).
+    pub(super) fn build_persistent(&self) -> Result<PersistentStep> {
+        let layers = self.persistent_layers().map_err(|why| {
+            GpuError::Unsupported(format!("the persistent step cannot run this model: {why}"))
+        })?;
+        let ops: Vec<StepOp> = self
+            .ops()
+            .into_iter()
+            .filter_map(|op| match op {
+                Op::Plan(op) => Some(op),
+                Op::Next(_) => None,
+            })
+            .collect();
+        let stages = stages_of(&ops).map_err(GpuError::Unsupported)?;
+        let g = &self.gpu;
+        let b = &self.bufs;
+        let p = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(g, s);
+        let (lm_head, t_head) =
+            dense_rows(g, "the LM head", &self.lm_head).map_err(GpuError::Unsupported)?;
+        let io = PersistentIo {
+            embed: dev_ptr(g, &self.embed),
+            final_norm: p(&self.final_norm),
+            lm_head,
+            t_head,
+            x: p(&b.x),
+            qkv: p(&b.qkv),
+            att: p(&b.att),
+            h: p(&b.h),
+            logits: p(&b.logits),
+            state: dev_ptr(g, &b.state),
+            rope_cos: p(&b.rope_cos),
+            rope_sin: p(&b.rope_sin),
+        };
+        let mut step = PersistentStep::new(g, self.persistent_shape(), &layers, &stages, io)?;
+        step.set_trace(g, self.persistent_trace)?;
+        Ok(step)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plan_of_a_step_maps_to_five_stages_a_layer_and_the_head() {
+        let ops: Vec<StepOp> = sieve_model::plan::step_ops(2)
+            .into_iter()
+            .filter(|op| *op != StepOp::Next)
+            .collect();
+        let stages = stages_of(&ops).unwrap();
+        let kinds: Vec<StageKind> = stages.iter().map(|s| s.kind).collect();
+        use StageKind::*;
+        assert_eq!(
+            kinds,
+            vec![
+                QkvFromEmbedding,
+                Attention,
+                O,
+                GateUp,
+                Down,
+                Qkv,
+                Attention,
+                O,
+                GateUp,
+                Down,
+                Head
+            ]
+        );
+        assert_eq!(stages[6].layer, 1);
+        assert_eq!(stages[10].layer, 0);
+    }
+
+    #[test]
+    fn an_op_order_it_does_not_know_is_refused_by_name() {
+        let ops = [StepOp::Embed, StepOp::Layer(0, LayerOp::Attention)];
+        let err = stages_of(&ops).unwrap_err();
+        assert!(err.contains("q|k|v"), "{err}");
+        let ops = [StepOp::Layer(0, LayerOp::SwiGlu)];
+        let err = stages_of(&ops).unwrap_err();
+        assert!(err.contains("SwiGlu"), "{err}");
+    }
+}
