@@ -20,6 +20,9 @@
 #   PHASE=ttft   time to first token, same run: llama.cpp's llama-bench (built in an earlier
 #                call) on a random-weight 7B f16 GGUF at 128 and 2048 prompt tokens, and
 #                `sieve bench decode` on the 7B shape (dense and Tiled-CBC 0.5 / 0.5)   ~3 min
+#   PHASE=persistent  the persistent step (issue 27): its runner test against the graph step,
+#                then `bench decode --step persistent,graph` on the dense 7B shape and the
+#                default model, with traces (SVG) in $OUT                         ~3 min
 #   PHASE=decoder  Tiled-CBC's decode-then-GEMM against per-token products (`bench gemm`, 7B
 #                shapes, sp 0.5) and `bench decode --batch` of a Tiled-CBC 0.5 / 0.5 model
 #                around the one-pass crossover (DECODED_MIN_BATCH); then the 8-bit cache's
@@ -123,6 +126,16 @@ kv8)
     $sieve eval ppl --device cuda --kv-cache $kv --ctx 1024 --max-tokens 4096 2>&1 | tail -1
   done
   ;;
+persistent)
+  source scripts/gpu-quick.sh
+  run_t runner 240 persistent_step --nocapture
+  grep -E "max logit|step_us|persistent_step" "$OUT/runner.log" | head -12
+  $sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --step persistent,graph --prompt 128 \
+    --tokens 256 --trace "$OUT/trace-7b.svg" --json "$OUT/persistent-7b.json" 2>&1 | tee "$OUT/persistent-7b.log"
+  $sieve bench decode --model "$SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf" --f16-weights --step persistent,graph \
+    --prompt 128 --tokens 256 --trace "$OUT/trace-smol.svg" --json "$OUT/persistent-smol.json" 2>&1 \
+    | tee "$OUT/persistent-smol.log"
+  ;;
 ttft)
   mkdir -p /tmp/g
   [ -e /tmp/g/7b-f16.gguf ] || python3 scripts/llama-cpp/random_gguf.py --shape llama2-7b --type f16 \
@@ -145,5 +158,5 @@ decoder)
       --prompt 128 --tokens 128 --json "$OUT/kv8-decode-$kv.json" 2>&1 | tee "$OUT/kv8-decode-$kv.log"
   done
   ;;
-*) echo "PHASE is tests, bench, serve, smol, kv8, ttft or decoder"; exit 2 ;;
+*) echo "PHASE is tests, bench, serve, smol, kv8, persistent, ttft or decoder"; exit 2 ;;
 esac

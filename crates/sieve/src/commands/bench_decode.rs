@@ -19,6 +19,10 @@ pub struct DecodeArgs {
     /// A real model (GGUF, safetensors directory or .sieve pack), measured as it is packed.
     #[arg(long)]
     model: Option<PathBuf>,
+    /// With --model X.gguf: dequantize its blocks to dense f16 on loading (the f16 model of
+    /// the same weights, e.g. for the persistent step) instead of multiplying the blocks.
+    #[arg(long, requires = "model")]
+    f16_weights: bool,
     /// Weight sparsities of the synthetic configurations, paired with --dp.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7")]
     sp: Vec<f64>,
@@ -189,6 +193,11 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let format = FormatKind::from_name(&a.format)?;
     let pattern: Pattern = a.pattern.parse()?;
     let inputs: Vec<&std::path::Path> = a.model.iter().map(|p| p.as_path()).collect();
+    if let (Some(t), Some(m)) = (&a.trace, &a.model) {
+        if t == m || (t.exists() && t.canonicalize().ok() == m.canonicalize().ok()) {
+            bail!("--trace {} names the model: it would be overwritten", t.display());
+        }
+    }
     let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &inputs)?;
     let opts = DecodeBenchOptions {
         prompt: a.prompt.max(1),
@@ -237,7 +246,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             bench::run_synthetic_with(name, &configs, &opts, a.kv_cache.precision(), print_row)?
         }
         (None, Some(path)) => {
-            let (mut model, _tok) = sieve_model::packed::load_model_and_tokenizer(path)
+            let (mut model, _tok) = sieve_model::packed::load_model_and_tokenizer_with(path, a.f16_weights)
                 .with_context(|| format!("opening {}", path.display()))?;
             model.set_kv_precision(a.kv_cache.precision());
             let context = model.config().max_position_embeddings;
