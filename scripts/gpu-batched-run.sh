@@ -135,6 +135,9 @@ persistent)
   $sieve bench decode --model "$SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf" --f16-weights --step persistent,graph \
     --prompt 128 --tokens 256 --trace "$OUT/trace-smol.svg" --json "$OUT/persistent-smol.json" 2>&1 \
     | tee "$OUT/persistent-smol.log"
+  for step in persistent graph; do
+    echo "ppl, step $step: $($sieve eval ppl --device cuda --f16-weights --step $step --ctx 1024 --max-tokens 4096 2>&1 | tail -1)"
+  done
   ;;
 ttft)
   mkdir -p /tmp/g

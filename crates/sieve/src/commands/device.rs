@@ -32,6 +32,35 @@ impl KvCache {
     }
 }
 
+/// `--step auto|graph|persistent`: how a GPU decode step runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Step {
+    /// Persistent where the model allows it (dense f16 weights, f16 cache), else graph.
+    #[default]
+    Auto,
+    /// A CUDA graph of the plan's kernels (every format).
+    Graph,
+    /// One persistent kernel for the whole step (dense f16 weights, f16 KV cache).
+    Persistent,
+}
+
+/// Sets `m`'s decode step as `step` asks; `persistent` on a model it cannot run is an error
+/// naming why, `auto` says on stderr which it took.
+pub fn apply_step(m: &mut sieve_gpu::GpuModel, step: Step) -> Result<()> {
+    use sieve_gpu::runner::StepMode;
+    match step {
+        Step::Graph => m.set_step_mode(StepMode::Graph)?,
+        Step::Persistent => m
+            .set_step_mode(StepMode::Persistent)
+            .context("--step persistent")?,
+        Step::Auto => match m.persistent_unsupported() {
+            None => m.set_step_mode(StepMode::Persistent)?,
+            Some(why) => eprintln!("step: graph (not persistent: {why})"),
+        },
+    }
+    Ok(())
+}
+
 /// `model` on `gpu` with a KV cache of `capacity` positions storing what the model is set to
 /// ([`Model::set_kv_precision`]).
 pub fn upload(gpu: Gpu, model: &Model, capacity: usize) -> Result<sieve_gpu::GpuModel> {

@@ -41,6 +41,10 @@ pub enum EvalCommand {
         /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
         #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
         kv_cache: super::device::KvCache,
+        /// How a GPU decode step runs: persistent, graph, or auto (persistent where the model
+        /// allows it).
+        #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
+        step: super::device::Step,
     },
 }
 
@@ -69,6 +73,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             f16_weights,
             device,
             kv_cache,
+            step,
         } => {
             if let Some(n) = threads {
                 init_threads(n)?;
@@ -103,6 +108,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
                 Some(gpu) => {
                     let mut gpu_model = super::device::upload(gpu, &model, ctx)?;
                     drop(model);
+                    super::device::apply_step(&mut gpu_model, step)?;
                     super::device::print_report(&gpu_model);
                     sieve_gpu::generate::perplexity(&mut gpu_model, &tokens, ctx, progress)?
                 }

@@ -45,6 +45,10 @@ pub struct GenerateArgs {
     /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
+    /// cache), a CUDA graph of kernels, or auto (persistent where the model allows it).
+    #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
+    step: super::device::Step,
     /// Split the model over N ranks (tensor parallelism: heads, MLP columns and vocabulary
     /// rows per rank, two all-reduces per layer). Runs the CPU reference of the split (the
     /// ranks one after another, for checking, not for speed); needs --device cpu.
@@ -108,6 +112,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         let capacity = prompt.len().saturating_add(args.max_tokens);
         let mut gpu_model = super::device::upload(gpu, &model, capacity)?;
         drop(model);
+        super::device::apply_step(&mut gpu_model, args.step)?;
         super::device::print_report(&gpu_model);
         let result = sieve_gpu::generate::generate(
             &mut gpu_model,
