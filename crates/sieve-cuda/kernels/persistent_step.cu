@@ -28,11 +28,12 @@
 // Before waiting at a barrier a warp asks L2 for the first bytes of its rows of the next stage
 // (weights never depend on the barrier), so that the next stage starts on L2 hits.
 //
-// Grid barrier: a block arrives with an atomic on sync[0]; the last to arrive resets the count
-// and bumps the generation sync[1], which the others wait on. A wait longer than watchdog_ns
-// writes the stage (1-based) to *error, raises sync[2] (abort), and every block leaves: a
-// dependency bug gives an error on the host instead of a hung GPU. The host re-zeroes `sync`
-// after an abort. sync[3 + h] counts the splits of head h that are done (reset by its combiner).
+// Grid barrier (grid_barrier): a growing 64-bit arrival count in sync[0..1]. A wait longer than
+// watchdog_ns writes the stage (1-based) to *error, raises sync[32] (abort), and every block
+// leaves: a dependency bug gives an error on the host instead of a hung GPU. The host re-zeroes
+// `sync` after an abort. sync[64 + h] counts the splits of head h that are done (reset by its
+// combiner). Before the barrier that precedes attention, each block asks L2 for the K and V
+// rows of its first attention task.
 //
 // Intermediate buffers written in this launch (x, qkv, att, h, part, the new cache row) are read
 // with ld.global.cg: the L1 is not coherent across SMs. Weights go through the read-only path.
@@ -80,6 +81,11 @@ __device__ __forceinline__ u32 ldcg_u32(const void* p) {
 __device__ __forceinline__ void stcg_f32(float* p, float v) {
     asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
+__device__ __forceinline__ unsigned long long load_acquire_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
 }
@@ -108,33 +114,33 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 }
 
 // Every block waits until all have arrived. False when the step was aborted.
+// sync[0..1] is a 64-bit arrival count that only grows (a launch adds gridDim.x per barrier,
+// so it is a multiple of gridDim.x between launches): a block's arrival returns the old count,
+// and its barrier is passed when the count reaches the next multiple of gridDim.x. One atomic
+// per block and barrier, no reset. The abort flag sits on its own 128-byte line (sync[32]).
 __device__ bool grid_barrier(u32* sync, u32* error, u64 watchdog_ns, int stage) {
     __shared__ int s_ok;
     __syncthreads();
     if (threadIdx.x == 0) {
-        const u32 gen = load_acquire(sync + 1);
+        unsigned long long* count = reinterpret_cast<unsigned long long*>(sync);
         __threadfence();
+        const unsigned long long old = atomicAdd(count, 1ull);
+        const unsigned long long target = (old / gridDim.x + 1) * gridDim.x;
         int ok = 1;
-        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
-            atomicExch(sync, 0u);
-            __threadfence();
-            atomicAdd(sync + 1, 1u);
-        } else {
-            const u64 start = global_timer();
-            int spins = 0;
-            while (load_acquire(sync + 1) == gen) {
-                if (++spins == 256) {
-                    spins = 0;
-                    if (load_acquire(sync + 2)) {
-                        ok = 0;
-                        break;
-                    }
-                    if (global_timer() - start > watchdog_ns) {
-                        atomicCAS(error, 0u, (u32)(stage + 1));
-                        atomicExch(sync + 2, 1u);
-                        ok = 0;
-                        break;
-                    }
+        const u64 start = global_timer();
+        int spins = 0;
+        while (load_acquire_u64(count) < target) {
+            if (++spins == 256) {
+                spins = 0;
+                if (load_acquire(sync + 32)) {
+                    ok = 0;
+                    break;
+                }
+                if (global_timer() - start > watchdog_ns) {
+                    atomicCAS(error, 0u, (u32)(stage + 1));
+                    atomicExch(sync + 32, 1u);
+                    ok = 0;
+                    break;
                 }
             }
         }
@@ -399,7 +405,7 @@ __device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, in
     }
     __shared__ int s_last;
     __syncthreads();
-    u32* count = reinterpret_cast<u32*>(a.sync) + 3 + h;
+    u32* count = reinterpret_cast<u32*>(a.sync) + 64 + h;
     if (tid == 0) {
         __threadfence();
         s_last = atomicAdd(count, 1u) == (u32)(S - 1);
@@ -422,6 +428,23 @@ __device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, in
         stcg_f32(reinterpret_cast<float*>(a.att) + (size_t)h * hd + tid, num / den);
     }
     if (tid == 0) atomicExch(count, 0u);
+}
+
+// The K and V cache rows of this block's first attention task (the new position's row is
+// written in this stage: asking L2 for its stale line is harmless, L2 is coherent).
+__device__ void prefetch_attention(const PArgs& a, const PLayer* L, int len) {
+    const int task = blockIdx.x;
+    if (task >= a.H * a.splits) return;
+    const int h = task / a.splits, s = task % a.splits, S = a.splits;
+    const int kh = h / (a.H / a.Hkv), per = (len + S - 1) / S;
+    const int b = min(s * per, len), e = min(b + per, len);
+    const size_t row = (size_t)a.Hkv * a.hd;
+    const int lines = (a.hd * 2 + 127) / 128;
+    for (int i = threadIdx.x; i < (e - b) * lines * 2; i += PS_THREADS) {
+        const int t = b + i / (lines * 2), r = i % (lines * 2);
+        const u64 base = (r & 1) ? L->v_cache : L->k_cache;
+        prefetch_l2(reinterpret_cast<const f16_bits*>(base) + (size_t)t * row + (size_t)kh * a.hd + (r >> 1) * 64);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(const PArgs a) {
@@ -488,7 +511,12 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
         if (si + 1 < a.n_stages) {
             const f16_bits *ra, *rb;
             int K;
-            if (first_rows(a, stages[si + 1], gw, ra, rb, K)) prefetch_rows(ra, rb, K, lane);
+            const int2 next = stages[si + 1];
+            if (next.x == ST_ATTENTION) {
+                prefetch_attention(a, reinterpret_cast<const PLayer*>(a.layers) + next.y, p + 1);
+            } else if (first_rows(a, next, gw, ra, rb, K)) {
+                prefetch_rows(ra, rb, K, lane);
+            }
             if (!grid_barrier(sync, error, a.watchdog_ns, si)) return;
         }
     }

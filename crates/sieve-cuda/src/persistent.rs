@@ -22,8 +22,9 @@ const THREADS: u32 = 512;
 const SCORE_CAP: usize = 4096;
 /// Floats of shared memory besides the stage input: scores, value partials, q.
 const SCRATCH_FLOATS: usize = SCORE_CAP + 2 * THREADS as usize + 256;
-/// Words of the sync buffer before the per-head counters: count, generation, abort.
-const SYNC_HEADER: usize = 3;
+/// Words of the sync buffer before the per-head counters: the 64-bit arrival count and the
+/// abort flag, each on its own 128-byte line.
+const SYNC_HEADER: usize = 64;
 /// A barrier wait longer than this aborts the step with an error (a dependency bug, or a grid
 /// that is not all resident), instead of hanging the GPU.
 const WATCHDOG_NS: u64 = 2_000_000_000;
@@ -231,10 +232,10 @@ impl PersistentStep {
         let shared_bytes = (xs_floats + SCRATCH_FLOATS) * 4;
         let f = gpu.function(&FAMILY, "persistent_step")?;
         gpu.allow_dynamic_shared(&f, shared_bytes)?;
-        // Enough splits per head to give every block a task, and few enough positions per
+        // As many splits per head as keep every task on a block of its own (one block with two
+        // tasks doubles the stage: measured, 135 tasks on 132 SMs), and few enough positions per
         // split for the score buffer.
-        let splits = (blocks as usize)
-            .div_ceil(shape.heads)
+        let splits = (blocks as usize / shape.heads.max(1))
             .max(shape.capacity.div_ceil(SCORE_CAP))
             .max(1);
         let flat: Vec<i32> = stages

@@ -195,7 +195,10 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let inputs: Vec<&std::path::Path> = a.model.iter().map(|p| p.as_path()).collect();
     if let (Some(t), Some(m)) = (&a.trace, &a.model) {
         if t == m || (t.exists() && t.canonicalize().ok() == m.canonicalize().ok()) {
-            bail!("--trace {} names the model: it would be overwritten", t.display());
+            bail!(
+                "--trace {} names the model: it would be overwritten",
+                t.display()
+            );
         }
     }
     let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &inputs)?;
@@ -246,8 +249,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             bench::run_synthetic_with(name, &configs, &opts, a.kv_cache.precision(), print_row)?
         }
         (None, Some(path)) => {
-            let (mut model, _tok) = sieve_model::packed::load_model_and_tokenizer_with(path, a.f16_weights)
-                .with_context(|| format!("opening {}", path.display()))?;
+            let (mut model, _tok) =
+                sieve_model::packed::load_model_and_tokenizer_with(path, a.f16_weights)
+                    .with_context(|| format!("opening {}", path.display()))?;
             model.set_kv_precision(a.kv_cache.precision());
             let context = model.config().max_position_embeddings;
             opts.check_context(context, &path.display().to_string())?;

@@ -35,7 +35,9 @@ impl KvCache {
 /// `--step auto|graph|persistent`: how a GPU decode step runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Step {
-    /// Persistent where the model allows it (dense f16 weights, f16 cache), else graph.
+    /// The faster where the model allows both: graph, by measurement so far (the persistent
+    /// step measured slower on the 7B shape and on SmolLM2, H100 2026-12-05,
+    /// docs/BENCHMARKS.md).
     #[default]
     Auto,
     /// A CUDA graph of the plan's kernels (every format).
@@ -53,10 +55,7 @@ pub fn apply_step(m: &mut sieve_gpu::GpuModel, step: Step) -> Result<()> {
         Step::Persistent => m
             .set_step_mode(StepMode::Persistent)
             .context("--step persistent")?,
-        Step::Auto => match m.persistent_unsupported() {
-            None => m.set_step_mode(StepMode::Persistent)?,
-            Some(why) => eprintln!("step: graph (not persistent: {why})"),
-        },
+        Step::Auto => m.set_step_mode(StepMode::Graph)?,
     }
     Ok(())
 }

@@ -41,8 +41,8 @@ pub enum EvalCommand {
         /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
         #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
         kv_cache: super::device::KvCache,
-        /// How a GPU decode step runs: persistent, graph, or auto (persistent where the model
-        /// allows it).
+        /// How a GPU decode step runs: persistent, graph, or auto (the faster: graph, as
+        /// measured so far).
         #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
         step: super::device::Step,
     },

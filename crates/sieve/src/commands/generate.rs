@@ -46,7 +46,7 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
     /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
-    /// cache), a CUDA graph of kernels, or auto (persistent where the model allows it).
+    /// cache), a CUDA graph of kernels, or auto (the faster: graph, as measured so far).
     #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
     step: super::device::Step,
     /// Split the model over N ranks (tensor parallelism: heads, MLP columns and vocabulary
