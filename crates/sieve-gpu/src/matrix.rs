@@ -5,7 +5,8 @@
 //! |---|---|---|
 //! | dense (or GGUF blocks of types without a block kernel, dequantized to f16) | none | row-major GEMV |
 //! | dense | TEAL | column-major GEMV that skips inactive columns |
-//! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, W4A16 g128, W8A16) | any | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
+//! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, W4A16 g128, W8A16) | none (or a kind below without a column layout) | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
+//! | W4A16 g128, GGUF Q4_0 | TEAL | column-major 4-bit: the active columns compacted, then only their weights read (`sieve_cuda::lowbit_cols`) |
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme with int4 / int8 values ([`HostMatrix::IeBme`], or int4 values re-encoded exactly) | any | union bitmaps decoded into tensor-core fragments |
@@ -25,6 +26,7 @@ use sieve_cuda::balanced_lowbit::{BalancedLowBit, GpuBalancedLowBit};
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
 use sieve_cuda::ie_bme::{GpuIeBme, IeBmeDevice};
 use sieve_cuda::lowbit::{GpuLowBit, LowBitMatrix};
+use sieve_cuda::lowbit_cols::GpuLowBitCols;
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::slide::GpuSlide;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
@@ -131,6 +133,8 @@ pub enum DeviceMatrix {
     BalancedCbc(GpuBalancedCbc),
     BalancedLowBit(GpuBalancedLowBit),
     LowBit(LowBitProduct),
+    /// A symmetric 4-bit matrix whose input has a TEAL threshold, column-major.
+    LowBitCols(GpuLowBitCols),
     IeBme(GpuIeBme),
     Slide(SlideProduct),
 }
@@ -209,8 +213,22 @@ impl DeviceMatrix {
         })
     }
 
-    /// Uploads a dense low-bit matrix with its input buffer.
-    pub fn upload_low_bit(gpu: &Gpu, m: &LowBitMatrix) -> Result<(Self, usize)> {
+    /// Uploads a dense low-bit matrix: column-major when its input has a threshold and the
+    /// kind has a column layout ([`sieve_cuda::lowbit_cols::supports`]), so that inactive
+    /// columns are never read; else in the tensor-core layout with its input buffer.
+    pub fn upload_low_bit(
+        gpu: &Gpu,
+        m: &LowBitMatrix,
+        threshold: Threshold,
+    ) -> Result<(Self, usize)> {
+        if threshold.is_some()
+            && sieve_cuda::lowbit_cols::supports(m.kind())
+            && low_bit_columns_enabled()
+        {
+            let c = GpuLowBitCols::upload(gpu, m)?;
+            let bytes = c.device_bytes();
+            return Ok((DeviceMatrix::LowBitCols(c), bytes));
+        }
         let matrix = GpuLowBit::upload(gpu, m)?;
         let bytes = matrix.device_bytes();
         let x16 = gpu.upload(&vec![f16::ZERO; matrix.padded_cols()])?;
@@ -241,7 +259,7 @@ impl DeviceMatrix {
     ) -> Result<(Self, usize)> {
         match m {
             HostMatrix::Values(v) => Self::upload(gpu, kind, v, threshold),
-            HostMatrix::LowBit(q) => Self::upload_low_bit(gpu, q),
+            HostMatrix::LowBit(q) => Self::upload_low_bit(gpu, q, threshold),
             HostMatrix::IeBme(e) => Self::upload_ie_bme(gpu, e),
             HostMatrix::Slide(s) => Self::upload_slide(gpu, s),
         }
@@ -251,6 +269,8 @@ impl DeviceMatrix {
     pub fn launches(&self) -> usize {
         match self {
             DeviceMatrix::LowBit(_) => 2,
+            // The compaction, then the product.
+            DeviceMatrix::LowBitCols(_) => 2,
             // Lift, then the product (split K accumulates: no zeroing launch).
             DeviceMatrix::Slide(_) => 2,
             _ => 1,
@@ -268,6 +288,10 @@ impl DeviceMatrix {
             DeviceMatrix::BalancedLowBit(m) => match m.values() {
                 sieve_cuda::balanced_lowbit::LowBitValues::Int8 => "balanced-cbc/int8",
                 sieve_cuda::balanced_lowbit::LowBitValues::Int4 { .. } => "balanced-cbc/int4",
+            },
+            DeviceMatrix::LowBitCols(m) => match m.kind() {
+                sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit-cols/q4_0",
+                _ => "lowbit-cols/w4a16-g128",
             },
             DeviceMatrix::IeBme(m) => {
                 if m.bits() == 4 {
@@ -309,6 +333,7 @@ impl DeviceMatrix {
             DeviceMatrix::BalancedCbc(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::BalancedLowBit(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::IeBme(m) => m.launch_add(gpu, x, t, y)?,
+            DeviceMatrix::LowBitCols(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::LowBit(p) => {
                 let (k, ldx) = (p.matrix.cols(), p.matrix.padded_cols());
                 let x16 = sieve_cuda::dev_ptr(gpu, &p.x16);
@@ -331,6 +356,7 @@ impl DeviceMatrix {
             DeviceMatrix::BalancedCbc(m) => m.bytes_for(active),
             DeviceMatrix::BalancedLowBit(m) => m.bytes_for(active),
             DeviceMatrix::IeBme(m) => m.bytes_for(active),
+            DeviceMatrix::LowBitCols(m) => m.bytes_for(active),
             // Every weight and scale, the f32 input read and its f16 copy written and read,
             // the f32 output read and written.
             DeviceMatrix::LowBit(p) => {
@@ -411,7 +437,7 @@ impl DeviceLinear {
                             _ => None,
                         })
                         .collect();
-                    DeviceMatrix::upload_low_bit(gpu, &LowBitMatrix::concat_rows(&low)?)?
+                    DeviceMatrix::upload_low_bit(gpu, &LowBitMatrix::concat_rows(&low)?, mats[0].1)?
                 }
                 HostMatrix::Slide(_) => {
                     let slides: Vec<&Slide> = mats
@@ -498,4 +524,12 @@ impl DeviceLinear {
         labels.dedup();
         labels.join("+")
     }
+}
+
+/// `SIEVE_LOWBIT_COLS=off` in the environment keeps thresholded 4-bit matrices in the
+/// tensor-core layout (the input masked, every weight read), read once: a switch for measuring
+/// the column layout against it in a whole decode step, not a setting.
+fn low_bit_columns_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SIEVE_LOWBIT_COLS").as_deref() != Ok("off"))
 }

@@ -11,6 +11,7 @@
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
+//! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
 //! | SlideSparse | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
 //! | RLC-CSC, Balanced-CBC | no decoder: the prompt runs token by token through the decode step |
 //!
@@ -124,14 +125,17 @@ fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize) -> bool 
     CHUNK > TCBC_SPMM_MAX_TOKENS || !t.spmm_supports(cols)
 }
 
-/// Elements of the largest Tiled-CBC matrix among `linears` that a pass decodes to f16 (0 when
-/// the SpMM multiplies them all).
+/// Elements of the largest matrix among `linears` that a pass decodes to f16: a Tiled-CBC one
+/// past the SpMM, or a column-major 4-bit one (padded). 0 when none is decoded.
 pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
-        .filter(|(p, k)| matches!(&p.matrix, DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, *k)))
-        .map(|(p, k)| p.rows * k)
+        .filter_map(|(p, k)| match &p.matrix {
+            DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k) => Some(p.rows * k),
+            DeviceMatrix::LowBitCols(c) => Some(c.padded_rows() * c.padded_cols()),
+            _ => None,
+        })
         .max()
         .unwrap_or(0)
 }
@@ -260,6 +264,10 @@ pub fn linear_rows(
             DeviceMatrix::TiledCbc(t) => {
                 t.decode_transposed(gpu, w16)?;
                 (w16, true, m)
+            }
+            DeviceMatrix::LowBitCols(c) => {
+                c.decode_transposed(gpu, w16)?;
+                (w16, true, c.padded_rows())
             }
             DeviceMatrix::RlcCsc(_) => {
                 return Err(GpuError::Unsupported(

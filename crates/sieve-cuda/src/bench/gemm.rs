@@ -80,10 +80,16 @@ pub enum Precision {
     /// SlideSparse: a (2N-2):2N matrix (`--pattern`) lifted to 2:4 and multiplied on the sparse
     /// tensor cores (`mma.sp`), f16 values; the activation lifting (f32 -> f16) is timed with it.
     SlideF16,
+    /// W4A16 g128 column-major under a TEAL threshold (`lowbit_cols`): N = 1, the weights
+    /// pruned to sp (stored as zeros), only the active columns read. Timed with the zeroing of
+    /// y and the compaction (cuBLAS writes y; in the decode step the RMSNorm before zeroes it).
+    W4A16Cols,
+    /// GGUF Q4_0 (4-bit, f16 scale per 32) column-major under a TEAL threshold, as `w4a16-cols`.
+    Q4_0Cols,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 18] = [
+    pub const ALL: [Precision; 20] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -102,6 +108,8 @@ impl Precision {
         Precision::TcbcDecodeGemm,
         Precision::TcbcSpmm,
         Precision::SlideF16,
+        Precision::W4A16Cols,
+        Precision::Q4_0Cols,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -123,6 +131,8 @@ impl Precision {
             Precision::TcbcDecodeGemm => "tcbc-decode-gemm",
             Precision::TcbcSpmm => "tcbc-spmm",
             Precision::SlideF16 => "slide-f16",
+            Precision::W4A16Cols => "w4a16-cols",
+            Precision::Q4_0Cols => "q4_0-cols",
         }
     }
     fn is_balanced(self) -> bool {
@@ -559,6 +569,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
         }
     }
 
+    bench_lowbit_cols(ctx, shape, seed, &bases)?;
     bench_ie_bme(ctx, shape, seed, &x16, &bases)?;
     bench_tiled_cbc(ctx, shape, seed, &x16, &bases)?;
     bench_slide(ctx, shape, seed, &x16, &bases)?;
@@ -617,6 +628,58 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
                 gpu.synchronize()?;
                 let err = max_rel_error(&gpu.download(&y)?, &want);
                 let nc = copies.len();
+                let t = ctx.time(nc, &mut y, &want, |i, y| {
+                    copies[i % nc].launch(gpu, &xd, thr, y)
+                })?;
+                let bytes = copies[0].bytes_for(&crate::product::active_mask(&x, thr));
+                ctx.record(p, shape, 1, sp, dp, &t, &bases[ni], bytes, err);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Column-major 4-bit rows: N = 1, every sp (weights pruned, then quantized) and dp (TEAL
+/// thresholds from the activations' quantiles).
+fn bench_lowbit_cols(ctx: &mut Ctx, shape: &Shape, seed: u64, bases: &[Timed]) -> Result<()> {
+    use crate::lowbit_cols::{ColumnLayout, GpuLowBitCols};
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let (m, k) = (shape.m, shape.k);
+    for &p in &opts.precisions {
+        let kind = match p {
+            Precision::W4A16Cols => LowBitKind::W4G128,
+            Precision::Q4_0Cols => LowBitKind::W4G32,
+            _ => continue,
+        };
+        let Some(ni) = opts.n.iter().position(|&n| n == 1) else {
+            return Err(CudaError::Option(format!(
+                "{p} is a matrix-vector product: --n must include 1"
+            )));
+        };
+        for (pi, &sp) in opts.sp.iter().enumerate() {
+            let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x60 + pi as u64))?;
+            let lb = match kind {
+                LowBitKind::W4G32 => LowBitMatrix::from_q4_0(m, k, &quantize_q4_0(&w)?)?,
+                _ => LowBitMatrix::quantize(&w, kind),
+            };
+            let wq: Vec<f64> = lb.dequantize().into_iter().map(|v| v as f64).collect();
+            let layout = ColumnLayout::new(&lb)?;
+            let copies: Vec<GpuLowBitCols> = (0..ctx.copies(layout.bytes()))
+                .map(|_| GpuLowBitCols::upload_layout(gpu, &layout))
+                .collect::<Result<_>>()?;
+            let nc = copies.len();
+            for (di, &dp) in opts.dp.iter().enumerate() {
+                let x = activations(k, seed ^ (0x180 + di as u64));
+                let thr = threshold_for_sparsity(&x, dp)?;
+                // The kernel reads f16 inputs: the reference takes the same rounding.
+                let x16: Vec<f32> = x.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
+                let want = reference_product(&wq, m, k, &masked(&x16, thr), 1);
+                let xd = gpu.upload(&x)?;
+                let mut y = gpu.poisoned_f32(m)?;
+                copies[0].launch(gpu, &xd, thr, &mut y)?;
+                gpu.synchronize()?;
+                let err = max_rel_error(&gpu.download(&y)?, &want);
                 let t = ctx.time(nc, &mut y, &want, |i, y| {
                     copies[i % nc].launch(gpu, &xd, thr, y)
                 })?;

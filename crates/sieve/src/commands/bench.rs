@@ -33,7 +33,8 @@ pub struct GemmArgs {
     /// of the IE-BME and Tiled-CBC rows (unstructured).
     #[arg(long, value_delimiter = ',', default_value = "0.5")]
     sp: Vec<f64>,
-    /// Activation sparsities (TEAL) of the Balanced-CBC rows and of the IE-BME rows at N = 1.
+    /// Activation sparsities (TEAL) of the Balanced-CBC and column-major 4-bit rows and of the
+    /// IE-BME rows at N = 1.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5")]
     dp: Vec<f64>,
     /// (2N-2):2N patterns of the slide-f16 rows (2:4, 4:6, 6:8, ... 14:16).
@@ -46,7 +47,9 @@ pub struct GemmArgs {
     /// areas, group 128, every N), tcbc-per-token and tcbc-decode-gemm (Tiled-CBC f16 at sp:
     /// N one-token products, or decoded to f16 then one cuBLAS GEMM, the batched serving
     /// step's way), slide-f16 (SlideSparse: a --pattern matrix lifted to 2:4 on the sparse
-    /// tensor cores, the activation lifting timed with it).
+    /// tensor cores, the activation lifting timed with it), w4a16-cols and q4_0-cols (4-bit
+    /// column-major under a TEAL threshold, N = 1 at every --sp and --dp: inactive columns never
+    /// read).
     #[arg(
         long,
         value_delimiter = ',',

@@ -1,0 +1,211 @@
+// Column-major 4-bit weights with TEAL column skipping: y += W · mask_t(x) for one token.
+// W (M x K) is symmetric 4-bit with one f16 scale per row and G columns: G = 128 is sieve's
+// W4A16, G = 32 GGUF's Q4_0 (value s[r][k / G] · (u - 8), u in 0..15). This is the decode
+// layout of such a matrix when its input has a TEAL threshold: the tensor-core layout
+// (dense_lowbit_gemv.cu) reads every weight whatever the input; this one reads nothing of an
+// inactive column, so at activation sparsity dp it reads (1 - dp) of the weight bytes.
+//
+// Layout (src/lowbit_cols.rs `ColumnLayout`): rows padded to Mp = 256 n, columns to Kp = 32 n
+//
+//   words[k · Mp/8 + r/8]   u32: the 8 nibbles of rows r .. r + 7 of column k (r = 8 j); pair
+//                           i = rows (r + 2i, r + 2i + 1) at bits 4i .. 4i+3 and 16+4i .. 19+4i,
+//                           so ((w >> 4i) & 0x000f000f) | 0x64006400 is the f16 pair
+//                           (1024 + u, 1024 + u') and one f16x2 subtraction of (1032, 1032)
+//                           gives the exact (u - 8, u' - 8)
+//   scales[g · Mp + r]      f16 s[r][g], g = k / G: a lane's 8 rows are one 16-byte load
+//   padding                 u = 8 (value 0), scale 0
+//
+//      column k:  | l0: rows 0-7 | l1: rows 8-15 | ... | l31: rows 248-255 | next row tile ...
+//                 one 128-byte line per (column, row tile): a warp reads whole lines, and no
+//                 byte of an inactive column.
+//
+// (1) lbc_compact, once per product: one warp per slot of 32 columns. A ballot of |x| > t, and
+//     for each active column an entry (column in slot << 16) | f16(x · 2^s) at
+//     entries[slot · 32 + rank], the count at counts[slot] and 2^-s at pow2[slot]. s is a power
+//     of two chosen per slot from its largest active |x| (= m · 2^E, m in [0.5, 1): s = 8 - E),
+//     so every scaled input is below 256 and the f16 partial sums below can neither overflow nor
+//     lose the small inputs of a slot with one huge one (Llama's "massive activations" reach
+//     thousands). Scaling by a power of two is exact: f16(x · 2^s) = f16(x) · 2^s.
+//
+// (2) lbc_w4_gG: block = 8 warps = 8 consecutive slots (256 columns) of one row tile (256
+//     rows); lane l owns rows r0 + 8l .. r0 + 8l + 7. A warp reads its slot's entries (one per
+//     lane), then walks them in rounds of 16: the 16 column words are loaded before any is used
+//     (2 KB in flight per warp), each becomes 4 f16 pairs (LOP3 and a shift, one HSUB2) that one
+//     HFMA2 each multiplies by the broadcast input into 4 f16x2 partial sums. Every 8 columns the
+//     partial sums (|.| < 8 · 8 · 256 = 16384) are added into f32, so each f16 sum holds at most
+//     8 products. At the end the warp's 8 sums are scaled by the rows' s and the slot's 2^-s;
+//     the block adds its 8 warps in shared memory and adds to y with one 16-byte vector
+//     reduction per 4 rows (split-K: y is not zeroed here; the decode runner zeroes it in the
+//     RMSNorm before, or adds into the residual).
+//
+// (3) lbc_w4_to_f16_t: the matrix as f16 (K x Mp, column k's Mp rows contiguous) for the batched
+//     prefill, which multiplies it with cuBLAS (s · (u - 8) rounded to f16 once).
+
+#define LBC_ROWS 256
+#define LBC_SLOT 32
+#define LBC_WARPS 8
+#define LBC_ROUND 16
+
+// 2^e as a float for |e| <= 126, from its exponent bits.
+__device__ __forceinline__ float lbc_pow2(int e) { return __int_as_float((127 + e) << 23); }
+
+extern "C" __global__ void __launch_bounds__(256)
+lbc_compact(const float* __restrict__ x, int K, float t, int slots, u32* __restrict__ entries,
+            int* __restrict__ counts, float* __restrict__ pow2) {
+    pdl_wait_then_release();
+    int slot = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (slot >= slots) return;
+    int k = slot * LBC_SLOT + lane;
+    float v = k < K ? x[k] : 0.f;
+    bool on = k < K && active(v, t);
+    u32 mask = __ballot_sync(FULL_MASK, on);
+    float a = on ? fabsf(v) : 0.f;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, d));
+    // a = m · 2^E with m in [0.5, 1) for a normal a: E = biased exponent - 126. Zero and
+    // subnormal maxima give E = -126; the clamp keeps 2^s and 2^-s finite floats.
+    int E = (int)((__float_as_uint(a) >> 23) & 0xffu) - 126;
+    int s = min(max(8 - E, -100), 100);
+    if (on) {
+        u32 rank = __popc(mask & ((1u << lane) - 1u));
+        entries[slot * LBC_SLOT + rank] = ((u32)lane << 16) | (u32)f2h(v * lbc_pow2(s));
+    }
+    if (lane == 0) {
+        counts[slot] = __popc(mask);
+        pow2[slot] = lbc_pow2(-s);
+    }
+}
+
+__device__ __forceinline__ u32 ld_stream4(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// (u - 8) of pair i of word w as an f16 pair.
+__device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
+    return sub_f16x2(and_or(w >> (4 * i), 0x000f000fu, 0x64006400u), 0x64086408u);
+}
+
+template <int G>
+__device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
+                                            const u32* __restrict__ entries, const int* __restrict__ counts,
+                                            const float* __restrict__ pow2, float* __restrict__ y, int M, int Mp,
+                                            int slots) {
+    __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS];
+    int lane = threadIdx.x & 31;
+    int wib = threadIdx.x >> 5;
+    int rt = blockIdx.x;
+    int slot = blockIdx.y * LBC_WARPS + wib;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int cnt = slot < slots ? counts[slot] : 0;
+    if (cnt > 0) {
+        u32 e = lane < cnt ? entries[slot * LBC_SLOT + lane] : 0u;
+        size_t ldw = (size_t)(Mp / 8);
+        const u32* wcol = w + (size_t)slot * LBC_SLOT * ldw + (size_t)rt * 32 + lane;
+        for (int j0 = 0; j0 < cnt; j0 += LBC_ROUND) {
+            u32 ev[LBC_ROUND], wv[LBC_ROUND];
+#pragma unroll
+            for (int u = 0; u < LBC_ROUND; ++u) {
+                // j0 + u < 32: lanes past the count hold entry 0 (input +0, no load).
+                ev[u] = __shfl_sync(FULL_MASK, e, j0 + u);
+                wv[u] = j0 + u < cnt ? ld_stream4(wcol + (size_t)(ev[u] >> 16) * ldw) : 0u;
+            }
+#pragma unroll
+            for (int h = 0; h < LBC_ROUND; h += 8) {
+                if (j0 + h >= cnt) break;
+                u32 hs[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+                for (int u = h; u < h + 8; ++u) {
+                    u32 x2 = prmt(ev[u], 0u, 0x1010u);  // the input's f16 in both halves
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) hs[i] = fma_f16x2(lbc_pair(wv[u], i), x2, hs[i]);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float lo, hi;
+                    unpack2(hs[i], lo, hi);
+                    acc[2 * i] += lo;
+                    acc[2 * i + 1] += hi;
+                }
+            }
+        }
+        int g = (slot * LBC_SLOT) / G;
+        uint4 sv = *reinterpret_cast<const uint4*>(scales + (size_t)g * Mp + (size_t)rt * LBC_ROWS + lane * 8);
+        float sc[8];
+        unpack8(sv, sc);
+        float p2 = pow2[slot];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] *= sc[i] * p2;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) part[wib][lane * 8 + i] = acc[i];
+    __syncthreads();
+    int r0 = rt * LBC_ROWS;
+    bool vec = ((reinterpret_cast<size_t>(y) & 15) == 0) && (M % 4 == 0);
+    if (vec) {
+        // 64 threads, 4 rows each: one 16-byte reduction (M % 4 == 0, so all 4 rows exist or none).
+        int r = threadIdx.x * 4;
+        if (r < LBC_ROWS && r0 + r < M) {
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int q = 0; q < LBC_WARPS; ++q) {
+                float4 v = *reinterpret_cast<const float4*>(&part[q][r]);
+                s[0] += v.x;
+                s[1] += v.y;
+                s[2] += v.z;
+                s[3] += v.w;
+            }
+            if (s[0] != 0.f || s[1] != 0.f || s[2] != 0.f || s[3] != 0.f)
+                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(y + r0 + r), "f"(s[0]),
+                             "f"(s[1]), "f"(s[2]), "f"(s[3])
+                             : "memory");
+        }
+    } else {
+        int r = threadIdx.x;
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < LBC_WARPS; ++q) s += part[q][r];
+        if (r0 + r < M && s != 0.f) atomicAdd(y + r0 + r, s);
+    }
+}
+
+#define LBC_W4_ARGS                                                                                     \
+    const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const u32 *__restrict__ entries,  \
+        const int *__restrict__ counts, const float *__restrict__ pow2, float *__restrict__ y, int M, \
+        int Mp, int slots
+
+extern "C" __global__ void __launch_bounds__(256) lbc_w4_g128(LBC_W4_ARGS) {
+    pdl_wait_then_release();
+    lbc_w4_body<128>(w, scales, entries, counts, pow2, y, M, Mp, slots);
+}
+
+extern "C" __global__ void __launch_bounds__(256) lbc_w4_g32(LBC_W4_ARGS) {
+    pdl_wait_then_release();
+    lbc_w4_body<32>(w, scales, entries, counts, pow2, y, M, Mp, slots);
+}
+
+// One thread per word: rows r .. r + 7 of column k as 8 f16 at out[k · Mp + r].
+extern "C" __global__ void __launch_bounds__(256)
+lbc_w4_to_f16_t(const u32* __restrict__ w, const f16_bits* __restrict__ scales, int Mp, int Kp, int G,
+                f16_bits* __restrict__ out) {
+    pdl_wait_then_release();
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t words = (size_t)Kp * (Mp / 8);
+    if (i >= words) return;
+    int k = (int)(i / (Mp / 8));
+    int r = (int)(i % (Mp / 8)) * 8;
+    u32 wd = w[i];
+    uint4 sv = *reinterpret_cast<const uint4*>(scales + (size_t)(k / G) * Mp + r);
+    float sc[8];
+    unpack8(sv, sc);
+    u32 o[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        float lo = (float)((int)((wd >> (4 * p)) & 0xfu) - 8) * sc[2 * p];
+        float hi = (float)((int)((wd >> (16 + 4 * p)) & 0xfu) - 8) * sc[2 * p + 1];
+        o[p] = (u32)f2h(lo) | ((u32)f2h(hi) << 16);
+    }
+    *reinterpret_cast<uint4*>(out + (size_t)k * Mp + r) = make_uint4(o[0], o[1], o[2], o[3]);
+}
