@@ -27,6 +27,11 @@
 #                shapes, sp 0.5) and `bench decode --batch` of a Tiled-CBC 0.5 / 0.5 model
 #                around the one-pass crossover (DECODED_MIN_BATCH); then the 8-bit cache's
 #                decode at 8192 positions against the f16 cache's                    ~4 min
+#   PHASE=cols   the column-major 4-bit kernel (TEAL column skipping, issue 26): its tests and the
+#                runner's Q4_0 models, then `bench gemm` at N = 1 on the 7B shapes against
+#                cuBLAS f16 and the tensor-core W4A16 / Q4_0 kernels                   ~3 min
+#   PHASE=cols-decode  `bench decode` on the 7B shape with int4 and q4_0 values at sp / dp
+#                0 / 0, 0.5 / 0.5, 0.5 / 0.7, and 0.5 / 0.5 in the tensor-core layout  ~7 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -161,5 +166,24 @@ decoder)
       --prompt 128 --tokens 128 --json "$OUT/kv8-decode-$kv.json" 2>&1 | tee "$OUT/kv8-decode-$kv.log"
   done
   ;;
-*) echo "PHASE is tests, bench, serve, smol, kv8, persistent, ttft or decoder"; exit 2 ;;
+cols)
+  source scripts/gpu-quick.sh
+  run_t lowbit_cols 120
+  run_t runner 300 tiny_gguf_block_models_match_cpu
+  $sieve bench gemm --shapes llama2-7b --precision f16,w4a16,gguf-q4_0,w4a16-cols,q4_0-cols --n 1 \
+    --sp 0,0.5 --dp 0,0.5,0.7 --graph --json "$OUT/cols-gemm.json" 2>&1 | grep -vE "^(device|copy|empty)" \
+    | tee "$OUT/cols-gemm.log"
+  ;;
+cols-decode)
+  # TEAL on 4-bit weights in the whole step: the column layout against the tensor-core layout
+  # (SIEVE_LOWBIT_COLS=off: the input masked, every weight read), W4A16 g128 and Q4_0.
+  $sieve bench decode --synthetic llama2-7b --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 --prompt 128 \
+    --tokens 256 --json "$OUT/cols-decode-int4.json" 2>&1 | tee "$OUT/cols-decode-int4.log" | grep -E "TPOT|error"
+  SIEVE_LOWBIT_COLS=off $sieve bench decode --synthetic llama2-7b --values int4 --sp 0.5 --dp 0.5 \
+    --prompt 128 --tokens 256 --json "$OUT/cols-decode-int4-tc.json" 2>&1 | tee "$OUT/cols-decode-int4-tc.log" \
+    | grep -E "TPOT|error"
+  $sieve bench decode --synthetic llama2-7b --values q4_0 --sp 0,0.5 --dp 0,0.5 --prompt 128 \
+    --tokens 256 --json "$OUT/cols-decode-q4_0.json" 2>&1 | tee "$OUT/cols-decode-q4_0.log" | grep -E "TPOT|error"
+  ;;
+*) echo "PHASE is tests, bench, serve, smol, kv8, persistent, ttft, decoder, cols or cols-decode"; exit 2 ;;
 esac

@@ -19,24 +19,26 @@
 //                 one 128-byte line per (column, row tile): a warp reads whole lines, and no
 //                 byte of an inactive column.
 //
-// (1) lbc_compact, once per product: one warp per slot of 32 columns. A ballot of |x| > t, and
-//     for each active column an entry (column in slot << 16) | f16(x · 2^s) at
-//     entries[slot · 32 + rank], the count at counts[slot] and 2^-s at pow2[slot]. s is a power
-//     of two chosen per slot from its largest active |x| (= m · 2^E, m in [0.5, 1): s = 8 - E),
-//     so every scaled input is below 256 and the f16 partial sums below can neither overflow nor
-//     lose the small inputs of a slot with one huge one (Llama's "massive activations" reach
-//     thousands). Scaling by a power of two is exact: f16(x · 2^s) = f16(x) · 2^s.
+// One launch per product. Block = 8 warps = 8 consecutive slots of 32 columns (256 columns) of
+// one row tile (256 rows); lane l owns rows r0 + 8l .. r0 + 8l + 7.
 //
-// (2) lbc_w4_gG: block = 8 warps = 8 consecutive slots (256 columns) of one row tile (256
-//     rows); lane l owns rows r0 + 8l .. r0 + 8l + 7. A warp reads its slot's entries (one per
-//     lane), then walks them in rounds of 16: the 16 column words are loaded before any is used
-//     (2 KB in flight per warp), each becomes 4 f16 pairs (LOP3 and a shift, one HSUB2) that one
-//     HFMA2 each multiplies by the broadcast input into 4 f16x2 partial sums. Every 8 columns the
-//     partial sums (|.| < 8 · 8 · 256 = 16384) are added into f32, so each f16 sum holds at most
-//     8 products. At the end the warp's 8 sums are scaled by the rows' s and the slot's 2^-s;
-//     the block adds its 8 warps in shared memory and adds to y with one 16-byte vector
-//     reduction per 4 rows (split-K: y is not zeroed here; the decode runner zeroes it in the
-//     RMSNorm before, or adds into the residual).
+//   1. The warp loads its slot's 32 inputs (one per lane) and its rows' scales, together.
+//   2. Compaction in registers: a ballot of |x| > t gives the slot's active columns; the
+//      slot's largest active |x| = m · 2^E (m in [0.5, 1)) gives s = 8 - E, and each lane
+//      rounds its input to f16(x · 2^s). Every scaled input is below 256, so the f16 partial
+//      sums below can neither overflow nor drop the small inputs of a slot with one huge one
+//      (Llama's "massive activations" reach thousands). A power-of-two scale is exact:
+//      f16(x · 2^s) = f16(x) · 2^s. Every row tile's warps redo this for their slot: ~40
+//      instructions against the loop's ~20 per column, and no compaction launch.
+//   3. The active columns in rounds of 16: the 16 column words are loaded before any is used
+//      (2 KB in flight per warp), each becomes 4 f16 pairs (LOP3 and a shift, one HSUB2) that
+//      one HFMA2 each multiplies by the broadcast input into 4 f16x2 partial sums. Every 8
+//      columns the partial sums (|.| < 8 · 8 · 256 = 16384) are added into f32, so each f16
+//      sum holds at most 8 products.
+//   4. The warp's 8 sums are scaled by its rows' s and the slot's 2^-s; the block adds its 8
+//      warps in shared memory and adds to y with one 16-byte vector reduction per 4 rows
+//      (split-K: y is not zeroed here; the decode runner zeroes it in the RMSNorm before, or
+//      adds into the residual).
 //
 // (3) lbc_w4_to_f16_t: the matrix as f16 (K x Mp, column k's Mp rows contiguous) for the batched
 //     prefill, which multiplies it with cuBLAS (s · (u - 8) rounded to f16 once).
@@ -48,34 +50,6 @@
 
 // 2^e as a float for |e| <= 126, from its exponent bits.
 __device__ __forceinline__ float lbc_pow2(int e) { return __int_as_float((127 + e) << 23); }
-
-extern "C" __global__ void __launch_bounds__(256)
-lbc_compact(const float* __restrict__ x, int K, float t, int slots, u32* __restrict__ entries,
-            int* __restrict__ counts, float* __restrict__ pow2) {
-    pdl_wait_then_release();
-    int slot = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (slot >= slots) return;
-    int k = slot * LBC_SLOT + lane;
-    float v = k < K ? x[k] : 0.f;
-    bool on = k < K && active(v, t);
-    u32 mask = __ballot_sync(FULL_MASK, on);
-    float a = on ? fabsf(v) : 0.f;
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, d));
-    // a = m · 2^E with m in [0.5, 1) for a normal a: E = biased exponent - 126. Zero and
-    // subnormal maxima give E = -126; the clamp keeps 2^s and 2^-s finite floats.
-    int E = (int)((__float_as_uint(a) >> 23) & 0xffu) - 126;
-    int s = min(max(8 - E, -100), 100);
-    if (on) {
-        u32 rank = __popc(mask & ((1u << lane) - 1u));
-        entries[slot * LBC_SLOT + rank] = ((u32)lane << 16) | (u32)f2h(v * lbc_pow2(s));
-    }
-    if (lane == 0) {
-        counts[slot] = __popc(mask);
-        pow2[slot] = lbc_pow2(-s);
-    }
-}
 
 __device__ __forceinline__ u32 ld_stream4(const u32* p) {
     u32 v;
@@ -90,37 +64,53 @@ __device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
 
 template <int G>
 __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
-                                            const u32* __restrict__ entries, const int* __restrict__ counts,
-                                            const float* __restrict__ pow2, float* __restrict__ y, int M, int Mp,
-                                            int slots) {
+                                            const float* __restrict__ x, float t, float* __restrict__ y, int M,
+                                            int K, int Mp, int slots) {
     __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS];
     int lane = threadIdx.x & 31;
     int wib = threadIdx.x >> 5;
     int rt = blockIdx.x;
     int slot = blockIdx.y * LBC_WARPS + wib;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int cnt = slot < slots ? counts[slot] : 0;
-    if (cnt > 0) {
-        u32 e = lane < cnt ? entries[slot * LBC_SLOT + lane] : 0u;
+    if (slot < slots) {
+        // 1. Inputs and scales, both in flight at once.
+        int k = slot * LBC_SLOT + lane;
+        float v = k < K ? x[k] : 0.f;
+        int g = (slot * LBC_SLOT) / G;
+        uint4 sv = *reinterpret_cast<const uint4*>(scales + (size_t)g * Mp + (size_t)rt * LBC_ROWS + lane * 8);
+        // 2. Compaction in registers.
+        bool on = k < K && active(v, t);
+        u32 mask = __ballot_sync(FULL_MASK, on);
+        float a = on ? fabsf(v) : 0.f;
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, d));
+        // Zero and subnormal maxima give E = -126; the clamp keeps 2^s and 2^-s finite.
+        int E = (int)((__float_as_uint(a) >> 23) & 0xffu) - 126;
+        int s = min(max(8 - E, -100), 100);
+        u32 xh = on ? (u32)f2h(v * lbc_pow2(s)) : 0u;
         size_t ldw = (size_t)(Mp / 8);
         const u32* wcol = w + (size_t)slot * LBC_SLOT * ldw + (size_t)rt * 32 + lane;
-        for (int j0 = 0; j0 < cnt; j0 += LBC_ROUND) {
-            u32 ev[LBC_ROUND], wv[LBC_ROUND];
+        // 3. The active columns, 16 loads in flight per round.
+        while (mask) {
+            u32 x2[LBC_ROUND], wv[LBC_ROUND];
+            int n = __popc(mask);
 #pragma unroll
             for (int u = 0; u < LBC_ROUND; ++u) {
-                // j0 + u < 32: lanes past the count hold entry 0 (input +0, no load).
-                ev[u] = __shfl_sync(FULL_MASK, e, j0 + u);
-                wv[u] = j0 + u < cnt ? ld_stream4(wcol + (size_t)(ev[u] >> 16) * ldw) : 0u;
+                // Past the last active column: input +0 and no load.
+                int src = mask ? __ffs(mask) - 1 : 0;
+                mask &= mask - 1;
+                u32 h = __shfl_sync(FULL_MASK, xh, src);
+                x2[u] = u < n ? h | (h << 16) : 0u;
+                wv[u] = u < n ? ld_stream4(wcol + (size_t)src * ldw) : 0u;
             }
 #pragma unroll
-            for (int h = 0; h < LBC_ROUND; h += 8) {
-                if (j0 + h >= cnt) break;
+            for (int hb = 0; hb < LBC_ROUND; hb += 8) {
+                if (hb >= n) break;
                 u32 hs[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-                for (int u = h; u < h + 8; ++u) {
-                    u32 x2 = prmt(ev[u], 0u, 0x1010u);  // the input's f16 in both halves
+                for (int u = hb; u < hb + 8; ++u) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) hs[i] = fma_f16x2(lbc_pair(wv[u], i), x2, hs[i]);
+                    for (int i = 0; i < 4; ++i) hs[i] = fma_f16x2(lbc_pair(wv[u], i), x2[u], hs[i]);
                 }
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -131,11 +121,10 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
                 }
             }
         }
-        int g = (slot * LBC_SLOT) / G;
-        uint4 sv = *reinterpret_cast<const uint4*>(scales + (size_t)g * Mp + (size_t)rt * LBC_ROWS + lane * 8);
+        // 4. Scales.
         float sc[8];
         unpack8(sv, sc);
-        float p2 = pow2[slot];
+        float p2 = lbc_pow2(-s);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] *= sc[i] * p2;
     }
@@ -171,19 +160,18 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
     }
 }
 
-#define LBC_W4_ARGS                                                                                     \
-    const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const u32 *__restrict__ entries,  \
-        const int *__restrict__ counts, const float *__restrict__ pow2, float *__restrict__ y, int M, \
-        int Mp, int slots
+#define LBC_W4_ARGS                                                                              \
+    const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const float *__restrict__ x, float t, \
+        float *__restrict__ y, int M, int K, int Mp, int slots
 
-extern "C" __global__ void __launch_bounds__(256) lbc_w4_g128(LBC_W4_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, 4) lbc_w4_g128(LBC_W4_ARGS) {
     pdl_wait_then_release();
-    lbc_w4_body<128>(w, scales, entries, counts, pow2, y, M, Mp, slots);
+    lbc_w4_body<128>(w, scales, x, t, y, M, K, Mp, slots);
 }
 
-extern "C" __global__ void __launch_bounds__(256) lbc_w4_g32(LBC_W4_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, 4) lbc_w4_g32(LBC_W4_ARGS) {
     pdl_wait_then_release();
-    lbc_w4_body<32>(w, scales, entries, counts, pow2, y, M, Mp, slots);
+    lbc_w4_body<32>(w, scales, x, t, y, M, K, Mp, slots);
 }
 
 // One thread per word: rows r .. r + 7 of column k as 8 f16 at out[k · Mp + r].

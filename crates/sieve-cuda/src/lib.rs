@@ -19,7 +19,7 @@
 //! | [`balanced_lowbit`] | Balanced-CBC with int8 / int4 values (`sieve pack --values`) | the Balanced-CBC index kernel decoding bytes / nibbles, scales per row (group) at the reduction |
 //! | [`ie_bme`] | UnionSparse IE-BME with int4 / int8 values: union bitmaps, Q area values per union position | N = 1..32 tokens, union positions decoded straight into mma.sync fragments, split-K |
 //! | [`lowbit`] | W4A16 g128, W8A16, GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K repacked into mma fragment order | N = 1..32 tokens, in-register dequantization, mma.sync m16n8k16 |
-//! | [`lowbit_cols`] | W4A16 g128 and GGUF Q4_0 column-major (8 rows per 32-bit word, scales per group) | N = 1 under a TEAL threshold: inactive columns never read; per-slot compaction with power-of-two input scaling, f16x2 partial sums |
+//! | [`lowbit_cols`] | W4A16 g128 and GGUF Q4_0 column-major (8 rows per 32-bit word, scales per group) | N = 1 under a TEAL threshold: inactive columns never read; each warp compacts its 32 columns in registers (power-of-two input scaling), f16x2 partial sums |
 //!
 //! The model's kernels besides the products (launchers on raw device addresses, for graph
 //! capture; CPU references beside them):

@@ -2,7 +2,8 @@
 //! a symmetric 4-bit matrix (sieve's W4A16 g128, GGUF Q4_0) when its input has a TEAL threshold.
 //! The tensor-core layout of [`crate::lowbit`] reads every weight whatever the input; this one
 //! reads `1 - dp` of them. Kernels: `kernels/lowbit_colmajor.cu` (read its header for the layout,
-//! the compaction with per-slot power-of-two input scaling, and the thread mapping).
+//! the compaction in registers with per-slot power-of-two input scaling, and the thread
+//! mapping): one launch per product.
 //!
 //! CPU side: [`ColumnLayout`] (the device arrays, read back by [`ColumnLayout::q_at`] /
 //! [`ColumnLayout::scale_at`] in tests) and [`emulate`], the kernel's arithmetic (f16 inputs
@@ -30,6 +31,8 @@ pub const ROW_TILE: usize = 256;
 pub const SLOT: usize = 32;
 /// Slots per block (`LBC_WARPS`).
 const SLOTS_PER_BLOCK: usize = 8;
+/// Threads per block.
+const BLOCK_THREADS: u32 = 256;
 /// Products per f16 partial sum before it is added into f32 (`LBC_ROUND / 2`).
 const PRODUCTS_PER_F16_SUM: usize = 8;
 
@@ -133,15 +136,15 @@ impl ColumnLayout {
     }
 }
 
-/// The power-of-two exponent `s` the compaction scales a slot's inputs by (`x · 2^s`), from the
+/// The power-of-two exponent `s` the kernel scales a slot's inputs by (`x · 2^s`), from the
 /// slot's largest active `|x|`: every scaled input is below 256 (kernel header).
 pub fn slot_exponent(max_abs: f32) -> i32 {
     let e = ((max_abs.to_bits() >> 23) & 0xff) as i32 - 126;
     (8 - e).clamp(-100, 100)
 }
 
-/// The kernel's arithmetic on the CPU: `W · mask_t(x)` with the compaction's scaled f16
-/// inputs, f16 partial sums of [`PRODUCTS_PER_F16_SUM`] products (one rounding per fused
+/// The kernel's arithmetic on the CPU: `W · mask_t(x)` with each slot's inputs scaled and
+/// rounded to f16, f16 partial sums of [`PRODUCTS_PER_F16_SUM`] products (one rounding per fused
 /// multiply-add), f32 sums beyond, scaled by the row's scale and the slot's `2^-s`, slots added
 /// in order. The GPU differs only in the order of its f32 additions.
 pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold) -> Result<Vec<f32>> {
@@ -177,7 +180,7 @@ pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold) -> Result<Vec<f32>> {
     Ok(y)
 }
 
-/// A column-major 4-bit matrix on the device with its compaction scratch.
+/// A column-major 4-bit matrix on the device.
 pub struct GpuLowBitCols {
     kind: LowBitKind,
     rows: usize,
@@ -186,10 +189,6 @@ pub struct GpuLowBitCols {
     padded_cols: usize,
     words: CudaSlice<u32>,
     scales: CudaSlice<f16>,
-    /// Compaction output: `padded_cols` entries, a count and a `2^-s` per slot.
-    entries: CudaSlice<u32>,
-    counts: CudaSlice<i32>,
-    pow2: CudaSlice<f32>,
     bytes: usize,
 }
 
@@ -201,10 +200,9 @@ impl GpuLowBitCols {
 
     pub fn upload_layout(gpu: &Gpu, l: &ColumnLayout) -> Result<Self> {
         // Look the kernels up now: never first inside a graph capture.
-        for name in ["lbc_compact", Self::kernel_name(l.kind), "lbc_w4_to_f16_t"] {
+        for name in [Self::kernel_name(l.kind), "lbc_w4_to_f16_t"] {
             gpu.function(&FAMILY, name)?;
         }
-        let slots = l.slots();
         Ok(Self {
             kind: l.kind,
             rows: l.rows,
@@ -213,9 +211,6 @@ impl GpuLowBitCols {
             padded_cols: l.padded_cols,
             words: gpu.upload(&l.words)?,
             scales: gpu.upload(&l.scales)?,
-            entries: gpu.upload(&vec![0u32; l.padded_cols])?,
-            counts: gpu.upload(&vec![0i32; slots])?,
-            pow2: gpu.upload(&vec![0f32; slots])?,
             bytes: l.bytes(),
         })
     }
@@ -272,26 +267,9 @@ impl GpuLowBitCols {
 }
 
 impl GpuAccumulate for GpuLowBitCols {
-    /// The compaction of `x` into this matrix's scratch, then the product added into `y`.
+    /// `y += W · mask_t(x)`: one launch, the compaction done by each warp for its slot.
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         let slots = self.padded_cols / SLOT;
-        let compact = gpu.function(&FAMILY, "lbc_compact")?;
-        let cfg = LaunchConfig {
-            grid_dim: ((slots as u32).div_ceil(8), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (k, t, ns) = (self.cols as i32, threshold_arg(threshold), slots as i32);
-        let mut b = gpu.stream().launch_builder(&compact);
-        b.arg(&x)
-            .arg(&k)
-            .arg(&t)
-            .arg(&ns)
-            .arg(&self.entries)
-            .arg(&self.counts)
-            .arg(&self.pow2);
-        unsafe { b.launch(cfg) }.during("launching lbc_compact")?;
-
         let f = gpu.function(&FAMILY, Self::kernel_name(self.kind))?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -299,18 +277,19 @@ impl GpuAccumulate for GpuLowBitCols {
                 slots.div_ceil(SLOTS_PER_BLOCK) as u32,
                 1,
             ),
-            block_dim: (256, 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (m, mp) = (self.rows as i32, self.padded_rows as i32);
+        let (t, m, k) = (threshold_arg(threshold), self.rows as i32, self.cols as i32);
+        let (mp, ns) = (self.padded_rows as i32, slots as i32);
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&self.words)
             .arg(&self.scales)
-            .arg(&self.entries)
-            .arg(&self.counts)
-            .arg(&self.pow2)
+            .arg(&x)
+            .arg(&t)
             .arg(&y)
             .arg(&m)
+            .arg(&k)
             .arg(&mp)
             .arg(&ns);
         unsafe { b.launch(cfg) }.during("launching the column-major 4-bit product")?;
@@ -330,7 +309,7 @@ impl GpuMatVec for GpuLowBitCols {
     }
     /// The words of the active columns, the scales of every group with an active column (once
     /// per row tile and group: the warps of a group share them through L2), the input, the
-    /// compaction's entries written and read, the output read and written.
+    /// output read and written.
     fn bytes_for(&self, active: &[bool]) -> usize {
         let on = active.iter().filter(|a| **a).count();
         let group = self.kind.group();
@@ -338,11 +317,7 @@ impl GpuMatVec for GpuLowBitCols {
             .chunks(group)
             .filter(|c| c.iter().any(|a| *a))
             .count();
-        on * self.padded_rows / 2
-            + groups_on * self.padded_rows * 2
-            + self.cols * 4
-            + 2 * on * 4
-            + self.rows * 8
+        on * self.padded_rows / 2 + groups_on * self.padded_rows * 2 + self.cols * 4 + self.rows * 8
     }
     fn launch(
         &self,

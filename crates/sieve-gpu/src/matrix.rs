@@ -6,7 +6,7 @@
 //! | dense (or GGUF blocks of types without a block kernel, dequantized to f16) | none | row-major GEMV |
 //! | dense | TEAL | column-major GEMV that skips inactive columns |
 //! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, W4A16 g128, W8A16) | none (or a kind below without a column layout) | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
-//! | W4A16 g128, GGUF Q4_0 | TEAL | column-major 4-bit: the active columns compacted, then only their weights read (`sieve_cuda::lowbit_cols`) |
+//! | W4A16 g128, GGUF Q4_0 | TEAL | column-major 4-bit: each warp compacts its 32 columns' inputs, then reads only the active columns' weights (`sieve_cuda::lowbit_cols`) |
 //! | tiled-cbc | any | lane8 spMspV (or rr, `GpuModel::set_tcbc_kernel`) |
 //! | rlc-csc | any | Celty spMspV |
 //! | ie-bme with int4 / int8 values ([`HostMatrix::IeBme`], or int4 values re-encoded exactly) | any | union bitmaps decoded into tensor-core fragments |
@@ -269,8 +269,6 @@ impl DeviceMatrix {
     pub fn launches(&self) -> usize {
         match self {
             DeviceMatrix::LowBit(_) => 2,
-            // The compaction, then the product.
-            DeviceMatrix::LowBitCols(_) => 2,
             // Lift, then the product (split K accumulates: no zeroing launch).
             DeviceMatrix::Slide(_) => 2,
             _ => 1,

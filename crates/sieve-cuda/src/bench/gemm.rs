@@ -82,7 +82,7 @@ pub enum Precision {
     SlideF16,
     /// W4A16 g128 column-major under a TEAL threshold (`lowbit_cols`): N = 1, the weights
     /// pruned to sp (stored as zeros), only the active columns read. Timed with the zeroing of
-    /// y and the compaction (cuBLAS writes y; in the decode step the RMSNorm before zeroes it).
+    /// y (cuBLAS writes y; in the decode step the RMSNorm before zeroes it).
     W4A16Cols,
     /// GGUF Q4_0 (4-bit, f16 scale per 32) column-major under a TEAL threshold, as `w4a16-cols`.
     Q4_0Cols,
@@ -672,9 +672,13 @@ fn bench_lowbit_cols(ctx: &mut Ctx, shape: &Shape, seed: u64, bases: &[Timed]) -
             for (di, &dp) in opts.dp.iter().enumerate() {
                 let x = activations(k, seed ^ (0x180 + di as u64));
                 let thr = threshold_for_sparsity(&x, dp)?;
-                // The kernel reads f16 inputs: the reference takes the same rounding.
-                let x16: Vec<f32> = x.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
-                let want = reference_product(&wq, m, k, &masked(&x16, thr), 1);
+                // The kernel masks the f32 inputs, then rounds them to f16: so does the
+                // reference (rounding first moves inputs at the threshold across it).
+                let xm: Vec<f64> = masked(&x, thr)
+                    .into_iter()
+                    .map(|v| f16::from_f64(v).to_f64())
+                    .collect();
+                let want = reference_product(&wq, m, k, &xm, 1);
                 let xd = gpu.upload(&x)?;
                 let mut y = gpu.poisoned_f32(m)?;
                 copies[0].launch(gpu, &xd, thr, &mut y)?;
