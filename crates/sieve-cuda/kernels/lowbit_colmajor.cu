@@ -23,18 +23,19 @@
 // one row tile (256 rows); lane l owns rows r0 + 8l .. r0 + 8l + 7.
 //
 //   1. The warp loads its slot's 32 inputs (one per lane) and its rows' scales, together.
-//   2. Compaction in registers: a ballot of |x| > t gives the slot's active columns; the
-//      slot's largest active |x| = m · 2^E (m in [0.5, 1)) gives s = 8 - E, and each lane
-//      rounds its input to f16(x · 2^s). Every scaled input is below 256, so the f16 partial
-//      sums below can neither overflow nor drop the small inputs of a slot with one huge one
-//      (Llama's "massive activations" reach thousands). A power-of-two scale is exact:
-//      f16(x · 2^s) = f16(x) · 2^s. Every row tile's warps redo this for their slot: ~40
-//      instructions against the loop's ~20 per column, and no compaction launch.
-//   3. The active columns in rounds of 16: the 16 column words are loaded before any is used
-//      (2 KB in flight per warp), each becomes 4 f16 pairs (LOP3 and a shift, one HSUB2) that
-//      one HFMA2 each multiplies by the broadcast input into 4 f16x2 partial sums. Every 8
-//      columns the partial sums (|.| < 8 · 8 · 256 = 16384) are added into f32, so each f16
-//      sum holds at most 8 products.
+//   2. Compaction: a ballot of |x| > t gives the slot's active columns; the slot's largest
+//      active |x| = m · 2^E (m in [0.5, 1)) gives s = 8 - E, and each lane rounds its input
+//      to f16(x · 2^s). Every scaled input is below 256, so the f16 partial sums below can
+//      neither overflow nor drop the small inputs of a slot with one huge one (Llama's
+//      "massive activations" reach thousands). A power-of-two scale is exact:
+//      f16(x · 2^s) = f16(x) · 2^s. Each lane writes (its column's byte offset, its input
+//      in both halves) to the warp's list in shared memory, active columns first in order.
+//      Every row tile's warps redo this for their slot: ~40 instructions, no launch.
+//   3. The active columns in rounds of 16: per column one shared load of its offset and one
+//      32-bit weight load (the 16 loads in flight before any is used: 2 KB per warp), then
+//      4 f16 pairs (LOP3 and a shift, one HSUB2) that one HFMA2 each multiplies by the
+//      broadcast input into 4 f16x2 partial sums. Each round's partial sums (at most 16
+//      products, |.| < 16 · 8 · 256 = 32768 < 65504) are added into f32.
 //   4. The warp's 8 sums are scaled by its rows' s and the slot's 2^-s; the block adds its 8
 //      warps in shared memory and adds to y with one 16-byte vector reduction per 4 rows
 //      (split-K: y is not zeroed here; the decode runner zeroes it in the RMSNorm before, or
@@ -67,6 +68,9 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
                                             const float* __restrict__ x, float t, float* __restrict__ y, int M,
                                             int K, int Mp, int slots) {
     __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS];
+    // Per warp, its slot's columns in order, active first: (byte offset of the column from the
+    // slot's first, f16 input in both halves).
+    __shared__ __align__(8) uint2 list[LBC_WARPS][LBC_SLOT];
     int lane = threadIdx.x & 31;
     int wib = threadIdx.x >> 5;
     int rt = blockIdx.x;
@@ -78,7 +82,7 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
         float v = k < K ? x[k] : 0.f;
         int g = (slot * LBC_SLOT) / G;
         uint4 sv = *reinterpret_cast<const uint4*>(scales + (size_t)g * Mp + (size_t)rt * LBC_ROWS + lane * 8);
-        // 2. Compaction in registers.
+        // 2. Compaction in registers, written to the warp's list in shared memory.
         bool on = k < K && active(v, t);
         u32 mask = __ballot_sync(FULL_MASK, on);
         float a = on ? fabsf(v) : 0.f;
@@ -88,37 +92,36 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
         int E = (int)((__float_as_uint(a) >> 23) & 0xffu) - 126;
         int s = min(max(8 - E, -100), 100);
         u32 xh = on ? (u32)f2h(v * lbc_pow2(s)) : 0u;
-        size_t ldw = (size_t)(Mp / 8);
-        const u32* wcol = w + (size_t)slot * LBC_SLOT * ldw + (size_t)rt * 32 + lane;
+        int n = __popc(mask);
+        u32 below = mask & ((1u << lane) - 1u);
+        // Active lanes first, in column order; inactive ones after them with input 0.
+        int pos = on ? __popc(below) : n + (lane - __popc(below));
+        u32 ldw_bytes = (u32)(Mp / 8) * 4u;
+        list[wib][pos] = make_uint2((u32)lane * ldw_bytes, xh | (xh << 16));
+        __syncwarp();
+        const char* wbase = reinterpret_cast<const char*>(w + (size_t)slot * LBC_SLOT * (Mp / 8) + (size_t)rt * 32 + lane);
         // 3. The active columns, 16 loads in flight per round.
-        while (mask) {
-            u32 x2[LBC_ROUND], wv[LBC_ROUND];
-            int n = __popc(mask);
+        for (int j0 = 0; j0 < n; j0 += LBC_ROUND) {
+            u32 wv[LBC_ROUND];
 #pragma unroll
             for (int u = 0; u < LBC_ROUND; ++u) {
-                // Past the last active column: input +0 and no load.
-                int src = mask ? __ffs(mask) - 1 : 0;
-                mask &= mask - 1;
-                u32 h = __shfl_sync(FULL_MASK, xh, src);
-                x2[u] = u < n ? h | (h << 16) : 0u;
-                wv[u] = u < n ? ld_stream4(wcol + (size_t)src * ldw) : 0u;
+                // Past the last active column: no load (its input is 0).
+                u32 off = list[wib][j0 + u].x;
+                wv[u] = j0 + u < n ? ld_stream4(reinterpret_cast<const u32*>(wbase + off)) : 0u;
+            }
+            u32 hs[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int u = 0; u < LBC_ROUND; ++u) {
+                u32 x2 = list[wib][j0 + u].y;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) hs[i] = fma_f16x2(lbc_pair(wv[u], i), x2, hs[i]);
             }
 #pragma unroll
-            for (int hb = 0; hb < LBC_ROUND; hb += 8) {
-                if (hb >= n) break;
-                u32 hs[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-                for (int u = hb; u < hb + 8; ++u) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) hs[i] = fma_f16x2(lbc_pair(wv[u], i), x2[u], hs[i]);
-                }
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float lo, hi;
-                    unpack2(hs[i], lo, hi);
-                    acc[2 * i] += lo;
-                    acc[2 * i + 1] += hi;
-                }
+            for (int i = 0; i < 4; ++i) {
+                float lo, hi;
+                unpack2(hs[i], lo, hi);
+                acc[2 * i] += lo;
+                acc[2 * i + 1] += hi;
             }
         }
         // 4. Scales.
@@ -164,12 +167,12 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
     const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const float *__restrict__ x, float t, \
         float *__restrict__ y, int M, int K, int Mp, int slots
 
-extern "C" __global__ void __launch_bounds__(256, 4) lbc_w4_g128(LBC_W4_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, 5) lbc_w4_g128(LBC_W4_ARGS) {
     pdl_wait_then_release();
     lbc_w4_body<128>(w, scales, x, t, y, M, K, Mp, slots);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 4) lbc_w4_g32(LBC_W4_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, 5) lbc_w4_g32(LBC_W4_ARGS) {
     pdl_wait_then_release();
     lbc_w4_body<32>(w, scales, x, t, y, M, K, Mp, slots);
 }

@@ -7,7 +7,7 @@
 //!
 //! CPU side: [`ColumnLayout`] (the device arrays, read back by [`ColumnLayout::q_at`] /
 //! [`ColumnLayout::scale_at`] in tests) and [`emulate`], the kernel's arithmetic (f16 inputs
-//! and partial sums of 8 products, f32 beyond) on the CPU, so that its error against the f64
+//! and partial sums of 16 products, f32 beyond) on the CPU, so that its error against the f64
 //! [`LowBitMatrix::reference`] is tested without a GPU, huge inputs included.
 
 use crate::dense::check_len;
@@ -33,8 +33,9 @@ pub const SLOT: usize = 32;
 const SLOTS_PER_BLOCK: usize = 8;
 /// Threads per block.
 const BLOCK_THREADS: u32 = 256;
-/// Products per f16 partial sum before it is added into f32 (`LBC_ROUND / 2`).
-const PRODUCTS_PER_F16_SUM: usize = 8;
+/// Products per f16 partial sum before it is added into f32 (`LBC_ROUND`: one round of
+/// active columns).
+const PRODUCTS_PER_F16_SUM: usize = 16;
 
 /// Whether [`ColumnLayout`] takes matrices of `kind`: the symmetric 4-bit kinds with f16 group
 /// scales whose groups are whole slots.
@@ -445,7 +446,7 @@ mod tests {
     #[test]
     fn huge_inputs_do_not_overflow_the_f16_partial_sums() {
         // Inputs of 30,000 and -20,000 beside inputs of 1e-3 in the same slots: unscaled f16
-        // partial sums of 8 products of up to 8 · 30,000 would overflow to infinity; the
+        // partial sums of 16 products of up to 8 · 30,000 would overflow to infinity; the
         // per-slot power-of-two scale keeps them finite and the result within the same bound
         // (relative to the largest output).
         let (rows, cols) = (16, 64);

@@ -15,7 +15,7 @@ use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, 
 use sieve_formats::reference::max_rel_error;
 use sieve_formats::Threshold;
 
-/// Against the f64 reference: f16 partial sums of 8 products (the emulation's own test).
+/// Against the f64 reference: f16 partial sums of 16 products (the emulation's own test).
 const TOL_REFERENCE: f64 = 2e-3;
 /// Against the emulation: only the order of f32 additions differs.
 const TOL_EMULATION: f64 = 1e-5;
