@@ -393,7 +393,7 @@ mod tests {
         ] {
             let s = slot_exponent(v);
             let scaled = v * 2f32.powi(s);
-            assert!(scaled < 256.0 && scaled >= 128.0, "{v}: 2^{s} -> {scaled}");
+            assert!((128.0..256.0).contains(&scaled), "{v}: 2^{s} -> {scaled}");
         }
         // Below 2^-92 the exponent is clamped: still below 256, just not normalized.
         assert!(1e-30f32 * 2f32.powi(slot_exponent(1e-30)) < 256.0);
