@@ -63,25 +63,38 @@ __device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
     return sub_f16x2(and_or(w >> (4 * i), 0x000f000fu, 0x64006400u), 0x64086408u);
 }
 
-template <int G>
+// T = row tiles per warp (1 or 2): with 2, a lane owns 8 rows in each of two adjacent row tiles
+// (their words are 128 bytes apart in a column), so the per-column work of the list and the
+// per-slot compaction serve twice the weights, and a round keeps 2 x 16 loads in flight.
+template <int G, int T, int R>
 __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
                                             const float* __restrict__ x, float t, float* __restrict__ y, int M,
                                             int K, int Mp, int slots) {
-    __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS];
+    __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS * T];
     // Per warp, its slot's columns in order, active first: (byte offset of the column from the
     // slot's first, f16 input in both halves).
     __shared__ __align__(8) uint2 list[LBC_WARPS][LBC_SLOT];
     int lane = threadIdx.x & 31;
     int wib = threadIdx.x >> 5;
-    int rt = blockIdx.x;
+    int rt0 = blockIdx.x * T;
+    int tiles = Mp / LBC_ROWS;
     int slot = blockIdx.y * LBC_WARPS + wib;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float acc[T][8];
+#pragma unroll
+    for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[tt][i] = 0.f;
     if (slot < slots) {
-        // 1. Inputs and scales, both in flight at once.
+        // 1. Inputs and scales, all in flight at once.
         int k = slot * LBC_SLOT + lane;
         float v = k < K ? x[k] : 0.f;
         int g = (slot * LBC_SLOT) / G;
-        uint4 sv = *reinterpret_cast<const uint4*>(scales + (size_t)g * Mp + (size_t)rt * LBC_ROWS + lane * 8);
+        uint4 sv[T];
+#pragma unroll
+        for (int tt = 0; tt < T; ++tt)
+            sv[tt] = rt0 + tt < tiles ? *reinterpret_cast<const uint4*>(scales + (size_t)g * Mp +
+                                                                         (size_t)(rt0 + tt) * LBC_ROWS + lane * 8)
+                                      : make_uint4(0u, 0u, 0u, 0u);
         // 2. Compaction in registers, written to the warp's list in shared memory.
         bool on = k < K && active(v, t);
         u32 mask = __ballot_sync(FULL_MASK, on);
@@ -99,47 +112,64 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
         u32 ldw_bytes = (u32)(Mp / 8) * 4u;
         list[wib][pos] = make_uint2((u32)lane * ldw_bytes, xh | (xh << 16));
         __syncwarp();
-        const char* wbase = reinterpret_cast<const char*>(w + (size_t)slot * LBC_SLOT * (Mp / 8) + (size_t)rt * 32 + lane);
-        // 3. The active columns, 16 loads in flight per round.
-        for (int j0 = 0; j0 < n; j0 += LBC_ROUND) {
-            u32 wv[LBC_ROUND];
+        const char* wbase =
+            reinterpret_cast<const char*>(w + (size_t)slot * LBC_SLOT * (Mp / 8) + (size_t)rt0 * 32 + lane);
+        bool second = T > 1 && rt0 + 1 < tiles;
+        // 3. The active columns, 16 (x T) loads in flight per round.
+        for (int j0 = 0; j0 < n; j0 += R) {
+            u32 wv[T][R];
 #pragma unroll
-            for (int u = 0; u < LBC_ROUND; ++u) {
+            for (int u = 0; u < R; ++u) {
                 // Past the last active column: no load (its input is 0).
                 u32 off = list[wib][j0 + u].x;
-                wv[u] = j0 + u < n ? ld_stream4(reinterpret_cast<const u32*>(wbase + off)) : 0u;
+                bool ld = j0 + u < n;
+                wv[0][u] = ld ? ld_stream4(reinterpret_cast<const u32*>(wbase + off)) : 0u;
+                if (T > 1) wv[T - 1][u] = ld && second ? ld_stream4(reinterpret_cast<const u32*>(wbase + off + 128)) : 0u;
             }
-            u32 hs[4] = {0u, 0u, 0u, 0u};
+            u32 hs[T][4];
 #pragma unroll
-            for (int u = 0; u < LBC_ROUND; ++u) {
+            for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) hs[tt][i] = 0u;
+#pragma unroll
+            for (int u = 0; u < R; ++u) {
                 u32 x2 = list[wib][j0 + u].y;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) hs[i] = fma_f16x2(lbc_pair(wv[u], i), x2, hs[i]);
+                for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) hs[tt][i] = fma_f16x2(lbc_pair(wv[tt][u], i), x2, hs[tt][i]);
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float lo, hi;
-                unpack2(hs[i], lo, hi);
-                acc[2 * i] += lo;
-                acc[2 * i + 1] += hi;
-            }
+            for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float lo, hi;
+                    unpack2(hs[tt][i], lo, hi);
+                    acc[tt][2 * i] += lo;
+                    acc[tt][2 * i + 1] += hi;
+                }
         }
         // 4. Scales.
-        float sc[8];
-        unpack8(sv, sc);
         float p2 = lbc_pow2(-s);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] *= sc[i] * p2;
+        for (int tt = 0; tt < T; ++tt) {
+            float sc[8];
+            unpack8(sv[tt], sc);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[tt][i] *= sc[i] * p2;
+        }
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) part[wib][lane * 8 + i] = acc[i];
+    for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part[wib][tt * LBC_ROWS + lane * 8 + i] = acc[tt][i];
     __syncthreads();
-    int r0 = rt * LBC_ROWS;
+    int r0 = rt0 * LBC_ROWS;
     bool vec = ((reinterpret_cast<size_t>(y) & 15) == 0) && (M % 4 == 0);
     if (vec) {
-        // 64 threads, 4 rows each: one 16-byte reduction (M % 4 == 0, so all 4 rows exist or none).
+        // 4 rows a thread: one 16-byte reduction (M % 4 == 0, so all 4 rows exist or none).
         int r = threadIdx.x * 4;
-        if (r < LBC_ROWS && r0 + r < M) {
+        if (r < LBC_ROWS * T && r0 + r < M) {
             float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int q = 0; q < LBC_WARPS; ++q) {
@@ -155,11 +185,12 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
                              : "memory");
         }
     } else {
-        int r = threadIdx.x;
-        float s = 0.f;
+        for (int r = threadIdx.x; r < LBC_ROWS * T; r += blockDim.x) {
+            float s = 0.f;
 #pragma unroll
-        for (int q = 0; q < LBC_WARPS; ++q) s += part[q][r];
-        if (r0 + r < M && s != 0.f) atomicAdd(y + r0 + r, s);
+            for (int q = 0; q < LBC_WARPS; ++q) s += part[q][r];
+            if (r0 + r < M && s != 0.f) atomicAdd(y + r0 + r, s);
+        }
     }
 }
 
@@ -167,15 +198,20 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
     const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const float *__restrict__ x, float t, \
         float *__restrict__ y, int M, int K, int Mp, int slots
 
-extern "C" __global__ void __launch_bounds__(256, 5) lbc_w4_g128(LBC_W4_ARGS) {
-    pdl_wait_then_release();
-    lbc_w4_body<128>(w, scales, x, t, y, M, K, Mp, slots);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 5) lbc_w4_g32(LBC_W4_ARGS) {
-    pdl_wait_then_release();
-    lbc_w4_body<32>(w, scales, x, t, y, M, K, Mp, slots);
-}
+// Grid: (ceil(row tiles / T), ceil(slots / 8)), 256 threads.
+#define LBC_W4_KERNEL(NAME, G, T, R, MINB)                                       \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(LBC_W4_ARGS) { \
+        pdl_wait_then_release();                                                 \
+        lbc_w4_body<G, T, R>(w, scales, x, t, y, M, K, Mp, slots);               \
+    }
+// Variants (src/lowbit_cols.rs `ColsVariant`): one row tile and rounds of 16 columns; two row
+// tiles per warp with rounds of 16 or 8.
+LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 5)
+LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 5)
+LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 2)
+LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 2)
+LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 3)
+LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 3)
 
 // One thread per word: rows r .. r + 7 of column k as 8 f16 at out[k · Mp + r].
 extern "C" __global__ void __launch_bounds__(256)

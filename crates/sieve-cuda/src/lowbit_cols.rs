@@ -33,9 +33,63 @@ pub const SLOT: usize = 32;
 const SLOTS_PER_BLOCK: usize = 8;
 /// Threads per block.
 const BLOCK_THREADS: u32 = 256;
-/// Products per f16 partial sum before it is added into f32 (`LBC_ROUND`: one round of
-/// active columns).
-const PRODUCTS_PER_F16_SUM: usize = 16;
+
+/// The kernel's variants (`LBC_W4_KERNEL` in the kernel file): row tiles per warp and active
+/// columns per round (loads in flight per row tile; also the products per f16 partial sum).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColsVariant {
+    /// One row tile per warp, rounds of 16 columns.
+    T1R16,
+    /// Two row tiles per warp, rounds of 16: the per-column and per-slot work serve twice the
+    /// weights, 32 loads in flight per warp.
+    T2R16,
+    /// Two row tiles per warp, rounds of 8.
+    T2R8,
+}
+
+impl ColsVariant {
+    pub const ALL: [ColsVariant; 3] = [ColsVariant::T1R16, ColsVariant::T2R16, ColsVariant::T2R8];
+    pub fn name(self) -> &'static str {
+        match self {
+            ColsVariant::T1R16 => "t1r16",
+            ColsVariant::T2R16 => "t2r16",
+            ColsVariant::T2R8 => "t2r8",
+        }
+    }
+    /// Row tiles per warp.
+    pub fn tiles(self) -> usize {
+        match self {
+            ColsVariant::T1R16 => 1,
+            _ => 2,
+        }
+    }
+    /// Active columns per round: the products in one f16 partial sum.
+    pub fn round(self) -> usize {
+        match self {
+            ColsVariant::T2R8 => 8,
+            _ => 16,
+        }
+    }
+    fn suffix(self) -> &'static str {
+        match self {
+            ColsVariant::T1R16 => "",
+            ColsVariant::T2R16 => "_t2",
+            ColsVariant::T2R8 => "_t2r8",
+        }
+    }
+    /// The variant in use: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8` in the environment (read
+    /// once; a switch for measuring the variants against each other), else the default.
+    pub fn current() -> ColsVariant {
+        static V: std::sync::OnceLock<ColsVariant> = std::sync::OnceLock::new();
+        *V.get_or_init(|| {
+            let want = std::env::var("SIEVE_LOWBIT_COLS_VARIANT").unwrap_or_default();
+            ColsVariant::ALL
+                .into_iter()
+                .find(|v| v.name() == want)
+                .unwrap_or(ColsVariant::T1R16)
+        })
+    }
+}
 
 /// Whether [`ColumnLayout`] takes matrices of `kind`: the symmetric 4-bit kinds with f16 group
 /// scales whose groups are whole slots.
@@ -145,10 +199,13 @@ pub fn slot_exponent(max_abs: f32) -> i32 {
 }
 
 /// The kernel's arithmetic on the CPU: `W · mask_t(x)` with each slot's inputs scaled and
-/// rounded to f16, f16 partial sums of [`PRODUCTS_PER_F16_SUM`] products (one rounding per fused
-/// multiply-add), f32 sums beyond, scaled by the row's scale and the slot's `2^-s`, slots added
-/// in order. The GPU differs only in the order of its f32 additions.
-pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold) -> Result<Vec<f32>> {
+/// rounded to f16, f16 partial sums of `round` products ([`ColsVariant::round`]; one rounding
+/// per fused multiply-add), f32 sums beyond, scaled by the row's scale and the slot's `2^-s`,
+/// slots added in order. The GPU differs only in the order of its f32 additions.
+pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold, round: usize) -> Result<Vec<f32>> {
+    if round == 0 {
+        return Err(CudaError::Option("emulate: a round of 0 columns".into()));
+    }
     check_len("activation length (K)", l.cols, x.len())?;
     let mut y = vec![0f32; l.rows];
     for slot in 0..l.slots() {
@@ -164,10 +221,7 @@ pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold) -> Result<Vec<f32>> {
         let scaled: Vec<f16> = cols.iter().map(|&k| f16::from_f32(x[k] * up)).collect();
         for (r, out) in y.iter_mut().enumerate() {
             let mut acc = 0f32;
-            for (chunk_cols, chunk_x) in cols
-                .chunks(PRODUCTS_PER_F16_SUM)
-                .zip(scaled.chunks(PRODUCTS_PER_F16_SUM))
-            {
+            for (chunk_cols, chunk_x) in cols.chunks(round).zip(scaled.chunks(round)) {
                 let mut h = f16::ZERO;
                 for (&k, &xv) in chunk_cols.iter().zip(chunk_x) {
                     // One rounding: the product of two f16 values and the sum are exact in f64.
@@ -201,9 +255,8 @@ impl GpuLowBitCols {
 
     pub fn upload_layout(gpu: &Gpu, l: &ColumnLayout) -> Result<Self> {
         // Look the kernels up now: never first inside a graph capture.
-        for name in [Self::kernel_name(l.kind), "lbc_w4_to_f16_t"] {
-            gpu.function(&FAMILY, name)?;
-        }
+        gpu.function(&FAMILY, &Self::kernel_name(l.kind, ColsVariant::current()))?;
+        gpu.function(&FAMILY, "lbc_w4_to_f16_t")?;
         Ok(Self {
             kind: l.kind,
             rows: l.rows,
@@ -216,12 +269,9 @@ impl GpuLowBitCols {
         })
     }
 
-    fn kernel_name(kind: LowBitKind) -> &'static str {
-        if kind.group() == 128 {
-            "lbc_w4_g128"
-        } else {
-            "lbc_w4_g32"
-        }
+    fn kernel_name(kind: LowBitKind, v: ColsVariant) -> String {
+        let g = if kind.group() == 128 { 128 } else { 32 };
+        format!("lbc_w4_g{g}{}", v.suffix())
     }
 
     pub fn kind(&self) -> LowBitKind {
@@ -271,10 +321,11 @@ impl GpuAccumulate for GpuLowBitCols {
     /// `y += W · mask_t(x)`: one launch, the compaction done by each warp for its slot.
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         let slots = self.padded_cols / SLOT;
-        let f = gpu.function(&FAMILY, Self::kernel_name(self.kind))?;
+        let v = ColsVariant::current();
+        let f = gpu.function(&FAMILY, &Self::kernel_name(self.kind, v))?;
         let cfg = LaunchConfig {
             grid_dim: (
-                (self.padded_rows / ROW_TILE) as u32,
+                (self.padded_rows / ROW_TILE).div_ceil(v.tiles()) as u32,
                 slots.div_ceil(SLOTS_PER_BLOCK) as u32,
                 1,
             ),
@@ -300,7 +351,11 @@ impl GpuAccumulate for GpuLowBitCols {
 
 impl GpuMatVec for GpuLowBitCols {
     fn label(&self) -> String {
-        format!("lowbit-cols/{}", self.kind.name())
+        format!(
+            "lowbit-cols/{}/{}",
+            self.kind.name(),
+            ColsVariant::current().name()
+        )
     }
     fn rows(&self) -> usize {
         self.rows
@@ -436,7 +491,7 @@ mod tests {
                 let x = activations(cols, 11);
                 for dp in [0.0, 0.5, 0.9] {
                     let t = threshold_for_sparsity(&x, dp).unwrap();
-                    let e = rel_error(&emulate(&l, &x, t).unwrap(), &want(&m, &x, t));
+                    let e = rel_error(&emulate(&l, &x, t, 16).unwrap(), &want(&m, &x, t));
                     assert!(e < 2e-3, "{kind:?} {rows}x{cols} dp {dp}: {e}");
                 }
             }
@@ -459,7 +514,7 @@ mod tests {
         let mut x = vec![1e-3f32; cols];
         x[5] = 30_000.0;
         x[40] = -20_000.0;
-        let got = emulate(&l, &x, None).unwrap();
+        let got = emulate(&l, &x, None, 16).unwrap();
         assert!(got.iter().all(|v| v.is_finite()), "{got:?}");
         let e = rel_error(&got, &want(&m, &x, None));
         assert!(e < 2e-3, "rel error {e}");
