@@ -33,6 +33,8 @@ pub const SLOT: usize = 32;
 const SLOTS_PER_BLOCK: usize = 8;
 /// Threads per block.
 const BLOCK_THREADS: u32 = 256;
+/// Rows from which two row tiles per warp pay ([`ColsVariant::for_rows`]).
+const TWO_TILE_MIN_ROWS: usize = 8192;
 
 /// The kernel's variants (`LBC_W4_KERNEL` in the kernel file): row tiles per warp and active
 /// columns per round (loads in flight per row tile; also the products per f16 partial sum).
@@ -77,16 +79,22 @@ impl ColsVariant {
             ColsVariant::T2R8 => "_t2r8",
         }
     }
-    /// The variant in use: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8` in the environment (read
-    /// once; a switch for measuring the variants against each other), else the default.
-    pub fn current() -> ColsVariant {
-        static V: std::sync::OnceLock<ColsVariant> = std::sync::OnceLock::new();
-        *V.get_or_init(|| {
+    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8`
+    /// in the environment (read once; a switch for measuring the variants against each other),
+    /// else by the rows. Measured on an H100 (2026-12-05, `bench gemm`, graph replays, sp 0.5):
+    /// at 11008 x 4096 t2r8 took 8.43 / 6.99 µs at dp 0.5 / 0.7 against t1r16's 10.39 / 7.49;
+    /// at 4096 x 4096 t1r16 won (5.55 / 4.45 against 5.79 / 4.74: two row tiles per warp halve
+    /// a grid that is then under one wave). t2r16 lost on both.
+    pub fn for_rows(padded_rows: usize) -> ColsVariant {
+        static V: std::sync::OnceLock<Option<ColsVariant>> = std::sync::OnceLock::new();
+        let forced = *V.get_or_init(|| {
             let want = std::env::var("SIEVE_LOWBIT_COLS_VARIANT").unwrap_or_default();
-            ColsVariant::ALL
-                .into_iter()
-                .find(|v| v.name() == want)
-                .unwrap_or(ColsVariant::T1R16)
+            ColsVariant::ALL.into_iter().find(|v| v.name() == want)
+        });
+        forced.unwrap_or(if padded_rows >= TWO_TILE_MIN_ROWS {
+            ColsVariant::T2R8
+        } else {
+            ColsVariant::T1R16
         })
     }
 }
@@ -245,6 +253,7 @@ pub struct GpuLowBitCols {
     words: CudaSlice<u32>,
     scales: CudaSlice<f16>,
     bytes: usize,
+    variant: ColsVariant,
 }
 
 impl GpuLowBitCols {
@@ -255,7 +264,8 @@ impl GpuLowBitCols {
 
     pub fn upload_layout(gpu: &Gpu, l: &ColumnLayout) -> Result<Self> {
         // Look the kernels up now: never first inside a graph capture.
-        gpu.function(&FAMILY, &Self::kernel_name(l.kind, ColsVariant::current()))?;
+        let variant = ColsVariant::for_rows(l.padded_rows);
+        gpu.function(&FAMILY, &Self::kernel_name(l.kind, variant))?;
         gpu.function(&FAMILY, "lbc_w4_to_f16_t")?;
         Ok(Self {
             kind: l.kind,
@@ -266,6 +276,7 @@ impl GpuLowBitCols {
             words: gpu.upload(&l.words)?,
             scales: gpu.upload(&l.scales)?,
             bytes: l.bytes(),
+            variant,
         })
     }
 
@@ -276,6 +287,10 @@ impl GpuLowBitCols {
 
     pub fn kind(&self) -> LowBitKind {
         self.kind
+    }
+    /// The kernel variant this matrix launches.
+    pub fn variant(&self) -> ColsVariant {
+        self.variant
     }
     /// Rows padded to [`ROW_TILE`]: the leading dimension of [`Self::decode_transposed`]'s output.
     pub fn padded_rows(&self) -> usize {
@@ -321,7 +336,7 @@ impl GpuAccumulate for GpuLowBitCols {
     /// `y += W · mask_t(x)`: one launch, the compaction done by each warp for its slot.
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         let slots = self.padded_cols / SLOT;
-        let v = ColsVariant::current();
+        let v = self.variant;
         let f = gpu.function(&FAMILY, &Self::kernel_name(self.kind, v))?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -351,11 +366,7 @@ impl GpuAccumulate for GpuLowBitCols {
 
 impl GpuMatVec for GpuLowBitCols {
     fn label(&self) -> String {
-        format!(
-            "lowbit-cols/{}/{}",
-            self.kind.name(),
-            ColsVariant::current().name()
-        )
+        format!("lowbit-cols/{}/{}", self.kind.name(), self.variant.name())
     }
     fn rows(&self) -> usize {
         self.rows

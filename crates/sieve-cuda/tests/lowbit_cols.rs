@@ -2,14 +2,14 @@
 //! quantized matrix and masked input, and against its CPU emulation (same f16 roundings, so a
 //! much tighter bound): odd shapes (partial row tiles and slots), both kinds, activation
 //! sparsities 0..0.999 and no threshold, huge inputs, accumulation into y, and the f16 decode
-//! the batched prefill multiplies. The kernel variant is `SIEVE_LOWBIT_COLS_VARIANT`'s (run the
-//! test once per variant). Without a GPU each test prints a skip reason and passes,
+//! the batched prefill multiplies. The kernel variant is the one the matrix's rows pick, or
+//! `SIEVE_LOWBIT_COLS_VARIANT`'s (run the test once per variant). Without a GPU each test prints a skip reason and passes,
 //! unless `SIEVE_REQUIRE_GPU=1`.
 
 use half::f16;
 use sieve_cuda::gpu_or_skip;
 use sieve_cuda::lowbit::{LowBitKind, LowBitMatrix};
-use sieve_cuda::lowbit_cols::{emulate, ColsVariant, ColumnLayout, GpuLowBitCols};
+use sieve_cuda::lowbit_cols::{emulate, ColumnLayout, GpuLowBitCols};
 use sieve_cuda::{dev_ptr, GpuAccumulate};
 use sieve_formats::format::is_active;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
@@ -70,7 +70,7 @@ fn gpu_lowbit_cols_match_reference_and_emulation() {
                 };
                 let what = format!("{kind:?} {rows}x{cols} dp {dp:?}");
                 let wanted = want(&m, &x, t);
-                let emulated = emulate(&l, &x, t, ColsVariant::current().round()).unwrap();
+                let emulated = emulate(&l, &x, t, d.variant().round()).unwrap();
                 let mut y = gpu.poisoned_f32(rows).unwrap();
                 sieve_cuda::GpuMatVec::launch(&d, &gpu, &xd, t, &mut y).unwrap();
                 gpu.synchronize().unwrap();
