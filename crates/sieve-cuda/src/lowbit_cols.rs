@@ -243,6 +243,22 @@ pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold, round: usize) -> Resul
     Ok(y)
 }
 
+/// What the kernel computes, exactly: the f64 [`LowBitMatrix::reference`] of `x` masked by `t`
+/// (on the f32 inputs, as the kernel does) and then rounded to f16.
+pub fn reference(m: &LowBitMatrix, x: &[f32], t: Threshold) -> Vec<f64> {
+    let xm: Vec<f16> = x
+        .iter()
+        .map(|&v| {
+            if is_active(v, t) {
+                f16::from_f32(v)
+            } else {
+                f16::ZERO
+            }
+        })
+        .collect();
+    m.reference(&xm, 1)
+}
+
 /// A column-major 4-bit matrix on the device.
 pub struct GpuLowBitCols {
     kind: LowBitKind,
@@ -478,21 +494,6 @@ mod tests {
             / scale
     }
 
-    /// `reference` of the f16-rounded, masked input: what the kernel is meant to compute.
-    fn want(m: &LowBitMatrix, x: &[f32], t: Threshold) -> Vec<f64> {
-        let xm: Vec<f16> = x
-            .iter()
-            .map(|&v| {
-                if is_active(v, t) {
-                    f16::from_f32(v)
-                } else {
-                    f16::ZERO
-                }
-            })
-            .collect();
-        m.reference(&xm, 1)
-    }
-
     #[test]
     fn emulated_kernel_is_within_f16_partial_sum_error_of_the_reference() {
         for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
@@ -502,7 +503,7 @@ mod tests {
                 let x = activations(cols, 11);
                 for dp in [0.0, 0.5, 0.9] {
                     let t = threshold_for_sparsity(&x, dp).unwrap();
-                    let e = rel_error(&emulate(&l, &x, t, 16).unwrap(), &want(&m, &x, t));
+                    let e = rel_error(&emulate(&l, &x, t, 16).unwrap(), &reference(&m, &x, t));
                     assert!(e < 2e-3, "{kind:?} {rows}x{cols} dp {dp}: {e}");
                 }
             }
@@ -527,7 +528,7 @@ mod tests {
         x[40] = -20_000.0;
         let got = emulate(&l, &x, None, 16).unwrap();
         assert!(got.iter().all(|v| v.is_finite()), "{got:?}");
-        let e = rel_error(&got, &want(&m, &x, None));
+        let e = rel_error(&got, &reference(&m, &x, None));
         assert!(e < 2e-3, "rel error {e}");
     }
 }

@@ -9,31 +9,15 @@
 use half::f16;
 use sieve_cuda::gpu_or_skip;
 use sieve_cuda::lowbit::{LowBitKind, LowBitMatrix};
-use sieve_cuda::lowbit_cols::{emulate, ColumnLayout, GpuLowBitCols};
+use sieve_cuda::lowbit_cols::{emulate, reference, ColumnLayout, GpuLowBitCols};
 use sieve_cuda::{dev_ptr, GpuAccumulate};
-use sieve_formats::format::is_active;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
 use sieve_formats::reference::max_rel_error;
-use sieve_formats::Threshold;
 
 /// Against the f64 reference: f16 partial sums of 16 products (the emulation's own test).
 const TOL_REFERENCE: f64 = 2e-3;
 /// Against the emulation: only the order of f32 additions differs.
 const TOL_EMULATION: f64 = 1e-5;
-
-fn want(m: &LowBitMatrix, x: &[f32], t: Threshold) -> Vec<f64> {
-    let xm: Vec<f16> = x
-        .iter()
-        .map(|&v| {
-            if is_active(v, t) {
-                f16::from_f32(v)
-            } else {
-                f16::ZERO
-            }
-        })
-        .collect();
-    m.reference(&xm, 1)
-}
 
 const SHAPES: &[(usize, usize)] = &[
     (1, 1),
@@ -69,7 +53,7 @@ fn gpu_lowbit_cols_match_reference_and_emulation() {
                     Some(dp) => threshold_for_sparsity(&x, dp).unwrap(),
                 };
                 let what = format!("{kind:?} {rows}x{cols} dp {dp:?}");
-                let wanted = want(&m, &x, t);
+                let wanted = reference(&m, &x, t);
                 let emulated = emulate(&l, &x, t, d.variant().round()).unwrap();
                 let mut y = gpu.poisoned_f32(rows).unwrap();
                 sieve_cuda::GpuMatVec::launch(&d, &gpu, &xd, t, &mut y).unwrap();
