@@ -15,19 +15,7 @@ use sieve_cuda::prompt_attention::{self, prompt_attention, prompt_attention_spli
 use sieve_cuda::{dev_ptr, gpu_or_skip, CudaError, Gpu, KvCache};
 use sieve_formats::kv_cache::quantize_row;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-}
+use sieve_formats::random::Lcg as Rng;
 
 fn round_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()

@@ -6,6 +6,26 @@ use crate::error::{FormatError, Result};
 use crate::matrix::DenseMatrix;
 use half::f16;
 
+/// A 64-bit linear congruential generator (Knuth's MMIX constants) of uniform f32 in [-1, 1):
+/// the GPU tests' inputs (attention, KV cache, runner kernels), one stream for all of them.
+#[derive(Clone, Debug)]
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    /// The next value, uniform in [-1, 1) (24 bits).
+    pub fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// `n` values times `scale`.
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
 /// SplitMix64 (Steele, Lea, Flood 2014).
 #[derive(Clone, Debug)]
 pub struct SplitMix64(u64);
@@ -210,4 +230,21 @@ pub fn extreme_matrix(
         })
         .collect();
     DenseMatrix::new(rows, cols, data)
+}
+
+#[cfg(test)]
+mod lcg_tests {
+    use super::Lcg;
+
+    #[test]
+    fn lcg_values_are_uniform_in_the_unit_interval_and_repeat_by_seed() {
+        let a = Lcg(7).vec(10_000, 1.0);
+        assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!(mean.abs() < 0.03, "mean {mean}");
+        let below_zero = a.iter().filter(|v| **v < 0.0).count();
+        assert!((4_700..5_300).contains(&below_zero), "{below_zero}");
+        assert_eq!(a, Lcg(7).vec(10_000, 1.0));
+        assert_ne!(a, Lcg(8).vec(10_000, 1.0));
+    }
 }

@@ -19,19 +19,7 @@ use sieve_model::config::ModelConfig;
 use sieve_model::linear::Linear;
 use sieve_model::llama::{KvPrecision, Layer, Logits, Model};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-}
+use sieve_formats::random::Lcg as Rng;
 
 /// Runs the GPU tests of this file one at a time. They share the device's primary context,
 /// and in parallel a graph capture failed ("operation failed due to a previous error during
