@@ -13,7 +13,7 @@ pub struct Lcg(pub u64);
 
 impl Lcg {
     /// The next value, uniform in [-1, 1) (24 bits).
-    pub fn next(&mut self) -> f32 {
+    pub fn uniform(&mut self) -> f32 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
@@ -22,7 +22,7 @@ impl Lcg {
     }
     /// `n` values times `scale`.
     pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
+        (0..n).map(|_| self.uniform() * scale).collect()
     }
 }
 
