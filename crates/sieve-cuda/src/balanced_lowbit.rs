@@ -77,7 +77,7 @@ pub struct BalancedLowBit {
 /// The integers of `w` on the grids of `values` (row-major, 0 where nothing is stored) and
 /// the scales (int8: per row; int4: `[row · groups + group]`), or `None` when a row (group) is
 /// on no such grid.
-fn detect_grids(w: &DenseMatrix, values: LowBitValues) -> Option<(Vec<i8>, Vec<f32>)> {
+pub(crate) fn detect_grids(w: &DenseMatrix, values: LowBitValues) -> Option<(Vec<i8>, Vec<f32>)> {
     let (m, k) = (w.rows(), w.cols());
     let mut q = vec![0i8; m * k];
     let (grid, span) = match values {

@@ -769,6 +769,16 @@ impl LowBitMatrix {
         .checked()
     }
 
+    /// `w` as a W4A16 g128 matrix when every stored value is `q · s` exactly with `|q| <= 7` and
+    /// one f16 scale per row and 128 columns (what `sieve pack --values int4:128` stores): the
+    /// same weights at 4 bits each, so the GPU multiplies a 4-bit pack from its integers.
+    /// `None` for anything else (an f16 model fails on its first group).
+    pub fn from_int4_grid(w: &DenseMatrix) -> Option<Self> {
+        use crate::balanced_lowbit::{detect_grids, LowBitValues};
+        let (q, scales) = detect_grids(w, LowBitValues::Int4 { group: 128 })?;
+        Self::new(LowBitKind::W4G128, w.rows(), w.cols(), q, scales).ok()
+    }
+
     pub fn kind(&self) -> LowBitKind {
         self.kind
     }
@@ -1628,6 +1638,35 @@ mod tests {
 
     /// The GGUF types the kernels take: every one the loader keeps.
     const GGUF_TYPES: [BlockType; 8] = BlockType::ALL;
+
+    #[test]
+    fn int4_grid_packs_are_detected_exactly_and_f16_matrices_are_not() {
+        use crate::balanced_lowbit::{snap_row, LowBitValues};
+        let w = sparse_matrix(37, 300, 0.3, Pattern::Unstructured, 5).unwrap();
+        assert!(
+            LowBitMatrix::from_int4_grid(&w).is_none(),
+            "random f16 values"
+        );
+        // As `sieve pack --values int4:G` stores them: snapped per row and G columns.
+        let snapped = |group: usize| {
+            let mut data = Vec::new();
+            for r in 0..w.rows() {
+                let mut row: Vec<f32> = w.row(r).iter().map(|v| v.to_f32()).collect();
+                snap_row(LowBitValues::Int4 { group }, &mut row).unwrap();
+                data.extend(row);
+            }
+            DenseMatrix::from_f32(w.rows(), w.cols(), &data).unwrap()
+        };
+        let s128 = snapped(128);
+        let m = LowBitMatrix::from_int4_grid(&s128).expect("a snapped matrix is on the grid");
+        assert_eq!(m.kind(), LowBitKind::W4G128);
+        let back = m.dequantize();
+        for (i, v) in s128.data().iter().enumerate() {
+            assert_eq!(back[i], v.to_f32(), "weight {i}");
+        }
+        // Snapped per 32 columns, the scales differ inside a 128-column group: not this kind.
+        assert!(LowBitMatrix::from_int4_grid(&snapped(32)).is_none());
+    }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]

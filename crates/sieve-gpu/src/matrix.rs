@@ -4,6 +4,7 @@
 //! | host format | threshold | device kernel (sieve-cuda) |
 //! |---|---|---|
 //! | dense (or GGUF blocks of types without a block kernel, dequantized to f16) | none | row-major GEMV |
+//! | dense whose values lie on 4-bit grids per row and 128 columns (`sieve pack --values int4:128`) | any | as W4A16 g128 below (detected exactly: `LowBitMatrix::from_int4_grid`) |
 //! | dense | TEAL | column-major GEMV that skips inactive columns |
 //! | dense low-bit ([`HostMatrix::LowBit`]: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks, W4A16 g128, W8A16) | none (or a kind below without a column layout) | f32 -> f16 input (masked by the threshold), then the low-bit tensor-core GEMV |
 //! | W4A16 g128, GGUF Q4_0 | TEAL | column-major 4-bit: each warp compacts its 32 columns' inputs, then reads only the active columns' weights (`sieve_cuda::lowbit_cols`) |
@@ -150,6 +151,11 @@ impl DeviceMatrix {
     ) -> Result<(Self, usize)> {
         Ok(match kind {
             FormatKind::Dense => {
+                // A 4-bit pack (`sieve pack --values int4:128`) stores values on symmetric 4-bit
+                // grids exactly: multiplied from its integers, never as f16.
+                if let Some(low) = LowBitMatrix::from_int4_grid(m) {
+                    return Self::upload_low_bit(gpu, &low, threshold);
+                }
                 let bytes = m.rows() * m.cols() * 2;
                 if threshold.is_some() {
                     (

@@ -1154,6 +1154,55 @@ fn tiny_balanced_low_bit_models_match_cpu() {
     }
 }
 
+/// Dense packs whose values lie on int4 grids per row and 128 columns (`sieve pack --format
+/// dense --values int4:128`) are found on their grids at upload and multiplied from their
+/// 4-bit integers: the tensor-core W4A16 kernel without thresholds, the column-major kernel
+/// with them (named in the upload report), with the CPU's tokens and logits (the CPU
+/// multiplies the same values as f16).
+#[test]
+fn tiny_dense_int4_packs_run_four_bit() {
+    let _serial = serial_gpu();
+    use sieve_cuda::balanced_lowbit::LowBitValues;
+    if gpu_or_skip("tiny_dense_int4_packs_run_four_bit").is_none() {
+        return;
+    }
+    for (dp, label, seed) in [
+        (0.0, "lowbit/w4a16-g128", 41),
+        (0.5, "lowbit-cols/w4a16-g128", 42),
+    ] {
+        let mut model = tiny_model(FormatKind::Dense, 0.5, dp, seed);
+        for (_, lin) in model.linears_mut() {
+            let m = lin.format().decode();
+            let snapped =
+                sieve_gpu::synthetic::snap_dense(&m, LowBitValues::Int4 { group: 128 }).unwrap();
+            lin.replace_format(Box::new(sieve_cpu::dense::FastDense::new(snapped)))
+                .unwrap();
+        }
+        let g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
+        let layer_kernels = &g.report().kernels[..4];
+        assert!(
+            layer_kernels.iter().all(|k| k.ends_with(label)),
+            "dp {dp}: {layer_kernels:?}"
+        );
+        drop(g);
+        check_gpu_model_against_cpu(
+            &format!("tiny_dense_int4_packs_run_four_bit dp {dp}"),
+            None,
+            &mut model,
+            0.05,
+            // As for the GGUF block models: under TEAL the kernels round the activations to
+            // f16, so inputs at a threshold may flip and greedy paths part; logits are
+            // compared within the CPU's own sensitivity to that rounding.
+            if dp > 0.0 { f32::INFINITY } else { 0.0 },
+            if dp > 0.0 {
+                F16_ROUNDING
+            } else {
+                THRESHOLD_NUDGE
+            },
+        );
+    }
+}
+
 /// Values without a GPU kernel in a format are refused before anything is built.
 #[test]
 fn synthetic_values_are_checked_against_the_format() {

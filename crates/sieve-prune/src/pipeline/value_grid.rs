@@ -28,8 +28,8 @@ pub enum ValueGrid {
     /// groups) on a symmetric 4-bit grid with an f16 scale (`sieve_formats::value_grid::INT4`;
     /// SparseGPT picks each group's scale when its sweep reaches the group and compensates
     /// each rounding error, magnitude and Wanda snap the pruned groups), still stored as f16
-    /// for a CPU product with 4-bit records. `group` is one of [`INT4_GROUPS`]. Only with
-    /// `--format balanced-cbc`.
+    /// for a CPU product with 4-bit records. `group` is one of [`INT4_GROUPS`]. With
+    /// `--format balanced-cbc`, or `--format dense` at `int4:128` (the GPU multiplies it 4-bit).
     Int4 { group: usize },
 }
 
@@ -116,6 +116,10 @@ pub fn check_values_for_format(values: ValueGrid, format: FormatChoice) -> Resul
     }
     match (values, format) {
         (ValueGrid::F16, _) | (_, FormatChoice::Fixed(FormatKind::BalancedCbc)) => Ok(()),
+        // Dense packs store the snapped values as f16 (the CPU multiplies f16); the GPU finds
+        // them on their grids (`LowBitMatrix::from_int4_grid`, groups of 128 only) and
+        // multiplies 4-bit: W4A16, column-major under TEAL thresholds.
+        (ValueGrid::Int4 { group: 128 }, FormatChoice::Fixed(FormatKind::Dense)) => Ok(()),
         (ValueGrid::Int8 | ValueGrid::Int4 { .. }, other) => {
             let (name, bits) = match values {
                 ValueGrid::Int4 { .. } => ("int4", 4),
@@ -123,7 +127,8 @@ pub fn check_values_for_format(values: ValueGrid, format: FormatChoice) -> Resul
             };
             Err(PruneError::Option(format!(
                 "--values {name} needs --format {BALANCED_FORMAT_NAME} (got --format {other}): \
-                 only its CPU product keeps {bits}-bit values"
+                 only its CPU product keeps {bits}-bit values (--format dense takes int4:128, \
+                 which the GPU multiplies at 4 bits)"
             )))
         }
     }
@@ -374,11 +379,17 @@ mod tests {
         }
         let balanced = FormatChoice::Fixed(FormatKind::BalancedCbc);
         check_values_for_format(ValueGrid::Int4 { group: 32 }, balanced).unwrap();
-        for format in ["dense", "tiled-cbc", "auto"] {
-            let err =
-                check_values_for_format(ValueGrid::Int4 { group: 64 }, format.parse().unwrap())
-                    .unwrap_err()
-                    .to_string();
+        let dense = FormatChoice::Fixed(FormatKind::Dense);
+        check_values_for_format(ValueGrid::Int4 { group: 128 }, dense).unwrap();
+        for (format, values) in [
+            ("dense", ValueGrid::Int4 { group: 64 }),
+            ("dense", ValueGrid::Int8),
+            ("tiled-cbc", ValueGrid::Int4 { group: 128 }),
+            ("auto", ValueGrid::Int4 { group: 64 }),
+        ] {
+            let err = check_values_for_format(values, format.parse().unwrap())
+                .unwrap_err()
+                .to_string();
             assert!(
                 err.contains("int4") && err.contains("balanced-cbc"),
                 "{format}: {err}"

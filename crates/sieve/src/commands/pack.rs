@@ -46,8 +46,10 @@ pub struct PackArgs {
     /// (one scale per row, still stored as f16), so that the CPU product of balanced-cbc streams
     /// 1-byte values; int4:G snaps them to symmetric 4-bit grids with one f16 scale per row and
     /// group of G consecutive input columns (G = 32, 64 or 128; int4 = int4:64), for 4-bit
-    /// records. SparseGPT rounds in its sweep and compensates the rounding errors. Only with
-    /// --format balanced-cbc.
+    /// records. SparseGPT rounds in its sweep and compensates the rounding errors. With
+    /// --format balanced-cbc; also --format dense with int4:128, stored as f16 (the CPU
+    /// multiplies f16) and multiplied from its 4-bit integers on the GPU (W4A16; column-major,
+    /// reading only active columns, when the pack has TEAL thresholds).
     #[arg(long, default_value = "f16")]
     values: String,
     /// q8_0 | q4_1: the blocks the CPU multiplies a dense LM head in when the pack is loaded
