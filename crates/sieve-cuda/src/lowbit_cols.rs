@@ -460,6 +460,30 @@ mod tests {
     }
 
     #[test]
+    fn variants_follow_the_measured_rule_and_name_their_kernels() {
+        // The environment switch is unset in tests: the rule of `for_rows` applies.
+        if std::env::var("SIEVE_LOWBIT_COLS_VARIANT").is_err() {
+            assert_eq!(ColsVariant::for_rows(4096), ColsVariant::T1R16);
+            assert_eq!(ColsVariant::for_rows(8192), ColsVariant::T2R8);
+            assert_eq!(ColsVariant::for_rows(22016), ColsVariant::T2R8);
+        }
+        let src = FAMILY.source;
+        for v in ColsVariant::ALL {
+            for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
+                // The kernel instance has the variant's tiles and round (the emulation's).
+                let name = GpuLowBitCols::kernel_name(kind, v);
+                let line = format!(
+                    "LBC_W4_KERNEL({name}, {}, {}, {},",
+                    kind.group(),
+                    v.tiles(),
+                    v.round()
+                );
+                assert!(src.contains(&line), "{line}");
+            }
+        }
+    }
+
+    #[test]
     fn other_kinds_are_refused_by_name() {
         let w = sparse_matrix(16, 64, 0.0, Pattern::Unstructured, 1).unwrap();
         for kind in [LowBitKind::W8Row, LowBitKind::W4G32Affine, LowBitKind::W4K] {
