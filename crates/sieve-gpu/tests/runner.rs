@@ -536,6 +536,27 @@ fn check_gpu_model_against_cpu(
     check_gpu_model_against_cpu_with_max(name, gpu_source, model, tol, tol, near_tie, nudge);
 }
 
+/// [`check_gpu_model_against_cpu`] (logit tolerance 0.05) for models whose GPU kernels round
+/// their masked activations to f16 (the low-bit and SlideSparse kernels). With TEAL (`dp > 0`)
+/// an input within that rounding of its threshold is active on one side only, so the logits are
+/// allowed the CPU's own sensitivity to thresholds moved by 2^-11 (large on these tiny models:
+/// p90 1.5-2.4 logits for the GGUF block models, measured 2026-12-04; the CPU's 8-bit-activation
+/// block kernels differ from the same reference by p90 2.7), and greedy paths may then part at
+/// any step, so tokens are not compared. Without thresholds every token is.
+fn check_f16_input_model_against_cpu(
+    name: &str,
+    gpu_source: Option<&Model>,
+    model: &mut Model,
+    dp: f64,
+) {
+    let (near_tie, nudge) = if dp > 0.0 {
+        (f32::INFINITY, F16_ROUNDING)
+    } else {
+        (0.0, THRESHOLD_NUDGE)
+    };
+    check_gpu_model_against_cpu(name, gpu_source, model, 0.05, near_tie, nudge);
+}
+
 /// [`check_gpu_model_against_cpu`] with its own allowance for the worst position (`max_tol`;
 /// `tol` bounds the p90).
 fn check_gpu_model_against_cpu_with_max(
@@ -884,18 +905,7 @@ fn tiny_slide_models_match_cpu() {
         assert!(g.prefill_is_batched(), "{label}: batched prefill");
         assert!(g.decode_is_batched(), "{label}: batched decode");
         drop(g);
-        check_gpu_model_against_cpu(
-            &format!("{name} {label} dp {dp}"),
-            None,
-            &mut model,
-            0.05,
-            if dp > 0.0 { f32::INFINITY } else { 0.0 },
-            if dp > 0.0 {
-                F16_ROUNDING
-            } else {
-                THRESHOLD_NUDGE
-            },
-        );
+        check_f16_input_model_against_cpu(&format!("{name} {label} dp {dp}"), None, &mut model, dp);
     }
 }
 
@@ -979,23 +989,11 @@ fn tiny_gguf_block_models_match_cpu() {
                 .replace_format(Box::new(sieve_cpu::dense::FastDense::new(values)))
                 .unwrap();
         }
-        check_gpu_model_against_cpu(
+        check_f16_input_model_against_cpu(
             &format!("tiny_gguf_block_models_match_cpu {ty:?} dp {dp}"),
             Some(&model),
             &mut reference,
-            0.05,
-            // With TEAL, an input within rounding of its threshold is active on one side only,
-            // and the low-bit kernels multiply f16-rounded activations (relative 2^-11), so
-            // the allowance is the CPU's own sensitivity to thresholds moved by 2^-11: this
-            // model's is large (p90 1.5-2.4 logits; the CPU's 8-bit-activation block kernels
-            // differ from the same reference by p90 2.7; measured 2026-12-04). Greedy paths
-            // then part at any step, so its tokens are not compared.
-            if dp > 0.0 { f32::INFINITY } else { 0.0 },
-            if dp > 0.0 {
-                F16_ROUNDING
-            } else {
-                THRESHOLD_NUDGE
-            },
+            dp,
         );
     }
 }
@@ -1185,20 +1183,11 @@ fn tiny_dense_int4_packs_run_four_bit() {
             "dp {dp}: {layer_kernels:?}"
         );
         drop(g);
-        check_gpu_model_against_cpu(
+        check_f16_input_model_against_cpu(
             &format!("tiny_dense_int4_packs_run_four_bit dp {dp}"),
             None,
             &mut model,
-            0.05,
-            // As for the GGUF block models: under TEAL the kernels round the activations to
-            // f16, so inputs at a threshold may flip and greedy paths part; logits are
-            // compared within the CPU's own sensitivity to that rounding.
-            if dp > 0.0 { f32::INFINITY } else { 0.0 },
-            if dp > 0.0 {
-                F16_ROUNDING
-            } else {
-                THRESHOLD_NUDGE
-            },
+            dp,
         );
     }
 }
