@@ -17,6 +17,7 @@ use crate::lowbit::{LowBitKind, LowBitMatrix};
 use crate::product::{check_io, threshold_arg, DevPtr, GpuAccumulate, GpuMatVec};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::f16;
+use rayon::prelude::*;
 use sieve_formats::format::is_active;
 use sieve_formats::Threshold;
 
@@ -144,26 +145,38 @@ impl ColumnLayout {
         // Padding: u = 8 (value 0) in every nibble.
         let mut words = vec![0x8888_8888u32; padded_cols * per_col];
         let q = m.q();
-        for r in 0..rows {
-            let (word_row, slot) = (r / 8, r % 8);
-            // Row 2i of a word is the low half's nibble i, row 2i + 1 the high half's.
-            let shift = 4 * (slot / 2) + 16 * (slot % 2);
-            for k in 0..cols {
-                let u = (q[r * cols + k] as i32 + 8) as u32;
-                let w = &mut words[k * per_col + word_row];
-                *w = (*w & !(0xf << shift)) | (u << shift);
-            }
-        }
+        // A 7B model has 6.5e9 weights to transpose at upload: blocks of SLOT columns in
+        // parallel, each reading its rows' SLOT contiguous values and writing SLOT columns.
+        words
+            .par_chunks_mut(SLOT * per_col)
+            .enumerate()
+            .for_each(|(b, block)| {
+                let k0 = b * SLOT;
+                let width = SLOT.min(cols.saturating_sub(k0));
+                for r in 0..rows {
+                    let (word_row, slot) = (r / 8, r % 8);
+                    // Row 2i of a word is the low half's nibble i, row 2i + 1 the high half's.
+                    let shift = 4 * (slot / 2) + 16 * (slot % 2);
+                    let row = &q[r * cols + k0..r * cols + k0 + width];
+                    for (kk, &v) in row.iter().enumerate() {
+                        let u = (v as i32 + 8) as u32;
+                        let w = &mut block[kk * per_col + word_row];
+                        *w = (*w & !(0xf << shift)) | (u << shift);
+                    }
+                }
+            });
         let mut scales = vec![f16::ZERO; groups * padded_rows];
-        for g in 0..groups {
-            let k = g * group;
-            if k >= cols {
-                continue;
-            }
-            for r in 0..rows {
-                scales[g * padded_rows + r] = f16::from_f32(m.scale(r, k));
-            }
-        }
+        scales
+            .par_chunks_mut(padded_rows)
+            .enumerate()
+            .for_each(|(g, out)| {
+                let k = g * group;
+                if k < cols {
+                    for (r, s) in out.iter_mut().enumerate().take(rows) {
+                        *s = f16::from_f32(m.scale(r, k));
+                    }
+                }
+            });
         Ok(Self {
             kind,
             rows,
