@@ -471,6 +471,124 @@ LB_KERNELS(lowbit_w4k, 4, 32, true, true, LB_MIN_BLOCKS)
 LB_KERNELS(lowbit_w5k, 5, 32, true, true, LB_MIN_BLOCKS)
 LB_KERNELS(lowbit_w6k, 6, 16, false, true, LB_MIN_BLOCKS)
 
+// The matrix as f16 for the batched prefill above a few dozen tokens, where cuBLAS on the f16
+// copy beats this file's kernel (it reloads every weight per 32 tokens): out (Mp x Kp,
+// row-major) = each weight's value rounded to f16 once, the scale (and min) applied in f32 as
+// the CPU's `dequantize` does (s · (u - Z), s · u - m, d · sc for the K kinds).
+//
+// One thread per (row tile, chunk, lane): it loads the lane's 16 bytes (and high-plane words),
+// dequantizes each k tile's A fragment with the GEMV's own functions, and writes, per k tile,
+// rows g and g + 8 at the 4 consecutive columns its fragment holds there
+// (16 P (j / P) + 4 P c + 4 (j % P): `fragment_column`): one 8-byte store per row and tile.
+// Registers 0 and 2 of a fragment are row g (slots 2c, 2c + 1 then 2c + 8, 2c + 9: columns
+// +0, +1, +2, +3), registers 1 and 3 row g + 8.
+template <int BITS, int GROUP, bool AFFINE, bool SUPER>
+__device__ __forceinline__ void lowbit_to_f16_body(const uint4* __restrict__ w, const u32* __restrict__ hi,
+                                                   const u32* __restrict__ gscales, const u32* __restrict__ gmins,
+                                                   const u32* __restrict__ sscales, const float* __restrict__ rscales,
+                                                   f16_bits* __restrict__ out, int tiles, int chunks) {
+    constexpr int HB = BITS == 5 ? 1 : BITS == 6 ? 2 : 0;
+    constexpr int Z = AFFINE ? 0 : BITS == 4 ? 8 : BITS == 5 ? 16 : 32;
+    constexpr int KTC = BITS == 8 ? 2 : 4;
+    constexpr int CK = 16 * KTC;
+    constexpr int KPG = GROUP / 16;
+    constexpr int P = GROUP && KPG < KTC ? KPG : KTC;
+    constexpr int HW = HB ? HB : 1;
+    pdl_wait_then_release();  // the previous GEMM may still read `out`
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)tiles * chunks * 32) return;
+    const int lane = (int)(i & 31);
+    const size_t rest = i >> 5;
+    const int kc = (int)(rest % chunks), rt = (int)(rest / chunks);
+    const int g = lane >> 2, c = lane & 3;
+    const int ldo = chunks * CK;
+    const int r0 = rt * 16 + g;
+    const uint4 wv = w[i];
+    const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
+    u32 hw[HW];
+#pragma unroll
+    for (int h = 0; h < HW; ++h) hw[h] = HB ? hi[i * HW + h] : 0u;
+#pragma unroll
+    for (int j = 0; j < KTC; ++j) {
+        u32 a[4];
+        if (BITS == 4)
+            lb_frag4<Z>(words[j], a);
+        else if (BITS == 8)
+            lb_frag8(words[2 * j], words[2 * j + 1], a);
+        else if (HB == 1)
+            lb_frag_hi<1, Z>(words[j], hw[0] >> (4 * j), a);
+        else
+            lb_frag_hi<2, Z>(words[j], hw[(j >> 1) % HW] >> (8 * (j & 1)), a);
+        const int col = kc * CK + 16 * P * (j / P) + 4 * P * c + 4 * (j % P);
+        // Scale s and min m of rows r0 (index 0) and r0 + 8 (index 1) at these 4 columns.
+        float s[2], m[2] = {0.f, 0.f};
+        if (SUPER) {
+            const int at = rt * (ldo / 256) + col / 256;
+            float d[2];
+            unpack2(sscales[at * 8 + g], d[0], d[1]);
+            if (AFFINE) {
+                // Code word of group (col % 256) / 32: bytes sc, sc', mc, mc'.
+                const u32 cw = gscales[(at * 8 + (col % 256) / 32) * 8 + g];
+                float dm[2];
+                unpack2(gmins[at * 8 + g], dm[0], dm[1]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    s[h] = __fmul_rn(d[h], (float)((cw >> (8 * h)) & 0xffu));
+                    m[h] = __fmul_rn(dm[h], (float)((cw >> (16 + 8 * h)) & 0xffu));
+                }
+            } else {
+                // w6 k: word (col % 256) / 32 holds groups 2j (bytes 0, 1) and 2j + 1 (bytes 2, 3),
+                // each code biased by 128.
+                const int gl = (col % 256) / 16;
+                const u32 cw = gscales[(at * 8 + gl / 2) * 8 + g] >> (16 * (gl & 1));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s[h] = __fmul_rn(d[h], (float)((int)((cw >> (8 * h)) & 0xffu) - 128));
+            }
+        } else if (GROUP) {
+            const int at = (rt * (ldo / (GROUP ? GROUP : 1)) + col / (GROUP ? GROUP : 1)) * 8 + g;
+            unpack2(gscales[at], s[0], s[1]);
+            if (AFFINE) unpack2(gmins[at], m[0], m[1]);
+        } else {
+            s[0] = rscales[r0];
+            s[1] = rscales[r0 + 8];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float q[4];
+            unpack2(a[h], q[0], q[1]);
+            unpack2(a[h + 2], q[2], q[3]);
+            u32 o[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float lo = __fsub_rn(__fmul_rn(s[h], q[2 * e]), m[h]);
+                const float hi2 = __fsub_rn(__fmul_rn(s[h], q[2 * e + 1]), m[h]);
+                o[e] = (u32)f2h(lo) | ((u32)f2h(hi2) << 16);
+            }
+            *reinterpret_cast<uint2*>(out + (size_t)(r0 + 8 * h) * ldo + col) = make_uint2(o[0], o[1]);
+        }
+    }
+}
+
+// Grid: ceil(tiles · chunks · 32 / 256) blocks of 256 threads.
+#define LB_TO_F16(NAME, BITS, GROUP, AFFINE, SUPER)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_to_f16(                                      \
+        const uint4* __restrict__ w, const u32* __restrict__ hi, const u32* __restrict__ gscales,         \
+        const u32* __restrict__ gmins, const u32* __restrict__ sscales, const float* __restrict__ rscales, \
+        f16_bits* __restrict__ out, int tiles, int chunks) {                                               \
+        lowbit_to_f16_body<BITS, GROUP, AFFINE, SUPER>(w, hi, gscales, gmins, sscales, rscales, out, tiles, \
+                                                       chunks);                                            \
+    }
+LB_TO_F16(lowbit_w4g128, 4, 128, false, false)
+LB_TO_F16(lowbit_w4g32, 4, 32, false, false)
+LB_TO_F16(lowbit_w8row, 8, 0, false, false)
+LB_TO_F16(lowbit_w8g32, 8, 32, false, false)
+LB_TO_F16(lowbit_w4g32a, 4, 32, true, false)
+LB_TO_F16(lowbit_w5g32, 5, 32, false, false)
+LB_TO_F16(lowbit_w5g32a, 5, 32, true, false)
+LB_TO_F16(lowbit_w4k, 4, 32, true, true)
+LB_TO_F16(lowbit_w5k, 5, 32, true, true)
+LB_TO_F16(lowbit_w6k, 6, 16, false, true)
+
 // f32 activations (n rows of K, `ldin` apart) -> f16 (n x ldx, columns K .. ldx zero), each input
 // kept only where it is active under the TEAL threshold t (|x| > t; t < 0 keeps all): the
 // runner's activations into the low-bit kernels' input. The dense low-bit kernels read every

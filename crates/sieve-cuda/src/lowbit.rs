@@ -1456,6 +1456,51 @@ impl GpuLowBit {
     }
 }
 
+impl GpuLowBit {
+    /// Rows of [`Self::decode_rows_f16`]'s output: M padded to the 16-row tile.
+    pub fn padded_rows(&self) -> usize {
+        self.tiles * TILE_ROWS
+    }
+
+    /// `out` (device, [`Self::padded_rows`] x [`Self::padded_cols`] f16, row-major) = the
+    /// matrix's values, each rounded to f16 once from the f32 value [`LowBitMatrix::dequantize`]
+    /// computes: the batched prefill's copy for cuBLAS, which beats the low-bit kernel (one
+    /// pass over the weights per 32 tokens) on long prompts. Padding rows are 0; padding
+    /// columns are 0 or, for the affine kinds, `-min` (a GEMM over K columns never reads them).
+    pub fn decode_rows_f16(&self, gpu: &Gpu, out: DevPtr) -> Result<()> {
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let name = format!("{}_to_f16", self.kind.kernel_prefix());
+        let f = gpu.function(&FAMILY, &name)?;
+        let threads = self.tiles * self.chunks * 32;
+        let blocks = u32::try_from(threads.div_ceil(256)).map_err(|_| {
+            CudaError::Option(format!(
+                "a {} x {} low-bit matrix is too large to decode in one launch",
+                self.rows, self.cols
+            ))
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (tiles, chunks) = (self.tiles as i32, self.chunks as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.weights)
+            .arg(&self.high)
+            .arg(&self.group_scales)
+            .arg(&self.group_mins)
+            .arg(&self.super_scales)
+            .arg(&self.row_scales)
+            .arg(&out)
+            .arg(&tiles)
+            .arg(&chunks);
+        unsafe { b.launch(cfg) }.during("launching a low-bit decode to f16")?;
+        Ok(())
+    }
+}
+
 /// `SIEVE_LOWBIT_GRID=tiles|persistent` in the environment overrides the grid choice
 /// (persistent blocks), read once: a switch for measuring that choice in a whole
 /// decode step, not a setting.

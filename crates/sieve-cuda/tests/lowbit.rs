@@ -213,3 +213,74 @@ fn gpu_balanced_lowbit_matches_reference() {
         }
     }
 }
+
+/// The prefill's f16 copy of a low-bit matrix (`decode_rows_f16`): every weight equals the
+/// CPU's `dequantize` rounded to f16 (f32 scale arithmetic on both sides: 1 f16 rounding
+/// apart at most), padding rows are zero, and no element of the padded output is left
+/// unwritten (the output starts as NaN).
+fn check_decode(gpu: &sieve_cuda::Gpu, m: &LowBitMatrix, d: &GpuLowBit, what: &str) {
+    let (rows, cols) = (m.rows(), m.cols());
+    let (mp, kp) = (d.padded_rows(), d.padded_cols());
+    let out = gpu.upload(&vec![f16::from_bits(0x7e00); mp * kp]).unwrap();
+    d.decode_rows_f16(gpu, sieve_cuda::dev_ptr(gpu, &out))
+        .unwrap();
+    gpu.synchronize().unwrap();
+    let got = gpu.download(&out).unwrap();
+    let want = m.dequantize();
+    for r in 0..mp {
+        for k in 0..kp {
+            let g = got[r * kp + k];
+            assert!(
+                !g.is_nan(),
+                "{what}: ({r}, {k}) of the padded copy not written"
+            );
+            if r >= rows {
+                assert_eq!(g.to_f32(), 0.0, "{what}: padding row {r} column {k}");
+                continue;
+            }
+            if k >= cols {
+                continue;
+            }
+            let w = want[r * cols + k];
+            let (g, w16) = (g.to_f32(), f16::from_f32(w).to_f32());
+            assert!(
+                (g - w16).abs() <= w.abs() * 1e-3 + 1e-7,
+                "{what}: ({r}, {k}) is {g}, dequantized {w} (f16 {w16})"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_lowbit_decode_to_f16_matches_dequantize() {
+    use sieve_cpu::gguf_blocks::test_blocks::random_blocks;
+    use sieve_cpu::gguf_blocks::BlockType;
+    let Some(gpu) = gpu_or_skip("gpu_lowbit_decode_to_f16_matches_dequantize") else {
+        return;
+    };
+    for kind in LowBitKind::ALL {
+        for (si, &(rows, cols)) in [
+            (1usize, 1usize),
+            (7, 5),
+            (33, 200),
+            (300, 1000),
+            (257, 4104),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let w = sparse_matrix(rows, cols, 0.3, Pattern::Unstructured, 70 + si as u64).unwrap();
+            let m = LowBitMatrix::quantize(&w, kind);
+            let d = GpuLowBit::upload(&gpu, &m).unwrap();
+            check_decode(&gpu, &m, &d, &format!("{} {rows}x{cols}", kind.name()));
+        }
+    }
+    for (ti, ty) in BlockType::ALL.into_iter().enumerate() {
+        for &(rows, cols) in &[(19usize, 768usize), (300, 1280)] {
+            let blocks = random_blocks(ty, rows, cols, 90 + ti as u64);
+            let m = LowBitMatrix::from_gguf(&format!("{ty:?}"), rows, cols, &blocks).unwrap();
+            let d = GpuLowBit::upload(&gpu, &m).unwrap();
+            check_decode(&gpu, &m, &d, &format!("{ty:?} {rows}x{cols}"));
+        }
+    }
+}

@@ -37,6 +37,16 @@ pub const CHUNK: usize = 256;
 /// prompt's q|k|v took 7.0 ms over 32 layers (two token tiles) against 1.5 ms dense.
 pub const TCBC_SPMM_MAX_TOKENS: usize = 64;
 
+/// Fewest tokens for which a batched pass multiplies a low-bit matrix in the tensor-core layout
+/// (`DeviceMatrix::LowBit`) by cuBLAS on an f16 copy ([`GpuLowBit::decode_rows_f16`]) instead
+/// of its own kernel, which takes at most 32 tokens a launch and so reads every weight again
+/// per 32 tokens. Measured (H200, 2026-12-04, 11008 x 4096 W4A16 g128): the kernel 42 us at 32
+/// tokens against cuBLAS f16 30 us, and a decode writes ~2.5 bytes per weight (~45 us): the
+/// copy pays from about 64 tokens on.
+///
+/// [`GpuLowBit::decode_rows_f16`]: sieve_cuda::lowbit::GpuLowBit::decode_rows_f16
+pub const LOWBIT_DECODE_MIN_TOKENS: usize = 65;
+
 /// True when every Tiled-CBC matrix among `linears` is multiplied by the SpMM for a batch of
 /// `n` tokens (none is decoded to f16 first).
 pub fn tiled_cbc_by_spmm(linears: &[&DeviceLinear], n: usize) -> bool {
@@ -140,6 +150,23 @@ pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
         .unwrap_or(0)
 }
 
+/// Elements of the largest tensor-core-layout low-bit matrix among `linears` (padded): the f16
+/// copy a pass of more than [`LOWBIT_DECODE_MIN_TOKENS`] tokens makes of it. The runner asks it
+/// of the layers only: an LM head's copy (vocabulary x hidden) would cost more memory than the
+/// few long batches through the head save, so the head keeps its kernel
+/// ([`linear_rows`] decodes only what its scratch holds).
+pub fn lowbit_decoded_len(linears: &[&DeviceLinear]) -> usize {
+    linears
+        .iter()
+        .flat_map(|l| l.parts.iter())
+        .filter_map(|p| match &p.matrix {
+            DeviceMatrix::LowBit(q) => Some(q.matrix.padded_rows() * q.matrix.padded_cols()),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// f16 elements of the lifted activations of [`CHUNK`] tokens for the widest SlideSparse
 /// matrix among `linears` (0 without one).
 pub fn lifted_len(linears: &[&DeviceLinear]) -> usize {
@@ -162,8 +189,9 @@ pub fn scratch16_len(linears: &[&DeviceLinear]) -> usize {
 
 /// `Y[n][row_offset ..] = beta Y + A · Wᵀ` for every part of `lin`: each part's input is
 /// `x` (f32, `ldx` per row) masked by the part's threshold into `a16` first. `ldy` floats per
-/// row of Y. `w16` is the f16 scratch of [`scratch16_len`] elements (for up to [`CHUNK`]
-/// tokens); beta is 0 (Y written) or 1 (added to) for the parts that are not GEMMs.
+/// row of Y. `w16` is the f16 scratch of `w16_len` elements, at least [`scratch16_len`] (for
+/// up to [`CHUNK`] tokens); beta is 0 (Y written) or 1 (added to) for the parts that are not
+/// GEMMs.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_rows(
     gpu: &Gpu,
@@ -176,6 +204,7 @@ pub fn linear_rows(
     ldy: usize,
     beta: f32,
     w16: DevPtr,
+    w16_len: usize,
 ) -> Result<()> {
     let k = lin.cols;
     let mut masked: Option<Threshold> = None;
@@ -192,7 +221,14 @@ pub fn linear_rows(
         unsafe { gpu.zero_bytes(y, n * ldy * 4) }?;
     }
     for p in &lin.parts {
-        if let DeviceMatrix::LowBit(q) = &p.matrix {
+        let lowbit_by_kernel = match &p.matrix {
+            DeviceMatrix::LowBit(q) => {
+                n < LOWBIT_DECODE_MIN_TOKENS
+                    || w16_len < q.matrix.padded_rows() * q.matrix.padded_cols()
+            }
+            _ => false,
+        };
+        if let (DeviceMatrix::LowBit(q), true) = (&p.matrix, lowbit_by_kernel) {
             // The low-bit kernel reads rows padded to 128 columns, at most 32 tokens a launch.
             use sieve_cuda::lowbit::{activations_to_f16, MAX_TOKENS};
             let kp = q.matrix.padded_cols();
@@ -289,10 +325,9 @@ pub fn linear_rows(
                     "a slide matrix reached the GEMM path".into(),
                 ))
             }
-            DeviceMatrix::LowBit(_) => {
-                return Err(GpuError::Unsupported(
-                    "a low-bit matrix reached the GEMM path".into(),
-                ))
+            DeviceMatrix::LowBit(q) => {
+                q.matrix.decode_rows_f16(gpu, w16)?;
+                (w16, false, q.matrix.padded_cols())
             }
         };
         let yp = y + (p.row_offset * 4) as u64;

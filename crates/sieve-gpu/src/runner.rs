@@ -952,7 +952,9 @@ impl GpuModel {
         for l in &self.layers {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        let decoded = crate::prefill::scratch16_len(&all);
+        let layers: Vec<&DeviceLinear> = all[1..].to_vec();
+        let decoded =
+            crate::prefill::scratch16_len(&all).max(crate::prefill::lowbit_decoded_len(&layers));
         self.prefill_bufs = Some(crate::prefill::PrefillBuffers::new(
             &self.gpu,
             d,
@@ -1021,7 +1023,7 @@ impl GpuModel {
         let qkv_w = (nh + 2 * nkv) * hd;
         let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
         let (x, xn, y, att) = (p(&pb.x), p(&pb.xn), p(&pb.y), p(&pb.att));
-        let (a16, w16) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16));
+        let (a16, w16, w16_len) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16), pb.w16.len());
         embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
         mark("embed")?;
         // Prompt rows go to the current slot; sequence rows address slot 0's rows and the
@@ -1041,7 +1043,7 @@ impl GpuModel {
                         rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?
                     }
                     LayerOp::Product(Group::Qkv) => {
-                        linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16)?
+                        linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16, w16_len)?
                     }
                     LayerOp::RopeKv => {
                         rope::rope_rows(g, y, bias, cos, sin, &rows, n, cache, nh, nkv, hd)?
@@ -1057,18 +1059,38 @@ impl GpuModel {
                         n,
                     )?,
                     LayerOp::Product(Group::O) => {
-                        linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16)?
+                        linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16, w16_len)?
                     }
                     LayerOp::Norm(Norm::Mlp) => {
                         rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?
                     }
-                    LayerOp::Product(Group::GateUp) => {
-                        linear_rows(g, &layer.gate_up, xn, d, a16, n, y, 2 * inter, 0.0, w16)?
-                    }
+                    LayerOp::Product(Group::GateUp) => linear_rows(
+                        g,
+                        &layer.gate_up,
+                        xn,
+                        d,
+                        a16,
+                        n,
+                        y,
+                        2 * inter,
+                        0.0,
+                        w16,
+                        w16_len,
+                    )?,
                     LayerOp::SwiGlu => silu_rows(g, y, n, inter)?,
-                    LayerOp::Product(Group::Down) => {
-                        linear_rows(g, &layer.down, y, 2 * inter, a16, n, x, d, 1.0, w16)?
-                    }
+                    LayerOp::Product(Group::Down) => linear_rows(
+                        g,
+                        &layer.down,
+                        y,
+                        2 * inter,
+                        a16,
+                        n,
+                        x,
+                        d,
+                        1.0,
+                        w16,
+                        w16_len,
+                    )?,
                 }
                 mark(op.name())?;
             }
@@ -2007,6 +2029,7 @@ impl GpuModel {
             v,
             0.0,
             dev_ptr(g, &pb.w16),
+            pb.w16.len(),
         )
     }
 

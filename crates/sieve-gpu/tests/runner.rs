@@ -998,6 +998,92 @@ fn tiny_gguf_block_models_match_cpu() {
     }
 }
 
+/// Prompts longer than `LOWBIT_DECODE_MIN_TOKENS`: the batched prefill multiplies the low-bit
+/// matrices (tensor-core layout) through an f16 copy and cuBLAS instead of their kernel. The
+/// tokens after such a prompt equal the CPU's (greedy, up to the first step where the CPU's
+/// top two logits are within 0.1), for GGUF Q4_0, Q8_0 and a Q4_K_M mix (Q4_K, Q6_K), the
+/// CPU running the exactly dequantized weights as f16 (what the copy holds).
+#[test]
+fn long_prompts_of_low_bit_models_match_cpu() {
+    let _serial = serial_gpu();
+    use sieve_cpu::gguf_blocks::BlockType;
+    let name = "long_prompts_of_low_bit_models_match_cpu";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    let q4_k_m = |name: &str| {
+        if name.contains("v_proj") || name.contains("down_proj") || name.contains("lm_head") {
+            BlockType::Q6_K
+        } else {
+            BlockType::Q4_K
+        }
+    };
+    let mut compared_total = 0;
+    for (what, seed) in [("Q4_0", 51u64), ("Q8_0", 52), ("Q4_K_M", 53)] {
+        let cfg = if what == "Q4_K_M" {
+            config(301, 256, 512, 2, 8, 2, 32)
+        } else {
+            config(301, 96, 224, 2, 6, 2, 16)
+        };
+        let mut model = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+        match what {
+            "Q4_0" => to_gguf_blocks(&mut model, BlockType::Q4_0),
+            "Q8_0" => to_gguf_blocks(&mut model, BlockType::Q8_0),
+            _ => to_random_gguf_blocks(&mut model, q4_k_m, 7 * seed),
+        }
+        let mut reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
+        for ((_, blocks), (_, dense)) in
+            model.linears_mut().into_iter().zip(reference.linears_mut())
+        {
+            let values = blocks.format().decode();
+            dense
+                .replace_format(Box::new(sieve_cpu::dense::FastDense::new(values)))
+                .unwrap();
+        }
+        let v = model.config().vocab_size;
+        let steps = 6;
+        for p in 0..3usize {
+            let len = sieve_gpu::prefill::LOWBIT_DECODE_MIN_TOKENS + 10 + 40 * p;
+            let prompt: Vec<u32> = (0..len)
+                .map(|i| ((i * (29 + 2 * p) + 3 + p) % v) as u32)
+                .collect();
+            let mut cache = reference.new_cache(len + steps + 1);
+            let mut logits = reference
+                .forward(&prompt, &mut cache, Logits::Last)
+                .unwrap();
+            let (mut cpu, mut compared) = (Vec::new(), steps);
+            for step in 0..steps {
+                let mut order: Vec<usize> = (0..logits.len()).collect();
+                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+                if logits[order[0]] - logits[order[1]] < 0.1 {
+                    compared = compared.min(step);
+                }
+                cpu.push(order[0] as u32);
+                logits = reference
+                    .forward(&[order[0] as u32], &mut cache, Logits::Last)
+                    .unwrap();
+            }
+            let mut g =
+                GpuModel::from_model(Gpu::new(0).unwrap(), &model, len + steps + 1).unwrap();
+            assert!(g.prefill_is_batched(), "{name} {what}");
+            let mut gpu = vec![g.prefill(&prompt).unwrap()];
+            while gpu.len() < steps {
+                gpu.push(g.next_token().unwrap());
+            }
+            assert_eq!(
+                gpu[..compared],
+                cpu[..compared],
+                "{name} {what}: tokens after a {len}-token prompt"
+            );
+            compared_total += compared;
+        }
+    }
+    assert!(
+        compared_total > 0,
+        "{name}: every first step was a near tie"
+    );
+}
+
 /// Every projection and the head of `model` replaced by random GGUF blocks (sieve-cpu's
 /// generator: real-model scale magnitudes, random codes) of the type `pick` gives its name.
 fn to_random_gguf_blocks(
