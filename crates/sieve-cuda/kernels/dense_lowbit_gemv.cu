@@ -144,6 +144,20 @@ __device__ __forceinline__ void lb_frag8(u32 w0, u32 w1, u32 a[4]) {
     a[3] = sub_f16x2(prmt(w1, 0x64646464u, 0x4342u), 0x64806480u);
 }
 
+// k tile j's A fragment (exact f16 values u - Z) of a chunk: `words` the lane's 4 weight
+// words, `hb` its HW high-plane words (5- and 6-bit kinds).
+template <int BITS, int Z, int HW>
+__device__ __forceinline__ void lb_frag(const u32 words[4], const u32* hb, int j, u32 a[4]) {
+    if (BITS == 4)
+        lb_frag4<Z>(words[j], a);
+    else if (BITS == 8)
+        lb_frag8(words[2 * j], words[2 * j + 1], a);
+    else if (BITS == 5)
+        lb_frag_hi<1, Z>(words[j], hb[0] >> (4 * j), a);
+    else
+        lb_frag_hi<2, Z>(words[j], hb[(j >> 1) % HW] >> (8 * (j & 1)), a);
+}
+
 // Byte i of w as an exact f32 without I2F (a quarter-rate conversion on sm_90): the byte is
 // placed in the mantissa of 2^23 and 2^23 is subtracted.
 // BIAS is subtracted in the same (exact) FADD: the code bytes of w6 k are sc + 128.
@@ -281,14 +295,7 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
 #pragma unroll
             for (int j = 0; j < KTC; ++j) {
                 u32 a[4];
-                if (BITS == 4)
-                    lb_frag4<Z>(words[j], a);
-                else if (BITS == 8)
-                    lb_frag8(words[2 * j], words[2 * j + 1], a);
-                else if (HB == 1)
-                    lb_frag_hi<1, Z>(words[j], hb[st][u][0] >> (4 * j), a);
-                else
-                    lb_frag_hi<2, Z>(words[j], hb[st][u][(j >> 1) % HW] >> (8 * (j & 1)), a);
+                lb_frag<BITS, Z, HW>(words, hb[st][u], j, a);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const u32 b0 = bx[nt][2 * j], b1 = bx[nt][2 * j + 1];
@@ -511,14 +518,7 @@ __device__ __forceinline__ void lowbit_to_f16_body(const uint4* __restrict__ w, 
 #pragma unroll
     for (int j = 0; j < KTC; ++j) {
         u32 a[4];
-        if (BITS == 4)
-            lb_frag4<Z>(words[j], a);
-        else if (BITS == 8)
-            lb_frag8(words[2 * j], words[2 * j + 1], a);
-        else if (HB == 1)
-            lb_frag_hi<1, Z>(words[j], hw[0] >> (4 * j), a);
-        else
-            lb_frag_hi<2, Z>(words[j], hw[(j >> 1) % HW] >> (8 * (j & 1)), a);
+        lb_frag<BITS, Z, HW>(words, hw, j, a);
         const int col = kc * CK + 16 * P * (j / P) + 4 * P * c + 4 * (j % P);
         // Scale s and min m of rows r0 (index 0) and r0 + 8 (index 1) at these 4 columns.
         float s[2], m[2] = {0.f, 0.f};

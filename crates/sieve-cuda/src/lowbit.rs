@@ -13,7 +13,7 @@ use crate::dense::check_len;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
 use crate::product::DevPtr;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 use half::f16;
 use sieve_formats::DenseMatrix;
 use std::sync::OnceLock;
@@ -1437,13 +1437,8 @@ impl GpuLowBit {
         );
         let (chunks, acc) = (self.chunks as i32, accumulate as i32);
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&self.weights)
-            .arg(&self.high)
-            .arg(&self.group_scales)
-            .arg(&self.group_mins)
-            .arg(&self.super_scales)
-            .arg(&self.row_scales)
-            .arg(&x)
+        self.push_layout(&mut b);
+        b.arg(&x)
             .arg(&ldx)
             .arg(&y)
             .arg(&ldy)
@@ -1457,6 +1452,16 @@ impl GpuLowBit {
 }
 
 impl GpuLowBit {
+    /// The device layout's six arrays, the first arguments of every kernel of the family.
+    fn push_layout<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.weights)
+            .arg(&self.high)
+            .arg(&self.group_scales)
+            .arg(&self.group_mins)
+            .arg(&self.super_scales)
+            .arg(&self.row_scales);
+    }
+
     /// Rows of [`Self::decode_rows_f16`]'s output: M padded to the 16-row tile.
     pub fn padded_rows(&self) -> usize {
         self.tiles * TILE_ROWS
@@ -1487,15 +1492,8 @@ impl GpuLowBit {
         };
         let (tiles, chunks) = (self.tiles as i32, self.chunks as i32);
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&self.weights)
-            .arg(&self.high)
-            .arg(&self.group_scales)
-            .arg(&self.group_mins)
-            .arg(&self.super_scales)
-            .arg(&self.row_scales)
-            .arg(&out)
-            .arg(&tiles)
-            .arg(&chunks);
+        self.push_layout(&mut b);
+        b.arg(&out).arg(&tiles).arg(&chunks);
         unsafe { b.launch(cfg) }.during("launching a low-bit decode to f16")?;
         Ok(())
     }

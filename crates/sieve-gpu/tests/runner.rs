@@ -557,6 +557,32 @@ fn check_f16_input_model_against_cpu(
     check_gpu_model_against_cpu(name, gpu_source, model, 0.05, near_tie, nudge);
 }
 
+/// The CPU's greedy tokens after `prompt`: (tokens, the steps before the first whose top two
+/// logits are within `near_tie` (where a GPU may rightly part), the smallest top-2 margin).
+fn cpu_greedy(
+    model: &mut Model,
+    prompt: &[u32],
+    steps: usize,
+    near_tie: f32,
+) -> (Vec<u32>, usize, f32) {
+    let mut cache = model.new_cache(prompt.len() + steps + 1);
+    let mut logits = model.forward(prompt, &mut cache, Logits::Last).unwrap();
+    let (mut tokens, mut compared, mut margin) = (Vec::new(), steps, f32::INFINITY);
+    for step in 0..steps {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        let step_margin = logits[order[0]] - logits[order[1]];
+        margin = margin.min(step_margin);
+        if step_margin < near_tie {
+            compared = compared.min(step);
+        }
+        let id = order[0] as u32;
+        tokens.push(id);
+        logits = model.forward(&[id], &mut cache, Logits::Last).unwrap();
+    }
+    (tokens, compared, margin)
+}
+
 /// [`check_gpu_model_against_cpu`] with its own allowance for the worst position (`max_tol`;
 /// `tol` bounds the p90).
 fn check_gpu_model_against_cpu_with_max(
@@ -571,24 +597,7 @@ fn check_gpu_model_against_cpu_with_max(
     let Some(gpu) = gpu_or_skip(name) else { return };
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
     let steps = 64;
-    // CPU greedy.
-    let mut cache = model.new_cache(prompt.len() + steps + 1);
-    let mut logits = model.forward(&prompt, &mut cache, Logits::Last).unwrap();
-    let mut cpu_tokens = Vec::new();
-    let mut margin = f32::INFINITY;
-    let mut compared = steps;
-    for step in 0..steps {
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        let step_margin = logits[order[0]] - logits[order[1]];
-        margin = margin.min(step_margin);
-        if step_margin < near_tie {
-            compared = compared.min(step);
-        }
-        let id = order[0] as u32;
-        cpu_tokens.push(id);
-        logits = model.forward(&[id], &mut cache, Logits::Last).unwrap();
-    }
+    let (cpu_tokens, compared, margin) = cpu_greedy(model, &prompt, steps, near_tie);
     // The GPU's KV cache stores what the CPU reference's does.
     let mut g = GpuModel::from_model_with(
         gpu,
@@ -1047,22 +1056,7 @@ fn long_prompts_of_low_bit_models_match_cpu() {
             let prompt: Vec<u32> = (0..len)
                 .map(|i| ((i * (29 + 2 * p) + 3 + p) % v) as u32)
                 .collect();
-            let mut cache = reference.new_cache(len + steps + 1);
-            let mut logits = reference
-                .forward(&prompt, &mut cache, Logits::Last)
-                .unwrap();
-            let (mut cpu, mut compared) = (Vec::new(), steps);
-            for step in 0..steps {
-                let mut order: Vec<usize> = (0..logits.len()).collect();
-                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-                if logits[order[0]] - logits[order[1]] < 0.1 {
-                    compared = compared.min(step);
-                }
-                cpu.push(order[0] as u32);
-                logits = reference
-                    .forward(&[order[0] as u32], &mut cache, Logits::Last)
-                    .unwrap();
-            }
+            let (cpu, compared, _) = cpu_greedy(&mut reference, &prompt, steps, 0.1);
             let mut g =
                 GpuModel::from_model(Gpu::new(0).unwrap(), &model, len + steps + 1).unwrap();
             assert!(g.prefill_is_batched(), "{name} {what}");
