@@ -583,6 +583,15 @@ fn cpu_greedy(
     (tokens, compared, margin)
 }
 
+/// The GPU's first `steps` tokens after `prompt` (its sampling: greedy unless set).
+fn gpu_tokens_after(g: &mut GpuModel, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let mut tokens = vec![g.prefill(prompt).unwrap()];
+    while tokens.len() < steps {
+        tokens.push(g.next_token().unwrap());
+    }
+    tokens
+}
+
 /// [`check_gpu_model_against_cpu`] with its own allowance for the worst position (`max_tol`;
 /// `tol` bounds the p90).
 fn check_gpu_model_against_cpu_with_max(
@@ -607,10 +616,7 @@ fn check_gpu_model_against_cpu_with_max(
     )
     .unwrap();
     assert_eq!(g.kv_precision(), model.kv_precision(), "{name}");
-    let mut gpu_tokens = vec![g.prefill(&prompt).unwrap()];
-    while gpu_tokens.len() < steps {
-        gpu_tokens.push(g.next_token().unwrap());
-    }
+    let gpu_tokens = gpu_tokens_after(&mut g, &prompt, steps);
     if compared < steps {
         eprintln!(
             "{name}: greedy tokens compared up to step {compared} (CPU margin below {near_tie})"
@@ -676,10 +682,7 @@ fn check_gpu_model_against_cpu_with_max(
         // Up to the CPU's first near tie, as above: an 8-bit cache may store a key one grid
         // step apart when the two paths round the activations differently.
         let n = compared.min(16);
-        let mut stepwise = vec![g.prefill(&prompt).unwrap()];
-        while stepwise.len() < n {
-            stepwise.push(g.next_token().unwrap());
-        }
+        let stepwise = gpu_tokens_after(&mut g, &prompt, n);
         assert_eq!(
             stepwise[..n],
             gpu_tokens[..n],
@@ -697,10 +700,7 @@ fn check_gpu_model_against_cpu_with_max(
     );
     // Graphs without programmatic dependent launch give the same tokens.
     g.set_pdl(false);
-    let mut plain = vec![g.prefill(&prompt).unwrap()];
-    while plain.len() < 8 {
-        plain.push(g.next_token().unwrap());
-    }
+    let plain = gpu_tokens_after(&mut g, &prompt, 8);
     assert_eq!(
         plain[..],
         gpu_tokens[..8],
@@ -709,10 +709,7 @@ fn check_gpu_model_against_cpu_with_max(
     g.set_pdl(true);
     // Eager launches give the same tokens as graph replays.
     g.set_use_graphs(false);
-    let mut eager = vec![g.prefill(&prompt).unwrap()];
-    while eager.len() < 8 {
-        eager.push(g.next_token().unwrap());
-    }
+    let eager = gpu_tokens_after(&mut g, &prompt, 8);
     assert_eq!(eager[..], gpu_tokens[..8], "{name}: eager vs graph");
 }
 
@@ -1060,10 +1057,7 @@ fn long_prompts_of_low_bit_models_match_cpu() {
             let mut g =
                 GpuModel::from_model(Gpu::new(0).unwrap(), &model, len + steps + 1).unwrap();
             assert!(g.prefill_is_batched(), "{name} {what}");
-            let mut gpu = vec![g.prefill(&prompt).unwrap()];
-            while gpu.len() < steps {
-                gpu.push(g.next_token().unwrap());
-            }
+            let gpu = gpu_tokens_after(&mut g, &prompt, steps);
             assert_eq!(
                 gpu[..compared],
                 cpu[..compared],
@@ -2009,10 +2003,7 @@ fn persistent_step_matches_the_graph_step() {
         let steps = 40;
         let mut g =
             GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
-        let mut want_tokens = vec![g.prefill(&prompt).unwrap()];
-        while want_tokens.len() < steps {
-            want_tokens.push(g.next_token().unwrap());
-        }
+        let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
         let mut seq = prompt.clone();
         seq.extend(&want_tokens);
         let v = c.vocab_size;
@@ -2027,10 +2018,7 @@ fn persistent_step_matches_the_graph_step() {
         g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
             .unwrap();
         assert_eq!(g.report().launches_per_step, 2);
-        let mut tokens = vec![g.prefill(&prompt).unwrap()];
-        while tokens.len() < steps {
-            tokens.push(g.next_token().unwrap());
-        }
+        let tokens = gpu_tokens_after(&mut g, &prompt, steps);
         assert_eq!(
             tokens, want_tokens,
             "{name}: greedy tokens, hd {}",
@@ -2068,10 +2056,7 @@ fn persistent_step_matches_the_graph_step() {
 
         // Back to the graph step: the same tokens again.
         g.set_step_mode(sieve_gpu::runner::StepMode::Graph).unwrap();
-        let mut again = vec![g.prefill(&prompt).unwrap()];
-        while again.len() < 8 {
-            again.push(g.next_token().unwrap());
-        }
+        let again = gpu_tokens_after(&mut g, &prompt, 8);
         assert_eq!(
             again[..],
             want_tokens[..8],
