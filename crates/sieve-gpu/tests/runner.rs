@@ -1017,13 +1017,6 @@ fn long_prompts_of_low_bit_models_match_cpu() {
     if gpu_or_skip(name).is_none() {
         return;
     }
-    let q4_k_m = |name: &str| {
-        if name.contains("v_proj") || name.contains("down_proj") || name.contains("lm_head") {
-            BlockType::Q6_K
-        } else {
-            BlockType::Q4_K
-        }
-    };
     let mut compared_total = 0;
     for (what, seed) in [("Q4_0", 51u64), ("Q8_0", 52), ("Q4_K_M", 53)] {
         let cfg = if what == "Q4_K_M" {
@@ -1035,7 +1028,7 @@ fn long_prompts_of_low_bit_models_match_cpu() {
         match what {
             "Q4_0" => to_gguf_blocks(&mut model, BlockType::Q4_0),
             "Q8_0" => to_gguf_blocks(&mut model, BlockType::Q8_0),
-            _ => to_random_gguf_blocks(&mut model, q4_k_m, 7 * seed),
+            _ => to_random_gguf_blocks(&mut model, q4_k_m_type, 7 * seed),
         }
         let mut reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
         for ((_, blocks), (_, dense)) in
@@ -1070,6 +1063,17 @@ fn long_prompts_of_low_bit_models_match_cpu() {
         compared_total > 0,
         "{name}: every first step was a near tie"
     );
+}
+
+/// llama.cpp's Q4_K_M mix on a tiny model: Q6_K for v_proj, down_proj and the head, Q4_K
+/// elsewhere.
+fn q4_k_m_type(name: &str) -> sieve_cpu::gguf_blocks::BlockType {
+    use sieve_cpu::gguf_blocks::BlockType;
+    if name.contains("v_proj") || name.contains("down_proj") || name.contains("lm_head") {
+        BlockType::Q6_K
+    } else {
+        BlockType::Q4_K
+    }
 }
 
 /// Every projection and the head of `model` replaced by random GGUF blocks (sieve-cpu's
@@ -1108,13 +1112,6 @@ fn tiny_k_quant_models_match_cpu() {
     if gpu_or_skip("tiny_k_quant_models_match_cpu").is_none() {
         return;
     }
-    let q4_k_m = |name: &str| {
-        if name.contains("v_proj") || name.contains("down_proj") || name.contains("lm_head") {
-            BlockType::Q6_K
-        } else {
-            BlockType::Q4_K
-        }
-    };
     let others = |name: &str| {
         if name.contains("v_proj") {
             BlockType::Q5_0
@@ -1127,7 +1124,7 @@ fn tiny_k_quant_models_match_cpu() {
         }
     };
     type Pick<'a> = &'a dyn Fn(&str) -> BlockType;
-    let mixes: [(&str, Pick); 2] = [("Q4_K_M", &q4_k_m), ("Q5 mix", &others)];
+    let mixes: [(&str, Pick); 2] = [("Q4_K_M", &q4_k_m_type), ("Q5 mix", &others)];
     for (mi, (mix, pick)) in mixes.into_iter().enumerate() {
         let cfg = config(301, 256, 512, 2, 8, 2, 32);
         let seed = 31 + mi as u64;
