@@ -177,12 +177,12 @@ cols)
 cols-decode)
   # TEAL on 4-bit weights in the whole step: the column layout against the tensor-core layout
   # (SIEVE_LOWBIT_COLS=off: the input masked, every weight read), W4A16 g128 and Q4_0.
-  $sieve bench decode --synthetic llama2-7b --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 --prompt 128 \
+  $sieve bench decode --synthetic llama2-7b --format dense --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 --prompt 128 \
     --tokens 256 --json "$OUT/cols-decode-int4.json" 2>&1 | tee "$OUT/cols-decode-int4.log" | grep -E "TPOT|error"
-  SIEVE_LOWBIT_COLS=off $sieve bench decode --synthetic llama2-7b --values int4 --sp 0.5 --dp 0.5 \
+  SIEVE_LOWBIT_COLS=off $sieve bench decode --synthetic llama2-7b --format dense --values int4 --sp 0.5 --dp 0.5 \
     --prompt 128 --tokens 256 --json "$OUT/cols-decode-int4-tc.json" 2>&1 | tee "$OUT/cols-decode-int4-tc.log" \
     | grep -E "TPOT|error"
-  $sieve bench decode --synthetic llama2-7b --values q4_0 --sp 0,0.5 --dp 0,0.5 --prompt 128 \
+  $sieve bench decode --synthetic llama2-7b --format dense --values q4_0 --sp 0,0.5 --dp 0,0.5 --prompt 128 \
     --tokens 256 --json "$OUT/cols-decode-q4_0.json" 2>&1 | tee "$OUT/cols-decode-q4_0.log" | grep -E "TPOT|error"
   ;;
 *) echo "PHASE is tests, bench, serve, smol, kv8, persistent, ttft, decoder, cols or cols-decode"; exit 2 ;;
