@@ -8,7 +8,8 @@
 # scripts/quality-table.sh (calibration on wikitext-2 *valid*).
 #
 # Environment: as scripts/quality-table.sh (SIEVE, MODEL, TOKENS, CALIB_SAMPLES, CALIB_LEN,
-# OUT), plus GGUF. The documented run used TOKENS=4096 CALIB_SAMPLES=16 CALIB_LEN=512.
+# OUT), plus GGUF, and ONLY="METHOD SP DP VALUES" to run that one row (e.g. ONLY="sparsegpt 0.5
+# 0.3 int4:128"). The documented run used TOKENS=4096 CALIB_SAMPLES=16 CALIB_LEN=512.
 set -euo pipefail
 source "$(dirname "$0")/quality-common.sh" /tmp/sieve-quality-lowbit
 
@@ -20,6 +21,7 @@ pattern_args=(--pattern balanced)
 
 row() { # row METHOD SP DP VALUES
   local method=$1 sp=$2 dp=$3 values=$4
+  [ -n "${ONLY:-}" ] && [ "$ONLY" != "$method $sp $dp $values" ] && return 0
   local file="$out/${format}-${method}-sp${sp}-dp${dp}-${values//:/-}.sieve"
   local t0 t1 stats
   t0=$(date +%s)
@@ -38,6 +40,7 @@ echo "|---|---|---|---|---|---|---|"
 if [ "$format" = dense ]; then
   row sparsegpt 0 0.5 int4:128
   row sparsegpt 0.5 0 int4:128
+  row sparsegpt 0.5 0.3 int4:128
   row sparsegpt 0.5 0.5 int4:128
 else
   row magnitude 0 0 int4:128

@@ -1677,6 +1677,138 @@ mod tests {
         (out_q, scales, mins)
     }
 
+    /// `lowbit_*_to_f16` (kernels/dense_lowbit_gemv.cu) on the CPU, thread by thread with the
+    /// kernel's own index arithmetic (not `fragment_column`, not `read_back`), so that its
+    /// mapping of fragments to rows and columns and of scales to groups is checked against the
+    /// layout builder without a GPU. The fragment registers are decoded as the GEMV's
+    /// `lb_frag*` define them (register i = nibble or byte pair i; its high bits at HB i).
+    fn emulate_decode_to_f16(m: &LowBitMatrix) -> Vec<f16> {
+        let kind = m.kind();
+        let l = m.device_layout();
+        let bits = kind.bits();
+        let hb = kind.high_bits();
+        let z = kind.zero_point();
+        let ktc = if bits == 8 { 2 } else { 4 };
+        let ck = 16 * ktc;
+        let kpg = kind.group() / 16;
+        let p = if kind.group() != 0 && kpg < ktc {
+            kpg
+        } else {
+            ktc
+        };
+        let hw = hb.max(1);
+        let (chunks, tiles) = (l.chunks, l.padded_rows / 16);
+        let ldo = chunks * ck;
+        let half = |w: u32, h: usize| f16::from_bits((w >> (16 * h)) as u16).to_f32();
+        let mut out = vec![f16::from_bits(0x7e00); l.padded_rows * ldo];
+        for i in 0..tiles * chunks * 32 {
+            let lane = i % 32;
+            let (kc, rt) = ((i / 32) % chunks, (i / 32) / chunks);
+            let (g, c) = (lane / 4, lane % 4);
+            let r0 = rt * 16 + g;
+            let words: Vec<u32> = (0..4)
+                .map(|w| {
+                    u32::from_le_bytes(
+                        l.weights[16 * i + 4 * w..16 * i + 4 * w + 4]
+                            .try_into()
+                            .unwrap(),
+                    )
+                })
+                .collect();
+            let hws: Vec<u32> = (0..hw)
+                .map(|h| if hb > 0 { l.high[i * hw + h] } else { 0 })
+                .collect();
+            for j in 0..ktc {
+                // The 8 elements e0..e7 (register r = (e2r, e2r+1)) as u - Z.
+                let e = |idx: usize| -> f32 {
+                    let (reg, upper) = (idx / 2, idx % 2 == 1);
+                    let u = if bits == 8 {
+                        let w = words[2 * j + reg / 2];
+                        (w >> (8 * (2 * (reg % 2) + upper as usize))) & 0xff
+                    } else {
+                        let sh = 16 * upper as usize + 4 * reg;
+                        let lo = (words[j] >> sh) & 15;
+                        let hi = match hb {
+                            0 => 0,
+                            1 => (hws[0] >> (4 * j)) >> (16 * upper as usize + reg) & 1,
+                            _ => {
+                                (hws[(j >> 1) % hw] >> (8 * (j & 1)))
+                                    >> (16 * upper as usize + 2 * reg)
+                                    & 3
+                            }
+                        };
+                        lo | hi << 4
+                    };
+                    (u as i32 - z) as f32
+                };
+                let col = kc * ck + 16 * p * (j / p) + 4 * p * c + 4 * (j % p);
+                let (mut s, mut mn) = ([0f32; 2], [0f32; 2]);
+                if kind.two_level() {
+                    let at = rt * (ldo / 256) + col / 256;
+                    let d = [
+                        half(l.super_scales[at * 8 + g], 0),
+                        half(l.super_scales[at * 8 + g], 1),
+                    ];
+                    if kind.affine() {
+                        let cw = l.group_scales[(at * 8 + (col % 256) / 32) * 8 + g];
+                        let dm = [
+                            half(l.group_mins[at * 8 + g], 0),
+                            half(l.group_mins[at * 8 + g], 1),
+                        ];
+                        for h in 0..2 {
+                            s[h] = d[h] * ((cw >> (8 * h)) & 0xff) as f32;
+                            mn[h] = dm[h] * ((cw >> (16 + 8 * h)) & 0xff) as f32;
+                        }
+                    } else {
+                        let gl = (col % 256) / 16;
+                        let cw = l.group_scales[(at * 8 + gl / 2) * 8 + g] >> (16 * (gl & 1));
+                        for h in 0..2 {
+                            s[h] = d[h] * (((cw >> (8 * h)) & 0xff) as i32 - 128) as f32;
+                        }
+                    }
+                } else if kind.group() != 0 {
+                    let at = (rt * (ldo / kind.group()) + col / kind.group()) * 8 + g;
+                    s = [half(l.group_scales[at], 0), half(l.group_scales[at], 1)];
+                    if kind.affine() {
+                        mn = [half(l.group_mins[at], 0), half(l.group_mins[at], 1)];
+                    }
+                } else {
+                    s = [l.row_scales[r0], l.row_scales[r0 + 8]];
+                }
+                for h in 0..2 {
+                    // Registers h and h + 2: columns +0, +1 and +2, +3 of row r0 + 8h.
+                    let q = [e(2 * h), e(2 * h + 1), e(2 * h + 4), e(2 * h + 5)];
+                    for (o, qv) in q.iter().enumerate() {
+                        out[(r0 + 8 * h) * ldo + col + o] = f16::from_f32(s[h] * qv - mn[h]);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// [`emulate_decode_to_f16`] gives every weight its dequantized value rounded to f16, zeros
+    /// in the padding rows, and leaves nothing of the padded matrix unwritten.
+    fn check_emulated_decode(m: &LowBitMatrix, what: &str) {
+        let out = emulate_decode_to_f16(m);
+        let kp = m.padded_cols();
+        let want = m.dequantize();
+        for (i, v) in out.iter().enumerate() {
+            let (r, k) = (i / kp, i % kp);
+            assert!(!v.is_nan(), "{what}: ({r}, {k}) not written");
+            if r >= m.rows() {
+                assert_eq!(v.to_f32(), 0.0, "{what}: padding row {r}");
+            } else if k < m.cols() {
+                let w = f16::from_f32(want[r * m.cols() + k]);
+                assert_eq!(
+                    v.to_bits(),
+                    w.to_bits(),
+                    "{what}: ({r}, {k}) {v} against {w}"
+                );
+            }
+        }
+    }
+
     const KINDS: [LowBitKind; 10] = LowBitKind::ALL;
 
     /// The GGUF types the kernels take: every one the loader keeps.
@@ -1724,6 +1856,25 @@ mod tests {
             prop_assert_eq!(&q[..], m.q());
             prop_assert_eq!(&scales[..], &m.scales[..]);
             prop_assert_eq!(&mins[..], &m.mins[..]);
+        }
+
+        /// The prefill's f16 decode, emulated thread by thread, puts every weight where
+        /// `dequantize` has it.
+        #[test]
+        fn decode_to_f16_mapping_matches_dequantize(rows in 1usize..40, cols in 1usize..300, seed in 0u64..1000, kind in 0usize..10) {
+            let kind = KINDS[kind];
+            let w = sparse_matrix(rows, cols, 0.2, Pattern::Unstructured, seed).unwrap();
+            check_emulated_decode(&LowBitMatrix::quantize(&w, kind), kind.name());
+        }
+
+        /// The same for GGUF blocks of every type (random codes, real-model scales).
+        #[test]
+        fn decode_to_f16_mapping_matches_gguf_blocks(rows in 1usize..20, supers in 1usize..3, seed in 0u64..1000, ty in 0usize..8) {
+            let ty = GGUF_TYPES[ty];
+            let cols = supers * 256;
+            let blocks = sieve_cpu::gguf_blocks::test_blocks::random_blocks(ty, rows, cols, seed);
+            let m = LowBitMatrix::from_gguf(&format!("{ty:?}"), rows, cols, &blocks).unwrap();
+            check_emulated_decode(&m, &format!("{ty:?}"));
         }
 
         /// Every GGUF type parses to exactly what sieve-cpu's dequantizer (an independent reading

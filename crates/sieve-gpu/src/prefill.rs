@@ -47,6 +47,13 @@ pub const TCBC_SPMM_MAX_TOKENS: usize = 64;
 /// [`GpuLowBit::decode_rows_f16`]: sieve_cuda::lowbit::GpuLowBit::decode_rows_f16
 pub const LOWBIT_DECODE_MIN_TOKENS: usize = 65;
 
+/// `SIEVE_LOWBIT_PREFILL=kernel` in the environment keeps the low-bit kernel for every batch
+/// (read once): a switch for measuring the f16 copy against it, not a setting.
+fn lowbit_copy_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("SIEVE_LOWBIT_PREFILL").as_deref() != Ok("kernel"))
+}
+
 /// True when every Tiled-CBC matrix among `linears` is multiplied by the SpMM for a batch of
 /// `n` tokens (none is decoded to f16 first).
 pub fn tiled_cbc_by_spmm(linears: &[&DeviceLinear], n: usize) -> bool {
@@ -225,6 +232,7 @@ pub fn linear_rows(
             DeviceMatrix::LowBit(q) => {
                 n < LOWBIT_DECODE_MIN_TOKENS
                     || w16_len < q.matrix.padded_rows() * q.matrix.padded_cols()
+                    || !lowbit_copy_allowed()
             }
             _ => false,
         };
