@@ -276,3 +276,53 @@ BCBC_KERNEL(13)
 BCBC_KERNEL(14)
 BCBC_KERNEL(15)
 BCBC_KERNEL(16)
+
+// The matrix as f16, column-major: out[k · Mp + r] (Mp = 512 (tiles - 1) + 16 last_lanes),
+// the batched prefill's copy for cuBLAS (a Balanced-CBC model's prompt used to run token by
+// token through the spMspV kernel). Either layout (idx: the index words, else the mask chain).
+// One warp per block (rt, k), lane j its 16 rows 512 rt + 16 j ..: the lane zeroes its 16
+// halves in shared memory, adds each of its N slots at the slot's row (adds, not stores: a
+// padding slot holds 0), and writes the 32 bytes with two 16-byte stores, so a warp writes the
+// tile's part of column k (1 KB) contiguously. Lanes past the last tile's stored ones write
+// nothing: those rows are past Mp.
+extern "C" __global__ void __launch_bounds__(256) bcbc_to_f16_t(const unsigned char* __restrict__ blocks,
+                                                                 f16_bits* __restrict__ out, int K, int N,
+                                                                 int idx, int tiles, int last_lanes, int Mp) {
+    __shared__ __align__(16) f16_bits rows[BCBC_WARPS][32][16];
+    pdl_wait_then_release();  // the previous GEMM may still read `out`
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t wid = (size_t)blockIdx.x * BCBC_WARPS + warp;
+    if (wid >= (size_t)tiles * K) return;
+    const int rt = (int)(wid / K), k = (int)(wid % K);
+    const u32 iw = (u32)(N + 7) / 8;
+    const u32 full = idx ? 64u * N + 128u * iw : 64u * N + 64u;
+    const int lanes = rt == tiles - 1 ? last_lanes : 32;
+    const u32 idx_at = ((u32)lanes * 2 * N + 3u) & ~3u;
+    const u32 block_bytes = lanes == 32 ? full
+                            : idx      ? (idx_at + 4u * iw * (u32)lanes + 15u) & ~15u
+                                       : ((u32)lanes * (2 * N + 2) + 15u) & ~15u;
+    if (lane >= lanes) return;
+    const unsigned char* b = blocks + (size_t)rt * (size_t)K * full + (size_t)k * block_bytes;
+    uint4* mine = reinterpret_cast<uint4*>(&rows[warp][lane][0]);
+    mine[0] = make_uint4(0u, 0u, 0u, 0u);
+    mine[1] = make_uint4(0u, 0u, 0u, 0u);
+    u32 mask = idx ? 0u : bcbc_ld16(b + 2 * lanes * N + 2 * lane);
+    for (int i = 0; i < N; ++i) {
+        // Slot i: half i % 2 of word i / 2, or the odd-N tail.
+        const u32 at = (N & 1) && i == N - 1 ? 4u * (u32)(N / 2) * lanes + 2u * lane
+                                             : 4u * ((u32)(i / 2) * lanes + lane) + 2u * (i & 1);
+        const u32 v = bcbc_ld16(b + at);
+        int r;
+        if (idx) {
+            r = (int)((bcbc_ld32(b + idx_at + 4u * ((u32)(i / 8) * lanes + lane)) >> (4 * (i % 8))) & 15u);
+        } else {
+            r = __ffs(mask) - 1;
+            mask &= mask - 1u;
+        }
+        if (r >= 0) rows[warp][lane][r] = f2h(h2f(rows[warp][lane][r]) + h2f((unsigned short)v));
+    }
+    __threadfence_block();  // the 16 halves stored above, read back as two vectors
+    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)k * Mp + (size_t)rt * BCBC_TILE + 16 * lane);
+    dst[0] = mine[0];
+    dst[1] = mine[1];
+}

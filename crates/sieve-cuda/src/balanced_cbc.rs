@@ -129,6 +129,54 @@ impl GpuBalancedCbc {
         self.kernel
     }
 
+    /// Rows of [`Self::decode_transposed`]'s columns: the stored lanes' rows, M rounded up to
+    /// 16 (512 per full tile).
+    pub fn padded_rows(&self) -> usize {
+        512 * self.row_tiles.saturating_sub(1) + 16 * self.last_lanes
+    }
+
+    /// `out` (device, `cols` x [`Self::padded_rows`] f16, column k's rows contiguous) = the
+    /// matrix, for the batched prefill's cuBLAS GEMM (`bcbc_to_f16_t`). Rows past M are zero.
+    pub fn decode_transposed(&self, gpu: &Gpu, out: DevPtr) -> Result<()> {
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        let f = gpu.function(&FAMILY, "bcbc_to_f16_t")?;
+        let warps = self.row_tiles * self.cols;
+        let blocks = u32::try_from(warps.div_ceil(WARPS as usize)).map_err(|_| {
+            CudaError::Option(format!(
+                "a {} x {} Balanced-CBC matrix is too large to decode in one launch",
+                self.rows, self.cols
+            ))
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k, n, idx) = (
+            self.cols as i32,
+            self.slots as i32,
+            (self.kernel == BcbcKernel::Idx) as i32,
+        );
+        let (tiles, last_lanes, mp) = (
+            self.row_tiles as i32,
+            self.last_lanes as i32,
+            self.padded_rows() as i32,
+        );
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.blocks)
+            .arg(&out)
+            .arg(&k)
+            .arg(&n)
+            .arg(&idx)
+            .arg(&tiles)
+            .arg(&last_lanes)
+            .arg(&mp);
+        unsafe { b.launch(cfg) }.during("launching bcbc_to_f16_t")?;
+        Ok(())
+    }
+
     fn kernel_name(&self) -> String {
         match self.kernel {
             BcbcKernel::Chain => format!("bcbc_spmspv_n{}", self.slots),
@@ -302,6 +350,118 @@ impl GpuAccumulate for GpuBalancedCbc {
 mod tests {
     use super::*;
     use sieve_formats::random::balanced_matrix;
+
+    /// `bcbc_to_f16_t` on the CPU, warp by warp and lane by lane with the kernel's own offsets
+    /// (block sizes, slot and index addresses, the mask chain), over the bytes the upload sends
+    /// for `kernel`: column-major f16, `padded_rows` per column.
+    fn emulate_decode_transposed(f: &BalancedCbc, kernel: BcbcKernel) -> (Vec<half::f16>, usize) {
+        let (k_cols, n, tiles) = (f.cols(), f.slots(), f.row_tiles());
+        let idx = kernel == BcbcKernel::Idx;
+        let bytes = if idx {
+            index_blocks(f)
+        } else {
+            f.blocks().to_vec()
+        };
+        let last_lanes = (f.rows() - 512 * tiles.saturating_sub(1)).div_ceil(16);
+        let mp = 512 * tiles.saturating_sub(1) + 16 * last_lanes;
+        let ld16 = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        let ld32 = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let iw = n.div_ceil(8);
+        let full = if idx { 64 * n + 128 * iw } else { 64 * n + 64 };
+        let mut out = vec![half::f16::from_bits(0x7e00); k_cols * mp];
+        for wid in 0..tiles * k_cols {
+            let (rt, k) = (wid / k_cols, wid % k_cols);
+            let lanes = if rt == tiles - 1 { last_lanes } else { 32 };
+            let idx_at = (lanes * 2 * n + 3) & !3;
+            let block_bytes = if lanes == 32 {
+                full
+            } else if idx {
+                (idx_at + 4 * iw * lanes + 15) & !15
+            } else {
+                (lanes * (2 * n + 2) + 15) & !15
+            };
+            let b = rt * k_cols * full + k * block_bytes;
+            for lane in 0..lanes {
+                let mut rows = [0f32; 16];
+                let mut mask = if idx {
+                    0
+                } else {
+                    ld16(b + 2 * lanes * n + 2 * lane) as u32
+                };
+                for i in 0..n {
+                    let at = if n % 2 == 1 && i == n - 1 {
+                        4 * (n / 2) * lanes + 2 * lane
+                    } else {
+                        4 * ((i / 2) * lanes + lane) + 2 * (i & 1)
+                    };
+                    let v = half::f16::from_bits(ld16(b + at)).to_f32();
+                    let r = if idx {
+                        ((ld32(b + idx_at + 4 * ((i / 8) * lanes + lane)) >> (4 * (i % 8))) & 15)
+                            as i32
+                    } else {
+                        let r = mask.trailing_zeros() as i32;
+                        mask &= mask.wrapping_sub(1);
+                        if r == 32 {
+                            -1
+                        } else {
+                            r
+                        }
+                    };
+                    if r >= 0 {
+                        let r = r as usize;
+                        rows[r] =
+                            half::f16::from_f32(half::f16::from_f32(rows[r]).to_f32() + v).to_f32();
+                    }
+                }
+                for (s, v) in rows.iter().enumerate() {
+                    out[k * mp + 512 * rt + 16 * lane + s] = half::f16::from_f32(*v);
+                }
+            }
+        }
+        (out, mp)
+    }
+
+    /// The prefill's f16 copy, emulated, is the matrix (column-major, zeros below M) in both
+    /// layouts, every slot count, partial tiles and lanes, and unstructured matrices (padding
+    /// slots); nothing of the padded copy is left unwritten.
+    #[test]
+    fn decode_transposed_mapping_reproduces_the_matrix() {
+        use sieve_formats::random::{sparse_matrix, Pattern};
+        for &(rows, cols) in &[(1usize, 1usize), (33, 7), (576, 5), (1100, 3), (520, 9)] {
+            for slots in [1usize, 2, 5, 8, 9, 15, 16] {
+                let w = balanced_matrix(rows, cols, slots, 11 + slots as u64).expect("matrix");
+                let f = BalancedCbc::encode_with_slots(&w, slots).expect("encode");
+                for kernel in [BcbcKernel::Chain, BcbcKernel::Idx] {
+                    check_emulated_decode(&f, &w, kernel, &format!("{rows}x{cols} n={slots}"));
+                }
+            }
+            let w = sparse_matrix(rows, cols, 0.6, Pattern::Unstructured, 5).expect("matrix");
+            let f = BalancedCbc::encode(&w).expect("encode");
+            for kernel in [BcbcKernel::Chain, BcbcKernel::Idx] {
+                check_emulated_decode(&f, &w, kernel, &format!("{rows}x{cols} unstructured"));
+            }
+        }
+    }
+
+    fn check_emulated_decode(
+        f: &BalancedCbc,
+        w: &sieve_formats::DenseMatrix,
+        kernel: BcbcKernel,
+        what: &str,
+    ) {
+        let (out, mp) = emulate_decode_transposed(f, kernel);
+        for c in 0..w.cols() {
+            for r in 0..mp {
+                let got = out[c * mp + r];
+                let want = if r < w.rows() {
+                    w.get(r, c)
+                } else {
+                    half::f16::ZERO
+                };
+                assert_eq!(got.to_f32(), want.to_f32(), "{what} {kernel:?}: ({r}, {c})");
+            }
+        }
+    }
 
     /// Decodes the [`BcbcKernel::Idx`] layout on its own (values + nibble rows, the kernel's
     /// reading of it) and compares with the matrix: every slot lands on its row.

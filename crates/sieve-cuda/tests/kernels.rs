@@ -301,6 +301,61 @@ fn tiled_cbc_matches_reference() {
     }
 }
 
+/// The batched prefill's f16 copy of a Balanced-CBC matrix (`decode_transposed`): column k's
+/// padded rows contiguous, equal to the matrix (zeros below M), in both device layouts, every
+/// slot count, partial tiles, and an unstructured matrix (padding slots); the output starts as
+/// NaN, so nothing may be left unwritten.
+#[test]
+fn balanced_cbc_decode_transposed_is_the_matrix() {
+    let Some(gpu) = gpu_or_skip("balanced_cbc_decode_transposed_is_the_matrix") else {
+        return;
+    };
+    for &(rows, cols) in &[
+        (1usize, 1usize),
+        (33, 63),
+        (576, 200),
+        (1100, 37),
+        (4096, 512),
+    ] {
+        let mut cases: Vec<(DenseMatrix, BalancedCbc)> = [1usize, 5, 8, 9, 16]
+            .iter()
+            .map(|&slots| {
+                let m = balanced_matrix(rows, cols, slots, seed()).expect("matrix");
+                let f = BalancedCbc::encode_with_slots(&m, slots).expect("encode");
+                (m, f)
+            })
+            .collect();
+        let m = sparse_matrix(rows, cols, 0.6, Pattern::Unstructured, seed()).expect("matrix");
+        let f = BalancedCbc::encode(&m).expect("encode");
+        cases.push((m, f));
+        for (m, f) in &cases {
+            for kernel in [BcbcKernel::Chain, BcbcKernel::Idx] {
+                let g = GpuBalancedCbc::upload_for(&gpu, f, kernel).expect("upload");
+                let mp = g.padded_rows();
+                assert!(mp >= rows && mp.is_multiple_of(16), "{rows}: padded rows {mp}");
+                let out = gpu
+                    .upload(&vec![f16::from_bits(0x7e00); cols * mp])
+                    .expect("out");
+                g.decode_transposed(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+                    .expect("decode");
+                gpu.synchronize().expect("sync");
+                let got = gpu.download(&out).expect("download");
+                for c in 0..cols {
+                    for r in 0..mp {
+                        let want = if r < rows { m.get(r, c) } else { f16::ZERO };
+                        assert_eq!(
+                            got[c * mp + r].to_f32(),
+                            want.to_f32(),
+                            "{rows}x{cols} n={} {kernel:?}: ({r}, {c})",
+                            f.slots()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Balanced-CBC over every slot count, odd shapes (M not a multiple of the 512-row tile or of
 /// the 16-row group, K below one warp slice), column slices from 1 to 64, in both the zeroing
 /// and the accumulating launch; and unstructured matrices (padded slots) through the same kernel.

@@ -121,18 +121,27 @@ impl PrefillBuffers {
 }
 
 /// True when every matrix of `linears` has a token-batch product (a GEMM, or a kernel that
-/// takes many tokens: low-bit, IE-BME, Tiled-CBC's and SlideSparse's SpMMs). RLC-CSC and
-/// Balanced-CBC have neither yet: their prompts run token by token.
+/// takes many tokens: low-bit, IE-BME, Tiled-CBC's and SlideSparse's SpMMs; Balanced-CBC with
+/// f16 values through its f16 copy). RLC-CSC and Balanced-CBC with low-bit values have neither
+/// yet: their prompts run token by token.
 pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     linears.iter().all(|l| {
         l.parts.iter().all(|p| {
             !matches!(
                 p.matrix,
-                DeviceMatrix::RlcCsc(_)
-                    | DeviceMatrix::BalancedCbc(_)
-                    | DeviceMatrix::BalancedLowBit(_)
+                DeviceMatrix::RlcCsc(_) | DeviceMatrix::BalancedLowBit(_)
             )
         })
+    })
+}
+
+/// True when a batched pass over `linears` always decodes some matrix to f16 first, however
+/// few its tokens (a Balanced-CBC one, whose only batched product is its f16 copy).
+pub fn always_decoded(linears: &[&DeviceLinear]) -> bool {
+    linears.iter().any(|l| {
+        l.parts
+            .iter()
+            .any(|p| matches!(p.matrix, DeviceMatrix::BalancedCbc(_)))
     })
 }
 
@@ -143,7 +152,8 @@ fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize) -> bool 
 }
 
 /// Elements of the largest matrix among `linears` that a pass decodes to f16: a Tiled-CBC one
-/// past the SpMM, or a column-major 4-bit one (padded). 0 when none is decoded.
+/// past the SpMM, a column-major 4-bit one or a Balanced-CBC one (padded). 0 when none is
+/// decoded.
 pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
     linears
         .iter()
@@ -151,6 +161,7 @@ pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
         .filter_map(|(p, k)| match &p.matrix {
             DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k) => Some(p.rows * k),
             DeviceMatrix::LowBitCols(c) => Some(c.padded_rows() * c.padded_cols()),
+            DeviceMatrix::BalancedCbc(b) => Some(b.padded_rows() * k),
             _ => None,
         })
         .max()
@@ -318,9 +329,13 @@ pub fn linear_rows(
                     "RLC-CSC has no batched prefill path".into(),
                 ))
             }
-            DeviceMatrix::BalancedCbc(_) | DeviceMatrix::BalancedLowBit(_) => {
+            DeviceMatrix::BalancedCbc(b) => {
+                b.decode_transposed(gpu, w16)?;
+                (w16, true, b.padded_rows())
+            }
+            DeviceMatrix::BalancedLowBit(_) => {
                 return Err(GpuError::Unsupported(
-                    "Balanced-CBC has no batched prefill path".into(),
+                    "Balanced-CBC with low-bit values has no batched prefill path".into(),
                 ))
             }
             DeviceMatrix::IeBme(_) => {

@@ -1669,8 +1669,9 @@ impl GpuModel {
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
     /// permitting). 2 when every matrix is multiplied where it lies; with Tiled-CBC matrices
-    /// the SpMM multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first,
-    /// [`DECODED_MIN_BATCH`].
+    /// the SpMM multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first (a
+    /// Tiled-CBC one past the SpMM, any Balanced-CBC one: its step per sequence costs what
+    /// Tiled-CBC's does, not measured in a pass yet), [`DECODED_MIN_BATCH`].
     pub fn min_batched_sequences(&self) -> usize {
         let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
         for l in &self.layers {
@@ -1678,7 +1679,9 @@ impl GpuModel {
         }
         if crate::prefill::decoded_len(&all) == 0 {
             2
-        } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES) {
+        } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES)
+            && !crate::prefill::always_decoded(&all)
+        {
             SPMM_MIN_BATCH
         } else {
             DECODED_MIN_BATCH
