@@ -220,3 +220,46 @@ BLB_KERNEL(13)
 BLB_KERNEL(14)
 BLB_KERNEL(15)
 BLB_KERNEL(16)
+
+// The matrix as f16, column-major: out[k · Mp + r] (Mp = 512 (tiles - 1) + 16 last_lanes), each
+// stored weight s · q rounded to f16 once (s: the row's f32 scale for int8, its column group's
+// for int4, both as the spMspV kernel reads them, `smp` = 512 · tiles rows per group): the
+// batched prefill's copy for cuBLAS. One warp per block (rt, k), lane j its 16 rows, as
+// balanced_cbc_spmspv.cu's bcbc_to_f16_t: zeroed in shared memory, each slot added at its row
+// (padding slots hold code zero), two 16-byte stores.
+extern "C" __global__ void __launch_bounds__(256) blb_to_f16_t(const unsigned char* __restrict__ blocks,
+                                                                const float* __restrict__ scales,
+                                                                f16_bits* __restrict__ out, int K, int N, int bits,
+                                                                int tiles, int last_lanes, int group, int smp,
+                                                                int Mp) {
+    __shared__ __align__(16) f16_bits rows[BLB_WARPS][32][16];
+    pdl_wait_then_release();  // the previous GEMM may still read `out`
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t wid = (size_t)blockIdx.x * BLB_WARPS + warp;
+    if (wid >= (size_t)tiles * K) return;
+    const int rt = (int)(wid / K), k = (int)(wid % K);
+    const u32 iw = (u32)(N + 7) / 8;
+    const u32 vw = bits == 8 ? (u32)(N + 3) / 4 : (u32)(N + 7) / 8;
+    const u32 full = 128u * (vw + iw);
+    const int lanes = rt == tiles - 1 ? last_lanes : 32;
+    const u32 block_bytes = lanes == 32 ? full : (4u * (vw + iw) * (u32)lanes + 15u) & ~15u;
+    if (lane >= lanes) return;
+    const unsigned char* b = blocks + (size_t)rt * (size_t)K * full + (size_t)k * block_bytes + 4 * lane;
+    const u32 idx_at = 4u * vw * (u32)lanes;
+    const float* srow = scales + (bits == 8 ? 0 : (size_t)(k / group) * smp) + (size_t)rt * BLB_TILE + 16 * lane;
+    uint4* mine = reinterpret_cast<uint4*>(&rows[warp][lane][0]);
+    mine[0] = make_uint4(0u, 0u, 0u, 0u);
+    mine[1] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < N; ++i) {
+        const int per = bits == 8 ? 4 : 8;
+        const u32 w = blb_ld32(b + 4u * (u32)(i / per) * lanes);
+        const int q = bits == 8 ? (int)((w >> (8 * (i % 4))) & 0xffu) - 128 : (int)((w >> (4 * (i % 8))) & 15u) - 8;
+        const int r = (int)((blb_ld32(b + idx_at + 4u * (u32)(i / 8) * lanes) >> (4 * (i % 8))) & 15u);
+        const float v = __fmul_rn(srow[r], (float)q);
+        rows[warp][lane][r] = f2h(h2f(rows[warp][lane][r]) + v);
+    }
+    __threadfence_block();  // the 16 halves stored above, read back as two vectors
+    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)k * Mp + (size_t)rt * BLB_TILE + 16 * lane);
+    dst[0] = mine[0];
+    dst[1] = mine[1];
+}

@@ -380,6 +380,59 @@ impl GpuBalancedLowBit {
         })
     }
 
+    /// Rows of [`Self::decode_transposed`]'s columns: the stored lanes' rows, M rounded up to
+    /// 16 (512 per full tile).
+    pub fn padded_rows(&self) -> usize {
+        TILE * self.row_tiles.saturating_sub(1) + LANE_ROWS * self.last_lanes
+    }
+
+    /// `out` (device, `cols` x [`Self::padded_rows`] f16, column k's rows contiguous) = the
+    /// matrix, each weight `s · q` rounded to f16 once: the batched prefill's copy for cuBLAS
+    /// (`blb_to_f16_t`). Rows past M are zero.
+    pub fn decode_transposed(&self, gpu: &Gpu, out: DevPtr) -> Result<()> {
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        let f = gpu.function(&FAMILY, "blb_to_f16_t")?;
+        let blocks =
+            u32::try_from((self.row_tiles * self.cols).div_ceil(WARPS as usize)).map_err(|_| {
+                CudaError::Option(format!(
+                    "a {} x {} low-bit Balanced-CBC matrix is too large to decode in one launch",
+                    self.rows, self.cols
+                ))
+            })?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (bits, group) = match self.values {
+            LowBitValues::Int8 => (8i32, 0i32),
+            LowBitValues::Int4 { group } => (4, group as i32),
+        };
+        let (k, n, tiles, last) = (
+            self.cols as i32,
+            self.slots as i32,
+            self.row_tiles as i32,
+            self.last_lanes as i32,
+        );
+        let (smp, mp) = ((self.row_tiles * TILE) as i32, self.padded_rows() as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.blocks)
+            .arg(&self.scales)
+            .arg(&out)
+            .arg(&k)
+            .arg(&n)
+            .arg(&bits)
+            .arg(&tiles)
+            .arg(&last)
+            .arg(&group)
+            .arg(&smp)
+            .arg(&mp);
+        unsafe { b.launch(cfg) }.during("launching blb_to_f16_t")?;
+        Ok(())
+    }
+
     fn effective_cols_per_warp(&self, gpu: &Gpu) -> Result<usize> {
         let group = match self.values {
             LowBitValues::Int4 { group } => group,
@@ -576,6 +629,79 @@ mod tests {
             let d = BalancedLowBit::detect(&snapped, b.slots()).expect("detected");
             let want2: Vec<f32> = b.decode().data().iter().map(|v| v.to_f32()).collect();
             prop_assert_eq!(read_back(&d), want2);
+        }
+    }
+
+    /// `blb_to_f16_t` on the CPU, warp by warp and lane by lane with the kernel's offsets (block
+    /// sizes, value and row words, scale addresses): column-major f16, `padded_rows` a column.
+    fn emulate_decode_transposed(b: &BalancedLowBit) -> (Vec<f16>, usize) {
+        let (k_cols, n, tiles) = (b.cols, b.slots, b.row_tiles);
+        let bits = b.values.bits();
+        let group = match b.values {
+            LowBitValues::Int4 { group } => group,
+            LowBitValues::Int8 => 0,
+        };
+        let (iw, vw) = (
+            n.div_ceil(8),
+            if bits == 8 {
+                n.div_ceil(4)
+            } else {
+                n.div_ceil(8)
+            },
+        );
+        let full = 128 * (vw + iw);
+        let smp = tiles * TILE;
+        let mp = TILE * tiles.saturating_sub(1) + LANE_ROWS * b.last_lanes;
+        let ld32 = |at: usize| u32::from_le_bytes(b.blocks[at..at + 4].try_into().unwrap());
+        let mut out = vec![f16::from_bits(0x7e00); k_cols * mp];
+        for wid in 0..tiles * k_cols {
+            let (rt, k) = (wid / k_cols, wid % k_cols);
+            let lanes = if rt == tiles - 1 { b.last_lanes } else { 32 };
+            let block_bytes = if lanes == 32 {
+                full
+            } else {
+                (4 * (vw + iw) * lanes + 15) & !15
+            };
+            for lane in 0..lanes {
+                let base = rt * k_cols * full + k * block_bytes + 4 * lane;
+                let idx_at = 4 * vw * lanes;
+                let srow = if bits == 8 { 0 } else { (k / group) * smp } + rt * TILE + 16 * lane;
+                let mut rows = [f16::ZERO; 16];
+                for i in 0..n {
+                    let per = if bits == 8 { 4 } else { 8 };
+                    let w = ld32(base + 4 * (i / per) * lanes);
+                    let q = if bits == 8 {
+                        ((w >> (8 * (i % 4))) & 0xff) as i32 - 128
+                    } else {
+                        ((w >> (4 * (i % 8))) & 15) as i32 - 8
+                    };
+                    let r = ((ld32(base + idx_at + 4 * (i / 8) * lanes) >> (4 * (i % 8))) & 15)
+                        as usize;
+                    let v = b.scales[srow + r] * q as f32;
+                    rows[r] = f16::from_f32(rows[r].to_f32() + v);
+                }
+                out[k * mp + rt * TILE + 16 * lane..][..16].copy_from_slice(&rows);
+            }
+        }
+        (out, mp)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+        /// The prefill's f16 copy, emulated, is the snapped matrix (column-major, zeros below M),
+        /// with nothing of the padded copy left unwritten.
+        #[test]
+        fn decode_transposed_mapping_reproduces_the_matrix(rows in 1usize..1100, cols in 1usize..70, slots in 1usize..=16, seed in 0u64..1000, kind in 0usize..4) {
+            let values = [LowBitValues::Int8, LowBitValues::Int4 { group: 32 }, LowBitValues::Int4 { group: 64 }, LowBitValues::Int4 { group: 128 }][kind];
+            let w = balanced_matrix(rows, cols, slots, seed).unwrap();
+            let (enc, snapped) = snap_balanced(&w, slots, values).unwrap();
+            let (out, mp) = emulate_decode_transposed(&enc);
+            for c in 0..cols {
+                for r in 0..mp {
+                    let want = if r < rows { snapped.get(r, c) } else { f16::ZERO };
+                    prop_assert_eq!(out[c * mp + r].to_f32(), want.to_f32(), "({}, {})", r, c);
+                }
+            }
         }
     }
 

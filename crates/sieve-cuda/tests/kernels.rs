@@ -332,7 +332,10 @@ fn balanced_cbc_decode_transposed_is_the_matrix() {
             for kernel in [BcbcKernel::Chain, BcbcKernel::Idx] {
                 let g = GpuBalancedCbc::upload_for(&gpu, f, kernel).expect("upload");
                 let mp = g.padded_rows();
-                assert!(mp >= rows && mp.is_multiple_of(16), "{rows}: padded rows {mp}");
+                assert!(
+                    mp >= rows && mp.is_multiple_of(16),
+                    "{rows}: padded rows {mp}"
+                );
                 let out = gpu
                     .upload(&vec![f16::from_bits(0x7e00); cols * mp])
                     .expect("out");

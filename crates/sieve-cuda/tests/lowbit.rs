@@ -144,6 +144,57 @@ fn gpu_every_gguf_type_matches_reference() {
     }
 }
 
+/// The batched prefill's f16 copy of a low-bit Balanced-CBC matrix (`decode_transposed`):
+/// column-major, equal to the snapped matrix (zeros below M), int8 and every int4 group, odd
+/// shapes and slot counts; the output starts as NaN, so nothing may be left unwritten.
+#[test]
+fn gpu_balanced_lowbit_decode_transposed_is_the_matrix() {
+    use sieve_cuda::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
+    use sieve_formats::random::balanced_matrix;
+    let Some(gpu) = gpu_or_skip("gpu_balanced_lowbit_decode_transposed_is_the_matrix") else {
+        return;
+    };
+    for (si, &(rows, cols)) in [(1usize, 1usize), (33, 63), (513, 300), (1100, 129)]
+        .iter()
+        .enumerate()
+    {
+        for slots in [1usize, 5, 8, 9, 16] {
+            let w = balanced_matrix(rows, cols, slots, 300 + si as u64 + slots as u64).unwrap();
+            for values in [
+                LowBitValues::Int8,
+                LowBitValues::Int4 { group: 32 },
+                LowBitValues::Int4 { group: 128 },
+            ] {
+                let (enc, snapped) = snap_balanced(&w, slots, values).unwrap();
+                let g = GpuBalancedLowBit::upload(&gpu, &enc).unwrap();
+                let mp = g.padded_rows();
+                let out = gpu
+                    .upload(&vec![f16::from_bits(0x7e00); cols * mp])
+                    .unwrap();
+                g.decode_transposed(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+                    .unwrap();
+                gpu.synchronize().unwrap();
+                let got = gpu.download(&out).unwrap();
+                for c in 0..cols {
+                    for r in 0..mp {
+                        let want = if r < rows {
+                            snapped.get(r, c)
+                        } else {
+                            f16::ZERO
+                        };
+                        assert_eq!(
+                            got[c * mp + r].to_f32(),
+                            want.to_f32(),
+                            "{rows}x{cols} n={slots} {}: ({r}, {c})",
+                            values.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn gpu_balanced_lowbit_matches_reference() {
     use sieve_cuda::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};

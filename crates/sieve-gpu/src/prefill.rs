@@ -121,27 +121,27 @@ impl PrefillBuffers {
 }
 
 /// True when every matrix of `linears` has a token-batch product (a GEMM, or a kernel that
-/// takes many tokens: low-bit, IE-BME, Tiled-CBC's and SlideSparse's SpMMs; Balanced-CBC with
-/// f16 values through its f16 copy). RLC-CSC and Balanced-CBC with low-bit values have neither
-/// yet: their prompts run token by token.
+/// takes many tokens: low-bit, IE-BME, Tiled-CBC's and SlideSparse's SpMMs; Balanced-CBC
+/// through its f16 copy). RLC-CSC has neither yet: its prompts run token by token.
 pub fn batchable(linears: &[&DeviceLinear]) -> bool {
     linears.iter().all(|l| {
-        l.parts.iter().all(|p| {
-            !matches!(
-                p.matrix,
-                DeviceMatrix::RlcCsc(_) | DeviceMatrix::BalancedLowBit(_)
-            )
-        })
+        l.parts
+            .iter()
+            .all(|p| !matches!(p.matrix, DeviceMatrix::RlcCsc(_)))
     })
 }
 
 /// True when a batched pass over `linears` always decodes some matrix to f16 first, however
-/// few its tokens (a Balanced-CBC one, whose only batched product is its f16 copy).
+/// few its tokens (a Balanced-CBC one, f16 or low-bit values: its only batched product is its
+/// f16 copy).
 pub fn always_decoded(linears: &[&DeviceLinear]) -> bool {
     linears.iter().any(|l| {
-        l.parts
-            .iter()
-            .any(|p| matches!(p.matrix, DeviceMatrix::BalancedCbc(_)))
+        l.parts.iter().any(|p| {
+            matches!(
+                p.matrix,
+                DeviceMatrix::BalancedCbc(_) | DeviceMatrix::BalancedLowBit(_)
+            )
+        })
     })
 }
 
@@ -162,6 +162,7 @@ pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
             DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k) => Some(p.rows * k),
             DeviceMatrix::LowBitCols(c) => Some(c.padded_rows() * c.padded_cols()),
             DeviceMatrix::BalancedCbc(b) => Some(b.padded_rows() * k),
+            DeviceMatrix::BalancedLowBit(b) => Some(b.padded_rows() * k),
             _ => None,
         })
         .max()
@@ -333,10 +334,9 @@ pub fn linear_rows(
                 b.decode_transposed(gpu, w16)?;
                 (w16, true, b.padded_rows())
             }
-            DeviceMatrix::BalancedLowBit(_) => {
-                return Err(GpuError::Unsupported(
-                    "Balanced-CBC with low-bit values has no batched prefill path".into(),
-                ))
+            DeviceMatrix::BalancedLowBit(b) => {
+                b.decode_transposed(gpu, w16)?;
+                (w16, true, b.padded_rows())
             }
             DeviceMatrix::IeBme(_) => {
                 return Err(GpuError::Unsupported(
