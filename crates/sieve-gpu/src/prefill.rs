@@ -10,10 +10,12 @@
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
-//! | dense low-bit (GGUF blocks of every type, W4A16, W8A16) | no GEMM: the low-bit kernel, 32 tokens per launch |
+//! | dense low-bit (GGUF blocks of every type, W4A16, W8A16), up to 64 tokens | no GEMM: the low-bit kernel, 32 tokens per launch |
+//! | the same, more tokens ([`LOWBIT_DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`lowbit_*_to_f16`), `op = T` (not the LM head: its copy would be vocabulary-sized) |
 //! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
+//! | Balanced-CBC, f16 or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
 //! | SlideSparse | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
-//! | RLC-CSC, Balanced-CBC | no decoder: the prompt runs token by token through the decode step |
+//! | RLC-CSC | no decoder: the prompt runs token by token through the decode step |
 //!
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
 //! (the CPU path's `matmul` semantics); GEMMs accumulate in f32, o_proj and down_proj with
