@@ -86,10 +86,15 @@ pub enum Precision {
     W4A16Cols,
     /// GGUF Q4_0 (4-bit, f16 scale per 32) column-major under a TEAL threshold, as `w4a16-cols`.
     Q4_0Cols,
+    /// W4A16 g128 decoded to f16 (`decode_rows_f16`) then cuBLAS: what the batched prefill runs
+    /// for a low-bit matrix above 64 tokens; both launches timed, the decode's write included.
+    W4A16DecodeGemm,
+    /// The same for Q4_K blocks (two-level scales).
+    Q4KDecodeGemm,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 20] = [
+    pub const ALL: [Precision; 22] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -110,6 +115,8 @@ impl Precision {
         Precision::SlideF16,
         Precision::W4A16Cols,
         Precision::Q4_0Cols,
+        Precision::W4A16DecodeGemm,
+        Precision::Q4KDecodeGemm,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -133,6 +140,8 @@ impl Precision {
             Precision::SlideF16 => "slide-f16",
             Precision::W4A16Cols => "w4a16-cols",
             Precision::Q4_0Cols => "q4_0-cols",
+            Precision::W4A16DecodeGemm => "w4a16-decode-gemm",
+            Precision::Q4KDecodeGemm => "q4_k-decode-gemm",
         }
     }
     fn is_balanced(self) -> bool {
@@ -545,26 +554,61 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
             Precision::W5K => LowBitMatrix::quantize(&w0, LowBitKind::W5K),
             Precision::W6K => LowBitMatrix::quantize(&w0, LowBitKind::W6K),
             Precision::W4G32Affine => LowBitMatrix::quantize(&w0, LowBitKind::W4G32Affine),
+            Precision::W4A16DecodeGemm => LowBitMatrix::quantize(&w0, LowBitKind::W4G128),
+            Precision::Q4KDecodeGemm => LowBitMatrix::quantize(&w0, LowBitKind::W4K),
             _ => continue,
         };
+        let decode_gemm = matches!(p, Precision::W4A16DecodeGemm | Precision::Q4KDecodeGemm);
         let wq: Vec<f64> = lb.dequantize().into_iter().map(|v| v as f64).collect();
         let want_all = reference_product(&wq, m, k, &xf, nmax);
         let bytes_w = lb.device_bytes();
         let copies: Vec<GpuLowBit> = (0..ctx.copies(bytes_w))
             .map(|_| GpuLowBit::upload(gpu, &lb))
             .collect::<Result<_>>()?;
-        let kp = copies[0].padded_cols();
+        let (kp, mp) = (copies[0].padded_cols(), copies[0].padded_rows());
+        // The f16 copy (Mp x Kp), rewritten by every product as in the batched pass.
+        let decoded = if decode_gemm {
+            Some(crate::dense::zeroed_f16(gpu, mp * kp)?)
+        } else {
+            None
+        };
         for (ni, &n) in opts.n.iter().enumerate() {
             let xd = gpu.upload(&pad_activations(&x16[..n * k], n, k, kp))?;
+            let x16d = gpu.upload(&x16[..n * k])?;
             let mut y = gpu.poisoned_f32(n * m)?;
             let want = first_tokens(&want_all, m, n);
-            copies[0].launch(gpu, &xd, n, &mut y, false)?;
+            let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                let w = &copies[i % copies.len()];
+                match &decoded {
+                    None => w.launch(gpu, &xd, n, y, false),
+                    Some(d) => {
+                        use crate::product::dev_ptr;
+                        w.decode_rows_f16(gpu, dev_ptr(gpu, d))?;
+                        crate::dense::gemm_f16_rows(
+                            gpu,
+                            dev_ptr(gpu, d),
+                            kp,
+                            false,
+                            m,
+                            k,
+                            dev_ptr(gpu, &x16d),
+                            n,
+                            dev_ptr(gpu, y),
+                            m,
+                            0.0,
+                        )
+                    }
+                }
+            };
+            launch(0, &mut y)?;
             let err = max_rel_error(&gpu.download(&y)?, want);
-            let nc = copies.len();
-            let t = ctx.time(nc, &mut y, want, |i, y| {
-                copies[i % nc].launch(gpu, &xd, n, y, false)
-            })?;
-            let bytes = bytes_w + n * kp * 2 + n * m * 4;
+            let t = ctx.time(copies.len(), &mut y, want, launch)?;
+            let bytes = if decode_gemm {
+                // Read the blocks, write and read back the f16 copy, the GEMM's x and y.
+                bytes_w + 2 * mp * kp * 2 + n * k * 2 + n * m * 4
+            } else {
+                bytes_w + n * kp * 2 + n * m * 4
+            };
             ctx.record(p, shape, n, 0.0, 0.0, &t, &bases[ni], bytes, err);
         }
     }
