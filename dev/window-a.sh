@@ -32,6 +32,9 @@ exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^lowbit_cols-')
 (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 SIEVE_LOWBIT_COLS_VARIANT=t2r8 timeout 150 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" --test-threads 1 > "$OUT/memcheck.log" 2>&1; echo "memcheck exit $?")
 grep -E "ERROR SUMMARY|test result" "$OUT/memcheck.log" | head
 date -u +%T
+# Where the f16 copy pays (LOWBIT_DECODE_MIN_TOKENS = 65 is from the H200 kernel table).
+.gpu/bin/sieve bench gemm --shapes llama2-7b --precision f16,w4a16,w4a16-decode-gemm,q4_k-kernel,q4_k-decode-gemm \
+  --n 32,64,96,128 --graph 2>&1 | tee "$OUT/gemm-decode.log" | grep -vE "^(device|copy|empty)" | tail -30
 S=".gpu/bin/sieve bench decode --synthetic llama2-7b --format dense --prompt 128 --tokens 256"
 $S --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 2>&1 | tee "$OUT/decode-int4.log" | grep -E "TPOT|error"
 SIEVE_LOWBIT_PREFILL=kernel $S --values int4 --sp 0 --dp 0 --tokens 16 2>&1 | tee "$OUT/decode-int4-kernel-prefill.log" | grep -E "TPOT|error"
