@@ -178,7 +178,7 @@ impl std::fmt::Display for Precision {
 #[derive(Clone, Debug, PartialEq)]
 pub struct GemmBenchOptions {
     pub shapes: Vec<String>,
-    /// Tokens per product, each 1..=32.
+    /// Tokens per product, each 1..=[`MAX_BENCH_TOKENS`] (the IE-BME rows stop at 32).
     pub n: Vec<usize>,
     /// Weight sparsities of the Balanced-CBC rows.
     pub sp: Vec<f64>,
@@ -218,11 +218,16 @@ impl Default for GemmBenchOptions {
     }
 }
 
+/// Most tokens per product: the batched pass's chunk. The low-bit kernels take 32 a launch
+/// and run larger N in launches of 32, as the batched pass does; the IE-BME kernel's rows skip
+/// N above its 32.
+pub const MAX_BENCH_TOKENS: usize = 256;
+
 impl GemmBenchOptions {
     pub fn validate(&self) -> Result<Vec<Shape>> {
         let bad = |m: String| Err(CudaError::Option(m));
-        if self.n.is_empty() || self.n.iter().any(|&n| n == 0 || n > MAX_TOKENS) {
-            return bad(format!("--n takes 1..={MAX_TOKENS} tokens"));
+        if self.n.is_empty() || self.n.iter().any(|&n| n == 0 || n > MAX_BENCH_TOKENS) {
+            return bad(format!("--n takes 1..={MAX_BENCH_TOKENS} tokens"));
         }
         if self.precisions.is_empty() {
             return bad("no precision given".into());
@@ -579,10 +584,20 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
             let want = first_tokens(&want_all, m, n);
             let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
                 let w = &copies[i % copies.len()];
+                use crate::product::dev_ptr;
                 match &decoded {
-                    None => w.launch(gpu, &xd, n, y, false),
+                    // Past 32 tokens in launches of 32, as the batched pass runs it.
+                    None => (0..n).step_by(MAX_TOKENS).try_for_each(|t0| {
+                        w.launch_ptr(
+                            gpu,
+                            dev_ptr(gpu, &xd) + (t0 * kp * 2) as u64,
+                            (n - t0).min(MAX_TOKENS),
+                            dev_ptr(gpu, y) + (t0 * m * 4) as u64,
+                            m,
+                            false,
+                        )
+                    }),
                     Some(d) => {
-                        use crate::product::dev_ptr;
                         w.decode_rows_f16(gpu, dev_ptr(gpu, d))?;
                         crate::dense::gemm_f16_rows(
                             gpu,
@@ -779,6 +794,9 @@ fn bench_ie_bme(
                 .collect::<Result<_>>()?;
             let nc = copies.len();
             for (ni, &n) in opts.n.iter().enumerate() {
+                if n > crate::ie_bme::MAX_TOKENS {
+                    continue;
+                }
                 let xd = gpu.upload(&xf32[..n * k])?;
                 let mut y = gpu.poisoned_f32(n * m)?;
                 let want = first_tokens(&want_all, m, n);
@@ -1068,8 +1086,12 @@ mod tests {
     fn options_are_checked() {
         let mut o = GemmBenchOptions::default();
         assert!(o.validate().is_ok());
-        o.n = vec![33];
+        o.n = vec![MAX_BENCH_TOKENS + 1];
         assert!(o.validate().is_err());
+        o.n = vec![0];
+        assert!(o.validate().is_err());
+        o.n = vec![33, 128, MAX_BENCH_TOKENS];
+        assert!(o.validate().is_ok(), "the batched pass's token counts");
         o.n = vec![1];
         o.sp = vec![1.0];
         assert!(o.validate().is_err());

@@ -26,7 +26,7 @@ pub struct GemmArgs {
     /// Model shape sets (llama2-7b, llama2-13b, llama3-8b, llama2-70b) or MxK shapes.
     #[arg(long, value_delimiter = ',', default_value = "llama2-7b")]
     shapes: Vec<String>,
-    /// Tokens per product (1..=32).
+    /// Tokens per product (1..=256; the IE-BME rows stop at 32).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     n: Vec<usize>,
     /// Weight sparsities of the Balanced-CBC rows (N = round(16 (1 - sp)) of every 16 rows) and
