@@ -297,3 +297,84 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
     IB_TOKENS(1, 1, BITS)
 IB_AREAS(4)
 IB_AREAS(8)
+
+// The matrix as f16, row-major: out[r · Kp + k] (Mp = 16 tile_rows, Kp = 64 tile_cols rows and
+// columns), each value s · q rounded to f16 once, zero where no tuple holds it: the batched
+// prefill's copy for cuBLAS on long prompts (the product kernel above takes 32 tokens a launch
+// and decodes every tile again per launch). One warp per tile, lane l its columns 2l and 2l + 1
+// of the tile's 16 original rows o: reordered row p = nibble o of the tile's iperm, union
+// position (i, j) of area (a, c) (RA = 2: a = p / 8; CA = 2: c = column / 32), the tuple of its
+// rank (the words' popcounts scanned across the warp, as the product kernel does), area
+// q = a · CA + c's code; one 4-byte store per row, so the warp writes each of the tile's rows
+// (128 bytes) at once.
+template <int RA, int CA, int BITS>
+__device__ __forceinline__ void ib_to_f16_body(const u32* __restrict__ bitmaps, const unsigned long long* __restrict__ iperms,
+                                               const u32* __restrict__ tile_offsets, const unsigned char* __restrict__ values,
+                                               const float* __restrict__ scales, f16_bits* __restrict__ out,
+                                               int tile_rows, int tile_cols, int group_tiles, int mp) {
+    constexpr int Q = RA * CA;
+    constexpr int W32 = 32 / Q;  // bitmap words per tile
+    constexpr int KB = 64 / CA;  // union columns
+    constexpr int TUPLE_BITS = Q * BITS;
+    constexpr int ZERO = BITS == 4 ? 8 : 128;
+    constexpr u32 MASK = (1u << BITS) - 1u;
+    pdl_wait_then_release();  // the previous GEMM may still read `out`
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t tile = (size_t)blockIdx.x * IB_WARPS + warp;
+    if (tile >= (size_t)tile_rows * tile_cols) return;  // the whole warp
+    const int tr = (int)(tile / tile_cols), tc = (int)(tile % tile_cols);
+    const u32 word = lane < W32 ? __ldg(bitmaps + tile * W32 + lane) : 0u;
+    u32 incl = __popc(word);
+#pragma unroll
+    for (int d = 1; d < W32; d <<= 1) {
+        const u32 o = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += o;
+    }
+    const u32 excl = incl - __popc(word);
+    const unsigned char* base = values + __ldg(tile_offsets + tile);
+    const unsigned long long ip = __ldg(iperms + tile);
+    const int grp = tc / group_tiles;
+    const int kp = tile_cols * 64;
+#pragma unroll 4
+    for (int o = 0; o < 16; ++o) {
+        const int p = (int)((ip >> (4 * o)) & 15u);
+        const int a = RA == 2 ? p >> 3 : 0, i = RA == 2 ? p & 7 : p;
+        const float s = __ldg(scales + (size_t)grp * mp + tr * 16 + o);
+        u32 packed = 0u;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = 2 * lane + e;
+            const int c = CA == 2 ? col >> 5 : 0, j = CA == 2 ? col & 31 : col;
+            const int b = i * KB + j;
+            const u32 w = __shfl_sync(FULL_MASK, word, b >> 5);
+            const u32 before = __shfl_sync(FULL_MASK, excl, b >> 5);
+            float v = 0.f;
+            if ((w >> (b & 31)) & 1u) {
+                const u32 r = before + __popc(w & ((1u << (b & 31)) - 1u));
+                const u32 tup = ib_tuple<TUPLE_BITS>(base, r);
+                v = __fmul_rn(s, (float)((int)((tup >> (BITS * (a * CA + c))) & MASK) - ZERO));
+            }
+            packed |= (u32)f2h(v) << (16 * e);
+        }
+        *reinterpret_cast<u32*>(out + (size_t)(tr * 16 + o) * kp + tc * 64 + 2 * lane) = packed;
+    }
+}
+
+// Grid: ceil(tiles / 8) blocks of 256 threads.
+#define IB_TO_F16(RA, CA, BITS)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) ie_bme_r##RA##c##CA##_int##BITS##_to_f16(             \
+        const u32* __restrict__ bitmaps, const unsigned long long* __restrict__ iperms,                      \
+        const u32* __restrict__ tile_offsets, const unsigned char* __restrict__ values,                      \
+        const float* __restrict__ scales, f16_bits* __restrict__ out, int tile_rows, int tile_cols,          \
+        int group_tiles, int mp) {                                                                           \
+        ib_to_f16_body<RA, CA, BITS>(bitmaps, iperms, tile_offsets, values, scales, out, tile_rows, tile_cols, \
+                                     group_tiles, mp);                                                       \
+    }
+IB_TO_F16(2, 2, 4)
+IB_TO_F16(1, 2, 4)
+IB_TO_F16(2, 1, 4)
+IB_TO_F16(1, 1, 4)
+IB_TO_F16(2, 2, 8)
+IB_TO_F16(1, 2, 8)
+IB_TO_F16(2, 1, 8)
+IB_TO_F16(1, 1, 8)

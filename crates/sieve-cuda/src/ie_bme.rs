@@ -375,6 +375,54 @@ impl GpuIeBme {
         self.geo.bits
     }
 
+    /// Rows of [`Self::decode_rows_f16`]'s output: M padded to the 16-row tile.
+    pub fn padded_rows(&self) -> usize {
+        self.geo.tile_rows * TILE_ROWS
+    }
+
+    /// Columns of [`Self::decode_rows_f16`]'s output: K padded to the 64-column tile.
+    pub fn padded_cols(&self) -> usize {
+        self.geo.tile_cols * TILE_COLS
+    }
+
+    /// `out` (device, [`Self::padded_rows`] x [`Self::padded_cols`] f16, row-major) = the
+    /// matrix, each value `s · q` rounded to f16 once, zeros where no tuple holds one: the
+    /// batched prefill's copy for cuBLAS on long prompts (`ie_bme_r*c*_int*_to_f16`).
+    pub fn decode_rows_f16(&self, gpu: &Gpu, out: DevPtr) -> Result<()> {
+        let tiles = self.geo.tile_rows * self.geo.tile_cols;
+        if tiles == 0 {
+            return Ok(());
+        }
+        let name = kernel_name(&self.geo, "to_f16");
+        let f = gpu.function(&FAMILY, &name)?;
+        let blocks = u32::try_from(tiles.div_ceil(WARPS)).map_err(|_| {
+            CudaError::Option(format!(
+                "a {} x {} ie-bme matrix is too large to decode in one launch",
+                self.geo.rows, self.geo.cols
+            ))
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (tile_rows, tile_cols) = (self.geo.tile_rows as i32, self.geo.tile_cols as i32);
+        let (group_tiles, mp) = (self.geo.group_tiles as i32, self.padded_rows() as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.bitmaps)
+            .arg(&self.iperms)
+            .arg(&self.tile_offsets)
+            .arg(&self.values)
+            .arg(&self.scales)
+            .arg(&out)
+            .arg(&tile_rows)
+            .arg(&tile_cols)
+            .arg(&group_tiles)
+            .arg(&mp);
+        unsafe { b.launch(cfg) }.during("launching an ie-bme decode to f16")?;
+        Ok(())
+    }
+
     /// Tiles per block along K: the fewest that fill one wave of blocks (short warps pay their
     /// pipeline fill and the X staging per tile), at most [`max_chunk`].
     fn effective_chunk(&self, variant: usize, n: usize) -> Result<usize> {
@@ -654,6 +702,97 @@ mod tests {
             let dev = IeBmeDevice::new(&enc).unwrap();
             let want: Vec<f32> = enc.decode().data().iter().map(|v| v.to_f32()).collect();
             prop_assert_eq!(dev.read_back(), want);
+        }
+    }
+
+    /// `ie_bme_r*c*_int*_to_f16` on the CPU, warp by warp (one per tile) and lane by lane with the
+    /// kernel's index arithmetic: the words' exclusive popcount scan, reordered row from the
+    /// iperm nibble, area and union position, tuple by rank. Row-major f16, padded.
+    fn emulate_decode_rows(d: &IeBmeDevice) -> Vec<half::f16> {
+        let g = &d.geo;
+        let (ra, ca, bits) = (g.area_rows, g.area_cols, g.bits);
+        let q = ra * ca;
+        let (w32, kb, tuple_bits) = (32 / q, TILE_COLS / ca, q * bits);
+        let zero = if bits == 4 { 8 } else { 128 };
+        let (mp, kp) = (g.tile_rows * TILE_ROWS, g.tile_cols * TILE_COLS);
+        let mut out = vec![half::f16::from_bits(0x7e00); mp * kp];
+        for tile in 0..g.tile_rows * g.tile_cols {
+            let (tr, tc) = (tile / g.tile_cols, tile % g.tile_cols);
+            let words: Vec<u32> = (0..32)
+                .map(|lane| {
+                    if lane < w32 {
+                        d.bitmaps[tile * w32 + lane]
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            let mut excl = [0u32; 32];
+            for lane in 1..32 {
+                excl[lane] = excl[lane - 1] + words[lane - 1].count_ones();
+            }
+            let base = d.tile_offsets[tile] as usize;
+            let tuple = |r: usize| -> u32 {
+                let v = &d.values;
+                match tuple_bits {
+                    4 => ((v[base + r / 2] >> (4 * (r % 2))) & 15) as u32,
+                    8 => v[base + r] as u32,
+                    16 => u16::from_le_bytes([v[base + 2 * r], v[base + 2 * r + 1]]) as u32,
+                    _ => u32::from_le_bytes(v[base + 4 * r..base + 4 * r + 4].try_into().unwrap()),
+                }
+            };
+            let ip = d.iperms[tile];
+            let grp = tc / g.group_tiles;
+            for lane in 0..32 {
+                for o in 0..TILE_ROWS {
+                    let p = ((ip >> (4 * o)) & 15) as usize;
+                    let (a, i) = if ra == 2 { (p >> 3, p & 7) } else { (0, p) };
+                    let s = d.scales[grp * mp + tr * TILE_ROWS + o];
+                    for e in 0..2 {
+                        let col = 2 * lane + e;
+                        let (c, j) = if ca == 2 {
+                            (col >> 5, col & 31)
+                        } else {
+                            (0, col)
+                        };
+                        let b = i * kb + j;
+                        let (w, before) = (words[b >> 5], excl[b >> 5]);
+                        let mut v = 0f32;
+                        if (w >> (b & 31)) & 1 == 1 {
+                            let r = before + (w & ((1u32 << (b & 31)) - 1)).count_ones();
+                            let code =
+                                (tuple(r as usize) >> (bits * (a * ca + c))) & ((1 << bits) - 1);
+                            v = s * (code as i32 - zero) as f32;
+                        }
+                        out[(tr * TILE_ROWS + o) * kp + tc * TILE_COLS + col] =
+                            half::f16::from_f32(v);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// The prefill's f16 copy, emulated, is the matrix the kernel reads (`read_back`, itself
+        /// the format's decode) rounded to f16, zeros in the padding, nothing left unwritten.
+        #[test]
+        fn decode_rows_mapping_matches_read_back(m in 1usize..80, k in 1usize..300, sp in 0.0f64..0.95,
+                                                 areas in 0usize..4, bits8 in proptest::bool::ANY,
+                                                 reorder in proptest::bool::ANY, seed in 0u64..1000) {
+            let (ra, ca) = [(2, 2), (1, 2), (2, 1), (1, 1)][areas];
+            let enc = encode(m, k, sp, ra, ca, if bits8 { 8 } else { 4 }, reorder, seed);
+            let dev = IeBmeDevice::new(&enc).unwrap();
+            let want = dev.read_back();
+            let out = emulate_decode_rows(&dev);
+            let kp = dev.geo.tile_cols * TILE_COLS;
+            for (idx, v) in out.iter().enumerate() {
+                let (r, c) = (idx / kp, idx % kp);
+                prop_assert!(!v.is_nan(), "({}, {}) not written", r, c);
+                let w = if r < m && c < k { want[r * k + c] } else { 0.0 };
+                prop_assert_eq!(v.to_bits(), half::f16::from_f32(w).to_bits(), "({}, {})", r, c);
+            }
         }
     }
 

@@ -234,3 +234,48 @@ fn gpu_ie_bme_rejects_bad_launches() {
         .to_string();
     assert!(e.contains("chunk"), "{e}");
 }
+
+/// The batched prefill's f16 copy (`decode_rows_f16`): row-major, padded, every value the
+/// kernel's reading of the layout (`IeBmeDevice::read_back`, the format's matrix) rounded to
+/// f16, zeros in the padding; the output starts as NaN, so nothing may be left unwritten. Every
+/// area split, int4 and int8, reordered and plain rows, partial tiles.
+#[test]
+fn gpu_ie_bme_decode_rows_f16_is_the_matrix() {
+    let Some(gpu) = gpu_or_skip("gpu_ie_bme_decode_rows_f16_is_the_matrix") else {
+        return;
+    };
+    for (si, &(m, k)) in [(1usize, 1usize), (17, 130), (300, 1000), (1024, 4096)]
+        .iter()
+        .enumerate()
+    {
+        for (ra, ca) in [(2, 2), (1, 2), (2, 1), (1, 1)] {
+            for bits in [4, 8] {
+                let reorder = if (si + bits) % 2 == 0 {
+                    Reorder::Greedy
+                } else {
+                    Reorder::Off
+                };
+                let enc = encode(m, k, 0.5, (ra, ca), bits, reorder, 5 + si as u64);
+                let dev = IeBmeDevice::new(&enc).unwrap();
+                let want = dev.read_back();
+                let g = GpuIeBme::upload(&gpu, &dev).unwrap();
+                let (mp, kp) = (g.padded_rows(), g.padded_cols());
+                let out = gpu.upload(&vec![f16::from_bits(0x7e00); mp * kp]).unwrap();
+                g.decode_rows_f16(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+                    .unwrap();
+                gpu.synchronize().unwrap();
+                let got = gpu.download(&out).unwrap();
+                for r in 0..mp {
+                    for c in 0..kp {
+                        let w = if r < m && c < k { want[r * k + c] } else { 0.0 };
+                        assert_eq!(
+                            got[r * kp + c].to_bits(),
+                            f16::from_f32(w).to_bits(),
+                            "{m}x{k} {ra}x{ca} int{bits} {reorder:?}: ({r}, {c})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -12,6 +12,8 @@
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16), up to 64 tokens | no GEMM: the low-bit kernel, 32 tokens per launch |
 //! | the same, more tokens ([`LOWBIT_DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`lowbit_*_to_f16`), `op = T` (not the LM head: its copy would be vocabulary-sized) |
+//! | IE-BME, up to 32 tokens | no GEMM: the IE-BME kernel (union bitmaps into tensor-core fragments) |
+//! | IE-BME, more tokens ([`IE_BME_DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`ie_bme_*_to_f16`), `op = T` |
 //! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
 //! | Balanced-CBC, f16 or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
 //! | SlideSparse | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
@@ -49,8 +51,15 @@ pub const TCBC_SPMM_MAX_TOKENS: usize = 64;
 /// [`GpuLowBit::decode_rows_f16`]: sieve_cuda::lowbit::GpuLowBit::decode_rows_f16
 pub const LOWBIT_DECODE_MIN_TOKENS: usize = 65;
 
-/// `SIEVE_LOWBIT_PREFILL=kernel` in the environment keeps the low-bit kernel for every batch
-/// (read once): a switch for measuring the f16 copy against it, not a setting.
+/// Fewest tokens for which a batched pass multiplies an IE-BME matrix by cuBLAS on an f16 copy
+/// (`GpuIeBme::decode_rows_f16`) instead of its kernel: two launches of 32 tokens. Measured for
+/// the kernel (H200, 2026-12-04, 11008 x 4096 int4 sp 0.5): 82.5 us at 32 tokens, 58.8 at 16,
+/// against cuBLAS f16 30 us; the copy costs about what the low-bit one does (above), not yet
+/// measured.
+pub const IE_BME_DECODE_MIN_TOKENS: usize = 33;
+
+/// `SIEVE_LOWBIT_PREFILL=kernel` in the environment keeps the low-bit and IE-BME kernels for
+/// every batch (read once): a switch for measuring the f16 copies against them, not a setting.
 fn lowbit_copy_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("SIEVE_LOWBIT_PREFILL").as_deref() != Ok("kernel"))
@@ -171,17 +180,19 @@ pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
         .unwrap_or(0)
 }
 
-/// Elements of the largest tensor-core-layout low-bit matrix among `linears` (padded): the f16
-/// copy a pass of more than [`LOWBIT_DECODE_MIN_TOKENS`] tokens makes of it. The runner asks it
+/// Elements of the largest matrix among `linears` that keeps a kernel of its own for short
+/// batches and is copied to f16 for long ones (padded): tensor-core-layout low-bit
+/// ([`LOWBIT_DECODE_MIN_TOKENS`]) and IE-BME ([`IE_BME_DECODE_MIN_TOKENS`]). The runner asks it
 /// of the layers only: an LM head's copy (vocabulary x hidden) would cost more memory than the
-/// few long batches through the head save, so the head keeps its kernel
-/// ([`linear_rows`] decodes only what its scratch holds).
-pub fn lowbit_decoded_len(linears: &[&DeviceLinear]) -> usize {
+/// few long batches through the head save, so the head keeps its kernel ([`linear_rows`]
+/// copies only what its scratch holds).
+pub fn long_batch_copy_len(linears: &[&DeviceLinear]) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter())
         .filter_map(|p| match &p.matrix {
             DeviceMatrix::LowBit(q) => Some(q.matrix.padded_rows() * q.matrix.padded_cols()),
+            DeviceMatrix::IeBme(e) => Some(e.padded_rows() * e.padded_cols()),
             _ => None,
         })
         .max()
@@ -242,15 +253,17 @@ pub fn linear_rows(
         unsafe { gpu.zero_bytes(y, n * ldy * 4) }?;
     }
     for p in &lin.parts {
-        let lowbit_by_kernel = match &p.matrix {
-            DeviceMatrix::LowBit(q) => {
-                n < LOWBIT_DECODE_MIN_TOKENS
-                    || w16_len < q.matrix.padded_rows() * q.matrix.padded_cols()
-                    || !lowbit_copy_allowed()
-            }
-            _ => false,
+        // Low-bit and IE-BME matrices: their own kernel for short batches, else the f16 copy.
+        let (min_tokens, copy_len) = match &p.matrix {
+            DeviceMatrix::LowBit(q) => (
+                LOWBIT_DECODE_MIN_TOKENS,
+                q.matrix.padded_rows() * q.matrix.padded_cols(),
+            ),
+            DeviceMatrix::IeBme(e) => (IE_BME_DECODE_MIN_TOKENS, e.padded_rows() * e.padded_cols()),
+            _ => (0, 0),
         };
-        if let (DeviceMatrix::LowBit(q), true) = (&p.matrix, lowbit_by_kernel) {
+        let by_kernel = n < min_tokens || w16_len < copy_len || !lowbit_copy_allowed();
+        if let (DeviceMatrix::LowBit(q), true) = (&p.matrix, by_kernel) {
             // The low-bit kernel reads rows padded to 128 columns, at most 32 tokens a launch.
             use sieve_cuda::lowbit::{activations_to_f16, MAX_TOKENS};
             let kp = q.matrix.padded_cols();
@@ -270,7 +283,7 @@ pub fn linear_rows(
             }
             continue;
         }
-        if let DeviceMatrix::IeBme(e) = &p.matrix {
+        if let (DeviceMatrix::IeBme(e), true) = (&p.matrix, by_kernel) {
             // The IE-BME kernel reads the f32 rows and applies the threshold itself, 32 tokens
             // a launch.
             use sieve_cuda::ie_bme::MAX_TOKENS;
@@ -340,10 +353,9 @@ pub fn linear_rows(
                 b.decode_transposed(gpu, w16)?;
                 (w16, true, b.padded_rows())
             }
-            DeviceMatrix::IeBme(_) => {
-                return Err(GpuError::Unsupported(
-                    "an IE-BME matrix reached the GEMM path".into(),
-                ))
+            DeviceMatrix::IeBme(e) => {
+                e.decode_rows_f16(gpu, w16)?;
+                (w16, false, e.padded_cols())
             }
             DeviceMatrix::Slide(_) => {
                 return Err(GpuError::Unsupported(

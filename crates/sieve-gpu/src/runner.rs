@@ -954,7 +954,7 @@ impl GpuModel {
         }
         let layers: Vec<&DeviceLinear> = all[1..].to_vec();
         let decoded =
-            crate::prefill::scratch16_len(&all).max(crate::prefill::lowbit_decoded_len(&layers));
+            crate::prefill::scratch16_len(&all).max(crate::prefill::long_batch_copy_len(&layers));
         self.prefill_bufs = Some(crate::prefill::PrefillBuffers::new(
             &self.gpu,
             d,
