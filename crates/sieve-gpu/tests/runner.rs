@@ -1005,10 +1005,10 @@ fn tiny_gguf_block_models_match_cpu() {
 }
 
 /// Prompts longer than `LOWBIT_DECODE_MIN_TOKENS`: the batched prefill multiplies the low-bit
-/// matrices (tensor-core layout) through an f16 copy and cuBLAS instead of their kernel. The
-/// tokens after such a prompt equal the CPU's (greedy, up to the first step where the CPU's
-/// top two logits are within 0.1), for GGUF Q4_0, Q8_0 and a Q4_K_M mix (Q4_K, Q6_K), the
-/// CPU running the exactly dequantized weights as f16 (what the copy holds).
+/// matrices (tensor-core layout) and IE-BME ones through an f16 copy and cuBLAS instead of
+/// their kernels. The tokens after such a prompt equal the CPU's (greedy, up to the first step
+/// where the CPU's top two logits are within 0.1), for GGUF Q4_0, Q8_0, a Q4_K_M mix (Q4_K,
+/// Q6_K) and IE-BME int4, the CPU running the decoded weights as f16 (what the copy holds).
 #[test]
 fn long_prompts_of_low_bit_models_match_cpu() {
     let _serial = serial_gpu();
@@ -1018,7 +1018,12 @@ fn long_prompts_of_low_bit_models_match_cpu() {
         return;
     }
     let mut compared_total = 0;
-    for (what, seed) in [("Q4_0", 51u64), ("Q8_0", 52), ("Q4_K_M", 53)] {
+    for (what, seed) in [
+        ("Q4_0", 51u64),
+        ("Q8_0", 52),
+        ("Q4_K_M", 53),
+        ("IE-BME int4", 54),
+    ] {
         let cfg = if what == "Q4_K_M" {
             config(301, 256, 512, 2, 8, 2, 32)
         } else {
@@ -1028,7 +1033,21 @@ fn long_prompts_of_low_bit_models_match_cpu() {
         match what {
             "Q4_0" => to_gguf_blocks(&mut model, BlockType::Q4_0),
             "Q8_0" => to_gguf_blocks(&mut model, BlockType::Q8_0),
-            _ => to_random_gguf_blocks(&mut model, q4_k_m_type, 7 * seed),
+            "Q4_K_M" => to_random_gguf_blocks(&mut model, q4_k_m_type, 7 * seed),
+            _ => {
+                // IE-BME int4 at 50%: its prompts past 32 tokens take the f16 copy.
+                use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload};
+                let opts = IeBmeOptions {
+                    payload: Payload::Int4 { group_size: 64 },
+                    ..IeBmeOptions::default()
+                };
+                model = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.5, 0.0, seed);
+                for (_, lin) in model.linears_mut() {
+                    let e = IeBme::encode(&lin.format().decode(), &opts).unwrap();
+                    lin.replace_format(sieve_cpu::format_from_blob(&e.to_bytes()).unwrap())
+                        .unwrap();
+                }
+            }
         }
         let mut reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
         for ((_, blocks), (_, dense)) in
