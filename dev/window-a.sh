@@ -4,7 +4,7 @@
 # long prompts, the 4-bit TEAL path), compute-sanitizer on the new kernels, the 7B step with
 # t2r8 and the prompts' TTFT, while llama.cpp builds for window B (dev/window-b.sh, the next
 # call on the same warm machine). Carry .gpu and vendor (64 MiB in all: after
-# scripts/gpu-runner-bundle.sh keep only the kernels, lowbit, lowbit_cols and runner test
+# scripts/gpu-runner-bundle.sh keep only the kernels, ie_bme, lowbit, lowbit_cols and runner test
 # executables in .gpu/tests and .gpu/tests.tsv; vendor from scripts/llama-cpp/fetch.sh).
 # Logs in $OUT. About 12 minutes: split it at the benches if the 10-minute call limit bites.
 set -uo pipefail
@@ -19,6 +19,7 @@ date -u +%T
 for v in t1r16 t2r8; do echo "variant $v"; SIEVE_LOWBIT_COLS_VARIANT=$v run_t lowbit_cols 90; cp "$OUT/lowbit_cols.log" "$OUT/lowbit_cols-$v.log"; done
 run_t lowbit 120 decode; cp "$OUT/lowbit.log" "$OUT/lowbit-decode.log"
 run_t kernels 120 balanced_cbc_decode; cp "$OUT/kernels.log" "$OUT/kernels-decode.log"
+run_t ie_bme 120 decode_rows; cp "$OUT/ie_bme.log" "$OUT/ie_bme-decode.log"
 for f in four_bit long_prompts balanced k_quant batched_slot_steps; do
   run_t runner 240 $f; cp "$OUT/runner.log" "$OUT/runner-$f.log"
 done
@@ -28,6 +29,9 @@ grep -E "ERROR SUMMARY|test result" "$OUT/memcheck-decode.log" | head
 exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^kernels-')
 (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" balanced_cbc_decode > "$OUT/memcheck-bcbc-decode.log" 2>&1; echo "memcheck bcbc decode exit $?")
 grep -E "ERROR SUMMARY|test result" "$OUT/memcheck-bcbc-decode.log" | head
+exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^ie_bme-')
+(cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" decode_rows > "$OUT/memcheck-iebme-decode.log" 2>&1; echo "memcheck ie-bme decode exit $?")
+grep -E "ERROR SUMMARY|test result" "$OUT/memcheck-iebme-decode.log" | head
 exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^lowbit_cols-')
 (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 SIEVE_LOWBIT_COLS_VARIANT=t2r8 timeout 150 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" --test-threads 1 > "$OUT/memcheck.log" 2>&1; echo "memcheck exit $?")
 grep -E "ERROR SUMMARY|test result" "$OUT/memcheck.log" | head
@@ -41,6 +45,9 @@ SIEVE_LOWBIT_PREFILL=kernel $S --values int4 --sp 0 --dp 0 --tokens 16 2>&1 | te
 B=".gpu/bin/sieve bench decode --synthetic llama2-7b --format balanced-cbc --prompt 128 --tokens 64 --sp 0.5 --dp 0.5"
 $B 2>&1 | tee "$OUT/decode-bcbc.log" | grep -E "TPOT|error"
 $B --values int4 2>&1 | tee "$OUT/decode-bcbc-int4.log" | grep -E "TPOT|error"
+I=".gpu/bin/sieve bench decode --synthetic llama2-7b --format ie-bme --values int4 --prompt 128 --tokens 64 --sp 0.5 --dp 0.5"
+$I 2>&1 | tee "$OUT/decode-iebme.log" | grep -E "TPOT|error"
+SIEVE_LOWBIT_PREFILL=kernel $I 2>&1 | tee "$OUT/decode-iebme-kernel-prefill.log" | grep -E "TPOT|error"
 date -u +%T
 wait
 tail -3 /tmp/wa/build.log; grep gen /tmp/wa/gen.log; cp /tmp/wa/*.log "$OUT/"
