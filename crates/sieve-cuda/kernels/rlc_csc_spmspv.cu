@@ -269,3 +269,57 @@ rlc_spmspv_list(const f16_bits* __restrict__ values, const u32* __restrict__ ind
     pdl_wait_then_release();
     rlc_kernel<0, true>(RLC_PASS, list, *ncols, y, M, K, block_rows, nbits, -1.f, cols_per_warp);
 }
+
+// The matrix as f16, column-major: out[k · M + r], for the batched prefill's cuBLAS GEMM (an
+// RLC-CSC model's prompt ran token by token). `out` is zeroed by the launcher first; this
+// kernel writes the entries. One warp per slab (Celty's warp tile): its segment found by a
+// binary search of slab_start (an empty segment's start equals the next one's, so the last
+// segment starting at or before the slab is the slab's), lane t its stripes' entries
+// 256 j + 32 s + t; rows rebuilt as the product kernel does, an inclusive scan of (run + 1)
+// across the lanes per stripe, carried over stripes from the slab's cursor. Tail entries
+// (logical index >= seg_len) and rows past the block are not written.
+extern "C" __global__ void __launch_bounds__(256)
+rlc_to_f16_t(const unsigned short* __restrict__ values, const u32* __restrict__ indices,
+             const u32* __restrict__ seg_start, const u32* __restrict__ seg_len,
+             const u32* __restrict__ slab_start, const unsigned short* __restrict__ slab_row,
+             f16_bits* __restrict__ out, int M, int K, int B, int n, int nseg, int slabs) {
+    pdl_wait_then_release();  // the previous GEMM may still read `out`
+    const int lane = threadIdx.x & 31;
+    const int slab = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (slab >= slabs) return;  // the whole warp
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if ((int)__ldg(slab_start + mid) <= slab)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const int seg = lo;
+    const int j = slab - (int)__ldg(slab_start + seg);
+    const u32 base = __ldg(seg_start + seg) + 256u * (u32)j;
+    const int padded = (int)(__ldg(seg_start + seg + 1) - __ldg(seg_start + seg));
+    const int stripes = min(8, padded / 32 - 8 * j);
+    const int len = (int)__ldg(seg_len + seg);
+    const int b = seg / K, k = seg % K;
+    const int height = min(B, M - b * B);
+    const u32 mask = (1u << n) - 1u;
+    int carry = (int)__ldg(slab_row + slab);
+    for (int s = 0; s < stripes; ++s) {
+        const u32 p = base + (u32)lane * (u32)stripes + (u32)s;
+        const unsigned short v = __ldg(values + p);
+        const unsigned long long bit = (unsigned long long)n * p;
+        const u32 sh = (u32)(bit & 31);
+        u32 run = __ldg(indices + (bit >> 5)) >> sh;
+        if (sh + n > 32) run |= __ldg(indices + (bit >> 5) + 1) << (32 - sh);
+        u32 incl = (run & mask) + 1u;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const u32 o = __shfl_up_sync(FULL_MASK, incl, d);
+            if (lane >= d) incl += o;
+        }
+        const int row = carry + (int)incl - 1;
+        if (256 * j + 32 * s + lane < len && row < height) out[(size_t)k * M + (size_t)b * B + row] = v;
+        carry += (int)__shfl_sync(FULL_MASK, incl, 31);
+    }
+}

@@ -301,6 +301,45 @@ fn tiled_cbc_matches_reference() {
     }
 }
 
+/// The batched prefill's f16 copy of an RLC-CSC matrix (`decode_transposed`): column k's rows
+/// contiguous, equal to the matrix; odd shapes, short last row blocks, run widths 2..5 (gap
+/// padding at high sparsity), multi-slab segments. The output starts as NaN: the launcher's
+/// zeroing and the kernel's writes must cover it.
+#[test]
+fn rlc_csc_decode_transposed_is_the_matrix() {
+    let Some(gpu) = gpu_or_skip("rlc_csc_decode_transposed_is_the_matrix") else {
+        return;
+    };
+    for &(rows, cols) in &[(1usize, 1usize), (33, 63), (700, 90), (4100, 300)] {
+        for (sp, bits, block_rows) in [(0.0, 4, 256), (0.5, 2, 512), (0.9, 3, 4096), (0.99, 5, 256)]
+        {
+            let m = sparse_matrix(rows, cols, sp, Pattern::Unstructured, seed()).expect("matrix");
+            let opts = RlcCscOptions {
+                index_bits: bits,
+                block_rows,
+            };
+            let f = RlcCsc::encode(&m, &opts).expect("encode");
+            let g = GpuRlcCsc::upload(&gpu, &f).expect("upload");
+            let out = gpu
+                .upload(&vec![f16::from_bits(0x7e00); rows * cols])
+                .expect("out");
+            g.decode_transposed(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+                .expect("decode");
+            gpu.synchronize().expect("sync");
+            let got = gpu.download(&out).expect("download");
+            for c in 0..cols {
+                for r in 0..rows {
+                    assert_eq!(
+                        got[c * rows + r].to_bits(),
+                        m.get(r, c).to_bits(),
+                        "{rows}x{cols} sp {sp} n {bits} B {block_rows}: ({r}, {c})"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The batched prefill's f16 copy of a Balanced-CBC matrix (`decode_transposed`): column k's
 /// padded rows contiguous, equal to the matrix (zeros below M), in both device layouts, every
 /// slot count, partial tiles, and an unstructured matrix (padding slots); the output starts as

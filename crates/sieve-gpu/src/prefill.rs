@@ -16,8 +16,8 @@
 //! | IE-BME, more tokens ([`IE_BME_DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`ie_bme_*_to_f16`), `op = T` |
 //! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
 //! | Balanced-CBC, f16 or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
+//! | RLC-CSC | zeroed, its entries written into a K x M f16 scratch (`rlc_to_f16_t`), `op = N` |
 //! | SlideSparse | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
-//! | RLC-CSC | no decoder: the prompt runs token by token through the decode step |
 //!
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
 //! (the CPU path's `matmul` semantics); GEMMs accumulate in f32, o_proj and down_proj with
@@ -131,26 +131,17 @@ impl PrefillBuffers {
     }
 }
 
-/// True when every matrix of `linears` has a token-batch product (a GEMM, or a kernel that
-/// takes many tokens: low-bit, IE-BME, Tiled-CBC's and SlideSparse's SpMMs; Balanced-CBC
-/// through its f16 copy). RLC-CSC has neither yet: its prompts run token by token.
-pub fn batchable(linears: &[&DeviceLinear]) -> bool {
-    linears.iter().all(|l| {
-        l.parts
-            .iter()
-            .all(|p| !matches!(p.matrix, DeviceMatrix::RlcCsc(_)))
-    })
-}
-
 /// True when a batched pass over `linears` always decodes some matrix to f16 first, however
-/// few its tokens (a Balanced-CBC one, f16 or low-bit values: its only batched product is its
-/// f16 copy).
+/// few its tokens (a Balanced-CBC one, f16 or low-bit values, or an RLC-CSC one: their only
+/// batched product is their f16 copy).
 pub fn always_decoded(linears: &[&DeviceLinear]) -> bool {
     linears.iter().any(|l| {
         l.parts.iter().any(|p| {
             matches!(
                 p.matrix,
-                DeviceMatrix::BalancedCbc(_) | DeviceMatrix::BalancedLowBit(_)
+                DeviceMatrix::BalancedCbc(_)
+                    | DeviceMatrix::BalancedLowBit(_)
+                    | DeviceMatrix::RlcCsc(_)
             )
         })
     })
@@ -163,8 +154,8 @@ fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize) -> bool 
 }
 
 /// Elements of the largest matrix among `linears` that a pass decodes to f16: a Tiled-CBC one
-/// past the SpMM, a column-major 4-bit one or a Balanced-CBC one (padded). 0 when none is
-/// decoded.
+/// past the SpMM, a column-major 4-bit one, a Balanced-CBC or an RLC-CSC one (padded). 0 when
+/// none is decoded.
 pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
     linears
         .iter()
@@ -174,6 +165,7 @@ pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
             DeviceMatrix::LowBitCols(c) => Some(c.padded_rows() * c.padded_cols()),
             DeviceMatrix::BalancedCbc(b) => Some(b.padded_rows() * k),
             DeviceMatrix::BalancedLowBit(b) => Some(b.padded_rows() * k),
+            DeviceMatrix::RlcCsc(_) => Some(p.rows * k),
             _ => None,
         })
         .max()
@@ -340,10 +332,9 @@ pub fn linear_rows(
                 c.decode_transposed(gpu, w16)?;
                 (w16, true, c.padded_rows())
             }
-            DeviceMatrix::RlcCsc(_) => {
-                return Err(GpuError::Unsupported(
-                    "RLC-CSC has no batched prefill path".into(),
-                ))
+            DeviceMatrix::RlcCsc(r) => {
+                r.decode_transposed(gpu, w16)?;
+                (w16, true, m)
             }
             DeviceMatrix::BalancedCbc(b) => {
                 b.decode_transposed(gpu, w16)?;

@@ -1240,13 +1240,10 @@ impl GpuModel {
         self.batched_prefill = on;
     }
 
-    /// True when the prompt runs as one batch (see [`crate::prefill`]).
+    /// True when the prompt runs as one batch (see [`crate::prefill`]): every format has a
+    /// batched product or an f16 copy, so unless [`Self::set_batched_prefill`] turned it off.
     pub fn prefill_is_batched(&self) -> bool {
-        let mut all: Vec<&DeviceLinear> = Vec::new();
-        for l in &self.layers {
-            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
-        }
-        self.batched_prefill && crate::prefill::batchable(&all)
+        self.batched_prefill
     }
 
     /// Runs the prompt and returns the first generated token: every prompt token in one batch
@@ -1656,15 +1653,12 @@ impl GpuModel {
         result
     }
 
-    /// True when a decode step of several sequences runs as one batched pass (every matrix,
-    /// the head included, has a token-batch path: see [`crate::prefill`]); otherwise
+    /// True when a decode step of several sequences may run as one batched pass (every format
+    /// has a token-batch path: see [`crate::prefill`]; [`Self::batch_pays`] says from how many
+    /// sequences); false when [`Self::set_batched_prefill`] turned batching off, and then
     /// [`Self::step_slots`] runs the sequences one graph replay after another.
     pub fn decode_is_batched(&self) -> bool {
-        let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
-        for l in &self.layers {
-            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
-        }
-        self.batched_prefill && crate::prefill::batchable(&all)
+        self.batched_prefill
     }
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
