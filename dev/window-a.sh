@@ -18,16 +18,16 @@ mkdir -p /tmp/g /tmp/wa
 date -u +%T
 for v in t1r16 t2r8; do echo "variant $v"; SIEVE_LOWBIT_COLS_VARIANT=$v run_t lowbit_cols 90; cp "$OUT/lowbit_cols.log" "$OUT/lowbit_cols-$v.log"; done
 run_t lowbit 120 decode; cp "$OUT/lowbit.log" "$OUT/lowbit-decode.log"
-run_t kernels 120 balanced_cbc_decode; cp "$OUT/kernels.log" "$OUT/kernels-decode.log"
+run_t kernels 120 decode_transposed; cp "$OUT/kernels.log" "$OUT/kernels-decode.log"
 run_t ie_bme 120 decode_rows; cp "$OUT/ie_bme.log" "$OUT/ie_bme-decode.log"
-for f in four_bit long_prompts balanced k_quant batched_slot_steps; do
+for f in four_bit long_prompts balanced rlc_csc ie_bme k_quant batched_slot_steps; do
   run_t runner 240 $f; cp "$OUT/runner.log" "$OUT/runner-$f.log"
 done
 exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^lowbit-')
 (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" decode > "$OUT/memcheck-decode.log" 2>&1; echo "memcheck decode exit $?")
 grep -E "ERROR SUMMARY|test result" "$OUT/memcheck-decode.log" | head
 exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^kernels-')
-(cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" balanced_cbc_decode > "$OUT/memcheck-bcbc-decode.log" 2>&1; echo "memcheck bcbc decode exit $?")
+(cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" decode_transposed > "$OUT/memcheck-bcbc-decode.log" 2>&1; echo "memcheck bcbc decode exit $?")
 grep -E "ERROR SUMMARY|test result" "$OUT/memcheck-bcbc-decode.log" | head
 exe=$(cut -f1 .gpu/tests.tsv | grep -m1 '^ie_bme-')
 (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool memcheck "../../.gpu/tests/$exe" decode_rows > "$OUT/memcheck-iebme-decode.log" 2>&1; echo "memcheck ie-bme decode exit $?")
