@@ -80,6 +80,19 @@ __device__ __forceinline__ u32 ib_pair(u32 both, u32 both8, u32 t0, u32 t1, int 
     }
 }
 
+// Ranks before each lane's bitmap word: the exclusive sum of the W32 words' popcounts over the
+// warp (lane i holds word i; lanes past W32 hold 0).
+template <int W32>
+__device__ __forceinline__ u32 ib_rank_before(u32 word, int lane) {
+    u32 incl = __popc(word);
+#pragma unroll
+    for (int d = 1; d < W32; d <<= 1) {
+        const u32 o = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += o;
+    }
+    return incl - __popc(word);
+}
+
 // ONE: a single token (only column 0 of the mma's B and C is used). NT8: n8 token tiles.
 template <int RA, int CA, int BITS, int NT8, bool ONE>
 __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const unsigned long long* __restrict__ iperms,
@@ -149,13 +162,7 @@ __device__ __forceinline__ void ib_kernel(const u32* __restrict__ bitmaps, const
     };
     // Ranks of the lane's positions and their tuple loads (ZERO where a bit is clear).
     auto gather = [&](u32 (&tup)[NP][2]) {
-        u32 incl = __popc(word);
-#pragma unroll
-        for (int d = 1; d < W32; d <<= 1) {
-            const u32 o = __shfl_up_sync(FULL_MASK, incl, d);
-            if (lane >= d) incl += o;
-        }
-        const u32 excl = incl - __popc(word);
+        const u32 excl = ib_rank_before<W32>(word, lane);
         const unsigned char* base = values + offset;
 #pragma unroll
         for (int ii = 0; ii < NI; ++ii) {
@@ -324,13 +331,7 @@ __device__ __forceinline__ void ib_to_f16_body(const u32* __restrict__ bitmaps, 
     if (tile >= (size_t)tile_rows * tile_cols) return;  // the whole warp
     const int tr = (int)(tile / tile_cols), tc = (int)(tile % tile_cols);
     const u32 word = lane < W32 ? __ldg(bitmaps + tile * W32 + lane) : 0u;
-    u32 incl = __popc(word);
-#pragma unroll
-    for (int d = 1; d < W32; d <<= 1) {
-        const u32 o = __shfl_up_sync(FULL_MASK, incl, d);
-        if (lane >= d) incl += o;
-    }
-    const u32 excl = incl - __popc(word);
+    const u32 excl = ib_rank_before<W32>(word, lane);
     const unsigned char* base = values + __ldg(tile_offsets + tile);
     const unsigned long long ip = __ldg(iperms + tile);
     const int grp = tc / group_tiles;

@@ -132,6 +132,22 @@ impl Gpu {
         self.upload(&vec![f32::NAN; len.max(1)])
     }
 
+    /// What `write` leaves in a fresh device buffer of `len` f16 that starts as NaN: for
+    /// checking that a decoder writes every element of its output (downloaded after a
+    /// synchronize).
+    pub fn f16_written_by(
+        &self,
+        len: usize,
+        write: impl FnOnce(crate::product::DevPtr) -> Result<()>,
+    ) -> Result<Vec<half::f16>> {
+        let out = self.upload(&vec![half::f16::from_bits(0x7e00); len.max(1)])?;
+        write(crate::product::dev_ptr(self, &out))?;
+        self.synchronize()?;
+        let mut v = self.download(&out)?;
+        v.truncate(len);
+        Ok(v)
+    }
+
     /// Zeroes `bytes` bytes at `ptr` on the stream (a memset node when captured).
     ///
     /// # Safety

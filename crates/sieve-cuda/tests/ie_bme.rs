@@ -260,11 +260,9 @@ fn gpu_ie_bme_decode_rows_f16_is_the_matrix() {
                 let want = dev.read_back();
                 let g = GpuIeBme::upload(&gpu, &dev).unwrap();
                 let (mp, kp) = (g.padded_rows(), g.padded_cols());
-                let out = gpu.upload(&vec![f16::from_bits(0x7e00); mp * kp]).unwrap();
-                g.decode_rows_f16(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+                let got = gpu
+                    .f16_written_by(mp * kp, |out| g.decode_rows_f16(&gpu, out))
                     .unwrap();
-                gpu.synchronize().unwrap();
-                let got = gpu.download(&out).unwrap();
                 for r in 0..mp {
                     for c in 0..kp {
                         let w = if r < m && c < k { want[r * k + c] } else { 0.0 };

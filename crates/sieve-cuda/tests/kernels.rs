@@ -320,13 +320,9 @@ fn rlc_csc_decode_transposed_is_the_matrix() {
             };
             let f = RlcCsc::encode(&m, &opts).expect("encode");
             let g = GpuRlcCsc::upload(&gpu, &f).expect("upload");
-            let out = gpu
-                .upload(&vec![f16::from_bits(0x7e00); rows * cols])
-                .expect("out");
-            g.decode_transposed(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+            let got = gpu
+                .f16_written_by(rows * cols, |out| g.decode_transposed(&gpu, out))
                 .expect("decode");
-            gpu.synchronize().expect("sync");
-            let got = gpu.download(&out).expect("download");
             for c in 0..cols {
                 for r in 0..rows {
                     assert_eq!(
@@ -375,13 +371,9 @@ fn balanced_cbc_decode_transposed_is_the_matrix() {
                     mp >= rows && mp.is_multiple_of(16),
                     "{rows}: padded rows {mp}"
                 );
-                let out = gpu
-                    .upload(&vec![f16::from_bits(0x7e00); cols * mp])
-                    .expect("out");
-                g.decode_transposed(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
+                let got = gpu
+                    .f16_written_by(cols * mp, |out| g.decode_transposed(&gpu, out))
                     .expect("decode");
-                gpu.synchronize().expect("sync");
-                let got = gpu.download(&out).expect("download");
                 for c in 0..cols {
                     for r in 0..mp {
                         let want = if r < rows { m.get(r, c) } else { f16::ZERO };

@@ -168,13 +168,9 @@ fn gpu_balanced_lowbit_decode_transposed_is_the_matrix() {
                 let (enc, snapped) = snap_balanced(&w, slots, values).unwrap();
                 let g = GpuBalancedLowBit::upload(&gpu, &enc).unwrap();
                 let mp = g.padded_rows();
-                let out = gpu
-                    .upload(&vec![f16::from_bits(0x7e00); cols * mp])
+                let got = gpu
+                    .f16_written_by(cols * mp, |out| g.decode_transposed(&gpu, out))
                     .unwrap();
-                g.decode_transposed(&gpu, sieve_cuda::dev_ptr(&gpu, &out))
-                    .unwrap();
-                gpu.synchronize().unwrap();
-                let got = gpu.download(&out).unwrap();
                 for c in 0..cols {
                     for r in 0..mp {
                         let want = if r < rows {
@@ -272,11 +268,9 @@ fn gpu_balanced_lowbit_matches_reference() {
 fn check_decode(gpu: &sieve_cuda::Gpu, m: &LowBitMatrix, d: &GpuLowBit, what: &str) {
     let (rows, cols) = (m.rows(), m.cols());
     let (mp, kp) = (d.padded_rows(), d.padded_cols());
-    let out = gpu.upload(&vec![f16::from_bits(0x7e00); mp * kp]).unwrap();
-    d.decode_rows_f16(gpu, sieve_cuda::dev_ptr(gpu, &out))
+    let got = gpu
+        .f16_written_by(mp * kp, |out| d.decode_rows_f16(gpu, out))
         .unwrap();
-    gpu.synchronize().unwrap();
-    let got = gpu.download(&out).unwrap();
     let want = m.dequantize();
     for r in 0..mp {
         for k in 0..kp {
