@@ -142,18 +142,9 @@ impl GpuBalancedCbc {
             return Ok(());
         }
         let f = gpu.function(&FAMILY, "bcbc_to_f16_t")?;
-        let warps = self.row_tiles * self.cols;
-        let blocks = u32::try_from(warps.div_ceil(WARPS as usize)).map_err(|_| {
-            CudaError::Option(format!(
-                "a {} x {} Balanced-CBC matrix is too large to decode in one launch",
-                self.rows, self.cols
-            ))
+        let cfg = crate::product::warp_per_item(self.row_tiles * self.cols, || {
+            format!("a {} x {} Balanced-CBC matrix", self.rows, self.cols)
         })?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (k, n, idx) = (
             self.cols as i32,
             self.slots as i32,

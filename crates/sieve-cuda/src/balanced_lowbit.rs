@@ -394,18 +394,12 @@ impl GpuBalancedLowBit {
             return Ok(());
         }
         let f = gpu.function(&FAMILY, "blb_to_f16_t")?;
-        let blocks =
-            u32::try_from((self.row_tiles * self.cols).div_ceil(WARPS as usize)).map_err(|_| {
-                CudaError::Option(format!(
-                    "a {} x {} low-bit Balanced-CBC matrix is too large to decode in one launch",
-                    self.rows, self.cols
-                ))
-            })?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = crate::product::warp_per_item(self.row_tiles * self.cols, || {
+            format!(
+                "a {} x {} low-bit Balanced-CBC matrix",
+                self.rows, self.cols
+            )
+        })?;
         let (bits, group) = match self.values {
             LowBitValues::Int8 => (8i32, 0i32),
             LowBitValues::Int4 { group } => (4, group as i32),

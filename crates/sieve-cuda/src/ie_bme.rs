@@ -395,17 +395,9 @@ impl GpuIeBme {
         }
         let name = kernel_name(&self.geo, "to_f16");
         let f = gpu.function(&FAMILY, &name)?;
-        let blocks = u32::try_from(tiles.div_ceil(WARPS)).map_err(|_| {
-            CudaError::Option(format!(
-                "a {} x {} ie-bme matrix is too large to decode in one launch",
-                self.geo.rows, self.geo.cols
-            ))
+        let cfg = crate::product::warp_per_item(tiles, || {
+            format!("a {} x {} ie-bme matrix", self.geo.rows, self.geo.cols)
         })?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let (tile_rows, tile_cols) = (self.geo.tile_rows as i32, self.geo.tile_cols as i32);
         let (group_tiles, mp) = (self.geo.group_tiles as i32, self.padded_rows() as i32);
         let mut b = gpu.stream().launch_builder(&f);

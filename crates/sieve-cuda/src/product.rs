@@ -118,3 +118,20 @@ impl LaunchEpoch {
         }
     }
 }
+
+/// One warp per work item, 8 warps (256 threads) a block, for `items` items: the launch shape
+/// of the f16 decoders of the batched prefill (`bcbc_to_f16_t`, `blb_to_f16_t`,
+/// `ie_bme_*_to_f16`, `rlc_to_f16_t`). `what` names the matrix when the grid would not fit.
+pub(crate) fn warp_per_item(
+    items: usize,
+    what: impl FnOnce() -> String,
+) -> Result<cudarc::driver::LaunchConfig> {
+    let blocks = u32::try_from(items.div_ceil(8)).map_err(|_| {
+        CudaError::Option(format!("{} is too large to decode in one launch", what()))
+    })?;
+    Ok(cudarc::driver::LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}

@@ -115,11 +115,9 @@ impl GpuRlcCsc {
             return Ok(());
         }
         let f = gpu.function(&FAMILY, "rlc_to_f16_t")?;
-        let cfg = LaunchConfig {
-            grid_dim: (slabs.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = crate::product::warp_per_item(slabs, || {
+            format!("a {} x {} RLC-CSC matrix", self.rows, self.cols)
+        })?;
         let (m, k, b) = (self.rows as i32, self.cols as i32, self.block_rows as i32);
         let (n, nseg, slabs) = (
             self.index_bits as i32,
