@@ -515,6 +515,7 @@ __device__ __forceinline__ void lowbit_to_f16_body(const uint4* __restrict__ w, 
     u32 hw[HW];
 #pragma unroll
     for (int h = 0; h < HW; ++h) hw[h] = HB ? hi[i * HW + h] : 0u;
+    u32 o[2][2 * KTC];  // per row (r0, r0 + 8): tile j's 4 values at words 2 j, 2 j + 1
 #pragma unroll
     for (int j = 0; j < KTC; ++j) {
         u32 a[4];
@@ -557,16 +558,32 @@ __device__ __forceinline__ void lowbit_to_f16_body(const uint4* __restrict__ w, 
             float q[4];
             unpack2(a[h], q[0], q[1]);
             unpack2(a[h + 2], q[2], q[3]);
-            u32 o[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float lo = __fsub_rn(__fmul_rn(s[h], q[2 * e]), m[h]);
                 const float hi2 = __fsub_rn(__fmul_rn(s[h], q[2 * e + 1]), m[h]);
-                o[e] = (u32)f2h(lo) | ((u32)f2h(hi2) << 16);
+                o[h][2 * j + e] = (u32)f2h(lo) | ((u32)f2h(hi2) << 16);
             }
-            *reinterpret_cast<uint2*>(out + (size_t)(r0 + 8 * h) * ldo + col) = make_uint2(o[0], o[1]);
         }
     }
+    // The lane's columns of x block bk are 4P consecutive ones from 16 P bk + 4 P c: tile j of
+    // the block wrote words 2 (j % P), +1 of them. One 8P-byte run per row and block (P = 4:
+    // 32 bytes, a whole sector; 8-byte stores per tile filled a quarter of one each).
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int bk = 0; bk < KTC / P; ++bk) {
+            f16_bits* dst = out + (size_t)(r0 + 8 * h) * ldo + kc * CK + 16 * P * bk + 4 * P * c;
+            const u32* w = &o[h][2 * P * bk];
+            if (P == 4) {
+                reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+                reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+            } else if (P == 2) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+            } else {
+                *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+            }
+        }
 }
 
 // Grid: ceil(tiles · chunks · 32 / 256) blocks of 256 threads.

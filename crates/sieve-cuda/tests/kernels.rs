@@ -310,7 +310,11 @@ fn rlc_csc_decode_transposed_is_the_matrix() {
     let Some(gpu) = gpu_or_skip("rlc_csc_decode_transposed_is_the_matrix") else {
         return;
     };
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
     for &(rows, cols) in &[(1usize, 1usize), (33, 63), (700, 90), (4100, 300)] {
+        if small_only && rows * cols > 100_000 {
+            continue;
+        }
         for (sp, bits, block_rows) in [(0.0, 4, 256), (0.5, 2, 512), (0.9, 3, 4096), (0.99, 5, 256)]
         {
             let m = sparse_matrix(rows, cols, sp, Pattern::Unstructured, seed()).expect("matrix");
@@ -345,6 +349,7 @@ fn balanced_cbc_decode_transposed_is_the_matrix() {
     let Some(gpu) = gpu_or_skip("balanced_cbc_decode_transposed_is_the_matrix") else {
         return;
     };
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
     for &(rows, cols) in &[
         (1usize, 1usize),
         (33, 63),
@@ -352,6 +357,9 @@ fn balanced_cbc_decode_transposed_is_the_matrix() {
         (1100, 37),
         (4096, 512),
     ] {
+        if small_only && rows * cols > 100_000 {
+            continue;
+        }
         let mut cases: Vec<(DenseMatrix, BalancedCbc)> = [1usize, 5, 8, 9, 16]
             .iter()
             .map(|&slots| {

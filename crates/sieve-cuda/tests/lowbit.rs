@@ -154,10 +154,14 @@ fn gpu_balanced_lowbit_decode_transposed_is_the_matrix() {
     let Some(gpu) = gpu_or_skip("gpu_balanced_lowbit_decode_transposed_is_the_matrix") else {
         return;
     };
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
     for (si, &(rows, cols)) in [(1usize, 1usize), (33, 63), (513, 300), (1100, 129)]
         .iter()
         .enumerate()
     {
+        if small_only && rows * cols > 100_000 {
+            continue;
+        }
         for slots in [1usize, 5, 8, 9, 16] {
             let w = balanced_matrix(rows, cols, slots, 300 + si as u64 + slots as u64).unwrap();
             for values in [
@@ -303,6 +307,7 @@ fn gpu_lowbit_decode_to_f16_matches_dequantize() {
     let Some(gpu) = gpu_or_skip("gpu_lowbit_decode_to_f16_matches_dequantize") else {
         return;
     };
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
     for kind in LowBitKind::ALL {
         for (si, &(rows, cols)) in [
             (1usize, 1usize),
@@ -314,6 +319,9 @@ fn gpu_lowbit_decode_to_f16_matches_dequantize() {
         .iter()
         .enumerate()
         {
+            if small_only && rows * cols > 100_000 {
+                continue;
+            }
             let w = sparse_matrix(rows, cols, 0.3, Pattern::Unstructured, 70 + si as u64).unwrap();
             let m = LowBitMatrix::quantize(&w, kind);
             let d = GpuLowBit::upload(&gpu, &m).unwrap();

@@ -840,10 +840,16 @@ fn tiny_rlc_csc_model_matches_cpu() {
 fn tiny_balanced_cbc_model_matches_cpu() {
     let _serial = serial_gpu();
     for (sp, seed) in [(0.5, 5), (0.3, 6)] {
-        check_model_against_cpu(
+        // The prompt runs through cuBLAS on the f16 copy with f16-rounded activations, the
+        // steps through the f32 spMspV: under TEAL an input within that rounding of its
+        // threshold is active on one side only, so, as for the other f16-input paths, the
+        // logits are checked and greedy paths may part (they did at step 10 of this model,
+        // H100, 2026-12-05, teacher-forced logits 5.7e-6 apart).
+        check_f16_input_model_against_cpu(
             "tiny_balanced_cbc_model_matches_cpu",
+            None,
             &mut tiny_model(FormatKind::BalancedCbc, sp, 0.5, seed),
-            0.05,
+            0.5,
         );
     }
 }
@@ -1273,12 +1279,23 @@ fn tiny_dense_int4_packs_run_four_bit() {
             "dp {dp}: {layer_kernels:?}"
         );
         drop(g);
-        check_f16_input_model_against_cpu(
-            &format!("tiny_dense_int4_packs_run_four_bit dp {dp}"),
-            None,
-            &mut model,
-            dp,
-        );
+        let name = format!("tiny_dense_int4_packs_run_four_bit dp {dp}");
+        if dp > 0.0 {
+            // The column-major kernel rounds each input to f16 and sums at most 16 products
+            // in f16 before f32: two roundings of 2^-11 where the other f16-input kernels
+            // have one, so the CPU's own sensitivity is measured at twice the nudge (at one:
+            // GPU p90 0.40 against 0.33 allowed, H100 and H200, 2026-12-05).
+            check_gpu_model_against_cpu(
+                &name,
+                None,
+                &mut model,
+                0.05,
+                f32::INFINITY,
+                2.0 * F16_ROUNDING,
+            );
+        } else {
+            check_f16_input_model_against_cpu(&name, None, &mut model, dp);
+        }
     }
 }
 
