@@ -682,6 +682,23 @@ mod tests {
         IeBme::encode(&w, &opts).unwrap()
     }
 
+    /// The proptests' matrix: `areas` picks the area split (2x2, 1x2, 2x1, 1x1), `bits8` the
+    /// payload; the format and its device layout.
+    fn arbitrary(
+        m: usize,
+        k: usize,
+        sp: f64,
+        areas: usize,
+        bits8: bool,
+        reorder: bool,
+        seed: u64,
+    ) -> (IeBme, IeBmeDevice) {
+        let (ra, ca) = [(2, 2), (1, 2), (2, 1), (1, 1)][areas];
+        let enc = encode(m, k, sp, ra, ca, if bits8 { 8 } else { 4 }, reorder, seed);
+        let dev = IeBmeDevice::new(&enc).unwrap();
+        (enc, dev)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         /// The device layout, read the way the kernel reads it, is the format's matrix exactly.
@@ -689,9 +706,7 @@ mod tests {
         fn device_layout_reads_back_as_the_format(m in 1usize..80, k in 1usize..300, sp in 0.0f64..0.95,
                                                   areas in 0usize..4, bits8 in proptest::bool::ANY,
                                                   reorder in proptest::bool::ANY, seed in 0u64..1000) {
-            let (ra, ca) = [(2, 2), (1, 2), (2, 1), (1, 1)][areas];
-            let enc = encode(m, k, sp, ra, ca, if bits8 { 8 } else { 4 }, reorder, seed);
-            let dev = IeBmeDevice::new(&enc).unwrap();
+            let (enc, dev) = arbitrary(m, k, sp, areas, bits8, reorder, seed);
             let want: Vec<f32> = enc.decode().data().iter().map(|v| v.to_f32()).collect();
             prop_assert_eq!(dev.read_back(), want);
         }
@@ -773,9 +788,7 @@ mod tests {
         fn decode_rows_mapping_matches_read_back(m in 1usize..80, k in 1usize..300, sp in 0.0f64..0.95,
                                                  areas in 0usize..4, bits8 in proptest::bool::ANY,
                                                  reorder in proptest::bool::ANY, seed in 0u64..1000) {
-            let (ra, ca) = [(2, 2), (1, 2), (2, 1), (1, 1)][areas];
-            let enc = encode(m, k, sp, ra, ca, if bits8 { 8 } else { 4 }, reorder, seed);
-            let dev = IeBmeDevice::new(&enc).unwrap();
+            let (_, dev) = arbitrary(m, k, sp, areas, bits8, reorder, seed);
             let want = dev.read_back();
             let out = emulate_decode_rows(&dev);
             let kp = dev.geo.tile_cols * TILE_COLS;
