@@ -27,6 +27,7 @@ for _ in $(seq 1 240); do
 done
 date -u +%T
 timeout 200 $S bench serve --url http://127.0.0.1:8090 --url http://127.0.0.1:8091 --clients 1,32 --requests 2 --max-tokens 256 --prompt-words 90 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -16
+curl -s http://127.0.0.1:8090/metrics > "$OUT/metrics-sieve.txt"; grep -E "^sieve_(batch|prefill|engine|decode)" "$OUT/metrics-sieve.txt" | head -30
 kill -TERM $sp $lp; wait $sp $lp 2>/dev/null
 tail -3 "$OUT/serve-sieve.log"
 date -u +%T

@@ -94,6 +94,13 @@ pub struct Metrics {
     pub prefilling: AtomicU64,
     pub queue_depth: AtomicU64,
     pub decode_steps: AtomicU64,
+    /// Nanoseconds the engine spent in prefill calls (every chunk).
+    pub prefill_nanos: AtomicU64,
+    /// Nanoseconds the engine spent in decode steps (the step and its tokens or logits).
+    pub decode_nanos: AtomicU64,
+    /// Nanoseconds of scheduler iterations that had work (prefill or decode): with the two
+    /// above, what the scheduler's own host work costs (sampling on the host, text, events).
+    pub busy_nanos: AtomicU64,
     /// Largest decode batch seen.
     pub max_batch: AtomicU64,
     /// 1 while the scheduler thread runs, 0 before it started and after it stopped.
@@ -134,6 +141,9 @@ impl Metrics {
             prefilling: AtomicU64::new(0),
             queue_depth: AtomicU64::new(0),
             decode_steps: AtomicU64::new(0),
+            prefill_nanos: AtomicU64::new(0),
+            decode_nanos: AtomicU64::new(0),
+            busy_nanos: AtomicU64::new(0),
             max_batch: AtomicU64::new(0),
             scheduler_up: AtomicU64::new(0),
             connections_open: AtomicU64::new(0),
@@ -155,6 +165,12 @@ impl Metrics {
         self.batch_size.observe(size as f64);
         self.decode_steps.fetch_add(1, Ordering::Relaxed);
         self.max_batch.fetch_max(size as u64, Ordering::Relaxed);
+    }
+
+    /// Adds `elapsed` to one of the nanosecond counters.
+    pub fn add_time(counter: &AtomicU64, elapsed: std::time::Duration) {
+        let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(nanos, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition.
@@ -297,6 +313,29 @@ impl Metrics {
             "Requests or connections ended by the header, idle or body timeout.",
             &self.timeouts,
         );
+        let seconds = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            let _ = writeln!(out, "{name} {:.6}", v.load(Ordering::Relaxed) as f64 * 1e-9);
+        };
+        seconds(
+            &mut out,
+            "sieve_engine_prefill_seconds_total",
+            "Time in the engine's prefill calls.",
+            &self.prefill_nanos,
+        );
+        seconds(
+            &mut out,
+            "sieve_engine_decode_seconds_total",
+            "Time in the engine's decode steps.",
+            &self.decode_nanos,
+        );
+        seconds(
+            &mut out,
+            "sieve_scheduler_busy_seconds_total",
+            "Time of scheduler iterations with work; minus the two engine counters, the host's own share.",
+            &self.busy_nanos,
+        );
         gauge(
             &mut out,
             "sieve_batch_size_max",
@@ -357,5 +396,28 @@ mod tests {
         assert!(text.contains("sieve_kv_slots_total 4"));
         assert!(text.contains("sieve_batch_size_max 3"));
         assert!(text.contains("# TYPE sieve_batch_size histogram"));
+        assert!(text.contains("sieve_engine_decode_seconds_total 0.000000\n"));
+    }
+
+    #[test]
+    fn engine_times_render_in_seconds() {
+        let m = Metrics::new();
+        Metrics::add_time(&m.prefill_nanos, std::time::Duration::from_micros(1500));
+        Metrics::add_time(&m.prefill_nanos, std::time::Duration::from_micros(500));
+        Metrics::add_time(&m.decode_nanos, std::time::Duration::from_millis(7));
+        Metrics::add_time(&m.busy_nanos, std::time::Duration::from_millis(10));
+        let text = m.render();
+        assert!(
+            text.contains("sieve_engine_prefill_seconds_total 0.002000\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sieve_engine_decode_seconds_total 0.007000\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sieve_scheduler_busy_seconds_total 0.010000\n"),
+            "{text}"
+        );
     }
 }

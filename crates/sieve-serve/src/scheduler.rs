@@ -14,7 +14,7 @@
 //! whole prompt's).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -315,6 +315,9 @@ pub fn run(
             publish(&running, &prefilling);
             return;
         }
+        // Busy time: from here when there is work, else from the end of the admissions below
+        // (an idle scheduler waits in them).
+        let busy_since = (!running.is_empty() || !prefilling.is_empty()).then(Instant::now);
         // Clients that went away: stop their generation (or prefill) and free their slot.
         running.retain(|r| {
             let gone = r.events.is_closed();
@@ -353,6 +356,11 @@ pub fn run(
             publish(&running, &prefilling);
         }
 
+        let _busy = BusyTimer {
+            since: busy_since.unwrap_or_else(Instant::now),
+            nanos: &metrics.busy_nanos,
+        };
+
         // Prefill: one chunk each of the admitted prompts in admission order, up to
         // `prefill_chunk` tokens this step (always at least one chunk); a prompt whose next
         // chunk does not fit what is left waits for the next step, and shorter ones behind it
@@ -373,11 +381,13 @@ pub fn run(
             p.admitted.get_or_insert_with(Instant::now);
             let last = end == p.job.prompt.len();
             let tokens = &p.job.prompt[start..end];
+            let started = Instant::now();
             let result = if last {
                 engine.prefill_from(p.slot, start, tokens).map(Some)
             } else {
                 engine.extend(p.slot, start, tokens).map(|()| None)
             };
+            Metrics::add_time(&metrics.prefill_nanos, started.elapsed());
             match result {
                 Err(e) => {
                     if let Some(p) = prefilling.remove(i) {
@@ -423,6 +433,7 @@ pub fn run(
         // The engine may choose the tokens itself (on its device): greedy batches by argmax,
         // others by each sequence's own sampling settings.
         let by_argmax = running.iter().all(|r| r.sequence.decodes_by_argmax());
+        let started = Instant::now();
         let chosen = if by_argmax {
             engine.decode_argmax(&batch)
         } else {
@@ -443,6 +454,7 @@ pub fn run(
             Some(Err(e)) => Err(e),
             None => engine.decode(&batch).map(Decoded::Logits),
         };
+        Metrics::add_time(&metrics.decode_nanos, started.elapsed());
         let decoded = match outcome {
             Ok(d) => d,
             Err(e) => {
@@ -485,6 +497,19 @@ pub fn run(
             keep
         });
         publish(&running, &prefilling);
+    }
+}
+
+/// Adds the time from `since` to `nanos` when dropped: one scheduler iteration's busy time,
+/// whichever way the iteration ends.
+struct BusyTimer<'m> {
+    since: Instant,
+    nanos: &'m AtomicU64,
+}
+
+impl Drop for BusyTimer<'_> {
+    fn drop(&mut self) {
+        Metrics::add_time(self.nanos, self.since.elapsed());
     }
 }
 

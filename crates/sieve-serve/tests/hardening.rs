@@ -716,3 +716,34 @@ async fn sampled_requests_take_the_engines_draws() {
     );
     server.shutdown().unwrap();
 }
+
+/// `/metrics` says where the scheduler's time goes: an engine whose steps sleep 20 ms shows at
+/// least that per step in `sieve_engine_decode_seconds_total`, and the scheduler's busy time
+/// covers its engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_split_the_engine_time_from_the_hosts() {
+    if model_path().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let engine = ChoosingEngine::new(None, Duration::from_millis(20));
+    let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
+    let base = format!("http://{}", server.addr());
+    let client = client();
+    let response = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": "Hi", "max_tokens": 5, "temperature": 0}))
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(response.status(), 200);
+    let text = metrics(&client, &base).await;
+    // 5 tokens: the prefill's and 4 decode steps of 20 ms each.
+    let decode = metric(&text, "sieve_engine_decode_seconds_total").expect("decode time");
+    let prefill = metric(&text, "sieve_engine_prefill_seconds_total").expect("prefill time");
+    let busy = metric(&text, "sieve_scheduler_busy_seconds_total").expect("busy time");
+    assert!(decode >= 0.08, "{text}");
+    assert!(prefill >= 0.0 && prefill < decode, "{text}");
+    assert!(busy >= decode + prefill, "{text}");
+    server.shutdown().unwrap();
+}
