@@ -2,8 +2,9 @@
 //! attention ([`crate::attention::attention_rows`]): `n` prompt tokens at once, row-wise
 //! (`kernels/prefill.cu`); and [`Rows`], what the rows of such a pass are.
 
+use crate::error::CudaError;
 use crate::error::{DriverContext, Result};
-use crate::gpu::{grid_cfg, grid_stride, i32_arg, Gpu, KernelFamily};
+use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
 use crate::product::{threshold_arg, DevPtr};
 use cudarc::driver::PushKernelArg;
 
@@ -43,6 +44,20 @@ impl Rows {
     }
 }
 
+/// The grid of the element-wise row kernels: blocks of 256 threads x 4 columns along a row, one
+/// grid row per row (the launchers return before it for 0 rows: a grid is at least 1 x 1).
+fn row_grid(rows: usize, cols: usize) -> Result<(u32, u32)> {
+    let y = u32::try_from(rows)
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or_else(|| {
+            CudaError::Unsupported(format!("{rows} rows in one launch (at most 65,535)"))
+        })?;
+    let x = u32::try_from(cols.div_ceil(1024))
+        .map_err(|_| CudaError::Unsupported(format!("rows of {cols} values")))?;
+    Ok((x, y))
+}
+
 /// `x[i] = embedding[tokens[i]]` for `n` tokens (`tokens` i32 on the device, checked by the caller).
 pub fn embed_rows(
     gpu: &Gpu,
@@ -52,11 +67,15 @@ pub fn embed_rows(
     n: usize,
     d: usize,
 ) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu.function(&FAMILY, "embed_rows")?;
-    let (ni, di) = (i32_arg("tokens", n)?, i32_arg("hidden size", d)?);
+    let di = i32_arg("hidden size", d)?;
+    let grid = row_grid(n, d)?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&emb).arg(&tokens).arg(&x).arg(&ni).arg(&di);
-    unsafe { b.launch(grid_cfg(grid_stride(n * d), 256, 0)) }.during("launching embed_rows")?;
+    b.arg(&emb).arg(&tokens).arg(&x).arg(&di);
+    unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching embed_rows")?;
     Ok(())
 }
 
@@ -70,11 +89,15 @@ pub fn rmsnorm_rows(
     d: usize,
     eps: f32,
 ) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu.function(&FAMILY, "rmsnorm_rows")?;
     let di = i32_arg("hidden size", d)?;
+    let (_, rows) = row_grid(n, d)?;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&x).arg(&w).arg(&out).arg(&di).arg(&eps);
-    unsafe { b.launch(grid_cfg((n as u32, 1), 256, 0)) }.during("launching rmsnorm_rows")?;
+    unsafe { b.launch(grid_cfg((rows, 1), 256, 0)) }.during("launching rmsnorm_rows")?;
     Ok(())
 }
 
@@ -88,41 +111,45 @@ pub fn rows_to_f16(
     k: usize,
     t: sieve_formats::Threshold,
 ) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu.function(&FAMILY, "rows_to_f16")?;
-    let (l, ni, ki) = (
-        i32_arg("row stride", ldx)?,
-        i32_arg("tokens", n)?,
-        i32_arg("width", k)?,
-    );
+    let (l, ki) = (i32_arg("row stride", ldx)?, i32_arg("width", k)?);
+    let grid = row_grid(n, k)?;
     let tv = threshold_arg(t);
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&x).arg(&l).arg(&out).arg(&ni).arg(&ki).arg(&tv);
-    unsafe { b.launch(grid_cfg(grid_stride(n * k), 256, 0)) }.during("launching rows_to_f16")?;
+    b.arg(&x).arg(&l).arg(&out).arg(&ki).arg(&tv);
+    unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching rows_to_f16")?;
     Ok(())
 }
 
 /// `gate = silu(gate) * up` in place for `n` rows of `gu = [gate | up]`.
 pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu.function(&FAMILY, "silu_rows")?;
-    let (ni, ii) = (i32_arg("tokens", n)?, i32_arg("intermediate size", inter)?);
+    let ii = i32_arg("intermediate size", inter)?;
+    let grid = row_grid(n, inter)?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&gu).arg(&ni).arg(&ii);
-    unsafe { b.launch(grid_cfg(grid_stride(n * inter), 256, 0)) }.during("launching silu_rows")?;
+    b.arg(&gu).arg(&ii);
+    unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching silu_rows")?;
     Ok(())
 }
 
 /// Zeroes `n` rows of `m` floats, `ldy` apart, at `y` (before a split-K product that adds its
 /// parts atomically). Look it up first with [`zero_rows_ready`] where a graph may capture it.
 pub fn zero_rows(gpu: &Gpu, y: DevPtr, ldy: usize, n: usize, m: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu.function(&FAMILY, "zero_rows")?;
-    let (ldy_i, ni, mi) = (
-        i32_arg("row stride", ldy)?,
-        i32_arg("rows", n)?,
-        i32_arg("columns", m)?,
-    );
+    let (ldy_i, mi) = (i32_arg("row stride", ldy)?, i32_arg("columns", m)?);
+    let grid = row_grid(n, m)?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&y).arg(&ldy_i).arg(&ni).arg(&mi);
-    unsafe { b.launch(grid_cfg(grid_stride(n * m), 256, 0)) }.during("launching zero_rows")?;
+    b.arg(&y).arg(&ldy_i).arg(&mi);
+    unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching zero_rows")?;
     Ok(())
 }
 
