@@ -12,6 +12,7 @@ mkdir -p /tmp/g /tmp/wd
 (TARGETS="llama-bench llama-server" JOBS=10 nice -n 5 bash scripts/llama-cpp/build.sh > /tmp/wd/build.log 2>&1; echo "build rc $? $(date -u +%T)" >> /tmp/wd/build.log) &
 (for t in q4_0 f16; do nice -n 5 python3 scripts/llama-cpp/random_gguf.py --shape llama2-7b --type $t -o /tmp/g/7b-$t.gguf >> /tmp/wd/gen.log 2>&1; echo "gen $t rc $? $(date -u +%T)" >> /tmp/wd/gen.log; done) &
 date -u +%T
+run_t prefill_rows 60
 run_t runner 300 --test-threads 1
 grep -E "^test .*(ok|FAILED)$" "$OUT/runner.log" | sed 's/^/  /' | head -60
 date -u +%T
