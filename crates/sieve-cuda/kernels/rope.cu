@@ -35,13 +35,15 @@
 // stores them as zero rows (scale 0, q 0) where the CPU keeps subnormal scales.
 //
 // rope_kv:   grid H + Hkv, position state[0].
-// rope_rows: grid (H + Hkv, n), row y of qkv at position p0 + y (a prompt chunk); or, with
+// rope_rows: row y of qkv at position p0 + y (a prompt chunk); or, with
 //            seqs, row y is the next token of its own sequence: position seqs[2y], cache slot
 //            seqs[2y + 1] (the slot's rows start slot * slot_stride values past the layer's
 //            base, its scales slot * slot_stride / hd), so a decode step of many sequences is
 //            one launch. A negative slot marks a padding row (a captured step's batch rounded
 //            up): its q is rotated, nothing is written to any cache.
-// rope_kv_i8, rope_rows_i8: the same over the 8-bit cache.
+//            Its grid (f16 cache) is drawn above the kernel.
+// rope_kv_i8, rope_rows_i8: the same over the 8-bit cache (grid (H + Hkv, n) for rope_rows_i8:
+// a k head's block reduces its row's largest |x|).
 
 #define ROPE_THREADS 128
 
@@ -213,18 +215,46 @@ __device__ __forceinline__ bool rope_row_target(int p0, const int* __restrict__ 
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
+// rope_rows over the f16 cache: grid (ceil((H + Hkv) hd/2 / ROPE_ROW_THREADS), n); thread t of
+// block bx takes pair j = ROPE_ROW_THREADS bx + t of the row's (H + Hkv) hd/2 rotate-half pairs
+// (head j / (hd/2), pair j % (hd/2)), so that every block is full whatever hd. (A block per head
+// left half of its 128 threads idle at hd 128, and made (H + Hkv) n blocks of one head's work:
+// 8192 blocks for a 128-token prompt of a 7B model.)
+#define ROPE_ROW_THREADS 256
+extern "C" __global__ void __launch_bounds__(ROPE_ROW_THREADS)
 rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
           const float* __restrict__ rope_sin, int p0, const int* __restrict__ seqs, long long slot_stride,
           f16_bits* __restrict__ k_cache, f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
     pdl_wait_then_release();
-    const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
+    const int half = hd / 2;
+    const int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (j >= (H + Hkv) * half) return;
+    const int head = j / half, i = j % half;
     const int y = blockIdx.y;
-    int p;
-    size_t slot;
-    if (!rope_row_target(p0, seqs, slot_stride, H, &p, &slot)) return;
-    rope_head(qkv + y * qkv_row, bias, rope_cos, rope_sin, p, blockIdx.x, k_cache + slot, v_cache + slot, H,
-              Hkv, hd);
+    int p = p0 + y;
+    size_t slot = 0;
+    if (seqs) {
+        p = seqs[2 * y];
+        const int sl = seqs[2 * y + 1];
+        if (sl < 0 && head >= H) return;  // a padding row writes no cache
+        slot = (size_t)max(sl, 0) * (size_t)slot_stride;
+    }
+    float* qkv_row = qkv + (size_t)y * (size_t)(H + 2 * Hkv) * hd;
+    float* row = qkv_row + (size_t)head * hd;
+    const float* brow = bias ? bias + (size_t)head * hd : nullptr;
+    const float2 r = rotated_pair(row, brow, rope_cos + (size_t)p * half, rope_sin + (size_t)p * half, i, half);
+    if (head < H) {
+        row[i] = r.x;
+        row[i + half] = r.y;
+        return;
+    }
+    const int kh = head - H;
+    const size_t cell = slot + (size_t)p * Hkv * hd + (size_t)kh * hd;
+    k_cache[cell + i] = f2h(r.x);
+    k_cache[cell + i + half] = f2h(r.y);
+    const float2 v = value_pair(qkv_row, bias, H, Hkv, hd, kh, i);
+    v_cache[cell + i] = f2h(v.x);
+    v_cache[cell + i + half] = f2h(v.y);
 }
 
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)

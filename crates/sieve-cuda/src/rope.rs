@@ -17,6 +17,8 @@ pub const FAMILY: KernelFamily = KernelFamily {
 
 /// Threads of a rope block (`ROPE_THREADS` in `rope.cu`).
 const ROPE_THREADS: usize = 128;
+/// Threads of a block of the f16 `rope_rows` (`ROPE_ROW_THREADS`), one rotated pair each.
+const ROPE_ROW_THREADS: usize = 256;
 
 /// The kernel's name for `cache` (`base` or `base_i8`); refuses a head dimension the 8-bit
 /// write cannot take (one rotated pair per thread of a block).
@@ -100,6 +102,9 @@ pub fn rope_rows(
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu.function(&FAMILY, &kernel_name("rope_rows", &cache, head_dim)?)?;
     let (p0, seqs, slot_stride) = rows.kernel_args()?;
     let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
@@ -113,14 +118,17 @@ pub fn rope_rows(
         .arg(&slot_stride);
     push_cache(&mut b, &cache);
     b.arg(&h).arg(&hkv).arg(&hd);
-    unsafe {
-        b.launch(grid_cfg(
-            ((heads + kv_heads) as u32, n as u32),
-            ROPE_THREADS as u32,
-            0,
-        ))
-    }
-    .during("launching rope_rows")?;
+    // The f16 kernel: one rotate-half pair per thread across heads; the 8-bit one: a block per
+    // head (its row's largest |x| is a block reduction).
+    let (grid_x, threads) = match cache {
+        KvCache::F16 { .. } => (
+            ((heads + kv_heads) * (head_dim / 2)).div_ceil(ROPE_ROW_THREADS),
+            ROPE_ROW_THREADS,
+        ),
+        KvCache::Int8 { .. } => (heads + kv_heads, ROPE_THREADS),
+    };
+    unsafe { b.launch(grid_cfg((grid_x as u32, n as u32), threads as u32, 0)) }
+        .during("launching rope_rows")?;
     Ok(())
 }
 

@@ -52,7 +52,10 @@ fn row_kernels_match_the_cpu() {
                     assert_eq!(got[r * k + c], f16_bits(v), "{what}, t {t:?}: ({r}, {c})");
                 }
             }
-            assert!(got[n * k..].iter().all(|&b| b == 0xffff), "{what}: wrote past the rows");
+            assert!(
+                got[n * k..].iter().all(|&b| b == 0xffff),
+                "{what}: wrote past the rows"
+            );
         }
 
         // RMSNorm reads rows of k packed one after another (its stride is its width).
@@ -75,7 +78,10 @@ fn row_kernels_match_the_cpu() {
                 );
             }
         }
-        assert!(got[..off].iter().all(|v| v.is_nan()), "{what}: norm wrote before the rows");
+        assert!(
+            got[..off].iter().all(|v| v.is_nan()),
+            "{what}: norm wrote before the rows"
+        );
         assert!(
             got[off + n * k..].iter().all(|v| v.is_nan()),
             "{what}: norm wrote past the rows"
@@ -100,7 +106,11 @@ fn row_kernels_match_the_cpu() {
             }
         }
         assert_eq!(got[..off], gu[..off], "{what}: silu wrote before the rows");
-        assert_eq!(got[off + n * 2 * k..], gu[off + n * 2 * k..], "{what}: silu wrote past");
+        assert_eq!(
+            got[off + n * 2 * k..],
+            gu[off + n * 2 * k..],
+            "{what}: silu wrote past"
+        );
 
         // Zeroing n rows of k, ld apart: nothing between or around them changes.
         let yd = gpu.upload(&x).unwrap();
@@ -113,7 +123,11 @@ fn row_kernels_match_the_cpu() {
 
         // The embedding gather: tokens repeat and come in any order.
         let vocab = 5;
-        let table: Vec<u16> = rng.vec(vocab * k, 2.0).iter().map(|&v| f16_bits(v)).collect();
+        let table: Vec<u16> = rng
+            .vec(vocab * k, 2.0)
+            .iter()
+            .map(|&v| f16_bits(v))
+            .collect();
         let tokens: Vec<i32> = (0..n).map(|r| ((r * 3 + 2) % vocab) as i32).collect();
         let (td, tokd) = (gpu.upload(&table).unwrap(), gpu.upload(&tokens).unwrap());
         let out = gpu.poisoned_f32(off + n * k + 4).unwrap();
@@ -146,4 +160,135 @@ fn zero_rows_launch_nothing() {
     rmsnorm_rows(&gpu, p, p, p, 0, 16, 1e-5).unwrap();
     rows_to_f16(&gpu, p, 16, p, 0, 16, None).unwrap();
     assert_eq!(gpu.download(&xd).unwrap(), x, "a launch over 0 rows wrote");
+}
+
+/// RoPE over the rows of a batched pass with the f16 cache (`rope_rows`, one rotated pair per
+/// thread across heads): q heads rotated in place, k rotated and v copied to their cache cells
+/// as f16, for consecutive prompt rows and for one row per sequence with a padding row that
+/// writes no cache; k and v in the rows themselves unchanged, every other cell untouched.
+#[test]
+fn f16_rope_rows_match_the_cpu() {
+    use sieve_cuda::prefill::Rows;
+    use sieve_cuda::rope::{self, reference};
+    use sieve_cuda::KvCache;
+    let Some(gpu) = gpu_or_skip("f16_rope_rows_match_the_cpu") else {
+        return;
+    };
+    const NAN_F16: u16 = 0x7e00;
+    let mut rng = Rng(0x5eed);
+    for &(heads, kv_heads, hd) in &[
+        (4usize, 2usize, 64usize),
+        (7, 1, 128),
+        (3, 3, 6),
+        (32, 8, 128),
+    ] {
+        let (half, capacity, slots) = (hd / 2, 40usize, 3usize);
+        let w = (heads + 2 * kv_heads) * hd;
+        let (cos, sin) = (rng.vec(capacity * half, 1.0), rng.vec(capacity * half, 1.0));
+        let bias = rng.vec(w, 0.5);
+        let (cd, sd, bd) = (
+            gpu.upload(&cos).unwrap(),
+            gpu.upload(&sin).unwrap(),
+            gpu.upload(&bias).unwrap(),
+        );
+        for by_sequence in [false, true] {
+            let what = format!("{heads}/{kv_heads}/{hd}, by sequence {by_sequence}");
+            // (position, slot); slot -(s + 1) marks a padding row of slot s.
+            let rows: Vec<(usize, i32)> = if by_sequence {
+                vec![(4, 2), (0, 0), (39, 1), (11, -2)]
+            } else {
+                (0..6).map(|z| (5 + z, 0)).collect()
+            };
+            let n = rows.len();
+            let qkv = rng.vec(n * w, 2.0);
+            let qkvd = gpu.upload(&qkv).unwrap();
+            let cache_len = slots * capacity * kv_heads * hd;
+            let kd = gpu.upload(&vec![NAN_F16; cache_len]).unwrap();
+            let vd = gpu.upload(&vec![NAN_F16; cache_len]).unwrap();
+            let seqs: Vec<i32> = rows.iter().flat_map(|&(p, s)| [p as i32, s]).collect();
+            let seqsd = gpu.upload(&seqs).unwrap();
+            let which = if by_sequence {
+                Rows::Sequences {
+                    seqs: dev_ptr(&gpu, &seqsd),
+                    slot_stride: capacity * kv_heads * hd,
+                }
+            } else {
+                Rows::Consecutive { first: 5 }
+            };
+            let cache = KvCache::F16 {
+                k: dev_ptr(&gpu, &kd),
+                v: dev_ptr(&gpu, &vd),
+            };
+            rope::rope_rows(
+                &gpu,
+                dev_ptr(&gpu, &qkvd),
+                dev_ptr(&gpu, &bd),
+                dev_ptr(&gpu, &cd),
+                dev_ptr(&gpu, &sd),
+                &which,
+                n,
+                cache,
+                heads,
+                kv_heads,
+                hd,
+            )
+            .unwrap();
+            let got_rows = gpu.download(&qkvd).unwrap();
+            let (got_k, got_v) = (gpu.download(&kd).unwrap(), gpu.download(&vd).unwrap());
+            let close = |g: f32, want: f32, tol: f32| (g - want).abs() <= tol * (1.0 + want.abs());
+            let mut want_k = vec![None; cache_len];
+            let mut want_v = vec![None; cache_len];
+            for (z, &(p, slot)) in rows.iter().enumerate() {
+                let row: Vec<f32> = qkv[z * w..][..w]
+                    .iter()
+                    .zip(&bias)
+                    .map(|(a, b)| a + b)
+                    .collect();
+                let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);
+                for h in 0..heads {
+                    let mut q = row[h * hd..][..hd].to_vec();
+                    reference::rope(&mut q, c, s);
+                    for (i, &want) in q.iter().enumerate() {
+                        let g = got_rows[z * w + h * hd + i];
+                        assert!(
+                            close(g, want, 1e-5),
+                            "{what}: row {z} q head {h}[{i}] {g} against {want}"
+                        );
+                    }
+                }
+                assert_eq!(
+                    got_rows[z * w + heads * hd..(z + 1) * w],
+                    qkv[z * w + heads * hd..(z + 1) * w],
+                    "{what}: row {z}'s k and v changed in the rows"
+                );
+                if slot < 0 {
+                    continue;
+                }
+                for kh in 0..kv_heads {
+                    let mut k = row[(heads + kh) * hd..][..hd].to_vec();
+                    reference::rope(&mut k, c, s);
+                    let v = &row[(heads + kv_heads + kh) * hd..][..hd];
+                    let cell = (slot as usize * capacity + p) * kv_heads * hd + kh * hd;
+                    for i in 0..hd {
+                        want_k[cell + i] = Some(k[i]);
+                        want_v[cell + i] = Some(v[i]);
+                    }
+                }
+            }
+            for (name, got, want) in [("k", &got_k, &want_k), ("v", &got_v, &want_v)] {
+                for (i, (&g, want)) in got.iter().zip(want).enumerate() {
+                    match want {
+                        Some(want) => {
+                            let g = f16::from_bits(g).to_f32();
+                            assert!(
+                                close(g, *want, 2e-3),
+                                "{what}: {name} cache [{i}] {g} against {want}"
+                            );
+                        }
+                        None => assert_eq!(g, NAN_F16, "{what}: {name} cache [{i}] written"),
+                    }
+                }
+            }
+        }
+    }
 }
