@@ -12,9 +12,11 @@ timeout 100 $B -m /tmp/g/7b-q4_0.gguf -ngl 99 -fa 1 -p 128 -n 256 -r 3 2>&1 | te
 timeout 150 $B -m /tmp/g/7b-f16.gguf -ngl 99 -fa 1 -p 128,2048 -n 256 -r 3 2>&1 | tee "$OUT/llama-f16.txt" | grep -E "^\|"
 date -u +%T
 S=.gpu/bin/sieve
-timeout 100 $S bench decode --model /tmp/g/7b-q4_0.gguf --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-gguf-q4_0.log" | grep -E "TPOT|TTFT|error" | head -4
-timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-f16-128.log" | grep -E "TPOT|TTFT|error" | head -4
-timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 2048 --tokens 16 2>&1 | tee "$OUT/decode-f16-2048.log" | grep -E "TPOT|TTFT|error" | head -4
+timeout 100 $S bench decode --model /tmp/g/7b-q4_0.gguf --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-gguf-q4_0.log" | grep -E "TPOT|TTFT|error|prefill of" | head -5
+timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-f16-128.log" | grep -E "TPOT|TTFT|error|prefill of" | head -5
+timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 2048 --tokens 16 2>&1 | tee "$OUT/decode-f16-2048.log" | grep -E "TPOT|TTFT|error|prefill of" | head -5
+# The same prefills with the binary before this session's row kernels (.gpu-before, carried).
+for P in 128 2048; do timeout 100 .gpu-before/sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt $P --tokens 16 2>&1 | tee "$OUT/decode-f16-$P-before.log" | grep -E "TTFT|error|prefill of" | sed "s/^/before: /" | head -3; done
 timeout 150 $S bench decode --synthetic llama2-7b --format dense --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-int4.log" | grep -E "TPOT|TTFT|error" | head -8
 date -u +%T
 $S serve --synthetic llama2-7b --device cuda --port 8090 --max-batch 32 --ctx 1024 > "$OUT/serve-sieve.log" 2>&1 &
