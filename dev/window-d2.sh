@@ -17,7 +17,6 @@ timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --t
 timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 2048 --tokens 16 2>&1 | tee "$OUT/decode-f16-2048.log" | grep -E "TPOT|TTFT|error|prefill of" | head -5
 # The same prefills with the binary before this session's row kernels (.gpu-before, carried).
 for P in 128 2048; do timeout 100 .gpu-before/sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt $P --tokens 16 2>&1 | tee "$OUT/decode-f16-$P-before.log" | grep -E "TTFT|error|prefill of" | sed "s/^/before: /" | head -3; done
-timeout 150 $S bench decode --synthetic llama2-7b --format dense --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-int4.log" | grep -E "TPOT|TTFT|error" | head -8
 date -u +%T
 $S serve --synthetic llama2-7b --device cuda --port 8090 --max-batch 32 --ctx 1024 > "$OUT/serve-sieve.log" 2>&1 &
 sp=$!
