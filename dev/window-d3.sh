@@ -40,6 +40,3 @@ timeout 200 $S bench serve --url http://127.0.0.1:8090 --url http://127.0.0.1:80
 curl -s http://127.0.0.1:8090/metrics > "$OUT/metrics-sieve-smol.txt"; grep -E "^sieve_(batch|prefill|engine|decode)" "$OUT/metrics-sieve-smol.txt" | head -30
 kill -TERM $sp $lp; wait $sp $lp 2>/dev/null
 date -u +%T
-# The 4-bit TEAL step of issue 26 (7B shape), same session as llama-bench Q4_0 in window-d2.sh.
-timeout 150 .gpu/bin/sieve bench decode --synthetic llama2-7b --format dense --values int4 --sp 0,0.5,0.5 --dp 0,0.5,0.7 --prompt 128 --tokens 256 2>&1 | tee "$OUT/decode-int4.log" | grep -E "TPOT|TTFT|error" | head -8
-date -u +%T

@@ -269,12 +269,13 @@ pub fn measure(
     ttfts.sort_by(f64::total_cmp);
     let ttft_ms = ttfts[TTFT_RUNS / 2];
     // Where the TTFT goes, for a prompt that fits one batched chunk.
-    let prefill_profile =
-        if (2..=crate::prefill::CHUNK).contains(&prompt.len()) && model.prefill_is_batched() {
-            Some(model.profile_prefill(&prompt)?)
-        } else {
-            None
-        };
+    let prefill_profile = if (2..=model.prefill_chunk_tokens()).contains(&prompt.len())
+        && model.prefill_is_batched()
+    {
+        Some(model.profile_prefill(&prompt)?)
+    } else {
+        None
+    };
     let mut steps = time_decode(model, opts.tokens)?;
     steps.sort_by(f64::total_cmp);
     let total: f64 = steps.iter().sum();

@@ -22,7 +22,8 @@
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
 //! (the CPU path's `matmul` semantics); GEMMs accumulate in f32, o_proj and down_proj with
 //! `beta = 1` into the residual stream. Attention is causal over the cache, which the chunk's
-//! RoPE kernel fills first. Prompts longer than [`CHUNK`] run in chunks.
+//! RoPE kernel fills first. Prompts longer than the model's chunk ([`chunk_setting`]) run in
+//! chunks.
 
 use crate::error::{GpuError, Result};
 use crate::matrix::{DeviceLinear, DeviceMatrix};
@@ -31,8 +32,42 @@ use half::f16;
 use sieve_cuda::{dev_ptr, DevPtr, DriverContext, Gpu};
 use sieve_formats::Threshold;
 
-/// Tokens per batched pass (bounds the scratch buffers).
-pub const CHUNK: usize = 256;
+/// Tokens per batched pass by default (bounds the scratch buffers; prompts longer than a
+/// model's chunk run in chunks, each reading every weight again).
+pub const DEFAULT_CHUNK: usize = 256;
+
+/// Bounds of `SIEVE_PREFILL_CHUNK`: at least the many-sequence step's largest batch (it runs
+/// through the same scratch) and above [`TCBC_SPMM_MAX_TOKENS`].
+pub const MIN_CHUNK: usize = 128;
+pub const MAX_CHUNK: usize = 4096;
+
+/// Tokens per batched pass: `SIEVE_PREFILL_CHUNK` in the environment (a switch for measuring
+/// the chunk against the time to first token, read once; [`MIN_CHUNK`]..=[`MAX_CHUNK`]), else
+/// [`DEFAULT_CHUNK`].
+pub fn chunk_setting() -> Result<usize> {
+    static SETTING: std::sync::OnceLock<std::result::Result<usize, String>> =
+        std::sync::OnceLock::new();
+    SETTING
+        .get_or_init(|| parse_chunk(std::env::var("SIEVE_PREFILL_CHUNK").ok().as_deref()))
+        .clone()
+        .map_err(GpuError::InvalidArgument)
+}
+
+/// The chunk a `SIEVE_PREFILL_CHUNK` value asks for ([`DEFAULT_CHUNK`] when unset).
+fn parse_chunk(value: Option<&str>) -> std::result::Result<usize, String> {
+    let Some(v) = value else {
+        return Ok(DEFAULT_CHUNK);
+    };
+    v.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| (MIN_CHUNK..=MAX_CHUNK).contains(n))
+        .ok_or_else(|| {
+            format!(
+                "SIEVE_PREFILL_CHUNK={v:?}: expected a token count from {MIN_CHUNK} to {MAX_CHUNK}"
+            )
+        })
+}
 
 /// Most tokens a Tiled-CBC product runs through the tensor-core SpMM (`tcbc_spmm`): one block
 /// of 64 tokens; above, the matrix is decoded to f16 once and cuBLAS multiplies it. Measured
@@ -76,8 +111,10 @@ pub fn tiled_cbc_by_spmm(linears: &[&DeviceLinear], n: usize) -> bool {
     })
 }
 
-/// Scratch of the batched pass, sized for [`CHUNK`] tokens and the model's widest matrix.
+/// Scratch of the batched pass, sized for `chunk` tokens and the model's widest matrix.
 pub struct PrefillBuffers {
+    /// Tokens a pass holds (the model's chunk).
+    pub chunk: usize,
     /// Residual stream `[n][d]`.
     pub x: CudaSlice<f32>,
     /// Normed f32 rows `[n][d]`.
@@ -98,8 +135,10 @@ pub struct PrefillBuffers {
 }
 
 impl PrefillBuffers {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &Gpu,
+        chunk: usize,
         d: usize,
         max_k: usize,
         max_m: usize,
@@ -113,17 +152,18 @@ impl PrefillBuffers {
                 .during("allocating prefill scratch")
         };
         Ok(Self {
-            x: f32s(CHUNK * d)?,
-            xn: f32s(CHUNK * d)?,
+            chunk,
+            x: f32s(chunk * d)?,
+            xn: f32s(chunk * d)?,
             tokens: s
-                .alloc_zeros::<i32>(CHUNK)
+                .alloc_zeros::<i32>(chunk)
                 .during("allocating prefill scratch")?,
             a16: s
-                .alloc_zeros::<f16>((CHUNK * max_k).max(1))
+                .alloc_zeros::<f16>((chunk * max_k).max(1))
                 .during("allocating prefill scratch")?,
-            y: f32s(CHUNK * max_m)?,
-            att: f32s(CHUNK * att)?,
-            part: f32s(CHUNK * part)?,
+            y: f32s(chunk * max_m)?,
+            att: f32s(chunk * att)?,
+            part: f32s(chunk * part)?,
             w16: s
                 .alloc_zeros::<f16>(decoded.max(1))
                 .during("allocating prefill scratch")?,
@@ -147,21 +187,21 @@ pub fn always_decoded(linears: &[&DeviceLinear]) -> bool {
     })
 }
 
-/// True when a Tiled-CBC matrix of `cols` columns is decoded to f16 for a pass of up to
-/// [`CHUNK`] tokens rather than multiplied by the SpMM (see [`linear_rows`]).
-fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize) -> bool {
-    CHUNK > TCBC_SPMM_MAX_TOKENS || !t.spmm_supports(cols)
+/// True when a Tiled-CBC matrix of `cols` columns is decoded to f16 for some pass of up to
+/// `chunk` tokens rather than multiplied by the SpMM (see [`linear_rows`]).
+fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize, chunk: usize) -> bool {
+    chunk > TCBC_SPMM_MAX_TOKENS || !t.spmm_supports(cols)
 }
 
 /// Elements of the largest matrix among `linears` that a pass decodes to f16: a Tiled-CBC one
 /// past the SpMM, a column-major 4-bit one, a Balanced-CBC or an RLC-CSC one (padded). 0 when
 /// none is decoded.
-pub fn decoded_len(linears: &[&DeviceLinear]) -> usize {
+pub fn decoded_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
         .filter_map(|(p, k)| match &p.matrix {
-            DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k) => Some(p.rows * k),
+            DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k, chunk) => Some(p.rows * k),
             DeviceMatrix::LowBitCols(c) => Some(c.padded_rows() * c.padded_cols()),
             DeviceMatrix::BalancedCbc(b) => Some(b.padded_rows() * k),
             DeviceMatrix::BalancedLowBit(b) => Some(b.padded_rows() * k),
@@ -191,14 +231,14 @@ pub fn long_batch_copy_len(linears: &[&DeviceLinear]) -> usize {
         .unwrap_or(0)
 }
 
-/// f16 elements of the lifted activations of [`CHUNK`] tokens for the widest SlideSparse
+/// f16 elements of the lifted activations of `chunk` tokens for the widest SlideSparse
 /// matrix among `linears` (0 without one).
-pub fn lifted_len(linears: &[&DeviceLinear]) -> usize {
+pub fn lifted_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter())
         .filter_map(|p| match &p.matrix {
-            DeviceMatrix::Slide(s) => Some(s.matrix.lifted_len(CHUNK)),
+            DeviceMatrix::Slide(s) => Some(s.matrix.lifted_len(chunk)),
             _ => None,
         })
         .max()
@@ -206,15 +246,15 @@ pub fn lifted_len(linears: &[&DeviceLinear]) -> usize {
 }
 
 /// Elements of the pass's f16 scratch ([`PrefillBuffers::w16`]): the larger of
-/// [`decoded_len`] and [`lifted_len`].
-pub fn scratch16_len(linears: &[&DeviceLinear]) -> usize {
-    decoded_len(linears).max(lifted_len(linears))
+/// [`decoded_len`] and [`lifted_len`] for passes of up to `chunk` tokens.
+pub fn scratch16_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
+    decoded_len(linears, chunk).max(lifted_len(linears, chunk))
 }
 
 /// `Y[n][row_offset ..] = beta Y + A · Wᵀ` for every part of `lin`: each part's input is
 /// `x` (f32, `ldx` per row) masked by the part's threshold into `a16` first. `ldy` floats per
 /// row of Y. `w16` is the f16 scratch of `w16_len` elements, at least [`scratch16_len`] (for
-/// up to [`CHUNK`] tokens); beta is 0 (Y written) or 1 (added to) for the parts that are not
+/// up to the pass's chunk of tokens); beta is 0 (Y written) or 1 (added to) for the parts that are not
 /// GEMMs.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_rows(
@@ -299,9 +339,9 @@ pub fn linear_rows(
             // The lift reads the f32 rows and applies the threshold itself; the lifted rows
             // of all n tokens go to w16, then one product (split K adds with atomics, after
             // the kernel's own zeroing when beta = 0).
-            if n > CHUNK {
+            if s.matrix.lifted_len(n) > w16_len {
                 return Err(GpuError::InvalidArgument(format!(
-                    "{n} tokens in one slide pass: its scratch holds {CHUNK}"
+                    "{n} tokens in one slide pass: its scratch holds {w16_len} lifted values"
                 )));
             }
             let yp = y + (p.row_offset * 4) as u64;
@@ -362,4 +402,20 @@ pub fn linear_rows(
         sieve_cuda::dense::gemm_f16_rows(gpu, w, lda, transposed, m, k, a16, n, yp, ldy, beta)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chunk_setting_is_checked() {
+        assert_eq!(parse_chunk(None).unwrap(), DEFAULT_CHUNK);
+        assert_eq!(parse_chunk(Some("2048")).unwrap(), 2048);
+        assert_eq!(parse_chunk(Some(" 128 ")).unwrap(), MIN_CHUNK);
+        for bad in ["64", "4097", "0", "-1", "lots", ""] {
+            let e = parse_chunk(Some(bad)).unwrap_err();
+            assert!(e.contains("SIEVE_PREFILL_CHUNK"), "{bad}: {e}");
+        }
+    }
 }

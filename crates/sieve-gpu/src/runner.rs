@@ -241,6 +241,8 @@ pub struct GpuModel {
     len: usize,
     /// Scratch of the batched prefill, allocated at its first use.
     prefill_bufs: Option<crate::prefill::PrefillBuffers>,
+    /// Tokens per batched pass ([`crate::prefill::chunk_setting`]).
+    prefill_chunk: usize,
     /// Run prompts through cuBLAS GEMMs (else token by token through the decode step).
     batched_prefill: bool,
     /// KV cache slots (one sequence each, [`Self::with_slots`]); the generation path uses 0.
@@ -584,6 +586,7 @@ impl GpuModel {
             report,
             len: 0,
             prefill_bufs: None,
+            prefill_chunk: crate::prefill::chunk_setting()?,
             batched_prefill: true,
             slots: 1,
             slot: 0,
@@ -953,10 +956,12 @@ impl GpuModel {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
         let layers: Vec<&DeviceLinear> = all[1..].to_vec();
-        let decoded =
-            crate::prefill::scratch16_len(&all).max(crate::prefill::long_batch_copy_len(&layers));
+        let chunk = self.prefill_chunk;
+        let decoded = crate::prefill::scratch16_len(&all, chunk)
+            .max(crate::prefill::long_batch_copy_len(&layers));
         self.prefill_bufs = Some(crate::prefill::PrefillBuffers::new(
             &self.gpu,
+            chunk,
             d,
             max_k,
             max_m,
@@ -1102,11 +1107,11 @@ impl GpuModel {
     /// time to first token goes. Fails where the prefill is not batched.
     pub fn profile_prefill(&mut self, prompt: &[u32]) -> Result<PrefillProfile> {
         let n = prompt.len();
-        if !(2..=crate::prefill::CHUNK).contains(&n) || !self.prefill_is_batched() {
+        if !(2..=self.prefill_chunk).contains(&n) || !self.prefill_is_batched() {
             return Err(GpuError::InvalidArgument(format!(
                 "a prefill profile takes one batched chunk (2..={} tokens) of a model with \
                  batched prefill",
-                crate::prefill::CHUNK
+                self.prefill_chunk
             )));
         }
         self.reset(prompt)?;
@@ -1162,7 +1167,7 @@ impl GpuModel {
     /// head (the logits), and the sampler when `sample`.
     fn tail_after_batched_rows(&mut self, rows: usize, sample: bool) -> Result<()> {
         let d = self.config.hidden_size;
-        let row = (rows - 1) % crate::prefill::CHUNK;
+        let row = (rows - 1) % self.prefill_chunk;
         let stream = self.gpu.stream().clone();
         let pb = self
             .prefill_bufs
@@ -1246,6 +1251,29 @@ impl GpuModel {
         self.batched_prefill
     }
 
+    /// Tokens per batched pass: a longer prompt runs in chunks of this many.
+    pub fn prefill_chunk_tokens(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// Sets the tokens per batched pass (what `SIEVE_PREFILL_CHUNK` sets for every model):
+    /// before the first batched pass, which sizes the pass's scratch.
+    pub fn set_prefill_chunk_tokens(&mut self, tokens: usize) -> Result<()> {
+        use crate::prefill::{MAX_CHUNK, MIN_CHUNK};
+        if !(MIN_CHUNK..=MAX_CHUNK).contains(&tokens) {
+            return Err(GpuError::InvalidArgument(format!(
+                "a batched pass of {tokens} tokens: from {MIN_CHUNK} to {MAX_CHUNK}"
+            )));
+        }
+        if self.prefill_bufs.is_some() && tokens != self.prefill_chunk {
+            return Err(GpuError::InvalidArgument(
+                "the batched pass's size is set before its first pass".into(),
+            ));
+        }
+        self.prefill_chunk = tokens;
+        Ok(())
+    }
+
     /// Runs the prompt and returns the first generated token: every prompt token in one batch
     /// (in chunks), then the last row's logits and the sampler; or, where the prefill is not
     /// batched, one decode step per token, the last one sampling.
@@ -1253,8 +1281,9 @@ impl GpuModel {
         self.reset(prompt)?;
         let n = prompt.len();
         if n > 1 && self.prefill_is_batched() {
-            for (c, chunk) in prompt.chunks(crate::prefill::CHUNK).enumerate() {
-                self.prefill_chunk(chunk, c * crate::prefill::CHUNK)?;
+            let size = self.prefill_chunk;
+            for (c, chunk) in prompt.chunks(size).enumerate() {
+                self.prefill_chunk(chunk, c * size)?;
             }
             self.sample_after_batched_prompt(prompt)?;
         } else {
@@ -1630,8 +1659,9 @@ impl GpuModel {
     /// prefill where the formats allow, else one decode step each.
     fn fill_current_slot(&mut self, start: usize, tokens: &[u32]) -> Result<()> {
         if !tokens.is_empty() && self.prefill_is_batched() {
-            for (c, chunk) in tokens.chunks(crate::prefill::CHUNK).enumerate() {
-                self.prefill_chunk(chunk, start + c * crate::prefill::CHUNK)?;
+            let size = self.prefill_chunk;
+            for (c, chunk) in tokens.chunks(size).enumerate() {
+                self.prefill_chunk(chunk, start + c * size)?;
             }
         } else {
             for (i, &token) in tokens.iter().enumerate() {
@@ -1671,7 +1701,7 @@ impl GpuModel {
         for l in &self.layers {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        if crate::prefill::decoded_len(&all) == 0 {
+        if crate::prefill::decoded_len(&all, self.prefill_chunk) == 0 {
             2
         } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES)
             && !crate::prefill::always_decoded(&all)

@@ -1090,6 +1090,46 @@ fn long_prompts_of_low_bit_models_match_cpu() {
     );
 }
 
+/// A prompt longer than the batched pass runs in chunks: passes of 128 tokens (three for a
+/// 300-token prompt) and of 256 (two) give the CPU's greedy tokens, and the pass's size is
+/// refused out of bounds or once the scratch exists.
+#[test]
+fn prompts_in_chunks_of_any_size_match_cpu() {
+    let _serial = serial_gpu();
+    let name = "prompts_in_chunks_of_any_size_match_cpu";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    let cfg = config(301, 96, 224, 2, 6, 2, 16);
+    let mut model = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, 61);
+    let v = model.config().vocab_size;
+    let (len, steps) = (300usize, 6usize);
+    let prompt: Vec<u32> = (0..len).map(|i| ((i * 37 + 5) % v) as u32).collect();
+    let (cpu, compared, _) = cpu_greedy(&mut model, &prompt, steps, 0.1);
+    for chunk in [128usize, 256] {
+        let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, len + steps + 1).unwrap();
+        g.set_prefill_chunk_tokens(chunk).unwrap();
+        assert_eq!(g.prefill_chunk_tokens(), chunk);
+        let gpu = gpu_tokens_after(&mut g, &prompt, steps);
+        assert_eq!(
+            gpu[..compared],
+            cpu[..compared],
+            "{name}: passes of {chunk} tokens"
+        );
+        let e = g
+            .set_prefill_chunk_tokens(chunk * 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("before its first pass"), "{e}");
+    }
+    assert!(compared > 0, "{name}: the first step was a near tie");
+    let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
+    for bad in [0usize, 64, 4097] {
+        let e = g.set_prefill_chunk_tokens(bad).unwrap_err().to_string();
+        assert!(e.contains("batched pass of"), "{bad}: {e}");
+    }
+}
+
 /// llama.cpp's Q4_K_M mix on a tiny model: Q6_K for v_proj, down_proj and the head, Q4_K
 /// elsewhere.
 fn q4_k_m_type(name: &str) -> sieve_cpu::gguf_blocks::BlockType {
