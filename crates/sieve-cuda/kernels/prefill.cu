@@ -6,11 +6,13 @@
 //
 // rmsnorm_rows: block per row, out = x / rms(x) * w (f32), 16-byte loads and stores where the
 //               width and the pointers allow.
-// The element-wise kernels run on grid (ceil(cols / 1024), rows) of 256 threads: thread j of
-// block (bx, r) takes columns c = 4 (256 bx + j) .. c + 3 of row r, with 16-byte (8-byte for f16)
+// The element-wise kernels run on grid (ceil(cols / 1024), min(rows, 65535)) of 256 threads:
+// thread j of block (bx, by) takes columns c = 4 (256 bx + j) .. c + 3 of rows by, by + gridDim.y,
+// ..., with 16-byte (8-byte for f16)
 // accesses where the row's start and width allow and one column at a time otherwise. (Their
 // first form was a grid-stride loop over rows x cols that paid a 64-bit division and modulo per
-// element, for one or two memory accesses.)
+// element, for one or two memory accesses. c + 4 stays below 2^31: the launchers take widths
+// of at most 2^31 - 8.)
 //   rows_to_f16: out[i][j] = f16(mask_t(x[i * ldx + j])), the GEMM input of one product under
 //                its threshold.
 //   silu_rows:   gate = silu(gate) * up in place.
@@ -64,73 +66,79 @@ rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __
     }
 }
 
-// Grid (ceil(K / 1024), n).
 extern "C" __global__ void __launch_bounds__(256)
-rows_to_f16(const float* __restrict__ x, int ldx, f16_bits* __restrict__ out, int K, float t) {
+rows_to_f16(const float* __restrict__ x, int ldx, f16_bits* __restrict__ out, int n, int K, float t) {
     pdl_wait_then_release();
     const int c = row_col0();
     if (c >= K) return;
-    const float* row = x + (size_t)blockIdx.y * ldx;
-    f16_bits* o = out + (size_t)blockIdx.y * K;
-    if (c + 4 <= K && aligned_to(row + c, 16) && aligned_to(o + c, 8)) {
-        const float4 v = *reinterpret_cast<const float4*>(row + c);
-        const u32 lo = (u32)f2h(masked(v.x, t)) | ((u32)f2h(masked(v.y, t)) << 16);
-        const u32 hi = (u32)f2h(masked(v.z, t)) | ((u32)f2h(masked(v.w, t)) << 16);
-        *reinterpret_cast<uint2*>(o + c) = make_uint2(lo, hi);
-    } else {
-        for (int j = c; j < min(c + 4, K); ++j) o[j] = f2h(masked(row[j], t));
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        const float* row = x + (size_t)r * ldx;
+        f16_bits* o = out + (size_t)r * K;
+        if (c + 4 <= K && aligned_to(row + c, 16) && aligned_to(o + c, 8)) {
+            const float4 v = *reinterpret_cast<const float4*>(row + c);
+            const u32 lo = (u32)f2h(masked(v.x, t)) | ((u32)f2h(masked(v.y, t)) << 16);
+            const u32 hi = (u32)f2h(masked(v.z, t)) | ((u32)f2h(masked(v.w, t)) << 16);
+            *reinterpret_cast<uint2*>(o + c) = make_uint2(lo, hi);
+        } else {
+            for (int j = c; j < min(c + 4, K); ++j) o[j] = f2h(masked(row[j], t));
+        }
     }
 }
 
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
-// gate <- silu(gate) * up, in place in the gate half of each row of gu. Grid (ceil(I / 1024), n).
+// gate <- silu(gate) * up, in place in the gate half of each row of gu.
 extern "C" __global__ void __launch_bounds__(256)
-silu_rows(float* __restrict__ gu, int I) {
+silu_rows(float* __restrict__ gu, int n, int I) {
     pdl_wait_then_release();
     const int c = row_col0();
     if (c >= I) return;
-    float* g = gu + (size_t)blockIdx.y * 2 * I;
-    const float* u = g + I;
-    if (c + 4 <= I && aligned_to(g + c, 16) && aligned_to(u + c, 16)) {
-        const float4 a = *reinterpret_cast<const float4*>(g + c);
-        const float4 b = *reinterpret_cast<const float4*>(u + c);
-        *reinterpret_cast<float4*>(g + c) =
-            make_float4(silu_times(a.x, b.x), silu_times(a.y, b.y), silu_times(a.z, b.z), silu_times(a.w, b.w));
-    } else {
-        for (int j = c; j < min(c + 4, I); ++j) g[j] = silu_times(g[j], u[j]);
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        float* g = gu + (size_t)r * 2 * I;
+        const float* u = g + I;
+        if (c + 4 <= I && aligned_to(g + c, 16) && aligned_to(u + c, 16)) {
+            const float4 a = *reinterpret_cast<const float4*>(g + c);
+            const float4 b = *reinterpret_cast<const float4*>(u + c);
+            *reinterpret_cast<float4*>(g + c) = make_float4(silu_times(a.x, b.x), silu_times(a.y, b.y),
+                                                            silu_times(a.z, b.z), silu_times(a.w, b.w));
+        } else {
+            for (int j = c; j < min(c + 4, I); ++j) g[j] = silu_times(g[j], u[j]);
+        }
     }
 }
 
-// x[i][j] = embedding[tokens[i]][j]. Grid (ceil(d / 1024), n).
+// x[i][j] = embedding[tokens[i]][j].
 extern "C" __global__ void __launch_bounds__(256)
-embed_rows(const f16_bits* __restrict__ emb, const int* __restrict__ tokens, float* __restrict__ x, int d) {
+embed_rows(const f16_bits* __restrict__ emb, const int* __restrict__ tokens, float* __restrict__ x, int n, int d) {
     pdl_wait_then_release();
     const int c = row_col0();
     if (c >= d) return;
-    const f16_bits* e = emb + (size_t)tokens[blockIdx.y] * d;
-    float* o = x + (size_t)blockIdx.y * d;
-    if (c + 4 <= d && aligned_to(e + c, 8) && aligned_to(o + c, 16)) {
-        const uint2 v = *reinterpret_cast<const uint2*>(e + c);
-        float a, b, cc, dd;
-        unpack2(v.x, a, b);
-        unpack2(v.y, cc, dd);
-        *reinterpret_cast<float4*>(o + c) = make_float4(a, b, cc, dd);
-    } else {
-        for (int j = c; j < min(c + 4, d); ++j) o[j] = h2f(e[j]);
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        const f16_bits* e = emb + (size_t)tokens[r] * d;
+        float* o = x + (size_t)r * d;
+        if (c + 4 <= d && aligned_to(e + c, 8) && aligned_to(o + c, 16)) {
+            const uint2 v = *reinterpret_cast<const uint2*>(e + c);
+            float a, b, cc, dd;
+            unpack2(v.x, a, b);
+            unpack2(v.y, cc, dd);
+            *reinterpret_cast<float4*>(o + c) = make_float4(a, b, cc, dd);
+        } else {
+            for (int j = c; j < min(c + 4, d); ++j) o[j] = h2f(e[j]);
+        }
     }
 }
 
-// Grid (ceil(M / 1024), n).
 extern "C" __global__ void __launch_bounds__(256)
-zero_rows(float* __restrict__ y, int ldy, int M) {
+zero_rows(float* __restrict__ y, int ldy, int n, int M) {
     pdl_wait_then_release();
     const int c = row_col0();
     if (c >= M) return;
-    float* row = y + (size_t)blockIdx.y * ldy;
-    if (c + 4 <= M && aligned_to(row + c, 16)) {
-        *reinterpret_cast<float4*>(row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    } else {
-        for (int j = c; j < min(c + 4, M); ++j) row[j] = 0.f;
+    for (int r = blockIdx.y; r < n; r += gridDim.y) {
+        float* row = y + (size_t)r * ldy;
+        if (c + 4 <= M && aligned_to(row + c, 16)) {
+            *reinterpret_cast<float4*>(row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+            for (int j = c; j < min(c + 4, M); ++j) row[j] = 0.f;
+        }
     }
 }

@@ -86,6 +86,30 @@ impl AttentionShape {
     }
 }
 
+/// Floats of `part` that a batch of up to `max_rows` queries may need through
+/// [`attention_rows`]: the most, over every row count, of rows x the splits either kernel
+/// takes for it (their position clamps only lower the splits, so they are left out). Large
+/// batches take fewer splits, so this is far below `max_rows` x [`AttentionShape::partials_len`].
+pub fn rows_partials_len(gpu: &Gpu, shape: &AttentionShape, max_rows: usize) -> usize {
+    let sms = gpu.info().multiprocessors as usize;
+    let prompt_kernel = prompt_attention::supports(shape.heads, shape.kv_heads, shape.head_dim);
+    let most = (1..=max_rows)
+        .map(|n| {
+            let split = (4 * sms)
+                .div_ceil(shape.kv_heads.max(1) * n)
+                .clamp(1, shape.splits.max(1));
+            let prompt = if prompt_kernel && n >= prompt_attention::MIN_ROWS {
+                prompt_attention::splits_for(sms, shape.heads, usize::MAX / 4, n, shape.splits)
+            } else {
+                1
+            };
+            n * split.max(prompt)
+        })
+        .max()
+        .unwrap_or(0);
+    most * shape.heads * (shape.head_dim + 2)
+}
+
 /// Attention of the token at `state[0]` over cache positions `0..=state[0]`: q from `qkv`,
 /// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`].
 pub fn attention(

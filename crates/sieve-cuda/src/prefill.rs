@@ -44,18 +44,14 @@ impl Rows {
     }
 }
 
-/// The grid of the element-wise row kernels: blocks of 256 threads x 4 columns along a row, one
-/// grid row per row (the launchers return before it for 0 rows: a grid is at least 1 x 1).
+/// The grid of the element-wise row kernels: blocks of 256 threads x 4 columns along a row,
+/// up to 65,535 grid rows (the kernels loop over the rest). The launchers return before it for
+/// 0 rows (a grid is at least 1 x 1).
 fn row_grid(rows: usize, cols: usize) -> Result<(u32, u32)> {
-    let y = u32::try_from(rows)
-        .ok()
-        .filter(|&y| y <= 65_535)
-        .ok_or_else(|| {
-            CudaError::Unsupported(format!("{rows} rows in one launch (at most 65,535)"))
-        })?;
-    let x = u32::try_from(cols.div_ceil(1024))
-        .map_err(|_| CudaError::Unsupported(format!("rows of {cols} values")))?;
-    Ok((x, y))
+    if cols > i32::MAX as usize - 8 {
+        return Err(CudaError::Unsupported(format!("rows of {cols} values")));
+    }
+    Ok((cols.div_ceil(1024) as u32, rows.min(65_535) as u32))
 }
 
 /// `x[i] = embedding[tokens[i]]` for `n` tokens (`tokens` i32 on the device, checked by the caller).
@@ -71,10 +67,10 @@ pub fn embed_rows(
         return Ok(());
     }
     let f = gpu.function(&FAMILY, "embed_rows")?;
-    let di = i32_arg("hidden size", d)?;
+    let (ni, di) = (i32_arg("tokens", n)?, i32_arg("hidden size", d)?);
     let grid = row_grid(n, d)?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&emb).arg(&tokens).arg(&x).arg(&di);
+    b.arg(&emb).arg(&tokens).arg(&x).arg(&ni).arg(&di);
     unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching embed_rows")?;
     Ok(())
 }
@@ -94,7 +90,10 @@ pub fn rmsnorm_rows(
     }
     let f = gpu.function(&FAMILY, "rmsnorm_rows")?;
     let di = i32_arg("hidden size", d)?;
-    let (_, rows) = row_grid(n, d)?;
+    let rows = u32::try_from(n)
+        .ok()
+        .filter(|&r| r <= i32::MAX as u32)
+        .ok_or_else(|| CudaError::Unsupported(format!("{n} rows in one launch")))?;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&x).arg(&w).arg(&out).arg(&di).arg(&eps);
     unsafe { b.launch(grid_cfg((rows, 1), 256, 0)) }.during("launching rmsnorm_rows")?;
@@ -115,11 +114,15 @@ pub fn rows_to_f16(
         return Ok(());
     }
     let f = gpu.function(&FAMILY, "rows_to_f16")?;
-    let (l, ki) = (i32_arg("row stride", ldx)?, i32_arg("width", k)?);
+    let (l, ni, ki) = (
+        i32_arg("row stride", ldx)?,
+        i32_arg("tokens", n)?,
+        i32_arg("width", k)?,
+    );
     let grid = row_grid(n, k)?;
     let tv = threshold_arg(t);
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&x).arg(&l).arg(&out).arg(&ki).arg(&tv);
+    b.arg(&x).arg(&l).arg(&out).arg(&ni).arg(&ki).arg(&tv);
     unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching rows_to_f16")?;
     Ok(())
 }
@@ -130,10 +133,10 @@ pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize) -> Result<()> {
         return Ok(());
     }
     let f = gpu.function(&FAMILY, "silu_rows")?;
-    let ii = i32_arg("intermediate size", inter)?;
+    let (ni, ii) = (i32_arg("tokens", n)?, i32_arg("intermediate size", inter)?);
     let grid = row_grid(n, inter)?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&gu).arg(&ii);
+    b.arg(&gu).arg(&ni).arg(&ii);
     unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching silu_rows")?;
     Ok(())
 }
@@ -145,10 +148,14 @@ pub fn zero_rows(gpu: &Gpu, y: DevPtr, ldy: usize, n: usize, m: usize) -> Result
         return Ok(());
     }
     let f = gpu.function(&FAMILY, "zero_rows")?;
-    let (ldy_i, mi) = (i32_arg("row stride", ldy)?, i32_arg("columns", m)?);
+    let (ldy_i, ni, mi) = (
+        i32_arg("row stride", ldy)?,
+        i32_arg("rows", n)?,
+        i32_arg("columns", m)?,
+    );
     let grid = row_grid(n, m)?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&y).arg(&ldy_i).arg(&mi);
+    b.arg(&y).arg(&ldy_i).arg(&ni).arg(&mi);
     unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching zero_rows")?;
     Ok(())
 }

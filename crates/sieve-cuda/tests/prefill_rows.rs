@@ -10,7 +10,8 @@ use sieve_cuda::{dev_ptr, gpu_or_skip};
 use sieve_formats::random::Lcg as Rng;
 
 /// (rows, width, row stride, offset of the first row in floats): aligned and vectorizable, odd
-/// widths, strides wider than the rows, and a first row one float past 16-byte alignment.
+/// widths, strides wider than the rows, a first row one float past 16-byte alignment, and
+/// aligned input rows whose f16 output rows are not 8-byte aligned (width 6).
 const SHAPES: &[(usize, usize, usize, usize)] = &[
     (3, 4096, 4096, 0),
     (5, 1028, 1032, 0),
@@ -18,6 +19,7 @@ const SHAPES: &[(usize, usize, usize, usize)] = &[
     (4, 64, 68, 1),
     (1, 3, 3, 0),
     (7, 2050, 2052, 1),
+    (2, 6, 8, 0),
 ];
 
 fn f16_bits(v: f32) -> u16 {
@@ -141,9 +143,43 @@ fn row_kernels_match_the_cpu() {
             }
         }
         assert!(
-            got[off + n * k..].iter().all(|v| v.is_nan()),
-            "{what}: embed wrote past"
+            got[..off]
+                .iter()
+                .chain(&got[off + n * k..])
+                .all(|v| v.is_nan()),
+            "{what}: embed wrote outside its rows"
         );
+    }
+}
+
+/// More rows than a grid has rows (65,535): the kernels loop over the rest.
+#[test]
+fn row_kernels_take_more_rows_than_a_grid() {
+    let Some(gpu) = gpu_or_skip("row_kernels_take_more_rows_than_a_grid") else {
+        return;
+    };
+    let (n, m, ld) = (70_000usize, 4usize, 5usize);
+    let y = vec![2.5f32; n * ld];
+    let yd = gpu.upload(&y).unwrap();
+    zero_rows(&gpu, dev_ptr(&gpu, &yd), ld, n, m).unwrap();
+    let got = gpu.download(&yd).unwrap();
+    for (i, &g) in got.iter().enumerate() {
+        assert_eq!(g, if i % ld < m { 0.0 } else { 2.5 }, "zero_rows at {i}");
+    }
+    let gu: Vec<f32> = (0..n * 2 * m).map(|i| (i % 7) as f32 - 3.0).collect();
+    let gud = gpu.upload(&gu).unwrap();
+    silu_rows(&gpu, dev_ptr(&gpu, &gud), n, m).unwrap();
+    let got = gpu.download(&gud).unwrap();
+    for r in [0, 65_534, 65_535, n - 1] {
+        for c in 0..m {
+            let (g, u) = (gu[r * 2 * m + c] as f64, gu[r * 2 * m + m + c] as f64);
+            let want = g / (1.0 + (-g).exp()) * u;
+            let v = got[r * 2 * m + c] as f64;
+            assert!(
+                (v - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "silu row {r}"
+            );
+        }
     }
 }
 
@@ -159,6 +195,7 @@ fn zero_rows_launch_nothing() {
     silu_rows(&gpu, p, 0, 16).unwrap();
     rmsnorm_rows(&gpu, p, p, p, 0, 16, 1e-5).unwrap();
     rows_to_f16(&gpu, p, 16, p, 0, 16, None).unwrap();
+    embed_rows(&gpu, p, p, p, 0, 16).unwrap();
     assert_eq!(gpu.download(&xd).unwrap(), x, "a launch over 0 rows wrote");
 }
 

@@ -127,7 +127,8 @@ pub struct PrefillBuffers {
     pub y: CudaSlice<f32>,
     /// Attention output `[n][H hd]`.
     pub att: CudaSlice<f32>,
-    /// Attention split partials for `n` queries.
+    /// Attention split partials for up to `chunk` queries
+    /// ([`sieve_cuda::attention::rows_partials_len`]).
     pub part: CudaSlice<f32>,
     /// f16 scratch of [`scratch16_len`] elements: a decoded K x M weight matrix (Tiled-CBC
     /// past the SpMM), or a SlideSparse matrix's lifted activations `[n][K'p]`.
@@ -163,7 +164,7 @@ impl PrefillBuffers {
                 .during("allocating prefill scratch")?,
             y: f32s(chunk * max_m)?,
             att: f32s(chunk * att)?,
-            part: f32s(chunk * part)?,
+            part: f32s(part)?,
             w16: s
                 .alloc_zeros::<f16>(decoded.max(1))
                 .during("allocating prefill scratch")?,

@@ -283,6 +283,8 @@ const SAMPLE_WINDOW: usize = sieve_model::generate::REPETITION_WINDOW;
 
 /// Sequences one batched decode launch sequence takes (larger batches run in parts).
 pub const MAX_SEQUENCES: usize = 64;
+// The many-sequence step runs through the batched pass's scratch.
+const _: () = assert!(MAX_SEQUENCES <= crate::prefill::MIN_CHUNK);
 
 /// Sequences from which a step of a model with Tiled-CBC matrices runs as one batched pass,
 /// measured: the pass decodes each matrix to f16 and runs cuBLAS, 23.4 ms a step for the 7B
@@ -966,7 +968,7 @@ impl GpuModel {
             max_k,
             max_m,
             c.num_heads * hd,
-            self.attention.partials_len(),
+            sieve_cuda::attention::rows_partials_len(&self.gpu, &self.attention, chunk),
             decoded,
         )?);
         Ok(())
@@ -986,6 +988,13 @@ impl GpuModel {
         let Some(pb) = self.prefill_bufs.as_mut() else {
             return Err(GpuError::InvalidArgument("prefill scratch missing".into()));
         };
+        if tokens.len() > pb.chunk {
+            return Err(GpuError::InvalidArgument(format!(
+                "{} tokens in one batched pass: its scratch holds {}",
+                tokens.len(),
+                pb.chunk
+            )));
+        }
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let stream = self.gpu.stream().clone();
         let mut view = pb.tokens.slice_mut(0..ids.len());
@@ -1016,6 +1025,12 @@ impl GpuModel {
             .prefill_bufs
             .as_ref()
             .ok_or_else(|| GpuError::InvalidArgument("prefill scratch missing".into()))?;
+        if n > pb.chunk {
+            return Err(GpuError::InvalidArgument(format!(
+                "{n} rows in one batched pass: its scratch holds {}",
+                pb.chunk
+            )));
+        }
         let g = &self.gpu;
         let c = &self.config;
         let (d, hd, nh, nkv, inter) = (
@@ -1167,7 +1182,11 @@ impl GpuModel {
     /// head (the logits), and the sampler when `sample`.
     fn tail_after_batched_rows(&mut self, rows: usize, sample: bool) -> Result<()> {
         let d = self.config.hidden_size;
-        let row = (rows - 1) % self.prefill_chunk;
+        let chunk = self
+            .prefill_bufs
+            .as_ref()
+            .map_or(self.prefill_chunk, |pb| pb.chunk);
+        let row = (rows - 1) % chunk;
         let stream = self.gpu.stream().clone();
         let pb = self
             .prefill_bufs

@@ -1090,9 +1090,9 @@ fn long_prompts_of_low_bit_models_match_cpu() {
     );
 }
 
-/// A prompt longer than the batched pass runs in chunks: passes of 128 tokens (three for a
-/// 300-token prompt) and of 256 (two) give the CPU's greedy tokens, and the pass's size is
-/// refused out of bounds or once the scratch exists.
+/// A prompt longer than the batched pass runs in chunks: passes of 128 tokens (four for a
+/// 400-token prompt), 256 (two) and 512 (one) give the CPU's greedy tokens, and the pass's size
+/// is refused out of bounds or once the scratch exists.
 #[test]
 fn prompts_in_chunks_of_any_size_match_cpu() {
     let _serial = serial_gpu();
@@ -1100,13 +1100,16 @@ fn prompts_in_chunks_of_any_size_match_cpu() {
     if gpu_or_skip(name).is_none() {
         return;
     }
-    let cfg = config(301, 96, 224, 2, 6, 2, 16);
+    let mut cfg = config(301, 96, 224, 2, 6, 2, 16);
+    cfg.max_position_embeddings = 512;
     let mut model = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, 61);
     let v = model.config().vocab_size;
-    let (len, steps) = (300usize, 6usize);
+    // 400 tokens: passes of 128 end at 384 (the last row is row 15 of the fourth pass), of
+    // 256 at 256 (row 143 of the second), of 512 in one pass (row 399).
+    let (len, steps) = (400usize, 6usize);
     let prompt: Vec<u32> = (0..len).map(|i| ((i * 37 + 5) % v) as u32).collect();
     let (cpu, compared, _) = cpu_greedy(&mut model, &prompt, steps, 0.1);
-    for chunk in [128usize, 256] {
+    for chunk in [128usize, 256, 512] {
         let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, len + steps + 1).unwrap();
         g.set_prefill_chunk_tokens(chunk).unwrap();
         assert_eq!(g.prefill_chunk_tokens(), chunk);

@@ -315,9 +315,6 @@ pub fn run(
             publish(&running, &prefilling);
             return;
         }
-        // Busy time: from here when there is work, else from the end of the admissions below
-        // (an idle scheduler waits in them).
-        let busy_since = (!running.is_empty() || !prefilling.is_empty()).then(Instant::now);
         // Clients that went away: stop their generation (or prefill) and free their slot.
         running.retain(|r| {
             let gone = r.events.is_closed();
@@ -336,6 +333,10 @@ pub fn run(
             !gone
         });
         publish(&running, &prefilling);
+
+        // Busy time: from here when there is work (the admissions below then never wait),
+        // else from the end of the admissions, where an idle scheduler waits.
+        let busy_since = (!running.is_empty() || !prefilling.is_empty()).then(Instant::now);
 
         // Admissions: every waiting request a free slot can take; with nothing else to do,
         // wait for one.
