@@ -17,8 +17,8 @@ timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --t
 timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 2048 --tokens 16 2>&1 | tee "$OUT/decode-f16-2048.log" | grep -E "TPOT|TTFT|error|prefill of" | head -5
 # The 2048-token prompt in passes of 2048 tokens (SIEVE_PREFILL_CHUNK; 256 by default).
 SIEVE_PREFILL_CHUNK=2048 timeout 100 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 2048 --tokens 16 2>&1 | tee "$OUT/decode-f16-2048-chunk2048.log" | grep -E "TTFT|error" | sed "s/^/chunk 2048: /" | head -3
-# The same prefill with the binary before this session's row kernels (.gpu-before, carried).
-for P in 128; do timeout 100 .gpu-before/sieve bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt $P --tokens 16 2>&1 | tee "$OUT/decode-f16-$P-before.log" | grep -E "TTFT|error|prefill of" | sed "s/^/before: /" | head -3; done
+
+
 date -u +%T
 $S serve --synthetic llama2-7b --device cuda --port 8090 --max-batch 32 --ctx 1024 > "$OUT/serve-sieve.log" 2>&1 &
 sp=$!

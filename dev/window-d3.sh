@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
 mkdir -p "$SIEVE_HOME/models" "$OUT"
 M=$SIEVE_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
-cat /tmp/m/smol.part00 .gpu-m2/smol.part01 > "$M"
+cp .gpu-mc/* /tmp/m/ && cat /tmp/m/smolpart0[0-6] > "$M"
 md5sum "$M"
 bash scripts/fetch-model.sh
 S=.gpu/bin/sieve
