@@ -588,7 +588,9 @@ impl GpuModel {
             report,
             len: 0,
             prefill_bufs: None,
-            prefill_chunk: crate::prefill::chunk_setting()?,
+            // No pass is longer than the cache holds: its scratch would never be filled.
+            prefill_chunk: crate::prefill::chunk_setting()?
+                .min(capacity.max(crate::prefill::MIN_CHUNK)),
             batched_prefill: true,
             slots: 1,
             slot: 0,
