@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device window D, third call (warm machine; .gpu and vendor from window-d1.sh, the default model
-# carried in two parts: .gpu-m1 by a call that only copies it to /tmp, .gpu-m2 with this one).
+# carried in parts: .gpu-ma and .gpu-mb by dev/window-f1.sh and f2.sh into /tmp/m, .gpu-mc with this one).
 # The default model (SmolLM2-135M-Instruct Q4_1, real weights) on the GPU beside llama.cpp:
 # perplexity GPU against CPU (the GGUF in its blocks, and a dense int4 SparseGPT 0.5 / TEAL 0.3
 # pack made here), decode speed graph and persistent, llama-bench on the same file, and both
