@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/m && cp .gpu-ma/* /tmp/m/   # the default model's first part, for window-f5.sh
 S=.gpu/bin/sieve
 serve_one() {
   local name=$1; shift
