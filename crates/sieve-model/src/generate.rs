@@ -458,6 +458,33 @@ pub fn perplexity(
     )
 }
 
+/// [`perplexity`] with every window run one token at a time, each position a decode step
+/// over the cache (`Logits::Last`), as the GPU scores: it separates the order of the work from
+/// the device when the two disagree. Same windows, same scored positions.
+pub fn perplexity_per_token(
+    model: &Model,
+    tokens: &[u32],
+    ctx: usize,
+    progress: impl FnMut(usize, f64),
+) -> Result<PerplexityResult> {
+    check_window(model.config(), ctx)?;
+    let mut cache = model.try_new_cache(ctx)?;
+    perplexity_over(
+        tokens,
+        ctx,
+        |window| {
+            cache.clear();
+            let mut nll = 0.0;
+            for (i, &next) in window.iter().enumerate().skip(1) {
+                let logits = model.forward(&window[i - 1..i], &mut cache, Logits::Last)?;
+                nll += token_nll(&logits, next)?;
+            }
+            Ok(nll)
+        },
+        progress,
+    )
+}
+
 /// The perplexity loop of every backend: `tokens` in windows of `ctx`, each window (2 tokens or
 /// more) scored by `window_nll`, the summed negative log-likelihood of its tokens after the
 /// first; `progress(tokens_done, running_ppl)` after every window. The backend checks `ctx`
@@ -553,7 +580,8 @@ mod tests {
         // Windows of 8, 8, 5 tokens: 7 + 7 + 4 predictions.
         assert_eq!(r.scored_tokens, 18);
         assert_eq!(calls, 3);
-        // The same NLL computed position by position through the decode path.
+        // The same NLL computed position by position through the decode path, by hand and by
+        // `perplexity_per_token`.
         let mut total = 0.0;
         for window in tokens.chunks(8) {
             let mut cache = model.new_cache(8);
@@ -569,6 +597,11 @@ mod tests {
             "{} vs {total}",
             r.total_nll
         );
+        let mut calls = 0;
+        let stepped = perplexity_per_token(&model, &tokens, 8, |_, _| calls += 1).unwrap();
+        assert_eq!((stepped.scored_tokens, calls), (18, 3));
+        assert!((stepped.total_nll - total).abs() < 1e-9 * total.abs().max(1.0));
+        assert!(perplexity_per_token(&model, &tokens, 65, |_, _| {}).is_err());
         assert!(r.perplexity().is_finite() && r.perplexity() > 1.0);
         assert!(perplexity(&model, &tokens, 1, |_, _| {}).is_err());
         assert!(perplexity(&model, &tokens, 65, |_, _| {}).is_err());

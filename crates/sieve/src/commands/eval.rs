@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use sieve_model::generate::{init_threads, perplexity};
+use sieve_model::generate::{init_threads, perplexity, perplexity_per_token};
 use std::path::PathBuf;
 
 /// Evaluation text used when `--data` is not given, relative to the repository root.
@@ -45,6 +45,10 @@ pub enum EvalCommand {
         /// measured so far).
         #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
         step: super::device::Step,
+        /// On the CPU, run each window one token at a time (a decode step per position, as the
+        /// GPU scores) instead of one batched forward per window. The GPU always does.
+        #[arg(long)]
+        per_token: bool,
     },
 }
 
@@ -74,6 +78,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             device,
             kv_cache,
             step,
+            per_token,
         } => {
             if let Some(n) = threads {
                 init_threads(n)?;
@@ -112,6 +117,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
                     super::device::print_report(&gpu_model);
                     sieve_gpu::generate::perplexity(&mut gpu_model, &tokens, ctx, progress)?
                 }
+                None if per_token => perplexity_per_token(&model, &tokens, ctx, progress)?,
                 None => perplexity(&model, &tokens, ctx, progress)?,
             };
             bar.finish_and_clear();
