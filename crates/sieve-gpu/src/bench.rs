@@ -530,6 +530,10 @@ pub fn run_synthetic_with(
                 values: v,
                 seed: opts.seed,
                 calib_tokens: 16,
+                // Batched steps measured: the layouts a server keeps.
+                layouts: crate::matrix::Layouts {
+                    batch: opts.batches.iter().any(|&b| b > 1),
+                },
             };
             let t = Instant::now();
             let mut model = synthetic::build_with(gpu, name, &synth, capacity, kv)?;

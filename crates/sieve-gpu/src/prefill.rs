@@ -205,7 +205,7 @@ pub fn decoded_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
         .filter_map(|(p, k)| match &p.matrix {
             DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k, chunk) => Some(p.rows * k),
-            DeviceMatrix::LowBitCols(c) => Some(c.padded_rows() * c.padded_cols()),
+            DeviceMatrix::LowBitCols(c, _) => Some(c.padded_rows() * c.padded_cols()),
             DeviceMatrix::BalancedCbc(b) => Some(b.padded_rows() * k),
             DeviceMatrix::BalancedLowBit(b) => Some(b.padded_rows() * k),
             DeviceMatrix::RlcCsc(_) => Some(p.rows * k),
@@ -289,16 +289,25 @@ pub fn linear_rows(
     }
     for p in &lin.parts {
         // Low-bit and IE-BME matrices: their own kernel for short batches, else the f16 copy.
-        let (min_tokens, copy_len) = match &p.matrix {
-            DeviceMatrix::LowBit(q) => (
+        // A column-major 4-bit matrix uploaded with its tensor-core twin (`Layouts::batch`)
+        // takes the low-bit kernel through the twin: the batch's masked rows, 32 tokens a
+        // launch, 0.5 bytes a weight.
+        let rows_kernel = match &p.matrix {
+            DeviceMatrix::LowBit(q) | DeviceMatrix::LowBitCols(_, Some(q)) => Some(q),
+            _ => None,
+        };
+        let (min_tokens, copy_len) = match (&p.matrix, rows_kernel) {
+            (_, Some(q)) => (
                 LOWBIT_DECODE_MIN_TOKENS,
                 q.matrix.padded_rows() * q.matrix.padded_cols(),
             ),
-            DeviceMatrix::IeBme(e) => (IE_BME_DECODE_MIN_TOKENS, e.padded_rows() * e.padded_cols()),
+            (DeviceMatrix::IeBme(e), _) => {
+                (IE_BME_DECODE_MIN_TOKENS, e.padded_rows() * e.padded_cols())
+            }
             _ => (0, 0),
         };
         let by_kernel = n < min_tokens || w16_len < copy_len || !lowbit_copy_allowed();
-        if let (DeviceMatrix::LowBit(q), true) = (&p.matrix, by_kernel) {
+        if let (Some(q), true) = (rows_kernel, by_kernel) {
             // The low-bit kernel reads rows padded to 128 columns, at most 32 tokens a launch.
             use sieve_cuda::lowbit::{activations_to_f16, MAX_TOKENS};
             let kp = q.matrix.padded_cols();
@@ -371,7 +380,7 @@ pub fn linear_rows(
                 t.decode_transposed(gpu, w16)?;
                 (w16, true, m)
             }
-            DeviceMatrix::LowBitCols(c) => {
+            DeviceMatrix::LowBitCols(c, _) => {
                 c.decode_transposed(gpu, w16)?;
                 (w16, true, c.padded_rows())
             }

@@ -15,7 +15,7 @@
 
 use crate::error::{GpuError, Result};
 use crate::kv_cache::DeviceKvCache;
-use crate::matrix::{DeviceLinear, HostMatrix};
+use crate::matrix::{DeviceLinear, HostMatrix, Layouts};
 use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::attention::{self, AttentionShape};
@@ -319,6 +319,18 @@ impl GpuModel {
         capacity: usize,
         kv: KvPrecision,
     ) -> Result<Self> {
+        Self::from_model_with_layouts(gpu, model, capacity, kv, Layouts::default())
+    }
+
+    /// [`Self::from_model_with`], keeping what `layouts` asks for beside each matrix (a
+    /// server: the tensor-core layout of column-major 4-bit matrices for its batches).
+    pub fn from_model_with_layouts(
+        gpu: Gpu,
+        model: &Model,
+        capacity: usize,
+        kv: KvPrecision,
+        layouts: Layouts,
+    ) -> Result<Self> {
         let c = model.config().clone();
         // What this runner cannot execute is refused here, naming the op and the format,
         // before anything is decoded or uploaded.
@@ -370,6 +382,7 @@ impl GpuModel {
             model.final_norm().to_vec(),
             (head.0, head.1, head.2),
             notes,
+            layouts,
             |l| {
                 let layer = &layers[l];
                 let (q, k, v) = (
@@ -440,6 +453,7 @@ impl GpuModel {
         final_norm: Vec<f32>,
         lm_head: (HostMatrix, Threshold, FormatKind),
         mut notes: Vec<String>,
+        layouts: Layouts,
         mut layer: impl FnMut(usize) -> Result<HostLayer>,
     ) -> Result<Self> {
         let c = &config;
@@ -525,7 +539,7 @@ impl GpuModel {
             let group = |mats: &[(HostMatrix, Threshold)]| -> Result<DeviceLinear> {
                 let refs: Vec<(&HostMatrix, Threshold)> =
                     mats.iter().map(|(m, t)| (m, *t)).collect();
-                DeviceLinear::upload_group(&gpu, hl.kind, &refs)
+                DeviceLinear::upload_group(&gpu, hl.kind, &refs, layouts)
             };
             let dl = DeviceLayer {
                 input_norm: gpu.upload(&hl.input_norm)?,
@@ -563,7 +577,7 @@ impl GpuModel {
             )));
         }
         // The head's format as packed (sieve pack leaves it dense f16).
-        let lm_head = DeviceLinear::upload_group(&gpu, head_kind, &[(&head, head_t)])?;
+        let lm_head = DeviceLinear::upload_group(&gpu, head_kind, &[(&head, head_t)], layouts)?;
         report.kernels.push(format!("lm_head: {}", lm_head.label()));
         report.weight_bytes += lm_head.stored_bytes() + vocab * d * 2;
         let embed_dev = gpu.upload(&embed)?;

@@ -223,6 +223,9 @@ pub struct SyntheticOptions {
     pub seed: u64,
     /// Random tokens of the calibration run.
     pub calib_tokens: usize,
+    /// What the upload keeps beside each matrix ([`crate::matrix::Layouts`]; a server asks
+    /// for the batch layout).
+    pub layouts: crate::matrix::Layouts,
 }
 
 fn mix(mut z: u64) -> u64 {
@@ -458,6 +461,7 @@ pub fn build_with(
         vec![1.0; d],
         (head, None, FormatKind::Dense),
         notes,
+        opts.layouts,
         |l| {
             let base = 16 * (l as u64 + 1);
             Ok(HostLayer {

@@ -1396,14 +1396,26 @@ fn unsupported_formats_are_refused_by_name() {
     };
     let m = sparse_matrix(64, 64, 0.5, Pattern::Unstructured, 1).unwrap();
     // Slide goes to the GPU encoded (HostMatrix::Slide, with its N), never as values.
-    let err = sieve_gpu::matrix::DeviceMatrix::upload(&gpu, FormatKind::Slide, &m, None)
-        .err()
-        .unwrap();
+    let err = sieve_gpu::matrix::DeviceMatrix::upload(
+        &gpu,
+        FormatKind::Slide,
+        &m,
+        None,
+        Default::default(),
+    )
+    .err()
+    .unwrap();
     assert!(err.to_string().contains("slide"), "{err}");
     // IE-BME runs from int4 / int8 values only: f16 values are refused by name.
-    let err = sieve_gpu::matrix::DeviceMatrix::upload(&gpu, FormatKind::IeBme, &m, None)
-        .err()
-        .unwrap();
+    let err = sieve_gpu::matrix::DeviceMatrix::upload(
+        &gpu,
+        FormatKind::IeBme,
+        &m,
+        None,
+        Default::default(),
+    )
+    .err()
+    .unwrap();
     assert!(
         err.to_string().contains("ie-bme") && err.to_string().contains("f16"),
         "{err}"
@@ -1487,6 +1499,7 @@ fn synthetic_thresholds_hit_the_activation_sparsity() {
         values: sieve_gpu::synthetic::SyntheticValues::F16,
         seed: 9,
         calib_tokens: 8,
+        layouts: Default::default(),
     };
     let mut m = sieve_gpu::synthetic::build(gpu, "llama2-7b", &opts, 64).unwrap();
     m.prefill(&[1, 2, 3]).unwrap();
@@ -1720,6 +1733,18 @@ fn batched_slot_steps_match_single_steps() {
                 .unwrap();
         }
     }
+    // A 4-bit pack under TEAL thresholds: its matrices go column-major for single steps, and
+    // the batched model keeps their tensor-core layout too (`Layouts::batch`), which its
+    // batches take instead of an f16 copy per step.
+    let mut int4_teal = tiny_model(FormatKind::Dense, 0.5, 0.5, 37);
+    for (_, lin) in int4_teal.linears_mut() {
+        use sieve_cuda::balanced_lowbit::LowBitValues;
+        let m = lin.format().decode();
+        let snapped =
+            sieve_gpu::synthetic::snap_dense(&m, LowBitValues::Int4 { group: 128 }).unwrap();
+        lin.replace_format(Box::new(sieve_cpu::dense::FastDense::new(snapped)))
+            .unwrap();
+    }
     // Graphs on: batches rounded up to a bucket with padding rows, a bucket's first step
     // eager and its later ones replayed; off: exactly the batch, eagerly.
     use KvPrecision::{Int8, F16};
@@ -1737,19 +1762,41 @@ fn batched_slot_steps_match_single_steps() {
         // The 8-bit cache: the many-sequences cache write and attention (slot offsets of the
         // values and of the scales) against each slot's own single step.
         ("dense, int8 KV cache", &dense, true, 5, true, Int8),
+        ("int4 teal, batch layout", &int4_teal, true, 5, true, F16),
     ] {
         let v = model.config().vocab_size;
-        let mut many = GpuModel::from_model_with(Gpu::new(0).unwrap(), model, context, kv)
-            .unwrap()
-            .with_slots(slots)
-            .unwrap();
+        let batch_layout = label.starts_with("int4 teal");
+        let layouts = sieve_gpu::matrix::Layouts {
+            batch: batch_layout,
+        };
+        let mut many =
+            GpuModel::from_model_with_layouts(Gpu::new(0).unwrap(), model, context, kv, layouts)
+                .unwrap()
+                .with_slots(slots)
+                .unwrap();
+        if batch_layout {
+            // Single steps still take the column-major kernel; the batch layout is extra.
+            assert!(
+                many.report().kernels[..4]
+                    .iter()
+                    .all(|k| k.ends_with("lowbit-cols/w4a16-g128")),
+                "{label}: {:?}",
+                many.report().kernels
+            );
+        }
         let mut one = GpuModel::from_model_with(Gpu::new(0).unwrap(), model, context, kv)
             .unwrap()
             .with_slots(slots)
             .unwrap();
         // The batched pass rounds activations to f16 where single steps do not; with the 8-bit
-        // cache a key near a half step of its grid may then be stored one step apart.
-        let single_tol = if kv == Int8 { 0.1 } else { 0.03 };
+        // cache a key near a half step of its grid may then be stored one step apart, and under
+        // TEAL an activation near its threshold may then fall on the other side (the
+        // column-major kernel also sums 16 products in f16).
+        let single_tol = if kv == Int8 || batch_layout {
+            0.1
+        } else {
+            0.03
+        };
         let clear_top = |l: &[f32]| clear_top_by(l, 2.0 * single_tol);
         many.set_use_graphs(graphs);
         assert_eq!(many.decode_is_batched(), batched, "{label}");
@@ -1771,7 +1818,11 @@ fn batched_slot_steps_match_single_steps() {
                 || label.starts_with("tiled-cbc")
                 || label.starts_with("balanced-cbc")
                 || label.starts_with("slide");
-            let prefill_tol = if split_k_atomics {
+            // With the batch layout the two prefills take different kernels (the low-bit
+            // kernel through the twin against the column-major matrix's f16 copy).
+            let prefill_tol = if batch_layout {
+                single_tol
+            } else if split_k_atomics {
                 0.2 * single_tol
             } else {
                 1e-5

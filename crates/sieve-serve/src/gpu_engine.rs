@@ -53,9 +53,13 @@ impl GpuEngine {
                 "the context must hold at least 2 positions, got {context}"
             )));
         }
-        let mut model = GpuModel::from_model_with(gpu, model, context, model.kv_precision())
-            .and_then(|m| m.with_slots(slots))
-            .map_err(model_error)?;
+        // More than one slot: column-major 4-bit matrices keep their tensor-core layout too,
+        // for the batch's products (`Layouts::batch`).
+        let layouts = sieve_gpu::matrix::Layouts { batch: slots > 1 };
+        let mut model =
+            GpuModel::from_model_with_layouts(gpu, model, context, model.kv_precision(), layouts)
+                .and_then(|m| m.with_slots(slots))
+                .map_err(model_error)?;
         // Every slot's graph now (about a tenth of a second each), not in a request's TTFT,
         // and the batch scratch, so that what does not fit fails here.
         model.capture_slots().map_err(model_error)?;

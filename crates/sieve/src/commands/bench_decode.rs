@@ -259,7 +259,11 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             let gpu = sieve_cuda::Gpu::new(0).context("bench decode needs a GPU")?;
             let copy = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
             let t = std::time::Instant::now();
-            let mut m = super::device::upload(gpu, &model, capacity)?;
+            // Batched steps measured: the layouts a server keeps.
+            let layouts = sieve_gpu::matrix::Layouts {
+                batch: opts.batches.iter().any(|&b| b > 1),
+            };
+            let mut m = super::device::upload_with(gpu, &model, capacity, layouts)?;
             drop(model);
             super::device::print_report(&m);
             let label = path

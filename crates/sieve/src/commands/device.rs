@@ -63,11 +63,23 @@ pub fn apply_step(m: &mut sieve_gpu::GpuModel, step: Step) -> Result<()> {
 /// `model` on `gpu` with a KV cache of `capacity` positions storing what the model is set to
 /// ([`Model::set_kv_precision`]).
 pub fn upload(gpu: Gpu, model: &Model, capacity: usize) -> Result<sieve_gpu::GpuModel> {
-    Ok(sieve_gpu::GpuModel::from_model_with(
+    upload_with(gpu, model, capacity, Default::default())
+}
+
+/// [`upload`] keeping what `layouts` asks for beside each matrix (batched steps: the
+/// tensor-core layout of column-major 4-bit matrices).
+pub fn upload_with(
+    gpu: Gpu,
+    model: &Model,
+    capacity: usize,
+    layouts: sieve_gpu::matrix::Layouts,
+) -> Result<sieve_gpu::GpuModel> {
+    Ok(sieve_gpu::GpuModel::from_model_with_layouts(
         gpu,
         model,
         capacity,
         model.kv_precision(),
+        layouts,
     )?)
 }
 

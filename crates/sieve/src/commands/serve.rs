@@ -165,6 +165,10 @@ fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Res
         values,
         seed: 0,
         calib_tokens: 16,
+        // More than one slot: keep the batch layout of column-major 4-bit matrices.
+        layouts: sieve_gpu::matrix::Layouts {
+            batch: config.max_batch > 1,
+        },
     };
     config.model_name = format!(
         "synthetic-{name}-sp{}-dp{}-{}-{}",
