@@ -200,11 +200,26 @@ fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize, chunk: u
 /// past the SpMM, a column-major 4-bit one, a Balanced-CBC or an RLC-CSC one (padded). 0 when
 /// none is decoded.
 pub fn decoded_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
+    decoded_len_where(linears, chunk, true)
+}
+
+/// [`decoded_len`] for a many-sequence step (at most [`crate::runner::MAX_SEQUENCES`] rows,
+/// below [`LOWBIT_DECODE_MIN_TOKENS`]): a column-major 4-bit matrix with its batch layout
+/// (`Layouts::batch`) goes through the low-bit kernel there, not an f16 copy.
+pub fn step_decoded_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
+    decoded_len_where(linears, chunk, false)
+}
+
+// A many-sequence step never reaches the f16 copy of a low-bit matrix.
+const _: () = assert!(crate::runner::MAX_SEQUENCES < LOWBIT_DECODE_MIN_TOKENS);
+
+fn decoded_len_where(linears: &[&DeviceLinear], chunk: usize, with_batch_layout: bool) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
         .filter_map(|(p, k)| match &p.matrix {
             DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k, chunk) => Some(p.rows * k),
+            DeviceMatrix::LowBitCols(_, Some(_)) if !with_batch_layout => None,
             DeviceMatrix::LowBitCols(c, _) => Some(c.padded_rows() * c.padded_cols()),
             DeviceMatrix::BalancedCbc(b) => Some(b.padded_rows() * k),
             DeviceMatrix::BalancedLowBit(b) => Some(b.padded_rows() * k),

@@ -1736,7 +1736,7 @@ impl GpuModel {
         for l in &self.layers {
             all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
         }
-        if crate::prefill::decoded_len(&all, self.prefill_chunk) == 0 {
+        if crate::prefill::step_decoded_len(&all, self.prefill_chunk) == 0 {
             2
         } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES)
             && !crate::prefill::always_decoded(&all)

@@ -1763,6 +1763,16 @@ fn batched_slot_steps_match_single_steps() {
         // values and of the scales) against each slot's own single step.
         ("dense, int8 KV cache", &dense, true, 5, true, Int8),
         ("int4 teal, batch layout", &int4_teal, true, 5, true, F16),
+        // 14 slots: batches of ~9 and more, which run as one pass even if the twin were not
+        // counted as multiplied where it lies.
+        (
+            "int4 teal, batch layout, 14 slots",
+            &int4_teal,
+            true,
+            14,
+            true,
+            F16,
+        ),
     ] {
         let v = model.config().vocab_size;
         let batch_layout = label.starts_with("int4 teal");
@@ -1788,6 +1798,18 @@ fn batched_slot_steps_match_single_steps() {
             .unwrap()
             .with_slots(slots)
             .unwrap();
+        if batch_layout {
+            // The twin is uploaded (its bytes counted), and the batch of two already runs as
+            // one pass: nothing in the step is decoded to f16.
+            assert!(
+                many.report().weight_bytes > one.report().weight_bytes,
+                "{label}: {} against {} bytes",
+                many.report().weight_bytes,
+                one.report().weight_bytes
+            );
+            assert_eq!(many.min_batched_sequences(), 2, "{label}");
+            assert!(one.min_batched_sequences() > 2, "{label}");
+        }
         // The batched pass rounds activations to f16 where single steps do not; with the 8-bit
         // cache a key near a half step of its grid may then be stored one step apart, and under
         // TEAL an activation near its threshold may then fall on the other side (the
