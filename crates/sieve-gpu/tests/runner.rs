@@ -1296,6 +1296,17 @@ fn tiny_balanced_low_bit_models_match_cpu() {
 /// 4-bit integers: the tensor-core W4A16 kernel without thresholds, the column-major kernel
 /// with them (named in the upload report), with the CPU's tokens and logits (the CPU
 /// multiplies the same values as f16).
+/// Every layer matrix of `model` snapped onto `values`' grids and stored dense, as a `sieve
+/// pack --format dense --values int4:G` pack stores them (the GPU finds the grids at upload).
+fn snap_to_int4(model: &mut Model, values: sieve_cuda::balanced_lowbit::LowBitValues) {
+    for (_, lin) in model.linears_mut() {
+        let m = lin.format().decode();
+        let snapped = sieve_gpu::synthetic::snap_dense(&m, values).unwrap();
+        lin.replace_format(Box::new(sieve_cpu::dense::FastDense::new(snapped)))
+            .unwrap();
+    }
+}
+
 #[test]
 fn tiny_dense_int4_packs_run_four_bit() {
     let _serial = serial_gpu();
@@ -1308,13 +1319,7 @@ fn tiny_dense_int4_packs_run_four_bit() {
         (0.5, "lowbit-cols/w4a16-g128", 42),
     ] {
         let mut model = tiny_model(FormatKind::Dense, 0.5, dp, seed);
-        for (_, lin) in model.linears_mut() {
-            let m = lin.format().decode();
-            let snapped =
-                sieve_gpu::synthetic::snap_dense(&m, LowBitValues::Int4 { group: 128 }).unwrap();
-            lin.replace_format(Box::new(sieve_cpu::dense::FastDense::new(snapped)))
-                .unwrap();
-        }
+        snap_to_int4(&mut model, LowBitValues::Int4 { group: 128 });
         let g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
         let layer_kernels = &g.report().kernels[..4];
         assert!(
@@ -1737,14 +1742,10 @@ fn batched_slot_steps_match_single_steps() {
     // the batched model keeps their tensor-core layout too (`Layouts::batch`), which its
     // batches take instead of an f16 copy per step.
     let mut int4_teal = tiny_model(FormatKind::Dense, 0.5, 0.5, 37);
-    for (_, lin) in int4_teal.linears_mut() {
-        use sieve_cuda::balanced_lowbit::LowBitValues;
-        let m = lin.format().decode();
-        let snapped =
-            sieve_gpu::synthetic::snap_dense(&m, LowBitValues::Int4 { group: 128 }).unwrap();
-        lin.replace_format(Box::new(sieve_cpu::dense::FastDense::new(snapped)))
-            .unwrap();
-    }
+    snap_to_int4(
+        &mut int4_teal,
+        sieve_cuda::balanced_lowbit::LowBitValues::Int4 { group: 128 },
+    );
     // Graphs on: batches rounded up to a bucket with padding rows, a bucket's first step
     // eager and its later ones replayed; off: exactly the batch, eagerly.
     use KvPrecision::{Int8, F16};

@@ -439,23 +439,7 @@ pub fn perplexity(
     ctx: usize,
     progress: impl FnMut(usize, f64),
 ) -> Result<PerplexityResult> {
-    check_window(model.config(), ctx)?;
-    let vocab = model.config().vocab_size;
-    let mut cache = model.try_new_cache(ctx)?;
-    perplexity_over(
-        tokens,
-        ctx,
-        |window| {
-            cache.clear();
-            let logits = model.forward(window, &mut cache, Logits::All)?;
-            let mut nll = 0.0;
-            for (i, &next) in window.iter().enumerate().skip(1) {
-                nll += token_nll(&logits[(i - 1) * vocab..i * vocab], next)?;
-            }
-            Ok(nll)
-        },
-        progress,
-    )
+    perplexity_by(model, tokens, ctx, false, progress)
 }
 
 /// [`perplexity`] with every window run one token at a time, each position a decode step
@@ -467,7 +451,18 @@ pub fn perplexity_per_token(
     ctx: usize,
     progress: impl FnMut(usize, f64),
 ) -> Result<PerplexityResult> {
+    perplexity_by(model, tokens, ctx, true, progress)
+}
+
+fn perplexity_by(
+    model: &Model,
+    tokens: &[u32],
+    ctx: usize,
+    per_token: bool,
+    progress: impl FnMut(usize, f64),
+) -> Result<PerplexityResult> {
     check_window(model.config(), ctx)?;
+    let vocab = model.config().vocab_size;
     let mut cache = model.try_new_cache(ctx)?;
     perplexity_over(
         tokens,
@@ -475,9 +470,16 @@ pub fn perplexity_per_token(
         |window| {
             cache.clear();
             let mut nll = 0.0;
-            for (i, &next) in window.iter().enumerate().skip(1) {
-                let logits = model.forward(&window[i - 1..i], &mut cache, Logits::Last)?;
-                nll += token_nll(&logits, next)?;
+            if per_token {
+                for (i, &next) in window.iter().enumerate().skip(1) {
+                    let logits = model.forward(&window[i - 1..i], &mut cache, Logits::Last)?;
+                    nll += token_nll(&logits, next)?;
+                }
+            } else {
+                let logits = model.forward(window, &mut cache, Logits::All)?;
+                for (i, &next) in window.iter().enumerate().skip(1) {
+                    nll += token_nll(&logits[(i - 1) * vocab..i * vocab], next)?;
+                }
             }
             Ok(nll)
         },
