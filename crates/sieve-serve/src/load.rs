@@ -100,6 +100,10 @@ pub struct LoadReport {
     pub latency_ms_p50: Option<f64>,
     pub latency_ms_p99: Option<f64>,
     pub tokens_per_request_mean: f64,
+    /// Prompt tokens per request as the server counted them (`usage.prompt_tokens`; streams
+    /// ask for it with `stream_options.include_usage`), over the requests that reported it:
+    /// the same words are different token counts under different tokenizers.
+    pub prompt_tokens_per_request_mean: Option<f64>,
 }
 
 impl LoadReport {
@@ -122,6 +126,7 @@ impl LoadReport {
             latency_ms_p50: None,
             latency_ms_p99: None,
             tokens_per_request_mean: 0.0,
+            prompt_tokens_per_request_mean: None,
         }
     }
 
@@ -129,7 +134,7 @@ impl LoadReport {
     pub fn summary(&self) -> String {
         let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
         format!(
-            "{}: {} clients, {} requests{}: {} tokens in {:.2} s = {:.1} tok/s | TTFT p50 {} p99 {} ms | TPOT p50 {} p99 {} ms | latency p50 {} p99 {} ms | {:.1} tokens/request | {} errors",
+            "{}: {} clients, {} requests{}: {} tokens in {:.2} s = {:.1} tok/s | TTFT p50 {} p99 {} ms | TPOT p50 {} p99 {} ms | latency p50 {} p99 {} ms | {:.1} tokens/request | prompt {} tokens/request | {} errors",
             self.url,
             self.clients,
             self.requests,
@@ -144,6 +149,8 @@ impl LoadReport {
             ms(self.latency_ms_p50),
             ms(self.latency_ms_p99),
             self.tokens_per_request_mean,
+            self.prompt_tokens_per_request_mean
+                .map_or("-".to_string(), |v| format!("{v:.1}")),
             self.errors
         )
     }
@@ -244,6 +251,8 @@ struct Timing {
     stamps: Vec<Instant>,
     done: Instant,
     tokens: usize,
+    /// `usage.prompt_tokens`, when the server sent it.
+    prompt_tokens: Option<usize>,
 }
 
 /// Runs the load against `url` and reports it. Options and the server are checked before the
@@ -360,6 +369,11 @@ fn report(
         } else {
             tokens as f64 / timings.len() as f64
         },
+        prompt_tokens_per_request_mean: {
+            let counted: Vec<usize> = timings.iter().filter_map(|t| t.prompt_tokens).collect();
+            (!counted.is_empty())
+                .then(|| counted.iter().sum::<usize>() as f64 / counted.len() as f64)
+        },
     }
 }
 
@@ -374,6 +388,13 @@ fn percentile(values: &[f64], q: f64) -> Option<f64> {
     Some(v[((q * v.len() as f64) as usize).min(v.len() - 1)])
 }
 
+/// `usage.prompt_tokens` of an answer or a stream chunk, when present.
+fn prompt_tokens(v: &Value) -> Option<usize> {
+    v["usage"]["prompt_tokens"]
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+}
+
 /// One `/v1/completions` request, timed.
 async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Timing, String> {
     let mut body = json!({
@@ -382,6 +403,10 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
         "temperature": 0,
         "stream": o.stream,
     });
+    if o.stream {
+        // The last chunk then carries the usage counts (the prompt's tokens).
+        body["stream_options"] = json!({ "include_usage": true });
+    }
     if let Some(m) = &o.model {
         body["model"] = json!(m);
     }
@@ -409,6 +434,7 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 stamps: Vec::new(),
                 done: Instant::now(),
                 tokens: tokens as usize,
+                prompt_tokens: prompt_tokens(&v),
             });
         }
         // Server-sent events: `data: {json}` lines, `data: [DONE]` last.
@@ -417,6 +443,7 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
         // A stream counts only when it ends as the protocol says: `[DONE]`, or a chunk with a
         // finish reason (then the connection closing ends it).
         let (mut finished, mut reason) = (false, false);
+        let mut prompt_count = None;
         while !finished {
             let Some(frame) = response.body_mut().frame().await else {
                 break;
@@ -448,6 +475,8 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                         chunk["error"]
                     ));
                 }
+                // The usage chunk (no choices) of `stream_options.include_usage`.
+                prompt_count = prompt_tokens(&chunk).or(prompt_count);
                 let choice = &chunk["choices"][0];
                 let text = choice["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
@@ -467,6 +496,7 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
             tokens: stamps.len(),
             stamps,
             done: Instant::now(),
+            prompt_tokens: prompt_count,
         })
     };
     tokio::time::timeout(o.timeout, work)

@@ -49,6 +49,18 @@ async fn load_counts_every_request_and_token() {
     assert_eq!((whole.requests, whole.errors), (6, 0), "{whole:?}");
     assert_eq!(whole.generated_tokens, streamed.generated_tokens);
     assert_eq!((whole.ttft_ms_p50, whole.tpot_ms_p50), (None, None));
+    // The prompts' tokens as the server counted them: from the usage chunk the stream asked
+    // for, and from the whole answers' usage; the same prompts, so the same mean.
+    let prompt = streamed.prompt_tokens_per_request_mean.unwrap();
+    assert!(prompt >= 6.0, "{streamed:?}");
+    assert_eq!(whole.prompt_tokens_per_request_mean, Some(prompt));
+    assert!(
+        streamed
+            .summary()
+            .contains(&format!("prompt {prompt:.1} tokens/request")),
+        "{}",
+        streamed.summary()
+    );
     assert!(
         whole.summary().contains("6 requests"),
         "{}",
@@ -174,6 +186,33 @@ async fn cut_or_failed_streams_count_as_errors() {
     assert_eq!(
         (r.requests, r.errors, r.generated_tokens),
         (4, 0, 8),
+        "{r:?}"
+    );
+    // No usage chunk: no prompt count, said as such.
+    assert_eq!(r.prompt_tokens_per_request_mean, None);
+    assert!(
+        r.summary().contains("prompt - tokens/request"),
+        "{}",
+        r.summary()
+    );
+    let with_usage: &'static str = Box::leak(
+        format!(
+            "{}{}data: {{\"choices\": [], \"usage\": {{\"prompt_tokens\": 12, \"completion_tokens\": 2}}}}\n\ndata: [DONE]\n\n",
+            chunk("a", "null"),
+            chunk("b", "\"length\"")
+        )
+        .into_boxed_str(),
+    );
+    let r = run_load(&fake_server(with_usage).await, &options(1, 2, true))
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r.requests,
+            r.generated_tokens,
+            r.prompt_tokens_per_request_mean
+        ),
+        (2, 4, Some(12.0)),
         "{r:?}"
     );
 
