@@ -84,7 +84,7 @@
 
 // Overridable for tuning experiments (dev/lowbit-tune, results in its README); the library
 // uses the defaults. Blocks per SM (the launch bounds' minimum) is chosen per kind there:
-// W4A16 g128 runs best at 3, the others at 2.
+// W4A16 g128 runs best at 3 for one n tile, everything else at 2 (LB_KERNELS_BY_NT below).
 #ifndef LB_WARPS
 #define LB_WARPS 8
 #endif
@@ -463,11 +463,17 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
         lowbit_kernel<BITS, GROUP, AFFINE, SUPER, NT>(LB_PASS);                               \
     }
 #define LB_KERNELS(NAME, BITS, GROUP, AFFINE, SUPER, MINB) \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 1, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 2, MINB)   \
-    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 3, MINB)   \
+    LB_KERNELS_BY_NT(NAME, BITS, GROUP, AFFINE, SUPER, MINB, MINB)
+// MINB1 blocks per SM for one n tile, MINB for two to four. W4A16 g128 runs best at 3 for
+// N <= 8, but 3 blocks leave 80 registers a thread and its NT = 2..4 instances spilled there
+// (612 bytes of spill stores at NT = 4); at 2 they spill nothing and run 1.5-1.7x faster at
+// 32 tokens (H100, 2026-12-06: docs/BENCHMARKS.md, "two row tiles per k tile").
+#define LB_KERNELS_BY_NT(NAME, BITS, GROUP, AFFINE, SUPER, MINB1, MINB) \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 1, MINB1)               \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 2, MINB)                \
+    LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 3, MINB)                \
     LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 4, MINB)
-LB_KERNELS(lowbit_w4g128, 4, 128, false, false, LB_MIN_BLOCKS_W4G128)
+LB_KERNELS_BY_NT(lowbit_w4g128, 4, 128, false, false, LB_MIN_BLOCKS_W4G128, LB_MIN_BLOCKS)
 LB_KERNELS(lowbit_w4g32, 4, 32, false, false, LB_MIN_BLOCKS)
 LB_KERNELS(lowbit_w8row, 8, 0, false, false, LB_MIN_BLOCKS)
 LB_KERNELS(lowbit_w8g32, 8, 32, false, false, LB_MIN_BLOCKS)

@@ -57,14 +57,22 @@ fn gpu_lowbit_kernels_match_reference() {
     let Some(gpu) = gpu_or_skip("gpu_lowbit_kernels_match_reference") else {
         return;
     };
+    // Under compute-sanitizer (`SIEVE_SANITIZE_SMALL=1`): the small shapes (one, two and an
+    // odd number of row tiles) and one N per kernel instance (NT = 1, 2, 3, 4).
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
     for kind in LowBitKind::ALL {
         for (si, &(rows, cols)) in SHAPES.iter().enumerate() {
+            if small_only && rows * cols > 100_000 {
+                continue;
+            }
             let seed = 11 + si as u64;
             let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed).unwrap();
             let m = LowBitMatrix::quantize(&w, kind);
             let d = GpuLowBit::upload(&gpu, &m).unwrap();
-            let ns: Vec<usize> = if rows * cols > 1_000_000 {
-                vec![1, 4, 9, 32]
+            let ns: Vec<usize> = if small_only {
+                vec![1, 9, 17, 32]
+            } else if rows * cols > 1_000_000 {
+                vec![1, 4, 9, 17, 32]
             } else {
                 (1..=32).collect()
             };
@@ -335,5 +343,56 @@ fn gpu_lowbit_decode_to_f16_matches_dequantize() {
             let d = GpuLowBit::upload(&gpu, &m).unwrap();
             check_decode(&gpu, &m, &d, &format!("{ty:?} {rows}x{cols}"));
         }
+    }
+}
+
+/// The low-bit kernels' f16 input under a TEAL threshold: each token's row masked by its own
+/// values (`|x| > t` on the f32), rounded to f16, zeros past K; exactly the CPU's masking. The
+/// batched decode step of a 4-bit TEAL model reads its rows through this (`Layouts::batch`).
+#[test]
+fn gpu_activations_to_f16_mask_each_token() {
+    use sieve_cuda::lowbit::activations_to_f16;
+    use sieve_cuda::product::dev_ptr;
+    use sieve_formats::random::threshold_for_sparsity;
+    let Some(gpu) = gpu_or_skip("gpu_activations_to_f16_mask_each_token") else {
+        return;
+    };
+    let (n, k, ldin, ldx) = (5usize, 200usize, 211usize, 256usize);
+    let x = activations(n * ldin, 7);
+    let t = threshold_for_sparsity(&x, 0.5).unwrap();
+    let xd = gpu.upload(&x).unwrap();
+    for threshold in [t, None, Some(0.0)] {
+        let got = gpu
+            .f16_written_by(n * ldx, |out| {
+                activations_to_f16(&gpu, dev_ptr(&gpu, &xd), k, ldin, ldx, n, threshold, out)
+            })
+            .unwrap();
+        let mut active = 0usize;
+        for row in 0..n {
+            for col in 0..ldx {
+                let want = if col < k {
+                    let v = x[row * ldin + col];
+                    if threshold.is_none_or(|t| v.abs() > t) {
+                        active += 1;
+                        f16::from_f32(v)
+                    } else {
+                        f16::ZERO
+                    }
+                } else {
+                    f16::ZERO
+                };
+                assert_eq!(
+                    got[row * ldx + col].to_bits(),
+                    want.to_bits(),
+                    "threshold {threshold:?}: token {row}, column {col}"
+                );
+            }
+        }
+        // The median threshold leaves about half of the inputs active, none leaves all.
+        let expect = if threshold == t { n * k / 2 } else { n * k };
+        assert!(
+            active.abs_diff(expect) <= n * k / 10,
+            "{threshold:?}: {active} active"
+        );
     }
 }
