@@ -467,7 +467,7 @@ __device__ __forceinline__ void lowbit_kernel(const uint4* __restrict__ w, const
 // MINB1 blocks per SM for one n tile, MINB for two to four. W4A16 g128 runs best at 3 for
 // N <= 8, but 3 blocks leave 80 registers a thread and its NT = 2..4 instances spilled there
 // (612 bytes of spill stores at NT = 4); at 2 they spill nothing and run 1.5-1.7x faster at
-// 32 tokens (H100, 2026-12-06: docs/BENCHMARKS.md, "two row tiles per k tile").
+// 32 tokens (H100, 2026-12-06: docs/BENCHMARKS.md, "the low-bit kernel above 8 tokens").
 #define LB_KERNELS_BY_NT(NAME, BITS, GROUP, AFFINE, SUPER, MINB1, MINB) \
     LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 1, MINB1)               \
     LB_KERNEL(NAME, BITS, GROUP, AFFINE, SUPER, 2, MINB)                \

@@ -1744,8 +1744,8 @@ fn batched_slot_steps_match_single_steps() {
     // active): the two layouts' kernels round and sum differently, and under real thresholds
     // an input that lands on the other side of its threshold in one of them changes that
     // step's logits and, through the cache, every later one (measured: 0.28 by the fourth
-    // step, H100). That the batch masks each token by its own threshold is the products'
-    // test (the prompt's rows under thresholds, `prefill_rows`).
+    // step, H100). That the batch masks each token by its own threshold is a kernel test's
+    // (`gpu_activations_to_f16_mask_each_token`, crates/sieve-cuda/tests/lowbit.rs).
     let mut int4_teal = tiny_model(FormatKind::Dense, 0.5, 0.5, 37);
     snap_to_int4(
         &mut int4_teal,
