@@ -24,7 +24,7 @@ use sieve_cuda::lowbit::LowBitMatrix;
 use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows, Rows};
 use sieve_cuda::sampling::{self, SampleArgs};
 use sieve_cuda::timing::EventPair;
-use sieve_cuda::{dev_ptr, rope, step, DriverContext, Gpu, KvCache, KvPrecision};
+use sieve_cuda::{dev_ptr, rope, step, DevPtr, DriverContext, Gpu, KvCache, KvPrecision};
 use sieve_formats::{FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
@@ -275,6 +275,61 @@ struct SequenceBuffers {
     /// Each row's sampling arguments and penalty window ([`GpuModel::step_slots_sampled`]).
     sample_args: CudaSlice<sampling::SampleRowArgs>,
     recent: CudaSlice<i32>,
+}
+
+/// Where the rows of a batched pass belong ([`GpuModel::rows_through_layers`]).
+#[derive(Clone, Copy, Debug)]
+enum PassRows<'a> {
+    /// Runs of consecutive prompt tokens, each of one slot, in row order: one prompt chunk,
+    /// or the chunks of several prompts in one pass ([`GpuModel::extend_slots`]).
+    Spans(&'a [PassSpan]),
+    /// One next token per sequence of a decode step: `seqs` holds `[position, slot]` per row
+    /// ([`Rows::Sequences`]).
+    Sequences { seqs: DevPtr, slot_stride: usize },
+}
+
+/// Rows `row .. row + len` of a batched pass: slot `slot`'s tokens at positions `first ..`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PassSpan {
+    slot: usize,
+    first: usize,
+    row: usize,
+    len: usize,
+}
+
+impl PassRows<'_> {
+    /// Refuses spans that do not tile rows `0..n` in order (a caller's bug, checked before a
+    /// launch writes where no row belongs).
+    fn check(&self, n: usize) -> Result<()> {
+        let PassRows::Spans(spans) = self else {
+            return Ok(());
+        };
+        let mut next = 0;
+        for s in spans.iter() {
+            if s.row != next || s.len == 0 {
+                return Err(GpuError::InvalidArgument(format!(
+                    "a pass's spans do not tile its {n} rows: {spans:?}"
+                )));
+            }
+            next += s.len;
+        }
+        if next != n {
+            return Err(GpuError::InvalidArgument(format!(
+                "a pass's spans hold {next} rows, not its {n}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One sequence's prompt chunk of [`GpuModel::extend_slots`]: `tokens` into slot `slot` at
+/// positions `start ..`, with the logits after its last token when `logits`.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotChunk<'a> {
+    pub slot: usize,
+    pub start: usize,
+    pub tokens: &'a [u32],
+    pub logits: bool,
 }
 
 /// Tokens of a sequence's repetition-penalty window the device sampler takes (the CPU
@@ -995,7 +1050,13 @@ impl GpuModel {
     /// decode step).
     fn prefill_chunk(&mut self, tokens: &[u32], p0: usize) -> Result<()> {
         self.upload_row_tokens(tokens)?;
-        self.rows_through_layers(tokens.len(), Rows::Consecutive { first: p0 })
+        let span = PassSpan {
+            slot: self.slot,
+            first: p0,
+            row: 0,
+            len: tokens.len(),
+        };
+        self.rows_through_layers(tokens.len(), PassRows::Spans(&[span]))
     }
 
     /// Writes `tokens` where [`Self::rows_through_layers`] embeds them from.
@@ -1024,7 +1085,7 @@ impl GpuModel {
     /// products as GEMMs or the low-bit kernels' token batches), ending with the residual
     /// stream in the scratch's `x`. `rows` says where each row's keys and values go and what
     /// it attends to.
-    fn rows_through_layers(&self, n: usize, rows: Rows) -> Result<()> {
+    fn rows_through_layers(&self, n: usize, rows: PassRows<'_>) -> Result<()> {
         self.rows_through_layers_marked(n, rows, &mut |_| Ok(()))
     }
 
@@ -1033,7 +1094,7 @@ impl GpuModel {
     fn rows_through_layers_marked(
         &self,
         n: usize,
-        rows: Rows,
+        rows: PassRows<'_>,
         mark: &mut dyn FnMut(&'static str) -> Result<()>,
     ) -> Result<()> {
         use crate::prefill::linear_rows;
@@ -1047,6 +1108,7 @@ impl GpuModel {
                 pb.chunk
             )));
         }
+        rows.check(n)?;
         let g = &self.gpu;
         let c = &self.config;
         let (d, hd, nh, nkv, inter) = (
@@ -1062,15 +1124,45 @@ impl GpuModel {
         let (a16, w16, w16_len) = (dev_ptr(g, &pb.a16), dev_ptr(g, &pb.w16), pb.w16.len());
         embed_rows(g, dev_ptr(g, &self.embed), dev_ptr(g, &pb.tokens), x, n, d)?;
         mark("embed")?;
-        // Prompt rows go to the current slot; sequence rows address slot 0's rows and the
-        // kernels add each row's slot.
-        let base_slot = match rows {
-            Rows::Consecutive { .. } => self.slot,
-            Rows::Sequences { .. } => 0,
-        };
+        // The rows' RoPE + cache write and attention, by where the rows belong: each span of
+        // prompt rows over its own slot's cache, through the kernels a lone prompt chunk takes
+        // (the tensor-core prompt attention from 16 rows); a decode step's rows address slot
+        // 0's cache and the kernels add each row's slot.
+        let (q_row, att_row) = (qkv_w * 4, nh * hd * 4);
+        let rope_and_attention =
+            |l: usize, bias: DevPtr, cos: DevPtr, sin: DevPtr, attend: bool| {
+                let runs: Vec<(usize, usize, Rows, usize)> = match rows {
+                    PassRows::Spans(spans) => spans
+                        .iter()
+                        .map(|s| (s.slot, s.row, Rows::Consecutive { first: s.first }, s.len))
+                        .collect(),
+                    PassRows::Sequences { seqs, slot_stride } => {
+                        vec![(0, 0, Rows::Sequences { seqs, slot_stride }, n)]
+                    }
+                };
+                for (slot, row, kind, len) in runs {
+                    let cache = self.cache_view_at(slot, l)?;
+                    let q = y + (row * q_row) as u64;
+                    if attend {
+                        let out = att + (row * att_row) as u64;
+                        attention::attention_rows(
+                            g,
+                            &self.attention,
+                            q,
+                            cache,
+                            p(&pb.part),
+                            out,
+                            &kind,
+                            len,
+                        )?;
+                    } else {
+                        rope::rope_rows(g, q, bias, cos, sin, &kind, len, cache, nh, nkv, hd)?;
+                    }
+                }
+                Ok::<(), GpuError>(())
+            };
         // The layer as the plan orders it (`plan::LAYER`), each op over the n rows.
         for (l, layer) in self.layers.iter().enumerate() {
-            let cache = self.cache_view_at(base_slot, l)?;
             let bias = layer.qkv_bias.as_ref().map(p).unwrap_or(0);
             let (cos, sin) = (p(&self.bufs.rope_cos), p(&self.bufs.rope_sin));
             for op in plan::LAYER {
@@ -1081,19 +1173,8 @@ impl GpuModel {
                     LayerOp::Product(Group::Qkv) => {
                         linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16, w16_len)?
                     }
-                    LayerOp::RopeKv => {
-                        rope::rope_rows(g, y, bias, cos, sin, &rows, n, cache, nh, nkv, hd)?
-                    }
-                    LayerOp::Attention => attention::attention_rows(
-                        g,
-                        &self.attention,
-                        y,
-                        cache,
-                        p(&pb.part),
-                        att,
-                        &rows,
-                        n,
-                    )?,
+                    LayerOp::RopeKv => rope_and_attention(l, bias, cos, sin, false)?,
+                    LayerOp::Attention => rope_and_attention(l, bias, cos, sin, true)?,
                     LayerOp::Product(Group::O) => {
                         linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16, w16_len)?
                     }
@@ -1155,7 +1236,13 @@ impl GpuModel {
         let mut current = EventPair::new(&self.gpu)?;
         current.start(&self.gpu)?;
         let gpu = &self.gpu;
-        self.rows_through_layers_marked(n, Rows::Consecutive { first: 0 }, &mut |kind| {
+        let span = PassSpan {
+            slot: self.slot,
+            first: 0,
+            row: 0,
+            len: n,
+        };
+        self.rows_through_layers_marked(n, PassRows::Spans(&[span]), &mut |kind| {
             current.end(gpu)?;
             let next = EventPair::new(gpu)?;
             next.start(gpu)?;
@@ -1197,12 +1284,17 @@ impl GpuModel {
     /// (chunk by chunk): that row's residual into the step's buffer, then final norm and LM
     /// head (the logits), and the sampler when `sample`.
     fn tail_after_batched_rows(&mut self, rows: usize, sample: bool) -> Result<()> {
-        let d = self.config.hidden_size;
         let chunk = self
             .prefill_bufs
             .as_ref()
             .map_or(self.prefill_chunk, |pb| pb.chunk);
-        let row = (rows - 1) % chunk;
+        self.tail_after_row((rows - 1) % chunk, sample)
+    }
+
+    /// The decode step's tail on row `row` of the last batched pass: [`Self::tail_after_batched_rows`]
+    /// for any row (the last of one sequence's span in a pass of several).
+    fn tail_after_row(&mut self, row: usize, sample: bool) -> Result<()> {
+        let d = self.config.hidden_size;
         let stream = self.gpu.stream().clone();
         let pb = self
             .prefill_bufs
@@ -1676,9 +1768,104 @@ impl GpuModel {
         result
     }
 
+    /// Prompt chunks of several sequences, each into its own slot: for each, what
+    /// [`Self::extend_slot`] (`logits`) or [`Self::fill_slot`] does, but the chunks share
+    /// batched passes of up to [`Self::prefill_chunk_tokens`] rows, so that the weights are
+    /// read once per pass and not once per prompt (a server admitting many prompts at once).
+    ///
+    /// Each chunk's RoPE, cache writes and attention are its own slot's, through the kernels
+    /// a lone chunk of its size takes, and its logits come from the same tail (its last row's
+    /// final norm and LM head); only the products see more rows, which changes the order of
+    /// their f32 sums at most. A chunk of one token with logits (a lone one runs the decode
+    /// step) or of more tokens than a pass holds, and every chunk of a model without batched
+    /// prefill, runs alone. Every chunk is checked before anything runs (slots distinct, no
+    /// chunk empty). Returns each chunk's logits (`None` where not asked), in order.
+    pub fn extend_slots(&mut self, chunks: &[SlotChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        for (i, c) in chunks.iter().enumerate() {
+            self.check_span(c.slot, c.start, c.tokens)?;
+            if c.tokens.is_empty() {
+                return Err(GpuError::InvalidArgument(format!(
+                    "the prompt chunk for slot {} has no tokens",
+                    c.slot
+                )));
+            }
+            if chunks[..i].iter().any(|o| o.slot == c.slot) {
+                return Err(GpuError::InvalidArgument(format!(
+                    "slot {} appears twice in one batch of prompt chunks",
+                    c.slot
+                )));
+            }
+        }
+        let capacity = self.prefill_chunk;
+        let shared = |c: &SlotChunk<'_>| {
+            self.prefill_is_batched()
+                && c.tokens.len() <= capacity
+                && !(c.logits && c.tokens.len() == 1)
+        };
+        let (together, alone): (Vec<usize>, Vec<usize>) =
+            (0..chunks.len()).partition(|&i| shared(&chunks[i]));
+        let mut out: Vec<Option<Vec<f32>>> = vec![None; chunks.len()];
+        for i in alone {
+            let c = chunks[i];
+            if c.logits {
+                out[i] = Some(self.extend_slot(c.slot, c.start, c.tokens)?);
+            } else {
+                self.fill_slot(c.slot, c.start, c.tokens)?;
+            }
+        }
+        // Passes filled in order, each as full as the next whole chunk allows.
+        let mut pass: Vec<usize> = Vec::new();
+        let mut rows = 0;
+        for i in together {
+            let len = chunks[i].tokens.len();
+            if rows + len > capacity {
+                self.run_chunks_pass(chunks, &pass, &mut out)?;
+                pass.clear();
+                rows = 0;
+            }
+            pass.push(i);
+            rows += len;
+        }
+        if !pass.is_empty() {
+            self.run_chunks_pass(chunks, &pass, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// One batched pass over the checked chunks `chunks[pass]` (their rows fit the pass), then
+    /// the tail of each that wants logits.
+    fn run_chunks_pass(
+        &mut self,
+        chunks: &[SlotChunk<'_>],
+        pass: &[usize],
+        out: &mut [Option<Vec<f32>>],
+    ) -> Result<()> {
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut spans = Vec::with_capacity(pass.len());
+        for &i in pass {
+            let c = &chunks[i];
+            spans.push(PassSpan {
+                slot: c.slot,
+                first: c.start,
+                row: tokens.len(),
+                len: c.tokens.len(),
+            });
+            tokens.extend_from_slice(c.tokens);
+        }
+        self.upload_row_tokens(&tokens)?;
+        self.rows_through_layers(tokens.len(), PassRows::Spans(&spans))?;
+        for (&i, span) in pass.iter().zip(&spans) {
+            if chunks[i].logits {
+                self.tail_after_row(span.row + span.len - 1, false)?;
+                out[i] = Some(self.gpu.download(&self.bufs.logits)?);
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses a slot outside the pool, positions past the context and tokens outside the
     /// vocabulary, before anything runs.
-    fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
+    pub fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
         self.check_slot(slot)?;
         if start + tokens.len() > self.capacity {
             return Err(sieve_model::ModelError::ContextOverflow {
@@ -2069,7 +2256,7 @@ impl GpuModel {
             .ok_or_else(|| GpuError::InvalidArgument("sequence scratch missing".into()))?;
         self.rows_through_layers(
             n,
-            Rows::Sequences {
+            PassRows::Sequences {
                 seqs: dev_ptr(g, &bufs.seqs),
                 slot_stride,
             },

@@ -1981,6 +1981,141 @@ fn batched_slot_steps_match_single_steps() {
     }
 }
 
+/// Several sequences' prompt chunks in shared passes (`extend_slots`, the serving engine's
+/// prefill of a step's admitted prompts) against each chunk alone (`extend_slot` / `fill_slot`
+/// on a second upload of the same model): the logits of every chunk that asks for them, and
+/// then one decode step of every slot (what each chunk left in its slot's cache). The chunks
+/// cover the cases a pass treats differently: fresh prompts and a continuation (start > 0),
+/// chunks with and without logits, one token with logits (run alone, as the decode step), and
+/// more rows than one pass holds (two passes at a 128-row pass). Bad chunks are refused before
+/// anything runs.
+#[test]
+fn prompt_chunks_of_several_slots_match_each_alone() {
+    let _serial = serial_gpu();
+    use sieve_cpu::gguf_blocks::BlockType;
+    use sieve_gpu::runner::SlotChunk;
+    let name = "prompt_chunks_of_several_slots_match_each_alone";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    let context = 200;
+    let dense = tiny_model(FormatKind::Dense, 0.0, 0.0, 41);
+    let tiled = tiny_model(FormatKind::TiledCbc, 0.5, 0.0, 42);
+    let mut q4 = tiny_model_of(
+        config(301, 96, 224, 2, 6, 2, 16),
+        FormatKind::Dense,
+        0.0,
+        0.0,
+        43,
+    );
+    to_gguf_blocks(&mut q4, BlockType::Q4_0);
+    use KvPrecision::{Int8, F16};
+    for (label, model, kv) in [
+        ("dense", &dense, F16),
+        ("dense, int8 KV cache", &dense, Int8),
+        ("tiled-cbc", &tiled, F16),
+        ("gguf q4_0", &q4, F16),
+    ] {
+        let v = model.config().vocab_size;
+        let upload = || {
+            let mut g = GpuModel::from_model_with(Gpu::new(0).unwrap(), model, context, kv)
+                .unwrap()
+                .with_slots(6)
+                .unwrap();
+            g.set_prefill_chunk_tokens(128).unwrap();
+            g
+        };
+        let (mut many, mut one) = (upload(), upload());
+        let tokens = |slot: usize, n: usize| -> Vec<u32> {
+            (0..n)
+                .map(|i| ((slot * 53 + i * 17 + 3) % v) as u32)
+                .collect()
+        };
+        // Slot 4 continues a prompt already in its cache.
+        let head = tokens(40, 7);
+        many.prefill_slot(4, &head).unwrap();
+        one.prefill_slot(4, &head).unwrap();
+        // (slot, start, tokens, logits): 20 + 5 + 1 + 90 + 17 + 2 rows, the 1-token chunk
+        // alone, the rest in two passes of at most 128.
+        let plan: Vec<(usize, usize, Vec<u32>, bool)> = vec![
+            (0, 0, tokens(0, 20), true),
+            (1, 0, tokens(1, 5), true),
+            (2, 0, tokens(2, 1), true),
+            (3, 0, tokens(3, 90), false),
+            (4, head.len(), tokens(4, 17), true),
+            (5, 0, tokens(5, 2), true),
+        ];
+        let chunks: Vec<SlotChunk<'_>> = plan
+            .iter()
+            .map(|(slot, start, t, logits)| SlotChunk {
+                slot: *slot,
+                start: *start,
+                tokens: t,
+                logits: *logits,
+            })
+            .collect();
+        // Refused before anything runs (the model's state is checked below, by the steps).
+        let mut twice = chunks.clone();
+        twice[1].slot = 0;
+        let mut empty = chunks.clone();
+        empty[1].tokens = &[];
+        let mut past = chunks.clone();
+        past[3].start = context - 10;
+        let outside = [v as u32];
+        let mut bad_token = chunks.clone();
+        bad_token[5].tokens = &outside;
+        for (what, bad) in [
+            ("a slot twice", twice),
+            ("an empty chunk", empty),
+            ("a chunk past the context", past),
+            ("a token outside the vocabulary", bad_token),
+        ] {
+            assert!(many.extend_slots(&bad).is_err(), "{label}: {what} accepted");
+        }
+        let got = many.extend_slots(&chunks).unwrap();
+        assert_eq!(got.len(), chunks.len(), "{label}");
+        // Only the products see more rows in a shared pass: their f32 sums may run in another
+        // order (cuBLAS for another token count; the low-bit kernel or the Tiled-CBC SpMM
+        // against an f16 copy), which can move an activation's f16 rounding by one step (a
+        // cached key's 8-bit one too). A chunk in the wrong slot or at the wrong positions
+        // would be off by the logits' own size (about 1).
+        let tol = if kv == Int8 { 0.1 } else { 0.01 };
+        let mut worst = 0f32;
+        let mut lens = [0usize; 6];
+        let mut next = [0u32; 6];
+        for (c, g) in chunks.iter().zip(&got) {
+            lens[c.slot] = c.start + c.tokens.len();
+            if !c.logits {
+                assert!(g.is_none(), "{label}: slot {} got logits unasked", c.slot);
+                one.fill_slot(c.slot, c.start, c.tokens).unwrap();
+                next[c.slot] = 1;
+                continue;
+            }
+            let want = one.extend_slot(c.slot, c.start, c.tokens).unwrap();
+            let g = g.as_ref().expect("logits asked");
+            let err = max_abs_diff(g, &want);
+            worst = worst.max(err);
+            assert!(
+                err < tol,
+                "{label}: slot {} ({} tokens from {}): error {err} against the chunk alone",
+                c.slot,
+                c.tokens.len(),
+                c.start
+            );
+            next[c.slot] = (0..v).max_by(|&a, &b| want[a].total_cmp(&want[b])).unwrap() as u32;
+        }
+        // What the chunks left in each slot's cache: one step of every slot, both models.
+        for slot in 0..6 {
+            let a = many.step_slot(slot, lens[slot], next[slot]).unwrap();
+            let b = one.step_slot(slot, lens[slot], next[slot]).unwrap();
+            let err = max_abs_diff(&a, &b);
+            worst = worst.max(err);
+            assert!(err < tol, "{label}: slot {slot}'s next step: error {err}");
+        }
+        eprintln!("{name}: {label}: max error {worst}");
+    }
+}
+
 /// The batched greedy choice (`argmax_rows`) equals the CPU sampler's greedy rule on every
 /// row: random rows, ties at the top (lowest id wins, in any thread's stripe), -inf entries,
 /// a row of -inf only, rows with NaN or +inf; vocabularies around the block size.

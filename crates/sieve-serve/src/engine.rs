@@ -39,6 +39,23 @@ pub trait DecodeEngine: Send {
             "this engine prefills whole prompts only".into(),
         ))
     }
+    /// The prompt chunks of one scheduler step, each on its own slot (distinct): for each,
+    /// what [`DecodeEngine::prefill_from`] (when `last`) or [`DecodeEngine::extend`] returns,
+    /// in order. The default runs them one after another; an engine that can run them together
+    /// (the GPU engine: one batched pass reads the weights once for all of them) overrides it,
+    /// keeping each chunk's answer and its own error for a chunk it refuses.
+    fn prefill_chunks(&mut self, chunks: &[PromptChunk<'_>]) -> Vec<Result<Option<Vec<f32>>>> {
+        chunks
+            .iter()
+            .map(|c| {
+                if c.last {
+                    self.prefill_from(c.slot, c.start, c.tokens).map(Some)
+                } else {
+                    self.extend(c.slot, c.start, c.tokens).map(|()| None)
+                }
+            })
+            .collect()
+    }
     /// One decode step: for each `(slot, token)` runs `token` at the slot's next position and
     /// returns `[n][V]` logits in the order given. Slots must be distinct.
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>>;
@@ -72,6 +89,16 @@ pub trait DecodeEngine: Send {
     fn kv_cache_bytes(&self) -> usize {
         0
     }
+}
+
+/// One prompt chunk of [`DecodeEngine::prefill_chunks`]: `tokens` into slot `slot` at
+/// positions `start ..`; `last` when it ends the prompt (its logits are wanted).
+#[derive(Clone, Copy, Debug)]
+pub struct PromptChunk<'a> {
+    pub slot: usize,
+    pub start: usize,
+    pub tokens: &'a [u32],
+    pub last: bool,
 }
 
 /// How one sequence of a [`DecodeEngine::decode_sampled`] step draws its token.

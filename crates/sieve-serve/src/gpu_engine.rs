@@ -9,8 +9,13 @@
 //! fewer than `DECODED_MIN_BATCH` sequences replay each slot's captured single-sequence step
 //! instead. Either way each sequence's next token is chosen on the device (argmax, or its own
 //! sampling settings) and the host reads one id per sequence.
+//!
+//! The prompt chunks of one scheduler step share batched passes too
+//! ([`GpuModel::extend_slots`]): each chunk's RoPE, cache writes and attention are its own
+//! slot's, the products read the weights once for all of them.
 
-use crate::engine::{DecodeEngine, RowSampling};
+use crate::engine::{DecodeEngine, PromptChunk, RowSampling};
+use sieve_gpu::runner::SlotChunk;
 use sieve_gpu::{GpuError, GpuModel};
 use sieve_model::llama::Model;
 use sieve_model::{ModelError, Result};
@@ -172,6 +177,63 @@ impl DecodeEngine for GpuEngine {
         Ok(logits)
     }
 
+    /// The chunks share batched passes ([`GpuModel::extend_slots`]): the weights are read once
+    /// per pass, not once per prompt. Each chunk is checked alone first, so a bad one fails
+    /// by itself; a device error in a pass fails every chunk that ran with it.
+    fn prefill_chunks(&mut self, chunks: &[PromptChunk<'_>]) -> Vec<Result<Option<Vec<f32>>>> {
+        let mut results: Vec<Option<Result<Option<Vec<f32>>>>> = Vec::with_capacity(chunks.len());
+        let mut runnable: Vec<usize> = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let checked = self.check_chunk(c).and_then(|()| {
+                if runnable.iter().any(|&r| chunks[r].slot == c.slot) {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "slot {} appears twice in one step's prompt chunks",
+                        c.slot
+                    )));
+                }
+                Ok(())
+            });
+            match checked {
+                Ok(()) => {
+                    runnable.push(i);
+                    results.push(None);
+                }
+                Err(e) => results.push(Some(Err(e))),
+            }
+        }
+        let spans: Vec<SlotChunk<'_>> = runnable
+            .iter()
+            .map(|&i| SlotChunk {
+                slot: chunks[i].slot,
+                start: chunks[i].start,
+                tokens: chunks[i].tokens,
+                logits: chunks[i].last,
+            })
+            .collect();
+        // From here the device may overwrite each slot's positions from its chunk's start on.
+        for s in &spans {
+            self.lens[s.slot] = s.start;
+        }
+        match self.model.extend_slots(&spans) {
+            Ok(logits) => {
+                for ((&i, s), l) in runnable.iter().zip(&spans).zip(logits) {
+                    self.lens[s.slot] = s.start + s.tokens.len();
+                    results[i] = Some(Ok(l));
+                }
+            }
+            Err(e) => {
+                let message = model_error(e).to_string();
+                for &i in &runnable {
+                    results[i] = Some(Err(ModelError::Device(message.clone())));
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(ModelError::Device("a chunk was not run".into()))))
+            .collect()
+    }
+
     fn decode(&mut self, batch: &[(usize, u32)]) -> Result<Vec<f32>> {
         let rows = self.rows(batch)?;
         let logits = self.model.step_slots(&rows).map_err(model_error)?;
@@ -235,6 +297,28 @@ impl GpuEngine {
             .iter()
             .map(|&(slot, token)| (slot, self.lens[slot], token))
             .collect())
+    }
+
+    /// A prompt chunk the device would refuse, refused here by itself: its slot, start,
+    /// positions and tokens, and that it has some.
+    fn check_chunk(&self, c: &PromptChunk<'_>) -> Result<()> {
+        if c.slot >= self.lens.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "slot {} does not exist (the pool has {})",
+                c.slot,
+                self.lens.len()
+            )));
+        }
+        if c.tokens.is_empty() {
+            return Err(ModelError::InvalidArgument(format!(
+                "the prompt chunk for slot {} has no tokens",
+                c.slot
+            )));
+        }
+        self.check_start(c.slot, c.start)?;
+        self.model
+            .check_span(c.slot, c.start, c.tokens)
+            .map_err(model_error)
     }
 
     /// A chunk may start at most where the slot's sequence ends.

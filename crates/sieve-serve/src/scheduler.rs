@@ -2,7 +2,8 @@
 //! drops sequences whose client went away, admits waiting requests into free cache slots,
 //! runs up to `prefill_chunk` prompt tokens of the admitted prompts (a long prompt goes in
 //! chunks of that size over several iterations, so it holds up the running sequences' next
-//! token by one chunk's time, not its whole prefill), then runs one batched decode step over
+//! token by one chunk's time, not its whole prefill; the step's chunks reach the engine in one
+//! call, which the GPU engine runs as one batched pass), then runs one batched decode step over
 //! every running sequence. A finished sequence leaves the batch and frees its slot at once;
 //! waiting requests sit in a bounded [`Queue`].
 //!
@@ -23,7 +24,7 @@ use sieve_model::sequence::Sequence;
 use sieve_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::engine::{DecodeEngine, RowSampling};
+use crate::engine::{DecodeEngine, PromptChunk, RowSampling};
 use crate::metrics::Metrics;
 
 /// What the scheduler sends back for one request.
@@ -365,60 +366,73 @@ pub fn run(
         // Prefill: one chunk each of the admitted prompts in admission order, up to
         // `prefill_chunk` tokens this step (always at least one chunk); a prompt whose next
         // chunk does not fit what is left waits for the next step, and shorter ones behind it
-        // may use the rest.
+        // may use the rest. The step's chunks go to the engine together, which may run them
+        // in one pass (each on its own slot).
         let mut budget = prefill_chunk;
-        let mut first = true;
-        let mut i = 0;
-        while i < prefilling.len() {
-            let p = &mut prefilling[i];
-            let (start, end) = (p.done(), p.ends[p.chunks_done]);
-            let chunk = end - start;
-            if !first && chunk > budget {
-                i += 1;
+        let mut picked: Vec<usize> = Vec::new();
+        for (i, p) in prefilling.iter_mut().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            let chunk = p.ends[p.chunks_done] - p.done();
+            if !picked.is_empty() && chunk > budget {
                 continue;
             }
-            first = false;
             budget = budget.saturating_sub(chunk);
             p.admitted.get_or_insert_with(Instant::now);
-            let last = end == p.job.prompt.len();
-            let tokens = &p.job.prompt[start..end];
-            let started = Instant::now();
-            let result = if last {
-                engine.prefill_from(p.slot, start, tokens).map(Some)
-            } else {
-                engine.extend(p.slot, start, tokens).map(|()| None)
-            };
-            Metrics::add_time(&metrics.prefill_nanos, started.elapsed());
-            match result {
-                Err(e) => {
-                    if let Some(p) = prefilling.remove(i) {
-                        let _ = p
-                            .job
-                            .events
-                            .send(Event::Failed(format!("prefill failed: {e}")));
-                        free.push(p.slot);
+            picked.push(i);
+        }
+        if !picked.is_empty() {
+            let chunks: Vec<PromptChunk<'_>> = picked
+                .iter()
+                .map(|&i| {
+                    let p = &prefilling[i];
+                    let (start, end) = (p.done(), p.ends[p.chunks_done]);
+                    PromptChunk {
+                        slot: p.slot,
+                        start,
+                        tokens: &p.job.prompt[start..end],
+                        last: end == p.job.prompt.len(),
                     }
-                }
-                Ok(None) => {
-                    metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
-                    p.chunks_done += 1;
-                    i += 1;
-                }
-                Ok(Some(logits)) => {
-                    metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
-                    if let Some(p) = prefilling.remove(i) {
-                        let slot = p.slot;
-                        match finish_prefill(engine, metrics, p, &logits) {
-                            Some(r) => running.push(r),
-                            None => free.push(slot),
+                })
+                .collect();
+            let started = Instant::now();
+            let results = engine.prefill_chunks(&chunks);
+            Metrics::add_time(&metrics.prefill_nanos, started.elapsed());
+            drop(chunks);
+            // In admission order; `removed` counts the prompts taken out before index i.
+            let mut removed = 0;
+            for (&i, result) in picked.iter().zip(results) {
+                let at = i - removed;
+                match result {
+                    Err(e) => {
+                        if let Some(p) = prefilling.remove(at) {
+                            removed += 1;
+                            let _ = p
+                                .job
+                                .events
+                                .send(Event::Failed(format!("prefill failed: {e}")));
+                            free.push(p.slot);
+                        }
+                    }
+                    Ok(None) => {
+                        metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+                        prefilling[at].chunks_done += 1;
+                    }
+                    Ok(Some(logits)) => {
+                        metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+                        if let Some(p) = prefilling.remove(at) {
+                            removed += 1;
+                            let slot = p.slot;
+                            match finish_prefill(engine, metrics, p, &logits) {
+                                Some(r) => running.push(r),
+                                None => free.push(slot),
+                            }
                         }
                     }
                 }
             }
             publish(&running, &prefilling);
-            if budget == 0 {
-                break;
-            }
         }
 
         if running.is_empty() {

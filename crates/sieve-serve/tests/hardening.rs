@@ -767,3 +767,153 @@ async fn metrics_split_the_engine_time_from_the_hosts() {
     );
     server.shutdown().unwrap();
 }
+
+/// An engine that takes a step's prompt chunks together, as the GPU engine does (one batched
+/// pass), and records how many each call held; its first call waits at `gate` until the test
+/// opens it. A chunk holding `marker` fails by itself, as a chunk the device refuses would.
+struct GroupingEngine {
+    vocab: usize,
+    token: u32,
+    marker: u32,
+    lens: [usize; 4],
+    calls: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
+    gate: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl DecodeEngine for GroupingEngine {
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn slots(&self) -> usize {
+        4
+    }
+    fn slot_capacity(&self) -> usize {
+        64
+    }
+    fn slot_len(&self, slot: usize) -> usize {
+        self.lens[slot]
+    }
+    fn prefill(&mut self, _slot: usize, _prompt: &[u32]) -> sieve_model::Result<Vec<f32>> {
+        panic!("this engine takes prompt chunks together: prefill_chunks");
+    }
+    fn prefill_chunks(
+        &mut self,
+        chunks: &[sieve_serve::engine::PromptChunk<'_>],
+    ) -> Vec<sieve_model::Result<Option<Vec<f32>>>> {
+        let (open, opened) = &*self.gate;
+        let mut is_open = open.lock().unwrap();
+        while !*is_open {
+            is_open = opened.wait(is_open).unwrap();
+        }
+        drop(is_open);
+        self.calls.lock().unwrap().push(chunks.len());
+        chunks
+            .iter()
+            .map(|c| {
+                if c.tokens.contains(&self.marker) {
+                    return Err(sieve_model::ModelError::InvalidArgument(format!(
+                        "slot {}: a poisoned chunk",
+                        c.slot
+                    )));
+                }
+                self.lens[c.slot] = c.start + c.tokens.len();
+                let mut logits = vec![0.0; self.vocab];
+                logits[self.token as usize] = 10.0;
+                Ok(c.last.then_some(logits))
+            })
+            .collect()
+    }
+    fn decode(&mut self, _batch: &[(usize, u32)]) -> sieve_model::Result<Vec<f32>> {
+        panic!("this engine chooses its tokens: decode_argmax");
+    }
+    fn decode_argmax(
+        &mut self,
+        batch: &[(usize, u32)],
+    ) -> Option<sieve_model::Result<Vec<sieve_model::Result<u32>>>> {
+        for &(slot, _) in batch {
+            self.lens[slot] += 1;
+        }
+        Some(Ok(batch.iter().map(|_| Ok(self.token)).collect()))
+    }
+}
+
+/// Prompts admitted in one scheduler step reach the engine in one `prefill_chunks` call (where
+/// the GPU engine runs them as one pass), and a chunk the engine refuses fails only its own
+/// request: the first request's call holds the engine while three more queue up, which are
+/// then admitted together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_s_prompts_reach_the_engine_together() {
+    if model_path().is_none() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let (_, tokenizer) = reference();
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let gate = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let engine = GroupingEngine {
+        vocab: tokenizer.vocab_size(),
+        token: tokenizer.encode(" hello", false).expect("encodes")[0],
+        marker: tokenizer.encode(" poison", false).expect("encodes")[0],
+        lens: [0; 4],
+        calls: calls.clone(),
+        gate: gate.clone(),
+    };
+    let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
+    let base = format!("http://{}", server.addr());
+    let client = client();
+    let send = |prompt: &'static str| {
+        let (client, url) = (client.clone(), format!("{base}/v1/completions"));
+        tokio::spawn(async move {
+            let response = client
+                .post(url)
+                .json(&json!({"prompt": prompt, "max_tokens": 3, "temperature": 0}))
+                .send()
+                .await
+                .expect("answered");
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap_or_default())
+        })
+    };
+    let first = send("Hi");
+    // The first request's chunk holds the engine (its gate is shut) ...
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&metrics(&client, &base).await, "sieve_prefilling_sequences") != Some(1.0) {
+        assert!(
+            Instant::now() < deadline,
+            "the first prompt never reached the engine"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ... while three more wait in the queue.
+    let others = [send("Once upon a time"), send("The poison was"), send("A")];
+    let queued = loop {
+        let depth = metric(&metrics(&client, &base).await, "sieve_queue_depth");
+        if depth == Some(3.0) || Instant::now() >= deadline {
+            break depth;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    {
+        let (open, opened) = &*gate;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
+    }
+    assert_eq!(queued, Some(3.0), "the three requests did not queue up");
+    let (status, body) = first.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let [a, poisoned, b] = others;
+    for task in [a, b] {
+        let (status, body) = task.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["usage"]["completion_tokens"],
+            3,
+            "{body}"
+        );
+    }
+    let (status, body) = poisoned.await.unwrap();
+    assert_ne!(status, 200, "{body}");
+    assert!(body.contains("poisoned chunk"), "{body}");
+    assert_eq!(*calls.lock().unwrap(), vec![1, 3]);
+    server.shutdown().unwrap();
+}
