@@ -667,9 +667,14 @@ async fn a_bad_row_fails_only_its_own_request() {
             (status, response.text().await.unwrap_or_default())
         })
     };
-    // The first takes slot 0 and runs 30 steps; the second joins it in slot 1.
+    // The first takes slot 0 and runs 30 steps; the second joins it in slot 1 (sent once
+    // the first is running, not after a fixed sleep that a slow connection could outlast).
     let long = send(30);
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&metrics(&client, &base).await, "sieve_running_sequences") != Some(1.0) {
+        assert!(Instant::now() < deadline, "the first request never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let bad = send(8);
     let (bad_status, bad_body) = bad.await.unwrap();
     let (long_status, long_body) = long.await.unwrap();
