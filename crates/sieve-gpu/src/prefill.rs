@@ -2,7 +2,9 @@
 //! cuBLAS GEMMs on f16 weights, so that time to first token is a few GEMMs per layer instead of
 //! one decode step per prompt token. `GpuModel::prefill` then takes the last row's logits and
 //! samples with the decode step's tail; the server's slots (`extend_slot`) do the same, so their
-//! answers are `generate`'s.
+//! answers are `generate`'s. Several slots' chunks in one pass (`extend_slots`) keep each
+//! chunk's own kernels (attention per chunk, products on the kernels its length selects), so
+//! theirs differ only where cuBLAS sums a GEMM of another token count in another order.
 //!
 //! | weights on the device | GEMM operand |
 //! |---|---|

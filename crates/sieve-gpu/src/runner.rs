@@ -1775,11 +1775,15 @@ impl GpuModel {
     ///
     /// Each chunk's RoPE, cache writes and attention are its own slot's, through the kernels
     /// a lone chunk of its size takes, and its logits come from the same tail (its last row's
-    /// final norm and LM head); only the products see more rows, which changes the order of
-    /// their f32 sums at most. A chunk of one token with logits (a lone one runs the decode
-    /// step) or of more tokens than a pass holds, and every chunk of a model without batched
-    /// prefill, runs alone. Every chunk is checked before anything runs (slots distinct, no
-    /// chunk empty). Returns each chunk's logits (`None` where not asked), in order.
+    /// final norm and LM head). A pass holds only chunks whose products take the kernels they
+    /// would take alone ([`Self::product_path_bounds`]: e.g. a low-bit model's chunks under 65
+    /// rows share passes of at most 64, where its kernel multiplies each row as it would
+    /// alone), so a chunk's logits can differ from its lone prefill's only where cuBLAS sums
+    /// a GEMM of another token count in another order. A chunk of one token with logits (a
+    /// lone one runs the decode step) or of more tokens than a pass holds, and every chunk of
+    /// a model without batched prefill, runs alone. Every chunk is checked before anything
+    /// runs (slots distinct, no chunk empty). Returns each chunk's logits (`None` where not
+    /// asked), in order.
     pub fn extend_slots(&mut self, chunks: &[SlotChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
         for (i, c) in chunks.iter().enumerate() {
             self.check_span(c.slot, c.start, c.tokens)?;
@@ -1797,10 +1801,9 @@ impl GpuModel {
             }
         }
         let capacity = self.prefill_chunk;
+        let batched = self.prefill_is_batched();
         let shared = |c: &SlotChunk<'_>| {
-            self.prefill_is_batched()
-                && c.tokens.len() <= capacity
-                && !(c.logits && c.tokens.len() == 1)
+            batched && c.tokens.len() <= capacity && !(c.logits && c.tokens.len() == 1)
         };
         let (together, alone): (Vec<usize>, Vec<usize>) =
             (0..chunks.len()).partition(|&i| shared(&chunks[i]));
@@ -1813,23 +1816,42 @@ impl GpuModel {
                 self.fill_slot(c.slot, c.start, c.tokens)?;
             }
         }
-        // Passes filled in order, each as full as the next whole chunk allows.
-        let mut pass: Vec<usize> = Vec::new();
-        let mut rows = 0;
-        for i in together {
-            let len = chunks[i].tokens.len();
-            if rows + len > capacity {
-                self.run_chunks_pass(chunks, &pass, &mut out)?;
-                pass.clear();
-                rows = 0;
-            }
-            pass.push(i);
-            rows += len;
-        }
-        if !pass.is_empty() {
+        for pass in pack_passes(chunks, &together, &self.product_path_bounds(), capacity) {
             self.run_chunks_pass(chunks, &pass, &mut out)?;
         }
         Ok(out)
+    }
+
+    /// Row counts at which some layer product of this model changes kernel: a low-bit matrix
+    /// (tensor-core layout, or a column-major one's batch twin) from its kernel to its f16 copy
+    /// at [`LOWBIT_DECODE_MIN_TOKENS`], an IE-BME one at [`IE_BME_DECODE_MIN_TOKENS`], a
+    /// Tiled-CBC one from the SpMM to its f16 copy past [`TCBC_SPMM_MAX_TOKENS`]. Sorted,
+    /// distinct.
+    ///
+    /// [`LOWBIT_DECODE_MIN_TOKENS`]: crate::prefill::LOWBIT_DECODE_MIN_TOKENS
+    /// [`IE_BME_DECODE_MIN_TOKENS`]: crate::prefill::IE_BME_DECODE_MIN_TOKENS
+    /// [`TCBC_SPMM_MAX_TOKENS`]: crate::prefill::TCBC_SPMM_MAX_TOKENS
+    fn product_path_bounds(&self) -> Vec<usize> {
+        use crate::matrix::DeviceMatrix;
+        let mut bounds: Vec<usize> = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .flat_map(|lin| lin.parts.iter().map(move |p| (p, lin.cols)))
+            .filter_map(|(p, k)| match &p.matrix {
+                DeviceMatrix::LowBit(_) | DeviceMatrix::LowBitCols(_, Some(_)) => {
+                    Some(crate::prefill::LOWBIT_DECODE_MIN_TOKENS)
+                }
+                DeviceMatrix::IeBme(_) => Some(crate::prefill::IE_BME_DECODE_MIN_TOKENS),
+                DeviceMatrix::TiledCbc(t) if t.spmm_supports(k) => {
+                    Some(crate::prefill::TCBC_SPMM_MAX_TOKENS + 1)
+                }
+                _ => None,
+            })
+            .collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        bounds
     }
 
     /// One batched pass over the checked chunks `chunks[pass]` (their rows fit the pass), then
@@ -2340,6 +2362,46 @@ impl GpuModel {
 }
 
 /// Refuses a model whose fixed buffers do not fit in the free GPU memory.
+/// The passes [`GpuModel::extend_slots`] runs `chunks[together]` in: chunks whose lengths lie
+/// between the same two of `bounds` (row counts where a product changes kernel) share passes
+/// whose rows stay below the next bound and within `capacity`, filled in order, each as full
+/// as the next whole chunk allows; so every chunk's products take the kernels they take when
+/// it runs alone. Every chunk of `together` is at most `capacity` rows.
+fn pack_passes(
+    chunks: &[SlotChunk<'_>],
+    together: &[usize],
+    bounds: &[usize],
+    capacity: usize,
+) -> Vec<Vec<usize>> {
+    let class = |rows: usize| bounds.iter().filter(|&&b| b <= rows).count();
+    let limit = |class: usize| {
+        bounds
+            .get(class)
+            .map_or(capacity, |&b| (b - 1).min(capacity))
+    };
+    let mut passes: Vec<Vec<usize>> = Vec::new();
+    for c in 0..=bounds.len() {
+        let mut pass: Vec<usize> = Vec::new();
+        let mut rows = 0;
+        for &i in together {
+            let len = chunks[i].tokens.len();
+            if class(len) != c {
+                continue;
+            }
+            if rows + len > limit(c) && !pass.is_empty() {
+                passes.push(std::mem::take(&mut pass));
+                rows = 0;
+            }
+            pass.push(i);
+            rows += len;
+        }
+        if !pass.is_empty() {
+            passes.push(pass);
+        }
+    }
+    passes
+}
+
 fn check_memory(_gpu: &Gpu, needed: usize) -> Result<()> {
     let (free, total) =
         cudarc::driver::result::mem_get_info().during("reading the free GPU memory")?;
@@ -2381,4 +2443,66 @@ fn check_layer(c: &ModelConfig, l: usize, hl: &HostLayer) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunks_of(lens: &[usize], tokens: &[u32]) -> Vec<SlotChunk<'static>> {
+        let tokens: &'static [u32] = Box::leak(tokens.to_vec().into_boxed_slice());
+        lens.iter()
+            .enumerate()
+            .map(|(slot, &n)| SlotChunk {
+                slot,
+                start: 0,
+                tokens: &tokens[..n],
+                logits: true,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn passes_keep_each_chunk_on_its_own_kernels() {
+        let tokens = vec![1u32; 200];
+        // A low-bit model (its kernel below 65 rows, an f16 copy from 65), passes of 128.
+        let chunks = chunks_of(&[20, 5, 90, 17, 2, 40, 64, 65], &tokens);
+        let all: Vec<usize> = (0..chunks.len()).collect();
+        let passes = pack_passes(&chunks, &all, &[65], 128);
+        assert_eq!(
+            passes,
+            vec![vec![0, 1, 3, 4], vec![5], vec![6], vec![2], vec![7]]
+        );
+        // No bounds (dense f16): one class, passes as full as the capacity allows, in order.
+        let passes = pack_passes(&chunks, &all, &[], 128);
+        assert_eq!(passes, vec![vec![0, 1, 2], vec![3, 4, 5, 6], vec![7]]);
+        // Every chunk once; every pass within its class's rows and of one class.
+        let mut seed = 7u64;
+        for _ in 0..200 {
+            let lens: Vec<usize> = (0..12)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    1 + (seed >> 33) as usize % 128
+                })
+                .collect();
+            let chunks = chunks_of(&lens, &tokens);
+            let together: Vec<usize> = (0..lens.len()).filter(|i| i % 5 != 4).collect();
+            for bounds in [vec![], vec![65], vec![33, 65]] {
+                let passes = pack_passes(&chunks, &together, &bounds, 128);
+                let mut seen: Vec<usize> = passes.iter().flatten().copied().collect();
+                seen.sort_unstable();
+                assert_eq!(seen, together, "{lens:?} {bounds:?}");
+                let class = |n: usize| bounds.iter().filter(|&&b| b <= n).count();
+                for pass in &passes {
+                    let rows: usize = pass.iter().map(|&i| lens[i]).sum();
+                    let c = class(lens[pass[0]]);
+                    let limit = bounds.get(c).map_or(128, |&b| b - 1);
+                    assert!(rows <= limit, "{pass:?} of {lens:?}: {rows} rows");
+                    assert!(pass.iter().all(|&i| class(lens[i]) == c), "{pass:?}");
+                }
+            }
+        }
+    }
 }

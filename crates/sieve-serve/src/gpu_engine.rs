@@ -179,7 +179,8 @@ impl DecodeEngine for GpuEngine {
 
     /// The chunks share batched passes ([`GpuModel::extend_slots`]): the weights are read once
     /// per pass, not once per prompt. Each chunk is checked alone first, so a bad one fails
-    /// by itself; a device error in a pass fails every chunk that ran with it.
+    /// by itself; a device error fails every chunk of the call (their slots then hold their
+    /// positions before the chunk, and the scheduler frees them).
     fn prefill_chunks(&mut self, chunks: &[PromptChunk<'_>]) -> Vec<Result<Option<Vec<f32>>>> {
         let mut results: Vec<Option<Result<Option<Vec<f32>>>>> = Vec::with_capacity(chunks.len());
         let mut runnable: Vec<usize> = Vec::new();
@@ -222,7 +223,10 @@ impl DecodeEngine for GpuEngine {
                 }
             }
             Err(e) => {
-                let message = model_error(e).to_string();
+                let message = match model_error(e) {
+                    ModelError::Device(m) => m,
+                    other => other.to_string(),
+                };
                 for &i in &runnable {
                     results[i] = Some(Err(ModelError::Device(message.clone())));
                 }

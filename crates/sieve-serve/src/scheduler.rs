@@ -397,8 +397,26 @@ pub fn run(
                 })
                 .collect();
             let started = Instant::now();
-            let results = engine.prefill_chunks(&chunks);
+            let mut results = engine.prefill_chunks(&chunks);
             Metrics::add_time(&metrics.prefill_nanos, started.elapsed());
+            // One result per chunk, logits exactly for the prompts' last chunks: an engine
+            // that breaks this fails the requests concerned, not the scheduler.
+            results.truncate(chunks.len());
+            results.resize_with(chunks.len(), || {
+                Err(sieve_model::ModelError::Device(
+                    "the engine returned no result for this prompt chunk".into(),
+                ))
+            });
+            for (result, chunk) in results.iter_mut().zip(&chunks) {
+                let broken = match result {
+                    Ok(None) if chunk.last => "no logits for a prompt's last chunk",
+                    Ok(Some(_)) if !chunk.last => "logits for a chunk that is not a prompt's last",
+                    _ => continue,
+                };
+                *result = Err(sieve_model::ModelError::Device(format!(
+                    "the engine returned {broken}"
+                )));
+            }
             drop(chunks);
             // In admission order; `removed` counts the prompts taken out before index i.
             let mut removed = 0;
