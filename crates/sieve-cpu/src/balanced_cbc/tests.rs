@@ -34,6 +34,14 @@ fn term_sizes(w: &DenseMatrix, x: &[f32], t: Threshold) -> Vec<f64> {
     matvec_f64(&wa, &xa, None)
 }
 
+/// [`term_sizes`] of every token of a batch, in the order of `matmul_f64`'s results.
+fn term_sizes_m(w: &DenseMatrix, x: &[f32], tokens: usize, t: Threshold) -> Vec<f64> {
+    x.chunks(w.cols())
+        .take(tokens)
+        .flat_map(|xt| term_sizes(w, xt, t))
+        .collect()
+}
+
 /// [`check_error`] relative to the largest row's terms (`term_sizes`) instead of the largest
 /// result.
 fn check_error_of_terms(got: &[f32], want: &[f64], terms: &[f64], what: &str) {
@@ -63,22 +71,25 @@ fn check(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, seed: u
     reference.matmul(&x, tokens, t, &mut ref_m).unwrap();
     let ref_v: Vec<f64> = ref_v.iter().map(|&v| v as f64).collect();
     let ref_m: Vec<f64> = ref_m.iter().map(|&v| v as f64).collect();
+    // Relative to the terms, not the results: one row's sum can cancel to almost nothing.
+    let (terms, terms_m) = (
+        term_sizes(&w, &x[..cols], t),
+        term_sizes_m(&w, &x, tokens, t),
+    );
     for arrangement in ARRANGEMENTS {
         let fast = FastBalancedCbc::with_arrangement(&reference, arrangement);
         for level in SimdLevel::available() {
             let what = format!("{level:?} {arrangement:?} {rows}x{cols} N {slots} dp {dp}");
             let mut y = vec![f32::NAN; rows];
             fast.matvec_with(level, &x[..cols], t, &mut y).unwrap();
-            check_error(&y, &want_v, &format!("{what} matvec"));
-            check_error(&y, &ref_v, &format!("{what} matvec vs BalancedCbc::matvec"));
+            check_error_of_terms(&y, &want_v, &terms, &format!("{what} matvec"));
+            let vs = format!("{what} matvec vs BalancedCbc::matvec");
+            check_error_of_terms(&y, &ref_v, &terms, &vs);
             let mut ym = vec![f32::NAN; rows * tokens];
             fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
-            check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
-            check_error(
-                &ym,
-                &ref_m,
-                &format!("{what} matmul vs BalancedCbc::matmul"),
-            );
+            check_error_of_terms(&ym, &want_m, &terms_m, &format!("{what} matmul x{tokens}"));
+            let vs = format!("{what} matmul vs BalancedCbc::matmul");
+            check_error_of_terms(&ym, &ref_m, &terms_m, &vs);
         }
     }
 }
@@ -221,6 +232,8 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
     let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
     let want_m = matmul_f64(&w, &x, tokens, t);
     let terms = term_sizes(&w, &x[..cols], t);
+    // The batch's outputs cancel like the single vector's: measured against their terms too.
+    let terms_m = term_sizes_m(&w, &x, tokens, t);
     let fast = FastBalancedCbc::with_int8(&reference).expect("a snapped matrix is on its grids");
     assert_eq!(fast.values(), Values::Int8);
     let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
@@ -242,7 +255,7 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
         );
         let mut ym = vec![f32::NAN; rows * tokens];
         fast.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
-        check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+        check_error_of_terms(&ym, &want_m, &terms_m, &format!("{what} matmul x{tokens}"));
         // Padded records (the layout experiment) give the same products.
         for align in [2, 8] {
             let padded = FastBalancedCbc::with_int8_aligned(&reference, align).unwrap();
@@ -256,9 +269,10 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
             );
             let mut ym = vec![f32::NAN; rows * tokens];
             padded.matmul_with(level, &x, tokens, t, &mut ym).unwrap();
-            check_error(
+            check_error_of_terms(
                 &ym,
                 &want_m,
+                &terms_m,
                 &format!("{what} align {align} matmul x{tokens}"),
             );
         }
@@ -534,6 +548,8 @@ fn check_int4(
     let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
     let want_m = matmul_f64(&w, &x, tokens, t);
     let terms = term_sizes(&w, &x[..cols], t);
+    // The batch's outputs cancel like the single vector's: measured against their terms too.
+    let terms_m = term_sizes_m(&w, &x, tokens, t);
     let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
     let mut ref_v = vec![0f32; rows];
     f16_records
@@ -587,7 +603,8 @@ fn check_int4(
                     check_quantized_activations(yt, wt, &w, xt, t, &what);
                 }
             } else {
-                check_error(&ym, &want_m, &format!("{what} matmul x{tokens}"));
+                let what = format!("{what} matmul x{tokens}");
+                check_error_of_terms(&ym, &want_m, &terms_m, &what);
             }
         }
     }
