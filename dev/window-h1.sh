@@ -5,7 +5,9 @@
 # engine's `prefill_chunks`): its runner test against each chunk alone. (2) W4A16 g128 at 2
 # blocks per SM above 8 tokens (window G7 measured it in `bench gemm` only): the low-bit
 # kernel tests, the batched runner test, then the 7B step at batches of 1, 8, 32 (window G1:
-# int4 g128 sp 0.5 / dp 0.5 5.907 ms at 32, dense f16 6.870 ms; H100).
+# int4 g128 sp 0.5 / dp 0.5 5.907 ms at 32, dense f16 6.870 ms; H100). (3) The column-major
+# 4-bit kernel with two slots per warp (`t1r16s2`, W4A16 g128 only): its kernel test, then
+# `bench gemm` against t1r16 and t2r8 in the same call, and the 4-bit TEAL step with it forced.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
@@ -21,3 +23,11 @@ for cfg in "--sp 0 --dp 0" "--format dense --values int4 --sp 0.5 --dp 0.5"; do
   timeout 150 $S bench decode --synthetic llama2-7b $cfg --prompt 128 --tokens 64 --batch 1,8,32 > "$OUT/decode-${cfg// /_}.log" 2>&1
   grep -E "TPOT|batch " "$OUT/decode-${cfg// /_}.log" | cut -c1-200
 done
+for v in t1r16 t1r16s2 t2r8; do
+  (export SIEVE_LOWBIT_COLS_VARIANT=$v; run_t lowbit_cols 90 --test-threads 1 | sed "s/^/$v: /"
+   timeout 120 $S bench gemm --shapes llama2-7b --precision w4a16-cols --n 1 --sp 0.5 --dp 0.5,0.7 --graph > "$OUT/gemm-cols-$v.txt" 2>&1
+   grep -E "w4a16-cols" "$OUT/gemm-cols-$v.txt" | sed "s/^/$v: /" | head -8)
+done
+(export SIEVE_LOWBIT_COLS_VARIANT=t1r16s2
+ timeout 150 $S bench decode --synthetic llama2-7b --format dense --values int4 --sp 0.5 --dp 0.5 --prompt 128 --tokens 128 > "$OUT/decode-s2.log" 2>&1
+ grep -E "TPOT|products" "$OUT/decode-s2.log" | cut -c1-200)

@@ -66,14 +66,20 @@ __device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
 // T = row tiles per warp (1 or 2): with 2, a lane owns 8 rows in each of two adjacent row tiles
 // (their words are 128 bytes apart in a column), so the per-column work of the list and the
 // per-slot compaction serve twice the weights, and a round keeps 2 x 16 loads in flight.
-template <int G, int T, int R>
+// H = slots per warp (1 or 2, G = 128 only): with 2 a warp takes 64 consecutive columns of one
+// scale group as one list (one power-of-two input scale for both: every scaled input is still
+// below 256), so the grid has half the blocks (no second partial wave where 1 slot per warp
+// makes 1.04 waves: 4096 x 11008) and a warp keeps up to twice the active columns in flight.
+// `slot` below counts warps' column ranges of 32 H columns.
+template <int G, int T, int R, int H>
 __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
                                             const float* __restrict__ x, float t, float* __restrict__ y, int M,
                                             int K, int Mp, int slots) {
+    static_assert(H == 1 || (H == 2 && G % 64 == 0), "two slots per warp stay inside one scale group");
     __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS * T];
-    // Per warp, its slot's columns in order, active first: (byte offset of the column from the
-    // slot's first, f16 input in both halves).
-    __shared__ __align__(8) uint2 list[LBC_WARPS][LBC_SLOT];
+    // Per warp, its columns in order, active first: (byte offset of the column from the warp's
+    // first, f16 input in both halves).
+    __shared__ __align__(8) uint2 list[LBC_WARPS][LBC_SLOT * H];
     int lane = threadIdx.x & 31;
     int wib = threadIdx.x >> 5;
     int rt0 = blockIdx.x * T;
@@ -86,9 +92,13 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
         for (int i = 0; i < 8; ++i) acc[tt][i] = 0.f;
     if (slot < slots) {
         // 1. Inputs and scales, all in flight at once.
-        int k = slot * LBC_SLOT + lane;
-        float v = k < K ? x[k] : 0.f;
-        int g = (slot * LBC_SLOT) / G;
+        float v[H];
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            int k = (slot * H + h) * LBC_SLOT + lane;
+            v[h] = k < K ? x[k] : 0.f;
+        }
+        int g = (slot * H * LBC_SLOT) / G;
         uint4 sv[T];
 #pragma unroll
         for (int tt = 0; tt < T; ++tt)
@@ -96,24 +106,40 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
                                                                          (size_t)(rt0 + tt) * LBC_ROWS + lane * 8)
                                       : make_uint4(0u, 0u, 0u, 0u);
         // 2. Compaction in registers, written to the warp's list in shared memory.
-        bool on = k < K && active(v, t);
-        u32 mask = __ballot_sync(FULL_MASK, on);
-        float a = on ? fabsf(v) : 0.f;
+        bool on[H];
+        u32 mask[H];
+        float a = 0.f;
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            int k = (slot * H + h) * LBC_SLOT + lane;
+            on[h] = k < K && active(v[h], t);
+            mask[h] = __ballot_sync(FULL_MASK, on[h]);
+            a = fmaxf(a, on[h] ? fabsf(v[h]) : 0.f);
+        }
 #pragma unroll
         for (int d = 16; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, d));
         // Zero and subnormal maxima give E = -126; the clamp keeps 2^s and 2^-s finite.
         int E = (int)((__float_as_uint(a) >> 23) & 0xffu) - 126;
         int s = min(max(8 - E, -100), 100);
-        u32 xh = on ? (u32)f2h(v * lbc_pow2(s)) : 0u;
-        int n = __popc(mask);
-        u32 below = mask & ((1u << lane) - 1u);
-        // Active lanes first, in column order; inactive ones after them with input 0.
-        int pos = on ? __popc(below) : n + (lane - __popc(below));
+        int n = 0;
+#pragma unroll
+        for (int h = 0; h < H; ++h) n += __popc(mask[h]);
         u32 ldw_bytes = (u32)(Mp / 8) * 4u;
-        list[wib][pos] = make_uint2((u32)lane * ldw_bytes, xh | (xh << 16));
+        // Active columns first, in column order; inactive ones after them with input 0 (slot h's
+        // after slot h - 1's), so that every entry a round reads is defined.
+        int active_before = 0, inactive_before = 0;
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            u32 xh = on[h] ? (u32)f2h(v[h] * lbc_pow2(s)) : 0u;
+            int below = __popc(mask[h] & ((1u << lane) - 1u));
+            int pos = on[h] ? active_before + below : n + inactive_before + (lane - below);
+            list[wib][pos] = make_uint2((u32)(h * LBC_SLOT + lane) * ldw_bytes, xh | (xh << 16));
+            active_before += __popc(mask[h]);
+            inactive_before += LBC_SLOT - __popc(mask[h]);
+        }
         __syncwarp();
-        const char* wbase =
-            reinterpret_cast<const char*>(w + (size_t)slot * LBC_SLOT * (Mp / 8) + (size_t)rt0 * 32 + lane);
+        const char* wbase = reinterpret_cast<const char*>(w + (size_t)slot * H * LBC_SLOT * (Mp / 8) +
+                                                          (size_t)rt0 * 32 + lane);
         bool second = T > 1 && rt0 + 1 < tiles;
         // 3. The active columns, 16 (x T) loads in flight per round.
         for (int j0 = 0; j0 < n; j0 += R) {
@@ -198,20 +224,22 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
     const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const float *__restrict__ x, float t, \
         float *__restrict__ y, int M, int K, int Mp, int slots
 
-// Grid: (ceil(row tiles / T), ceil(slots / 8)), 256 threads.
-#define LBC_W4_KERNEL(NAME, G, T, R, MINB)                                       \
+// Grid: (ceil(row tiles / T), ceil(warp column ranges / 8)), 256 threads; `slots` counts the
+// warps' column ranges of 32 H columns.
+#define LBC_W4_KERNEL(NAME, G, T, R, H, MINB)                                    \
     extern "C" __global__ void __launch_bounds__(256, MINB) NAME(LBC_W4_ARGS) { \
         pdl_wait_then_release();                                                 \
-        lbc_w4_body<G, T, R>(w, scales, x, t, y, M, K, Mp, slots);               \
+        lbc_w4_body<G, T, R, H>(w, scales, x, t, y, M, K, Mp, slots);            \
     }
 // Variants (src/lowbit_cols.rs `ColsVariant`): one row tile and rounds of 16 columns; two row
-// tiles per warp with rounds of 16 or 8.
-LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 5)
-LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 5)
-LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 2)
-LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 2)
-LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 3)
-LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 3)
+// tiles per warp with rounds of 16 or 8; one row tile and two slots per warp (G = 128 only).
+LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 1, 5)
+LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 1, 5)
+LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 1, 2)
+LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 1, 2)
+LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 1, 3)
+LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 1, 3)
+LBC_W4_KERNEL(lbc_w4_g128_s2, 128, 1, 16, 2, 4)
 
 // One thread per word: rows r .. r + 7 of column k as 8 f16 at out[k · Mp + r].
 extern "C" __global__ void __launch_bounds__(256)

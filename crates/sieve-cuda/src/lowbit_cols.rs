@@ -48,22 +48,50 @@ pub enum ColsVariant {
     T2R16,
     /// Two row tiles per warp, rounds of 8.
     T2R8,
+    /// One row tile, rounds of 16, two slots (64 columns of one scale group) per warp as one
+    /// list: half the blocks, so no second partial wave where one slot per warp makes 1.04
+    /// waves (4096 x 11008 on 132 SMs), and up to twice the active columns in flight. W4A16
+    /// g128 only (another kind takes [`ColsVariant::T1R16`]). Built 2026-12-06 without a
+    /// device; to be measured against t1r16 (`SIEVE_LOWBIT_COLS_VARIANT=t1r16s2`).
+    T1R16S2,
 }
 
 impl ColsVariant {
-    pub const ALL: [ColsVariant; 3] = [ColsVariant::T1R16, ColsVariant::T2R16, ColsVariant::T2R8];
+    pub const ALL: [ColsVariant; 4] = [
+        ColsVariant::T1R16,
+        ColsVariant::T2R16,
+        ColsVariant::T2R8,
+        ColsVariant::T1R16S2,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             ColsVariant::T1R16 => "t1r16",
             ColsVariant::T2R16 => "t2r16",
             ColsVariant::T2R8 => "t2r8",
+            ColsVariant::T1R16S2 => "t1r16s2",
         }
     }
     /// Row tiles per warp.
     pub fn tiles(self) -> usize {
         match self {
-            ColsVariant::T1R16 => 1,
+            ColsVariant::T1R16 | ColsVariant::T1R16S2 => 1,
             _ => 2,
+        }
+    }
+    /// Slots of [`SLOT`] columns per warp, compacted as one list under one input scale.
+    pub fn slots_per_warp(self) -> usize {
+        match self {
+            ColsVariant::T1R16S2 => 2,
+            _ => 1,
+        }
+    }
+    /// The variant a matrix of `kind` runs: [`ColsVariant::T1R16S2`] needs a scale group of
+    /// at least its 64 columns (W4A16 g128); Q4_0's 32-column groups take t1r16 instead.
+    pub fn for_kind(self, kind: LowBitKind) -> ColsVariant {
+        if self.slots_per_warp() * SLOT > kind.group() {
+            ColsVariant::T1R16
+        } else {
+            self
         }
     }
     /// Active columns per round: the products in one f16 partial sum.
@@ -78,9 +106,10 @@ impl ColsVariant {
             ColsVariant::T1R16 => "",
             ColsVariant::T2R16 => "_t2",
             ColsVariant::T2R8 => "_t2r8",
+            ColsVariant::T1R16S2 => "_s2",
         }
     }
-    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8`
+    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8|t1r16s2`
     /// in the environment (read once; a switch for measuring the variants against each other),
     /// else by the rows. Measured on an H100 (2026-12-05, `bench gemm`, graph replays, sp 0.5):
     /// at 11008 x 4096 t2r8 took 8.43 / 6.99 µs at dp 0.5 / 0.7 against t1r16's 10.39 / 7.49;
@@ -219,18 +248,23 @@ pub fn slot_exponent(max_abs: f32) -> i32 {
     (8 - e).clamp(-100, 100)
 }
 
-/// The kernel's arithmetic on the CPU: `W · mask_t(x)` with each slot's inputs scaled and
-/// rounded to f16, f16 partial sums of `round` products ([`ColsVariant::round`]; one rounding
-/// per fused multiply-add), f32 sums beyond, scaled by the row's scale and the slot's `2^-s`,
-/// slots added in order. The GPU differs only in the order of its f32 additions.
-pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold, round: usize) -> Result<Vec<f32>> {
-    if round == 0 {
-        return Err(CudaError::Option("emulate: a round of 0 columns".into()));
-    }
+/// The kernel's arithmetic on the CPU for `variant` (the one a matrix of `l`'s kind runs,
+/// [`ColsVariant::for_kind`]): `W · mask_t(x)` with each warp's inputs ([`ColsVariant::slots_per_warp`]
+/// slots) scaled and rounded to f16, f16 partial sums of [`ColsVariant::round`] products (one
+/// rounding per fused multiply-add), f32 sums beyond, scaled by the row's scale and the
+/// warp's `2^-s`, warps added in order. The GPU differs only in the order of its f32 additions.
+pub fn emulate(
+    l: &ColumnLayout,
+    x: &[f32],
+    t: Threshold,
+    variant: ColsVariant,
+) -> Result<Vec<f32>> {
+    let variant = variant.for_kind(l.kind);
+    let (round, width) = (variant.round(), SLOT * variant.slots_per_warp());
     check_len("activation length (K)", l.cols, x.len())?;
     let mut y = vec![0f32; l.rows];
-    for slot in 0..l.slots() {
-        let cols: Vec<usize> = (slot * SLOT..((slot + 1) * SLOT).min(l.cols))
+    for slot in 0..l.padded_cols.div_ceil(width) {
+        let cols: Vec<usize> = (slot * width..((slot + 1) * width).min(l.cols))
             .filter(|&k| is_active(x[k], t))
             .collect();
         if cols.is_empty() {
@@ -250,7 +284,7 @@ pub fn emulate(l: &ColumnLayout, x: &[f32], t: Threshold, round: usize) -> Resul
                 }
                 acc += h.to_f32();
             }
-            *out += acc * (l.scale_at(r, slot * SLOT) * down);
+            *out += acc * (l.scale_at(r, slot * width) * down);
         }
     }
     Ok(y)
@@ -293,7 +327,7 @@ impl GpuLowBitCols {
 
     pub fn upload_layout(gpu: &Gpu, l: &ColumnLayout) -> Result<Self> {
         // Look the kernels up now: never first inside a graph capture.
-        let variant = ColsVariant::for_rows(l.padded_rows);
+        let variant = ColsVariant::for_rows(l.padded_rows).for_kind(l.kind);
         gpu.function(&FAMILY, &Self::kernel_name(l.kind, variant))?;
         gpu.function(&FAMILY, "lbc_w4_to_f16_t")?;
         Ok(Self {
@@ -364,8 +398,9 @@ impl GpuLowBitCols {
 impl GpuAccumulate for GpuLowBitCols {
     /// `y += W · mask_t(x)`: one launch, the compaction done by each warp for its slot.
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
-        let slots = self.padded_cols / SLOT;
         let v = self.variant;
+        // The warps' column ranges: one or two slots each (the kernel's `slots`).
+        let slots = (self.padded_cols / SLOT).div_ceil(v.slots_per_warp());
         let f = gpu.function(&FAMILY, &Self::kernel_name(self.kind, v))?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -483,17 +518,24 @@ mod tests {
         let src = FAMILY.source;
         for v in ColsVariant::ALL {
             for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
-                // The kernel instance has the variant's tiles and round (the emulation's).
+                // The kernel instance has the variant's tiles, round and slots per warp (the
+                // emulation's).
+                let v = v.for_kind(kind);
                 let name = GpuLowBitCols::kernel_name(kind, v);
                 let line = format!(
-                    "LBC_W4_KERNEL({name}, {}, {}, {},",
+                    "LBC_W4_KERNEL({name}, {}, {}, {}, {},",
                     kind.group(),
                     v.tiles(),
-                    v.round()
+                    v.round(),
+                    v.slots_per_warp()
                 );
                 assert!(src.contains(&line), "{line}");
             }
         }
+        assert_eq!(
+            ColsVariant::T1R16S2.for_kind(LowBitKind::W4G32),
+            ColsVariant::T1R16
+        );
     }
 
     #[test]
@@ -534,14 +576,16 @@ mod tests {
     #[test]
     fn emulated_kernel_is_within_f16_partial_sum_error_of_the_reference() {
         for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
-            for (rows, cols) in [(1, 1), (37, 33), (300, 4096)] {
+            for (rows, cols) in [(1, 1), (37, 33), (300, 4096), (40, 100)] {
                 let m = matrix(kind, rows, cols, 7);
                 let l = ColumnLayout::new(&m).unwrap();
                 let x = activations(cols, 11);
                 for dp in [0.0, 0.5, 0.9] {
                     let t = threshold_for_sparsity(&x, dp).unwrap();
-                    let e = rel_error(&emulate(&l, &x, t, 16).unwrap(), &reference(&m, &x, t));
-                    assert!(e < 2e-3, "{kind:?} {rows}x{cols} dp {dp}: {e}");
+                    for v in ColsVariant::ALL {
+                        let e = rel_error(&emulate(&l, &x, t, v).unwrap(), &reference(&m, &x, t));
+                        assert!(e < 2e-3, "{kind:?} {rows}x{cols} dp {dp} {v:?}: {e}");
+                    }
                 }
             }
         }
@@ -563,7 +607,7 @@ mod tests {
         let mut x = vec![1e-3f32; cols];
         x[5] = 30_000.0;
         x[40] = -20_000.0;
-        let got = emulate(&l, &x, None, 16).unwrap();
+        let got = emulate(&l, &x, None, ColsVariant::T1R16).unwrap();
         assert!(got.iter().all(|v| v.is_finite()), "{got:?}");
         let e = rel_error(&got, &reference(&m, &x, None));
         assert!(e < 2e-3, "rel error {e}");

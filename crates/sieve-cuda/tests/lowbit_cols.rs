@@ -54,7 +54,7 @@ fn gpu_lowbit_cols_match_reference_and_emulation() {
                 };
                 let what = format!("{kind:?} {rows}x{cols} dp {dp:?}");
                 let wanted = reference(&m, &x, t);
-                let emulated = emulate(&l, &x, t, d.variant().round()).unwrap();
+                let emulated = emulate(&l, &x, t, d.variant()).unwrap();
                 let mut y = gpu.poisoned_f32(rows).unwrap();
                 sieve_cuda::GpuMatVec::launch(&d, &gpu, &xd, t, &mut y).unwrap();
                 gpu.synchronize().unwrap();
