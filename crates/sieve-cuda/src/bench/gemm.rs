@@ -178,7 +178,8 @@ impl std::fmt::Display for Precision {
 #[derive(Clone, Debug, PartialEq)]
 pub struct GemmBenchOptions {
     pub shapes: Vec<String>,
-    /// Tokens per product, each 1..=[`MAX_BENCH_TOKENS`] (the IE-BME rows stop at 32).
+    /// Tokens per product, each 1..=[`MAX_BENCH_TOKENS`] (the IE-BME rows stop at 32, the other
+    /// kernels' rows at [`MAX_KERNEL_TOKENS`]).
     pub n: Vec<usize>,
     /// Weight sparsities of the Balanced-CBC rows.
     pub sp: Vec<f64>,
@@ -218,10 +219,30 @@ impl Default for GemmBenchOptions {
     }
 }
 
-/// Most tokens per product: the batched pass's chunk. The low-bit kernels take 32 a launch
-/// and run larger N in launches of 32, as the batched pass does; the IE-BME kernel's rows skip
-/// N above its 32.
-pub const MAX_BENCH_TOKENS: usize = 256;
+/// Most tokens per product of the rows that multiply through a GEMM on the tensor cores (f16,
+/// slide-f16 and the decode-gemm rows: [`Precision::takes_long_prompts`]), so that prompts of
+/// thousands of tokens are measured (issue 29 asks up to 8192).
+pub const MAX_BENCH_TOKENS: usize = 16384;
+
+/// Most tokens per product of the other rows: the batched pass's chunk. The low-bit kernels
+/// take 32 a launch and run larger N in launches of 32, as the batched pass does; the IE-BME
+/// kernel's rows skip N above its 32.
+pub const MAX_KERNEL_TOKENS: usize = 256;
+
+impl Precision {
+    /// Rows measured at every N up to [`MAX_BENCH_TOKENS`] (the others stop at
+    /// [`MAX_KERNEL_TOKENS`]).
+    pub fn takes_long_prompts(self) -> bool {
+        matches!(
+            self,
+            Precision::F16
+                | Precision::SlideF16
+                | Precision::TcbcDecodeGemm
+                | Precision::W4A16DecodeGemm
+                | Precision::Q4KDecodeGemm
+        )
+    }
+}
 
 impl GemmBenchOptions {
     pub fn validate(&self) -> Result<Vec<Shape>> {
@@ -321,7 +342,7 @@ impl Ctx<'_> {
         &self,
         copies: usize,
         y: &mut CudaSlice<f32>,
-        want: &[f64],
+        want: &Expected,
         mut launch: F,
     ) -> Result<Timed>
     where
@@ -340,7 +361,7 @@ impl Ctx<'_> {
         super::graph::poison(gpu, y)?;
         let t = super::graph::time_replays(gpu, &g, launches, self.opts.graph_replays)?;
         let got = gpu.download(y)?;
-        let err = max_rel_error(&got[..want.len()], want);
+        let err = want.error(&got);
         Ok(Timed {
             event,
             graph: Some((t, err)),
@@ -457,9 +478,79 @@ fn masked(x: &[f32], thr: sieve_formats::Threshold) -> Vec<f64> {
         .collect()
 }
 
-/// The first `n` tokens' part of a reference computed for more tokens (`y` is tokens x M).
-fn first_tokens(y: &[f64], m: usize, n: usize) -> &[f64] {
-    &y[..n * m]
+/// What a product's output (N x M) is checked against: the f64 reference rows of `tokens`.
+/// Every token up to [`MAX_KERNEL_TOKENS`]; a spread of them beyond ([`checked_tokens`]), where
+/// a full f64 reference would take minutes per shape.
+struct Expected {
+    m: usize,
+    tokens: Vec<usize>,
+    /// `tokens.len()` x M.
+    y: Vec<f64>,
+}
+
+impl Expected {
+    /// Every row of a reference of `y.len() / m` tokens.
+    fn all(m: usize, y: Vec<f64>) -> Self {
+        Self {
+            m,
+            tokens: (0..y.len() / m.max(1)).collect(),
+            y,
+        }
+    }
+
+    /// Max relative error of `got`'s checked rows.
+    fn error(&self, got: &[f32]) -> f64 {
+        let rows: Vec<f32> = gather_rows(got, self.m, &self.tokens);
+        max_rel_error(&rows, &self.y)
+    }
+}
+
+/// The tokens checked of an `n`-token product: all up to [`MAX_KERNEL_TOKENS`], else the
+/// first, last and quarter points (each token's row is its own dot products: a wrong row
+/// offset, tile or split anywhere shows in these).
+fn checked_tokens(n: usize) -> Vec<usize> {
+    if n <= MAX_KERNEL_TOKENS {
+        return (0..n).collect();
+    }
+    let mut t = vec![0, 1, n / 4, n / 2, 3 * n / 4, n - 2, n - 1];
+    t.sort_unstable();
+    t.dedup();
+    t
+}
+
+/// Rows `tokens` of the row-major `x` of rows of `width`.
+fn gather_rows<T: Copy>(x: &[T], width: usize, tokens: &[usize]) -> Vec<T> {
+    tokens
+        .iter()
+        .flat_map(|&t| x[t * width..(t + 1) * width].iter().copied())
+        .collect()
+}
+
+/// The reference of an `n`-token product of `w` (M x K) with `x` (at least n x K): the first
+/// `n` rows of `prefix` (the reference of the first min(max N, [`MAX_KERNEL_TOKENS`]) tokens)
+/// up to [`MAX_KERNEL_TOKENS`], the rows of [`checked_tokens`] computed here beyond.
+fn expected(w: &[f64], m: usize, k: usize, x: &[f64], n: usize, prefix: &[f64]) -> Expected {
+    let tokens = checked_tokens(n);
+    if n <= MAX_KERNEL_TOKENS {
+        return Expected {
+            m,
+            tokens,
+            y: prefix[..n * m].to_vec(),
+        };
+    }
+    let xs = gather_rows(x, k, &tokens);
+    let y = reference_product(w, m, k, &xs, tokens.len());
+    Expected { m, tokens, y }
+}
+
+/// Tokens of the shared reference prefix: the largest N up to [`MAX_KERNEL_TOKENS`].
+fn prefix_tokens(opts: &GemmBenchOptions) -> usize {
+    opts.n
+        .iter()
+        .copied()
+        .filter(|&n| n <= MAX_KERNEL_TOKENS)
+        .max()
+        .unwrap_or(1)
 }
 
 pub fn run(opts: &GemmBenchOptions, progress: &mut dyn FnMut(&str)) -> Result<GemmReport> {
@@ -529,16 +620,16 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
         .collect::<Result<_>>()?;
     let blas = Cublas::new(gpu, &dense[0])?;
     let w0f: Vec<f64> = w0.data().iter().map(|v| v.to_f64()).collect();
-    let want0 = reference_product(&w0f, m, k, &xf, nmax);
+    let want0 = reference_product(&w0f, m, k, &xf, prefix_tokens(opts));
     let mut bases = Vec::new();
     for &n in &opts.n {
         let xd = gpu.upload(&x16[..n * k])?;
         let mut y = gpu.poisoned_f32(n * m)?;
-        let want = first_tokens(&want0, m, n);
+        let want = expected(&w0f, m, k, &xf, n, &want0);
         blas.gemm(gpu, &dense[0], &xd, n, &mut y)?;
-        let err = max_rel_error(&gpu.download(&y)?, want);
+        let err = want.error(&gpu.download(&y)?);
         let nd = dense.len();
-        let t = ctx.time(nd, &mut y, want, |i, y| {
+        let t = ctx.time(nd, &mut y, &want, |i, y| {
             blas.gemm(gpu, &dense[i % nd], &xd, n, y)
         })?;
         let bytes = m * k * 2 + n * k * 2 + n * m * 4;
@@ -565,7 +656,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
         };
         let decode_gemm = matches!(p, Precision::W4A16DecodeGemm | Precision::Q4KDecodeGemm);
         let wq: Vec<f64> = lb.dequantize().into_iter().map(|v| v as f64).collect();
-        let want_all = reference_product(&wq, m, k, &xf, nmax);
+        let want_all = reference_product(&wq, m, k, &xf, prefix_tokens(opts));
         let bytes_w = lb.device_bytes();
         let copies: Vec<GpuLowBit> = (0..ctx.copies(bytes_w))
             .map(|_| GpuLowBit::upload(gpu, &lb))
@@ -578,10 +669,13 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
             None
         };
         for (ni, &n) in opts.n.iter().enumerate() {
+            if n > MAX_KERNEL_TOKENS && !p.takes_long_prompts() {
+                continue;
+            }
             let xd = gpu.upload(&pad_activations(&x16[..n * k], n, k, kp))?;
             let x16d = gpu.upload(&x16[..n * k])?;
             let mut y = gpu.poisoned_f32(n * m)?;
-            let want = first_tokens(&want_all, m, n);
+            let want = expected(&wq, m, k, &xf, n, &want_all);
             let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
                 let w = &copies[i % copies.len()];
                 use crate::product::dev_ptr;
@@ -616,8 +710,8 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
                 }
             };
             launch(0, &mut y)?;
-            let err = max_rel_error(&gpu.download(&y)?, want);
-            let t = ctx.time(copies.len(), &mut y, want, launch)?;
+            let err = want.error(&gpu.download(&y)?);
+            let t = ctx.time(copies.len(), &mut y, &want, launch)?;
             let bytes = if decode_gemm {
                 // Read the blocks, write and read back the f16 copy, the GEMM's x and y.
                 bytes_w + 2 * mp * kp * 2 + n * k * 2 + n * m * 4
@@ -680,12 +774,12 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
                 let x = activations(k, seed ^ (0x100 + di as u64));
                 let thr = threshold_for_sparsity(&x, dp)?;
                 let xm = masked(&x, thr);
-                let want = reference_product(&wqf, m, k, &xm, 1);
+                let want = Expected::all(m, reference_product(&wqf, m, k, &xm, 1));
                 let xd = gpu.upload(&x)?;
                 let mut y = gpu.poisoned_f32(m)?;
                 copies[0].launch(gpu, &xd, thr, &mut y)?;
                 gpu.synchronize()?;
-                let err = max_rel_error(&gpu.download(&y)?, &want);
+                let err = want.error(&gpu.download(&y)?);
                 let nc = copies.len();
                 let t = ctx.time(nc, &mut y, &want, |i, y| {
                     copies[i % nc].launch(gpu, &xd, thr, y)
@@ -737,12 +831,12 @@ fn bench_lowbit_cols(ctx: &mut Ctx, shape: &Shape, seed: u64, bases: &[Timed]) -
                     .into_iter()
                     .map(|v| f16::from_f64(v).to_f64())
                     .collect();
-                let want = reference_product(&wq, m, k, &xm, 1);
+                let want = Expected::all(m, reference_product(&wq, m, k, &xm, 1));
                 let xd = gpu.upload(&x)?;
                 let mut y = gpu.poisoned_f32(m)?;
                 copies[0].launch(gpu, &xd, thr, &mut y)?;
                 gpu.synchronize()?;
-                let err = max_rel_error(&gpu.download(&y)?, &want);
+                let err = want.error(&gpu.download(&y)?);
                 let t = ctx.time(nc, &mut y, &want, |i, y| {
                     copies[i % nc].launch(gpu, &xd, thr, y)
                 })?;
@@ -787,7 +881,7 @@ fn bench_ie_bme(
             let layout = IeBmeDevice::new(&enc)?;
             let wq: Vec<f64> = enc.decode().data().iter().map(|v| v.to_f64()).collect();
             let xf: Vec<f64> = x16.iter().map(|v| v.to_f64()).collect();
-            let want_all = reference_product(&wq, m, k, &xf, nmax);
+            let want_all = reference_product(&wq, m, k, &xf, nmax.min(crate::ie_bme::MAX_TOKENS));
             let bytes_w = layout.device_bytes();
             let copies: Vec<GpuIeBme> = (0..ctx.copies(bytes_w))
                 .map(|_| GpuIeBme::upload(gpu, &layout))
@@ -799,10 +893,10 @@ fn bench_ie_bme(
                 }
                 let xd = gpu.upload(&xf32[..n * k])?;
                 let mut y = gpu.poisoned_f32(n * m)?;
-                let want = first_tokens(&want_all, m, n);
+                let want = expected(&wq, m, k, &xf, n, &want_all);
                 copies[0].launch_tokens(gpu, &xd, n, None, &mut y)?;
-                let err = max_rel_error(&gpu.download(&y)?, want);
-                let t = ctx.time(nc, &mut y, want, |i, y| {
+                let err = want.error(&gpu.download(&y)?);
+                let t = ctx.time(nc, &mut y, &want, |i, y| {
                     copies[i % nc].launch_tokens(gpu, &xd, n, None, y)
                 })?;
                 let bytes = bytes_w + n * k * 4 + n * m * 4;
@@ -814,9 +908,9 @@ fn bench_ie_bme(
                     let x = &xf32[..k];
                     let thr = threshold_for_sparsity(x, dp)?;
                     let xm = masked(x, thr);
-                    let want = reference_product(&wq, m, k, &xm, 1);
+                    let want = Expected::all(m, reference_product(&wq, m, k, &xm, 1));
                     copies[0].launch_tokens(gpu, &xd, 1, thr, &mut y)?;
-                    let err = max_rel_error(&gpu.download(&y)?, &want);
+                    let err = want.error(&gpu.download(&y)?);
                     let t = ctx.time(nc, &mut y, &want, |i, y| {
                         copies[i % nc].launch_tokens(gpu, &xd, 1, thr, y)
                     })?;
@@ -856,14 +950,13 @@ fn bench_tiled_cbc(
         return Ok(());
     }
     let (m, k) = (shape.m, shape.k);
-    let nmax = *opts.n.iter().max().unwrap_or(&1);
     let xf32: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
     let xf: Vec<f64> = x16.iter().map(|v| v.to_f64()).collect();
     for (pi, &sp) in opts.sp.iter().enumerate() {
         let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x60 + pi as u64))?;
         let enc = sieve_formats::tiled_cbc::TiledCbc::encode(&w)?;
         let wq: Vec<f64> = enc.decode().data().iter().map(|v| v.to_f64()).collect();
-        let want_all = reference_product(&wq, m, k, &xf, nmax);
+        let want_all = reference_product(&wq, m, k, &xf, prefix_tokens(opts));
         let first = GpuTiledCbc::upload(gpu, &enc)?;
         let bytes_w = first.bytes_for(&vec![true; k]);
         let mut copies = vec![first];
@@ -875,10 +968,13 @@ fn bench_tiled_cbc(
         // part of the cost, as in the batched pass).
         let decoded = crate::dense::zeroed_f16(gpu, m * k)?;
         for (ni, &n) in opts.n.iter().enumerate() {
-            let want = first_tokens(&want_all, m, n);
+            let want = expected(&wq, m, k, &xf, n, &want_all);
             let xd = gpu.upload(&xf32[..n * k])?;
             let x16d = gpu.upload(&x16[..n * k])?;
             for &p in &wanted {
+                if n > MAX_KERNEL_TOKENS && !p.takes_long_prompts() {
+                    continue;
+                }
                 // Poisoned per precision, so that each one's check sees only its own output.
                 let mut y = gpu.poisoned_f32(n * m)?;
                 let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
@@ -919,8 +1015,8 @@ fn bench_tiled_cbc(
                     }
                 };
                 launch(0, &mut y)?;
-                let err = max_rel_error(&gpu.download(&y)?, want);
-                let t = ctx.time(nc, &mut y, want, launch)?;
+                let err = want.error(&gpu.download(&y)?);
+                let t = ctx.time(nc, &mut y, &want, launch)?;
                 // `bytes_w` already holds one product's f32 x and y.
                 let bytes = match p {
                     Precision::TcbcPerToken => n * bytes_w,
@@ -963,7 +1059,8 @@ fn bench_slide(
         let slide_opts = SlideOptions::from_pattern(pattern)?;
         let w = sparse_matrix(m, k, 0.0, pattern, seed ^ (0x80 + pi as u64))?;
         let enc = Slide::encode(&w, &slide_opts)?;
-        let (want_all, _) = reference(&enc, &xf32, k, nmax, None);
+        let prefix = prefix_tokens(opts);
+        let (want_all, _) = reference(&enc, &xf32, k, prefix, None);
         let layout = crate::slide::SlideDevice::new(&enc)?;
         let bytes_w = layout.device_bytes();
         let copies: Vec<GpuSlide> = (0..ctx.copies(bytes_w))
@@ -973,7 +1070,14 @@ fn bench_slide(
         let lifted = crate::dense::zeroed_f16(gpu, copies[0].lifted_len(nmax))?;
         let sp = 1.0 / slide_opts.n as f64;
         for (ni, &n) in opts.n.iter().enumerate() {
-            let want = first_tokens(&want_all, m, n);
+            let want = if n <= MAX_KERNEL_TOKENS {
+                Expected::all(m, want_all[..n * m].to_vec())
+            } else {
+                let tokens = checked_tokens(n);
+                let xs = gather_rows(&xf32, k, &tokens);
+                let (y, _) = reference(&enc, &xs, k, tokens.len(), None);
+                Expected { m, tokens, y }
+            };
             let xd = gpu.upload(&xf32[..n * k])?;
             let mut y = gpu.poisoned_f32(n * m)?;
             let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
@@ -990,8 +1094,8 @@ fn bench_slide(
                 )
             };
             launch(0, &mut y)?;
-            let err = max_rel_error(&gpu.download(&y)?, want);
-            let t = ctx.time(nc, &mut y, want, launch)?;
+            let err = want.error(&gpu.download(&y)?);
+            let t = ctx.time(nc, &mut y, &want, launch)?;
             // Weights and metadata, f32 x read, the lifted f16 rows written and read, y.
             let bytes = bytes_w + n * k * 4 + 2 * copies[0].lifted_len(n) * 2 + n * m * 4;
             ctx.record(
@@ -1119,5 +1223,30 @@ mod tests {
                 assert_eq!(y[t * m + r], want);
             }
         }
+    }
+
+    #[test]
+    fn long_products_are_checked_on_a_spread_of_their_rows() {
+        assert_eq!(checked_tokens(5), vec![0, 1, 2, 3, 4]);
+        assert_eq!(checked_tokens(MAX_KERNEL_TOKENS).len(), MAX_KERNEL_TOKENS);
+        let t = checked_tokens(1000);
+        assert_eq!(t, vec![0, 1, 250, 500, 750, 998, 999]);
+        // The sampled reference rows are the full reference's rows at those tokens, and the
+        // check sees a wrong row among them.
+        let (m, k, n) = (9, 4, 300);
+        let w: Vec<f64> = (0..m * k).map(|i| (i % 7) as f64 - 3.0).collect();
+        let x: Vec<f64> = (0..n * k).map(|i| ((i * 13) % 11) as f64 * 0.25).collect();
+        let full = reference_product(&w, m, k, &x, n);
+        let prefix = reference_product(&w, m, k, &x, MAX_KERNEL_TOKENS);
+        let want = expected(&w, m, k, &x, n, &prefix);
+        assert_eq!(want.tokens, checked_tokens(n));
+        assert_eq!(want.y, gather_rows(&full, m, &want.tokens));
+        let mut got: Vec<f32> = full.iter().map(|&v| v as f32).collect();
+        assert!(want.error(&got) < 1e-6);
+        got[(n - 1) * m + 3] += 1.0;
+        assert!(want.error(&got) > 1e-3);
+        // Up to MAX_KERNEL_TOKENS every row is checked, from the prefix.
+        let short = expected(&w, m, k, &x, 20, &prefix);
+        assert_eq!(short.y, full[..20 * m].to_vec());
     }
 }

@@ -26,7 +26,9 @@ pub struct GemmArgs {
     /// Model shape sets (llama2-7b, llama2-13b, llama3-8b, llama2-70b) or MxK shapes.
     #[arg(long, value_delimiter = ',', default_value = "llama2-7b")]
     shapes: Vec<String>,
-    /// Tokens per product (1..=256; the IE-BME rows stop at 32).
+    /// Tokens per product (1..=16384: the rows of f16, slide-f16 and the decode-gemm precisions
+    /// take prompts of any of these sizes; the other kernels' rows stop at 256, IE-BME's at 32).
+    /// Past 256 tokens each product is checked on a spread of its tokens' rows.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     n: Vec<usize>,
     /// Weight sparsities of the Balanced-CBC rows (N = round(16 (1 - sp)) of every 16 rows) and
