@@ -27,6 +27,8 @@ pub mod ie_bme;
 pub mod kernels;
 pub mod options;
 pub mod simd;
+#[cfg(test)]
+mod test_support;
 pub mod tiled_cbc;
 
 pub use error::{CpuError, Result};

@@ -1,4 +1,5 @@
 use super::*;
+use crate::test_support::{check_error_of_terms, term_sizes};
 use proptest::prelude::*;
 use sieve_formats::random::{activations, balanced_matrix, threshold_for_sparsity};
 use sieve_formats::reference::{matmul_f64, matvec_f64, max_rel_error};
@@ -13,47 +14,6 @@ fn check_error(got: &[f32], want: &[f64], what: &str) {
     assert!(got.iter().all(|v| v.is_finite()), "{what}: {got:?}");
     let e = max_rel_error(got, want);
     assert!(e <= TOL, "{what}: error {e}");
-}
-
-/// `|W| · |mask_t(x)|` per row: the size of the terms a row sums, against which f32 rounding
-/// is measured where the sum itself may cancel to almost nothing (one row, one weight per
-/// group).
-fn term_sizes(w: &DenseMatrix, x: &[f32], t: Threshold) -> Vec<f64> {
-    let abs: Vec<f32> = w.data().iter().map(|v| v.to_f32().abs()).collect();
-    let wa = DenseMatrix::from_f32(w.rows(), w.cols(), &abs).unwrap();
-    let xa: Vec<f32> = x
-        .iter()
-        .map(|&v| {
-            if sieve_formats::format::is_active(v, t) {
-                v.abs()
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    matvec_f64(&wa, &xa, None)
-}
-
-/// [`term_sizes`] of every token of a batch, in the order of `matmul_f64`'s results.
-fn term_sizes_m(w: &DenseMatrix, x: &[f32], tokens: usize, t: Threshold) -> Vec<f64> {
-    x.chunks(w.cols())
-        .take(tokens)
-        .flat_map(|xt| term_sizes(w, xt, t))
-        .collect()
-}
-
-/// [`check_error`] relative to the largest row's terms (`term_sizes`) instead of the largest
-/// result.
-fn check_error_of_terms(got: &[f32], want: &[f64], terms: &[f64], what: &str) {
-    assert!(got.iter().all(|v| v.is_finite()), "{what}: {got:?}");
-    let scale = terms.iter().fold(1e-6f64, |a, v| a.max(*v));
-    let e = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).abs())
-        .fold(0.0, f64::max)
-        / scale;
-    assert!(e <= TOL, "{what}: error {e} of the terms");
 }
 
 /// Every SIMD level and arrangement against the f64 reference and the format's own kernel,
@@ -73,8 +33,8 @@ fn check(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, seed: u
     let ref_m: Vec<f64> = ref_m.iter().map(|&v| v as f64).collect();
     // Relative to the terms, not the results: one row's sum can cancel to almost nothing.
     let (terms, terms_m) = (
-        term_sizes(&w, &x[..cols], t),
-        term_sizes_m(&w, &x, tokens, t),
+        term_sizes(&w, &x[..cols], 1, t),
+        term_sizes(&w, &x, tokens, t),
     );
     for arrangement in ARRANGEMENTS {
         let fast = FastBalancedCbc::with_arrangement(&reference, arrangement);
@@ -231,9 +191,9 @@ fn check_int8(rows: usize, cols: usize, slots: usize, dp: f64, tokens: usize, se
     let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
     let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
     let want_m = matmul_f64(&w, &x, tokens, t);
-    let terms = term_sizes(&w, &x[..cols], t);
+    let terms = term_sizes(&w, &x[..cols], 1, t);
     // The batch's outputs cancel like the single vector's: measured against their terms too.
-    let terms_m = term_sizes_m(&w, &x, tokens, t);
+    let terms_m = term_sizes(&w, &x, tokens, t);
     let fast = FastBalancedCbc::with_int8(&reference).expect("a snapped matrix is on its grids");
     assert_eq!(fast.values(), Values::Int8);
     let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
@@ -510,7 +470,7 @@ fn check_quantized_activations(
             amax[c / 32] = amax[c / 32].max(v.abs() as f64);
         }
     }
-    let terms = term_sizes(w, &x[..k], t);
+    let terms = term_sizes(w, &x[..k], 1, t);
     let scale = terms.iter().fold(1e-6f64, |a, v| a.max(*v));
     for r in 0..m {
         let row = &w.data()[r * k..(r + 1) * k];
@@ -547,9 +507,9 @@ fn check_int4(
     let reference = BalancedCbc::encode_with_slots(&w, slots).unwrap();
     let want_v = matvec_f64(&reference.decode(), &x[..cols], t);
     let want_m = matmul_f64(&w, &x, tokens, t);
-    let terms = term_sizes(&w, &x[..cols], t);
+    let terms = term_sizes(&w, &x[..cols], 1, t);
     // The batch's outputs cancel like the single vector's: measured against their terms too.
-    let terms_m = term_sizes_m(&w, &x, tokens, t);
+    let terms_m = term_sizes(&w, &x, tokens, t);
     let f16_records = FastBalancedCbc::with_arrangement(&reference, Arrangement::Interleaved);
     let mut ref_v = vec![0f32; rows];
     f16_records

@@ -1,4 +1,5 @@
 use super::*;
+use crate::test_support::{check_error_of_terms, term_sizes};
 use crate::tiled_cbc::columns::ColumnTiledCbc;
 use proptest::prelude::*;
 use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
@@ -12,31 +13,6 @@ fn check_error(got: &[f32], want: &[f64], what: &str) {
     assert!(got.iter().all(|v| v.is_finite()), "{what}: {got:?}");
     let e = max_rel_error(got, want);
     assert!(e <= TOL, "{what}: error {e}");
-}
-
-/// `|W| · |mask_t(x)|` per output of `tokens` rows of `x` (as in `balanced_cbc`'s tests): the
-/// size of the terms an output sums, against which f32 rounding is measured where the sum
-/// itself may cancel to almost nothing (one row, few nonzeros).
-fn term_sizes(w: &DenseMatrix, x: &[f32], tokens: usize, t: Threshold) -> Vec<f64> {
-    let abs: Vec<f32> = w.data().iter().map(|v| v.to_f32().abs()).collect();
-    let wa = DenseMatrix::from_f32(w.rows(), w.cols(), &abs).unwrap();
-    // |x| > t is the same mask as for x, applied by the reference.
-    let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
-    matmul_f64(&wa, &xa, tokens, t)
-}
-
-/// [`check_error`] relative to the largest output's terms (`term_sizes`) instead of the
-/// largest result.
-fn check_error_of_terms(got: &[f32], want: &[f64], terms: &[f64], what: &str) {
-    assert!(got.iter().all(|v| v.is_finite()), "{what}: {got:?}");
-    let scale = terms.iter().fold(1e-6f64, |a, v| a.max(*v));
-    let e = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).abs())
-        .fold(0.0, f64::max)
-        / scale;
-    assert!(e <= TOL, "{what}: error {e} of the terms");
 }
 
 /// Every SIMD level's products against the f64 reference, and the whole product surface
