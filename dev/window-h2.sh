@@ -22,6 +22,8 @@ serve_one() {
   grep -E "^sieve_(prompt_tokens_total|decode_steps_total|prefill_chunks_total|engine_|scheduler_busy)" "$OUT/metrics-$name.txt" | sed "s/^/$name: /"
   kill -TERM $sp; wait $sp 2>/dev/null
 }
+# One prompt a pass (the engine before the shared passes), then shared passes at two budgets.
+(export SIEVE_SHARED_PROMPT_PASSES=off; serve_one int4-sparse-256-unshared --format dense --values int4 --sp 0.5 --dp 0.5)
 for budget in 256 1024; do
   serve_one dense-$budget --sp 0 --dp 0 --prefill-chunk $budget
   serve_one int4-sparse-$budget --format dense --values int4 --sp 0.5 --dp 0.5 --prefill-chunk $budget

@@ -182,6 +182,18 @@ impl DecodeEngine for GpuEngine {
     /// by itself; a device error fails every chunk of the call (their slots then hold their
     /// positions before the chunk, and the scheduler frees them).
     fn prefill_chunks(&mut self, chunks: &[PromptChunk<'_>]) -> Vec<Result<Option<Vec<f32>>>> {
+        if !shared_prompt_passes() {
+            return chunks
+                .iter()
+                .map(|c| {
+                    if c.last {
+                        self.prefill_from(c.slot, c.start, c.tokens).map(Some)
+                    } else {
+                        self.extend(c.slot, c.start, c.tokens).map(|()| None)
+                    }
+                })
+                .collect();
+        }
         let mut results: Vec<Option<Result<Option<Vec<f32>>>>> = Vec::with_capacity(chunks.len());
         let mut runnable: Vec<usize> = Vec::new();
         for (i, c) in chunks.iter().enumerate() {
@@ -279,6 +291,14 @@ impl DecodeEngine for GpuEngine {
     fn prefills_in_chunks(&self) -> bool {
         true
     }
+}
+
+/// `SIEVE_SHARED_PROMPT_PASSES=off` in the environment (read once) runs each prompt chunk of
+/// a scheduler step in a pass of its own, as before the shared passes: a switch for measuring
+/// one against the other, not a setting.
+fn shared_prompt_passes() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SIEVE_SHARED_PROMPT_PASSES").as_deref() != Ok("off"))
 }
 
 impl GpuEngine {
