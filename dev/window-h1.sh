@@ -23,7 +23,7 @@ for cfg in "--sp 0 --dp 0" "--format dense --values int4 --sp 0.5 --dp 0.5"; do
   timeout 150 $S bench decode --synthetic llama2-7b $cfg --prompt 128 --tokens 64 --batch 1,8,32 > "$OUT/decode-${cfg// /_}.log" 2>&1
   grep -E "TPOT|batch " "$OUT/decode-${cfg// /_}.log" | cut -c1-200
 done
-for v in t1r16 t1r16s2 t2r8; do
+for v in t1r16 t1r16s2 t1r16f32 t2r8; do
   (export SIEVE_LOWBIT_COLS_VARIANT=$v; run_t lowbit_cols 90 --test-threads 1 | sed "s/^/$v: /"
    timeout 120 $S bench gemm --shapes llama2-7b --precision w4a16-cols --n 1 --sp 0.5 --dp 0.5,0.7 --graph > "$OUT/gemm-cols-$v.txt" 2>&1
    grep -E "w4a16-cols" "$OUT/gemm-cols-$v.txt" | sed "s/^/$v: /" | head -8)

@@ -14,3 +14,11 @@ bash scripts/fetch-model.sh > /dev/null
 source scripts/gpu-quick.sh
 run_t serve 400 --test-threads 1
 date -u +%T
+# The TEAL int4 pack's perplexity over 32,768 tokens with f32 sums in the column-major kernel
+# (t1r16f32) against the default variants (window G6: GPU 42.339, CPU 42.498, CPU with
+# f16-rounded inputs 42.452): is the 0.27% the f16 partial sums?
+S=.gpu/bin/sieve
+timeout 150 $S pack --out /tmp/p-teal-int4.sieve --method sparsegpt --sp 0.5 --format dense --calib-samples 16 --calib-len 512 --dp 0.3 --values int4:128 2>&1 | tail -1
+echo "default variants: $(timeout 150 $S eval ppl --max-tokens 32768 --model /tmp/p-teal-int4.sieve --device cuda 2>&1 | tail -1)"
+echo "t1r16f32: $(SIEVE_LOWBIT_COLS_VARIANT=t1r16f32 timeout 150 $S eval ppl --max-tokens 32768 --model /tmp/p-teal-int4.sieve --device cuda 2>&1 | tail -1)"
+date -u +%T

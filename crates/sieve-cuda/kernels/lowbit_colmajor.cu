@@ -71,7 +71,11 @@ __device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
 // below 256), so the grid has half the blocks (no second partial wave where 1 slot per warp
 // makes 1.04 waves: 4096 x 11008) and a warp keeps up to twice the active columns in flight.
 // `slot` below counts warps' column ranges of 32 H columns.
-template <int G, int T, int R, int H>
+// F = 1: every product is added in f32 (the f16 pair of weights converted, one FFMA per weight)
+// instead of f16 partial sums of R products: the CPU's arithmetic but for the f16 input, at
+// about 1.5x the instructions per column (kept to measure what the f16 sums cost in
+// perplexity under TEAL against what they save in time).
+template <int G, int T, int R, int H, int F = 0>
 __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
                                             const float* __restrict__ x, float t, float* __restrict__ y, int M,
                                             int K, int Mp, int slots) {
@@ -160,20 +164,35 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
 #pragma unroll
             for (int u = 0; u < R; ++u) {
                 u32 x2 = list[wib][j0 + u].y;
+                if (F) {
+                    const float xf = h2f((unsigned short)(x2 & 0xffffu));
+#pragma unroll
+                    for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            float lo, hi;
+                            unpack2(lbc_pair(wv[tt][u], i), lo, hi);
+                            acc[tt][2 * i] = fmaf(lo, xf, acc[tt][2 * i]);
+                            acc[tt][2 * i + 1] = fmaf(hi, xf, acc[tt][2 * i + 1]);
+                        }
+                } else {
+#pragma unroll
+                    for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) hs[tt][i] = fma_f16x2(lbc_pair(wv[tt][u], i), x2, hs[tt][i]);
+                }
+            }
+            if (!F) {
 #pragma unroll
                 for (int tt = 0; tt < T; ++tt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) hs[tt][i] = fma_f16x2(lbc_pair(wv[tt][u], i), x2, hs[tt][i]);
+                    for (int i = 0; i < 4; ++i) {
+                        float lo, hi;
+                        unpack2(hs[tt][i], lo, hi);
+                        acc[tt][2 * i] += lo;
+                        acc[tt][2 * i + 1] += hi;
+                    }
             }
-#pragma unroll
-            for (int tt = 0; tt < T; ++tt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float lo, hi;
-                    unpack2(hs[tt][i], lo, hi);
-                    acc[tt][2 * i] += lo;
-                    acc[tt][2 * i + 1] += hi;
-                }
         }
         // 4. Scales.
         float p2 = lbc_pow2(-s);
@@ -226,20 +245,23 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
 
 // Grid: (ceil(row tiles / T), ceil(warp column ranges / 8)), 256 threads; `slots` counts the
 // warps' column ranges of 32 H columns.
-#define LBC_W4_KERNEL(NAME, G, T, R, H, MINB)                                    \
+#define LBC_W4_KERNEL(NAME, G, T, R, H, F, MINB)                                 \
     extern "C" __global__ void __launch_bounds__(256, MINB) NAME(LBC_W4_ARGS) { \
         pdl_wait_then_release();                                                 \
-        lbc_w4_body<G, T, R, H>(w, scales, x, t, y, M, K, Mp, slots);            \
+        lbc_w4_body<G, T, R, H, F>(w, scales, x, t, y, M, K, Mp, slots);         \
     }
 // Variants (src/lowbit_cols.rs `ColsVariant`): one row tile and rounds of 16 columns; two row
-// tiles per warp with rounds of 16 or 8; one row tile and two slots per warp (G = 128 only).
-LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 1, 5)
-LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 1, 5)
-LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 1, 2)
-LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 1, 2)
-LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 1, 3)
-LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 1, 3)
-LBC_W4_KERNEL(lbc_w4_g128_s2, 128, 1, 16, 2, 4)
+// tiles per warp with rounds of 16 or 8; one row tile and two slots per warp (G = 128 only);
+// one row tile with f32 sums.
+LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 1, 0, 5)
+LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 1, 0, 5)
+LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 1, 0, 2)
+LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 1, 0, 2)
+LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 1, 0, 3)
+LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 1, 0, 3)
+LBC_W4_KERNEL(lbc_w4_g128_s2, 128, 1, 16, 2, 0, 4)
+LBC_W4_KERNEL(lbc_w4_g128_f32, 128, 1, 16, 1, 1, 5)
+LBC_W4_KERNEL(lbc_w4_g32_f32, 32, 1, 16, 1, 1, 5)
 
 // One thread per word: rows r .. r + 7 of column k as 8 f16 at out[k · Mp + r].
 extern "C" __global__ void __launch_bounds__(256)

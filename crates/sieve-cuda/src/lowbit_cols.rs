@@ -54,14 +54,21 @@ pub enum ColsVariant {
     /// g128 only (another kind takes [`ColsVariant::T1R16`]). Built 2026-12-06 without a
     /// device; to be measured against t1r16 (`SIEVE_LOWBIT_COLS_VARIANT=t1r16s2`).
     T1R16S2,
+    /// t1r16 with every product added in f32 instead of f16 partial sums: the CPU's arithmetic
+    /// but for the f16 input, at more instructions per column. For measuring what the f16
+    /// sums cost in perplexity under TEAL (the TEAL int4 pack's GPU perplexity was 0.27% off
+    /// the CPU's with f16-rounded inputs, over 32,768 tokens) against what they save in time
+    /// (`SIEVE_LOWBIT_COLS_VARIANT=t1r16f32`). Built 2026-12-06 without a device.
+    T1R16F32,
 }
 
 impl ColsVariant {
-    pub const ALL: [ColsVariant; 4] = [
+    pub const ALL: [ColsVariant; 5] = [
         ColsVariant::T1R16,
         ColsVariant::T2R16,
         ColsVariant::T2R8,
         ColsVariant::T1R16S2,
+        ColsVariant::T1R16F32,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -69,14 +76,20 @@ impl ColsVariant {
             ColsVariant::T2R16 => "t2r16",
             ColsVariant::T2R8 => "t2r8",
             ColsVariant::T1R16S2 => "t1r16s2",
+            ColsVariant::T1R16F32 => "t1r16f32",
         }
     }
     /// Row tiles per warp.
     pub fn tiles(self) -> usize {
         match self {
-            ColsVariant::T1R16 | ColsVariant::T1R16S2 => 1,
+            ColsVariant::T1R16 | ColsVariant::T1R16S2 | ColsVariant::T1R16F32 => 1,
             _ => 2,
         }
+    }
+    /// True when the products of a round are summed in f16 before f32 (every variant but
+    /// [`ColsVariant::T1R16F32`]).
+    pub fn f16_sums(self) -> bool {
+        self != ColsVariant::T1R16F32
     }
     /// Slots of [`SLOT`] columns per warp, compacted as one list under one input scale.
     pub fn slots_per_warp(self) -> usize {
@@ -107,9 +120,10 @@ impl ColsVariant {
             ColsVariant::T2R16 => "_t2",
             ColsVariant::T2R8 => "_t2r8",
             ColsVariant::T1R16S2 => "_s2",
+            ColsVariant::T1R16F32 => "_f32",
         }
     }
-    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8|t1r16s2`
+    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8|t1r16s2|t1r16f32`
     /// in the environment (read once; a switch for measuring the variants against each other),
     /// else by the rows. Measured on an H100 (2026-12-05, `bench gemm`, graph replays, sp 0.5):
     /// at 11008 x 4096 t2r8 took 8.43 / 6.99 µs at dp 0.5 / 0.7 against t1r16's 10.39 / 7.49;
@@ -275,15 +289,25 @@ pub fn emulate(
         let (up, down) = (2f32.powi(s), 2f32.powi(-s));
         let scaled: Vec<f16> = cols.iter().map(|&k| f16::from_f32(x[k] * up)).collect();
         for (r, out) in y.iter_mut().enumerate() {
-            let mut acc = 0f32;
-            for (chunk_cols, chunk_x) in cols.chunks(round).zip(scaled.chunks(round)) {
-                let mut h = f16::ZERO;
-                for (&k, &xv) in chunk_cols.iter().zip(chunk_x) {
-                    // One rounding: the product of two f16 values and the sum are exact in f64.
-                    h = f16::from_f64(l.q_at(r, k) as f64 * xv.to_f64() + h.to_f64());
-                }
-                acc += h.to_f32();
-            }
+            let acc = if variant.f16_sums() {
+                cols.chunks(round).zip(scaled.chunks(round)).fold(
+                    0f32,
+                    |acc, (chunk_cols, chunk_x)| {
+                        let mut h = f16::ZERO;
+                        for (&k, &xv) in chunk_cols.iter().zip(chunk_x) {
+                            // One rounding: the product of two f16 values and the sum are exact
+                            // in f64.
+                            h = f16::from_f64(l.q_at(r, k) as f64 * xv.to_f64() + h.to_f64());
+                        }
+                        acc + h.to_f32()
+                    },
+                )
+            } else {
+                // One fused multiply-add per product in f32 (the product is exact in f64).
+                cols.iter().zip(&scaled).fold(0f32, |acc, (&k, &xv)| {
+                    (l.q_at(r, k) as f64 * xv.to_f64() + acc as f64) as f32
+                })
+            };
             *out += acc * (l.scale_at(r, slot * width) * down);
         }
     }
@@ -523,11 +547,12 @@ mod tests {
                 let v = v.for_kind(kind);
                 let name = GpuLowBitCols::kernel_name(kind, v);
                 let line = format!(
-                    "LBC_W4_KERNEL({name}, {}, {}, {}, {},",
+                    "LBC_W4_KERNEL({name}, {}, {}, {}, {}, {},",
                     kind.group(),
                     v.tiles(),
                     v.round(),
-                    v.slots_per_warp()
+                    v.slots_per_warp(),
+                    u8::from(!v.f16_sums())
                 );
                 assert!(src.contains(&line), "{line}");
             }
@@ -584,7 +609,9 @@ mod tests {
                     let t = threshold_for_sparsity(&x, dp).unwrap();
                     for v in ColsVariant::ALL {
                         let e = rel_error(&emulate(&l, &x, t, v).unwrap(), &reference(&m, &x, t));
-                        assert!(e < 2e-3, "{kind:?} {rows}x{cols} dp {dp} {v:?}: {e}");
+                        // f32 sums leave only f32 rounding; f16 partial sums up to 2e-3.
+                        let bound = if v.f16_sums() { 2e-3 } else { 1e-5 };
+                        assert!(e < bound, "{kind:?} {rows}x{cols} dp {dp} {v:?}: {e}");
                     }
                 }
             }
