@@ -774,8 +774,9 @@ async fn metrics_split_the_engine_time_from_the_hosts() {
 }
 
 /// An engine that takes a step's prompt chunks together, as the GPU engine does (one batched
-/// pass), and records how many each call held; its first call waits at `gate` until the test
-/// opens it. A chunk holding `marker` fails by itself, as a chunk the device refuses would.
+/// pass), and records how many each call held; its calls wait at `gate` until the test opens
+/// it, and raise `arrived` first (the scheduler is then past that step's admissions). A chunk
+/// holding `marker` fails by itself, as a chunk the device refuses would.
 struct GroupingEngine {
     vocab: usize,
     token: u32,
@@ -783,6 +784,7 @@ struct GroupingEngine {
     lens: [usize; 4],
     calls: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
     gate: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    arrived: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl DecodeEngine for GroupingEngine {
@@ -805,6 +807,8 @@ impl DecodeEngine for GroupingEngine {
         &mut self,
         chunks: &[sieve_serve::engine::PromptChunk<'_>],
     ) -> Vec<sieve_model::Result<Option<Vec<f32>>>> {
+        self.arrived
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let (open, opened) = &*self.gate;
         let mut is_open = open.lock().unwrap();
         while !*is_open {
@@ -855,6 +859,7 @@ async fn a_step_s_prompts_reach_the_engine_together() {
     let (_, tokenizer) = reference();
     let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let gate = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let arrived = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let engine = GroupingEngine {
         vocab: tokenizer.vocab_size(),
         token: tokenizer.encode(" hello", false).expect("encodes")[0],
@@ -862,6 +867,7 @@ async fn a_step_s_prompts_reach_the_engine_together() {
         lens: [0; 4],
         calls: calls.clone(),
         gate: gate.clone(),
+        arrived: arrived.clone(),
     };
     let server = Server::start(Box::new(engine), owned_tokenizer(), &config()).expect("starts");
     let base = format!("http://{}", server.addr());
@@ -880,9 +886,10 @@ async fn a_step_s_prompts_reach_the_engine_together() {
         })
     };
     let first = send("Hi");
-    // The first request's chunk holds the engine (its gate is shut) ...
+    // The first request's chunk holds the engine (its gate is shut), the scheduler past that
+    // step's admissions ...
     let deadline = Instant::now() + Duration::from_secs(20);
-    while metric(&metrics(&client, &base).await, "sieve_prefilling_sequences") != Some(1.0) {
+    while !arrived.load(std::sync::atomic::Ordering::SeqCst) {
         assert!(
             Instant::now() < deadline,
             "the first prompt never reached the engine"
