@@ -20,7 +20,8 @@
 //                 byte of an inactive column.
 //
 // One launch per product. Block = 8 warps = 8 consecutive slots of 32 columns (256 columns) of
-// one row tile (256 rows); lane l owns rows r0 + 8l .. r0 + 8l + 7.
+// one row tile (256 rows); lane l owns rows r0 + 8l .. r0 + 8l + 7. (Variants, below the
+// kernel body: T row tiles per warp, H slots per warp as one list, f32 sums.)
 //
 //   1. The warp loads its slot's 32 inputs (one per lane) and its rows' scales, together.
 //   2. Compaction: a ballot of |x| > t gives the slot's active columns; the slot's largest
@@ -69,8 +70,9 @@ __device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
 // H = slots per warp (1 or 2, G = 128 only): with 2 a warp takes 64 consecutive columns of one
 // scale group as one list (one power-of-two input scale for both: every scaled input is still
 // below 256), so the grid has half the blocks (no second partial wave where 1 slot per warp
-// makes 1.04 waves: 4096 x 11008) and a warp keeps up to twice the active columns in flight.
-// `slot` below counts warps' column ranges of 32 H columns.
+// makes 1.04 waves: 4096 x 11008), one compaction serves 64 columns and fewer rounds run part
+// full; a round still has R loads in flight. `slot` below counts warps' column ranges of 32 H
+// columns.
 // F = 1: every product is added in f32 (the f16 pair of weights converted, one FFMA per weight)
 // instead of f16 partial sums of R products: the CPU's arithmetic but for the f16 input, at
 // about 1.5x the instructions per column (kept to measure what the f16 sums cost in
@@ -79,7 +81,8 @@ template <int G, int T, int R, int H, int F = 0>
 __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
                                             const float* __restrict__ x, float t, float* __restrict__ y, int M,
                                             int K, int Mp, int slots) {
-    static_assert(H == 1 || (H == 2 && G % 64 == 0), "two slots per warp stay inside one scale group");
+    static_assert(H == 1 || (H == 2 && G % (LBC_SLOT * H) == 0), "two slots per warp stay inside one scale group");
+    static_assert((LBC_SLOT * H) % R == 0, "a round reads list entries below 32 H");
     __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS * T];
     // Per warp, its columns in order, active first: (byte offset of the column from the warp's
     // first, f16 input in both halves).
@@ -259,7 +262,7 @@ LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 1, 0, 2)
 LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 1, 0, 2)
 LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 1, 0, 3)
 LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 1, 0, 3)
-LBC_W4_KERNEL(lbc_w4_g128_s2, 128, 1, 16, 2, 0, 4)
+LBC_W4_KERNEL(lbc_w4_g128_s2, 128, 1, 16, 2, 0, 5)
 LBC_W4_KERNEL(lbc_w4_g128_f32, 128, 1, 16, 1, 1, 5)
 LBC_W4_KERNEL(lbc_w4_g32_f32, 32, 1, 16, 1, 1, 5)
 

@@ -6,8 +6,9 @@
 //! mapping): one launch per product.
 //!
 //! CPU side: [`ColumnLayout`] (the device arrays, read back by [`ColumnLayout::q_at`] /
-//! [`ColumnLayout::scale_at`] in tests) and [`emulate`], the kernel's arithmetic (f16 inputs
-//! and partial sums of 16 products, f32 beyond) on the CPU, so that its error against the f64
+//! [`ColumnLayout::scale_at`] in tests) and [`emulate`], the kernel's arithmetic for each
+//! [`ColsVariant`] (f16 inputs, partial sums of a round's products in f16 or every product in
+//! f32, f32 beyond) on the CPU, so that its error against the f64
 //! [`LowBitMatrix::reference`] is tested without a GPU, huge inputs included.
 
 use crate::dense::check_len;
@@ -50,8 +51,9 @@ pub enum ColsVariant {
     T2R8,
     /// One row tile, rounds of 16, two slots (64 columns of one scale group) per warp as one
     /// list: half the blocks, so no second partial wave where one slot per warp makes 1.04
-    /// waves (4096 x 11008 on 132 SMs), and up to twice the active columns in flight. W4A16
-    /// g128 only (another kind takes [`ColsVariant::T1R16`]). Built 2026-12-06 without a
+    /// waves (4096 x 11008 on 132 SMs), one compaction per 64 columns and fewer part-full
+    /// rounds (a round still has 16 loads in flight). W4A16 g128 only (another kind takes
+    /// [`ColsVariant::T1R16`]). Built 2026-12-06 without a
     /// device; to be measured against t1r16 (`SIEVE_LOWBIT_COLS_VARIANT=t1r16s2`).
     T1R16S2,
     /// t1r16 with every product added in f32 instead of f16 partial sums: the CPU's arithmetic
@@ -303,7 +305,9 @@ pub fn emulate(
                     },
                 )
             } else {
-                // One fused multiply-add per product in f32 (the product is exact in f64).
+                // One fused multiply-add per product in f32: product and sum are exact in f64
+                // (scaled inputs are multiples of 2^-24 and |acc| <= 32 · 8 · 256), so the one
+                // cast rounds as fmaf does.
                 cols.iter().zip(&scaled).fold(0f32, |acc, (&k, &xv)| {
                     (l.q_at(r, k) as f64 * xv.to_f64() + acc as f64) as f32
                 })
