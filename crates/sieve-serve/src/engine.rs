@@ -45,16 +45,7 @@ pub trait DecodeEngine: Send {
     /// (the GPU engine: one batched pass reads the weights once for all of them) overrides it,
     /// keeping each chunk's answer and its own error for a chunk it refuses.
     fn prefill_chunks(&mut self, chunks: &[PromptChunk<'_>]) -> Vec<Result<Option<Vec<f32>>>> {
-        chunks
-            .iter()
-            .map(|c| {
-                if c.last {
-                    self.prefill_from(c.slot, c.start, c.tokens).map(Some)
-                } else {
-                    self.extend(c.slot, c.start, c.tokens).map(|()| None)
-                }
-            })
-            .collect()
+        each_chunk_alone(self, chunks)
     }
     /// One decode step: for each `(slot, token)` runs `token` at the slot's next position and
     /// returns `[n][V]` logits in the order given. Slots must be distinct.
@@ -99,6 +90,24 @@ pub struct PromptChunk<'a> {
     pub start: usize,
     pub tokens: &'a [u32],
     pub last: bool,
+}
+
+/// [`DecodeEngine::prefill_chunks`] one chunk after another: [`DecodeEngine::prefill_from`]
+/// for a prompt's last chunk, [`DecodeEngine::extend`] for the others.
+pub fn each_chunk_alone<E: DecodeEngine + ?Sized>(
+    engine: &mut E,
+    chunks: &[PromptChunk<'_>],
+) -> Vec<Result<Option<Vec<f32>>>> {
+    chunks
+        .iter()
+        .map(|c| {
+            if c.last {
+                engine.prefill_from(c.slot, c.start, c.tokens).map(Some)
+            } else {
+                engine.extend(c.slot, c.start, c.tokens).map(|()| None)
+            }
+        })
+        .collect()
 }
 
 /// How one sequence of a [`DecodeEngine::decode_sampled`] step draws its token.

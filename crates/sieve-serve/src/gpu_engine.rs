@@ -183,16 +183,7 @@ impl DecodeEngine for GpuEngine {
     /// positions before the chunk, and the scheduler frees them).
     fn prefill_chunks(&mut self, chunks: &[PromptChunk<'_>]) -> Vec<Result<Option<Vec<f32>>>> {
         if !shared_prompt_passes() {
-            return chunks
-                .iter()
-                .map(|c| {
-                    if c.last {
-                        self.prefill_from(c.slot, c.start, c.tokens).map(Some)
-                    } else {
-                        self.extend(c.slot, c.start, c.tokens).map(|()| None)
-                    }
-                })
-                .collect();
+            return crate::engine::each_chunk_alone(self, chunks);
         }
         let mut results: Vec<Option<Result<Option<Vec<f32>>>>> = Vec::with_capacity(chunks.len());
         let mut runnable: Vec<usize> = Vec::new();
