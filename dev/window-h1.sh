@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device window H1 (written 2026-12-06 without a device; carry .gpu and .gpu-ma, built by
+# Device window H1 (written 2026-12-06 without a device; carry .gpu, built by
 # `SERVE=1 scripts/gpu-runner-bundle.sh`): what was built since window G7 and has not run on a
 # GPU. (1) Several prompts' chunks in one batched pass (`GpuModel::extend_slots`, the serving
 # engine's `prefill_chunks`): its runner test against each chunk alone. (2) W4A16 g128 at 2
@@ -8,10 +8,13 @@
 # int4 g128 sp 0.5 / dp 0.5 5.907 ms at 32, dense f16 6.870 ms; H100). (3) The column-major
 # 4-bit kernel with two slots per warp (`t1r16s2`, W4A16 g128 only): its kernel test, then
 # `bench gemm` against t1r16 and t2r8 in the same call, and the 4-bit TEAL step with it forced.
+# Ran 2026-12-06 10:14-10:33 UTC (docs/BENCHMARKS.md, "Windows H1-H4"); the t1r16s2 and
+# t1r16f32 variants it measures were removed after it (an unknown variant name now runs the
+# default rule).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
-mkdir -p /tmp/m && cp .gpu-ma/* /tmp/m/   # the default model, first part (window H3)
+mkdir -p /tmp/m
 source scripts/gpu-quick.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 run_t runner 240 prompt_chunks_of_several_slots batched_slot_steps --test-threads 1

@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
-mkdir -p "$OUT" /tmp/m && cp .gpu-mb/* /tmp/m/   # the default model, second part (window H3)
+mkdir -p "$OUT" /tmp/m && cp .gpu-mb/* /tmp/m/ 2>/dev/null   # the default model, second part (window H3)
 nvidia-smi --query-gpu=name --format=csv,noheader
 S=.gpu/bin/sieve
 serve_one() {
@@ -23,8 +23,8 @@ serve_one() {
   kill -TERM $sp; wait $sp 2>/dev/null
 }
 # One prompt a pass (the engine before the shared passes), then shared passes at two budgets.
-(export SIEVE_SHARED_PROMPT_PASSES=off; serve_one int4-sparse-256-unshared --format dense --values int4 --sp 0.5 --dp 0.5)
-for budget in 256 1024; do
+[ "${UNSHARED:-1}" = 1 ] && (export SIEVE_SHARED_PROMPT_PASSES=off; serve_one int4-sparse-256-unshared --format dense --values int4 --sp 0.5 --dp 0.5)
+for budget in ${BUDGETS:-256 1024}; do  # BUDGETS=1024 UNSHARED=0: the short form
   serve_one dense-$budget --sp 0 --dp 0 --prefill-chunk $budget
   serve_one int4-sparse-$budget --format dense --values int4 --sp 0.5 --dp 0.5 --prefill-chunk $budget
 done

@@ -21,7 +21,7 @@
 //
 // One launch per product. Block = 8 warps = 8 consecutive slots of 32 columns (256 columns) of
 // one row tile (256 rows); lane l owns rows r0 + 8l .. r0 + 8l + 7. (Variants, below the
-// kernel body: T row tiles per warp, H slots per warp as one list, f32 sums.)
+// kernel body: T row tiles per warp, R columns per round.)
 //
 //   1. The warp loads its slot's 32 inputs (one per lane) and its rows' scales, together.
 //   2. Compaction: a ballot of |x| > t gives the slot's active columns; the slot's largest
@@ -66,27 +66,22 @@ __device__ __forceinline__ u32 lbc_pair(u32 w, int i) {
 
 // T = row tiles per warp (1 or 2): with 2, a lane owns 8 rows in each of two adjacent row tiles
 // (their words are 128 bytes apart in a column), so the per-column work of the list and the
-// per-slot compaction serve twice the weights, and a round keeps 2 x 16 loads in flight.
-// H = slots per warp (1 or 2, G = 128 only): with 2 a warp takes 64 consecutive columns of one
-// scale group as one list (one power-of-two input scale for both: every scaled input is still
-// below 256), so the grid has half the blocks (no second partial wave where 1 slot per warp
-// makes 1.04 waves: 4096 x 11008), one compaction serves 64 columns and fewer rounds run part
-// full; a round still has R loads in flight. `slot` below counts warps' column ranges of 32 H
-// columns.
-// F = 1: every product is added in f32 (the f16 pair of weights converted, one FFMA per weight)
-// instead of f16 partial sums of R products: the CPU's arithmetic but for the f16 input, at
-// about 1.5x the instructions per column (kept to measure what the f16 sums cost in
-// perplexity under TEAL against what they save in time).
-template <int G, int T, int R, int H, int F = 0>
+// per-slot compaction serve twice the weights, and a round keeps 2 R loads in flight.
+// R = active columns per round: the loads in flight per row tile, and the products in one f16
+// partial sum.
+// (Measured and removed, 2026-12-06, H100, docs/BENCHMARKS.md: two slots of one scale group per
+// warp as one list, which halves the grid, was within 1-4% of t2r8 either way; every product
+// summed in f32 instead of f16 partial sums was 6-12% slower and its TEAL perplexity no closer
+// to the CPU's.)
+template <int G, int T, int R>
 __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16_bits* __restrict__ scales,
                                             const float* __restrict__ x, float t, float* __restrict__ y, int M,
                                             int K, int Mp, int slots) {
-    static_assert(H == 1 || (H == 2 && G % (LBC_SLOT * H) == 0), "two slots per warp stay inside one scale group");
-    static_assert((LBC_SLOT * H) % R == 0, "a round reads list entries below 32 H");
+    static_assert(LBC_SLOT % R == 0, "a round reads list entries below 32");
     __shared__ __align__(16) float part[LBC_WARPS][LBC_ROWS * T];
     // Per warp, its columns in order, active first: (byte offset of the column from the warp's
     // first, f16 input in both halves).
-    __shared__ __align__(8) uint2 list[LBC_WARPS][LBC_SLOT * H];
+    __shared__ __align__(8) uint2 list[LBC_WARPS][LBC_SLOT];
     int lane = threadIdx.x & 31;
     int wib = threadIdx.x >> 5;
     int rt0 = blockIdx.x * T;
@@ -99,13 +94,9 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
         for (int i = 0; i < 8; ++i) acc[tt][i] = 0.f;
     if (slot < slots) {
         // 1. Inputs and scales, all in flight at once.
-        float v[H];
-#pragma unroll
-        for (int h = 0; h < H; ++h) {
-            int k = (slot * H + h) * LBC_SLOT + lane;
-            v[h] = k < K ? x[k] : 0.f;
-        }
-        int g = (slot * H * LBC_SLOT) / G;
+        int k = slot * LBC_SLOT + lane;
+        float v = k < K ? x[k] : 0.f;
+        int g = (slot * LBC_SLOT) / G;
         uint4 sv[T];
 #pragma unroll
         for (int tt = 0; tt < T; ++tt)
@@ -113,42 +104,27 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
                                                                          (size_t)(rt0 + tt) * LBC_ROWS + lane * 8)
                                       : make_uint4(0u, 0u, 0u, 0u);
         // 2. Compaction in registers, written to the warp's list in shared memory.
-        bool on[H];
-        u32 mask[H];
-        float a = 0.f;
-#pragma unroll
-        for (int h = 0; h < H; ++h) {
-            int k = (slot * H + h) * LBC_SLOT + lane;
-            on[h] = k < K && active(v[h], t);
-            mask[h] = __ballot_sync(FULL_MASK, on[h]);
-            a = fmaxf(a, on[h] ? fabsf(v[h]) : 0.f);
-        }
+        bool on = k < K && active(v, t);
+        u32 mask = __ballot_sync(FULL_MASK, on);
+        float a = on ? fabsf(v) : 0.f;
 #pragma unroll
         for (int d = 16; d > 0; d >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, d));
         // Zero and subnormal maxima give E = -126; the clamp keeps 2^s and 2^-s finite.
         int E = (int)((__float_as_uint(a) >> 23) & 0xffu) - 126;
         int s = min(max(8 - E, -100), 100);
-        int n = 0;
-#pragma unroll
-        for (int h = 0; h < H; ++h) n += __popc(mask[h]);
+        int n = __popc(mask);
         u32 ldw_bytes = (u32)(Mp / 8) * 4u;
-        // Active columns first, in column order; inactive ones after them with input 0 (slot h's
-        // after slot h - 1's), so that every entry a round reads is defined.
-        int active_before = 0, inactive_before = 0;
-#pragma unroll
-        for (int h = 0; h < H; ++h) {
-            u32 xh = on[h] ? (u32)f2h(v[h] * lbc_pow2(s)) : 0u;
-            int below = __popc(mask[h] & ((1u << lane) - 1u));
-            int pos = on[h] ? active_before + below : n + inactive_before + (lane - below);
-            list[wib][pos] = make_uint2((u32)(h * LBC_SLOT + lane) * ldw_bytes, xh | (xh << 16));
-            active_before += __popc(mask[h]);
-            inactive_before += LBC_SLOT - __popc(mask[h]);
-        }
+        // Active columns first, in column order; inactive ones after them with input 0, so that
+        // every entry a round reads is defined.
+        u32 xh = on ? (u32)f2h(v * lbc_pow2(s)) : 0u;
+        int below = __popc(mask & ((1u << lane) - 1u));
+        int pos = on ? below : n + (lane - below);
+        list[wib][pos] = make_uint2((u32)lane * ldw_bytes, xh | (xh << 16));
         __syncwarp();
-        const char* wbase = reinterpret_cast<const char*>(w + (size_t)slot * H * LBC_SLOT * (Mp / 8) +
+        const char* wbase = reinterpret_cast<const char*>(w + (size_t)slot * LBC_SLOT * (Mp / 8) +
                                                           (size_t)rt0 * 32 + lane);
         bool second = T > 1 && rt0 + 1 < tiles;
-        // 3. The active columns, 16 (x T) loads in flight per round.
+        // 3. The active columns, R (x T) loads in flight per round.
         for (int j0 = 0; j0 < n; j0 += R) {
             u32 wv[T][R];
 #pragma unroll
@@ -167,35 +143,20 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
 #pragma unroll
             for (int u = 0; u < R; ++u) {
                 u32 x2 = list[wib][j0 + u].y;
-                if (F) {
-                    const float xf = h2f((unsigned short)(x2 & 0xffffu));
-#pragma unroll
-                    for (int tt = 0; tt < T; ++tt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            float lo, hi;
-                            unpack2(lbc_pair(wv[tt][u], i), lo, hi);
-                            acc[tt][2 * i] = fmaf(lo, xf, acc[tt][2 * i]);
-                            acc[tt][2 * i + 1] = fmaf(hi, xf, acc[tt][2 * i + 1]);
-                        }
-                } else {
-#pragma unroll
-                    for (int tt = 0; tt < T; ++tt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) hs[tt][i] = fma_f16x2(lbc_pair(wv[tt][u], i), x2, hs[tt][i]);
-                }
-            }
-            if (!F) {
 #pragma unroll
                 for (int tt = 0; tt < T; ++tt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        float lo, hi;
-                        unpack2(hs[tt][i], lo, hi);
-                        acc[tt][2 * i] += lo;
-                        acc[tt][2 * i + 1] += hi;
-                    }
+                    for (int i = 0; i < 4; ++i) hs[tt][i] = fma_f16x2(lbc_pair(wv[tt][u], i), x2, hs[tt][i]);
             }
+#pragma unroll
+            for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float lo, hi;
+                    unpack2(hs[tt][i], lo, hi);
+                    acc[tt][2 * i] += lo;
+                    acc[tt][2 * i + 1] += hi;
+                }
         }
         // 4. Scales.
         float p2 = lbc_pow2(-s);
@@ -246,25 +207,18 @@ __device__ __forceinline__ void lbc_w4_body(const u32* __restrict__ w, const f16
     const u32 *__restrict__ w, const f16_bits *__restrict__ scales, const float *__restrict__ x, float t, \
         float *__restrict__ y, int M, int K, int Mp, int slots
 
-// Grid: (ceil(row tiles / T), ceil(warp column ranges / 8)), 256 threads; `slots` counts the
-// warps' column ranges of 32 H columns.
-#define LBC_W4_KERNEL(NAME, G, T, R, H, F, MINB)                                 \
+// Grid: (ceil(row tiles / T), ceil(slots / 8)), 256 threads.
+#define LBC_W4_KERNEL(NAME, G, T, R, MINB)                                       \
     extern "C" __global__ void __launch_bounds__(256, MINB) NAME(LBC_W4_ARGS) { \
         pdl_wait_then_release();                                                 \
-        lbc_w4_body<G, T, R, H, F>(w, scales, x, t, y, M, K, Mp, slots);         \
+        lbc_w4_body<G, T, R>(w, scales, x, t, y, M, K, Mp, slots);               \
     }
 // Variants (src/lowbit_cols.rs `ColsVariant`): one row tile and rounds of 16 columns; two row
-// tiles per warp with rounds of 16 or 8; one row tile and two slots per warp (G = 128 only);
-// one row tile with f32 sums.
-LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 1, 0, 5)
-LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 1, 0, 5)
-LBC_W4_KERNEL(lbc_w4_g128_t2, 128, 2, 16, 1, 0, 2)
-LBC_W4_KERNEL(lbc_w4_g32_t2, 32, 2, 16, 1, 0, 2)
-LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 1, 0, 3)
-LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 1, 0, 3)
-LBC_W4_KERNEL(lbc_w4_g128_s2, 128, 1, 16, 2, 0, 5)
-LBC_W4_KERNEL(lbc_w4_g128_f32, 128, 1, 16, 1, 1, 5)
-LBC_W4_KERNEL(lbc_w4_g32_f32, 32, 1, 16, 1, 1, 5)
+// tiles per warp with rounds of 8 (two with rounds of 16 lost to both, 2026-12-05).
+LBC_W4_KERNEL(lbc_w4_g128, 128, 1, 16, 5)
+LBC_W4_KERNEL(lbc_w4_g32, 32, 1, 16, 5)
+LBC_W4_KERNEL(lbc_w4_g128_t2r8, 128, 2, 8, 3)
+LBC_W4_KERNEL(lbc_w4_g32_t2r8, 32, 2, 8, 3)
 
 // One thread per word: rows r .. r + 7 of column k as 8 f16 at out[k · Mp + r].
 extern "C" __global__ void __launch_bounds__(256)

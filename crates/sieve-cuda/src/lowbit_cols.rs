@@ -7,8 +7,7 @@
 //!
 //! CPU side: [`ColumnLayout`] (the device arrays, read back by [`ColumnLayout::q_at`] /
 //! [`ColumnLayout::scale_at`] in tests) and [`emulate`], the kernel's arithmetic for each
-//! [`ColsVariant`] (f16 inputs, partial sums of a round's products in f16 or every product in
-//! f32, f32 beyond) on the CPU, so that its error against the f64
+//! [`ColsVariant`] (f16 inputs, f16 partial sums of a round's products, f32 beyond) on the CPU, so that its error against the f64
 //! [`LowBitMatrix::reference`] is tested without a GPU, huge inputs included.
 
 use crate::dense::check_len;
@@ -40,97 +39,52 @@ const TWO_TILE_MIN_ROWS: usize = 8192;
 
 /// The kernel's variants (`LBC_W4_KERNEL` in the kernel file): row tiles per warp and active
 /// columns per round (loads in flight per row tile; also the products per f16 partial sum).
+/// Three more were measured and removed: two row tiles with rounds of 16 (2026-12-05: lost to
+/// both), two slots per warp and f32 sums (2026-12-06, docs/BENCHMARKS.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ColsVariant {
     /// One row tile per warp, rounds of 16 columns.
     T1R16,
-    /// Two row tiles per warp, rounds of 16: the per-column and per-slot work serve twice the
-    /// weights, 32 loads in flight per warp.
-    T2R16,
-    /// Two row tiles per warp, rounds of 8.
+    /// Two row tiles per warp, rounds of 8: the per-column and per-slot work serve twice the
+    /// weights, 16 loads in flight per warp.
     T2R8,
-    /// One row tile, rounds of 16, two slots (64 columns of one scale group) per warp as one
-    /// list: half the blocks, so no second partial wave where one slot per warp makes 1.04
-    /// waves (4096 x 11008 on 132 SMs), one compaction per 64 columns and fewer part-full
-    /// rounds (a round still has 16 loads in flight). W4A16 g128 only (another kind takes
-    /// [`ColsVariant::T1R16`]). Built 2026-12-06 without a
-    /// device; to be measured against t1r16 (`SIEVE_LOWBIT_COLS_VARIANT=t1r16s2`).
-    T1R16S2,
-    /// t1r16 with every product added in f32 instead of f16 partial sums: the CPU's arithmetic
-    /// but for the f16 input, at more instructions per column. For measuring what the f16
-    /// sums cost in perplexity under TEAL (the TEAL int4 pack's GPU perplexity was 0.27% off
-    /// the CPU's with f16-rounded inputs, over 32,768 tokens) against what they save in time
-    /// (`SIEVE_LOWBIT_COLS_VARIANT=t1r16f32`). Built 2026-12-06 without a device.
-    T1R16F32,
 }
 
 impl ColsVariant {
-    pub const ALL: [ColsVariant; 5] = [
-        ColsVariant::T1R16,
-        ColsVariant::T2R16,
-        ColsVariant::T2R8,
-        ColsVariant::T1R16S2,
-        ColsVariant::T1R16F32,
-    ];
+    pub const ALL: [ColsVariant; 2] = [ColsVariant::T1R16, ColsVariant::T2R8];
     pub fn name(self) -> &'static str {
         match self {
             ColsVariant::T1R16 => "t1r16",
-            ColsVariant::T2R16 => "t2r16",
             ColsVariant::T2R8 => "t2r8",
-            ColsVariant::T1R16S2 => "t1r16s2",
-            ColsVariant::T1R16F32 => "t1r16f32",
         }
     }
     /// Row tiles per warp.
     pub fn tiles(self) -> usize {
         match self {
-            ColsVariant::T1R16 | ColsVariant::T1R16S2 | ColsVariant::T1R16F32 => 1,
-            _ => 2,
-        }
-    }
-    /// True when the products of a round are summed in f16 before f32 (every variant but
-    /// [`ColsVariant::T1R16F32`]).
-    pub fn f16_sums(self) -> bool {
-        self != ColsVariant::T1R16F32
-    }
-    /// Slots of [`SLOT`] columns per warp, compacted as one list under one input scale.
-    pub fn slots_per_warp(self) -> usize {
-        match self {
-            ColsVariant::T1R16S2 => 2,
-            _ => 1,
-        }
-    }
-    /// The variant a matrix of `kind` runs: [`ColsVariant::T1R16S2`] needs a scale group of
-    /// at least its 64 columns (W4A16 g128); Q4_0's 32-column groups take t1r16 instead.
-    pub fn for_kind(self, kind: LowBitKind) -> ColsVariant {
-        if self.slots_per_warp() * SLOT > kind.group() {
-            ColsVariant::T1R16
-        } else {
-            self
+            ColsVariant::T1R16 => 1,
+            ColsVariant::T2R8 => 2,
         }
     }
     /// Active columns per round: the products in one f16 partial sum.
     pub fn round(self) -> usize {
         match self {
+            ColsVariant::T1R16 => 16,
             ColsVariant::T2R8 => 8,
-            _ => 16,
         }
     }
     fn suffix(self) -> &'static str {
         match self {
             ColsVariant::T1R16 => "",
-            ColsVariant::T2R16 => "_t2",
             ColsVariant::T2R8 => "_t2r8",
-            ColsVariant::T1R16S2 => "_s2",
-            ColsVariant::T1R16F32 => "_f32",
         }
     }
-    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r16|t2r8|t1r16s2|t1r16f32`
+    /// The variant for a matrix of `padded_rows` rows: `SIEVE_LOWBIT_COLS_VARIANT=t1r16|t2r8`
     /// in the environment (read once; a switch for measuring the variants against each other),
     /// else by the rows. Measured on an H100 (2026-12-05, `bench gemm`, graph replays, sp 0.5):
     /// at 11008 x 4096 t2r8 took 8.43 / 6.99 µs at dp 0.5 / 0.7 against t1r16's 10.39 / 7.49;
     /// at 4096 x 4096 t1r16 won (5.55 / 4.45 against 5.79 / 4.74: two row tiles per warp halve
-    /// a grid that is then under one wave). t2r16 lost on both.
+    /// a grid that is then under one wave). Re-measured 2026-12-06 (H100, t1r16 / t2r8): 10.42 /
+    /// 8.31 µs at 11008 x 4096 dp 0.5, 5.57 / 5.79 µs at 4096 x 4096.
     pub fn for_rows(padded_rows: usize) -> ColsVariant {
         static V: std::sync::OnceLock<Option<ColsVariant>> = std::sync::OnceLock::new();
         let forced = *V.get_or_init(|| {
@@ -264,9 +218,8 @@ pub fn slot_exponent(max_abs: f32) -> i32 {
     (8 - e).clamp(-100, 100)
 }
 
-/// The kernel's arithmetic on the CPU for `variant` (the one a matrix of `l`'s kind runs,
-/// [`ColsVariant::for_kind`]): `W · mask_t(x)` with each warp's inputs ([`ColsVariant::slots_per_warp`]
-/// slots) scaled and rounded to f16, f16 partial sums of [`ColsVariant::round`] products (one
+/// The kernel's arithmetic on the CPU for `variant`: `W · mask_t(x)` with each warp's slot of
+/// inputs scaled and rounded to f16, f16 partial sums of [`ColsVariant::round`] products (one
 /// rounding per fused multiply-add), f32 sums beyond, scaled by the row's scale and the
 /// warp's `2^-s`, warps added in order. The GPU differs only in the order of its f32 additions.
 pub fn emulate(
@@ -275,8 +228,7 @@ pub fn emulate(
     t: Threshold,
     variant: ColsVariant,
 ) -> Result<Vec<f32>> {
-    let variant = variant.for_kind(l.kind);
-    let (round, width) = (variant.round(), SLOT * variant.slots_per_warp());
+    let (round, width) = (variant.round(), SLOT);
     check_len("activation length (K)", l.cols, x.len())?;
     let mut y = vec![0f32; l.rows];
     for slot in 0..l.padded_cols.div_ceil(width) {
@@ -291,27 +243,18 @@ pub fn emulate(
         let (up, down) = (2f32.powi(s), 2f32.powi(-s));
         let scaled: Vec<f16> = cols.iter().map(|&k| f16::from_f32(x[k] * up)).collect();
         for (r, out) in y.iter_mut().enumerate() {
-            let acc = if variant.f16_sums() {
-                cols.chunks(round).zip(scaled.chunks(round)).fold(
-                    0f32,
-                    |acc, (chunk_cols, chunk_x)| {
-                        let mut h = f16::ZERO;
-                        for (&k, &xv) in chunk_cols.iter().zip(chunk_x) {
-                            // One rounding: the product of two f16 values and the sum are exact
-                            // in f64.
-                            h = f16::from_f64(l.q_at(r, k) as f64 * xv.to_f64() + h.to_f64());
-                        }
-                        acc + h.to_f32()
-                    },
-                )
-            } else {
-                // One fused multiply-add per product in f32: product and sum are exact in f64
-                // (scaled inputs are multiples of 2^-24 and |acc| <= 32 · 8 · 256), so the one
-                // cast rounds as fmaf does.
-                cols.iter().zip(&scaled).fold(0f32, |acc, (&k, &xv)| {
-                    (l.q_at(r, k) as f64 * xv.to_f64() + acc as f64) as f32
-                })
-            };
+            let acc = cols.chunks(round).zip(scaled.chunks(round)).fold(
+                0f32,
+                |acc, (chunk_cols, chunk_x)| {
+                    let mut h = f16::ZERO;
+                    for (&k, &xv) in chunk_cols.iter().zip(chunk_x) {
+                        // One rounding: the product of two f16 values and the sum are exact in
+                        // f64.
+                        h = f16::from_f64(l.q_at(r, k) as f64 * xv.to_f64() + h.to_f64());
+                    }
+                    acc + h.to_f32()
+                },
+            );
             *out += acc * (l.scale_at(r, slot * width) * down);
         }
     }
@@ -355,7 +298,7 @@ impl GpuLowBitCols {
 
     pub fn upload_layout(gpu: &Gpu, l: &ColumnLayout) -> Result<Self> {
         // Look the kernels up now: never first inside a graph capture.
-        let variant = ColsVariant::for_rows(l.padded_rows).for_kind(l.kind);
+        let variant = ColsVariant::for_rows(l.padded_rows);
         gpu.function(&FAMILY, &Self::kernel_name(l.kind, variant))?;
         gpu.function(&FAMILY, "lbc_w4_to_f16_t")?;
         Ok(Self {
@@ -427,8 +370,7 @@ impl GpuAccumulate for GpuLowBitCols {
     /// `y += W · mask_t(x)`: one launch, the compaction done by each warp for its slot.
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         let v = self.variant;
-        // The warps' column ranges: one or two slots each (the kernel's `slots`).
-        let slots = (self.padded_cols / SLOT).div_ceil(v.slots_per_warp());
+        let slots = self.padded_cols / SLOT;
         let f = gpu.function(&FAMILY, &Self::kernel_name(self.kind, v))?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -546,25 +488,17 @@ mod tests {
         let src = FAMILY.source;
         for v in ColsVariant::ALL {
             for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
-                // The kernel instance has the variant's tiles, round and slots per warp (the
-                // emulation's).
-                let v = v.for_kind(kind);
+                // The kernel instance has the variant's tiles and round (the emulation's).
                 let name = GpuLowBitCols::kernel_name(kind, v);
                 let line = format!(
-                    "LBC_W4_KERNEL({name}, {}, {}, {}, {}, {},",
+                    "LBC_W4_KERNEL({name}, {}, {}, {},",
                     kind.group(),
                     v.tiles(),
                     v.round(),
-                    v.slots_per_warp(),
-                    u8::from(!v.f16_sums())
                 );
                 assert!(src.contains(&line), "{line}");
             }
         }
-        assert_eq!(
-            ColsVariant::T1R16S2.for_kind(LowBitKind::W4G32),
-            ColsVariant::T1R16
-        );
     }
 
     #[test]
@@ -613,9 +547,7 @@ mod tests {
                     let t = threshold_for_sparsity(&x, dp).unwrap();
                     for v in ColsVariant::ALL {
                         let e = rel_error(&emulate(&l, &x, t, v).unwrap(), &reference(&m, &x, t));
-                        // f32 sums leave only f32 rounding; f16 partial sums up to 2e-3.
-                        let bound = if v.f16_sums() { 2e-3 } else { 1e-5 };
-                        assert!(e < bound, "{kind:?} {rows}x{cols} dp {dp} {v:?}: {e}");
+                        assert!(e < 2e-3, "{kind:?} {rows}x{cols} dp {dp} {v:?}: {e}");
                     }
                 }
             }
