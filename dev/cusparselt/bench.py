@@ -64,21 +64,24 @@ def run_precision(prec, m, k, n, reps):
     dev = "cuda"
     w16 = prune_2_4(torch.randn(m, k, device=dev, dtype=torch.float16) * 0.02)
     x16 = torch.randn(n, k, device=dev, dtype=torch.float16)
+    # X^T is handed over as a K x N column-major view (K contiguous): cuSPARSELt takes INT8 and
+    # FP8 only in that layout (a K x N row-major copy gave "operation not supported" for INT8,
+    # and sent torch._int_mm down a slow path: 2026-12-06, window H4).
     if prec == "f16":
-        w, xt = w16, x16.t().contiguous()
+        w, xt = w16, x16.t()
         dense = lambda a, b: torch.mm(a, b)
         sparse = lambda c, b: torch._cslt_sparse_mm(c, b)
         bytes_w = m * k * 2
     elif prec == "int8":
         w = (w16 * 2000).round().clamp(-127, 127).to(torch.int8)
-        xt = (x16 * 40).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        xt = (x16 * 40).round().clamp(-127, 127).to(torch.int8).t()
         dense = lambda a, b: torch._int_mm(a, b)
         sparse = lambda c, b: torch._cslt_sparse_mm(c, b, out_dtype=torch.int32)
         bytes_w = m * k
     elif prec == "fp8":
         f8 = torch.float8_e4m3fn
         w = (w16 * 50).to(f8)
-        xt = x16.to(f8).contiguous().t()  # K x N, column-major: what _scaled_mm wants
+        xt = x16.to(f8).t()
         one = torch.ones((), device=dev, dtype=torch.float32)
         dense = lambda a, b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float16)
         sparse = lambda c, b: torch._cslt_sparse_mm(c, b, out_dtype=torch.float16)
