@@ -9,6 +9,14 @@
 //   slide_spmm_nt{1,2,4,8}: X' times the re-laid-out W' on mma.sp m16n8k32 (8 * nt tokens per
 //                    block), f32 accumulation; y written, added, or (split K) atomically added.
 //   (a split-K launch that writes zeroes y first with prefill.cu's zero_rows)
+//   slide_to_f16_rows: the original W (M x K, f16, rows `ld` apart) from the device layout,
+//                    for prompts long enough that cuBLAS on an f16 copy beats mma.sp (the
+//                    decode kernel above reuses no weight across token tiles: src/slide.rs
+//                    `DECODE_MIN_TOKENS`). One thread per uint4 of values: its 4 (row, group)
+//                    pairs, their nibbles from the two metadata words of lanes (g, 2f) and
+//                    (g, 2f + 1), each value that is not +0 stored at the original column the
+//                    lift map gives its lifted column (every original product sits in exactly
+//                    one window, so no two threads write one element). The caller zeroes W.
 //
 // Lifted activations X' (device order). K'p = K' padded to STAGE_K = 128. Within every window of
 // 32 lifted columns (one mma's K) the 16 column pairs are stored transposed 4 x 4, so that the
@@ -247,3 +255,38 @@ SLIDE_SPMM_KERNEL(1)
 SLIDE_SPMM_KERNEL(2)
 SLIDE_SPMM_KERNEL(4)
 SLIDE_SPMM_KERNEL(8)
+
+// Launch: one thread per uint4 of values (row tiles x K pairs x 2 fragments x 32), grid-stride.
+// out is zeroed by the caller; out[r * ld + c] = W[r][c] for every kept value that is not +0.
+extern "C" __global__ void __launch_bounds__(256)
+slide_to_f16_rows(const uint4* __restrict__ values, const u32* __restrict__ meta, const u32* __restrict__ lift_map,
+                  int rows, int groups_per_row, int kpairs, long long slots, int ld, f16_bits* __restrict__ out) {
+    pdl_wait_then_release();
+    for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < slots;
+         q += (long long)gridDim.x * blockDim.x) {
+        const int lane = (int)(q & 31), frag = (int)((q >> 5) & 1);
+        const long long tile_pair = q >> 6;  // rt * kpairs + kp
+        const int kp = (int)(tile_pair % kpairs), rt = (int)(tile_pair / kpairs);
+        const int g = lane >> 2, t = lane & 3;
+        const uint4 v = values[q];
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        const u32* mrow = meta + tile_pair * 32 + g * 4;
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+            const int row = rt * 16 + g + 8 * (reg & 1);
+            const int group = 16 * kp + 8 * frag + t + 4 * (reg >> 1);
+            if (row >= rows || group >= groups_per_row) continue;
+            const u32 mw = mrow[2 * frag + (reg >> 1)];
+            const u32 nibble = (mw >> (4 * (t + 4 * (reg & 1)))) & 0xfu;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 bits = (words[reg] >> (16 * e)) & 0xffffu;
+                if (bits == 0u) continue;  // +0: a placeholder (or a zero) writes nothing
+                const u32 idx = e == 0 ? (nibble & 3u) : (nibble >> 2);
+                const u32 col = lift_map[4 * group + idx];
+                if (col == SLIDE_LIFT_PAD) continue;
+                out[(size_t)row * ld + col] = (f16_bits)bits;
+            }
+        }
+    }
+}

@@ -36,6 +36,14 @@ pub const PAIR_K: usize = 64;
 pub const STAGE_K: usize = 128;
 /// Warps per block (along M).
 const WARPS: usize = 4;
+/// Fewest tokens for which a prompt pass multiplies a slide matrix by cuBLAS on an f16 copy
+/// ([`GpuSlide::decode_rows_f16`]) instead of `mma.sp`. Measured (H200, 2026-12-06, `bench
+/// gemm`, 11008 x 4096): mma.sp 32 / 102 / 272 / 1,897 µs at 8 / 128 / 512 / 4,096 tokens
+/// (6:8), cuBLAS f16 on the dense matrix 29 / 30 / 70 / 541 µs; a copy writes 2 bytes a weight
+/// after zeroing them (~60-75 µs at 11008 x 4096), so it pays from about 128 tokens and by 2.5-3x
+/// at 512 and more. 256 leaves the crossover's uncertain side to mma.sp (the copy is not yet
+/// timed on a GPU).
+pub const DECODE_MIN_TOKENS: usize = 256;
 /// Rows per block.
 pub const BLOCK_ROWS: usize = WARPS * WARP_ROWS;
 /// Fewest pipeline stages a split-K part gets (its pipeline fill is paid per part).
@@ -254,6 +262,44 @@ impl SlideDevice {
             dirty_padding,
         }
     }
+
+    /// What `slide_to_f16_rows` writes, on the CPU, thread by thread: the original W (`rows` x
+    /// K, rows `ld` apart, zero where no kept value lands) from the device layout. Tests hold
+    /// it equal to the format's own decode, so that the kernel's index arithmetic (the same
+    /// lines) is checked without a GPU.
+    pub fn decode_rows(&self, ld: usize) -> Result<Vec<f16>> {
+        let geo = &self.geo;
+        check_stride("decoded W", ld, "K", geo.cols)?;
+        let mut out = vec![f16::ZERO; geo.rows * ld];
+        for q in 0..self.values.len() / 4 {
+            let (lane, frag) = (q % 32, (q / 32) % 2);
+            let tile_pair = q / 64;
+            let (kp, rt) = (tile_pair % geo.kpairs, tile_pair / geo.kpairs);
+            let (g, t) = (lane / 4, lane % 4);
+            for reg in 0..4 {
+                let row = rt * ROW_TILE + g + 8 * (reg & 1);
+                let group = 16 * kp + 8 * frag + t + 4 * (reg >> 1);
+                if row >= geo.rows || group >= geo.groups_per_row {
+                    continue;
+                }
+                let word = self.values[4 * q + reg];
+                let mw = self.meta[tile_pair * 32 + g * 4 + 2 * frag + (reg >> 1)];
+                let nibble = (mw >> (4 * (t + 4 * (reg & 1)))) & 0xF;
+                for e in 0..2 {
+                    let bits = ((word >> (16 * e)) & 0xFFFF) as u16;
+                    if bits == 0 {
+                        continue;
+                    }
+                    let idx = if e == 0 { nibble & 3 } else { nibble >> 2 };
+                    let col = self.lift_map[4 * group + idx as usize];
+                    if col != LIFT_PAD {
+                        out[row * ld + col as usize] = f16::from_bits(bits);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// `lift(mask_t(x))` for `n` rows of `x` (row stride `ldx`) in the device's lifted-row order
@@ -379,6 +425,7 @@ impl GpuSlide {
     pub fn upload_device(gpu: &Gpu, d: &SlideDevice) -> Result<Self> {
         // Look every kernel up now: loading a module inside a graph capture invalidates it.
         gpu.function(&FAMILY, "slide_lift_rows")?;
+        gpu.function(&FAMILY, "slide_to_f16_rows")?;
         crate::prefill::zero_rows_ready(gpu)?;
         let mut resident = [0usize; TOKEN_VARIANTS.len()];
         for (r, nt) in resident.iter_mut().zip(TOKEN_VARIANTS) {
@@ -414,6 +461,44 @@ impl GpuSlide {
     /// needs).
     pub fn lifted_len(&self, n: usize) -> usize {
         n.saturating_mul(self.geo.padded_expanded_cols)
+    }
+
+    /// Writes the original W (f16, `rows` x K, rows `ld` apart, `ld >= K`) at `out`, which
+    /// holds at least `rows · ld` f16: zeroed, then `slide_to_f16_rows` (its CPU mirror is
+    /// [`SlideDevice::decode_rows`]). For prompts of [`DECODE_MIN_TOKENS`] or more, where cuBLAS
+    /// on the copy beats `mma.sp`.
+    pub fn decode_rows_f16(&self, gpu: &Gpu, out: DevPtr, ld: usize) -> Result<()> {
+        check_stride("decoded W", ld, "K", self.geo.cols)?;
+        let f = gpu.function(&FAMILY, "slide_to_f16_rows")?;
+        let (rows, groups, kpairs) = (
+            i32_arg("rows", self.geo.rows)?,
+            i32_arg("groups per row", self.geo.groups_per_row)?,
+            i32_arg("K pairs", self.geo.kpairs)?,
+        );
+        let ld_i = i32_arg("decoded W row stride", ld)?;
+        let slots = self.geo.row_tiles * self.geo.kpairs * 64;
+        let slots_i = slots as i64;
+        // SAFETY: the caller's out holds rows · ld f16 (this function's contract).
+        unsafe { gpu.zero_bytes(out, self.geo.rows * ld * 2) }?;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.values)
+            .arg(&self.meta)
+            .arg(&self.lift_map)
+            .arg(&rows)
+            .arg(&groups)
+            .arg(&kpairs)
+            .arg(&slots_i)
+            .arg(&ld_i)
+            .arg(&out);
+        unsafe { b.launch(grid_cfg(grid_stride(slots), 256, 0)) }
+            .during("launching slide_to_f16_rows")?;
+        Ok(())
+    }
+
+    /// The row stride [`Self::decode_rows_f16`] is given by the prompt path: K rounded up to 8
+    /// f16 (16 bytes), as cuBLAS's tensor-core GEMMs want their leading dimension.
+    pub fn decoded_ld(&self) -> usize {
+        self.geo.cols.next_multiple_of(8)
     }
 
     fn check_tokens(&self, n: usize) -> Result<i32> {
@@ -703,6 +788,44 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn decoded_rows_equal_the_format_s_decode() {
+        use sieve_formats::WeightFormat;
+        // Every pattern, rows past a warp and K past a stage, K not a multiple of 2N or of 8.
+        for (m, k, n) in [
+            (40, 300, 4),
+            (33, 130, 2),
+            (16, 100, 8),
+            (7, 9, 3),
+            (70, 517, 5),
+        ] {
+            let pattern = Pattern::NM {
+                n: 2 * n - 2,
+                m: 2 * n,
+            };
+            let w = sparse_matrix(m, k, 0.0, pattern, 11).unwrap();
+            let s = Slide::encode(&w, &SlideOptions { n }).unwrap();
+            let d = SlideDevice::new(&s).unwrap();
+            let want = s.decode();
+            let ld = k.next_multiple_of(8);
+            let got = d.decode_rows(ld).unwrap();
+            for r in 0..m {
+                for c in 0..ld {
+                    let expected = if c < k { want.get(r, c) } else { f16::ZERO };
+                    assert_eq!(
+                        got[r * ld + c].to_bits(),
+                        expected.to_bits(),
+                        "{m} x {k} N = {n}: W[{r}][{c}]"
+                    );
+                }
+            }
+        }
+        let w = sparse_matrix(8, 20, 0.0, Pattern::NM { n: 6, m: 8 }, 1).unwrap();
+        let d = SlideDevice::new(&Slide::encode(&w, &SlideOptions { n: 4 }).unwrap()).unwrap();
+        let err = d.decode_rows(19).unwrap_err().to_string();
+        assert!(err.contains("shorter than K = 20"), "{err}");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! lifting bit for bit, and the product against the f64 product of W with the masked
 //! activations rounded to f16 (what the kernel multiplies), within the worst-case error of an
 //! f32 sum. (2N-2):2N for N = 2, 3, 4, 8, odd shapes, 1..130 tokens, TEAL thresholds, written and
-//! accumulated outputs, every K split. NaN-poisoned outputs and strided rows. Without a GPU each
+//! accumulated outputs, every K split. NaN-poisoned outputs and strided rows. The prompts' f16
+//! copy bit for bit against the format's decode. Without a GPU each
 //! GPU test prints a skip reason and passes, unless `SIEVE_REQUIRE_GPU=1`.
 
 use half::f16;
@@ -207,6 +208,38 @@ fn gpu_slide_lift_matches_the_reference() {
                 got[bad.unwrap_or(0)],
                 want[bad.unwrap_or(0)].to_bits()
             );
+        }
+    }
+}
+
+/// The f16 copy the prompt path multiplies past `DECODE_MIN_TOKENS` (`slide_to_f16_rows`),
+/// bit for bit against the format's decode, into an output poisoned with f16 NaNs (the
+/// launcher zeroes it first; the K-padding columns must read 0).
+#[test]
+fn gpu_slide_f16_copy_is_the_format_s_decode() {
+    let Some(gpu) = gpu_or_skip("gpu_slide_f16_copy_is_the_format_s_decode") else {
+        return;
+    };
+    for (m, k, n, seed) in [
+        (40, 300, 4, 2),
+        (100, 97, 5, 3),
+        (33, 4096, 8, 4),
+        (17, 30, 2, 5),
+    ] {
+        let s = slide_matrix(m, k, n, seed);
+        let dev = GpuSlide::upload(&gpu, &s).unwrap();
+        let ld = dev.decoded_ld();
+        let out = gpu.upload(&vec![0x7e00u16; m * ld]).unwrap();
+        dev.decode_rows_f16(&gpu, sieve_cuda::dev_ptr(&gpu, &out), ld)
+            .unwrap();
+        gpu.synchronize().unwrap();
+        let got = gpu.download(&out).unwrap();
+        let want = s.decode();
+        for r in 0..m {
+            for c in 0..ld {
+                let expected = if c < k { want.get(r, c).to_bits() } else { 0 };
+                assert_eq!(got[r * ld + c], expected, "{m} x {k} N = {n}: W[{r}][{c}]");
+            }
         }
     }
 }

@@ -19,7 +19,8 @@
 //! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
 //! | Balanced-CBC, f16 or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
 //! | RLC-CSC | zeroed, its entries written into a K x M f16 scratch (`rlc_to_f16_t`), `op = N` |
-//! | SlideSparse | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
+//! | SlideSparse, up to 255 tokens | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
+//! | SlideSparse, more tokens ([`sieve_cuda::slide::DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`slide_to_f16_rows`, rows padded to 8), `op = T` |
 //!
 //! Activations enter each GEMM as f16, masked by the product's TEAL threshold per token
 //! (the CPU path's `matmul` semantics); GEMMs accumulate in f32, o_proj and down_proj with
@@ -97,8 +98,9 @@ pub const LOWBIT_DECODE_MIN_TOKENS: usize = 65;
 /// measured.
 pub const IE_BME_DECODE_MIN_TOKENS: usize = 33;
 
-/// `SIEVE_LOWBIT_PREFILL=kernel` in the environment keeps the low-bit and IE-BME kernels for
-/// every batch (read once): a switch for measuring the f16 copies against them, not a setting.
+/// `SIEVE_LOWBIT_PREFILL=kernel` in the environment keeps the low-bit, IE-BME and SlideSparse
+/// kernels for every batch (read once): a switch for measuring the f16 copies against them, not
+/// a setting.
 fn lowbit_copy_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("SIEVE_LOWBIT_PREFILL").as_deref() != Ok("kernel"))
@@ -234,7 +236,8 @@ fn decoded_len_where(linears: &[&DeviceLinear], chunk: usize, with_batch_layout:
 
 /// Elements of the largest matrix among `linears` that keeps a kernel of its own for short
 /// batches and is copied to f16 for long ones (padded): tensor-core-layout low-bit
-/// ([`LOWBIT_DECODE_MIN_TOKENS`]) and IE-BME ([`IE_BME_DECODE_MIN_TOKENS`]). The runner asks it
+/// ([`LOWBIT_DECODE_MIN_TOKENS`]), IE-BME ([`IE_BME_DECODE_MIN_TOKENS`]) and SlideSparse
+/// ([`sieve_cuda::slide::DECODE_MIN_TOKENS`]). The runner asks it
 /// of the layers only: an LM head's copy (vocabulary x hidden) would cost more memory than the
 /// few long batches through the head save, so the head keeps its kernel ([`linear_rows`]
 /// copies only what its scratch holds).
@@ -245,6 +248,7 @@ pub fn long_batch_copy_len(linears: &[&DeviceLinear]) -> usize {
         .filter_map(|p| match &p.matrix {
             DeviceMatrix::LowBit(q) => Some(q.matrix.padded_rows() * q.matrix.padded_cols()),
             DeviceMatrix::IeBme(e) => Some(e.padded_rows() * e.padded_cols()),
+            DeviceMatrix::Slide(s) => Some(s.matrix.rows() * s.matrix.decoded_ld()),
             _ => None,
         })
         .max()
@@ -364,7 +368,15 @@ pub fn linear_rows(
             }
             continue;
         }
-        if let DeviceMatrix::Slide(s) = &p.matrix {
+        let slide_by_kernel = match &p.matrix {
+            DeviceMatrix::Slide(s) => {
+                n < sieve_cuda::slide::DECODE_MIN_TOKENS
+                    || w16_len < s.matrix.rows() * s.matrix.decoded_ld()
+                    || !lowbit_copy_allowed()
+            }
+            _ => false,
+        };
+        if let (DeviceMatrix::Slide(s), true) = (&p.matrix, slide_by_kernel) {
             // The lift reads the f32 rows and applies the threshold itself; the lifted rows
             // of all n tokens go to w16, then one product (split K adds with atomics, after
             // the kernel's own zeroing when beta = 0).
@@ -417,10 +429,10 @@ pub fn linear_rows(
                 e.decode_rows_f16(gpu, w16)?;
                 (w16, false, e.padded_cols())
             }
-            DeviceMatrix::Slide(_) => {
-                return Err(GpuError::Unsupported(
-                    "a slide matrix reached the GEMM path".into(),
-                ))
+            DeviceMatrix::Slide(s) => {
+                let ld = s.matrix.decoded_ld();
+                s.matrix.decode_rows_f16(gpu, w16, ld)?;
+                (w16, false, ld)
             }
             DeviceMatrix::LowBit(q) => {
                 q.matrix.decode_rows_f16(gpu, w16)?;

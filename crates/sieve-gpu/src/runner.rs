@@ -1825,7 +1825,8 @@ impl GpuModel {
     /// Row counts at which some layer product of this model changes kernel: a low-bit matrix
     /// (tensor-core layout, or a column-major one's batch twin) from its kernel to its f16 copy
     /// at [`LOWBIT_DECODE_MIN_TOKENS`], an IE-BME one at [`IE_BME_DECODE_MIN_TOKENS`], a
-    /// Tiled-CBC one from the SpMM to its f16 copy past [`TCBC_SPMM_MAX_TOKENS`]. Sorted,
+    /// Tiled-CBC one from the SpMM to its f16 copy past [`TCBC_SPMM_MAX_TOKENS`], a SlideSparse
+    /// one from `mma.sp` to its f16 copy at [`sieve_cuda::slide::DECODE_MIN_TOKENS`]. Sorted,
     /// distinct.
     ///
     /// [`LOWBIT_DECODE_MIN_TOKENS`]: crate::prefill::LOWBIT_DECODE_MIN_TOKENS
@@ -1843,6 +1844,7 @@ impl GpuModel {
                     Some(crate::prefill::LOWBIT_DECODE_MIN_TOKENS)
                 }
                 DeviceMatrix::IeBme(_) => Some(crate::prefill::IE_BME_DECODE_MIN_TOKENS),
+                DeviceMatrix::Slide(_) => Some(sieve_cuda::slide::DECODE_MIN_TOKENS),
                 DeviceMatrix::TiledCbc(t) if t.spmm_supports(k) => {
                     Some(crate::prefill::TCBC_SPMM_MAX_TOKENS + 1)
                 }

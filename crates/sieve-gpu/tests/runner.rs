@@ -1010,11 +1010,12 @@ fn tiny_gguf_block_models_match_cpu() {
     }
 }
 
-/// Prompts longer than `LOWBIT_DECODE_MIN_TOKENS`: the batched prefill multiplies the low-bit
-/// matrices (tensor-core layout) and IE-BME ones through an f16 copy and cuBLAS instead of
-/// their kernels. The tokens after such a prompt equal the CPU's (greedy, up to the first step
-/// where the CPU's top two logits are within 0.1), for GGUF Q4_0, Q8_0, a Q4_K_M mix (Q4_K,
-/// Q6_K) and IE-BME int4, the CPU running the decoded weights as f16 (what the copy holds).
+/// Prompts longer than `LOWBIT_DECODE_MIN_TOKENS` (SlideSparse: `slide::DECODE_MIN_TOKENS`):
+/// the batched prefill multiplies the low-bit matrices (tensor-core layout), IE-BME and
+/// SlideSparse ones through an f16 copy and cuBLAS instead of their kernels. The tokens after
+/// such a prompt equal the CPU's (greedy, up to the first step where the CPU's top two logits
+/// are within 0.1), for GGUF Q4_0, Q8_0, a Q4_K_M mix (Q4_K, Q6_K), IE-BME int4 and slide 6:8,
+/// the CPU running the decoded weights as f16 (what the copy holds).
 #[test]
 fn long_prompts_of_low_bit_models_match_cpu() {
     let _serial = serial_gpu();
@@ -1029,6 +1030,7 @@ fn long_prompts_of_low_bit_models_match_cpu() {
         ("Q8_0", 52),
         ("Q4_K_M", 53),
         ("IE-BME int4", 54),
+        ("slide 6:8", 55),
     ] {
         let cfg = if what == "Q4_K_M" {
             config(301, 256, 512, 2, 8, 2, 32)
@@ -1040,6 +1042,15 @@ fn long_prompts_of_low_bit_models_match_cpu() {
             "Q4_0" => to_gguf_blocks(&mut model, BlockType::Q4_0),
             "Q8_0" => to_gguf_blocks(&mut model, BlockType::Q8_0),
             "Q4_K_M" => to_random_gguf_blocks(&mut model, q4_k_m_type, 7 * seed),
+            "slide 6:8" => {
+                use sieve_formats::slide::{prune_to_pattern, Slide, SlideOptions};
+                for (_, lin) in model.linears_mut() {
+                    let pruned = prune_to_pattern(&lin.format().decode(), 4).unwrap();
+                    let s = Slide::encode(&pruned, &SlideOptions { n: 4 }).unwrap();
+                    lin.replace_format(sieve_cpu::format_from_blob(&s.to_bytes()).unwrap())
+                        .unwrap();
+                }
+            }
             _ => {
                 // IE-BME int4 at 50%: its prompts past 32 tokens take the f16 copy.
                 use sieve_formats::ie_bme::{IeBme, IeBmeOptions, Payload};
@@ -1067,7 +1078,12 @@ fn long_prompts_of_low_bit_models_match_cpu() {
         let v = model.config().vocab_size;
         let steps = 6;
         for p in 0..3usize {
-            let len = sieve_gpu::prefill::LOWBIT_DECODE_MIN_TOKENS + 10 + 40 * p;
+            let copy_from = if what.starts_with("slide") {
+                sieve_cuda::slide::DECODE_MIN_TOKENS
+            } else {
+                sieve_gpu::prefill::LOWBIT_DECODE_MIN_TOKENS
+            };
+            let len = copy_from + 10 + 40 * p;
             let prompt: Vec<u32> = (0..len)
                 .map(|i| ((i * (29 + 2 * p) + 3 + p) % v) as u32)
                 .collect();
