@@ -792,21 +792,41 @@ mod tests {
 
     #[test]
     fn decoded_rows_equal_the_format_s_decode() {
+        use sieve_formats::slide::prune_to_pattern;
         use sieve_formats::WeightFormat;
-        // Every pattern, rows past a warp and K past a stage, K not a multiple of 2N or of 8.
-        for (m, k, n) in [
+        // Every pattern, rows past a warp and K past a stage, K not a multiple of 2N or of 8;
+        // full blocks, and blocks pruned from a 60% sparse matrix (groups with +0 placeholders,
+        // which must write nothing), one of them holding a -0 weight (which is written).
+        let cases = [
             (40, 300, 4),
             (33, 130, 2),
             (16, 100, 8),
             (7, 9, 3),
             (70, 517, 5),
-        ] {
-            let pattern = Pattern::NM {
-                n: 2 * n - 2,
-                m: 2 * n,
+        ];
+        for ((m, k, n), sparse) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
+            let w = if sparse {
+                let d = sparse_matrix(m, k, 0.6, Pattern::Unstructured, 12).unwrap();
+                let mut values: Vec<f32> = d.data().iter().map(|v| v.to_f32()).collect();
+                // A -0 where a placeholder's +0 would otherwise be: the first zero of row 0.
+                if let Some(z) = values[..k].iter().position(|v| *v == 0.0) {
+                    values[z] = -0.0;
+                }
+                let d = sieve_formats::DenseMatrix::from_f32(m, k, &values).unwrap();
+                prune_to_pattern(&d, n).unwrap()
+            } else {
+                let pattern = Pattern::NM {
+                    n: 2 * n - 2,
+                    m: 2 * n,
+                };
+                sparse_matrix(m, k, 0.0, pattern, 11).unwrap()
             };
-            let w = sparse_matrix(m, k, 0.0, pattern, 11).unwrap();
             let s = Slide::encode(&w, &SlideOptions { n }).unwrap();
+            let placeholders = s.values().iter().filter(|v| v.to_bits() == 0).count();
+            assert!(
+                !sparse || placeholders > 0,
+                "{m} x {k} N = {n}: no placeholder"
+            );
             let d = SlideDevice::new(&s).unwrap();
             let want = s.decode();
             let ld = k.next_multiple_of(8);
@@ -817,7 +837,7 @@ mod tests {
                     assert_eq!(
                         got[r * ld + c].to_bits(),
                         expected.to_bits(),
-                        "{m} x {k} N = {n}: W[{r}][{c}]"
+                        "{m} x {k} N = {n} (pruned: {sparse}): W[{r}][{c}]"
                     );
                 }
             }

@@ -237,18 +237,20 @@ fn decoded_len_where(linears: &[&DeviceLinear], chunk: usize, with_batch_layout:
 /// Elements of the largest matrix among `linears` that keeps a kernel of its own for short
 /// batches and is copied to f16 for long ones (padded): tensor-core-layout low-bit
 /// ([`LOWBIT_DECODE_MIN_TOKENS`]), IE-BME ([`IE_BME_DECODE_MIN_TOKENS`]) and SlideSparse
-/// ([`sieve_cuda::slide::DECODE_MIN_TOKENS`]). The runner asks it
+/// ([`sieve_cuda::slide::DECODE_MIN_TOKENS`]; only when passes of `chunk` tokens reach it, or
+/// its copy would be scratch no pass uses). The runner asks it
 /// of the layers only: an LM head's copy (vocabulary x hidden) would cost more memory than the
 /// few long batches through the head save, so the head keeps its kernel ([`linear_rows`]
 /// copies only what its scratch holds).
-pub fn long_batch_copy_len(linears: &[&DeviceLinear]) -> usize {
+pub fn long_batch_copy_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
+    let slide_copies = chunk >= sieve_cuda::slide::DECODE_MIN_TOKENS && lowbit_copy_allowed();
     linears
         .iter()
         .flat_map(|l| l.parts.iter())
         .filter_map(|p| match &p.matrix {
             DeviceMatrix::LowBit(q) => Some(q.matrix.padded_rows() * q.matrix.padded_cols()),
             DeviceMatrix::IeBme(e) => Some(e.padded_rows() * e.padded_cols()),
-            DeviceMatrix::Slide(s) => Some(s.matrix.rows() * s.matrix.decoded_ld()),
+            DeviceMatrix::Slide(s) if slide_copies => Some(s.matrix.rows() * s.matrix.decoded_ld()),
             _ => None,
         })
         .max()

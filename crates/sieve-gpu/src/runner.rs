@@ -1031,7 +1031,7 @@ impl GpuModel {
         let layers: Vec<&DeviceLinear> = all[1..].to_vec();
         let chunk = self.prefill_chunk;
         let decoded = crate::prefill::scratch16_len(&all, chunk)
-            .max(crate::prefill::long_batch_copy_len(&layers));
+            .max(crate::prefill::long_batch_copy_len(&layers, chunk));
         self.prefill_bufs = Some(crate::prefill::PrefillBuffers::new(
             &self.gpu,
             chunk,
