@@ -16,12 +16,14 @@ timeout 200 python3 dev/cusparselt/bench.py --shapes 7b --n 512,4096,8192 --prec
 # prompt path's f16 copy past 256 tokens (built 2026-12-06 without a device). Its kernel test
 # against the format's decode and the long-prompt runner test, then the 7B 6:8 prompt of 2,048
 # tokens through the copy (default) against mma.sp throughout (SIEVE_LOWBIT_PREFILL=kernel),
-# and dense f16 beside them.
+# and dense f16 beside them; first `bench gemm` of both paths at 32..2,048 tokens, which sets
+# `slide::DECODE_MIN_TOKENS` (256 is an estimate).
 if [ -x .gpu/bin/sieve ]; then
   source scripts/gpu-quick.sh
   run_t slide 120 --test-threads 1
   run_t runner 300 long_prompts_of_low_bit_models_match_cpu tiny_slide_models_match_cpu --test-threads 1
   S=.gpu/bin/sieve
+  timeout 150 $S bench gemm --shapes llama2-7b --precision f16,slide-f16,slide-f16-copy --pattern 6:8,2:4 --n 32,64,128,256,512,2048 --reps 20 2>&1 | grep -E "slide" | cut -c1-110
   for cfg in "--sp 0 --dp 0" "--format slide --pattern 6:8 --sp 0.25 --dp 0"; do
     for mode in copy kernel; do
       [ "$mode" = kernel ] && [ "$cfg" = "--sp 0 --dp 0" ] && continue

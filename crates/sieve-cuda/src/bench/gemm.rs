@@ -80,6 +80,10 @@ pub enum Precision {
     /// SlideSparse: a (2N-2):2N matrix (`--pattern`) lifted to 2:4 and multiplied on the sparse
     /// tensor cores (`mma.sp`), f16 values; the activation lifting (f32 -> f16) is timed with it.
     SlideF16,
+    /// The same matrix as the prompt path runs it from `slide::DECODE_MIN_TOKENS` tokens: the
+    /// original W written as f16 rows from the device layout (`slide_to_f16_rows`, the zeroing
+    /// included), then cuBLAS; both timed, the f16 activations uploaded once.
+    SlideF16Copy,
     /// W4A16 g128 column-major under a TEAL threshold (`lowbit_cols`): N = 1, the weights
     /// pruned to sp (stored as zeros), only the active columns read. Timed with the zeroing of
     /// y (cuBLAS writes y; in the decode step the RMSNorm before zeroes it).
@@ -94,7 +98,7 @@ pub enum Precision {
 }
 
 impl Precision {
-    pub const ALL: [Precision; 22] = [
+    pub const ALL: [Precision; 23] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -113,6 +117,7 @@ impl Precision {
         Precision::TcbcDecodeGemm,
         Precision::TcbcSpmm,
         Precision::SlideF16,
+        Precision::SlideF16Copy,
         Precision::W4A16Cols,
         Precision::Q4_0Cols,
         Precision::W4A16DecodeGemm,
@@ -138,6 +143,7 @@ impl Precision {
             Precision::TcbcDecodeGemm => "tcbc-decode-gemm",
             Precision::TcbcSpmm => "tcbc-spmm",
             Precision::SlideF16 => "slide-f16",
+            Precision::SlideF16Copy => "slide-f16-copy",
             Precision::W4A16Cols => "w4a16-cols",
             Precision::Q4_0Cols => "q4_0-cols",
             Precision::W4A16DecodeGemm => "w4a16-decode-gemm",
@@ -237,6 +243,7 @@ impl Precision {
             self,
             Precision::F16
                 | Precision::SlideF16
+                | Precision::SlideF16Copy
                 | Precision::TcbcDecodeGemm
                 | Precision::W4A16DecodeGemm
                 | Precision::Q4KDecodeGemm
@@ -258,9 +265,11 @@ impl GemmBenchOptions {
                 return bad(format!("sparsity {v} outside [0, 1)"));
             }
         }
-        if self.precisions.contains(&Precision::SlideF16) {
+        if self.precisions.contains(&Precision::SlideF16)
+            || self.precisions.contains(&Precision::SlideF16Copy)
+        {
             if self.patterns.is_empty() {
-                return bad("slide-f16 needs at least one --pattern".into());
+                return bad("slide-f16 and slide-f16-copy need at least one --pattern".into());
             }
             for &p in &self.patterns {
                 SlideOptions::from_pattern(p)?;
@@ -1045,7 +1054,11 @@ fn bench_slide(
 ) -> Result<()> {
     use crate::product::dev_ptr;
     use crate::slide::{reference, GpuSlide};
-    if !ctx.opts.precisions.contains(&Precision::SlideF16) {
+    let (by_mma, by_copy) = (
+        ctx.opts.precisions.contains(&Precision::SlideF16),
+        ctx.opts.precisions.contains(&Precision::SlideF16Copy),
+    );
+    if !by_mma && !by_copy {
         return Ok(());
     }
     let gpu = ctx.gpu;
@@ -1068,6 +1081,9 @@ fn bench_slide(
             .collect::<Result<_>>()?;
         let nc = copies.len();
         let lifted = crate::dense::zeroed_f16(gpu, copies[0].lifted_len(nmax))?;
+        // The prompt path's f16 copy of W (rows `ld` apart), written again by every launch.
+        let ld = copies[0].decoded_ld();
+        let w16 = crate::dense::zeroed_f16(gpu, if by_copy { m * ld } else { 1 })?;
         let sp = 1.0 / slide_opts.n as f64;
         for (ni, &n) in opts.n.iter().enumerate() {
             let want = if n <= MAX_KERNEL_TOKENS {
@@ -1078,6 +1094,45 @@ fn bench_slide(
                 let (y, _) = reference(&enc, &xs, k, tokens.len(), None);
                 Expected { m, tokens, y }
             };
+            if by_copy {
+                let x16d = gpu.upload(&x16[..n * k])?;
+                let mut y = gpu.poisoned_f32(n * m)?;
+                let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                    copies[i % nc].decode_rows_f16(gpu, dev_ptr(gpu, &w16), ld)?;
+                    crate::dense::gemm_f16_rows(
+                        gpu,
+                        dev_ptr(gpu, &w16),
+                        ld,
+                        false,
+                        m,
+                        k,
+                        dev_ptr(gpu, &x16d),
+                        n,
+                        dev_ptr(gpu, y),
+                        m,
+                        0.0,
+                    )
+                };
+                launch(0, &mut y)?;
+                let err = want.error(&gpu.download(&y)?);
+                let t = ctx.time(nc, &mut y, &want, launch)?;
+                // Weights and metadata read, the copy zeroed, written and read, f16 x, y.
+                let bytes = bytes_w + 3 * m * ld * 2 + n * k * 2 + n * m * 4;
+                ctx.record(
+                    Precision::SlideF16Copy,
+                    shape,
+                    n,
+                    sp,
+                    0.0,
+                    &t,
+                    &bases[ni],
+                    bytes,
+                    err,
+                );
+            }
+            if !by_mma {
+                continue;
+            }
             let xd = gpu.upload(&xf32[..n * k])?;
             let mut y = gpu.poisoned_f32(n * m)?;
             let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
@@ -1207,6 +1262,9 @@ mod tests {
         o.patterns.clear();
         assert!(o.validate().is_err());
         assert!("slide-f16".parse::<Precision>().is_ok());
+        o.precisions = vec![Precision::SlideF16Copy];
+        assert!(o.validate().is_err(), "the copy needs a pattern too");
+        assert!("slide-f16-copy".parse::<Precision>().is_ok());
         assert!("w4a16".parse::<Precision>().is_ok());
         assert!("w3a16".parse::<Precision>().is_err());
     }

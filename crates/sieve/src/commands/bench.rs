@@ -26,7 +26,7 @@ pub struct GemmArgs {
     /// Model shape sets (llama2-7b, llama2-13b, llama3-8b, llama2-70b) or MxK shapes.
     #[arg(long, value_delimiter = ',', default_value = "llama2-7b")]
     shapes: Vec<String>,
-    /// Tokens per product (1..=16384: the rows of f16, slide-f16 and the decode-gemm precisions
+    /// Tokens per product (1..=16384: the rows of f16, the slide and the decode-gemm precisions
     /// take prompts of any of these sizes; the other kernels' rows stop at 256, IE-BME's at 32).
     /// Past 256 tokens each product is checked on a spread of its tokens' rows.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
@@ -39,7 +39,7 @@ pub struct GemmArgs {
     /// IE-BME rows at N = 1.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5")]
     dp: Vec<f64>,
-    /// (2N-2):2N patterns of the slide-f16 rows (2:4, 4:6, 6:8, ... 14:16).
+    /// (2N-2):2N patterns of the slide rows (2:4, 4:6, 6:8, ... 14:16).
     #[arg(long, value_delimiter = ',', default_value = "6:8")]
     pattern: Vec<sieve_formats::random::Pattern>,
     /// Precisions: f16 (cuBLAS, always timed as the baseline), w8a16, w4a16 (group 128),
@@ -49,9 +49,10 @@ pub struct GemmArgs {
     /// areas, group 128, every N), tcbc-per-token and tcbc-decode-gemm (Tiled-CBC f16 at sp:
     /// N one-token products, or decoded to f16 then one cuBLAS GEMM, the batched serving
     /// step's way), slide-f16 (SlideSparse: a --pattern matrix lifted to 2:4 on the sparse
-    /// tensor cores, the activation lifting timed with it), w4a16-cols and q4_0-cols (4-bit
-    /// column-major under a TEAL threshold, N = 1 at every --sp and --dp: inactive columns never
-    /// read).
+    /// tensor cores, the activation lifting timed with it), slide-f16-copy (the same matrix
+    /// written as f16 rows, then cuBLAS: the prompt path from 256 tokens), w4a16-cols and
+    /// q4_0-cols (4-bit column-major under a TEAL threshold, N = 1 at every --sp and --dp:
+    /// inactive columns never read).
     #[arg(
         long,
         value_delimiter = ',',
