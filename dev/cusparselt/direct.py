@@ -28,17 +28,12 @@ import glob
 import json
 import os
 import site
-import statistics
 import sys
 
 import torch
 
-SHAPES = {
-    "7b": [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)],
-    "13b": [(15360, 5120), (5120, 5120), (27648, 5120), (5120, 13824)],
-    "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
-}
-L2_BYTES = 60 * 2**20
+from common import L2_BYTES, SHAPES, prune_2_4, rel_err, timed
+
 
 # cudaDataType (library_types.h), cusparseOrder_t / cusparseOperation_t (cusparse.h),
 # cusparseComputeType (cusparseLt.h of 0.6 onwards: 32I, 16F, 32F).
@@ -138,34 +133,6 @@ class SparseProduct:
 
     def run(self, a, x, y):
         self.lt.call("cusparseLtMatmul", *self._args(a, x, y))
-
-
-def prune_2_4(w):
-    m, k = w.shape
-    g = w.float().abs().view(m, k // 4, 4)
-    keep = torch.zeros_like(g, dtype=torch.bool)
-    keep.scatter_(2, g.topk(2, dim=2).indices, True)
-    return w * keep.view(m, k).to(w.dtype)
-
-
-def timed(fn, copies, reps):
-    for i in range(3):
-        fn(i % copies)
-    torch.cuda.synchronize()
-    times = []
-    for r in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(r % copies)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times)
-
-
-def rel_err(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def operands(prec, m, k, n):
