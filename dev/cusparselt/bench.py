@@ -17,13 +17,12 @@ not skipped silently.
 
   python3 dev/cusparselt/bench.py [--shapes 7b] [--n 8,32,128,512,2048,4096,8192] [--json OUT]
 """
-import argparse
 import json
 import sys
 
 import torch
 
-from common import L2_BYTES, SHAPES, prune_2_4, rel_err, timed
+from common import L2_BYTES, SHAPES, arguments, prune_2_4, rel_err, timed
 
 
 def run_precision(prec, m, k, n, reps):
@@ -74,13 +73,7 @@ def run_precision(prec, m, k, n, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="7b")
-    ap.add_argument("--n", default="8,32,128,512,2048,4096,8192")
-    ap.add_argument("--precision", default="f16,int8,fp8")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json")
-    a = ap.parse_args()
+    a = arguments()
     try:
         cslt = torch.backends.cusparselt.version()
     except Exception as e:  # no cuSPARSELt in this PyTorch: every sparse row says so

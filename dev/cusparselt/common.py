@@ -1,4 +1,5 @@
 """What bench.py and direct.py share: the shapes, pruning to 2:4, event timing, the error."""
+import argparse
 import statistics
 
 import torch
@@ -37,3 +38,14 @@ def timed(fn, copies, reps):
 def rel_err(got, want):
     got, want = got.double(), want.double()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def arguments():
+    """The options both scripts take."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="7b")
+    ap.add_argument("--n", default="8,32,128,512,2048,4096,8192")
+    ap.add_argument("--precision", default="f16,int8,fp8")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    return ap.parse_args()

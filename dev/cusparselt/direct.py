@@ -22,7 +22,6 @@ combination is reported with the library's status, not skipped.
   python3 dev/cusparselt/direct.py [--shapes 7b] [--n 8,128,512,4096,8192] [--precision f16,int8,fp8] [--json OUT]
   SIEVE_CUSPARSELT=/path/libcusparseLt.so.0 ...   (else found under the Python packages)
 """
-import argparse
 import ctypes
 import glob
 import json
@@ -32,7 +31,7 @@ import sys
 
 import torch
 
-from common import L2_BYTES, SHAPES, prune_2_4, rel_err, timed
+from common import L2_BYTES, SHAPES, arguments, prune_2_4, rel_err, timed
 
 
 # cudaDataType (library_types.h), cusparseOrder_t / cusparseOperation_t (cusparse.h),
@@ -194,13 +193,7 @@ def run_one(lt, prec, m, k, n, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="7b")
-    ap.add_argument("--n", default="8,32,128,512,2048,4096,8192")
-    ap.add_argument("--precision", default="f16,int8,fp8")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json")
-    a = ap.parse_args()
+    a = arguments()
     path = find_library()
     try:
         lt = Lt(path)

@@ -702,19 +702,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
                     }),
                     Some(d) => {
                         w.decode_rows_f16(gpu, dev_ptr(gpu, d))?;
-                        crate::dense::gemm_f16_rows(
-                            gpu,
-                            dev_ptr(gpu, d),
-                            kp,
-                            false,
-                            m,
-                            k,
-                            dev_ptr(gpu, &x16d),
-                            n,
-                            dev_ptr(gpu, y),
-                            m,
-                            0.0,
-                        )
+                        gemm_on_copy(gpu, dev_ptr(gpu, d), kp, m, k, dev_ptr(gpu, &x16d), n, y)
                     }
                 }
             };
@@ -1042,6 +1030,23 @@ fn bench_tiled_cbc(
     Ok(())
 }
 
+/// `y = x · Wᵀ` (cuBLAS, y written, M floats a row) with W the f16 copy at `w`, rows `ld`
+/// apart: the GEMM of the rows that decode a matrix to f16 first.
+#[allow(clippy::too_many_arguments)]
+fn gemm_on_copy(
+    gpu: &Gpu,
+    w: crate::product::DevPtr,
+    ld: usize,
+    m: usize,
+    k: usize,
+    x16: crate::product::DevPtr,
+    n: usize,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let yp = crate::product::dev_ptr(gpu, y);
+    crate::dense::gemm_f16_rows(gpu, w, ld, false, m, k, x16, n, yp, m, 0.0)
+}
+
 /// SlideSparse rows at every (2N-2):2N pattern and N (dp 0): f32 activations lifted to f16
 /// (`slide_lift_rows`), then the `mma.sp` product; both launches timed. `sp` is the pattern's
 /// 2 / 2N.
@@ -1099,19 +1104,7 @@ fn bench_slide(
                 let mut y = gpu.poisoned_f32(n * m)?;
                 let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
                     copies[i % nc].decode_rows_f16(gpu, dev_ptr(gpu, &w16), ld)?;
-                    crate::dense::gemm_f16_rows(
-                        gpu,
-                        dev_ptr(gpu, &w16),
-                        ld,
-                        false,
-                        m,
-                        k,
-                        dev_ptr(gpu, &x16d),
-                        n,
-                        dev_ptr(gpu, y),
-                        m,
-                        0.0,
-                    )
+                    gemm_on_copy(gpu, dev_ptr(gpu, &w16), ld, m, k, dev_ptr(gpu, &x16d), n, y)
                 };
                 launch(0, &mut y)?;
                 let err = want.error(&gpu.download(&y)?);
