@@ -480,6 +480,232 @@ extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s3(LANE8_ARG
     lane8_kernel<32, 3, true>(LANE8_PASS);
 }
 
+// ---------------------------------------------------------------------------------------------
+// tcbc_spmspv_union_n<NB>: the rr kernel for a small batch of n <= NB tokens (issue 28; SPDP
+// names it as future work). A many-sequence decode step multiplies each matrix by n rows at
+// once; run n times, the rr kernel reads each active column's weights once per row. This one
+// reads a column once for the batch:
+//
+//   x: n rows of K f32, ldx apart, each masked by the threshold on its own (a row's inactive
+//      inputs are 0, exactly what the one-token kernel skips);
+//   list[i] = (value offset, column tile 16 g + c, 16-byte chunks, -): the block's columns that
+//      are nonempty and active in AT LEAST ONE row (the union), in column order;
+//   xs[i][NB] = the listed column's n masked inputs (0 for rows past n and inactive rows).
+//
+//      column i:  values and bitmap (one cp.async stream, as rr)      decode (rr):
+//                 xs[i] = | x0 | x1 | ... | x(NB-1) |                  v = value of row 32 w + j
+//                                                                      acc[r][w] += v * xs[i][r]
+//
+// Lane j of every warp owns rows 32 w + j (w = 0..7) of the 256-row tile for all NB rows of
+// x: 8 NB sums in registers. The warps' sums are reduced through shared memory one token at a
+// time, then added to y (n rows, ldy apart) with one atomic per row: y += W . mask(x) always
+// (the caller zeroes y for a written product). Bytes read: the union's columns once, instead of
+// each row's active columns once per row; the union of independent rows at activation sparsity
+// dp is 1 - dp^n of the columns, so this pays most at small n.
+
+#define UNION_BATCH 32
+#define UNION_STAGES 2
+
+template <int NB>
+__device__ __forceinline__ void union_kernel(const u32* __restrict__ tile_offset, const u32* __restrict__ col_info,
+                                             const u64* __restrict__ bitmaps, const unsigned char* __restrict__ rank,
+                                             const f16_bits* __restrict__ values, const float* __restrict__ x,
+                                             int ldx, int n_tokens, float* __restrict__ y, int ldy, int M, int K,
+                                             int KT, float t, int cols_per_block) {
+    constexpr int BATCH = UNION_BATCH, STAGES = UNION_STAGES;
+    constexpr int SLOTS_PER_WARP = BATCH / L8_WARPS;
+    constexpr u32 BITS_OFF = BATCH * TCBC_TILE_M * 2;
+    constexpr u32 RANK_OFF = BITS_OFF + BATCH * 32;
+    constexpr u32 STAGE_BYTES = RANK_OFF + BATCH * 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    // After the stages: list[cols_per_block] (uint4), then xs[cols_per_block][NB] (f32).
+    uint4* list = reinterpret_cast<uint4*>(smem + STAGES * STAGE_BYTES);
+    float* xs = reinterpret_cast<float*>(list + cols_per_block);
+    __shared__ int s_warp_count[2][L8_WARPS];
+    const u32 sbase = smem_addr(smem);
+
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int rt = blockIdx.y;
+    int row = rt * TCBC_TILE_M + tid;
+    pdl_release();
+
+    // 1. Compaction of the union (two columns per thread, all loads issued together).
+    int k0 = blockIdx.x * cols_per_block;
+    int k1 = min(k0 + cols_per_block, K);
+    u32 info[2], off[2], gc[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int k = k0 + tid + 256 * r;
+        info[r] = 0;
+        off[r] = 0;
+        gc[r] = 0;
+        if (k < k1) {
+            u32 g = (u32)rt * (u32)KT + (u32)(k >> 4);
+            gc[r] = g * TCBC_TILE_K + (u32)(k & 15);
+            info[r] = __ldg(col_info + gc[r]);
+            off[r] = __ldg(tile_offset + g) + (info[r] >> 16);
+        }
+    }
+    pdl_wait();
+    float xv[2][NB];
+    bool on[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int k = k0 + tid + 256 * r;
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+            float v = 0.f;
+            if (j < n_tokens && k < k1) {
+                v = __ldg(x + (size_t)j * ldx + k);
+                bool a = active(v, t);
+                any |= a;
+                v = a ? v : 0.f;
+            }
+            xv[r][j] = v;
+        }
+        on[r] = k < k1 && any && (info[r] & 0xffffu) != 0;
+    }
+    u32 ballot[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        ballot[r] = __ballot_sync(FULL_MASK, on[r]);
+        if (lane == 0) s_warp_count[r][warp] = __popc(ballot[r]);
+    }
+    __syncthreads();
+    int n = 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int before = n;
+#pragma unroll
+        for (int w = 0; w < L8_WARPS; ++w) {
+            before += w < warp ? s_warp_count[r][w] : 0;
+            n += s_warp_count[r][w];
+        }
+        if (on[r]) {
+            int i = before + __popc(ballot[r] & ((1u << lane) - 1u));
+            list[i] = make_uint4(off[r], gc[r], ((info[r] & 0xffffu) + 7u) >> 3, 0u);
+#pragma unroll
+            for (int j = 0; j < NB; ++j) xs[i * NB + j] = xv[r][j];
+        }
+    }
+    __syncthreads();
+    if (n == 0) return;  // uniform: nothing to add
+
+    float acc[NB][8];
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int s = 0; s < 8; ++s) acc[j][s] = 0.f;
+
+    // 2. The rr pipeline over batches of listed columns.
+    constexpr int THREADS_PER_SLOT = 256 / BATCH;
+    int nb = (n + BATCH - 1) / BATCH;
+    int my_slot = tid / THREADS_PER_SLOT, part = tid % THREADS_PER_SLOT;
+    auto load = [&](int b, u32 stage) {
+        int i = b * BATCH + my_slot;
+        if (b < nb && i < n) {
+            uint4 e = list[i];
+            const f16_bits* src = values + e.x;
+            u32 dst = stage + (u32)my_slot * (TCBC_TILE_M * 2) + (u32)part * 16u;
+#pragma unroll
+            for (int rr = 0; rr < 32 / THREADS_PER_SLOT; ++rr) {
+                u32 c = (u32)(part + rr * THREADS_PER_SLOT);
+                if (c < e.z) cp_async16_s(dst + (u32)(rr * THREADS_PER_SLOT * 16), src + c * 8);
+            }
+            if (part < 2)
+                cp_async16_s(stage + BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
+                             bitmaps + (size_t)e.y * 4 + part * 2);
+            else if (part == 2)
+                cp_async8_s(stage + RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load(s, sbase + (u32)s * STAGE_BYTES);
+    const u32 lane_below = (1u << lane) - 1u;
+    u32 cur = sbase;
+    u32 next = sbase + (u32)(STAGES - 1) * STAGE_BYTES;
+    const u32 last = sbase + (u32)(STAGES - 1) * STAGE_BYTES;
+    for (int b = 0; b < nb; ++b) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        load(b + STAGES - 1, next);
+        int cnt = min(BATCH, n - b * BATCH);
+        u32 val[SLOTS_PER_WARP][8];
+#pragma unroll
+        for (int u = 0; u < SLOTS_PER_WARP; ++u) {
+            int slot = warp + u * L8_WARPS;
+            bool valid = slot < cnt;
+            slot = valid ? slot : 0;
+            uint4 wa = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u);
+            uint4 wb = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u + 16u);
+            uint2 rk = lds_u32x2(cur + RANK_OFF + (u32)slot * 8u);
+            u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+            const u32 vbase = cur + (u32)slot * (TCBC_TILE_M * 2);
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                u32 r = ((w < 4 ? rk.x : rk.y) >> (8 * (w & 3))) & 0xffu;
+                bool bit = valid && ((words[w] >> lane) & 1u);
+                u32 addr = vbase + 2u * (r + __popc(words[w] & lane_below));
+                val[u][w] = bit ? lds_u16(addr) : 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SLOTS_PER_WARP; ++u) {
+            int slot = warp + u * L8_WARPS;
+            // Slots past the batch's end decoded to zeros; their xs entry is any listed one.
+            const float* xk = xs + (size_t)(b * BATCH + (slot < cnt ? slot : 0)) * NB;
+            float xr[NB];
+#pragma unroll
+            for (int j = 0; j < NB; ++j) xr[j] = xk[j];
+#pragma unroll
+            for (int w = 0; w < 8; ++w) {
+                float v = h2f((unsigned short)val[u][w]);
+#pragma unroll
+                for (int j = 0; j < NB; ++j) acc[j][w] = fmaf(v, xr[j], acc[j][w]);
+            }
+        }
+        cur = cur == last ? sbase : cur + STAGE_BYTES;
+        next = next == last ? sbase : next + STAGE_BYTES;
+    }
+    cp_async_wait<0>();
+
+    // 3. Per token: the warps' sums through shared memory (the stage buffers), one atomic per
+    //    row and token.
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+        if (j >= n_tokens) break;  // uniform
+        __syncthreads();  // stages consumed / previous token's sums read
+#pragma unroll
+        for (int s = 0; s < 8; ++s) red[warp * TCBC_TILE_M + 32 * s + lane] = acc[j][s];
+        __syncthreads();
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < L8_WARPS; ++w) sum += red[w * TCBC_TILE_M + tid];
+        if (row < M && sum != 0.f) atomicAdd(y + (size_t)j * ldy + row, sum);
+    }
+}
+
+#define UNION_ARGS                                                                                 \
+    const u32 *__restrict__ tile_offset, const u32 *__restrict__ col_info,                         \
+        const u64 *__restrict__ bitmaps, const unsigned char *__restrict__ rank,                   \
+        const f16_bits *__restrict__ values, const float *__restrict__ x, int ldx, int n_tokens,   \
+        float *__restrict__ y, int ldy, int M, int K, int KT, float t, int cols_per_block
+#define UNION_PASS tile_offset, col_info, bitmaps, rank, values, x, ldx, n_tokens, y, ldy, M, K, KT, t, cols_per_block
+
+// Two blocks per multiprocessor at most (8 NB sums per lane); n_tokens <= NB.
+extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n2(UNION_ARGS) {
+    union_kernel<2>(UNION_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n4(UNION_ARGS) {
+    union_kernel<4>(UNION_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n8(UNION_ARGS) {
+    union_kernel<8>(UNION_PASS);
+}
+
 // Decodes the whole matrix into Wt, K x M row-major f16 (W transposed), for the batched
 // prefill's GEMM. One block per GTile (kt, rt), 256 threads = the tile's rows:
 //   1. threads 0..63 stage the tile's 16 x 4 bitmap words and threads 64..79 its 16 column

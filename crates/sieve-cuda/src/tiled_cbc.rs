@@ -496,6 +496,106 @@ impl GpuTiledCbc {
     }
 }
 
+/// Most tokens one union launch takes (`tcbc_spmspv_union_n{2,4,8}`): each lane keeps 8 sums
+/// per token in registers.
+pub const UNION_MAX_TOKENS: usize = 8;
+/// Token counts of the compiled union kernels, smallest first.
+const UNION_KERNELS: [usize; 3] = [2, 4, 8];
+/// Resident union blocks a multiprocessor is assumed to hold (its launch bounds).
+const UNION_BLOCKS_PER_SM: usize = 2;
+
+impl GpuTiledCbc {
+    /// `Y[i] += W · mask_t(X[i])` for `n` <= [`UNION_MAX_TOKENS`] tokens, reading every column
+    /// that is active in at least one token once (the union of the batch's active columns):
+    /// `X` f32 rows `ldx` apart, each masked by `threshold` on its own, `Y` f32 rows `ldy`
+    /// apart, always added to (zero them first for a written product). The many-sequence
+    /// decode step's product for a few sequences (`kernels/tiled_cbc_spmspv.cu`,
+    /// `tcbc_spmspv_union_n*`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn union_rows(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        threshold: Threshold,
+        y: DevPtr,
+        ldy: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        sieve_formats::format::check_threshold(threshold)?;
+        let Some(&nb) = UNION_KERNELS.iter().find(|&&nb| nb >= n) else {
+            return Err(CudaError::Option(format!(
+                "the Tiled-CBC union product takes at most {UNION_MAX_TOKENS} tokens, not {n}"
+            )));
+        };
+        if ldx < self.cols || ldy < self.rows {
+            return Err(CudaError::Option(format!(
+                "the Tiled-CBC union product's strides (x {ldx}, y {ldy}) are shorter than \
+                 K = {} or M = {}",
+                self.cols, self.rows
+            )));
+        }
+        let cpb = {
+            let target = gpu.info().multiprocessors as usize * UNION_BLOCKS_PER_SM;
+            let splits = (target / self.row_tiles.max(1)).max(1);
+            (self.col_tiles.div_ceil(splits) * TILE_K).clamp(TILE_K, LANE8_MAX_COLS_PER_BLOCK)
+        };
+        // Stages (vals, bitmaps, rank tables of 32 columns, two buffers), the list (16 bytes a
+        // column) and the listed columns' inputs (4 nb bytes a column).
+        let shared = 2 * 32 * (256 * 2 + 32 + 8) + cpb * (16 + 4 * nb);
+        let f = gpu.function(&FAMILY, &format!("tcbc_spmspv_union_n{nb}"))?;
+        gpu.allow_dynamic_shared(&f, shared)?;
+        let cfg = LaunchConfig {
+            grid_dim: (self.cols.div_ceil(cpb) as u32, self.row_tiles as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        let (ldx_i, n_i, ldy_i) = (
+            i32_arg("activation row stride", ldx)?,
+            i32_arg("tokens", n)?,
+            i32_arg("output row stride", ldy)?,
+        );
+        let (m, k, kt) = (self.rows as i32, self.cols as i32, self.col_tiles as i32);
+        let (t, c) = (threshold_arg(threshold), cpb as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.tile_offset)
+            .arg(&self.col_info)
+            .arg(&self.bitmaps)
+            .arg(&self.rank)
+            .arg(&self.values)
+            .arg(&x)
+            .arg(&ldx_i)
+            .arg(&n_i)
+            .arg(&y)
+            .arg(&ldy_i)
+            .arg(&m)
+            .arg(&k)
+            .arg(&kt)
+            .arg(&t)
+            .arg(&c);
+        unsafe { b.launch(cfg) }.during("launching tcbc_spmspv_union")?;
+        Ok(())
+    }
+
+    /// Bytes the union product reads for `n` tokens whose active columns are marked in
+    /// `active` (`[n][K]`): the weight data of every column active in some token, the
+    /// metadata of every column, and the activations and outputs of all tokens.
+    pub fn union_bytes_for(&self, active: &[bool], n: usize) -> usize {
+        let k = self.cols;
+        let union: Vec<bool> = (0..k)
+            .map(|c| (0..n).any(|t| active.get(t * k + c).copied().unwrap_or(false)))
+            .collect();
+        let cols = union.iter().filter(|a| **a).count();
+        active_column_bytes(&self.col_bytes, &union) - cols * self.row_tiles * 4
+            + cols * self.row_tiles * 8
+            + self.row_tiles * self.col_tiles * (TILE_K * 4 + 4)
+            + n * (self.cols + self.rows) * 4
+    }
+}
+
 impl GpuAccumulate for GpuTiledCbc {
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()> {
         if !self.kernel.is_lane8_family() {

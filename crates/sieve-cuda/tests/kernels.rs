@@ -713,3 +713,102 @@ fn tiled_cbc_spmm_matches_reference() {
         .spmm_rows(&gpu, dev_ptr(&gpu, &a), 20, 2, dev_ptr(&gpu, &y), 40, false)
         .is_err());
 }
+
+/// The union product over Tiled-CBC (`tcbc_spmspv_union_n*`) for 1..8 tokens against the f64
+/// product of each token on its own under the same threshold: tokens with different active
+/// columns (some all inactive, one whose activations are exactly 0 somewhere), padded input
+/// and output strides, an output added to a known base with the padding past M untouched, and
+/// its limits as typed errors.
+#[test]
+fn tiled_cbc_union_matches_each_token_alone() {
+    let Some(gpu) = gpu_or_skip("tiled_cbc_union_matches_each_token_alone") else {
+        return;
+    };
+    use sieve_cuda::product::dev_ptr;
+    let shapes: &[(usize, usize)] = &[
+        (1, 1),
+        (7, 5),
+        (33, 63),
+        (257, 600),
+        (513, 4104),
+        (4096, 4096),
+    ];
+    for &(m, k) in shapes {
+        for sp in [0.0, 0.5, 0.9] {
+            let s = seed();
+            let w = sparse_matrix(m, k, sp, Pattern::Unstructured, s).expect("valid shape");
+            let g =
+                GpuTiledCbc::upload(&gpu, &TiledCbc::encode(&w).expect("encode")).expect("upload");
+            for n in 1..=sieve_cuda::tiled_cbc::UNION_MAX_TOKENS {
+                for dp in [0.0, 0.5, 0.9] {
+                    let (ldx, ldy) = (k + 3, m + 5);
+                    let mut x = vec![f32::NAN; n * ldx];
+                    let mut rows = Vec::new();
+                    for tok in 0..n {
+                        let mut xt = activations(k, s ^ (0x91 + 7 * tok as u64));
+                        if tok == 1 {
+                            // A token whose inputs are all below the threshold.
+                            xt.iter_mut().for_each(|v| *v *= 1e-6);
+                        }
+                        if tok == 2 {
+                            xt.iter_mut().step_by(3).for_each(|v| *v = 0.0);
+                        }
+                        x[tok * ldx..tok * ldx + k].copy_from_slice(&xt);
+                        rows.push(xt);
+                    }
+                    let t = threshold_for_sparsity(&rows[0], dp).expect("valid dp");
+                    let what = format!("{m}x{k} sp={sp} dp={dp} n={n} seed={s}");
+                    let base: Vec<f32> = (0..n * ldy).map(|i| (i % 5) as f32 - 2.0).collect();
+                    let xd = gpu.upload(&x).expect("upload x");
+                    let yd = gpu.upload(&base).expect("upload y");
+                    g.union_rows(&gpu, dev_ptr(&gpu, &xd), ldx, n, t, dev_ptr(&gpu, &yd), ldy)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let got = gpu.download(&yd).expect("download");
+                    for (tok, xt) in rows.iter().enumerate() {
+                        let want = matvec_f64(&w, xt, t);
+                        let scale = error_scale(&w, xt, t, &want);
+                        let mut err = 0.0f64;
+                        for r in 0..m {
+                            let v = got[tok * ldy + r] as f64 - base[tok * ldy + r] as f64;
+                            assert!(v.is_finite(), "{what}: token {tok} row {r} not finite");
+                            err = err.max((v - want[r]).abs());
+                        }
+                        assert!(
+                            err / scale < TOL,
+                            "{what}: token {tok} rel error {}",
+                            err / scale
+                        );
+                        for r in m..ldy {
+                            assert_eq!(
+                                got[tok * ldy + r].to_bits(),
+                                base[tok * ldy + r].to_bits(),
+                                "{what}: token {tok} wrote past M at {r}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let w = sparse_matrix(40, 20, 0.5, Pattern::Unstructured, seed()).expect("valid");
+    let g = GpuTiledCbc::upload(&gpu, &TiledCbc::encode(&w).expect("encode")).expect("upload");
+    let x = gpu.upload(&[1.0f32; 20 * 9]).expect("upload");
+    let y = gpu.upload(&[0.0f32; 40 * 9]).expect("upload");
+    let (xp, yp) = (dev_ptr(&gpu, &x), dev_ptr(&gpu, &y));
+    assert!(
+        g.union_rows(&gpu, xp, 20, 9, None, yp, 40).is_err(),
+        "9 tokens"
+    );
+    assert!(
+        g.union_rows(&gpu, xp, 19, 2, None, yp, 40).is_err(),
+        "x stride below K"
+    );
+    assert!(
+        g.union_rows(&gpu, xp, 20, 2, None, yp, 39).is_err(),
+        "y stride below M"
+    );
+    assert!(
+        g.union_rows(&gpu, xp, 20, 2, Some(-0.5), yp, 40).is_err(),
+        "negative threshold"
+    );
+}

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
+//! | Tiled-CBC, up to 8 tokens (a few sequences' decode step) | no GEMM: the union product reads each column active in some token once (`tcbc_spmspv_union_n*`, f32 rows) |
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16), up to 64 tokens | no GEMM: the low-bit kernel, 32 tokens per launch |
@@ -104,6 +105,18 @@ pub const IE_BME_DECODE_MIN_TOKENS: usize = 33;
 fn lowbit_copy_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("SIEVE_LOWBIT_PREFILL").as_deref() != Ok("kernel"))
+}
+
+/// True when a batch of `n` tokens multiplies Tiled-CBC matrices by the union product
+/// (`GpuTiledCbc::union_rows`: every column active in some token read once, f32 sums) rather
+/// than the SpMM: up to [`UNION_MAX_TOKENS`] tokens, unless `SIEVE_BATCH_UNION=off` (read
+/// once; a switch for measuring the two against each other, not a setting).
+///
+/// [`UNION_MAX_TOKENS`]: sieve_cuda::tiled_cbc::UNION_MAX_TOKENS
+pub fn tiled_cbc_by_union(n: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    n <= sieve_cuda::tiled_cbc::UNION_MAX_TOKENS
+        && *ON.get_or_init(|| std::env::var("SIEVE_BATCH_UNION").as_deref() != Ok("off"))
 }
 
 /// True when every Tiled-CBC matrix among `linears` is multiplied by the SpMM for a batch of
@@ -390,6 +403,16 @@ pub fn linear_rows(
             let yp = y + (p.row_offset * 4) as u64;
             s.matrix
                 .launch_rows(gpu, x, ldx, n, p.threshold, w16, yp, ldy, beta != 0.0)?;
+            continue;
+        }
+        if let (DeviceMatrix::TiledCbc(t), true) = (&p.matrix, tiled_cbc_by_union(n)) {
+            // A few tokens (a decode step of a few sequences): the union of their active
+            // columns, read once, from the f32 rows.
+            let yp = y + (p.row_offset * 4) as u64;
+            if beta == 0.0 {
+                sieve_cuda::prefill::zero_rows(gpu, yp, ldy, n, p.rows)?;
+            }
+            t.union_rows(gpu, x, ldx, n, p.threshold, yp, ldy)?;
             continue;
         }
         if masked != Some(p.threshold) {

@@ -354,6 +354,12 @@ pub const DECODED_MIN_BATCH: usize = 9;
 /// takes 3.02 ms (H100, 2026-12-05, `sieve bench decode --batch`).
 pub const SPMM_MIN_BATCH: usize = 3;
 
+/// Sequences from which a step of a model whose Tiled-CBC matrices go through the union
+/// product for a few tokens (`GpuTiledCbc::union_rows`, up to 8; the SpMM above) runs as one
+/// batched pass: two sequences' union reads at most the columns their two single steps read,
+/// once instead of twice (estimate, to be measured with `sieve bench decode --batch`).
+pub const UNION_MIN_BATCH: usize = 2;
+
 /// Most sequences `sieve bench decode --batch` asks for (a sanity bound on user input; the
 /// memory check of [`GpuModel::set_slots`] decides what fits).
 pub const MAX_BATCH_SLOTS: usize = 1024;
@@ -1939,7 +1945,8 @@ impl GpuModel {
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
     /// permitting). 2 when every matrix is multiplied where it lies; with Tiled-CBC matrices
-    /// the SpMM multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first (a
+    /// the union product and the SpMM multiply, [`UNION_MIN_BATCH`] ([`SPMM_MIN_BATCH`] with
+    /// the union product switched off); with one the pass decodes to f16 first (a
     /// Tiled-CBC one past the SpMM, any Balanced-CBC one: its step per sequence costs what
     /// Tiled-CBC's does, not measured in a pass yet), [`DECODED_MIN_BATCH`].
     pub fn min_batched_sequences(&self) -> usize {
@@ -1952,7 +1959,11 @@ impl GpuModel {
         } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES)
             && !crate::prefill::always_decoded(&all)
         {
-            SPMM_MIN_BATCH
+            if crate::prefill::tiled_cbc_by_union(2) {
+                UNION_MIN_BATCH
+            } else {
+                SPMM_MIN_BATCH
+            }
         } else {
             DECODED_MIN_BATCH
         }
