@@ -73,9 +73,12 @@ __device__ __forceinline__ u32 bcbc_bit_index(u32 one_bit) {
 // The product of one row tile's blocks, one warp slice of columns per warp. LANES is the
 // tile's stored lanes when known at compile time (32: every tile but perhaps the last, so the
 // loads take immediate offsets), 0 for the last tile's run-time `last_lanes`.
-template <int N, bool IDX, int LANES>
-__device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned char* __restrict__ blocks,
-                                          const float* __restrict__ x, float* __restrict__ y,
+// NB: tokens per launch (1: the decode step's product; 4: the union product of up to four,
+// n_tokens of them used, x and y rows ldx and ldy apart). acc holds [BCBC_WARPS][NB][16][32].
+template <int N, bool IDX, int LANES, int NB>
+__device__ __forceinline__ void bcbc_tile(float* acc, const unsigned char* __restrict__ blocks,
+                                          const float* __restrict__ x, int ldx, int n_tokens,
+                                          float* __restrict__ y, int ldy,
                                           int M, int K, float t, int cols_per_warp,
                                           int last_lanes, u32* __restrict__ flags, u32 epoch) {
     constexpr int IW = (N + 7) / 8;  // IDX: index words per lane
@@ -94,9 +97,9 @@ __device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned c
                             : IDX      ? (idx_at + 4u * IW * (u32)lanes + 15u) & ~15u
                                        : ((u32)lanes * (2 * N + 2) + 15u) & ~15u;
     const bool stored = LANES == 32 || lane < lanes;
-    float* warp_acc = &acc[warp][0][0];
+    float* warp_acc = acc + warp * NB * 512;
 #pragma unroll
-    for (int s = 0; s < 16; ++s) warp_acc[s * 32 + lane] = 0.f;
+    for (int s = 0; s < 16 * NB; ++s) warp_acc[s * 32 + lane] = 0.f;
     const int begin = (blockIdx.y * BCBC_WARPS + warp) * cols_per_warp;
     const int end = min(begin + cols_per_warp, K);
     // Per-lane bases of the 4-byte and the 2-byte loads of a block.
@@ -110,13 +113,25 @@ __device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned c
             if (rt * BCBC_TILE + r < M) y[rt * BCBC_TILE + r] = 0.f;
         publish_zeroed_tile(flags + rt, epoch);
     }
-    float xw[2];
+    // Each token's inputs masked on their own; a column is listed when active in any token.
+    float xw[2][NB];
     u32 half_mask[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int k = begin + 32 * h + lane;
-        xw[h] = k < end ? __ldg(x + k) : 0.f;
-        half_mask[h] = __ballot_sync(FULL_MASK, k < end && active(xw[h], t));
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+            float v = 0.f;
+            if (k < end && j < n_tokens) {
+                v = __ldg(x + (size_t)j * ldx + k);
+                bool a = active(v, t);
+                any |= a;
+                v = a ? v : 0.f;
+            }
+            xw[h][j] = v;
+        }
+        half_mask[h] = __ballot_sync(FULL_MASK, k < end && any);
     }
     // The slice's active columns, bit s = column begin + s (warp-uniform).
     u64 pending = (u64)half_mask[1] << 32 | half_mask[0];
@@ -137,7 +152,7 @@ __device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned c
                 meta[st][u][0] = (1u << N) - 1u;
             }
         }
-    float xs[2][BCBC_BATCH];
+    float xs[2][BCBC_BATCH][NB];
     int count[2];
     // The next BATCH active columns into stage st; count[st] = how many there were (the rest
     // of the stage is not processed).
@@ -148,8 +163,9 @@ __device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned c
             const bool have = pending != 0;
             const int s = have ? __ffsll((long long)pending) - 1 : 0;
             pending &= pending - 1;
-            const float xv = __shfl_sync(FULL_MASK, s < 32 ? xw[0] : xw[1], s & 31);
-            xs[st][u] = xv;
+#pragma unroll
+            for (int j = 0; j < NB; ++j)
+                xs[st][u][j] = __shfl_sync(FULL_MASK, s < 32 ? xw[0][j] : xw[1][j], s & 31);
             n += have ? 1 : 0;
             if (have && stored) {
                 const size_t at = (size_t)(begin + s) * block_bytes;
@@ -194,17 +210,24 @@ __device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned c
                     b = rest;
                 }
             }
-            float a[N];
-#pragma unroll
-            for (int i = 0; i < N; ++i) a[i] = *(float*)(acc_bytes + off[i]);
+            float v[N];
 #pragma unroll
             for (int i = 0; i < N; ++i) {
                 u32 w = words[st][u][i / 2];
-                float v = h2f((unsigned short)((i & 1) ? (w >> 16) : (w & 0xffffu)));
-                a[i] = fmaf(v, xs[st][u], a[i]);
+                v[i] = h2f((unsigned short)((i & 1) ? (w >> 16) : (w & 0xffffu)));
             }
 #pragma unroll
-            for (int i = 0; i < N; ++i) *(float*)(acc_bytes + off[i]) = a[i];
+            for (int j = 0; j < NB; ++j) {
+                if (j >= n_tokens) break;  // uniform
+                char* tok_acc = acc_bytes + j * 2048;  // token j's [16][32] floats
+                float a[N];
+#pragma unroll
+                for (int i = 0; i < N; ++i) a[i] = *(float*)(tok_acc + off[i]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) a[i] = fmaf(v[i], xs[st][u][j], a[i]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) *(float*)(tok_acc + off[i]) = a[i];
+            }
         }
     };
     fetch(0);
@@ -221,11 +244,15 @@ __device__ __forceinline__ void bcbc_tile(float (*acc)[16][32], const unsigned c
     // Thread (s, l): row 16 l + s of the tile, conflict-free reads (bank = l).
     for (int i = threadIdx.x; i < BCBC_TILE; i += blockDim.x) {
         int l = i & 31, s = i >> 5;
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < BCBC_WARPS; ++w) sum += acc[w][s][l];
         int r = rt * BCBC_TILE + l * 16 + s;
-        if (r < M && sum != 0.f) atomicAdd(y + r, sum);
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+            if (j >= n_tokens) break;
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < BCBC_WARPS; ++w) sum += acc[(w * NB + j) * 512 + s * 32 + l];
+            if (r < M && sum != 0.f) atomicAdd(y + (size_t)j * ldy + r, sum);
+        }
     }
 }
 
@@ -234,12 +261,31 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
                                             const float* __restrict__ x, float* __restrict__ y,
                                             int M, int K, float t, int cols_per_warp,
                                             int last_lanes, u32* __restrict__ flags, u32 epoch) {
-    __shared__ float acc[BCBC_WARPS][16][32];
+    __shared__ float acc[BCBC_WARPS * 16 * 32];
     pdl_release();
     if (blockIdx.x == gridDim.x - 1 && last_lanes != 32)
-        bcbc_tile<N, IDX, 0>(acc, blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch);
+        bcbc_tile<N, IDX, 0, 1>(acc, blocks, x, K, 1, y, M, M, K, t, cols_per_warp, last_lanes, flags, epoch);
     else
-        bcbc_tile<N, IDX, 32>(acc, blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch);
+        bcbc_tile<N, IDX, 32, 1>(acc, blocks, x, K, 1, y, M, M, K, t, cols_per_warp, last_lanes, flags, epoch);
+}
+
+// The union product of up to BCBC_UNION_TOKENS tokens (issue 28): the kernel above with each
+// listed column (active in some token) multiplied into every token's accumulators (dynamic
+// shared memory, 16 KB per token). Always adds to y (rows ldy apart).
+#define BCBC_UNION_TOKENS 4
+template <int N, bool IDX>
+__device__ __forceinline__ void bcbc_union_kernel(const unsigned char* __restrict__ blocks,
+                                                  const float* __restrict__ x, int ldx, int n_tokens,
+                                                  float* __restrict__ y, int ldy, int M, int K, float t,
+                                                  int cols_per_warp, int last_lanes) {
+    extern __shared__ float union_acc[];
+    pdl_release();
+    if (blockIdx.x == gridDim.x - 1 && last_lanes != 32)
+        bcbc_tile<N, IDX, 0, BCBC_UNION_TOKENS>(union_acc, blocks, x, ldx, n_tokens, y, ldy, M, K, t,
+                                                cols_per_warp, last_lanes, nullptr, 0);
+    else
+        bcbc_tile<N, IDX, 32, BCBC_UNION_TOKENS>(union_acc, blocks, x, ldx, n_tokens, y, ldy, M, K, t,
+                                                 cols_per_warp, last_lanes, nullptr, 0);
 }
 
 #define BCBC_ARGS                                                                        \
@@ -247,6 +293,11 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
         float *__restrict__ y, int M, int K, float t, int cols_per_warp, int last_lanes,        \
         u32 *__restrict__ flags, u32 epoch
 #define BCBC_PASS blocks, x, y, M, K, t, cols_per_warp, last_lanes, flags, epoch
+#define BCBC_UNION_ARGS                                                                  \
+    const unsigned char *__restrict__ blocks, const float *__restrict__ x, int ldx,      \
+        int n_tokens, float *__restrict__ y, int ldy, int M, int K, float t,            \
+        int cols_per_warp, int last_lanes
+#define BCBC_UNION_PASS blocks, x, ldx, n_tokens, y, ldy, M, K, t, cols_per_warp, last_lanes
 // One kernel per slot count N (bcbc_spmspv_n<N>): N sizes the register arrays. Up to N = 8
 // the kernel fits 85 registers (3 blocks, 24 warps per SM: more loads in flight); above, the
 // two stages of N/2 + 1 words per column need up to 128 (N = 11 under the 85-register cap ran at
@@ -259,6 +310,12 @@ __device__ __forceinline__ void bcbc_kernel(const unsigned char* __restrict__ bl
     extern "C" __global__ void __launch_bounds__(256, (NN) <= 8 ? 3 : 2)                 \
         bcbc_idx_n##NN(BCBC_ARGS) {                                                      \
         bcbc_kernel<NN, true>(BCBC_PASS);                                               \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) bcbc_union_n##NN(BCBC_UNION_ARGS) { \
+        bcbc_union_kernel<NN, false>(BCBC_UNION_PASS);                                  \
+    }                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) bcbc_idx_union_n##NN(BCBC_UNION_ARGS) { \
+        bcbc_union_kernel<NN, true>(BCBC_UNION_PASS);                                   \
     }
 BCBC_KERNEL(1)
 BCBC_KERNEL(2)

@@ -241,6 +241,79 @@ impl GpuBalancedCbc {
     }
 }
 
+/// Most tokens one union launch takes (`bcbc_union_n*`, `bcbc_idx_union_n*`): every token's
+/// accumulators live in shared memory, 16 KB a token per block.
+pub const UNION_MAX_TOKENS: usize = 4;
+
+impl GpuBalancedCbc {
+    /// `Y[i] += W · mask_t(X[i])` for `n` <= [`UNION_MAX_TOKENS`] tokens, reading every column
+    /// active in at least one token once (the union of the batch's active columns): `X` f32
+    /// rows `ldx` apart, each masked by `threshold` on its own; `Y` f32 rows `ldy` apart,
+    /// always added to. The many-sequence decode step's product for a few sequences.
+    #[allow(clippy::too_many_arguments)]
+    pub fn union_rows(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        threshold: Threshold,
+        y: DevPtr,
+        ldy: usize,
+    ) -> Result<()> {
+        if n == 0 || self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        sieve_formats::format::check_threshold(threshold)?;
+        if n > UNION_MAX_TOKENS {
+            return Err(CudaError::Option(format!(
+                "the Balanced-CBC union product takes at most {UNION_MAX_TOKENS} tokens, not {n}"
+            )));
+        }
+        if ldx < self.cols || ldy < self.rows {
+            return Err(CudaError::Option(format!(
+                "the Balanced-CBC union product's strides (x {ldx}, y {ldy}) are shorter than \
+                 K = {} or M = {}",
+                self.cols, self.rows
+            )));
+        }
+        let name = match self.kernel {
+            BcbcKernel::Chain => format!("bcbc_union_n{}", self.slots),
+            BcbcKernel::Idx => format!("bcbc_idx_union_n{}", self.slots),
+        };
+        let f = gpu.function(&FAMILY, &name)?;
+        let shared = WARPS as usize * UNION_MAX_TOKENS * 16 * 32 * 4;
+        gpu.allow_dynamic_shared(&f, shared)?;
+        let cpw = self.effective_cols_per_warp(gpu)?;
+        let cfg = LaunchConfig {
+            shared_mem_bytes: shared as u32,
+            ..self.config(cpw)
+        };
+        let (ldx_i, n_i, ldy_i) = (
+            crate::gpu::i32_arg("activation row stride", ldx)?,
+            crate::gpu::i32_arg("tokens", n)?,
+            crate::gpu::i32_arg("output row stride", ldy)?,
+        );
+        let (m, k) = (self.rows as i32, self.cols as i32);
+        let (t, cpw) = (threshold_arg(threshold), cpw as i32);
+        let last_lanes = self.last_lanes as i32;
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.blocks)
+            .arg(&x)
+            .arg(&ldx_i)
+            .arg(&n_i)
+            .arg(&y)
+            .arg(&ldy_i)
+            .arg(&m)
+            .arg(&k)
+            .arg(&t)
+            .arg(&cpw)
+            .arg(&last_lanes);
+        unsafe { b.launch(cfg) }.during("launching bcbc_union")?;
+        Ok(())
+    }
+}
+
 /// Bytes of one block of `lanes` lanes in the [`BcbcKernel::Idx`] layout: the values as
 /// Balanced-CBC stores them (`2 N L` bytes), then from the next 4-byte boundary `ceil(N / 8)`
 /// index words per lane (word w of lane j at `4 (w L + j)`: slot i's row in nibble i % 8 of

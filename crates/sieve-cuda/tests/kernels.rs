@@ -714,17 +714,102 @@ fn tiled_cbc_spmm_matches_reference() {
         .is_err());
 }
 
-/// The union product over Tiled-CBC (`tcbc_spmspv_union_n*`) for 1..8 tokens against the f64
-/// product of each token on its own under the same threshold: tokens with different active
-/// columns (some all inactive, one whose activations are exactly 0 somewhere), padded input
-/// and output strides, an output added to a known base with the padding past M untouched, and
-/// its limits as typed errors.
+/// Runs `union` (a format's union product: x, ldx, n, threshold, y, ldy) on 1..=`most` tokens
+/// of `w` at activation sparsities 0, 0.5 and 0.9 and checks every token against the f64
+/// product of that token alone under the same threshold: tokens with different active columns
+/// (one all below the threshold, one with exact zeros), padded strides, an output added to a
+/// known base, and the padding past M untouched.
+fn check_union_rows(
+    gpu: &Gpu,
+    w: &DenseMatrix,
+    most: usize,
+    what: &str,
+    union: &dyn Fn(u64, usize, usize, Threshold, u64, usize) -> sieve_cuda::Result<()>,
+) {
+    use sieve_cuda::product::dev_ptr;
+    let (m, k) = (w.rows(), w.cols());
+    let s = seed();
+    for n in 1..=most {
+        for dp in [0.0, 0.5, 0.9] {
+            let (ldx, ldy) = (k + 3, m + 5);
+            let mut x = vec![f32::NAN; n * ldx];
+            let mut rows = Vec::new();
+            for tok in 0..n {
+                let mut xt = activations(k, s ^ (0x91 + 7 * tok as u64));
+                if tok == 1 {
+                    xt.iter_mut().for_each(|v| *v *= 1e-6);
+                }
+                if tok == 2 {
+                    xt.iter_mut().step_by(3).for_each(|v| *v = 0.0);
+                }
+                x[tok * ldx..tok * ldx + k].copy_from_slice(&xt);
+                rows.push(xt);
+            }
+            let t = threshold_for_sparsity(&rows[0], dp).expect("valid dp");
+            let what = format!("{what} dp={dp} n={n} seed={s}");
+            let base: Vec<f32> = (0..n * ldy).map(|i| (i % 5) as f32 - 2.0).collect();
+            let xd = gpu.upload(&x).expect("upload x");
+            let yd = gpu.upload(&base).expect("upload y");
+            union(dev_ptr(gpu, &xd), ldx, n, t, dev_ptr(gpu, &yd), ldy)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let got = gpu.download(&yd).expect("download");
+            for (tok, xt) in rows.iter().enumerate() {
+                let want = matvec_f64(w, xt, t);
+                let scale = error_scale(w, xt, t, &want);
+                let mut err = 0.0f64;
+                for r in 0..m {
+                    let v = got[tok * ldy + r] as f64 - base[tok * ldy + r] as f64;
+                    assert!(v.is_finite(), "{what}: token {tok} row {r} not finite");
+                    err = err.max((v - want[r]).abs());
+                }
+                assert!(
+                    err / scale < TOL,
+                    "{what}: token {tok} rel error {}",
+                    err / scale
+                );
+                for r in m..ldy {
+                    assert_eq!(
+                        got[tok * ldy + r].to_bits(),
+                        base[tok * ldy + r].to_bits(),
+                        "{what}: token {tok} wrote past M at {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The limits every union product states as typed errors: one token too many, strides below
+/// K or M, a negative threshold.
+fn check_union_limits(
+    gpu: &Gpu,
+    most: usize,
+    union: &dyn Fn(u64, usize, usize, Threshold, u64, usize) -> sieve_cuda::Result<()>,
+) {
+    use sieve_cuda::product::dev_ptr;
+    let x = gpu.upload(&vec![1.0f32; 20 * (most + 1)]).expect("upload");
+    let y = gpu.upload(&vec![0.0f32; 40 * (most + 1)]).expect("upload");
+    let (xp, yp) = (dev_ptr(gpu, &x), dev_ptr(gpu, &y));
+    assert!(
+        union(xp, 20, most + 1, None, yp, 40).is_err(),
+        "{} tokens",
+        most + 1
+    );
+    assert!(union(xp, 19, 2, None, yp, 40).is_err(), "x stride below K");
+    assert!(union(xp, 20, 2, None, yp, 39).is_err(), "y stride below M");
+    assert!(
+        union(xp, 20, 2, Some(-0.5), yp, 40).is_err(),
+        "negative threshold"
+    );
+}
+
+/// The union product over Tiled-CBC (`tcbc_spmspv_union_n*`) for 1..8 tokens.
 #[test]
 fn tiled_cbc_union_matches_each_token_alone() {
     let Some(gpu) = gpu_or_skip("tiled_cbc_union_matches_each_token_alone") else {
         return;
     };
-    use sieve_cuda::product::dev_ptr;
+    use sieve_cuda::tiled_cbc::UNION_MAX_TOKENS;
     let shapes: &[(usize, usize)] = &[
         (1, 1),
         (7, 5),
@@ -739,76 +824,63 @@ fn tiled_cbc_union_matches_each_token_alone() {
             let w = sparse_matrix(m, k, sp, Pattern::Unstructured, s).expect("valid shape");
             let g =
                 GpuTiledCbc::upload(&gpu, &TiledCbc::encode(&w).expect("encode")).expect("upload");
-            for n in 1..=sieve_cuda::tiled_cbc::UNION_MAX_TOKENS {
-                for dp in [0.0, 0.5, 0.9] {
-                    let (ldx, ldy) = (k + 3, m + 5);
-                    let mut x = vec![f32::NAN; n * ldx];
-                    let mut rows = Vec::new();
-                    for tok in 0..n {
-                        let mut xt = activations(k, s ^ (0x91 + 7 * tok as u64));
-                        if tok == 1 {
-                            // A token whose inputs are all below the threshold.
-                            xt.iter_mut().for_each(|v| *v *= 1e-6);
-                        }
-                        if tok == 2 {
-                            xt.iter_mut().step_by(3).for_each(|v| *v = 0.0);
-                        }
-                        x[tok * ldx..tok * ldx + k].copy_from_slice(&xt);
-                        rows.push(xt);
-                    }
-                    let t = threshold_for_sparsity(&rows[0], dp).expect("valid dp");
-                    let what = format!("{m}x{k} sp={sp} dp={dp} n={n} seed={s}");
-                    let base: Vec<f32> = (0..n * ldy).map(|i| (i % 5) as f32 - 2.0).collect();
-                    let xd = gpu.upload(&x).expect("upload x");
-                    let yd = gpu.upload(&base).expect("upload y");
-                    g.union_rows(&gpu, dev_ptr(&gpu, &xd), ldx, n, t, dev_ptr(&gpu, &yd), ldy)
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    let got = gpu.download(&yd).expect("download");
-                    for (tok, xt) in rows.iter().enumerate() {
-                        let want = matvec_f64(&w, xt, t);
-                        let scale = error_scale(&w, xt, t, &want);
-                        let mut err = 0.0f64;
-                        for r in 0..m {
-                            let v = got[tok * ldy + r] as f64 - base[tok * ldy + r] as f64;
-                            assert!(v.is_finite(), "{what}: token {tok} row {r} not finite");
-                            err = err.max((v - want[r]).abs());
-                        }
-                        assert!(
-                            err / scale < TOL,
-                            "{what}: token {tok} rel error {}",
-                            err / scale
-                        );
-                        for r in m..ldy {
-                            assert_eq!(
-                                got[tok * ldy + r].to_bits(),
-                                base[tok * ldy + r].to_bits(),
-                                "{what}: token {tok} wrote past M at {r}"
-                            );
-                        }
-                    }
-                }
-            }
+            check_union_rows(
+                &gpu,
+                &w,
+                UNION_MAX_TOKENS,
+                &format!("{m}x{k} sp={sp}"),
+                &|x, ldx, n, t, y, ldy| g.union_rows(&gpu, x, ldx, n, t, y, ldy),
+            );
         }
     }
     let w = sparse_matrix(40, 20, 0.5, Pattern::Unstructured, seed()).expect("valid");
     let g = GpuTiledCbc::upload(&gpu, &TiledCbc::encode(&w).expect("encode")).expect("upload");
-    let x = gpu.upload(&[1.0f32; 20 * 9]).expect("upload");
-    let y = gpu.upload(&[0.0f32; 40 * 9]).expect("upload");
-    let (xp, yp) = (dev_ptr(&gpu, &x), dev_ptr(&gpu, &y));
-    assert!(
-        g.union_rows(&gpu, xp, 20, 9, None, yp, 40).is_err(),
-        "9 tokens"
-    );
-    assert!(
-        g.union_rows(&gpu, xp, 19, 2, None, yp, 40).is_err(),
-        "x stride below K"
-    );
-    assert!(
-        g.union_rows(&gpu, xp, 20, 2, None, yp, 39).is_err(),
-        "y stride below M"
-    );
-    assert!(
-        g.union_rows(&gpu, xp, 20, 2, Some(-0.5), yp, 40).is_err(),
-        "negative threshold"
-    );
+    check_union_limits(&gpu, UNION_MAX_TOKENS, &|x, ldx, n, t, y, ldy| {
+        g.union_rows(&gpu, x, ldx, n, t, y, ldy)
+    });
+}
+
+/// The union product over Balanced-CBC (`bcbc_union_n*`, `bcbc_idx_union_n*`) for 1..4 tokens,
+/// both layouts, slot counts 1..16, a last row tile with few lanes.
+#[test]
+fn balanced_cbc_union_matches_each_token_alone() {
+    let Some(gpu) = gpu_or_skip("balanced_cbc_union_matches_each_token_alone") else {
+        return;
+    };
+    use sieve_cuda::balanced_cbc::UNION_MAX_TOKENS;
+    for &(rows, cols) in &[
+        (16usize, 1usize),
+        (45, 70),
+        (576, 200),
+        (1000, 300),
+        (4096, 4096),
+    ] {
+        for slots in [1usize, 3, 8, 9, 16] {
+            if rows * cols > 1_000_000 && slots != 8 {
+                continue;
+            }
+            let m = balanced_matrix(rows, cols, slots, seed()).expect("matrix");
+            let f = BalancedCbc::encode_with_slots(&m, slots).expect("encode");
+            for kernel in [BcbcKernel::Chain, BcbcKernel::Idx] {
+                let g = GpuBalancedCbc::upload_for(&gpu, &f, kernel).expect("upload");
+                let what = format!("{rows}x{cols} n={slots} {kernel:?}");
+                check_union_rows(
+                    &gpu,
+                    &m,
+                    UNION_MAX_TOKENS,
+                    &what,
+                    &|x, ldx, n, t, y, ldy| g.union_rows(&gpu, x, ldx, n, t, y, ldy),
+                );
+            }
+        }
+    }
+    let m = balanced_matrix(40, 20, 4, seed()).expect("matrix");
+    let g = GpuBalancedCbc::upload(
+        &gpu,
+        &BalancedCbc::encode_with_slots(&m, 4).expect("encode"),
+    )
+    .expect("upload");
+    check_union_limits(&gpu, UNION_MAX_TOKENS, &|x, ldx, n, t, y, ldy| {
+        g.union_rows(&gpu, x, ldx, n, t, y, ldy)
+    });
 }

@@ -11,6 +11,7 @@
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
 //! | Tiled-CBC, up to 8 tokens (a few sequences' decode step) | no GEMM: the union product reads each column active in some token once (`tcbc_spmspv_union_n*`, f32 rows) |
+//! | Balanced-CBC with f16 values, up to 4 tokens | no GEMM: its union product (`bcbc_union_n*`, `bcbc_idx_union_n*`) |
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16), up to 64 tokens | no GEMM: the low-bit kernel, 32 tokens per launch |
@@ -18,7 +19,7 @@
 //! | IE-BME, up to 32 tokens | no GEMM: the IE-BME kernel (union bitmaps into tensor-core fragments) |
 //! | IE-BME, more tokens ([`IE_BME_DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`ie_bme_*_to_f16`), `op = T` |
 //! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
-//! | Balanced-CBC, f16 or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
+//! | Balanced-CBC, f16 values past 4 tokens, or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
 //! | RLC-CSC | zeroed, its entries written into a K x M f16 scratch (`rlc_to_f16_t`), `op = N` |
 //! | SlideSparse, up to 255 tokens | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
 //! | SlideSparse, more tokens ([`sieve_cuda::slide::DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`slide_to_f16_rows`, rows padded to 8), `op = T` |
@@ -107,16 +108,51 @@ fn lowbit_copy_allowed() -> bool {
     *ALLOWED.get_or_init(|| std::env::var("SIEVE_LOWBIT_PREFILL").as_deref() != Ok("kernel"))
 }
 
-/// True when a batch of `n` tokens multiplies Tiled-CBC matrices by the union product
-/// (`GpuTiledCbc::union_rows`: every column active in some token read once, f32 sums) rather
-/// than the SpMM: up to [`UNION_MAX_TOKENS`] tokens, unless `SIEVE_BATCH_UNION=off` (read
-/// once; a switch for measuring the two against each other, not a setting).
-///
-/// [`UNION_MAX_TOKENS`]: sieve_cuda::tiled_cbc::UNION_MAX_TOKENS
-pub fn tiled_cbc_by_union(n: usize) -> bool {
+/// False when `SIEVE_BATCH_UNION=off` (read once): a switch for measuring the union products
+/// against what a batch runs without them, not a setting.
+fn union_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    n <= sieve_cuda::tiled_cbc::UNION_MAX_TOKENS
-        && *ON.get_or_init(|| std::env::var("SIEVE_BATCH_UNION").as_deref() != Ok("off"))
+    *ON.get_or_init(|| std::env::var("SIEVE_BATCH_UNION").as_deref() != Ok("off"))
+}
+
+/// True when a batch of `n` tokens multiplies `m` by its union product (every column active in
+/// some token read once, f32 sums; `union_rows` of the column formats) rather than the SpMM or
+/// an f16 copy: Tiled-CBC up to [`tiled_cbc::UNION_MAX_TOKENS`] tokens, Balanced-CBC with f16
+/// values up to [`balanced_cbc::UNION_MAX_TOKENS`].
+///
+/// [`tiled_cbc::UNION_MAX_TOKENS`]: sieve_cuda::tiled_cbc::UNION_MAX_TOKENS
+/// [`balanced_cbc::UNION_MAX_TOKENS`]: sieve_cuda::balanced_cbc::UNION_MAX_TOKENS
+pub fn by_union(m: &DeviceMatrix, n: usize) -> bool {
+    let most = match m {
+        DeviceMatrix::TiledCbc(_) => sieve_cuda::tiled_cbc::UNION_MAX_TOKENS,
+        DeviceMatrix::BalancedCbc(_) => sieve_cuda::balanced_cbc::UNION_MAX_TOKENS,
+        _ => return false,
+    };
+    n <= most && union_allowed()
+}
+
+/// True when a batch of `n` (>= 2) tokens through `linears` decodes nothing to f16 and runs
+/// every column-format matrix through its union product: the batch reads each weight at most
+/// once, where `n` single steps read each active one `n` times, so it runs as one pass
+/// whatever [`crate::GpuModel::min_batched_sequences`] says for larger batches.
+pub fn union_covers(linears: &[&DeviceLinear], n: usize) -> bool {
+    n >= 2
+        && linears.iter().all(|l| {
+            l.parts.iter().all(|p| match &p.matrix {
+                DeviceMatrix::TiledCbc(_) | DeviceMatrix::BalancedCbc(_) => by_union(&p.matrix, n),
+                DeviceMatrix::BalancedLowBit(_) | DeviceMatrix::RlcCsc(_) => false,
+                DeviceMatrix::LowBitCols(_, twin) => twin.is_some(),
+                _ => true,
+            })
+        })
+        && linears.iter().any(|l| {
+            l.parts.iter().any(|p| {
+                matches!(
+                    p.matrix,
+                    DeviceMatrix::TiledCbc(_) | DeviceMatrix::BalancedCbc(_)
+                )
+            })
+        })
 }
 
 /// True when every Tiled-CBC matrix among `linears` is multiplied by the SpMM for a batch of
@@ -405,14 +441,20 @@ pub fn linear_rows(
                 .launch_rows(gpu, x, ldx, n, p.threshold, w16, yp, ldy, beta != 0.0)?;
             continue;
         }
-        if let (DeviceMatrix::TiledCbc(t), true) = (&p.matrix, tiled_cbc_by_union(n)) {
+        if by_union(&p.matrix, n) {
             // A few tokens (a decode step of a few sequences): the union of their active
             // columns, read once, from the f32 rows.
             let yp = y + (p.row_offset * 4) as u64;
             if beta == 0.0 {
                 sieve_cuda::prefill::zero_rows(gpu, yp, ldy, n, p.rows)?;
             }
-            t.union_rows(gpu, x, ldx, n, p.threshold, yp, ldy)?;
+            match &p.matrix {
+                DeviceMatrix::TiledCbc(t) => t.union_rows(gpu, x, ldx, n, p.threshold, yp, ldy)?,
+                DeviceMatrix::BalancedCbc(b) => {
+                    b.union_rows(gpu, x, ldx, n, p.threshold, yp, ldy)?
+                }
+                _ => unreachable!("by_union holds for the column formats only"),
+            }
             continue;
         }
         if masked != Some(p.threshold) {

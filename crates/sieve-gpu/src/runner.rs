@@ -354,12 +354,6 @@ pub const DECODED_MIN_BATCH: usize = 9;
 /// takes 3.02 ms (H100, 2026-12-05, `sieve bench decode --batch`).
 pub const SPMM_MIN_BATCH: usize = 3;
 
-/// Sequences from which a step of a model whose Tiled-CBC matrices go through the union
-/// product for a few tokens (`GpuTiledCbc::union_rows`, up to 8; the SpMM above) runs as one
-/// batched pass: two sequences' union reads at most the columns their two single steps read,
-/// once instead of twice (estimate, to be measured with `sieve bench decode --batch`).
-pub const UNION_MIN_BATCH: usize = 2;
-
 /// Most sequences `sieve bench decode --batch` asks for (a sanity bound on user input; the
 /// memory check of [`GpuModel::set_slots`] decides what fits).
 pub const MAX_BATCH_SLOTS: usize = 1024;
@@ -1945,8 +1939,7 @@ impl GpuModel {
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
     /// permitting). 2 when every matrix is multiplied where it lies; with Tiled-CBC matrices
-    /// the union product and the SpMM multiply, [`UNION_MIN_BATCH`] ([`SPMM_MIN_BATCH`] with
-    /// the union product switched off); with one the pass decodes to f16 first (a
+    /// the SpMM multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first (a
     /// Tiled-CBC one past the SpMM, any Balanced-CBC one: its step per sequence costs what
     /// Tiled-CBC's does, not measured in a pass yet), [`DECODED_MIN_BATCH`].
     pub fn min_batched_sequences(&self) -> usize {
@@ -1959,19 +1952,27 @@ impl GpuModel {
         } else if crate::prefill::tiled_cbc_by_spmm(&all, MAX_SEQUENCES)
             && !crate::prefill::always_decoded(&all)
         {
-            if crate::prefill::tiled_cbc_by_union(2) {
-                UNION_MIN_BATCH
-            } else {
-                SPMM_MIN_BATCH
-            }
+            SPMM_MIN_BATCH
         } else {
             DECODED_MIN_BATCH
         }
     }
 
-    /// True when a step of `n` sequences runs as one batched pass.
+    /// True when a step of `n` sequences runs as one batched pass: from
+    /// [`Self::min_batched_sequences`] on, and for the few sequences whose column-format
+    /// matrices all go through their union products ([`crate::prefill::union_covers`]).
     pub fn batch_pays(&self, n: usize) -> bool {
-        n >= self.min_batched_sequences() && self.decode_is_batched()
+        if !self.decode_is_batched() {
+            return false;
+        }
+        if n >= self.min_batched_sequences() {
+            return true;
+        }
+        let mut all: Vec<&DeviceLinear> = vec![&self.lm_head];
+        for l in &self.layers {
+            all.extend([&l.qkv, &l.o, &l.gate_up, &l.down]);
+        }
+        crate::prefill::union_covers(&all, n)
     }
 
     /// One decode step of several sequences: `(slot, position, token)` each, slots distinct.

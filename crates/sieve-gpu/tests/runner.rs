@@ -1785,6 +1785,10 @@ fn batched_slot_steps_match_single_steps() {
         ("slide 6:8", &slide, true, 5, true, F16),
         // Balanced-CBC: batches of 9 or more run as one pass through its f16 copy.
         ("balanced-cbc", &balanced, true, 14, true, F16),
+        // A few sequences: one pass through the column formats' union products (Tiled-CBC up
+        // to 8 tokens, Balanced-CBC up to 4; batches of 3 to 5, and 2 to 4).
+        ("tiled-cbc, union", &tiled, true, 5, true, F16),
+        ("balanced-cbc, union", &balanced, true, 4, true, F16),
         ("dense, 70 sequences", &dense, true, 70, true, F16),
         // The 8-bit cache: the many-sequences cache write and attention (slot offsets of the
         // values and of the scales) against each slot's own single step.
@@ -1849,6 +1853,10 @@ fn batched_slot_steps_match_single_steps() {
         let clear_top = |l: &[f32]| clear_top_by(l, 2.0 * single_tol);
         many.set_use_graphs(graphs);
         assert_eq!(many.decode_is_batched(), batched, "{label}");
+        if label.ends_with("union") {
+            // Their batches run as one pass (not one single step per sequence).
+            assert!((2..=4).all(|n| many.batch_pays(n)), "{label}");
+        }
         let mut cpu: Vec<_> = (0..slots).map(|_| model.new_cache(context)).collect();
         let mut lens = vec![0usize; slots];
         let mut next = vec![0u32; slots];
