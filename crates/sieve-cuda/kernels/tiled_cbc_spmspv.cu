@@ -481,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s3(LANE8_ARG
 }
 
 // ---------------------------------------------------------------------------------------------
-// tcbc_spmspv_union_n<NB>: the rr kernel for a small batch of n <= NB tokens (issue 28; SPDP
+// tcbc_spmspv_union_n<NB>: the rr kernel for a small batch of n <= NB tokens (NB = 2, 4) (issue 28; SPDP
 // names it as future work). A many-sequence decode step multiplies each matrix by n rows at
 // once; run n times, the rr kernel reads each active column's weights once per row. This one
 // reads a column once for the batch:
@@ -501,7 +501,9 @@ extern "C" __global__ void __launch_bounds__(256) tcbc_spmspv_rr_b32s3(LANE8_ARG
 // time, then added to y (n rows, ldy apart) with one atomic per row: y += W . mask(x) always
 // (the caller zeroes y for a written product). Bytes read: the union's columns once, instead of
 // each row's active columns once per row; the union of independent rows at activation sparsity
-// dp is 1 - dp^n of the columns, so this pays most at small n.
+// dp is 1 - dp^n of the columns, so this pays most at small n. Every lane multiplies all its
+// row slots (zeros of unset bits included) into NB sums, the dense product's arithmetic: past
+// 4 tokens the tensor-core SpMM is faster (measured, src/tiled_cbc.rs UNION_MAX_TOKENS).
 
 #define UNION_BATCH 32
 #define UNION_STAGES 2
@@ -701,9 +703,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n2(UNION_
 }
 extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n4(UNION_ARGS) {
     union_kernel<4>(UNION_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n8(UNION_ARGS) {
-    union_kernel<8>(UNION_PASS);
 }
 
 // Decodes the whole matrix into Wt, K x M row-major f16 (W transposed), for the batched

@@ -496,11 +496,16 @@ impl GpuTiledCbc {
     }
 }
 
-/// Most tokens one union launch takes (`tcbc_spmspv_union_n{2,4,8}`): each lane keeps 8 sums
-/// per token in registers.
-pub const UNION_MAX_TOKENS: usize = 8;
+/// Most tokens one union launch takes (`tcbc_spmspv_union_n{2,4}`). Each lane multiplies
+/// every decoded row slot (zeros included) into a sum per token, so the kernel's arithmetic is
+/// the dense product's and grows with the kernel's token count: measured (H100, 2026-12-06,
+/// 7B shape, `sieve bench decode --batch`, dp 0.5) a step of 2 / 4 / 8 sequences took 4.95 /
+/// 6.54 / 8.40 ms through the n2 / n4 / n8 kernels against 6.25 (two single steps) / 6.54 /
+/// 6.72 ms (the tensor-core SpMM from 3), and at dp 0.7 3.61 / 5.26 / 7.49 against 3.98 /
+/// 6.04 / 6.25: the union pays up to 4 tokens, the SpMM above.
+pub const UNION_MAX_TOKENS: usize = 4;
 /// Token counts of the compiled union kernels, smallest first.
-const UNION_KERNELS: [usize; 3] = [2, 4, 8];
+const UNION_KERNELS: [usize; 2] = [2, 4];
 /// Resident union blocks a multiprocessor is assumed to hold (its launch bounds).
 const UNION_BLOCKS_PER_SM: usize = 2;
 

@@ -10,8 +10,8 @@
 //! |---|---|
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
-//! | Tiled-CBC, up to 8 tokens (a few sequences' decode step) | no GEMM: the union product reads each column active in some token once (`tcbc_spmspv_union_n*`, f32 rows) |
-//! | Balanced-CBC with f16 values, up to 4 tokens | no GEMM: its union product (`bcbc_union_n*`, `bcbc_idx_union_n*`) |
+//! | Tiled-CBC, up to 4 tokens (a few sequences' decode step) | no GEMM: the union product reads each column active in some token once (`tcbc_spmspv_union_n*`, f32 rows) |
+//! | Balanced-CBC with f16 values, up to 8 tokens | no GEMM: its union product, 4 tokens a launch (`bcbc_union_n*`, `bcbc_idx_union_n*`) |
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
 //! | dense low-bit (GGUF blocks of every type, W4A16, W8A16), up to 64 tokens | no GEMM: the low-bit kernel, 32 tokens per launch |
@@ -19,7 +19,7 @@
 //! | IE-BME, up to 32 tokens | no GEMM: the IE-BME kernel (union bitmaps into tensor-core fragments) |
 //! | IE-BME, more tokens ([`IE_BME_DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`ie_bme_*_to_f16`), `op = T` |
 //! | column-major 4-bit (W4A16 g128 or Q4_0 under a TEAL threshold) | decoded into a K x M f16 scratch (`lbc_w4_to_f16_t`), `op = N` |
-//! | Balanced-CBC, f16 values past 4 tokens, or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
+//! | Balanced-CBC, f16 values past 8 tokens, or int8 / int4 values | decoded into a K x M f16 scratch (`bcbc_to_f16_t`, `blb_to_f16_t`), `op = N` |
 //! | RLC-CSC | zeroed, its entries written into a K x M f16 scratch (`rlc_to_f16_t`), `op = N` |
 //! | SlideSparse, up to 255 tokens | no GEMM: the f32 rows lifted (masked, rounded to f16) into the f16 scratch, then the 2:4 `mma.sp` product of all the chunk's tokens (`slide_spmm`) |
 //! | SlideSparse, more tokens ([`sieve_cuda::slide::DECODE_MIN_TOKENS`]) | decoded into an M x K f16 scratch (`slide_to_f16_rows`, rows padded to 8), `op = T` |

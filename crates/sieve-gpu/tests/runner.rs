@@ -1786,9 +1786,9 @@ fn batched_slot_steps_match_single_steps() {
         // Balanced-CBC: batches of 9 or more run as one pass through its f16 copy.
         ("balanced-cbc", &balanced, true, 14, true, F16),
         // A few sequences: one pass through the column formats' union products (Tiled-CBC up
-        // to 8 tokens, Balanced-CBC up to 4; batches of 3 to 5, and 2 to 4).
-        ("tiled-cbc, union", &tiled, true, 5, true, F16),
-        ("balanced-cbc, union", &balanced, true, 4, true, F16),
+        // to 4 tokens, Balanced-CBC up to 8 in launches of 4; batches of 2 to 4, 4 to 7).
+        ("tiled-cbc, union", &tiled, true, 4, true, F16),
+        ("balanced-cbc, union", &balanced, true, 7, true, F16),
         ("dense, 70 sequences", &dense, true, 70, true, F16),
         // The 8-bit cache: the many-sequences cache write and attention (slot offsets of the
         // values and of the scales) against each slot's own single step.
