@@ -17,6 +17,12 @@ gen=$!
 source scripts/gpu-quick.sh
 run_t kernels 150 union_matches
 run_t runner 150 batched_slot_steps --test-threads 1
+# The union kernels under compute-sanitizer (small shapes).
+k=.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 '^kernels-')
+for tool in memcheck racecheck; do
+  (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 SIEVE_SANITIZE_SMALL=1 timeout 120 compute-sanitizer --tool $tool "$OLDPWD/$k" union_matches --test-threads 1 2>&1 \
+    | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Hazard" | head -4 | sed "s/^/sanitizer $tool: /")
+done
 S=.gpu/bin/sieve
 timeout 150 $S bench decode --synthetic llama2-7b --format balanced-cbc --sp 0.5 --dp 0.5 --prompt 128 --tokens 32 --batch 1,2,4,6,8,9,12 2>&1 \
   | grep -E "batch" | cut -c1-150 | sed "s/^/balanced: /"
