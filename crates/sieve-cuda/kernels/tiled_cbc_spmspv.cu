@@ -235,6 +235,67 @@ __device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem));
 }
 
+// Stage layout of the lane8 / rr / union pipelines (byte offsets inside one stage buffer):
+// vals[BATCH][256] f16 | bits[BATCH][8] u32 | rank[BATCH][8] u8.
+template <int BATCH>
+struct StageLayout {
+    static constexpr u32 BITS_OFF = BATCH * TCBC_TILE_M * 2;
+    static constexpr u32 RANK_OFF = BITS_OFF + BATCH * 32;
+    static constexpr u32 BYTES = RANK_OFF + BATCH * 8;
+};
+
+// Copies listed column e (value offset, column tile, 16-byte chunks) into slot my_slot of the
+// stage at `stage` when `have`: this thread's chunks part, part + 256 / BATCH, ... of the values
+// (a column tile holds at most 32), the bitmap (parts 0 and 1) and the rank table (part 2).
+// Every thread then commits a cp.async group, copies or not, so that group counts agree.
+template <int BATCH>
+__device__ __forceinline__ void stage_column(bool have, const uint4* list, int i,
+                                             const f16_bits* __restrict__ values,
+                                             const u64* __restrict__ bitmaps,
+                                             const unsigned char* __restrict__ rank, u32 stage,
+                                             int my_slot, int part) {
+    constexpr int THREADS_PER_SLOT = 256 / BATCH;
+    using L = StageLayout<BATCH>;
+    if (have) {
+        uint4 e = list[i];
+        const f16_bits* src = values + e.x;
+        u32 dst = stage + (u32)my_slot * (TCBC_TILE_M * 2) + (u32)part * 16u;
+#pragma unroll
+        for (int rr = 0; rr < 32 / THREADS_PER_SLOT; ++rr) {
+            u32 c = (u32)(part + rr * THREADS_PER_SLOT);
+            if (c < e.z) cp_async16_s(dst + (u32)(rr * THREADS_PER_SLOT * 16), src + c * 8);
+        }
+        if (part < 2)
+            cp_async16_s(stage + L::BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
+                         bitmaps + (size_t)e.y * 4 + part * 2);
+        else if (part == 2)
+            cp_async8_s(stage + L::RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
+    }
+    cp_async_commit();
+}
+
+// The round-robin decode of column slot `slot` of the stage at `cur`: val[w] = the f16 bits of
+// row 32 w + lane, 0 where its bit is clear or the slot is not `valid`. For bitmap word w the
+// lanes whose bit is set read consecutive values (rank[w] + set bits below the lane): one
+// conflict-free wavefront per word.
+template <int BATCH>
+__device__ __forceinline__ void rr_decode_slot(u32 cur, int slot, bool valid, int lane, u32 (&val)[8]) {
+    using L = StageLayout<BATCH>;
+    const u32 lane_below = (1u << lane) - 1u;
+    uint4 wa = lds_u32x4(cur + L::BITS_OFF + (u32)slot * 32u);
+    uint4 wb = lds_u32x4(cur + L::BITS_OFF + (u32)slot * 32u + 16u);
+    uint2 rk = lds_u32x2(cur + L::RANK_OFF + (u32)slot * 8u);
+    u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    const u32 vbase = cur + (u32)slot * (TCBC_TILE_M * 2);
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        u32 r = ((w < 4 ? rk.x : rk.y) >> (8 * (w & 3))) & 0xffu;
+        bool on = valid && ((words[w] >> lane) & 1u);
+        u32 addr = vbase + 2u * (r + __popc(words[w] & lane_below));
+        val[w] = on ? lds_u16(addr) : 0u;
+    }
+}
+
 // BATCH columns per stage, STAGES stage buffers (the instantiations are at the end).
 // RR: the round-robin decode of tcbc_spmspv_rr (below) instead of a lane per 8 rows.
 template <int BATCH, int STAGES, bool RR>
@@ -247,9 +308,9 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
     constexpr int SLOTS_PER_WARP = BATCH / L8_WARPS;
     // Byte offsets inside one stage (a `struct` would make the compiler rebuild 64-bit generic
     // addresses for every shared access; the kernel works on 32-bit shared addresses instead).
-    constexpr u32 BITS_OFF = BATCH * TCBC_TILE_M * 2;  // vals[BATCH][256] f16
-    constexpr u32 RANK_OFF = BITS_OFF + BATCH * 32;     // bits[BATCH][8] u32
-    constexpr u32 STAGE_BYTES = RANK_OFF + BATCH * 8;   // rank[BATCH][8] u8
+    constexpr u32 BITS_OFF = StageLayout<BATCH>::BITS_OFF;
+    constexpr u32 RANK_OFF = StageLayout<BATCH>::RANK_OFF;
+    constexpr u32 STAGE_BYTES = StageLayout<BATCH>::BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     // list[i] = (value offset in f16, column tile index 16 g + c, 16-byte chunks, x_k bits)
     uint4* list = reinterpret_cast<uint4*>(smem + STAGES * STAGE_BYTES);
@@ -333,23 +394,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
         int my_slot = tid / THREADS_PER_SLOT, part = tid % THREADS_PER_SLOT;
         auto load = [&](int b, u32 stage) {
             int i = b * BATCH + my_slot;
-            if (b < nb && i < n) {
-                uint4 e = list[i];
-                const f16_bits* src = values + e.x;
-                u32 dst = stage + (u32)my_slot * (TCBC_TILE_M * 2) + (u32)part * 16u;
-                // A column tile holds at most 32 chunks: 32 / THREADS_PER_SLOT rounds.
-#pragma unroll
-                for (int rr = 0; rr < 32 / THREADS_PER_SLOT; ++rr) {
-                    u32 c = (u32)(part + rr * THREADS_PER_SLOT);
-                    if (c < e.z) cp_async16_s(dst + (u32)(rr * THREADS_PER_SLOT * 16), src + c * 8);
-                }
-                if (part < 2)
-                    cp_async16_s(stage + BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
-                                 bitmaps + (size_t)e.y * 4 + part * 2);
-                else if (part == 2)
-                    cp_async8_s(stage + RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
-            }
-            cp_async_commit();
+            stage_column<BATCH>(b < nb && i < n, list, i, values, bitmaps, rank, stage, my_slot, part);
         };
         const u32 stage_bytes = STAGE_BYTES;
 #pragma unroll
@@ -357,7 +402,6 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
 
         int q = lane >> 2, sh = (lane & 3) * 8;
         u32 below = (1u << sh) - 1u;
-        const u32 lane_below = (1u << lane) - 1u;
         u32 cur = sbase;                                                 // stage of batch b
         u32 next = sbase + (u32)(STAGES - 1) * stage_bytes;  // stage of b + STAGES - 1
         const u32 last = sbase + (u32)(STAGES - 1) * stage_bytes;
@@ -378,18 +422,7 @@ __device__ __forceinline__ void lane8_kernel(const u32* __restrict__ tile_offset
                     int slot = warp + u * L8_WARPS;
                     bool valid = slot < cnt;
                     slot = valid ? slot : 0;
-                    uint4 wa = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u);
-                    uint4 wb = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u + 16u);
-                    uint2 rk = lds_u32x2(cur + RANK_OFF + (u32)slot * 8u);
-                    u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-                    const u32 vbase = cur + (u32)slot * (TCBC_TILE_M * 2);
-#pragma unroll
-                    for (int w = 0; w < 8; ++w) {
-                        u32 r = ((w < 4 ? rk.x : rk.y) >> (8 * (w & 3))) & 0xffu;
-                        bool on = valid && ((words[w] >> lane) & 1u);
-                        u32 addr = vbase + 2u * (r + __popc(words[w] & lane_below));
-                        val[u][w] = on ? lds_u16(addr) : 0u;
-                    }
+                    rr_decode_slot<BATCH>(cur, slot, valid, lane, val[u]);
                     xk[u] = __uint_as_float(list[b * BATCH + slot].w);
                 }
 #pragma unroll
@@ -516,9 +549,7 @@ __device__ __forceinline__ void union_kernel(const u32* __restrict__ tile_offset
                                              int KT, float t, int cols_per_block) {
     constexpr int BATCH = UNION_BATCH, STAGES = UNION_STAGES;
     constexpr int SLOTS_PER_WARP = BATCH / L8_WARPS;
-    constexpr u32 BITS_OFF = BATCH * TCBC_TILE_M * 2;
-    constexpr u32 RANK_OFF = BITS_OFF + BATCH * 32;
-    constexpr u32 STAGE_BYTES = RANK_OFF + BATCH * 8;
+    constexpr u32 STAGE_BYTES = StageLayout<BATCH>::BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     // After the stages: list[cols_per_block] (uint4), then xs[cols_per_block][NB] (f32).
     uint4* list = reinterpret_cast<uint4*>(smem + STAGES * STAGE_BYTES);
@@ -606,26 +637,10 @@ __device__ __forceinline__ void union_kernel(const u32* __restrict__ tile_offset
     int my_slot = tid / THREADS_PER_SLOT, part = tid % THREADS_PER_SLOT;
     auto load = [&](int b, u32 stage) {
         int i = b * BATCH + my_slot;
-        if (b < nb && i < n) {
-            uint4 e = list[i];
-            const f16_bits* src = values + e.x;
-            u32 dst = stage + (u32)my_slot * (TCBC_TILE_M * 2) + (u32)part * 16u;
-#pragma unroll
-            for (int rr = 0; rr < 32 / THREADS_PER_SLOT; ++rr) {
-                u32 c = (u32)(part + rr * THREADS_PER_SLOT);
-                if (c < e.z) cp_async16_s(dst + (u32)(rr * THREADS_PER_SLOT * 16), src + c * 8);
-            }
-            if (part < 2)
-                cp_async16_s(stage + BITS_OFF + (u32)my_slot * 32u + (u32)part * 16u,
-                             bitmaps + (size_t)e.y * 4 + part * 2);
-            else if (part == 2)
-                cp_async8_s(stage + RANK_OFF + (u32)my_slot * 8u, rank + (size_t)e.y * 8);
-        }
-        cp_async_commit();
+        stage_column<BATCH>(b < nb && i < n, list, i, values, bitmaps, rank, stage, my_slot, part);
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) load(s, sbase + (u32)s * STAGE_BYTES);
-    const u32 lane_below = (1u << lane) - 1u;
     u32 cur = sbase;
     u32 next = sbase + (u32)(STAGES - 1) * STAGE_BYTES;
     const u32 last = sbase + (u32)(STAGES - 1) * STAGE_BYTES;
@@ -639,19 +654,7 @@ __device__ __forceinline__ void union_kernel(const u32* __restrict__ tile_offset
         for (int u = 0; u < SLOTS_PER_WARP; ++u) {
             int slot = warp + u * L8_WARPS;
             bool valid = slot < cnt;
-            slot = valid ? slot : 0;
-            uint4 wa = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u);
-            uint4 wb = lds_u32x4(cur + BITS_OFF + (u32)slot * 32u + 16u);
-            uint2 rk = lds_u32x2(cur + RANK_OFF + (u32)slot * 8u);
-            u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-            const u32 vbase = cur + (u32)slot * (TCBC_TILE_M * 2);
-#pragma unroll
-            for (int w = 0; w < 8; ++w) {
-                u32 r = ((w < 4 ? rk.x : rk.y) >> (8 * (w & 3))) & 0xffu;
-                bool bit = valid && ((words[w] >> lane) & 1u);
-                u32 addr = vbase + 2u * (r + __popc(words[w] & lane_below));
-                val[u][w] = bit ? lds_u16(addr) : 0u;
-            }
+            rr_decode_slot<BATCH>(cur, valid ? slot : 0, valid, lane, val[u]);
         }
 #pragma unroll
         for (int u = 0; u < SLOTS_PER_WARP; ++u) {
