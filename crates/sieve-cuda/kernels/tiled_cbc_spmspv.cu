@@ -700,7 +700,8 @@ __device__ __forceinline__ void union_kernel(const u32* __restrict__ tile_offset
         float *__restrict__ y, int ldy, int M, int K, int KT, float t, int cols_per_block
 #define UNION_PASS tile_offset, col_info, bitmaps, rank, values, x, ldx, n_tokens, y, ldy, M, K, KT, t, cols_per_block
 
-// Two blocks per multiprocessor at most (8 NB sums per lane); n_tokens <= NB.
+// At least two resident blocks per multiprocessor asked of the register allocation (8 NB sums
+// per lane); n_tokens <= NB.
 extern "C" __global__ void __launch_bounds__(256, 2) tcbc_spmspv_union_n2(UNION_ARGS) {
     union_kernel<2>(UNION_PASS);
 }

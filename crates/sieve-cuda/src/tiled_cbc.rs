@@ -527,7 +527,7 @@ impl GpuTiledCbc {
         y: DevPtr,
         ldy: usize,
     ) -> Result<()> {
-        if n == 0 {
+        if n == 0 || self.rows == 0 || self.cols == 0 {
             return Ok(());
         }
         sieve_formats::format::check_threshold(threshold)?;
@@ -583,21 +583,6 @@ impl GpuTiledCbc {
             .arg(&c);
         unsafe { b.launch(cfg) }.during("launching tcbc_spmspv_union")?;
         Ok(())
-    }
-
-    /// Bytes the union product reads for `n` tokens whose active columns are marked in
-    /// `active` (`[n][K]`): the weight data of every column active in some token, the
-    /// metadata of every column, and the activations and outputs of all tokens.
-    pub fn union_bytes_for(&self, active: &[bool], n: usize) -> usize {
-        let k = self.cols;
-        let union: Vec<bool> = (0..k)
-            .map(|c| (0..n).any(|t| active.get(t * k + c).copied().unwrap_or(false)))
-            .collect();
-        let cols = union.iter().filter(|a| **a).count();
-        active_column_bytes(&self.col_bytes, &union) - cols * self.row_tiles * 4
-            + cols * self.row_tiles * 8
-            + self.row_tiles * self.col_tiles * (TILE_K * 4 + 4)
-            + n * (self.cols + self.rows) * 4
     }
 }
 

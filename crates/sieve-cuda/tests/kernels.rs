@@ -718,7 +718,9 @@ fn tiled_cbc_spmm_matches_reference() {
 /// of `w` at activation sparsities 0, 0.5 and 0.9 and checks every token against the f64
 /// product of that token alone under the same threshold: tokens with different active columns
 /// (one all below the threshold, one with exact zeros), padded strides, an output added to a
-/// known base, and the padding past M untouched.
+/// known base. Row padding and one spare row past the n tokens hold large active inputs in x
+/// and sentinels in y: a kernel that reads past K or past n tokens, or writes past M or n,
+/// changes the results or the sentinels.
 fn check_union_rows(
     gpu: &Gpu,
     w: &DenseMatrix,
@@ -732,7 +734,7 @@ fn check_union_rows(
     for n in 1..=most {
         for dp in [0.0, 0.5, 0.9] {
             let (ldx, ldy) = (k + 3, m + 5);
-            let mut x = vec![f32::NAN; n * ldx];
+            let mut x = vec![1e4f32; (n + 1) * ldx];
             let mut rows = Vec::new();
             for tok in 0..n {
                 let mut xt = activations(k, s ^ (0x91 + 7 * tok as u64));
@@ -748,7 +750,7 @@ fn check_union_rows(
             }
             let t = threshold_for_sparsity(&rows[0], dp).expect("valid dp");
             let what = format!("{what} dp={dp} n={n} seed={s}");
-            let base: Vec<f32> = (0..n * ldy).map(|i| (i % 5) as f32 - 2.0).collect();
+            let base: Vec<f32> = (0..(n + 1) * ldy).map(|i| (i % 5) as f32 - 2.0).collect();
             let xd = gpu.upload(&x).expect("upload x");
             let yd = gpu.upload(&base).expect("upload y");
             union(dev_ptr(gpu, &xd), ldx, n, t, dev_ptr(gpu, &yd), ldy)
@@ -768,11 +770,15 @@ fn check_union_rows(
                     "{what}: token {tok} rel error {}",
                     err / scale
                 );
-                for r in m..ldy {
+            }
+            // Nothing written past M in any row, nor in the spare row.
+            for (i, (g, b)) in got.iter().zip(&base).enumerate() {
+                let (row, col) = (i / ldy, i % ldy);
+                if row == n || col >= m {
                     assert_eq!(
-                        got[tok * ldy + r].to_bits(),
-                        base[tok * ldy + r].to_bits(),
-                        "{what}: token {tok} wrote past M at {r}"
+                        g.to_bits(),
+                        b.to_bits(),
+                        "{what}: wrote row {row} col {col}"
                     );
                 }
             }
@@ -804,7 +810,7 @@ fn check_union_limits(
     );
 }
 
-/// The union product over Tiled-CBC (`tcbc_spmspv_union_n*`) for 1..8 tokens.
+/// The union product over Tiled-CBC (`tcbc_spmspv_union_n*`) for 1..4 tokens.
 #[test]
 fn tiled_cbc_union_matches_each_token_alone() {
     let Some(gpu) = gpu_or_skip("tiled_cbc_union_matches_each_token_alone") else {
@@ -846,8 +852,8 @@ fn tiled_cbc_union_matches_each_token_alone() {
     });
 }
 
-/// The union product over Balanced-CBC (`bcbc_union_n*`, `bcbc_idx_union_n*`) for 1..4 tokens,
-/// both layouts, slot counts 1..16, a last row tile with few lanes.
+/// The union product over Balanced-CBC (`bcbc_union_n*`, `bcbc_idx_union_n*`) for 1..8 tokens
+/// (two launches from 5), both layouts, slot counts 1..16, a last row tile with few lanes.
 #[test]
 fn balanced_cbc_union_matches_each_token_alone() {
     let Some(gpu) = gpu_or_skip("balanced_cbc_union_matches_each_token_alone") else {

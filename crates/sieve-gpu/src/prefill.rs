@@ -10,7 +10,7 @@
 //! |---|---|
 //! | dense row-major (M x K) | the weights themselves, `op = T` |
 //! | dense column-major (K x ldm) | the weights themselves, `op = N`, `lda = ldm` |
-//! | Tiled-CBC, up to 4 tokens (a few sequences' decode step) | no GEMM: the union product reads each column active in some token once (`tcbc_spmspv_union_n*`, f32 rows) |
+//! | Tiled-CBC, up to 4 tokens (a few sequences' decode step, or a short prompt chunk) | no GEMM: the union product reads each column active in some token once (`tcbc_spmspv_union_n*`, f32 rows) |
 //! | Balanced-CBC with f16 values, up to 8 tokens | no GEMM: its union product, 4 tokens a launch (`bcbc_union_n*`, `bcbc_idx_union_n*`) |
 //! | Tiled-CBC, up to [`TCBC_SPMM_MAX_TOKENS`] tokens | no GEMM: the tensor-core SpMM reads the compressed tiles (`tcbc_spmm`) |
 //! | Tiled-CBC, more tokens (or K not a multiple of 8) | decoded into a K x M f16 scratch (`tcbc_decode_t`), `op = N` |
@@ -114,6 +114,11 @@ fn union_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SIEVE_BATCH_UNION").as_deref() != Ok("off"))
 }
+
+// A graph-replayed batch runs a power-of-two bucket of rows: a batch that the union takes must
+// round up to a bucket it still takes.
+const _: () = assert!(sieve_cuda::tiled_cbc::UNION_MAX_TOKENS.is_power_of_two());
+const _: () = assert!(sieve_cuda::balanced_cbc::UNION_MAX_TOKENS.is_power_of_two());
 
 /// True when a batch of `n` tokens multiplies `m` by its union product (every column active in
 /// some token read once, f32 sums; `union_rows` of the column formats) rather than the SpMM or
@@ -227,9 +232,9 @@ impl PrefillBuffers {
     }
 }
 
-/// True when a batched pass over `linears` always decodes some matrix to f16 first, however
-/// few its tokens (a Balanced-CBC one, f16 or low-bit values, or an RLC-CSC one: their only
-/// batched product is their f16 copy).
+/// True when a batched pass over `linears` decodes some matrix to f16 first once it has more
+/// tokens than the union products take (a Balanced-CBC one: past 8 tokens; with low-bit values
+/// or an RLC-CSC one: always, their only batched product is their f16 copy).
 pub fn always_decoded(linears: &[&DeviceLinear]) -> bool {
     linears.iter().any(|l| {
         l.parts.iter().any(|p| {

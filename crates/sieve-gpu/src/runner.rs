@@ -1938,8 +1938,9 @@ impl GpuModel {
     }
 
     /// The fewest sequences a decode step runs as one batched pass ([`Self::decode_is_batched`]
-    /// permitting). 2 when every matrix is multiplied where it lies; with Tiled-CBC matrices
-    /// the SpMM multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first (a
+    /// permitting), past the few that [`Self::batch_pays`] sends through the union products.
+    /// 2 when every matrix is multiplied where it lies; with Tiled-CBC matrices the SpMM
+    /// multiplies, [`SPMM_MIN_BATCH`]; with one the pass decodes to f16 first (a
     /// Tiled-CBC one past the SpMM, any Balanced-CBC one: its step per sequence costs what
     /// Tiled-CBC's does, not measured in a pass yet), [`DECODED_MIN_BATCH`].
     pub fn min_batched_sequences(&self) -> usize {

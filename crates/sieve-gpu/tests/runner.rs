@@ -1855,7 +1855,8 @@ fn batched_slot_steps_match_single_steps() {
         assert_eq!(many.decode_is_batched(), batched, "{label}");
         if label.ends_with("union") {
             // Their batches run as one pass (not one single step per sequence).
-            assert!((2..=4).all(|n| many.batch_pays(n)), "{label}");
+            let most = if label.starts_with("tiled") { 4 } else { 8 };
+            assert!((2..=most).all(|n| many.batch_pays(n)), "{label}");
         }
         let mut cpu: Vec<_> = (0..slots).map(|_| model.new_cache(context)).collect();
         let mut lens = vec![0usize; slots];
