@@ -245,9 +245,10 @@ impl GpuBalancedCbc {
 /// accumulators live in shared memory, 16 KB a token per block.
 const UNION_LAUNCH_TOKENS: usize = 4;
 /// Most tokens [`GpuBalancedCbc::union_rows`] takes, in launches of 4. Measured (H100,
-/// 2026-12-06, 7B shape sp 0.5 / dp 0.5, `sieve bench decode --batch`): a step of 2 / 4
-/// sequences took 4.40 / 6.37 ms through one launch against 5.53 / 11.06 ms of single steps;
-/// without the union, batches below 9 ran as single steps (22.1 ms for 8).
+/// 2026-12-06, 7B shape sp 0.5 / dp 0.5, `sieve bench decode --batch`): a step of 2 / 4 / 6 / 8
+/// sequences took 4.24 / 6.37 / 11.87 / 11.99 ms through the union against 5.53 / 11.06 /
+/// 16.60 / 22.12 ms of single steps, and the pass through the f16 copy 16.73 ms at 9 and 12
+/// sequences: three launches (12 tokens) would cost about that.
 pub const UNION_MAX_TOKENS: usize = 8;
 
 impl GpuBalancedCbc {
