@@ -77,6 +77,12 @@ pub enum Precision {
     /// Tiled-CBC for N tokens on the tensor cores, the weights read compressed and decoded into
     /// mma fragments (`tcbc_spmm`, SPDP's SpMM): what the batched pass runs where it can.
     TcbcSpmm,
+    /// Tiled-CBC's union product (`tcbc_spmspv_union_n*`): N <= 4 tokens, each masked by the
+    /// threshold of `--dp` on its own, every column active in some token read once (unstructured
+    /// sparsity sp); what a decode step of a few sequences runs. y zeroed and timed with it.
+    TcbcUnion,
+    /// Balanced-CBC's union product, f16 values (`bcbc_union_n*`): N <= 8 tokens, 4 a launch.
+    BcbcUnion,
     /// SlideSparse: a (2N-2):2N matrix (`--pattern`) lifted to 2:4 and multiplied on the sparse
     /// tensor cores (`mma.sp`), f16 values; the activation lifting (f32 -> f16) is timed with it.
     SlideF16,
@@ -98,7 +104,7 @@ pub enum Precision {
 }
 
 impl Precision {
-    pub const ALL: [Precision; 23] = [
+    pub const ALL: [Precision; 25] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -116,6 +122,8 @@ impl Precision {
         Precision::TcbcPerToken,
         Precision::TcbcDecodeGemm,
         Precision::TcbcSpmm,
+        Precision::TcbcUnion,
+        Precision::BcbcUnion,
         Precision::SlideF16,
         Precision::SlideF16Copy,
         Precision::W4A16Cols,
@@ -142,6 +150,8 @@ impl Precision {
             Precision::TcbcPerToken => "tcbc-per-token",
             Precision::TcbcDecodeGemm => "tcbc-decode-gemm",
             Precision::TcbcSpmm => "tcbc-spmm",
+            Precision::TcbcUnion => "tcbc-union",
+            Precision::BcbcUnion => "bcbc-union",
             Precision::SlideF16 => "slide-f16",
             Precision::SlideF16Copy => "slide-f16-copy",
             Precision::W4A16Cols => "w4a16-cols",
@@ -722,6 +732,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
     bench_lowbit_cols(ctx, shape, seed, &bases)?;
     bench_ie_bme(ctx, shape, seed, &x16, &bases)?;
     bench_tiled_cbc(ctx, shape, seed, &x16, &bases)?;
+    bench_unions(ctx, shape, seed, &bases)?;
     bench_slide(ctx, shape, seed, &x16, &bases)?;
 
     // Balanced-CBC rows: matrix-vector products with TEAL thresholds.
@@ -1029,6 +1040,120 @@ fn bench_tiled_cbc(
     }
     Ok(())
 }
+
+/// The union products' rows (`tcbc-union`, `bcbc-union`) at every sp, dp and N up to each
+/// format's limit: N tokens of fresh activations under one threshold (the dp-quantile of all
+/// of them, as a layer's stored threshold), each masked on its own; bytes are the columns of
+/// the union once, with every token's x and y.
+fn bench_unions(ctx: &mut Ctx, shape: &Shape, seed: u64, bases: &[Timed]) -> Result<()> {
+    use crate::product::{active_mask, dev_ptr};
+    use crate::tiled_cbc::GpuTiledCbc;
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let (m, k) = (shape.m, shape.k);
+    for &p in &opts.precisions {
+        let most = match p {
+            Precision::TcbcUnion => crate::tiled_cbc::UNION_MAX_TOKENS,
+            Precision::BcbcUnion => crate::balanced_cbc::UNION_MAX_TOKENS,
+            _ => continue,
+        };
+        for (pi, &sp) in opts.sp.iter().enumerate() {
+            // The matrix, its f64 values for the reference, and copies to rotate through.
+            let (copies, wq): (Vec<Box<dyn UnionProduct>>, Vec<f64>) = if p == Precision::TcbcUnion
+            {
+                let w = sparse_matrix(m, k, sp, Pattern::Unstructured, seed ^ (0x70 + pi as u64))?;
+                let enc = sieve_formats::tiled_cbc::TiledCbc::encode(&w)?;
+                let wq = enc.decode().data().iter().map(|v| v.to_f64()).collect();
+                let first = GpuTiledCbc::upload(gpu, &enc)?;
+                let n_copies = ctx.copies(first.bytes_for(&vec![true; k]));
+                let mut c: Vec<Box<dyn UnionProduct>> = vec![Box::new(first)];
+                for _ in 1..n_copies {
+                    c.push(Box::new(GpuTiledCbc::upload(gpu, &enc)?));
+                }
+                (c, wq)
+            } else {
+                let slots = slots_for_sparsity(sp)?;
+                let w =
+                    sieve_formats::random::balanced_matrix(m, k, slots, seed ^ (0x78 + pi as u64))?;
+                let enc = BalancedCbc::encode_with_slots(&w, slots)?;
+                let wq = w.data().iter().map(|v| v.to_f64()).collect();
+                let first = GpuBalancedCbc::upload(gpu, &enc)?;
+                let n_copies = ctx.copies(first.bytes_for(&vec![true; k]));
+                let mut c: Vec<Box<dyn UnionProduct>> = vec![Box::new(first)];
+                for _ in 1..n_copies {
+                    c.push(Box::new(GpuBalancedCbc::upload(gpu, &enc)?));
+                }
+                (c, wq)
+            };
+            let nc = copies.len();
+            for (di, &dp) in opts.dp.iter().enumerate() {
+                for (ni, &n) in opts.n.iter().enumerate() {
+                    if n > most {
+                        continue;
+                    }
+                    let x = activations(n * k, seed ^ (0x300 + 16 * di as u64 + n as u64));
+                    let thr = threshold_for_sparsity(&x, dp)?;
+                    let want = Expected::all(m, reference_product(&wq, m, k, &masked(&x, thr), n));
+                    let xd = gpu.upload(&x)?;
+                    let mut y = gpu.poisoned_f32(n * m)?;
+                    let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                        let yp = dev_ptr(gpu, y);
+                        // SAFETY: y holds n rows of m floats.
+                        unsafe { gpu.zero_bytes(yp, n * m * 4) }?;
+                        copies[i % nc].union_rows(gpu, dev_ptr(gpu, &xd), k, n, thr, yp, m)
+                    };
+                    launch(0, &mut y)?;
+                    let err = want.error(&gpu.download(&y)?);
+                    let t = ctx.time(nc, &mut y, &want, launch)?;
+                    let mask = active_mask(&x, thr);
+                    let union: Vec<bool> = (0..k)
+                        .map(|c| (0..n).any(|tok| mask[tok * k + c]))
+                        .collect();
+                    // bytes_for counts one token's x and y.
+                    let bytes = copies[0].bytes_for(&union) + (n - 1) * (k + m) * 4;
+                    ctx.record(p, shape, n, sp, dp, &t, &bases[ni], bytes, err);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What [`bench_unions`] times: a format's union product (its byte count is the format's).
+trait UnionProduct: GpuMatVec {
+    #[allow(clippy::too_many_arguments)]
+    fn union_rows(
+        &self,
+        gpu: &Gpu,
+        x: crate::product::DevPtr,
+        ldx: usize,
+        n: usize,
+        threshold: sieve_formats::Threshold,
+        y: crate::product::DevPtr,
+        ldy: usize,
+    ) -> Result<()>;
+}
+
+macro_rules! union_product {
+    ($t:ty) => {
+        impl UnionProduct for $t {
+            fn union_rows(
+                &self,
+                gpu: &Gpu,
+                x: crate::product::DevPtr,
+                ldx: usize,
+                n: usize,
+                threshold: sieve_formats::Threshold,
+                y: crate::product::DevPtr,
+                ldy: usize,
+            ) -> Result<()> {
+                <$t>::union_rows(self, gpu, x, ldx, n, threshold, y, ldy)
+            }
+        }
+    };
+}
+union_product!(crate::tiled_cbc::GpuTiledCbc);
+union_product!(GpuBalancedCbc);
 
 /// `y = x · Wᵀ` (cuBLAS, y written, M floats a row) with W the f16 copy at `w`, rows `ld`
 /// apart: the GEMM of the rows that decode a matrix to f16 first.
