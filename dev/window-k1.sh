@@ -5,7 +5,8 @@
 # 1. issue 28's llama-server comparison under the issue's workload (window J2: llama-server
 #    builds and its random 7B f16 GGUF is written in the background meanwhile);
 # 2. the union tests after J5's test fix, and compute-sanitizer racecheck on them;
-# 3. the SlideSparse prompt path's f16 copy (window I1's kernel part: its kernel test, the
+# 3. the union products' first bench gemm rows (tcbc-union, bcbc-union; built without a device);
+# 4. the SlideSparse prompt path's f16 copy (window I1's kernel part: its kernel test, the
 #    long-prompt runner test, the bench gemm crossover that sets slide::DECODE_MIN_TOKENS).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,7 @@ k=.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 '^kernels-')
 run_t slide 90 --test-threads 1
 run_t runner 150 long_prompts_of_low_bit_models_match_cpu tiny_slide_models_match_cpu --test-threads 1
 timeout 90 $S bench gemm --shapes llama2-7b --precision f16,slide-f16,slide-f16-copy --pattern 6:8 --n 32,128,256,512,2048 --reps 20 2>&1 | grep -E "slide" | cut -c1-110
+timeout 90 $S bench gemm --shapes llama2-7b --precision f16,tcbc-union,bcbc-union,tcbc-spmm,tcbc-per-token --n 1,2,4,8 --sp 0.5 --dp 0,0.5 --reps 20 2>&1 | grep -E "union|spmm|per-token|error" | cut -c1-120
 echo "checks done at $(( $(date +%s) - start )) s"
 wait_health() { for _ in $(seq 1 400); do curl -sf "http://127.0.0.1:$1/health" > /dev/null && return 0; sleep 0.5; done; return 1; }
 load() { timeout 150 $S bench serve --url "http://127.0.0.1:$1" --clients "$2" --requests 2 --max-tokens 256 --prompt-words "$3" 2>&1 | grep -E "clients," | sed "s/^/$4: /"; }
