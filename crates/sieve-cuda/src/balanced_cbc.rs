@@ -271,19 +271,16 @@ impl GpuBalancedCbc {
         if n == 0 || self.rows == 0 || self.cols == 0 {
             return Ok(());
         }
-        sieve_formats::format::check_threshold(threshold)?;
-        if n > UNION_MAX_TOKENS {
-            return Err(CudaError::Option(format!(
-                "the Balanced-CBC union product takes at most {UNION_MAX_TOKENS} tokens, not {n}"
-            )));
-        }
-        if ldx < self.cols || ldy < self.rows {
-            return Err(CudaError::Option(format!(
-                "the Balanced-CBC union product's strides (x {ldx}, y {ldy}) are shorter than \
-                 K = {} or M = {}",
-                self.cols, self.rows
-            )));
-        }
+        crate::product::check_union_args(
+            "Balanced-CBC",
+            n,
+            UNION_MAX_TOKENS,
+            threshold,
+            ldx,
+            ldy,
+            self.cols,
+            self.rows,
+        )?;
         let name = match self.kernel {
             BcbcKernel::Chain => format!("bcbc_union_n{}", self.slots),
             BcbcKernel::Idx => format!("bcbc_idx_union_n{}", self.slots),

@@ -48,6 +48,34 @@ pub trait GpuAccumulate {
     fn launch_add(&self, gpu: &Gpu, x: DevPtr, threshold: Threshold, y: DevPtr) -> Result<()>;
 }
 
+/// The arguments every union product (`union_rows` of the column formats) checks before it
+/// launches: a valid threshold, at most `most` tokens, row strides of at least K and M. `what`
+/// names the format in the errors.
+#[allow(clippy::too_many_arguments)]
+pub fn check_union_args(
+    what: &str,
+    n: usize,
+    most: usize,
+    threshold: Threshold,
+    ldx: usize,
+    ldy: usize,
+    k: usize,
+    m: usize,
+) -> Result<()> {
+    check_threshold(threshold)?;
+    if n > most {
+        return Err(CudaError::Option(format!(
+            "the {what} union product takes at most {most} tokens, not {n}"
+        )));
+    }
+    if ldx < k || ldy < m {
+        return Err(CudaError::Option(format!(
+            "the {what} union product's strides (x {ldx}, y {ldy}) are shorter than K = {k} or M = {m}"
+        )));
+    }
+    Ok(())
+}
+
 /// The kernels' threshold argument: `None` is -1, which makes `|x| > t` true everywhere.
 pub fn threshold_arg(t: Threshold) -> f32 {
     t.unwrap_or(-1.0)

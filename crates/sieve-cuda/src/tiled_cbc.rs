@@ -506,6 +506,7 @@ impl GpuTiledCbc {
 pub const UNION_MAX_TOKENS: usize = 4;
 /// Token counts of the compiled union kernels, smallest first.
 const UNION_KERNELS: [usize; 2] = [2, 4];
+const _: () = assert!(UNION_KERNELS[UNION_KERNELS.len() - 1] == UNION_MAX_TOKENS);
 /// Resident union blocks a multiprocessor is assumed to hold (its launch bounds).
 const UNION_BLOCKS_PER_SM: usize = 2;
 
@@ -530,19 +531,21 @@ impl GpuTiledCbc {
         if n == 0 || self.rows == 0 || self.cols == 0 {
             return Ok(());
         }
-        sieve_formats::format::check_threshold(threshold)?;
-        let Some(&nb) = UNION_KERNELS.iter().find(|&&nb| nb >= n) else {
-            return Err(CudaError::Option(format!(
-                "the Tiled-CBC union product takes at most {UNION_MAX_TOKENS} tokens, not {n}"
-            )));
-        };
-        if ldx < self.cols || ldy < self.rows {
-            return Err(CudaError::Option(format!(
-                "the Tiled-CBC union product's strides (x {ldx}, y {ldy}) are shorter than \
-                 K = {} or M = {}",
-                self.cols, self.rows
-            )));
-        }
+        crate::product::check_union_args(
+            "Tiled-CBC",
+            n,
+            UNION_MAX_TOKENS,
+            threshold,
+            ldx,
+            ldy,
+            self.cols,
+            self.rows,
+        )?;
+        // The smallest compiled kernel that holds n tokens (n <= UNION_MAX_TOKENS, the largest).
+        let nb = UNION_KERNELS
+            .into_iter()
+            .find(|&nb| nb >= n)
+            .unwrap_or(UNION_MAX_TOKENS);
         let cpb = {
             let target = gpu.info().multiprocessors as usize * UNION_BLOCKS_PER_SM;
             let splits = (target / self.row_tiles.max(1)).max(1);
