@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device window J5 (2026-12-06; carry .gpu): window J4 without llama-server (three failed
+# Device window J5 (2026-12-06; carry .gpu): the union checks of a window that also drove llama-server, without it (three failed
 # machine starts left ~3 minutes of device time): the union kernels' tests, under
 # compute-sanitizer memcheck too, the runner's few-sequence cases, and Balanced-CBC's step at
 # 2..12 sequences (the union up to 8 in launches of 4; 9 and 12: its f16 copy).

@@ -2,7 +2,7 @@
 # Device window K1 (written 2026-12-06 for the next session; carry a slim .gpu — bin/sieve and
 # the kernels, runner and slide test executables of scripts/gpu-runner-bundle.sh — and vendor
 # from scripts/llama-cpp/fetch.sh: together under 64 MiB with the tree). What session J left:
-# 1. issue 28's llama-server comparison under the issue's workload (window J2: llama-server
+# 1. issue 28's llama-server comparison under the issue's workload (llama-server
 #    builds and its random 7B f16 GGUF is written in the background meanwhile);
 # 2. the union tests after J5's test fix, and compute-sanitizer racecheck on them;
 # 3. the union products' first bench gemm rows (tcbc-union, bcbc-union; built without a device);
