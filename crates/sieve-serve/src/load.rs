@@ -338,10 +338,12 @@ fn report(
         .iter()
         .filter_map(|t| t.stamps.first().map(|s| ms(*s - t.sent)))
         .collect();
+    // Per token after the first: a chunk may carry several tokens (or a token no text), so
+    // the count is the server's when it sent one, not the number of chunks.
     let tpot: Vec<f64> = timings
         .iter()
-        .filter(|t| t.stamps.len() > 1)
-        .map(|t| ms(t.stamps[t.stamps.len() - 1] - t.stamps[0]) / (t.stamps.len() - 1) as f64)
+        .filter(|t| t.stamps.len() > 1 && t.tokens > 1)
+        .map(|t| ms(t.stamps[t.stamps.len() - 1] - t.stamps[0]) / (t.tokens - 1) as f64)
         .collect();
     let latency: Vec<f64> = timings.iter().map(|t| ms(t.done - t.sent)).collect();
     LoadReport {
@@ -395,6 +397,13 @@ fn prompt_tokens(v: &Value) -> Option<usize> {
         .and_then(|n| usize::try_from(n).ok())
 }
 
+/// `usage.completion_tokens` of an answer or a stream chunk, when present.
+fn completion_tokens(v: &Value) -> Option<usize> {
+    v["usage"]["completion_tokens"]
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+}
+
 /// One `/v1/completions` request, timed.
 async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Timing, String> {
     let mut body = json!({
@@ -426,14 +435,13 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 .map_err(|e| format!("request {i}: {e}"))?;
             let v: Value = serde_json::from_slice(&bytes)
                 .map_err(|e| format!("request {i}: the answer is not JSON: {e}"))?;
-            let tokens = v["usage"]["completion_tokens"]
-                .as_u64()
+            let tokens = completion_tokens(&v)
                 .ok_or_else(|| format!("request {i}: the answer has no usage.completion_tokens"))?;
             return Ok(Timing {
                 sent,
                 stamps: Vec::new(),
                 done: Instant::now(),
-                tokens: tokens as usize,
+                tokens,
                 prompt_tokens: prompt_tokens(&v),
             });
         }
@@ -443,7 +451,7 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
         // A stream counts only when it ends as the protocol says: `[DONE]`, or a chunk with a
         // finish reason (then the connection closing ends it).
         let (mut finished, mut reason) = (false, false);
-        let mut prompt_count = None;
+        let (mut prompt_count, mut completion_count) = (None, None);
         while !finished {
             let Some(frame) = response.body_mut().frame().await else {
                 break;
@@ -477,6 +485,7 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 }
                 // The usage chunk (no choices) of `stream_options.include_usage`.
                 prompt_count = prompt_tokens(&chunk).or(prompt_count);
+                completion_count = completion_tokens(&chunk).or(completion_count);
                 let choice = &chunk["choices"][0];
                 let text = choice["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
@@ -491,9 +500,12 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 stamps.len()
             ));
         }
+        // The server's count when it sent usage: llama-server streams some tokens as chunks
+        // without text (window K1, random weights: 206 text chunks a request for its 256
+        // tokens), which counting chunks would miss.
         Ok(Timing {
             sent,
-            tokens: stamps.len(),
+            tokens: completion_count.unwrap_or(stamps.len()),
             stamps,
             done: Instant::now(),
             prompt_tokens: prompt_count,

@@ -215,6 +215,25 @@ async fn cut_or_failed_streams_count_as_errors() {
         (2, 4, Some(12.0)),
         "{r:?}"
     );
+    // A token streamed without text (llama-server holds back partial UTF-8 and sends the
+    // chunk empty): the server's usage count is the count, not the text chunks.
+    let textless: &'static str = Box::leak(
+        format!(
+            "{}{}{}data: {{\"choices\": [], \"usage\": {{\"prompt_tokens\": 5, \"completion_tokens\": 3}}}}\n\ndata: [DONE]\n\n",
+            chunk("a", "null"),
+            chunk("", "null"),
+            chunk("b", "\"length\"")
+        )
+        .into_boxed_str(),
+    );
+    let r = run_load(&fake_server(textless).await, &options(1, 2, true))
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.requests, r.errors, r.generated_tokens),
+        (2, 0, 6),
+        "{r:?}"
+    );
 
     let cut: &'static str =
         Box::leak(format!("{}{}", chunk("a", "null"), chunk("b", "null")).into_boxed_str());
