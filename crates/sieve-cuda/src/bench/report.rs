@@ -667,3 +667,20 @@ pub(crate) mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[cfg(test)]
+mod golden_tmp {
+    use super::tests::row;
+    use super::svg_plot;
+    #[test]
+    fn golden_tmp_dump() {
+        let mut rows = vec![row("cublas", 128, 0.0, 0.0, 1.0)];
+        for (i, f) in ["rlc-csc/b1024", "tiled-cbc/lane8", "dense-colmajor", "balanced-cbc", "a<&>", "f6", "f7", "f8", "f9"].iter().enumerate() {
+            for (j, sp) in [0.0, 0.3, 0.5, 0.7].iter().enumerate() {
+                rows.push(row(f, 128 + j, *sp, 0.3, 0.7 + i as f64 * 0.37 + j as f64 * 0.41));
+                rows.push(row(f, 256, *sp, 0.5, 0.9 + i as f64 * 0.29));
+            }
+        }
+        std::fs::write(std::env::var("GOLDEN").unwrap(), svg_plot(&rows, "Dev <x>")).unwrap();
+    }
+}
