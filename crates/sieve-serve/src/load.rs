@@ -390,18 +390,21 @@ fn percentile(values: &[f64], q: f64) -> Option<f64> {
     Some(v[((q * v.len() as f64) as usize).min(v.len() - 1)])
 }
 
-/// `usage.prompt_tokens` of an answer or a stream chunk, when present.
-fn prompt_tokens(v: &Value) -> Option<usize> {
-    v["usage"]["prompt_tokens"]
+/// `usage.<field>` of an answer or a stream chunk, when present.
+fn usage_count(v: &Value, field: &str) -> Option<usize> {
+    v["usage"][field]
         .as_u64()
         .and_then(|n| usize::try_from(n).ok())
 }
 
+/// `usage.prompt_tokens` of an answer or a stream chunk, when present.
+fn prompt_tokens(v: &Value) -> Option<usize> {
+    usage_count(v, "prompt_tokens")
+}
+
 /// `usage.completion_tokens` of an answer or a stream chunk, when present.
 fn completion_tokens(v: &Value) -> Option<usize> {
-    v["usage"]["completion_tokens"]
-        .as_u64()
-        .and_then(|n| usize::try_from(n).ok())
+    usage_count(v, "completion_tokens")
 }
 
 /// One `/v1/completions` request, timed.
