@@ -11,6 +11,7 @@
 //! TEAL threshold that masks a fraction `dp`, on a balanced matrix of sparsity `sp`.
 
 use super::shapes::{shapes_of, Shape};
+use super::svg;
 use crate::balanced_cbc::GpuBalancedCbc;
 use crate::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
 use crate::dense::{Cublas, GpuDense};
@@ -1339,6 +1340,11 @@ impl GemmReport {
             .map_err(|e| CudaError::Option(format!("serializing the report: {e}")))
     }
 
+    /// The SVG plot of [`svg_plot`] for this run.
+    pub fn plot(&self) -> String {
+        svg_plot(&self.rows, &self.device.name)
+    }
+
     /// Fails when any product disagreed with its reference (or left an output unwritten).
     pub fn check_correct(&self) -> Result<()> {
         let worst = super::worst_error(
@@ -1353,6 +1359,169 @@ impl GemmReport {
         }
         Ok(())
     }
+}
+
+/// One line of [`svg_plot`]: a precision at one weight and activation sparsity, with its
+/// speedup over cuBLAS f16 per token count N (increasing N).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlotSeries {
+    pub precision: String,
+    pub sp: f64,
+    pub dp: f64,
+    /// (N, geometric mean over shapes of the event-mode speedup over cuBLAS f16).
+    pub points: Vec<(usize, f64)>,
+}
+
+impl PlotSeries {
+    /// The legend label: the precision, with the sparsities that are not 0.
+    pub fn label(&self) -> String {
+        let mut l = self.precision.clone();
+        if self.sp != 0.0 {
+            let _ = write!(l, " sp {:.2}", self.sp);
+        }
+        if self.dp != 0.0 {
+            let _ = write!(l, " dp {:.2}", self.dp);
+        }
+        l
+    }
+}
+
+/// The series of [`svg_plot`], in the order the rows first show them: the rows grouped by
+/// (precision, sp, dp), each point the geometric mean over shapes at one N. The cuBLAS f16
+/// rows (the baseline, 1x by definition) are left out, and so are rows whose speedup is not a
+/// positive finite number or whose N is 0.
+pub fn plot_series(rows: &[GemmRow]) -> Vec<PlotSeries> {
+    use std::collections::BTreeMap;
+    /// Per N: the sum of the speedups' logarithms and their count.
+    type LogSums = BTreeMap<usize, (f64, usize)>;
+    let mut series: Vec<(PlotSeries, LogSums)> = Vec::new();
+    let baseline = Precision::F16.name();
+    for r in rows {
+        let v = r.speedup_vs_cublas;
+        if r.precision == baseline || r.n == 0 || !v.is_finite() || v <= 0.0 {
+            continue;
+        }
+        let same = |p: &PlotSeries| {
+            p.precision == r.precision
+                && p.sp.to_bits() == r.sp.to_bits()
+                && p.dp.to_bits() == r.dp.to_bits()
+        };
+        let i = match series.iter().position(|(p, _)| same(p)) {
+            Some(i) => i,
+            None => {
+                let p = PlotSeries {
+                    precision: r.precision.clone(),
+                    sp: r.sp,
+                    dp: r.dp,
+                    points: Vec::new(),
+                };
+                series.push((p, BTreeMap::new()));
+                series.len() - 1
+            }
+        };
+        let e = series[i].1.entry(r.n).or_insert((0.0, 0));
+        e.0 += v.ln();
+        e.1 += 1;
+    }
+    series
+        .into_iter()
+        .map(|(mut p, pts)| {
+            p.points = pts
+                .into_iter()
+                .map(|(n, (ln_sum, count))| (n, (ln_sum / count as f64).exp()))
+                .collect();
+            p
+        })
+        .collect()
+}
+
+/// Speedup over cuBLAS f16 (event mode) against tokens per product N on a log2 axis, one line
+/// per [`plot_series`] (precision, sp, dp), points the geometric means over shapes; the 1x
+/// line is cuBLAS f16. Plain SVG written by hand, like `sieve bench kernels`' plot; with no
+/// series to draw, a plot that says so.
+pub fn svg_plot(rows: &[GemmRow], device: &str) -> String {
+    let series = plot_series(rows);
+    let (w, pad, legend_w) = (960.0, 60.0, 240.0);
+    let h = f64::max(480.0, 2.0 * pad + 16.0 * series.len() as f64 + 16.0);
+    let title = format!(
+        "Speedup over cuBLAS f16 vs tokens per product N ({device}), geometric mean over shapes"
+    );
+    let mut s = String::new();
+    svg::open(&mut s, w, h, &title);
+    if series.is_empty() {
+        let why = if rows.is_empty() {
+            "no rows to plot"
+        } else {
+            "no rows to plot (only cuBLAS f16 baseline rows, or no finite speedups)"
+        };
+        svg::centred_text(&mut s, w / 2.0, h / 2.0, why);
+        svg::close(&mut s);
+        return s;
+    }
+    let log_ns = series
+        .iter()
+        .flat_map(|p| p.points.iter().map(|&(n, _)| (n as f64).log2()));
+    let (lo, hi) = log_ns.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+        (lo.min(x), hi.max(x))
+    });
+    let (lo, mut hi) = (lo.floor(), hi.ceil());
+    if hi <= lo {
+        hi = lo + 1.0;
+    }
+    let ymax = svg::speedup_max(series.iter().flat_map(|p| p.points.iter().map(|&(_, v)| v)));
+    let (x0, x1) = (pad, w - legend_w);
+    let px = |log_n: f64| x0 + (log_n - lo) / (hi - lo) * (x1 - x0);
+    let py = |y: f64| h - pad - y / ymax * (h - 2.0 * pad);
+    // Powers of two from 2^lo to 2^hi (lo >= 0: N >= 1).
+    for e in (lo as i32)..=(hi as i32) {
+        let label = 2f64.powi(e).to_string();
+        svg::x_tick(
+            &mut s,
+            px(e as f64),
+            py(0.0),
+            py(ymax),
+            h - pad + 16.0,
+            &label,
+        );
+    }
+    svg::speedup_grid(&mut s, ymax, x0, x1, py);
+    let _ = writeln!(
+        s,
+        r##"<text x="{}" y="{}" text-anchor="end" fill="#666">cuBLAS f16</text>"##,
+        x1 - 4.0,
+        py(1.0) - 4.0
+    );
+    svg::centred_text(
+        &mut s,
+        (x0 + x1) / 2.0,
+        h - 14.0,
+        "tokens per product N (log2 axis)",
+    );
+    let colors = svg::COLORS.len();
+    for (i, p) in series.iter().enumerate() {
+        let pts: Vec<(f64, f64)> = p
+            .points
+            .iter()
+            .map(|&(n, v)| (px((n as f64).log2()), py(v)))
+            .collect();
+        // Past the palette, the colours come again dashed, then dotted.
+        let extra = match (i / colors) % 3 {
+            0 => "",
+            1 => r#" stroke-dasharray="6 3""#,
+            _ => r#" stroke-dasharray="2 3""#,
+        };
+        let legend = (x1 + 16.0, pad + 16.0 * i as f64);
+        svg::series(
+            &mut s,
+            svg::COLORS[i % colors],
+            extra,
+            &pts,
+            &p.label(),
+            legend,
+        );
+    }
+    svg::close(&mut s);
+    s
 }
 
 #[cfg(test)]
@@ -1424,5 +1593,207 @@ mod tests {
         // Up to MAX_KERNEL_TOKENS every row is checked, from the prefix.
         let short = expected(&w, m, k, &x, 20, &prefix);
         assert_eq!(short.y, full[..20 * m].to_vec());
+    }
+}
+
+#[cfg(test)]
+mod plot_tests {
+    use super::*;
+
+    fn row(precision: &str, m: usize, n: usize, sp: f64, dp: f64, speedup: f64) -> GemmRow {
+        GemmRow {
+            precision: precision.into(),
+            model: "llama2-7b".into(),
+            m,
+            k: 4096,
+            n,
+            sp,
+            dp,
+            us: 10.0 / speedup,
+            us_min: 9.0 / speedup,
+            speedup_vs_cublas: speedup,
+            bytes: 1 << 20,
+            gbs: 1000.0,
+            pct_copy_bw: 30.0,
+            rel_error: 1e-5,
+            graph_us: None,
+            graph_speedup_vs_cublas: None,
+            graph_rel_error: None,
+        }
+    }
+
+    fn report(rows: Vec<GemmRow>) -> GemmReport {
+        GemmReport {
+            device: crate::bench::report::tests::report(Vec::new()).device,
+            copy_gbs: 3000.0,
+            empty_launch_us: 3.5,
+            reps: 100,
+            rows,
+        }
+    }
+
+    /// The points of every polyline, in order, as (x, y).
+    fn polylines(svg: &str) -> Vec<Vec<(f64, f64)>> {
+        svg.split("<polyline")
+            .skip(1)
+            .map(|p| {
+                let pts = p.split("points=\"").nth(1).unwrap();
+                let pts = &pts[..pts.find('"').unwrap()];
+                pts.split_whitespace()
+                    .map(|xy| {
+                        let (x, y) = xy.split_once(',').unwrap();
+                        (x.parse().unwrap(), y.parse().unwrap())
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// A run's rows: cuBLAS f16, W4A16 and Q4_0 at N = 1..8 on two shapes, Balanced-CBC int8 at
+    /// N = 1 at two activation sparsities.
+    fn rows() -> Vec<GemmRow> {
+        let mut rows = Vec::new();
+        for m in [4096, 11008] {
+            for n in [1, 2, 4, 8] {
+                rows.push(row("f16", m, n, 0.0, 0.0, 1.0));
+                // 2x and 8x at N = 1 (geometric mean 4x), falling with N.
+                let w4 = if m == 4096 { 2.0 } else { 8.0 } / n as f64;
+                rows.push(row("w4a16", m, n, 0.0, 0.0, w4));
+                rows.push(row("gguf-q4_0", m, n, 0.0, 0.0, 1.5));
+            }
+            rows.push(row("bcbc-int8", m, 1, 0.5, 0.0, 3.0));
+            rows.push(row("bcbc-int8", m, 1, 0.5, 0.5, 5.0));
+        }
+        rows
+    }
+
+    #[test]
+    fn plot_series_are_geometric_means_over_shapes_without_the_baseline() {
+        let s = plot_series(&rows());
+        let labels: Vec<String> = s.iter().map(PlotSeries::label).collect();
+        assert_eq!(
+            labels,
+            [
+                "w4a16",
+                "gguf-q4_0",
+                "bcbc-int8 sp 0.50",
+                "bcbc-int8 sp 0.50 dp 0.50"
+            ]
+        );
+        let w4 = &s[0].points;
+        assert_eq!(w4.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2, 4, 8]);
+        for &(n, v) in w4 {
+            assert!((v - 4.0 / n as f64).abs() < 1e-12, "N = {n}: {v}");
+        }
+        assert_eq!(s[2].points.len(), 1);
+        assert!((s[2].points[0].1 - 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn gemm_plot_draws_one_line_per_series_along_log_n() {
+        let svg = report(rows()).plot();
+        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+        assert!(svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<svg").count(), 1);
+        // The device's name, escaped, in the title.
+        assert!(svg.contains("(Test &lt;GPU&gt;)"), "{svg}");
+        let lines = polylines(&svg);
+        let counts: Vec<usize> = lines.iter().map(Vec::len).collect();
+        assert_eq!(counts, [4, 4, 1, 1]);
+        assert_eq!(svg.matches("<circle").count(), 10);
+        for label in [
+            ">w4a16<",
+            ">gguf-q4_0<",
+            ">bcbc-int8 sp 0.50<",
+            ">bcbc-int8 sp 0.50 dp 0.50<",
+        ] {
+            assert!(svg.contains(label), "{label}");
+        }
+        assert!(
+            !svg.contains(">f16<"),
+            "the baseline is the 1x line, not a series"
+        );
+        // x increases with N, evenly on the log axis; w4a16 falls with N (y grows down).
+        let w4 = &lines[0];
+        let dx: Vec<f64> = w4.windows(2).map(|p| p[1].0 - p[0].0).collect();
+        assert!(
+            dx.iter().all(|&d| d > 0.0 && (d - dx[0]).abs() < 0.2),
+            "{dx:?}"
+        );
+        assert!(w4.windows(2).all(|p| p[1].1 > p[0].1), "{w4:?}");
+        // N = 1 sits at the same x on every line; a constant 1.5x series is flat.
+        assert_eq!(lines[2][0].0, w4[0].0);
+        assert!(lines[1].iter().all(|p| p.1 == lines[1][0].1));
+        // Tick labels at the powers of two.
+        for n in ["1", "2", "4", "8"] {
+            assert!(
+                svg.contains(&format!("text-anchor=\"middle\">{n}</text>")),
+                "{n}"
+            );
+        }
+    }
+
+    #[test]
+    fn gemm_plot_without_rows_says_so() {
+        for rows in [Vec::new(), vec![row("f16", 4096, 1, 0.0, 0.0, 1.0)]] {
+            let svg = report(rows).plot();
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+            assert!(svg.contains("no rows to plot"), "{svg}");
+            assert!(!svg.contains("<polyline") && !svg.contains("<circle"));
+        }
+    }
+
+    #[test]
+    fn gemm_plot_skips_speedups_that_are_not_finite() {
+        let rows = vec![
+            row("w4a16", 4096, 1, 0.0, 0.0, 2.0),
+            row("w4a16", 11008, 1, 0.0, 0.0, f64::NAN),
+            row("w4a16", 4096, 2, 0.0, 0.0, f64::INFINITY),
+            row("w4a16", 4096, 4, 0.0, 0.0, 0.0),
+            row("w4a16", 4096, 8, 0.0, 0.0, -1.0),
+            row("w4a16", 4096, 0, 0.0, 0.0, 2.0),
+            row("w8a16", 4096, 1, 0.0, 0.0, f64::NAN),
+        ];
+        let s = plot_series(&rows);
+        assert_eq!(s.len(), 1, "a series with no finite point is left out");
+        assert_eq!(s[0].points.len(), 1);
+        assert_eq!(s[0].points[0].0, 1);
+        assert!((s[0].points[0].1 - 2.0).abs() < 1e-12);
+        let svg = svg_plot(&rows, "gpu");
+        assert_eq!(
+            polylines(&svg).iter().map(Vec::len).collect::<Vec<_>>(),
+            [1]
+        );
+        assert!(!svg.contains("NaN") && !svg.contains("inf"), "{svg}");
+        let only_bad = svg_plot(&rows[1..], "gpu");
+        assert!(only_bad.contains("no rows to plot"));
+    }
+
+    #[test]
+    fn gemm_plot_tells_apart_series_past_the_palette() {
+        let rows: Vec<GemmRow> = (0..10)
+            .flat_map(|i| {
+                let dp = i as f64 / 10.0;
+                [1, 32, 16384].map(|n| row("bcbc-int4", 4096, n, 0.5, dp, 1.0 + i as f64))
+            })
+            .collect();
+        let svg = svg_plot(&rows, "gpu");
+        let lines = polylines(&svg);
+        assert_eq!(lines.len(), 10);
+        assert!(lines.iter().all(|l| l.len() == 3));
+        // 7 solid lines, then dashed ones (the legend swatch dashed too).
+        assert_eq!(svg.matches("stroke-dasharray").count(), 2 * 3);
+        assert!(svg.contains(">16384</text>"));
+        // Everything fits: the legend's last entry is inside the canvas.
+        let h: f64 = svg
+            .split("height=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(h >= 60.0 + 16.0 * 10.0);
     }
 }

@@ -25,6 +25,7 @@ pub mod gemm;
 pub mod graph;
 pub mod report;
 pub mod shapes;
+mod svg;
 
 pub use fused::{FusedGroup, FusedRow};
 pub use shapes::{shapes_of, Shape};

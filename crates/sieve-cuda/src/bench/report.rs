@@ -1,7 +1,7 @@
 //! The benchmark's outputs: progress lines, the markdown table, the JSON report and the SVG
 //! plot.
 
-use super::{worst_error, Report, Row, MAX_REL_ERROR};
+use super::{svg, worst_error, Report, Row, MAX_REL_ERROR};
 use crate::error::{CudaError, Result};
 use std::fmt::Write;
 use std::path::Path;
@@ -338,94 +338,50 @@ pub fn svg_plot(rows: &[Row], device: &str) -> String {
         e.1 += 1;
     }
     let (w, h, pad) = (760.0, 480.0, 60.0);
-    let ymax = series
-        .values()
-        .flat_map(|s| s.values().map(|(v, n)| v / *n as f64))
-        .fold(1.0f64, f64::max)
-        .ceil()
-        .max(2.0);
+    let ymax = svg::speedup_max(
+        series
+            .values()
+            .flat_map(|s| s.values().map(|(v, n)| v / *n as f64)),
+    );
     let px = |x: f64| pad + x * (w - 2.0 * pad);
     let py = |y: f64| h - pad - y / ymax * (h - 2.0 * pad);
-    let colors = [
-        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf",
-    ];
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="20" text-anchor="middle" font-size="14">Speedup over cuBLAS vs total sparsity ({}), mean over shapes</text>"#,
-        w / 2.0,
-        xml_escape(device)
+    svg::open(
+        &mut s,
+        w,
+        h,
+        &format!("Speedup over cuBLAS vs total sparsity ({device}), mean over shapes"),
     );
     for i in 0..=10 {
         let x = i as f64 / 10.0;
-        let _ = writeln!(
-            s,
-            r##"<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="#eee"/><text x="{0}" y="{3}" text-anchor="middle">{x:.1}</text>"##,
+        svg::x_tick(
+            &mut s,
             px(x),
             py(0.0),
             py(ymax),
-            h - pad + 16.0
+            h - pad + 16.0,
+            &format!("{x:.1}"),
         );
     }
-    let ysteps = ymax as usize;
-    for i in 0..=ysteps {
-        let y = i as f64;
-        let _ = writeln!(
-            s,
-            r##"<line x1="{0}" y1="{1}" x2="{2}" y2="{1}" stroke="{3}"/><text x="{4}" y="{5}" text-anchor="end">{y:.0}x</text>"##,
-            px(0.0),
-            py(y),
-            px(1.0),
-            if i == 1 { "#999" } else { "#eee" },
-            pad - 6.0,
-            py(y) + 4.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">total sparsity 1-(1-sp)(1-dp)</text>"#,
-        w / 2.0,
-        h - 14.0
-    );
+    svg::speedup_grid(&mut s, ymax, px(0.0), px(1.0), py);
+    svg::centred_text(&mut s, w / 2.0, h - 14.0, "total sparsity 1-(1-sp)(1-dp)");
     for (i, (name, pts)) in series.iter().enumerate() {
-        let c = colors[i % colors.len()];
         let pts: Vec<(f64, f64)> = pts
             .iter()
             .map(|(k, (v, n))| (px(*k as f64 / 1000.0), py(v / *n as f64)))
             .collect();
-        let path: Vec<String> = pts.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{c}" stroke-width="2" points="{}"/>"#,
-            path.join(" ")
-        );
-        for (x, y) in &pts {
-            let _ = writeln!(s, r#"<circle cx="{x:.1}" cy="{y:.1}" r="3" fill="{c}"/>"#);
-        }
-        let ly = pad + 16.0 * i as f64;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{}" y="{}" width="12" height="12" fill="{c}"/><text x="{}" y="{}">{}</text>"#,
-            px(0.0) + 10.0,
-            ly,
-            px(0.0) + 28.0,
-            ly + 10.0,
-            xml_escape(name)
+        let legend = (px(0.0) + 10.0, pad + 16.0 * i as f64);
+        svg::series(
+            &mut s,
+            svg::COLORS[i % svg::COLORS.len()],
+            "",
+            &pts,
+            name,
+            legend,
         );
     }
-    s.push_str("</svg>\n");
+    svg::close(&mut s);
     s
-}
-
-fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
@@ -665,22 +621,5 @@ pub(crate) mod tests {
         let e = r.write_outputs(Some(&bad), None).unwrap_err().to_string();
         assert!(e.contains("missing-dir"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
-    }
-}
-
-#[cfg(test)]
-mod golden_tmp {
-    use super::tests::row;
-    use super::svg_plot;
-    #[test]
-    fn golden_tmp_dump() {
-        let mut rows = vec![row("cublas", 128, 0.0, 0.0, 1.0)];
-        for (i, f) in ["rlc-csc/b1024", "tiled-cbc/lane8", "dense-colmajor", "balanced-cbc", "a<&>", "f6", "f7", "f8", "f9"].iter().enumerate() {
-            for (j, sp) in [0.0, 0.3, 0.5, 0.7].iter().enumerate() {
-                rows.push(row(f, 128 + j, *sp, 0.3, 0.7 + i as f64 * 0.37 + j as f64 * 0.41));
-                rows.push(row(f, 256, *sp, 0.5, 0.9 + i as f64 * 0.29));
-            }
-        }
-        std::fs::write(std::env::var("GOLDEN").unwrap(), svg_plot(&rows, "Dev <x>")).unwrap();
     }
 }

@@ -71,6 +71,9 @@ pub struct GemmArgs {
     /// Write every row (and device facts) as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Write an SVG plot of speedup over cuBLAS f16 against N here.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
 }
@@ -96,11 +99,12 @@ impl GemmArgs {
 pub fn run_gemm(a: GemmArgs) -> Result<()> {
     let opts = a.options();
     opts.validate()?;
-    let mut files = ReportFiles::open(a.json.as_deref(), None, &[])?;
+    let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &[])?;
     let report = sieve_cuda::bench::gemm::run(&opts, &mut |line| eprintln!("{line}"))
         .context("sieve bench gemm (needs a CUDA GPU)")?;
     print!("{}", report.markdown());
     files.write_json(|| Ok(report.to_json()?))?;
+    files.write_plot(|| Ok(report.plot()))?;
     report.check_correct()?;
     Ok(())
 }
@@ -276,6 +280,24 @@ mod tests {
         assert!(parse(&["kernels", "--fused", "qkvo"]).is_err());
         let custom = parse(&["kernels", "--fused", "qkv", "--shapes", "64x64"]).unwrap();
         assert!(custom.validate().is_err());
+    }
+
+    #[test]
+    fn gemm_takes_a_plot_path() {
+        let gemm = |args: &[&str]| {
+            let cli =
+                Cli::try_parse_from(["bench", "gemm"].into_iter().chain(args.iter().copied()))?;
+            let BenchCommand::Gemm(a) = cli.command else {
+                panic!("not bench gemm");
+            };
+            Ok::<_, clap::Error>(a)
+        };
+        let a = gemm(&["--plot", "x.svg", "--json", "r.json", "--n", "1,8"]).unwrap();
+        assert_eq!(a.plot.as_deref(), Some(std::path::Path::new("x.svg")));
+        assert_eq!(a.json.as_deref(), Some(std::path::Path::new("r.json")));
+        assert_eq!(a.options().n, vec![1, 8]);
+        assert!(gemm(&[]).unwrap().plot.is_none());
+        assert!(gemm(&["--plot"]).is_err(), "--plot needs a path");
     }
 
     #[test]
