@@ -161,6 +161,57 @@ impl Precision {
             Precision::Q4KDecodeGemm => "q4_k-decode-gemm",
         }
     }
+    /// The weight format a precision's rows multiply (`--formats` selects by it): dense
+    /// (cuBLAS and the dense low-bit kernels, GGUF blocks included), balanced-cbc, ie-bme,
+    /// tiled-cbc, slide, or lowbit-cols (column-major 4-bit under TEAL).
+    pub fn format(self) -> &'static str {
+        match self {
+            Precision::F16
+            | Precision::W8A16
+            | Precision::W4A16
+            | Precision::GgufQ4_0
+            | Precision::GgufQ8_0
+            | Precision::W4K
+            | Precision::W5K
+            | Precision::W6K
+            | Precision::W4G32Affine
+            | Precision::W4A16DecodeGemm
+            | Precision::Q4KDecodeGemm => "dense",
+            Precision::BcbcInt8
+            | Precision::BcbcInt4
+            | Precision::BcbcF16
+            | Precision::BcbcUnion => "balanced-cbc",
+            Precision::IeBmeInt4 | Precision::IeBmeInt8 => "ie-bme",
+            Precision::TcbcPerToken
+            | Precision::TcbcDecodeGemm
+            | Precision::TcbcSpmm
+            | Precision::TcbcUnion => "tiled-cbc",
+            Precision::SlideF16 | Precision::SlideF16Copy => "slide",
+            Precision::W4A16Cols | Precision::Q4_0Cols => "lowbit-cols",
+        }
+    }
+
+    /// Every precision of the named formats (`--formats tiled-cbc,slide`), in [`Self::ALL`]'s
+    /// order; an unknown name is an error listing the known ones.
+    pub fn of_formats(formats: &[String]) -> Result<Vec<Precision>> {
+        let known: Vec<&str> = Precision::ALL.iter().fold(Vec::new(), |mut v, p| {
+            if !v.contains(&p.format()) {
+                v.push(p.format());
+            }
+            v
+        });
+        if let Some(bad) = formats.iter().find(|f| !known.contains(&f.as_str())) {
+            return Err(CudaError::Option(format!(
+                "unknown format '{bad}' (known: {})",
+                known.join(", ")
+            )));
+        }
+        Ok(Precision::ALL
+            .into_iter()
+            .filter(|p| formats.iter().any(|f| f == p.format()))
+            .collect())
+    }
+
     fn is_balanced(self) -> bool {
         matches!(
             self,
@@ -1795,5 +1846,46 @@ mod plot_tests {
             .parse()
             .unwrap();
         assert!(h >= 60.0 + 16.0 * 10.0);
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::Precision;
+
+    #[test]
+    fn formats_select_their_precisions_and_unknown_names_are_refused() {
+        let names = |p: Vec<Precision>| p.iter().map(|p| p.name()).collect::<Vec<_>>();
+        let got = Precision::of_formats(&["slide".into(), "tiled-cbc".into()]).unwrap();
+        assert_eq!(
+            names(got),
+            [
+                "tcbc-per-token",
+                "tcbc-decode-gemm",
+                "tcbc-spmm",
+                "tcbc-union",
+                "slide-f16",
+                "slide-f16-copy"
+            ]
+        );
+        // Every precision belongs to exactly one format, and the formats cover them all.
+        let formats = [
+            "dense",
+            "balanced-cbc",
+            "ie-bme",
+            "tiled-cbc",
+            "slide",
+            "lowbit-cols",
+        ];
+        let all: Vec<String> = formats.iter().map(|f| f.to_string()).collect();
+        assert_eq!(
+            Precision::of_formats(&all).unwrap(),
+            Precision::ALL.to_vec()
+        );
+        let e = Precision::of_formats(&["csr".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'csr'") && e.contains("balanced-cbc"), "{e}");
+        assert!(Precision::of_formats(&[]).unwrap().is_empty());
     }
 }

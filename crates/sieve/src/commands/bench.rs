@@ -53,12 +53,14 @@ pub struct GemmArgs {
     /// written as f16 rows, then cuBLAS: the prompt path from 256 tokens), w4a16-cols and
     /// q4_0-cols (4-bit column-major under a TEAL threshold, N = 1 at every --sp and --dp:
     /// inactive columns never read).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "f16,w8a16,w4a16,gguf-q4_0,gguf-q8_0"
-    )]
+    /// (default: f16,w8a16,w4a16,gguf-q4_0,gguf-q8_0 unless --formats is given)
+    #[arg(long, value_delimiter = ',')]
     precision: Vec<sieve_cuda::bench::gemm::Precision>,
+    /// Weight formats whose every precision runs beside --precision: dense, balanced-cbc,
+    /// ie-bme, tiled-cbc, slide, lowbit-cols (`--formats tiled-cbc` = tcbc-per-token,
+    /// tcbc-decode-gemm, tcbc-spmm, tcbc-union).
+    #[arg(long, value_delimiter = ',')]
+    formats: Vec<String>,
     #[arg(long, default_value_t = 100)]
     reps: usize,
     /// Also time every product as CUDA graph replays.
@@ -79,25 +81,47 @@ pub struct GemmArgs {
 }
 
 impl GemmArgs {
-    fn options(&self) -> sieve_cuda::bench::gemm::GemmBenchOptions {
-        sieve_cuda::bench::gemm::GemmBenchOptions {
+    /// --precision, or its default when neither it nor --formats is given, then the precisions
+    /// of --formats not already named.
+    fn precisions(&self) -> Result<Vec<sieve_cuda::bench::gemm::Precision>> {
+        use sieve_cuda::bench::gemm::Precision;
+        let mut precisions = self.precision.clone();
+        if precisions.is_empty() && self.formats.is_empty() {
+            precisions = vec![
+                Precision::F16,
+                Precision::W8A16,
+                Precision::W4A16,
+                Precision::GgufQ4_0,
+                Precision::GgufQ8_0,
+            ];
+        }
+        for p in Precision::of_formats(&self.formats)? {
+            if !precisions.contains(&p) {
+                precisions.push(p);
+            }
+        }
+        Ok(precisions)
+    }
+
+    fn options(&self) -> Result<sieve_cuda::bench::gemm::GemmBenchOptions> {
+        Ok(sieve_cuda::bench::gemm::GemmBenchOptions {
             shapes: self.shapes.clone(),
             n: self.n.clone(),
             sp: self.sp.clone(),
             dp: self.dp.clone(),
             patterns: self.pattern.clone(),
-            precisions: self.precision.clone(),
+            precisions: self.precisions()?,
             reps: self.reps,
             graph: self.graph,
             graph_launches: self.graph_launches,
             graph_replays: self.graph_replays,
             seed: self.seed,
-        }
+        })
     }
 }
 
 pub fn run_gemm(a: GemmArgs) -> Result<()> {
-    let opts = a.options();
+    let opts = a.options()?;
     opts.validate()?;
     let mut files = ReportFiles::open(a.json.as_deref(), a.plot.as_deref(), &[])?;
     let report = sieve_cuda::bench::gemm::run(&opts, &mut |line| eprintln!("{line}"))
@@ -295,9 +319,38 @@ mod tests {
         let a = gemm(&["--plot", "x.svg", "--json", "r.json", "--n", "1,8"]).unwrap();
         assert_eq!(a.plot.as_deref(), Some(std::path::Path::new("x.svg")));
         assert_eq!(a.json.as_deref(), Some(std::path::Path::new("r.json")));
-        assert_eq!(a.options().n, vec![1, 8]);
+        assert_eq!(a.options().unwrap().n, vec![1, 8]);
         assert!(gemm(&[]).unwrap().plot.is_none());
         assert!(gemm(&["--plot"]).is_err(), "--plot needs a path");
+    }
+
+    #[test]
+    fn gemm_formats_add_their_precisions_to_the_default_or_the_named_ones() {
+        use sieve_cuda::bench::gemm::Precision;
+        let precisions = |args: &[&str]| {
+            let cli =
+                Cli::try_parse_from(["bench", "gemm"].into_iter().chain(args.iter().copied()))
+                    .unwrap();
+            let BenchCommand::Gemm(a) = cli.command else {
+                panic!("not bench gemm");
+            };
+            a.options().map(|o| o.precisions)
+        };
+        let default = precisions(&[]).unwrap();
+        assert_eq!(default.len(), 5);
+        assert_eq!(default[0], Precision::F16);
+        // --formats alone: only its precisions (the f16 baseline is timed in any case).
+        assert_eq!(
+            precisions(&["--formats", "slide"]).unwrap(),
+            vec![Precision::SlideF16, Precision::SlideF16Copy]
+        );
+        // Beside --precision, without repeating one named there.
+        assert_eq!(
+            precisions(&["--precision", "f16,slide-f16", "--formats", "slide"]).unwrap(),
+            vec![Precision::F16, Precision::SlideF16, Precision::SlideF16Copy]
+        );
+        let e = precisions(&["--formats", "csr"]).unwrap_err().to_string();
+        assert!(e.contains("unknown format 'csr'"), "{e}");
     }
 
     #[test]
