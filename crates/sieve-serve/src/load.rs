@@ -491,10 +491,14 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 completion_count = completion_tokens(&chunk).or(completion_count);
                 let choice = &chunk["choices"][0];
                 let text = choice["text"].as_str().unwrap_or("");
-                if !text.is_empty() {
+                let finish = !choice["finish_reason"].is_null();
+                // A token's chunk: text, or a choice without text that does not finish the
+                // stream (llama-server holds back partial UTF-8 so). A closing chunk without
+                // text, and the usage chunk (no choices), are no tokens.
+                if !text.is_empty() || (choice.is_object() && !finish) {
                     stamps.push(Instant::now());
                 }
-                reason |= !choice["finish_reason"].is_null();
+                reason |= finish;
             }
         }
         if !finished && !reason {
@@ -503,12 +507,11 @@ async fn completion(server: &ServerUrl, o: &LoadOptions, i: usize) -> Result<Tim
                 stamps.len()
             ));
         }
-        // The server's count when it sent usage: llama-server streams some tokens as chunks
-        // without text (window K1, random weights: 206 text chunks a request for its 256
-        // tokens), which counting chunks would miss.
+        // The server's count when it sent usage (never below the token chunks seen: a chunk
+        // carries at least one token): a chunk may also carry several tokens.
         Ok(Timing {
             sent,
-            tokens: completion_count.unwrap_or(stamps.len()),
+            tokens: completion_count.map_or(stamps.len(), |c| c.max(stamps.len())),
             stamps,
             done: Instant::now(),
             prompt_tokens: prompt_count,

@@ -216,10 +216,10 @@ async fn cut_or_failed_streams_count_as_errors() {
         "{r:?}"
     );
     // A token streamed without text (llama-server holds back partial UTF-8 and sends the
-    // chunk empty): the server's usage count is the count, not the text chunks.
+    // chunk empty), and a chunk of two tokens: the server's usage count (4) is the count.
     let textless: &'static str = Box::leak(
         format!(
-            "{}{}{}data: {{\"choices\": [], \"usage\": {{\"prompt_tokens\": 5, \"completion_tokens\": 3}}}}\n\ndata: [DONE]\n\n",
+            "{}{}{}data: {{\"choices\": [], \"usage\": {{\"prompt_tokens\": 5, \"completion_tokens\": 4}}}}\n\ndata: [DONE]\n\n",
             chunk("a", "null"),
             chunk("", "null"),
             chunk("b", "\"length\"")
@@ -227,6 +227,25 @@ async fn cut_or_failed_streams_count_as_errors() {
         .into_boxed_str(),
     );
     let r = run_load(&fake_server(textless).await, &options(1, 2, true))
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.requests, r.errors, r.generated_tokens),
+        (2, 0, 8),
+        "{r:?}"
+    );
+    // The same stream with a usage count below the token chunks seen (0): the three chunks
+    // count, the textless one too (the closing chunk here carries text, so it is a token).
+    let low: &'static str = Box::leak(
+        format!(
+            "{}{}{}data: {{\"choices\": [], \"usage\": {{\"completion_tokens\": 0}}}}\n\ndata: [DONE]\n\n",
+            chunk("a", "null"),
+            chunk("", "null"),
+            chunk("b", "\"length\"")
+        )
+        .into_boxed_str(),
+    );
+    let r = run_load(&fake_server(low).await, &options(1, 2, true))
         .await
         .unwrap();
     assert_eq!(
