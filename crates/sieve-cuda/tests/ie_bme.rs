@@ -125,10 +125,15 @@ fn gpu_ie_bme_teal_chunks_and_accumulation() {
     let Some(gpu) = gpu_or_skip("gpu_ie_bme_teal_chunks_and_accumulation") else {
         return;
     };
+    // Under compute-sanitizer (SIEVE_SANITIZE_SMALL=1): the small shape only.
+    let small_only = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
     for (i, &(m, k)) in [(33usize, 200usize), (4096, 4096), (1000, 11008)]
         .iter()
         .enumerate()
     {
+        if small_only && m * k > 100_000 {
+            continue;
+        }
         let enc = encode(m, k, 0.5, (2, 2), 4, Reorder::Greedy, 100 + i as u64);
         let mut dev = GpuIeBme::upload(&gpu, &IeBmeDevice::new(&enc).unwrap()).unwrap();
         let x = x16(1, k, 7 + i as u64);
