@@ -11,8 +11,8 @@
 #      the dp 0.3 one (with TEAL, greedy paths may rightly part);
 #   3. issue 29: cuSPARSELt called directly (dev/cusparselt/direct.py, planned once per product)
 #      and the slide f16-copy crossover that sets slide::DECODE_MIN_TOKENS.
-# Carry: a slim .gpu (bin/sieve; the kernels, runner, slide, ie_bme, lowbit_cols test executables
-# of scripts/gpu-runner-bundle.sh: about 27 MB). The cut model does not fit beside it (40 MB):
+# Carry: a slim .gpu, `KEEP="kernels runner slide ie_bme lowbit_cols" bash
+# scripts/gpu-runner-bundle.sh` (bin/sieve and those test executables: 28 MB, 38 MB with the tree). The cut model does not fit beside it (40 MB):
 # `bash dev/window-l1.sh model` in a first call carrying only .gpu-model/ (scripts/cut-gguf.py
 # ... --layers 4 into .gpu-model/smol-cut4.gguf) copies it to /tmp, then, back to back on the
 # warm machine, `bash dev/window-l1.sh` carrying .gpu. Everything is also in $OUT/window.log.

@@ -6,6 +6,7 @@
 #   FUZZ=1 scripts/gpu-runner-bundle.sh   also stages bin/sieve-fuzz for scripts/fuzz-bg.sh
 #   SERVE=1 scripts/gpu-runner-bundle.sh  also stages the server tests (tests/serve.rs), which
 #     run against the GPU engine there with SIEVE_SERVE_TEST_DEVICE=cuda and the default model
+#   KEEP="kernels runner slide" scripts/gpu-runner-bundle.sh  keeps only those test executables
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -50,4 +51,16 @@ if [ "${FUZZ:-0}" = 1 ]; then
   cp "$target/debug/sieve-fuzz" .gpu/bin/
 fi
 for f in .gpu/bin/* .gpu/tests/*; do strip -s "$f" 2>/dev/null || true; done
+# KEEP="kernels runner slide": only those test executables (and their tests.tsv lines), so that
+# .gpu travels beside the tree and other carried folders within run's 64 MiB.
+if [ -n "${KEEP:-}" ]; then
+  while IFS=$'\t' read -r exe dir; do
+    keep=0
+    for k in $KEEP; do case $exe in "$k"-*) keep=1 ;; esac; done
+    if [ "$keep" = 1 ]; then printf '%s\t%s\n' "$exe" "$dir"; else rm -f ".gpu/tests/$exe"; fi
+  done < .gpu/tests.tsv > .gpu/tests.kept
+  mv .gpu/tests.kept .gpu/tests.tsv
+fi
 du -sh .gpu
+tree_kb=$(git ls-files -z | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
+echo "carry estimate: .gpu $(du -sk .gpu | cut -f1) KiB + tracked tree ${tree_kb} KiB (run carries at most 65536 KiB in all)"
