@@ -13,11 +13,13 @@
 //! | [`ie_bme`] | UnionSparse | union bitmaps over 16x64 tiles, INT4/INT8/f16 payload streams |
 //! | [`slide`] | SlideSparse | (2N-2):2N decomposed into overlapping 2:4 windows |
 //! | [`kv_cache`] | - | the KV cache's rows: f16, or i8 with one scale per position and KV head |
+//! | [`eight_bit`] | SlideSparse (INT8 / FP8 paths) | a token's activations as INT8 or FP8 e4m3 codes with one scale |
 //! | [`balanced_cbc`] | sieve (Balanced Sparsity, Yao et al. 2019, on Celty's column tiles) | N of every 16 output rows per input column, 512-row tiles, fixed-size blocks, no metadata |
 
 pub mod balanced_cbc;
 pub mod blob;
 pub mod dense;
+pub mod eight_bit;
 pub mod error;
 pub mod format;
 pub mod ie_bme;
