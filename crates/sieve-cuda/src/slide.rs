@@ -382,6 +382,78 @@ pub fn reference(
     (y, abs)
 }
 
+/// 8-bit values of the tensor cores' integer and FP8 paths (`mma.sp` with s8 or e4m3 operands).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Eight {
+    Int8,
+    E4m3,
+}
+
+/// The product an 8-bit slide launch must match (issue 29's INT8 and FP8 paths; their kernels
+/// are not written yet): W quantized per row and each token's masked input per token, both by
+/// [`sieve_formats::eight_bit`] (INT8: `s = max / 127`, ties to even; e4m3: `s = max / 448`,
+/// saturating), then `y[t][r] = s_w[r] · s_x[t] · Σ q_w q_x` in f64. The lifting copies values,
+/// so quantizing the original row equals quantizing the lifted one. Output `[token][row]`.
+pub fn eight_bit_reference(
+    s: &Slide,
+    x: &[f32],
+    ldx: usize,
+    n: usize,
+    threshold: Threshold,
+    eight: Eight,
+) -> Vec<f64> {
+    use sieve_formats::eight_bit::{e4m3_row, e4m3_to_f32, int8_row};
+    let w = s.decode();
+    let (m, k) = (s.rows(), s.cols());
+    // (codes as f64, scale) of a row of values.
+    let quantize = |v: &[f32]| -> (Vec<f64>, f64) {
+        match eight {
+            Eight::Int8 => {
+                let q = int8_row(v);
+                (
+                    q.codes.iter().map(|&c| f64::from(c)).collect(),
+                    f64::from(q.scale),
+                )
+            }
+            Eight::E4m3 => {
+                let q = e4m3_row(v);
+                let codes = q.codes.iter().map(|&c| f64::from(e4m3_to_f32(c))).collect();
+                (codes, f64::from(q.scale))
+            }
+        }
+    };
+    let tokens: Vec<(Vec<f64>, f64)> = (0..n)
+        .map(|t| {
+            let masked: Vec<f32> = x[t * ldx..t * ldx + k]
+                .iter()
+                .map(|&v| if is_active(v, threshold) { v } else { 0.0 })
+                .collect();
+            quantize(&masked)
+        })
+        .collect();
+    let per_row: Vec<Vec<f64>> = (0..m)
+        .into_par_iter()
+        .map(|r| {
+            let row: Vec<f32> = w.row(r).iter().map(|v| v.to_f32()).collect();
+            let (qw, sw) = quantize(&row);
+            tokens
+                .iter()
+                .map(|(qx, sx)| {
+                    let dot: f64 = qw.iter().zip(qx).map(|(a, b)| a * b).sum();
+                    sw * sx * dot
+                })
+                .collect()
+        })
+        .collect();
+    let mut y = vec![0f64; n * m];
+    for (r, outs) in per_row.iter().enumerate() {
+        for (t, &v) in outs.iter().enumerate() {
+            y[t * m + r] = v;
+        }
+    }
+    y
+}
+
 /// Worst-case error of an f32 sum of `terms` exact products (f16 · f16 is exact in f32) whose
 /// absolute values add up to `abs_sum`: γ_terms · abs_sum with unit roundoff 2^-23, twice f32's
 /// round-to-nearest 2^-24 so that tensor-core adders that truncate are covered too (Higham,
@@ -686,6 +758,54 @@ mod tests {
     use super::*;
     use sieve_formats::random::{sparse_matrix, Pattern};
     use sieve_formats::slide::SlideOptions;
+
+    /// The 8-bit reference is the f16 one up to the quantization's own error: per term at most
+    /// half a step of each operand (INT8: s / 2; e4m3: 1/16 relative, or s 2^-10 near zero), so
+    /// |y8 - y| <= Σ (|w| dx + |x| dw + dw dx) over a row, bounded here with the row's and
+    /// token's largest magnitudes. Zero rows and quiet tokens give exact zeros.
+    #[test]
+    fn eight_bit_reference_is_the_product_within_quantization_error() {
+        let w = sparse_matrix(37, 96, 0.0, Pattern::NM { n: 6, m: 8 }, 5).unwrap();
+        let s = Slide::encode(&w, &SlideOptions { n: 4 }).unwrap();
+        let (n, ldx) = (3, 100);
+        let mut x: Vec<f32> = (0..n * ldx)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        x[2 * ldx..3 * ldx].iter_mut().for_each(|v| *v = 0.0); // a quiet token
+        let (want, _) = reference(&s, &x, ldx, n, None);
+        let dense = s.decode();
+        for eight in [Eight::Int8, Eight::E4m3] {
+            let got = eight_bit_reference(&s, &x, ldx, n, None, eight);
+            assert_eq!(got.len(), n * 37);
+            for t in 0..n {
+                let xt = &x[t * ldx..t * ldx + 96];
+                let xmax = xt.iter().fold(0f64, |a, v| a.max(f64::from(v.abs())));
+                for r in 0..37 {
+                    let row: Vec<f64> = dense.row(r).iter().map(|v| v.to_f64()).collect();
+                    let wmax = row.iter().fold(0f64, |a, v| a.max(v.abs()));
+                    let (dw, dx) = match eight {
+                        Eight::Int8 => (wmax / 254.0, xmax / 254.0),
+                        Eight::E4m3 => (wmax / 16.0, xmax / 16.0),
+                    };
+                    let bound: f64 = row
+                        .iter()
+                        .zip(xt)
+                        .map(|(&a, &b)| a.abs() * dx + f64::from(b.abs()) * dw + dw * dx)
+                        .sum();
+                    let (g, e) = (got[t * 37 + r], want[t * 37 + r]);
+                    assert!(
+                        (g - e).abs() <= bound * 1.001 + 1e-12,
+                        "{eight:?} t{t} r{r}: {g} vs {e} (bound {bound})"
+                    );
+                    if t == 2 {
+                        assert_eq!(g, 0.0);
+                    }
+                }
+            }
+            // Not the f16 product: quantization moved it (the check above is not vacuous).
+            assert!(got.iter().zip(&want).any(|(g, e)| g != e), "{eight:?}");
+        }
+    }
 
     #[test]
     fn stored_offset_is_a_permutation_of_a_window() {
