@@ -37,13 +37,13 @@ pub const STAGE_K: usize = 128;
 /// Warps per block (along M).
 const WARPS: usize = 4;
 /// Fewest tokens for which a prompt pass multiplies a slide matrix by cuBLAS on an f16 copy
-/// ([`GpuSlide::decode_rows_f16`]) instead of `mma.sp`. Measured (H200, 2026-12-06, `bench
-/// gemm`, 11008 x 4096): mma.sp 32 / 102 / 272 / 1,897 µs at 8 / 128 / 512 / 4,096 tokens
-/// (6:8), cuBLAS f16 on the dense matrix 29 / 30 / 70 / 541 µs; a copy writes 2 bytes a weight
-/// after zeroing them (~60-75 µs at 11008 x 4096), so it pays from about 128 tokens and by 2.5-3x
-/// at 512 and more. 256 leaves the crossover's uncertain side to mma.sp (the copy is not yet
-/// timed on a GPU).
-pub const DECODE_MIN_TOKENS: usize = 256;
+/// ([`GpuSlide::decode_rows_f16`]) instead of `mma.sp`. Measured both ways in one run (H100,
+/// 2026-12-06 window L1, `bench gemm --precision f16,slide-f16,slide-f16-copy --pattern 6:8`,
+/// the copy's zeroing and write timed with its GEMM): at 256 tokens mma.sp takes 81 / 148 / 176
+/// µs on the 7B's 4096², 11008 x 4096 and 4096 x 11008 against the copy's 110 / 302 / 317; at
+/// 512 they tie (139 / 269 / 362 against 116 / 323 / 328, 770 µs summed each); at 2,048 the
+/// copy is 2x faster. The copy costs ~300 µs at 11008 x 4096 whatever N up to 512.
+pub const DECODE_MIN_TOKENS: usize = 512;
 /// Rows per block.
 pub const BLOCK_ROWS: usize = WARPS * WARP_ROWS;
 /// Fewest pipeline stages a split-K part gets (its pipeline fill is paid per part).
