@@ -519,7 +519,10 @@ mod tests {
         }
         // Every family of the crate: a kernel file left out here would be compiled first on
         // a GPU machine (the column-major 4-bit one was, until 2026-12-06).
-        for fam in families().into_iter().chain([crate::persistent::FAMILY]) {
+        for fam in families()
+            .into_iter()
+            .chain([crate::persistent::FAMILY, crate::w4a8::FAMILY])
+        {
             match compile_check(&fam, "sm_90a") {
                 Ok((size, log)) => {
                     assert!(size > 0);

@@ -63,6 +63,7 @@ pub mod slide;
 pub mod step;
 pub mod tiled_cbc;
 pub mod timing;
+pub mod w4a8;
 
 pub use error::{CudaError, DriverContext, Result};
 pub use gpu::{gpu_or_skip, DeviceInfo, Gpu};

@@ -1452,6 +1452,12 @@ impl GpuLowBit {
 }
 
 impl GpuLowBit {
+    /// The weights, group scale pairs, chunks per row tile and row tiles: what the W4A8
+    /// kernels (`crate::w4a8`) read of the same layout.
+    pub(crate) fn layout_parts(&self) -> (&CudaSlice<u8>, &CudaSlice<u32>, usize, usize) {
+        (&self.weights, &self.group_scales, self.chunks, self.tiles)
+    }
+
     /// The device layout's six arrays, the first arguments of every kernel of the family.
     fn push_layout<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(&self.weights)

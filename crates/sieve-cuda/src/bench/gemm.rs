@@ -102,10 +102,16 @@ pub enum Precision {
     W4A16DecodeGemm,
     /// The same for Q4_K blocks (two-level scales).
     Q4KDecodeGemm,
+    /// W4A16 g128's weights times 8-bit activations on the integer tensor cores (`w4a8_gemv`):
+    /// each token's f32 row quantized to INT8 on the device, then the product; both timed.
+    /// N <= 32.
+    W4A8,
+    /// GGUF Q4_0's blocks (4-bit, f16 scale per 32) times 8-bit activations, as `w4a8`.
+    Q4_0A8,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 25] = [
+    pub const ALL: [Precision; 27] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -131,6 +137,8 @@ impl Precision {
         Precision::Q4_0Cols,
         Precision::W4A16DecodeGemm,
         Precision::Q4KDecodeGemm,
+        Precision::W4A8,
+        Precision::Q4_0A8,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -159,6 +167,8 @@ impl Precision {
             Precision::Q4_0Cols => "q4_0-cols",
             Precision::W4A16DecodeGemm => "w4a16-decode-gemm",
             Precision::Q4KDecodeGemm => "q4_k-decode-gemm",
+            Precision::W4A8 => "w4a8",
+            Precision::Q4_0A8 => "q4_0-a8",
         }
     }
     /// The weight format a precision's rows multiply (`--formats` selects by it): dense
@@ -176,7 +186,9 @@ impl Precision {
             | Precision::W6K
             | Precision::W4G32Affine
             | Precision::W4A16DecodeGemm
-            | Precision::Q4KDecodeGemm => "dense",
+            | Precision::Q4KDecodeGemm
+            | Precision::W4A8
+            | Precision::Q4_0A8 => "dense",
             Precision::BcbcInt8
             | Precision::BcbcInt4
             | Precision::BcbcF16
@@ -781,6 +793,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
         }
     }
 
+    bench_w4a8(ctx, shape, seed, &x16, &bases)?;
     bench_lowbit_cols(ctx, shape, seed, &bases)?;
     bench_ie_bme(ctx, shape, seed, &x16, &bases)?;
     bench_tiled_cbc(ctx, shape, seed, &x16, &bases)?;
@@ -847,6 +860,70 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
                 let bytes = copies[0].bytes_for(&crate::product::active_mask(&x, thr));
                 ctx.record(p, shape, 1, sp, dp, &t, &bases[ni], bytes, err);
             }
+        }
+    }
+    Ok(())
+}
+
+/// W4A8 rows (4-bit weights, 8-bit activations) at every N up to 32: the activations' device
+/// quantization and the product timed together, as a decode step would run them; checked
+/// against the f64 product of the same quantized weights and activations.
+fn bench_w4a8(ctx: &mut Ctx, shape: &Shape, seed: u64, x16: &[f16], bases: &[Timed]) -> Result<()> {
+    use crate::w4a8::{quantize_reference, GpuW4A8, Int8Activations};
+    let gpu = ctx.gpu;
+    let opts = ctx.opts;
+    let (m, k) = (shape.m, shape.k);
+    let nmax = opts
+        .n
+        .iter()
+        .copied()
+        .filter(|&n| n <= MAX_TOKENS)
+        .max()
+        .unwrap_or(0);
+    let w0 = sparse_matrix(m, k, 0.0, Pattern::Unstructured, seed)?;
+    let xf32: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+    for &p in &opts.precisions {
+        let lb = match p {
+            Precision::W4A8 => LowBitMatrix::quantize(&w0, LowBitKind::W4G128),
+            Precision::Q4_0A8 => LowBitMatrix::from_q4_0(m, k, &quantize_q4_0(&w0)?)?,
+            _ => continue,
+        };
+        if nmax == 0 {
+            continue;
+        }
+        let wq: Vec<f64> = lb.dequantize().into_iter().map(|v| v as f64).collect();
+        // The activations as the kernel multiplies them: each token's codes times its scale.
+        let xq: Vec<f64> = quantize_reference(&xf32[..nmax * k], nmax, k, None)
+            .iter()
+            .flat_map(|r| r.dequantize())
+            .map(|v| v as f64)
+            .collect();
+        let want_all = reference_product(&wq, m, k, &xq, nmax);
+        let bytes_w = lb.device_bytes();
+        let copies: Vec<GpuW4A8> = (0..ctx.copies(bytes_w))
+            .map(|_| GpuW4A8::upload(gpu, &lb))
+            .collect::<Result<_>>()?;
+        let nc = copies.len();
+        let kp = copies[0].matrix().padded_cols();
+        for (ni, &n) in opts.n.iter().enumerate() {
+            if n > MAX_TOKENS {
+                continue;
+            }
+            let xd = gpu.upload(&xf32[..n * k])?;
+            let mut acts = Int8Activations::new(gpu, n, kp)?;
+            let mut y = gpu.poisoned_f32(n * m)?;
+            let want = Expected::all(m, want_all[..n * m].to_vec());
+            let xp = crate::product::dev_ptr(gpu, &xd);
+            let mut launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                acts.quantize(gpu, xp, k, k, n, None)?;
+                copies[i % nc].launch(gpu, &acts, n, y, false)
+            };
+            launch(0, &mut y)?;
+            let err = want.error(&gpu.download(&y)?);
+            let t = ctx.time(nc, &mut y, &want, launch)?;
+            // Weights and scales, the f32 activations read, the codes written and read, y.
+            let bytes = bytes_w + n * k * 4 + 2 * n * kp + n * m * 4;
+            ctx.record(p, shape, n, 0.0, 0.0, &t, &bases[ni], bytes, err);
         }
     }
     Ok(())

@@ -1,0 +1,353 @@
+//! W4A8 on the GPU: 4-bit weights (sieve's W4A16 g128, GGUF Q4_0) times 8-bit activations on
+//! the integer tensor cores, `Y (N x M) = X (N x K) · Wᵀ` for N = 1..32, f32 output.
+//! Kernels: `kernels/w4a8_gemv.cu` (its header draws the fragments and says why): the weights
+//! are a [`GpuLowBit`]'s device layout, shared with the W4A16 kernel; the activations are each
+//! token's row quantized on the device by [`Int8Activations::quantize`] to INT8 with one scale,
+//! exactly as [`sieve_formats::eight_bit::int8_row`] does on the CPU.
+//!
+//! [`reference`] is the f64 product the kernels must match: the same integer codes and scales,
+//! summed exactly. What W4A8 costs in accuracy against W4A16 is the activations' rounding
+//! (half a step of `max|x| / 127` per input), not the kernel's.
+
+use crate::error::{CudaError, DriverContext, Result};
+use crate::gpu::{Gpu, KernelFamily};
+use crate::lowbit::{GpuLowBit, LowBitKind, LowBitMatrix, MAX_TOKENS};
+use crate::product::{dev_ptr, DevPtr};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use sieve_formats::eight_bit::{int8_row, Row8};
+use sieve_formats::Threshold;
+
+pub const FAMILY: KernelFamily = KernelFamily {
+    name: "w4a8_gemv",
+    source: include_str!("../kernels/w4a8_gemv.cu"),
+};
+
+/// Whether a weight kind has a W4A8 kernel: the symmetric 4-bit kinds with zero point 8.
+pub fn supports(kind: LowBitKind) -> bool {
+    matches!(kind, LowBitKind::W4G128 | LowBitKind::W4G32)
+}
+
+fn kernel_prefix(kind: LowBitKind) -> Result<&'static str> {
+    match kind {
+        LowBitKind::W4G128 => Ok("w4a8_g128"),
+        LowBitKind::W4G32 => Ok("w4a8_g32"),
+        other => Err(CudaError::Option(format!(
+            "W4A8 kernels take 4-bit weights with groups of 128 or 32 (W4A16 g128, GGUF Q4_0), not {}",
+            other.name()
+        ))),
+    }
+}
+
+/// Each token's activations as INT8 codes (`n x ldx` bytes, every aligned group of 4 columns in
+/// the byte order 0, 2, 1, 3 the kernel's fragments want; zeros past K) and one f32 scale per
+/// token, on the device.
+pub struct Int8Activations {
+    codes: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+    tokens: usize,
+    ldx: usize,
+}
+
+impl Int8Activations {
+    /// Room for `tokens` rows of `ldx` columns (`ldx` a multiple of 128: every W4A8 matrix's
+    /// [`GpuLowBit::padded_cols`] is).
+    pub fn new(gpu: &Gpu, tokens: usize, ldx: usize) -> Result<Self> {
+        if tokens == 0 || ldx == 0 || !ldx.is_multiple_of(crate::lowbit::K_ALIGN) {
+            return Err(CudaError::Option(format!(
+                "INT8 activations need at least one token and rows of a multiple of {} columns, got {tokens} x {ldx}",
+                crate::lowbit::K_ALIGN
+            )));
+        }
+        let len = tokens.checked_mul(ldx).ok_or_else(|| {
+            CudaError::Option(format!("{tokens} x {ldx} INT8 activations overflow"))
+        })?;
+        Ok(Self {
+            codes: gpu.upload(&vec![0u8; len])?,
+            scales: gpu.upload(&vec![0f32; tokens])?,
+            tokens,
+            ldx,
+        })
+    }
+
+    pub fn ldx(&self) -> usize {
+        self.ldx
+    }
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Quantizes `n` rows of f32 activations at `x` (K columns, `ldin` floats apart) on the
+    /// device, zeroing first the inputs `threshold` marks inactive (|x| <= t).
+    pub fn quantize(
+        &mut self,
+        gpu: &Gpu,
+        x: DevPtr,
+        k: usize,
+        ldin: usize,
+        n: usize,
+        threshold: Threshold,
+    ) -> Result<()> {
+        if n == 0 || n > self.tokens || k > self.ldx || k > ldin {
+            return Err(CudaError::Option(format!(
+                "quantizing {n} tokens of {k} columns (rows {ldin} apart) into room for {} x {}",
+                self.tokens, self.ldx
+            )));
+        }
+        let f = gpu.function(&FAMILY, "w4a8_quantize_x")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k, ldin, ldx) = (k as i32, ldin as i32, self.ldx as i32);
+        let t = crate::product::threshold_arg(threshold);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&x)
+            .arg(&k)
+            .arg(&ldin)
+            .arg(&t)
+            .arg(&self.codes)
+            .arg(&ldx)
+            .arg(&self.scales);
+        unsafe { b.launch(cfg) }.during("launching w4a8_quantize_x")?;
+        Ok(())
+    }
+
+    /// The first `n` tokens' codes in column order and their scales, read back (for tests).
+    pub fn download(&self, gpu: &Gpu, n: usize, k: usize) -> Result<Vec<Row8<i8>>> {
+        let codes = gpu.download(&self.codes)?;
+        let scales = gpu.download(&self.scales)?;
+        Ok((0..n.min(self.tokens))
+            .map(|t| Row8 {
+                codes: (0..k.min(self.ldx))
+                    .map(|col| codes[t * self.ldx + stored_position(col)] as i8)
+                    .collect(),
+                scale: scales[t],
+            })
+            .collect())
+    }
+}
+
+/// Where column `col`'s code sits in a row of quantized activations: its aligned group of 4
+/// stores columns +0, +2, +1, +3 (the byte order of the weights' fragments).
+pub fn stored_position(col: usize) -> usize {
+    let o = col % 4;
+    col - o + [0, 2, 1, 3][o]
+}
+
+/// The CPU side of the activations: each token's row (K columns) masked by `threshold`, then
+/// quantized by [`int8_row`].
+pub fn quantize_reference(x: &[f32], n: usize, k: usize, threshold: Threshold) -> Vec<Row8<i8>> {
+    (0..n)
+        .map(|t| {
+            let row: Vec<f32> = x[t * k..(t + 1) * k]
+                .iter()
+                .map(|&v| match threshold {
+                    Some(th) if v.abs() <= th => 0.0,
+                    _ => v,
+                })
+                .collect();
+            int8_row(&row)
+        })
+        .collect()
+}
+
+/// The f64 reference of the W4A8 product: `y[n][r] = s_n Σ_k scale(r, k) q[r][k] code_n[k]`
+/// with the activations of [`quantize_reference`] (`x` n x K f32, row-major; `y` n x M).
+pub fn reference(m: &LowBitMatrix, x: &[f32], n: usize, threshold: Threshold) -> Result<Vec<f64>> {
+    kernel_prefix(m.kind())?;
+    let (rows, cols) = (m.rows(), m.cols());
+    if x.len() != n * cols {
+        return Err(CudaError::Option(format!(
+            "W4A8 reference: x has {} values, not {n} x {cols}",
+            x.len()
+        )));
+    }
+    let acts = quantize_reference(x, n, cols, threshold);
+    let q = m.q();
+    let mut y = vec![0f64; n * rows];
+    for (t, a) in acts.iter().enumerate() {
+        for r in 0..rows {
+            let mut s = 0f64;
+            for (k, &code) in a.codes.iter().enumerate() {
+                if code != 0 {
+                    s += m.scale(r, k) as f64 * (q[r * cols + k] as f64 * code as f64);
+                }
+            }
+            y[t * rows + r] = s * a.scale as f64;
+        }
+    }
+    Ok(y)
+}
+
+/// A 4-bit matrix on the device with its W4A8 kernels.
+pub struct GpuW4A8 {
+    matrix: GpuLowBit,
+    /// Resident blocks per kernel instance (index nt - 1), asked at upload (never first inside a
+    /// graph capture): the persistent grid's size.
+    resident: [u32; 4],
+    prefix: &'static str,
+}
+
+impl GpuW4A8 {
+    pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
+        let prefix = kernel_prefix(m.kind())?;
+        let mut resident = [0u32; 4];
+        for (i, r) in resident.iter_mut().enumerate() {
+            *r = gpu.resident_blocks(&FAMILY, &format!("{prefix}_nt{}", i + 1), 256)?;
+        }
+        Ok(Self {
+            matrix: GpuLowBit::upload(gpu, m)?,
+            resident,
+            prefix,
+        })
+    }
+
+    /// The same bytes as the W4A16 kernel reads them (f16 activations).
+    pub fn matrix(&self) -> &GpuLowBit {
+        &self.matrix
+    }
+
+    /// `y (n rows of ldy f32, the first M of each) = x · Wᵀ` (or `y +=` with `accumulate`),
+    /// `x` the first `n` tokens of `acts`, quantized from rows of K columns.
+    pub fn launch_ptr(
+        &self,
+        gpu: &Gpu,
+        acts: &Int8Activations,
+        n: usize,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let rows = self.matrix.rows();
+        if n == 0 || n > MAX_TOKENS || n > acts.tokens {
+            return Err(CudaError::Option(format!(
+                "W4A8 kernels take 1..={MAX_TOKENS} tokens of the {} quantized, got {n}",
+                acts.tokens
+            )));
+        }
+        if acts.ldx != self.matrix.padded_cols() || ldy < rows {
+            return Err(CudaError::Option(format!(
+                "W4A8 on a {rows} x {} matrix: activations of {} columns (needs {}), output rows of {ldy}",
+                self.matrix.cols(),
+                acts.ldx,
+                self.matrix.padded_cols()
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let nt = n.div_ceil(8);
+        let f = gpu.function(&FAMILY, &format!("{}_nt{nt}", self.prefix))?;
+        let (weights, scales, chunks, tiles) = self.matrix.layout_parts();
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles as u32).min(self.resident[nt - 1].max(1)), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ldx, ldy, m, n, chunks, acc) = (
+            acts.ldx as i32,
+            ldy as i32,
+            rows as i32,
+            n as i32,
+            chunks as i32,
+            accumulate as i32,
+        );
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(weights)
+            .arg(scales)
+            .arg(&acts.codes)
+            .arg(&acts.scales)
+            .arg(&ldx)
+            .arg(&y)
+            .arg(&ldy)
+            .arg(&m)
+            .arg(&n)
+            .arg(&chunks)
+            .arg(&acc);
+        unsafe { b.launch(cfg) }.during("launching a W4A8 GEMV")?;
+        Ok(())
+    }
+
+    /// [`Self::launch_ptr`] on a buffer of `n x M` f32.
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        acts: &Int8Activations,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        crate::dense::check_len("W4A8 y (n x M)", n * self.matrix.rows(), y.len())?;
+        let yp = dev_ptr(gpu, y);
+        self.launch_ptr(gpu, acts, n, yp, self.matrix.rows(), accumulate)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use sieve_formats::random::{activations, sparse_matrix, Pattern};
+
+    #[test]
+    fn stored_positions_swap_the_middle_two_of_four() {
+        let got: Vec<usize> = (0..8).map(stored_position).collect();
+        assert_eq!(got, vec![0, 2, 1, 3, 4, 6, 5, 7]);
+    }
+
+    #[test]
+    fn only_the_symmetric_four_bit_kinds_have_kernels() {
+        for kind in LowBitKind::ALL {
+            let want = matches!(kind, LowBitKind::W4G128 | LowBitKind::W4G32);
+            assert_eq!(supports(kind), want, "{kind:?}");
+            assert_eq!(kernel_prefix(kind).is_ok(), want, "{kind:?}");
+        }
+        let w = sparse_matrix(4, 64, 0.0, Pattern::Unstructured, 3).unwrap();
+        let m = LowBitMatrix::quantize(&w, LowBitKind::W8Row);
+        assert!(reference(&m, &[0.0; 64], 1, None).is_err());
+        let m = LowBitMatrix::quantize(&w, LowBitKind::W4G32);
+        assert!(reference(&m, &[0.0; 63], 1, None).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// The W4A8 reference is the W4A16 product of the dequantized activations (exact in f64
+        /// up to rounding), and within the activations' rounding of the unquantized product:
+        /// |Δy| <= Σ_k |w[r][k]| · s / 2 per token (s its scale), an independent bound.
+        #[test]
+        fn reference_is_the_product_of_the_quantized_activations(
+            rows in 1usize..20, cols in 1usize..300, n in 1usize..4, seed in 0u64..1000,
+            dp in prop_oneof![Just(None), Just(Some(0.5f32))],
+        ) {
+            let w = sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, seed).unwrap();
+            for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
+                let m = LowBitMatrix::quantize(&w, kind);
+                let x = activations(n * cols, seed ^ 5);
+                let got = reference(&m, &x, n, dp).unwrap();
+                let acts = quantize_reference(&x, n, cols, dp);
+                let wq = m.dequantize();
+                for t in 0..n {
+                    let xq = acts[t].dequantize();
+                    for r in 0..rows {
+                        let wr = &wq[r * cols..(r + 1) * cols];
+                        let exact: f64 = wr.iter().zip(&xq).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let y = got[t * rows + r];
+                        prop_assert!((y - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "{kind:?}: {y} vs {exact}");
+                        // Against the masked f32 activations, unquantized.
+                        let masked: f64 = wr.iter().zip(&x[t * cols..(t + 1) * cols])
+                            .map(|(&a, &b)| {
+                                let b = if dp.is_some_and(|th| b.abs() <= th) { 0.0 } else { b };
+                                a as f64 * b as f64
+                            })
+                            .sum();
+                        let bound: f64 = wr.iter().map(|a| a.abs() as f64).sum::<f64>()
+                            * acts[t].scale as f64 / 2.0;
+                        prop_assert!((y - masked).abs() <= bound * (1.0 + 1e-5) + 1e-6,
+                            "{kind:?}: {y} vs unquantized {masked}, bound {bound}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device window L2 (2026-12-06): the W4A8 kernels' first run (issue 26, "8-bit activations and
+# IMMA"): their tests against the CPU reference, compute-sanitizer, and `bench gemm` beside
+# cuBLAS f16 and the W4A16 kernel on the same bytes; the low-bit tests again, now that
+# max_rel_error counts an unwritten (NaN) output as an infinite error.
+# Carry .gpu from `KEEP="w4a8 lowbit" bash scripts/gpu-runner-bundle.sh`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/window.log") 2>&1
+start=$(date +%s)
+at() { echo "--- $1 at $(( $(date +%s) - start )) s"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+S=.gpu/bin/sieve
+exe() { echo "$PWD/.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 "^$1-")"; }
+t() {  # t NAME SECONDS [filter]
+  local bin; bin=$(exe "$1")
+  (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout "$2" "$bin" ${3:-} --test-threads 1 > "$OUT/t-$1.log" 2>&1; echo "$1: exit $?")
+  grep -E "^test |test result|panicked" "$OUT/t-$1.log" | cut -c1-300 | head -12
+}
+sanitize() {  # sanitize TOOL NAME SECONDS
+  local bin; bin=$(exe "$2")
+  (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 SIEVE_SANITIZE_SMALL=1 timeout "$3" compute-sanitizer --tool "$1" \
+    "$bin" --test-threads 1 > "$OUT/san-$1-$2.log" 2>&1; echo "$1 $2: exit $?")
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$OUT/san-$1-$2.log" | head -3
+}
+at tests
+t w4a8 150
+sanitize memcheck w4a8 120
+sanitize racecheck w4a8 150
+at bench
+timeout 150 $S bench gemm --shapes llama2-7b --precision f16,w4a16,w4a8,gguf-q4_0,q4_0-a8 --n 1,2,4,8,16,32 \
+  --reps 50 --json "$OUT/gemm-w4a8.json" 2>&1 | grep -E "^\||device|copy" | cut -c1-130
+timeout 150 $S bench gemm --shapes llama2-7b --precision f16,w4a16,w4a8 --n 1,4,16 --graph \
+  --reps 20 2>&1 | grep -E "^\|" | cut -c1-160
+at lowbit
+t lowbit 200
+at end
