@@ -3,7 +3,9 @@
 # IMMA"): their tests against the CPU reference, compute-sanitizer, and `bench gemm` beside
 # cuBLAS f16 and the W4A16 kernel on the same bytes; the low-bit tests again, now that
 # max_rel_error counts an unwritten (NaN) output as an infinite error.
-# Carry .gpu from `KEEP="w4a8 lowbit" bash scripts/gpu-runner-bundle.sh`.
+# Then the model: `--activations int8` in the decode runner's test and `bench decode` on the 7B
+# shape against `--activations f16` (same run).
+# Carry .gpu from `KEEP="w4a8 lowbit runner" bash scripts/gpu-runner-bundle.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out}
@@ -14,9 +16,9 @@ at() { echo "--- $1 at $(( $(date +%s) - start )) s"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 S=.gpu/bin/sieve
 exe() { echo "$PWD/.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 "^$1-")"; }
-t() {  # t NAME SECONDS [filter]
+t() {  # t NAME SECONDS [filter] [crate dir]
   local bin; bin=$(exe "$1")
-  (cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 timeout "$2" "$bin" ${3:-} --test-threads 1 > "$OUT/t-$1.log" 2>&1; echo "$1: exit $?")
+  (cd crates/${4:-sieve-cuda} && SIEVE_REQUIRE_GPU=1 timeout "$2" "$bin" ${3:-} --test-threads 1 > "$OUT/t-$1.log" 2>&1; echo "$1: exit $?")
   grep -E "^test |test result|panicked" "$OUT/t-$1.log" | cut -c1-300 | head -12
 }
 sanitize() {  # sanitize TOOL NAME SECONDS
@@ -34,6 +36,15 @@ timeout 150 $S bench gemm --shapes llama2-7b --precision f16,w4a16,w4a8,gguf-q4_
   --reps 50 --json "$OUT/gemm-w4a8.json" 2>&1 | grep -E "^\||device|copy" | cut -c1-130
 timeout 150 $S bench gemm --shapes llama2-7b --precision f16,w4a16,w4a8 --n 1,4,16 --graph \
   --reps 20 2>&1 | grep -E "^\|" | cut -c1-160
+at model
+t runner 120 tiny_int4_models_with_int8_activations_run_w4a8 sieve-gpu
+grep -E "W4A8 against" "$OUT/t-runner.log"
+for cfg in "--values int4 --activations f16" "--values int4 --activations int8" "--values q4_0 --activations int8" \
+           "--values int4 --sp 0.5 --dp 0.5 --activations int8"; do
+  echo "== bench decode $cfg"
+  timeout 150 $S bench decode --synthetic llama2-7b --format dense $cfg --prompt 128 --tokens 64 --batch 1,8,32 2>&1 \
+    | grep -E "TPOT|batch|error|Error" | cut -c1-400
+done
 at lowbit
 t lowbit 200
 at end

@@ -79,7 +79,7 @@ impl Int8Activations {
     /// Quantizes `n` rows of f32 activations at `x` (K columns, `ldin` floats apart) on the
     /// device, zeroing first the inputs `threshold` marks inactive (|x| <= t).
     pub fn quantize(
-        &mut self,
+        &self,
         gpu: &Gpu,
         x: DevPtr,
         k: usize,
@@ -111,6 +111,15 @@ impl Int8Activations {
             .arg(&self.scales);
         unsafe { b.launch(cfg) }.during("launching w4a8_quantize_x")?;
         Ok(())
+    }
+
+    /// Device address of token `t`'s codes.
+    fn codes_at(&self, gpu: &Gpu, t: usize) -> DevPtr {
+        dev_ptr(gpu, &self.codes) + (t * self.ldx) as u64
+    }
+    /// Device address of token `t`'s scale.
+    fn scale_at(&self, gpu: &Gpu, t: usize) -> DevPtr {
+        dev_ptr(gpu, &self.scales) + (t * 4) as u64
     }
 
     /// The first `n` tokens' codes in column order and their scales, read back (for tests).
@@ -180,58 +189,64 @@ pub fn reference(m: &LowBitMatrix, x: &[f32], n: usize, threshold: Threshold) ->
     Ok(y)
 }
 
-/// A 4-bit matrix on the device with its W4A8 kernels.
-pub struct GpuW4A8 {
-    matrix: GpuLowBit,
-    /// Resident blocks per kernel instance (index nt - 1), asked at upload (never first inside a
-    /// graph capture): the persistent grid's size.
+/// The W4A8 kernels of one weight kind, looked up (with their resident block counts, never
+/// first inside a graph capture) for multiplying [`GpuLowBit`] matrices of that kind: the
+/// decode step keeps one beside a matrix it also multiplies with f16 activations.
+pub struct W4A8 {
+    kind: LowBitKind,
+    /// Resident blocks per kernel instance (index nt - 1): the persistent grid's size.
     resident: [u32; 4],
     prefix: &'static str,
 }
 
-impl GpuW4A8 {
-    pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
-        let prefix = kernel_prefix(m.kind())?;
+impl W4A8 {
+    pub fn prepare(gpu: &Gpu, kind: LowBitKind) -> Result<Self> {
+        let prefix = kernel_prefix(kind)?;
         let mut resident = [0u32; 4];
         for (i, r) in resident.iter_mut().enumerate() {
             *r = gpu.resident_blocks(&FAMILY, &format!("{prefix}_nt{}", i + 1), 256)?;
         }
         Ok(Self {
-            matrix: GpuLowBit::upload(gpu, m)?,
+            kind,
             resident,
             prefix,
         })
     }
 
-    /// The same bytes as the W4A16 kernel reads them (f16 activations).
-    pub fn matrix(&self) -> &GpuLowBit {
-        &self.matrix
-    }
-
     /// `y (n rows of ldy f32, the first M of each) = x · Wᵀ` (or `y +=` with `accumulate`),
-    /// `x` the first `n` tokens of `acts`, quantized from rows of K columns.
+    /// `x` tokens `first .. first + n` of `acts`.
+    #[allow(clippy::too_many_arguments)]
     pub fn launch_ptr(
         &self,
         gpu: &Gpu,
+        matrix: &GpuLowBit,
         acts: &Int8Activations,
+        first: usize,
         n: usize,
         y: DevPtr,
         ldy: usize,
         accumulate: bool,
     ) -> Result<()> {
-        let rows = self.matrix.rows();
-        if n == 0 || n > MAX_TOKENS || n > acts.tokens {
+        let rows = matrix.rows();
+        if matrix.kind() != self.kind {
             return Err(CudaError::Option(format!(
-                "W4A8 kernels take 1..={MAX_TOKENS} tokens of the {} quantized, got {n}",
+                "W4A8 kernels for {} given a {} matrix",
+                self.kind.name(),
+                matrix.kind().name()
+            )));
+        }
+        if n == 0 || n > MAX_TOKENS || first + n > acts.tokens {
+            return Err(CudaError::Option(format!(
+                "W4A8 kernels take 1..={MAX_TOKENS} of the {} tokens quantized, got {n} from {first}",
                 acts.tokens
             )));
         }
-        if acts.ldx != self.matrix.padded_cols() || ldy < rows {
+        if acts.ldx != matrix.padded_cols() || ldy < rows {
             return Err(CudaError::Option(format!(
                 "W4A8 on a {rows} x {} matrix: activations of {} columns (needs {}), output rows of {ldy}",
-                self.matrix.cols(),
+                matrix.cols(),
                 acts.ldx,
-                self.matrix.padded_cols()
+                matrix.padded_cols()
             )));
         }
         if rows == 0 {
@@ -239,12 +254,13 @@ impl GpuW4A8 {
         }
         let nt = n.div_ceil(8);
         let f = gpu.function(&FAMILY, &format!("{}_nt{nt}", self.prefix))?;
-        let (weights, scales, chunks, tiles) = self.matrix.layout_parts();
+        let (weights, scales, chunks, tiles) = matrix.layout_parts();
         let cfg = LaunchConfig {
             grid_dim: ((tiles as u32).min(self.resident[nt - 1].max(1)), 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        let (codes, xscale) = (acts.codes_at(gpu, first), acts.scale_at(gpu, first));
         let (ldx, ldy, m, n, chunks, acc) = (
             acts.ldx as i32,
             ldy as i32,
@@ -256,8 +272,8 @@ impl GpuW4A8 {
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(weights)
             .arg(scales)
-            .arg(&acts.codes)
-            .arg(&acts.scales)
+            .arg(&codes)
+            .arg(&xscale)
             .arg(&ldx)
             .arg(&y)
             .arg(&ldy)
@@ -267,6 +283,41 @@ impl GpuW4A8 {
             .arg(&acc);
         unsafe { b.launch(cfg) }.during("launching a W4A8 GEMV")?;
         Ok(())
+    }
+}
+
+/// A 4-bit matrix on the device with its W4A8 kernels.
+pub struct GpuW4A8 {
+    matrix: GpuLowBit,
+    kernels: W4A8,
+}
+
+impl GpuW4A8 {
+    pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
+        let kernels = W4A8::prepare(gpu, m.kind())?;
+        Ok(Self {
+            matrix: GpuLowBit::upload(gpu, m)?,
+            kernels,
+        })
+    }
+
+    /// The same bytes as the W4A16 kernel reads them (f16 activations).
+    pub fn matrix(&self) -> &GpuLowBit {
+        &self.matrix
+    }
+
+    /// `y (n rows of ldy f32) = x · Wᵀ` (or `y +=`), `x` the first `n` tokens of `acts`.
+    pub fn launch_ptr(
+        &self,
+        gpu: &Gpu,
+        acts: &Int8Activations,
+        n: usize,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.kernels
+            .launch_ptr(gpu, &self.matrix, acts, 0, n, y, ldy, accumulate)
     }
 
     /// [`Self::launch_ptr`] on a buffer of `n x M` f32.

@@ -65,7 +65,7 @@ fn check(
         xs[t * ldin..t * ldin + cols].copy_from_slice(&x[t * cols..(t + 1) * cols]);
     }
     let xd = gpu.upload(&xs).unwrap();
-    let mut acts = Int8Activations::new(gpu, n, d.matrix().padded_cols()).unwrap();
+    let acts = Int8Activations::new(gpu, n, d.matrix().padded_cols()).unwrap();
     acts.quantize(gpu, dev_ptr(gpu, &xd), cols, ldin, n, threshold)
         .unwrap();
     gpu.synchronize().unwrap();
@@ -178,7 +178,7 @@ fn gpu_w4a8_refuses_bad_launches() {
     let kp = d.matrix().padded_cols();
     assert!(Int8Activations::new(&gpu, 0, kp).is_err());
     assert!(Int8Activations::new(&gpu, 2, 100).is_err());
-    let mut acts = Int8Activations::new(&gpu, 2, kp).unwrap();
+    let acts = Int8Activations::new(&gpu, 2, kp).unwrap();
     let x = gpu.upload(&vec![1f32; 2 * 300]).unwrap();
     let xp = dev_ptr(&gpu, &x);
     assert!(acts.quantize(&gpu, xp, 300, 300, 3, None).is_err());

@@ -40,6 +40,8 @@ pub struct DecodeBenchOptions {
     /// How the decode step runs, one result each (empty: the graph step). A model the
     /// persistent step cannot run is measured with the graph step only, the result saying why.
     pub steps: Vec<StepMode>,
+    /// 4-bit matrices multiply INT8 activations (W4A8) where they have the kernels.
+    pub int8_activations: bool,
 }
 
 impl DecodeBenchOptions {
@@ -533,6 +535,7 @@ pub fn run_synthetic_with(
                 // Batched steps measured: the layouts a server keeps.
                 layouts: crate::matrix::Layouts {
                     batch: opts.batches.iter().any(|&b| b > 1),
+                    int8_activations: opts.int8_activations,
                 },
             };
             let t = Instant::now();
@@ -640,6 +643,7 @@ mod tests {
             pdl: vec![true],
             batches: vec![],
             steps: vec![],
+            int8_activations: false,
         }
     }
 

@@ -31,6 +31,7 @@ use sieve_cuda::lowbit_cols::GpuLowBitCols;
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::slide::GpuSlide;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
+use sieve_cuda::w4a8::{Int8Activations, W4A8};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::ie_bme::IeBme;
@@ -86,6 +87,63 @@ pub struct LowBitProduct {
     pub matrix: GpuLowBit,
     /// `padded_cols` f16: the masked input, written by the conversion launch.
     x16: CudaSlice<f16>,
+    /// With [`Layouts::int8_activations`] and a 4-bit kind that has them: the W4A8 kernels and
+    /// room for 32 tokens of INT8 activations, which then replace the f16 path.
+    pub a8: Option<(W4A8, Int8Activations)>,
+}
+
+impl LowBitProduct {
+    /// `y (n rows of ldy) += W · mask_t(x)` or `=` without `accumulate`, `x` n f32 rows of K
+    /// at `ldx` floats apart, 32 tokens a launch: through the W4A8 kernels when the product
+    /// has them (the activations quantized per launch), else through `x16` (one token) or
+    /// `a16` (a caller's scratch of n x padded_cols f16, for more).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_rows(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        t: Threshold,
+        a16: Option<DevPtr>,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> sieve_cuda::Result<()> {
+        use sieve_cuda::lowbit::{activations_to_f16, MAX_TOKENS};
+        let (k, kp) = (self.matrix.cols(), self.matrix.padded_cols());
+        if let Some((kernels, acts)) = &self.a8 {
+            for t0 in (0..n).step_by(MAX_TOKENS) {
+                let nt = (n - t0).min(MAX_TOKENS);
+                acts.quantize(gpu, x + (t0 * ldx * 4) as u64, k, ldx, nt, t)?;
+                let yp = y + (t0 * ldy * 4) as u64;
+                kernels.launch_ptr(gpu, &self.matrix, acts, 0, nt, yp, ldy, accumulate)?;
+            }
+            return Ok(());
+        }
+        let a16 = match a16 {
+            Some(a) => a,
+            None if n == 1 => sieve_cuda::dev_ptr(gpu, &self.x16),
+            None => {
+                return Err(sieve_cuda::CudaError::Option(format!(
+                    "a low-bit product of {n} tokens needs an f16 scratch"
+                )))
+            }
+        };
+        activations_to_f16(gpu, x, k, ldx, kp, n, t, a16)?;
+        for t0 in (0..n).step_by(MAX_TOKENS) {
+            let nt = (n - t0).min(MAX_TOKENS);
+            self.matrix.launch_ptr(
+                gpu,
+                a16 + (t0 * kp * 2) as u64,
+                nt,
+                y + (t0 * ldy * 4) as u64,
+                ldy,
+                accumulate,
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// A SlideSparse matrix with the scratch its decode-step product lifts one token into.
@@ -135,6 +193,9 @@ pub struct Layouts {
     /// 7B step at 31 sequences against 7.7 ms dense f16). Costs the 4-bit bytes again; a
     /// server with more than one slot asks for it.
     pub batch: bool,
+    /// Multiply the 4-bit matrices that have W4A8 kernels (W4A16 g128, GGUF Q4_0) with their
+    /// inputs quantized to INT8 per token (`sieve_cuda::w4a8`): `--activations int8`.
+    pub int8_activations: bool,
 }
 
 /// One matrix in device memory with the kernel that multiplies it.
@@ -246,9 +307,24 @@ impl DeviceMatrix {
             let matrix = GpuLowBit::upload(gpu, m)?;
             let bytes = matrix.device_bytes();
             let x16 = gpu.upload(&vec![f16::ZERO; matrix.padded_cols()])?;
-            Ok((LowBitProduct { matrix, x16 }, bytes))
+            let a8 = if layouts.int8_activations && sieve_cuda::w4a8::supports(m.kind()) {
+                let kernels = W4A8::prepare(gpu, m.kind())?;
+                let acts = Int8Activations::new(
+                    gpu,
+                    sieve_cuda::lowbit::MAX_TOKENS,
+                    matrix.padded_cols(),
+                )?;
+                Some((kernels, acts))
+            } else {
+                None
+            };
+            Ok((LowBitProduct { matrix, x16, a8 }, bytes))
         };
+        // W4A8 multiplies every column (a TEAL mask only zeroes inputs before quantizing):
+        // asked for, it takes the matrix rather than the column-major TEAL kernel.
+        let int8 = layouts.int8_activations && sieve_cuda::w4a8::supports(m.kind());
         if threshold.is_some()
+            && !int8
             && sieve_cuda::lowbit_cols::supports(m.kind())
             && low_bit_columns_enabled()
         {
@@ -340,6 +416,10 @@ impl DeviceMatrix {
                 7 => "slide/12:14",
                 _ => "slide/14:16",
             },
+            DeviceMatrix::LowBit(m) if m.a8.is_some() => match m.matrix.kind() {
+                sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0-a8",
+                _ => "lowbit/w4a8-g128",
+            },
             DeviceMatrix::LowBit(m) => match m.matrix.kind() {
                 sieve_cuda::lowbit::LowBitKind::W4G128 => "lowbit/w4a16-g128",
                 sieve_cuda::lowbit::LowBitKind::W4G32 => "lowbit/q4_0",
@@ -366,10 +446,8 @@ impl DeviceMatrix {
             DeviceMatrix::IeBme(m) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::LowBitCols(m, _) => m.launch_add(gpu, x, t, y)?,
             DeviceMatrix::LowBit(p) => {
-                let (k, ldx) = (p.matrix.cols(), p.matrix.padded_cols());
-                let x16 = sieve_cuda::dev_ptr(gpu, &p.x16);
-                sieve_cuda::lowbit::activations_to_f16(gpu, x, k, k, ldx, 1, t, x16)?;
-                p.matrix.launch_ptr(gpu, x16, 1, y, p.matrix.rows(), true)?;
+                let (k, m) = (p.matrix.cols(), p.matrix.rows());
+                p.launch_rows(gpu, x, k, 1, t, None, y, m, true)?;
             }
             DeviceMatrix::Slide(p) => p.launch_add(gpu, x, t, y)?,
         }
@@ -390,9 +468,11 @@ impl DeviceMatrix {
             DeviceMatrix::LowBitCols(m, _) => m.bytes_for(active),
             // Every weight and scale, the f32 input read and its f16 copy written and read,
             // the f32 output read and written.
+            // With W4A8: the INT8 codes instead, one byte a column.
             DeviceMatrix::LowBit(p) => {
                 let (m, k) = (p.matrix.rows(), p.matrix.cols());
-                p.matrix.device_bytes() + k * 4 + 2 * p.matrix.padded_cols() * 2 + m * 8
+                let per_col = if p.a8.is_some() { 1 } else { 2 };
+                p.matrix.device_bytes() + k * 4 + 2 * p.matrix.padded_cols() * per_col + m * 8
             }
             // Every value and metadata word (the tensor cores skip no inactive input), the
             // lift map and the f32 input read, the lifted row written and read, the f32

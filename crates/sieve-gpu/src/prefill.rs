@@ -385,22 +385,13 @@ pub fn linear_rows(
         };
         let by_kernel = n < min_tokens || w16_len < copy_len || !lowbit_copy_allowed();
         if let (Some(q), true) = (rows_kernel, by_kernel) {
-            // The low-bit kernel reads rows padded to 128 columns, at most 32 tokens a launch.
-            use sieve_cuda::lowbit::{activations_to_f16, MAX_TOKENS};
-            let kp = q.matrix.padded_cols();
-            activations_to_f16(gpu, x, k, ldx, kp, n, p.threshold, a16)?;
-            masked = None;
+            // The low-bit kernel reads rows padded to 128 columns (f16 in `a16`, or INT8 in
+            // the product's own buffer with W4A8), at most 32 tokens a launch.
             let yp = y + (p.row_offset * 4) as u64;
-            for t0 in (0..n).step_by(MAX_TOKENS) {
-                let nt = (n - t0).min(MAX_TOKENS);
-                q.matrix.launch_ptr(
-                    gpu,
-                    a16 + (t0 * kp * 2) as u64,
-                    nt,
-                    yp + (t0 * ldy * 4) as u64,
-                    ldy,
-                    beta != 0.0,
-                )?;
+            q.launch_rows(gpu, x, ldx, n, p.threshold, Some(a16), yp, ldy, beta != 0.0)?;
+            if q.a8.is_none() {
+                // `a16` now holds the f16 rows of this input, not the masked copy below.
+                masked = None;
             }
             continue;
         }

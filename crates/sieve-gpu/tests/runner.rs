@@ -1326,6 +1326,80 @@ fn snap_to_int4(model: &mut Model, values: sieve_cuda::balanced_lowbit::LowBitVa
     }
 }
 
+/// `--activations int8` (`Layouts::int8_activations`): an int4 g128 model's products go
+/// through the W4A8 kernels (each token's input quantized to INT8 on the device), its
+/// teacher-forced logits stay within the activations' rounding of the W4A16 model's, and its
+/// batched prompt pass (32 tokens a W4A8 launch) picks the token its single steps pick.
+#[test]
+fn tiny_int4_models_with_int8_activations_run_w4a8() {
+    let _serial = serial_gpu();
+    use sieve_cuda::balanced_lowbit::LowBitValues;
+    if gpu_or_skip("tiny_int4_models_with_int8_activations_run_w4a8").is_none() {
+        return;
+    }
+    let mut model = tiny_model(FormatKind::Dense, 0.5, 0.0, 41);
+    snap_to_int4(&mut model, LowBitValues::Int4 { group: 128 });
+    let layouts = sieve_gpu::matrix::Layouts {
+        int8_activations: true,
+        ..Default::default()
+    };
+    let context = 128;
+    let mut a8 = GpuModel::from_model_with_layouts(
+        Gpu::new(0).unwrap(),
+        &model,
+        context,
+        KvPrecision::F16,
+        layouts,
+    )
+    .unwrap();
+    let kernels = &a8.report().kernels[..4];
+    assert!(
+        kernels.iter().all(|k| k.ends_with("lowbit/w4a8-g128")),
+        "{kernels:?}"
+    );
+    let mut a16 = GpuModel::from_model(Gpu::new(0).unwrap(), &model, context).unwrap();
+    let v = model.config().vocab_size;
+    let seq: Vec<u32> = (0..40).map(|i| ((i * 13 + 5) % v) as u32).collect();
+    let mut l8: Vec<Vec<f32>> = Vec::new();
+    let mut l16: Vec<Vec<f32>> = Vec::new();
+    a8.logits_all(&seq, |_, l| {
+        l8.push(l[..v].to_vec());
+        Ok(())
+    })
+    .unwrap();
+    a16.logits_all(&seq, |_, l| {
+        l16.push(l[..v].to_vec());
+        Ok(())
+    })
+    .unwrap();
+    let mut errors: Vec<f32> = l8
+        .iter()
+        .zip(&l16)
+        .map(|(a, b)| {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+            let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(d.is_finite(), "a non-finite logit");
+            d / scale
+        })
+        .collect();
+    errors.sort_by(f32::total_cmp);
+    let (median, max) = (errors[errors.len() / 2], errors[errors.len() - 1]);
+    eprintln!("W4A8 against W4A16 logits, relative to the largest: median {median}, max {max}");
+    // INT8 inputs round each input by up to half of max|x| / 127: a few tenths of a percent
+    // per product, compounding over the layers.
+    assert!(median < 0.03 && max < 0.1, "median {median}, max {max}");
+    // The batched prompt pass against the single steps of the same W4A8 model.
+    let prompt = &seq[..36];
+    let last = &l8[prompt.len() - 1];
+    let mut sorted = last.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let token = a8.prefill(prompt).unwrap();
+    if sorted[0] - sorted[1] > 0.05 * sorted[0].abs().max(1.0) {
+        let best = (0..v).max_by(|&a, &b| last[a].total_cmp(&last[b])).unwrap();
+        assert_eq!(token as usize, best, "prompt pass against single steps");
+    }
+}
+
 #[test]
 fn tiny_dense_int4_packs_run_four_bit() {
     let _serial = serial_gpu();
@@ -1847,6 +1921,7 @@ fn batched_slot_steps_match_single_steps() {
         let batch_layout = label.starts_with("int4 teal");
         let layouts = sieve_gpu::matrix::Layouts {
             batch: batch_layout,
+            ..Default::default()
         };
         let mut many =
             GpuModel::from_model_with_layouts(Gpu::new(0).unwrap(), model, context, kv, layouts)

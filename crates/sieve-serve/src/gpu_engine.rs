@@ -60,7 +60,10 @@ impl GpuEngine {
         }
         // More than one slot: column-major 4-bit matrices keep their tensor-core layout too,
         // for the batch's products (`Layouts::batch`).
-        let layouts = sieve_gpu::matrix::Layouts { batch: slots > 1 };
+        let layouts = sieve_gpu::matrix::Layouts {
+            batch: slots > 1,
+            ..Default::default()
+        };
         let mut model =
             GpuModel::from_model_with_layouts(gpu, model, context, model.kv_precision(), layouts)
                 .and_then(|m| m.with_slots(slots))

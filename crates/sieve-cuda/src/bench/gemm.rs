@@ -910,11 +910,11 @@ fn bench_w4a8(ctx: &mut Ctx, shape: &Shape, seed: u64, x16: &[f16], bases: &[Tim
                 continue;
             }
             let xd = gpu.upload(&xf32[..n * k])?;
-            let mut acts = Int8Activations::new(gpu, n, kp)?;
+            let acts = Int8Activations::new(gpu, n, kp)?;
             let mut y = gpu.poisoned_f32(n * m)?;
             let want = Expected::all(m, want_all[..n * m].to_vec());
             let xp = crate::product::dev_ptr(gpu, &xd);
-            let mut launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+            let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
                 acts.quantize(gpu, xp, k, k, n, None)?;
                 copies[i % nc].launch(gpu, &acts, n, y, false)
             };

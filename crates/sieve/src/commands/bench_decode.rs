@@ -68,6 +68,10 @@ pub struct DecodeArgs {
     /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// What the 4-bit matrices multiply: f16 inputs, or int8 (each token's input quantized
+    /// with one scale, on the integer tensor cores: W4A8).
+    #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
+    activations: super::device::Activations,
     /// How the decode step runs: graph (a CUDA graph of the plan's kernels), persistent (one
     /// kernel for the whole step: dense f16 models with the f16 cache), or persistent,graph
     /// (both measured on the same model).
@@ -233,6 +237,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?,
         batches: a.batch.clone(),
+        int8_activations: a.activations.int8(),
         steps: a
             .step
             .iter()
@@ -262,6 +267,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             // Batched steps measured: the layouts a server keeps.
             let layouts = sieve_gpu::matrix::Layouts {
                 batch: opts.batches.iter().any(|&b| b > 1),
+                int8_activations: opts.int8_activations,
             };
             let mut m = super::device::upload_with(gpu, &model, capacity, layouts)?;
             drop(model);

@@ -32,6 +32,23 @@ impl KvCache {
     }
 }
 
+/// `--activations f16|int8`: what the GPU's 4-bit products multiply their weights with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Activations {
+    /// f16 inputs, the weights dequantized in registers (W4A16).
+    #[default]
+    F16,
+    /// Each token's input quantized to INT8 with one scale, multiplied on the integer tensor
+    /// cores (W4A8), for W4A16 g128 and GGUF Q4_0 matrices; other kinds stay on f16.
+    Int8,
+}
+
+impl Activations {
+    pub fn int8(self) -> bool {
+        self == Activations::Int8
+    }
+}
+
 /// `--step auto|graph|persistent`: how a GPU decode step runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Step {
@@ -62,8 +79,17 @@ pub fn apply_step(m: &mut sieve_gpu::GpuModel, step: Step) -> Result<()> {
 
 /// `model` on `gpu` with a KV cache of `capacity` positions storing what the model is set to
 /// ([`Model::set_kv_precision`]).
-pub fn upload(gpu: Gpu, model: &Model, capacity: usize) -> Result<sieve_gpu::GpuModel> {
-    upload_with(gpu, model, capacity, Default::default())
+pub fn upload(
+    gpu: Gpu,
+    model: &Model,
+    capacity: usize,
+    activations: Activations,
+) -> Result<sieve_gpu::GpuModel> {
+    let layouts = sieve_gpu::matrix::Layouts {
+        int8_activations: activations.int8(),
+        ..Default::default()
+    };
+    upload_with(gpu, model, capacity, layouts)
 }
 
 /// [`upload`] keeping what `layouts` asks for beside each matrix (batched steps: the

@@ -45,6 +45,10 @@ pub enum EvalCommand {
         /// measured so far).
         #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
         step: super::device::Step,
+        /// On the GPU, what 4-bit matrices multiply: f16 inputs, or int8 (each token's input
+        /// quantized with one scale, W4A8).
+        #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
+        activations: super::device::Activations,
         /// On the CPU, run each window one token at a time (a decode step per position, as the
         /// GPU scores) instead of one batched forward per window. The GPU always does.
         #[arg(long)]
@@ -78,6 +82,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             device,
             kv_cache,
             step,
+            activations,
             per_token,
         } => {
             if let Some(n) = threads {
@@ -111,7 +116,7 @@ pub fn run(command: EvalCommand) -> Result<()> {
             };
             let result = match super::device::open(device)? {
                 Some(gpu) => {
-                    let mut gpu_model = super::device::upload(gpu, &model, ctx)?;
+                    let mut gpu_model = super::device::upload(gpu, &model, ctx, activations)?;
                     drop(model);
                     super::device::apply_step(&mut gpu_model, step)?;
                     super::device::print_report(&gpu_model);

@@ -45,6 +45,10 @@ pub struct GenerateArgs {
     /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// On the GPU, what 4-bit matrices multiply: f16 inputs, or int8 (each token's input
+    /// quantized with one scale, W4A8).
+    #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
+    activations: super::device::Activations,
     /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
     /// cache), a CUDA graph of kernels, or auto (the faster: graph, as measured so far).
     #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
@@ -110,7 +114,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     if let Some(gpu) = super::device::open(args.device)? {
         let capacity = prompt.len().saturating_add(args.max_tokens);
-        let mut gpu_model = super::device::upload(gpu, &model, capacity)?;
+        let mut gpu_model = super::device::upload(gpu, &model, capacity, args.activations)?;
         drop(model);
         super::device::apply_step(&mut gpu_model, args.step)?;
         super::device::print_report(&gpu_model);

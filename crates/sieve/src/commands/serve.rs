@@ -168,6 +168,7 @@ fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Res
         // More than one slot: keep the batch layout of column-major 4-bit matrices.
         layouts: sieve_gpu::matrix::Layouts {
             batch: config.max_batch > 1,
+            ..Default::default()
         },
     };
     config.model_name = format!(
