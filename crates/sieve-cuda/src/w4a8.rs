@@ -335,6 +335,18 @@ impl GpuW4A8 {
     }
 }
 
+/// The kernel's `w4a8_frag`: the four s8 A registers of k tiles 2i, 2i + 1 from their 4-bit
+/// words (rows g, g + 8, g, g + 8; each byte 16 (u - 8)). Here for the emulation tests.
+#[cfg(test)]
+fn a_registers(w0: u32, w1: u32) -> [u32; 4] {
+    [
+        ((w0 << 4) & 0xf0f0_f0f0) ^ 0x8080_8080,
+        (w0 & 0xf0f0_f0f0) ^ 0x8080_8080,
+        ((w1 << 4) & 0xf0f0_f0f0) ^ 0x8080_8080,
+        (w1 & 0xf0f0_f0f0) ^ 0x8080_8080,
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,6 +371,144 @@ mod tests {
         assert!(reference(&m, &[0.0; 64], 1, None).is_err());
         let m = LowBitMatrix::quantize(&w, LowBitKind::W4G32);
         assert!(reference(&m, &[0.0; 63], 1, None).is_err());
+    }
+
+    /// The kernel's data path run on the CPU, lane by lane, from the device layout the GPU
+    /// reads: each lane's A registers made by [`a_registers`] (the kernel's `w4a8_frag`), its B
+    /// registers loaded from the quantized row in the stored byte order at the kernel's offsets
+    /// (P = 4 for g128: one 16-byte load; P = 2 for g32: two 8-byte loads), the m16n8k32 mma
+    /// assembled from the PTX fragment layout, group sums scaled by the layout's f16 scale
+    /// pairs, then times the token's scale / 16. Catches a wrong nibble, byte order, offset or
+    /// scale index without a GPU.
+    fn emulate(m: &LowBitMatrix, x: &[f32], n: usize) -> Vec<f64> {
+        let l = m.device_layout();
+        let (rows, cols) = (m.rows(), m.cols());
+        let group = m.kind().group();
+        let p = (group / 16).min(4);
+        let tiles = l.padded_rows / 16;
+        let groups = l.chunks * 64 / group;
+        let acts = quantize_reference(x, n, cols, None);
+        // Each token's row as the device stores it.
+        let x8: Vec<Vec<u8>> = acts
+            .iter()
+            .map(|a| {
+                let mut row = vec![0u8; l.padded_cols];
+                for (col, &q) in a.codes.iter().enumerate() {
+                    row[stored_position(col)] = q as u8;
+                }
+                row
+            })
+            .collect();
+        let word = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let byte = |w: u32, i: usize| ((w >> (8 * i)) & 0xff) as u8 as i8 as i64;
+        let mut y = vec![0f64; n * rows];
+        for rt in 0..tiles {
+            let mut acc = vec![[0f64; 16]; n];
+            for kc in 0..l.chunks {
+                // D of the chunk's two mmas, by (mma, row in tile, token).
+                let mut d = [[[0i64; 32]; 16]; 2];
+                for lane in 0..32 {
+                    let (g, c) = (lane / 4, lane % 4);
+                    let base = ((rt * l.chunks + kc) * 32 + lane) * 16;
+                    let words: Vec<u32> = (0..4).map(|j| word(&l.weights, base + 4 * j)).collect();
+                    for h in 0..2 {
+                        let a = a_registers(words[2 * h], words[2 * h + 1]);
+                        // A[row][k] from this lane's registers (PTX m16n8k32 .s8 layout).
+                        for i in 0..4 {
+                            let ka = [4 * c + i, 4 * c + i, 16 + 4 * c + i, 16 + 4 * c + i];
+                            let ra = [g, g + 8, g, g + 8];
+                            for reg in 0..4 {
+                                let av = byte(a[reg], i);
+                                // B[k][token] held by the lanes of group g' = token % 8: the
+                                // same k slots in every lane group c, so walk every token.
+                                for t in 0..n {
+                                    let at = kc * 64 + 4 * p * c;
+                                    let bw = if p == 4 {
+                                        word(&x8[t], at + 4 * (2 * h + ka[reg] / 16))
+                                    } else {
+                                        word(&x8[t], at + 32 * h + 4 * (ka[reg] / 16))
+                                    };
+                                    d[h][ra[reg]][t] += av * byte(bw, i);
+                                }
+                            }
+                        }
+                    }
+                }
+                // Each mma's exact integer sums times its group's scale (the kernel scales once
+                // per group, after 4 mmas for g128: the same sum, the integers being exact).
+                for h in 0..2 {
+                    let grp = (kc * 64 + 32 * h) / group;
+                    for r in 0..16 {
+                        let pair = l.group_scales[(rt * groups + grp) * 8 + r % 8];
+                        let bits = if r < 8 { pair & 0xffff } else { pair >> 16 };
+                        let sc = half::f16::from_bits(bits as u16).to_f64();
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            a[r] += sc * d[h][r][t] as f64;
+                        }
+                    }
+                }
+            }
+            for (t, a) in acc.iter().enumerate() {
+                for r in 0..16 {
+                    let row = rt * 16 + r;
+                    if row < rows {
+                        y[t * rows + row] = a[r] * acts[t].scale as f64 / 16.0;
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn the_kernels_data_path_emulated_on_the_layout_is_the_reference() {
+        for kind in [LowBitKind::W4G128, LowBitKind::W4G32] {
+            for (si, &(rows, cols)) in [(1, 1), (7, 5), (17, 130), (33, 200), (20, 300)]
+                .iter()
+                .enumerate()
+            {
+                let w =
+                    sparse_matrix(rows, cols, 0.0, Pattern::Unstructured, 50 + si as u64).unwrap();
+                let m = LowBitMatrix::quantize(&w, kind);
+                let n = 1 + si % 3;
+                let x = activations(n * cols, 9 + si as u64);
+                let want = reference(&m, &x, n, None).unwrap();
+                let got = emulate(&m, &x, n);
+                let scale = want.iter().fold(1e-9f64, |a, v| a.max(v.abs()));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-9 * scale,
+                        "{kind:?} {rows}x{cols} n {n} output {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_registers_are_sixteen_times_the_signed_values() {
+        // Word of k tile j: row g's elements at bits 0, 8, 16, 24 (e0, e4, e1, e5), row g + 8's
+        // at bits 4, 12, 20, 28.
+        let mut w = 0u32;
+        let row_g = [0u32, 15, 8, 7];
+        let row_g8 = [1u32, 9, 14, 3];
+        for i in 0..4 {
+            w |= row_g[i] << (8 * i);
+            w |= row_g8[i] << (8 * i + 4);
+        }
+        let a = a_registers(w, 0);
+        for i in 0..4 {
+            assert_eq!(
+                ((a[0] >> (8 * i)) & 0xff) as u8 as i8 as i32,
+                16 * (row_g[i] as i32 - 8)
+            );
+            assert_eq!(
+                ((a[1] >> (8 * i)) & 0xff) as u8 as i8 as i32,
+                16 * (row_g8[i] as i32 - 8)
+            );
+            // Word 1 is all zero nibbles: u = 0, value -8.
+            assert_eq!(((a[2] >> (8 * i)) & 0xff) as u8 as i8 as i32, -128);
+        }
     }
 
     proptest! {
