@@ -22,6 +22,9 @@ pub struct Linear {
     weight: Weight,
     bias: Option<Vec<f32>>,
     threshold: Threshold,
+    /// Round each token's (masked) input to INT8 with one scale before the product, as the
+    /// GPU's W4A8 kernels do (`--activations int8`): the CPU's measure of what that costs.
+    int8_inputs: bool,
 }
 
 /// GGUF blocks are held by type so that [`Linear::forward_group`] can fuse their products;
@@ -48,6 +51,7 @@ impl Linear {
             weight: Weight::Format(weight),
             bias: None,
             threshold: None,
+            int8_inputs: false,
         }
     }
 
@@ -57,6 +61,7 @@ impl Linear {
             weight: Weight::Blocks(weight),
             bias: None,
             threshold: None,
+            int8_inputs: false,
         }
     }
 
@@ -154,13 +159,31 @@ impl Linear {
         self.format().cols()
     }
 
+    /// Rounds each token's input to INT8 (one scale per token, after the threshold's mask)
+    /// before the product from now on, or stops: the GPU's W4A8 path
+    /// (`sieve_cuda::w4a8`) on the CPU, for measuring its quality.
+    pub fn set_int8_inputs(&mut self, on: bool) {
+        self.int8_inputs = on;
+    }
+    pub fn int8_inputs(&self) -> bool {
+        self.int8_inputs
+    }
+
     /// `Y = X · Wᵀ + b` for `n` rows of activations: `x` is n x K, `y` is n x M (row-major).
     /// One row goes through the format's `matvec`, several through its `matmul`.
     pub fn forward(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
-        if n == 1 {
-            self.format().matvec(x, self.threshold, y)?;
+        let rounded;
+        let (x, threshold) = if self.int8_inputs {
+            check_product_args(self.rows(), self.cols(), x, n, self.threshold, y)?;
+            rounded = int8_round_trip(x, self.cols(), self.threshold);
+            (&rounded[..], None)
         } else {
-            self.format().matmul(x, n, self.threshold, y)?;
+            (x, self.threshold)
+        };
+        if n == 1 {
+            self.format().matvec(x, threshold, y)?;
+        } else {
+            self.format().matmul(x, n, threshold, y)?;
         }
         self.add_bias(y);
         Ok(())
@@ -191,6 +214,13 @@ impl Linear {
                 linears.len(),
                 ys.len()
             )));
+        }
+        if linears.iter().any(|l| l.int8_inputs) {
+            // Each rounds its own input (the same rows for a shared threshold).
+            for (l, y) in linears.iter().zip(ys.iter_mut()) {
+                l.forward(x, n, y)?;
+            }
+            return Ok(());
         }
         let blocks: Option<Vec<&QuantMatrix>> = linears
             .iter()
@@ -238,6 +268,23 @@ impl Linear {
         }
         Ok(())
     }
+}
+
+/// `x` (rows of `k`) with each row masked by `threshold`, quantized by
+/// [`sieve_formats::eight_bit::int8_row`] and dequantized: the values a W4A8 product multiplies.
+fn int8_round_trip(x: &[f32], k: usize, threshold: Threshold) -> Vec<f32> {
+    x.chunks(k.max(1))
+        .flat_map(|row| {
+            let masked: Vec<f32> = row
+                .iter()
+                .map(|&v| match threshold {
+                    Some(t) if v.abs() <= t => 0.0,
+                    _ => v,
+                })
+                .collect();
+            sieve_formats::eight_bit::int8_row(&masked).dequantize()
+        })
+        .collect()
 }
 
 /// The IE-BME INT4 matrices of `linears` when every one of them is one and they share a
@@ -365,6 +412,39 @@ mod tests {
         lin.forward(&[1.0, 0.0, -1.0, 0.0, 1.0, 0.0], 2, &mut y2)
             .unwrap();
         assert_eq!(y2, [-1.5, -3.0, 2.5, 4.0]);
+    }
+
+    #[test]
+    fn int8_inputs_round_each_token_after_the_mask() {
+        // Row 0 of x: max 1.27, so the scale is 0.01 and 0.123 becomes 0.12; 0.004 is under
+        // the threshold and dropped before the scale is taken. Row 1 scales on its own.
+        let mut lin = Linear::from_dense_f32(1, 3, &[1.0, 10.0, 100.0]).unwrap();
+        lin.set_threshold(Some(0.005)).unwrap();
+        lin.set_int8_inputs(true);
+        assert!(lin.int8_inputs());
+        let x = [1.27, 0.123, 0.004, 0.0, 2.54, -0.2];
+        let mut y = [0f32; 2];
+        lin.forward(&x, 2, &mut y).unwrap();
+        let want0 = 1.27 * 1.0 + 0.12 * 10.0;
+        let want1 = 2.54 * 10.0 + -0.2 * 100.0;
+        assert!((y[0] - want0).abs() < 1e-4, "{} vs {want0}", y[0]);
+        assert!((y[1] - want1).abs() < 1e-3, "{} vs {want1}", y[1]);
+        // The group path rounds the same way.
+        let other = Linear::from_dense_f32(1, 3, &[1.0, 10.0, 100.0]).unwrap();
+        let mut other = other;
+        other.set_threshold(Some(0.005)).unwrap();
+        other.set_int8_inputs(true);
+        let (mut a, mut b) = ([0f32; 2], [0f32; 2]);
+        Linear::forward_group(&[&lin, &other], &x, 2, &mut [&mut a[..], &mut b[..]]).unwrap();
+        assert_eq!(a, y);
+        assert_eq!(b, y);
+        // Off again: the unrounded product.
+        lin.set_int8_inputs(false);
+        lin.forward(&x[..3], 1, &mut y[..1]).unwrap();
+        assert!((y[0] - (1.27 + 1.23)).abs() < 1e-5);
+        // Shapes are still checked.
+        lin.set_int8_inputs(true);
+        assert!(lin.forward(&x[..2], 1, &mut y[..1]).is_err());
     }
 
     #[test]

@@ -694,6 +694,17 @@ impl Model {
         out
     }
 
+    /// Rounds the inputs of every layer's linears to INT8 per token before their products
+    /// ([`Linear::set_int8_inputs`]; not the LM head, which the GPU keeps in f16): the CPU's
+    /// measure of `--activations int8`.
+    pub fn set_int8_inputs(&mut self, on: bool) {
+        for layer in &mut self.layers {
+            for (_, lin) in layer.linears_mut() {
+                lin.set_int8_inputs(on);
+            }
+        }
+    }
+
     /// Makes every cache made from now on ([`Self::try_new_cache`]) store `precision`
     /// (`--kv-cache`); caches made before keep theirs.
     pub fn set_kv_precision(&mut self, precision: KvPrecision) {

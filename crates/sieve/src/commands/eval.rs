@@ -45,8 +45,9 @@ pub enum EvalCommand {
         /// measured so far).
         #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
         step: super::device::Step,
-        /// On the GPU, what 4-bit matrices multiply: f16 inputs, or int8 (each token's input
-        /// quantized with one scale, W4A8).
+        /// What 4-bit matrices multiply: f16 inputs, or int8 (each token's input quantized with
+        /// one scale: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way,
+        /// to measure what it costs).
         #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
         activations: super::device::Activations,
         /// On the CPU, run each window one token at a time (a decode step per position, as the
@@ -122,8 +123,15 @@ pub fn run(command: EvalCommand) -> Result<()> {
                     super::device::print_report(&gpu_model);
                     sieve_gpu::generate::perplexity(&mut gpu_model, &tokens, ctx, progress)?
                 }
-                None if per_token => perplexity_per_token(&model, &tokens, ctx, progress)?,
-                None => perplexity(&model, &tokens, ctx, progress)?,
+                None => {
+                    // The CPU rounds the layers' inputs as the GPU's W4A8 kernels would.
+                    model.set_int8_inputs(activations.int8());
+                    if per_token {
+                        perplexity_per_token(&model, &tokens, ctx, progress)?
+                    } else {
+                        perplexity(&model, &tokens, ctx, progress)?
+                    }
+                }
             };
             bar.finish_and_clear();
             let line = PplLine {

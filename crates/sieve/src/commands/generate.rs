@@ -45,8 +45,8 @@ pub struct GenerateArgs {
     /// What the KV cache stores: f16, or int8 (one scale per position and KV head).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
-    /// On the GPU, what 4-bit matrices multiply: f16 inputs, or int8 (each token's input
-    /// quantized with one scale, W4A8).
+    /// What 4-bit matrices multiply: f16 inputs, or int8 (each token's input quantized with
+    /// one scale: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way).
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
     /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
@@ -139,6 +139,8 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         eprintln!("{}", result.summary());
         return Ok(());
     }
+    // The CPU rounds the layers' inputs as the GPU's W4A8 kernels would.
+    model.set_int8_inputs(args.activations.int8());
     sieve_model::llama::phases::enable(args.profile);
     let print = |piece: &str| {
         stdout
