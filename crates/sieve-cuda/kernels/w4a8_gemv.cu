@@ -4,8 +4,9 @@
 //   weights      the W4A16 g128 and GGUF Q4_0 (g32) kinds of dense_lowbit_gemv.cu, in its device
 //                layout (read that header: chunks of 16 rows x 64 columns, one uint4 per lane,
 //                f16 scale pairs per row tile, group and lane group): value s · (u - 8)
-//   activations  each token's row as INT8 with one f32 scale (w4a8_quantize_x below, bit for bit
-//                sieve_formats::eight_bit::int8_row: s = max|x| / 127, q = rne(x / s))
+//   activations  each token's row as INT8 with one f32 scale per 128 columns (w4a8_quantize_x
+//                below, bit for bit sieve_formats::eight_bit::int8_groups: s = max|x| / 127 of
+//                the group, q = rne(x / s)); the scales are token-major, ldx / 128 per token
 //
 // Why a second kernel over the same bytes: below 32 tokens the f16 kernel is bound by its
 // instruction issue, not by the weights. Making exact f16 values costs it 5 LOP3/SHF and 4 f16x2
@@ -39,11 +40,11 @@
 // tile (g128), or two 8-byte loads (g32, whose tiles 2i, 2i + 1 are exactly group i of the chunk).
 //
 // Integer sums stay exact within a group (|16 (u - 8) q| <= 16256, at most 128 of them: < 2^22,
-// so the I2F is exact too); a group's sum is scaled by the row's f16 scale into an f32
-// accumulator. Thread mapping as dense_lowbit_gemv.cu: persistent blocks over the row tiles, 8
+// so the I2F is exact too); a weight group's sum is scaled by the row's f16 scale times the
+// token's scale of the 128 columns holding it (a weight group never straddles two: 32 and 128
+// divide 128) into an f32 accumulator. Thread mapping as dense_lowbit_gemv.cu: persistent blocks over the row tiles, 8
 // warps splitting a tile's chunks into contiguous ranges of whole groups, stages of 4 chunks
-// double-buffered, partial sums reduced in shared memory, each output written once, times the
-// token's scale / 16.
+// double-buffered, partial sums reduced in shared memory, each output written once, times 1/16.
 
 #ifndef W4A8_WARPS
 #define W4A8_WARPS 8
@@ -90,6 +91,7 @@ __device__ __forceinline__ void w4a8_kernel(const uint4* __restrict__ w, const u
     const int c0 = min(warp * spw, steps) * CPS;
     const int c1 = min((warp + 1) * spw, steps) * CPS;
     const int groups = chunks * CK / GROUP;
+    const int xgroups = ldx / 128;  // activation scales per token
 
     uint4 buf[2][U];
     u32 sb[2][GPS];
@@ -153,12 +155,16 @@ __device__ __forceinline__ void w4a8_kernel(const uint4* __restrict__ w, const u
                     const u32 s2 = sb[st][t / MPG];
                     const float s_lo = h2f((unsigned short)(s2 & 0xffffu));
                     const float s_hi = h2f((unsigned short)(s2 >> 16));
+                    // The 128-column activation group of this weight group.
+                    const int ag = ((cb * CK) / GROUP + t / MPG) * GROUP / 128;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        acc[nt][0] = fmaf((float)part[nt][0], s_lo, acc[nt][0]);
-                        acc[nt][1] = fmaf((float)part[nt][1], s_lo, acc[nt][1]);
-                        acc[nt][2] = fmaf((float)part[nt][2], s_hi, acc[nt][2]);
-                        acc[nt][3] = fmaf((float)part[nt][3], s_hi, acc[nt][3]);
+                        const float x0 = __ldg(xscale + (size_t)min(nt * 8 + 2 * c, N - 1) * xgroups + ag);
+                        const float x1 = __ldg(xscale + (size_t)min(nt * 8 + 2 * c + 1, N - 1) * xgroups + ag);
+                        acc[nt][0] = fmaf((float)part[nt][0], s_lo * x0, acc[nt][0]);
+                        acc[nt][1] = fmaf((float)part[nt][1], s_lo * x1, acc[nt][1]);
+                        acc[nt][2] = fmaf((float)part[nt][2], s_hi * x0, acc[nt][2]);
+                        acc[nt][3] = fmaf((float)part[nt][3], s_hi * x1, acc[nt][3]);
 #pragma unroll
                         for (int i = 0; i < 4; ++i) part[nt][i] = 0;
                     }
@@ -168,7 +174,7 @@ __device__ __forceinline__ void w4a8_kernel(const uint4* __restrict__ w, const u
     };
 
     // One row tile's end: the warps' partial sums through shared memory, each output written
-    // once, times its token's scale / 16.
+    // once, times 1/16.
     auto finish = [&](int rt, int par) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -187,7 +193,7 @@ __device__ __forceinline__ void w4a8_kernel(const uint4* __restrict__ w, const u
             float s = 0.f;
 #pragma unroll
             for (int q = 0; q < W4A8_WARPS; ++q) s += red[par][q][n][r];
-            s *= __ldg(xscale + n) * 0.0625f;
+            s *= 0.0625f;
             float* o = y + (size_t)n * ldy + row;
             *o = accumulate ? *o + s : s;
         }
@@ -247,43 +253,45 @@ W4A8_KERNELS(w4a8_g128, 128)
 W4A8_KERNELS(w4a8_g32, 32)
 
 // f32 activations (n rows of K, `ldin` apart) -> INT8 codes (n x ldx bytes, every aligned group
-// of 4 columns in byte order 0, 2, 1, 3; zeros past K) and one f32 scale per token, each input
-// kept only where it is active under the TEAL threshold t (|x| > t; t < 0 keeps all). One block
-// of 256 threads per token: the row's largest kept |x| by a block reduction, then each thread
-// writes 4 columns as one word. Codes and scale are sieve_formats::eight_bit::int8_row's exactly
-// (IEEE division and round-to-nearest-even, as the CPU's f32 `/` and `round_ties_even`).
+// of 4 columns in byte order 0, 2, 1, 3; zeros past K) and one f32 scale per 128 columns of each
+// token (n x ldx / 128, token-major), each input kept only where it is active under the TEAL
+// threshold t (|x| > t; t < 0 keeps all). One warp per (token, 128-column group), 8 a block:
+// lane l holds columns 4l .. 4l + 3 of its group, the group's largest kept |x| by shuffles, then
+// each lane writes its 4 codes as one word. No block-wide reduction and no second pass over the
+// row: a token of K columns is K / 128 independent warps. Codes and scales are
+// sieve_formats::eight_bit::int8_groups's exactly (IEEE division and round-to-nearest-even, as
+// the CPU's f32 `/` and `round_ties_even`).
 extern "C" __global__ void __launch_bounds__(256) w4a8_quantize_x(const float* __restrict__ x, int K, int ldin,
                                                                   float t, unsigned char* __restrict__ x8,
-                                                                  int ldx, float* __restrict__ xscale) {
-    __shared__ float warp_max[8];
+                                                                  int ldx, float* __restrict__ xscale, int n) {
     pdl_wait_then_release();
-    const int row = blockIdx.x;
+    const int xgroups = ldx / 128;
+    const int item = blockIdx.x * 8 + (threadIdx.x >> 5);  // token * xgroups + group: one per warp
+    if (item >= n * xgroups) return;                         // whole warps leave together
+    const int lane = threadIdx.x & 31;
+    const int row = item / xgroups, grp = item - row * xgroups;
+    const int k0 = grp * 128 + 4 * lane;
     const float* xr = x + (size_t)row * ldin;
+    float v[4];
     float m = 0.f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const float v = xr[k];
-        if (active(v, t)) m = fmaxf(m, fabsf(v));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int k = k0 + i;
+        v[i] = k < K ? xr[k] : 0.f;
+        if (!active(v[i], t)) v[i] = 0.f;
+        m = fmaxf(m, fabsf(v[i]));
     }
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, d));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = warp_max[0];
-#pragma unroll
-    for (int i = 1; i < 8; ++i) m = fmaxf(m, warp_max[i]);
     const float s = __fdiv_rn(m, 127.f);
-    if (threadIdx.x == 0) xscale[row] = s;
-    for (int k4 = 4 * threadIdx.x; k4 < ldx; k4 += 4 * blockDim.x) {
-        u32 word = 0;
+    if (lane == 0) xscale[item] = s;
+    u32 word = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int k = k4 + i;
-            const float v = k < K ? xr[k] : 0.f;
-            int q = 0;
-            if (s > 0.f && active(v, t)) q = max(-127, min(127, __float2int_rn(__fdiv_rn(v, s))));
-            const int pos = i == 1 ? 2 : i == 2 ? 1 : i;  // byte order 0, 2, 1, 3
-            word |= (u32)(q & 0xff) << (8 * pos);
-        }
-        *reinterpret_cast<u32*>(x8 + (size_t)row * ldx + k4) = word;
+    for (int i = 0; i < 4; ++i) {
+        int q = 0;
+        if (s > 0.f) q = max(-127, min(127, __float2int_rn(__fdiv_rn(v[i], s))));
+        const int pos = i == 1 ? 2 : i == 2 ? 1 : i;  // byte order 0, 2, 1, 3
+        word |= (u32)(q & 0xff) << (8 * pos);
     }
+    *reinterpret_cast<u32*>(x8 + (size_t)row * ldx + k0) = word;
 }

@@ -2,19 +2,19 @@
 //! the integer tensor cores, `Y (N x M) = X (N x K) · Wᵀ` for N = 1..32, f32 output.
 //! Kernels: `kernels/w4a8_gemv.cu` (its header draws the fragments and says why): the weights
 //! are a [`GpuLowBit`]'s device layout, shared with the W4A16 kernel; the activations are each
-//! token's row quantized on the device by [`Int8Activations::quantize`] to INT8 with one scale,
-//! exactly as [`sieve_formats::eight_bit::int8_row`] does on the CPU.
+//! token's row quantized on the device by [`Int8Activations::quantize`] to INT8 with one scale
+//! per 128 columns, exactly as [`sieve_formats::eight_bit::int8_groups`] does on the CPU.
 //!
 //! [`reference`] is the f64 product the kernels must match: the same integer codes and scales,
 //! summed exactly. What W4A8 costs in accuracy against W4A16 is the activations' rounding
-//! (half a step of `max|x| / 127` per input), not the kernel's.
+//! (half a step of its group's `max|x| / 127` per input), not the kernel's.
 
 use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{Gpu, KernelFamily};
 use crate::lowbit::{GpuLowBit, LowBitKind, LowBitMatrix, MAX_TOKENS};
 use crate::product::{dev_ptr, DevPtr};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use sieve_formats::eight_bit::{int8_row, Row8};
+use sieve_formats::eight_bit::{int8_groups, GroupedRow8, INT8_ACTIVATION_GROUP};
 use sieve_formats::Threshold;
 
 pub const FAMILY: KernelFamily = KernelFamily {
@@ -40,7 +40,7 @@ fn kernel_prefix(kind: LowBitKind) -> Result<&'static str> {
 
 /// Each token's activations as INT8 codes (`n x ldx` bytes, every aligned group of 4 columns in
 /// the byte order 0, 2, 1, 3 the kernel's fragments want; zeros past K) and one f32 scale per
-/// token, on the device.
+/// 128 columns of each token (`ldx / 128` per token, token-major), on the device.
 pub struct Int8Activations {
     codes: CudaSlice<u8>,
     scales: CudaSlice<f32>,
@@ -63,7 +63,7 @@ impl Int8Activations {
         })?;
         Ok(Self {
             codes: gpu.upload(&vec![0u8; len])?,
-            scales: gpu.upload(&vec![0f32; tokens])?,
+            scales: gpu.upload(&vec![0f32; tokens * (ldx / INT8_ACTIVATION_GROUP)])?,
             tokens,
             ldx,
         })
@@ -94,12 +94,14 @@ impl Int8Activations {
             )));
         }
         let f = gpu.function(&FAMILY, "w4a8_quantize_x")?;
+        // One warp per (token, 128-column group), 8 warps a block.
+        let warps = n * self.groups();
         let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
+            grid_dim: (warps.div_ceil(8) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (k, ldin, ldx) = (k as i32, ldin as i32, self.ldx as i32);
+        let (k, ldin, ldx, n) = (k as i32, ldin as i32, self.ldx as i32, n as i32);
         let t = crate::product::threshold_arg(threshold);
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&x)
@@ -108,7 +110,8 @@ impl Int8Activations {
             .arg(&t)
             .arg(&self.codes)
             .arg(&ldx)
-            .arg(&self.scales);
+            .arg(&self.scales)
+            .arg(&n);
         unsafe { b.launch(cfg) }.during("launching w4a8_quantize_x")?;
         Ok(())
     }
@@ -117,21 +120,28 @@ impl Int8Activations {
     fn codes_at(&self, gpu: &Gpu, t: usize) -> DevPtr {
         dev_ptr(gpu, &self.codes) + (t * self.ldx) as u64
     }
-    /// Device address of token `t`'s scale.
+    /// Scales per token: one per 128 columns.
+    fn groups(&self) -> usize {
+        self.ldx / INT8_ACTIVATION_GROUP
+    }
+    /// Device address of token `t`'s first scale.
     fn scale_at(&self, gpu: &Gpu, t: usize) -> DevPtr {
-        dev_ptr(gpu, &self.scales) + (t * 4) as u64
+        dev_ptr(gpu, &self.scales) + (t * self.groups() * 4) as u64
     }
 
-    /// The first `n` tokens' codes in column order and their scales, read back (for tests).
-    pub fn download(&self, gpu: &Gpu, n: usize, k: usize) -> Result<Vec<Row8<i8>>> {
+    /// The first `n` tokens' codes (first `k` columns) in column order and the scales of their
+    /// groups, read back (for tests).
+    pub fn download(&self, gpu: &Gpu, n: usize, k: usize) -> Result<Vec<GroupedRow8>> {
         let codes = gpu.download(&self.codes)?;
         let scales = gpu.download(&self.scales)?;
+        let (k, g) = (k.min(self.ldx), self.groups());
         Ok((0..n.min(self.tokens))
-            .map(|t| Row8 {
-                codes: (0..k.min(self.ldx))
+            .map(|t| GroupedRow8 {
+                codes: (0..k)
                     .map(|col| codes[t * self.ldx + stored_position(col)] as i8)
                     .collect(),
-                scale: scales[t],
+                scales: scales[t * g..t * g + k.div_ceil(INT8_ACTIVATION_GROUP)].to_vec(),
+                group: INT8_ACTIVATION_GROUP,
             })
             .collect())
     }
@@ -145,8 +155,8 @@ pub fn stored_position(col: usize) -> usize {
 }
 
 /// The CPU side of the activations: each token's row (K columns) masked by `threshold`, then
-/// quantized by [`int8_row`].
-pub fn quantize_reference(x: &[f32], n: usize, k: usize, threshold: Threshold) -> Vec<Row8<i8>> {
+/// quantized in groups of 128 columns by [`int8_groups`].
+pub fn quantize_reference(x: &[f32], n: usize, k: usize, threshold: Threshold) -> Vec<GroupedRow8> {
     (0..n)
         .map(|t| {
             let row: Vec<f32> = x[t * k..(t + 1) * k]
@@ -156,12 +166,13 @@ pub fn quantize_reference(x: &[f32], n: usize, k: usize, threshold: Threshold) -
                     _ => v,
                 })
                 .collect();
-            int8_row(&row)
+            int8_groups(&row, INT8_ACTIVATION_GROUP)
         })
         .collect()
 }
 
-/// The f64 reference of the W4A8 product: `y[n][r] = s_n Σ_k scale(r, k) q[r][k] code_n[k]`
+/// The f64 reference of the W4A8 product: `y[n][r] = Σ_k s_n(k) scale(r, k) q[r][k] code_n[k]`
+/// (`s_n(k)` token n's scale of the 128 columns holding k)
 /// with the activations of [`quantize_reference`] (`x` n x K f32, row-major; `y` n x M).
 pub fn reference(m: &LowBitMatrix, x: &[f32], n: usize, threshold: Threshold) -> Result<Vec<f64>> {
     kernel_prefix(m.kind())?;
@@ -180,10 +191,12 @@ pub fn reference(m: &LowBitMatrix, x: &[f32], n: usize, threshold: Threshold) ->
             let mut s = 0f64;
             for (k, &code) in a.codes.iter().enumerate() {
                 if code != 0 {
-                    s += m.scale(r, k) as f64 * (q[r * cols + k] as f64 * code as f64);
+                    s += a.scale_of(k) as f64
+                        * m.scale(r, k) as f64
+                        * (q[r * cols + k] as f64 * code as f64);
                 }
             }
-            y[t * rows + r] = s * a.scale as f64;
+            y[t * rows + r] = s;
         }
     }
     Ok(y)
@@ -378,7 +391,7 @@ mod tests {
     /// registers loaded from the quantized row in the stored byte order at the kernel's offsets
     /// (P = 4 for g128: one 16-byte load; P = 2 for g32: two 8-byte loads), the m16n8k32 mma
     /// assembled from the PTX fragment layout, group sums scaled by the layout's f16 scale
-    /// pairs, then times the token's scale / 16. Catches a wrong nibble, byte order, offset or
+    /// pairs times the token's scale of their 128 columns, then / 16. Catches a wrong nibble, byte order, offset or
     /// scale index without a GPU.
     fn emulate(m: &LowBitMatrix, x: &[f32], n: usize) -> Vec<f64> {
         let l = m.device_layout();
@@ -434,16 +447,20 @@ mod tests {
                         }
                     }
                 }
-                // Each mma's exact integer sums times its group's scale (the kernel scales once
-                // per group, after 4 mmas for g128: the same sum, the integers being exact).
+                // Each mma's exact integer sums times its group's scale and the token's scale of
+                // its 128 columns (the kernel scales once per group, after 4 mmas for g128: the
+                // same sum, the integers being exact).
                 for h in 0..2 {
-                    let grp = (kc * 64 + 32 * h) / group;
+                    let col = kc * 64 + 32 * h;
+                    let grp = col / group;
                     for r in 0..16 {
                         let pair = l.group_scales[(rt * groups + grp) * 8 + r % 8];
                         let bits = if r < 8 { pair & 0xffff } else { pair >> 16 };
                         let sc = half::f16::from_bits(bits as u16).to_f64();
                         for (t, a) in acc.iter_mut().enumerate() {
-                            a[r] += sc * d[h][r][t] as f64;
+                            // Columns past K are zero codes: any scale will do.
+                            let xs = acts[t].scales.get(col / 128).copied().unwrap_or(0.0);
+                            a[r] += sc * xs as f64 * d[h][r][t] as f64;
                         }
                     }
                 }
@@ -452,7 +469,7 @@ mod tests {
                 for r in 0..16 {
                     let row = rt * 16 + r;
                     if row < rows {
-                        y[t * rows + row] = a[r] * acts[t].scale as f64 / 16.0;
+                        y[t * rows + row] = a[r] / 16.0;
                     }
                 }
             }
@@ -515,7 +532,8 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(24))]
         /// The W4A8 reference is the W4A16 product of the dequantized activations (exact in f64
         /// up to rounding), and within the activations' rounding of the unquantized product:
-        /// |Δy| <= Σ_k |w[r][k]| · s / 2 per token (s its scale), an independent bound.
+        /// |Δy| <= Σ_k |w[r][k]| · s(k) / 2 per token (s(k) its scale of column k), an
+        /// independent bound.
         #[test]
         fn reference_is_the_product_of_the_quantized_activations(
             rows in 1usize..20, cols in 1usize..300, n in 1usize..4, seed in 0u64..1000,
@@ -542,8 +560,9 @@ mod tests {
                                 a as f64 * b as f64
                             })
                             .sum();
-                        let bound: f64 = wr.iter().map(|a| a.abs() as f64).sum::<f64>()
-                            * acts[t].scale as f64 / 2.0;
+                        let bound: f64 = wr.iter().enumerate()
+                            .map(|(k, a)| a.abs() as f64 * acts[t].scale_of(k) as f64 / 2.0)
+                            .sum();
                         prop_assert!((y - masked).abs() <= bound * (1.0 + 1e-5) + 1e-6,
                             "{kind:?}: {y} vs unquantized {masked}, bound {bound}");
                     }

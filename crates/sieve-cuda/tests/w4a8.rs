@@ -72,10 +72,13 @@ fn check(
     let got = acts.download(gpu, n, cols).unwrap();
     let cpu = quantize_reference(&x, n, cols, threshold);
     for t in 0..n {
+        let bits = |r: &sieve_formats::eight_bit::GroupedRow8| {
+            r.scales.iter().map(|s| s.to_bits()).collect::<Vec<_>>()
+        };
         assert_eq!(
-            got[t].scale.to_bits(),
-            cpu[t].scale.to_bits(),
-            "{what} n={n} token {t}: scale"
+            bits(&got[t]),
+            bits(&cpu[t]),
+            "{what} n={n} token {t}: scales"
         );
         assert_eq!(got[t].codes, cpu[t].codes, "{what} n={n} token {t}: codes");
     }

@@ -88,6 +88,51 @@ pub fn int8_row(x: &[f32]) -> Row8<i8> {
     Row8 { codes, scale }
 }
 
+/// Columns per activation scale of [`int8_groups`]: the GPU's W4A8 kernels quantize each
+/// token's input in groups of this many columns (one of their weight groups, or four of GGUF
+/// Q4_0's), and the CPU rounds the same way to measure what that costs in quality.
+pub const INT8_ACTIVATION_GROUP: usize = 128;
+
+/// A row's INT8 codes with one scale per `group` columns (the last group may be shorter).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupedRow8 {
+    pub codes: Vec<i8>,
+    pub scales: Vec<f32>,
+    pub group: usize,
+}
+
+/// INT8 codes of a row in groups of `group` columns, each group by [`int8_row`] (its own
+/// `max|x| / 127`). A `group` of 0 is taken as the whole row.
+pub fn int8_groups(x: &[f32], group: usize) -> GroupedRow8 {
+    let group = if group == 0 { x.len().max(1) } else { group };
+    let mut codes = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len().div_ceil(group));
+    for part in x.chunks(group) {
+        let r = int8_row(part);
+        codes.extend(r.codes);
+        scales.push(r.scale);
+    }
+    GroupedRow8 {
+        codes,
+        scales,
+        group,
+    }
+}
+
+impl GroupedRow8 {
+    /// The scale of column `col`.
+    pub fn scale_of(&self, col: usize) -> f32 {
+        self.scales[col / self.group]
+    }
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.codes
+            .iter()
+            .enumerate()
+            .map(|(k, &q)| f32::from(q) * self.scale_of(k))
+            .collect()
+    }
+}
+
 /// e4m3 codes of a row: `e4m3(x / s)`, `s = max|x| / 448` (0 for a row of zeros or an empty one).
 pub fn e4m3_row(x: &[f32]) -> Row8<u8> {
     let scale = max_abs(x) / E4M3_MAX;
@@ -130,6 +175,33 @@ fn max_abs(x: &[f32]) -> f32 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// Each group is its own INT8 row: codes within [-127, 127], every input within half a
+        /// step of its group's scale, and a group's largest |x| coded as ±127.
+        #[test]
+        fn int8_groups_round_each_group_by_its_own_scale(
+            x in proptest::collection::vec(-50f32..50.0, 0..400),
+            group in prop_oneof![Just(32usize), Just(128), Just(7)],
+        ) {
+            let g = int8_groups(&x, group);
+            prop_assert_eq!(g.codes.len(), x.len());
+            prop_assert_eq!(g.scales.len(), x.len().div_ceil(group));
+            let back = g.dequantize();
+            for (k, (&v, &b)) in x.iter().zip(&back).enumerate() {
+                let s = g.scale_of(k);
+                prop_assert!((v - b).abs() <= s * 0.5 * (1.0 + 1e-5) + 1e-7, "{k}: {v} vs {b}, scale {s}");
+            }
+            for (i, part) in x.chunks(group).enumerate() {
+                let m = max_abs(part);
+                prop_assert_eq!(g.scales[i], m / 127.0);
+                if m > 0.0 {
+                    let top = g.codes[i * group..i * group + part.len()].iter().map(|c| c.unsigned_abs()).max();
+                    prop_assert_eq!(top, Some(127));
+                }
+            }
+        }
+    }
 
     /// Every finite e4m3 value in increasing order, with its code.
     fn finite_values() -> Vec<(f32, u8)> {

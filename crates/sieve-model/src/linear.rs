@@ -159,7 +159,7 @@ impl Linear {
         self.format().cols()
     }
 
-    /// Rounds each token's input to INT8 (one scale per token, after the threshold's mask)
+    /// Rounds each token's input to INT8 (one scale per 128 columns, after the threshold's mask)
     /// before the product from now on, or stops: the GPU's W4A8 path
     /// (`sieve_cuda::w4a8`) on the CPU, for measuring its quality.
     pub fn set_int8_inputs(&mut self, on: bool) {
@@ -270,8 +270,8 @@ impl Linear {
     }
 }
 
-/// `x` (rows of `k`) with each row masked by `threshold`, quantized by
-/// [`sieve_formats::eight_bit::int8_row`] and dequantized: the values a W4A8 product multiplies.
+/// `x` (rows of `k`) with each row masked by `threshold`, quantized in groups of 128 columns by
+/// [`sieve_formats::eight_bit::int8_groups`] and dequantized: the values a W4A8 product multiplies.
 fn int8_round_trip(x: &[f32], k: usize, threshold: Threshold) -> Vec<f32> {
     x.chunks(k.max(1))
         .flat_map(|row| {
@@ -282,7 +282,8 @@ fn int8_round_trip(x: &[f32], k: usize, threshold: Threshold) -> Vec<f32> {
                     _ => v,
                 })
                 .collect();
-            sieve_formats::eight_bit::int8_row(&masked).dequantize()
+            use sieve_formats::eight_bit::{int8_groups, INT8_ACTIVATION_GROUP};
+            int8_groups(&masked, INT8_ACTIVATION_GROUP).dequantize()
         })
         .collect()
 }

@@ -69,7 +69,7 @@ pub struct DecodeArgs {
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
     /// What the 4-bit matrices multiply: f16 inputs, or int8 (each token's input quantized
-    /// with one scale, on the integer tensor cores: W4A8).
+    /// with one scale per 128 columns, on the integer tensor cores: W4A8).
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
     /// How the decode step runs: graph (a CUDA graph of the plan's kernels), persistent (one

@@ -38,7 +38,7 @@ pub enum Activations {
     /// f16 inputs, the weights dequantized in registers (W4A16).
     #[default]
     F16,
-    /// Each token's input quantized to INT8 with one scale, multiplied on the integer tensor
+    /// Each token's input quantized to INT8 with one scale per 128 columns, multiplied on the integer tensor
     /// cores (W4A8), for W4A16 g128 and GGUF Q4_0 matrices; other kinds stay on f16.
     Int8,
 }

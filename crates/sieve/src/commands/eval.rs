@@ -46,7 +46,7 @@ pub enum EvalCommand {
         #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
         step: super::device::Step,
         /// What 4-bit matrices multiply: f16 inputs, or int8 (each token's input quantized with
-        /// one scale: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way,
+        /// one scale per 128 columns: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way,
         /// to measure what it costs).
         #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
         activations: super::device::Activations,

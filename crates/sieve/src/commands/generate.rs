@@ -46,7 +46,7 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
     /// What 4-bit matrices multiply: f16 inputs, or int8 (each token's input quantized with
-    /// one scale: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way).
+    /// one scale per 128 columns: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way).
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
     /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
