@@ -5,7 +5,8 @@
 # max_rel_error counts an unwritten (NaN) output as an infinite error.
 # Then the model: `--activations int8` in the decode runner's test and `bench decode` on the 7B
 # shape against `--activations f16` (same run).
-# PART=1 runs the kernel tests, bench gemm and the sanitizers, PART=2 the model (each < 600 s).
+# PART=1 runs the kernel tests, bench gemm and the sanitizers, PART=2 the model (each < 600 s);
+# PART=short a little of each in one call.
 # Carry .gpu from `KEEP="w4a8 lowbit runner" bash scripts/gpu-runner-bundle.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,30 @@ sanitize() {  # sanitize TOOL NAME SECONDS
     "$bin" --test-threads 1 > "$OUT/san-$1-$2.log" 2>&1; echo "$1 $2: exit $?")
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$OUT/san-$1-$2.log" | head -3
 }
+PART=${PART:-all}
+if [ "$PART" = short ]; then
+  # One call when little device time is left: tests, bench gemm, the 7B step f16 vs int8 at
+  # batch 1, memcheck, then the runner's test with what remains.
+  at tests
+  t w4a8 60
+  at bench
+  timeout 90 $S bench gemm --shapes llama2-7b --precision f16,w4a16,w4a8,gguf-q4_0,q4_0-a8 --n 1,4,16,32 \
+    --reps 50 --json "$OUT/gemm-w4a8.json" > "$OUT/gemm.log" 2>&1
+  grep -E "^\||device|copy|alone" "$OUT/gemm.log" | grep -v "^| f16" | cut -c1-130
+  at model
+  for a in f16 int8; do
+    echo "== bench decode --values int4 --activations $a"
+    timeout 110 $S bench decode --synthetic llama2-7b --format dense --values int4 --sp 0 --dp 0 --activations $a \
+      --prompt 128 --tokens 64 > "$OUT/decode-$a.log" 2>&1; echo "exit $?"
+    grep -E "TPOT|rror" "$OUT/decode-$a.log" | cut -c1-420
+  done
+  at sanitize
+  sanitize memcheck w4a8 80
+  t runner 60 tiny_int4_models_with_int8_activations_run_w4a8 sieve-gpu
+  grep -E "W4A8 against" "$OUT/t-runner.log"
+  at end
+  exit 0
+fi
 PART=${PART:-all}
 if [ "$PART" != 2 ]; then
 at tests
