@@ -270,45 +270,142 @@ impl Gpu {
     }
 
     fn cubin(&self, family: &KernelFamily) -> Result<Vec<u8>> {
-        let source = format!("{COMMON_SOURCE}\n{}", family.source);
-        let options = vec![
-            self.arch_option(),
-            "--std=c++17".to_string(),
-            "--use_fast_math".to_string(),
-            "-lineinfo".to_string(),
-        ];
-        let nvrtc_version = nvrtc_version()?;
-        let mut key = Fnv64::new();
-        key.write(source.as_bytes());
-        for o in &options {
-            key.write(o.as_bytes());
-        }
-        key.write(self.info.name.as_bytes());
-        key.write(&self.info.compute_capability.0.to_le_bytes());
-        key.write(&self.info.compute_capability.1.to_le_bytes());
-        key.write(&nvrtc_version.0.to_le_bytes());
-        key.write(&nvrtc_version.1.to_le_bytes());
-        let file = format!("{}-{:016x}.cubin", family.name, key.finish());
-        let dir = cache_dir();
-        if let Some(dir) = &dir {
-            if let Ok(bytes) = std::fs::read(dir.join(&file)) {
-                if !bytes.is_empty() {
-                    return Ok(bytes);
-                }
-            }
-        }
-        let cubin = compile_cubin(family.name, &source, &options)?;
-        if let Some(dir) = &dir {
-            // Best effort: write to a temporary name and rename, so that a concurrent reader
-            // never sees half a file.
-            let _ = std::fs::create_dir_all(dir);
-            let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
-            if std::fs::write(&tmp, &cubin).is_ok() {
-                let _ = std::fs::rename(&tmp, dir.join(&file));
-            }
-        }
-        Ok(cubin)
+        cached_cubin(&self.info, &self.arch_option(), family)
     }
+
+    /// Compiles (or reads from the disk cache) the CUBINs of those of `families` not loaded
+    /// yet, on up to `threads` CPU threads at once, and loads them: NVRTC takes seconds per
+    /// family, so a model's first run on a fresh machine otherwise spends a minute or more
+    /// compiling its families one after another as each is first launched. A family that does
+    /// not compile (one needing an architecture this GPU lacks) is left out and returned with
+    /// its error: it fails again, by name, if it is ever launched.
+    pub fn precompile(
+        &self,
+        families: &[KernelFamily],
+        threads: usize,
+    ) -> Result<Vec<(&'static str, CudaError)>> {
+        let missing: Vec<&KernelFamily> = {
+            let modules = self
+                .modules
+                .lock()
+                .map_err(|_| CudaError::Option("module cache lock poisoned".into()))?;
+            families
+                .iter()
+                .filter(|f| !modules.contains_key(f.name))
+                .collect()
+        };
+        let arch = self.arch_option();
+        let cubins = compile_parallel(&missing, threads, |f| cached_cubin(&self.info, &arch, f));
+        let mut modules = self
+            .modules
+            .lock()
+            .map_err(|_| CudaError::Option("module cache lock poisoned".into()))?;
+        let mut failed = Vec::new();
+        for (family, cubin) in missing.iter().zip(cubins) {
+            let cubin = match cubin {
+                Ok(c) => c,
+                Err(e) => {
+                    failed.push((family.name, e));
+                    continue;
+                }
+            };
+            if modules.contains_key(family.name) {
+                continue;
+            }
+            let module = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .during("loading a CUBIN module")?;
+            modules.insert(family.name, module);
+        }
+        Ok(failed)
+    }
+}
+
+/// `compile(f)` for every family, up to `threads` at once (at least one), results in the
+/// families' order.
+fn compile_parallel<F>(
+    families: &[&KernelFamily],
+    threads: usize,
+    compile: F,
+) -> Vec<Result<Vec<u8>>>
+where
+    F: Fn(&KernelFamily) -> Result<Vec<u8>> + Sync,
+{
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let results: Vec<Mutex<Option<Result<Vec<u8>>>>> =
+        families.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, families.len().max(1)) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(family) = families.get(i) else {
+                    break;
+                };
+                let r = compile(family);
+                if let Ok(mut slot) = results[i].lock() {
+                    *slot = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .zip(families)
+        .map(|(slot, f)| {
+            slot.into_inner().ok().flatten().unwrap_or_else(|| {
+                Err(CudaError::Option(format!(
+                    "compiling {} did not finish",
+                    f.name
+                )))
+            })
+        })
+        .collect()
+}
+
+/// The CUBIN of `family` for the device `info` describes (`arch` its NVRTC target option): from
+/// the disk cache ([`cache_dir`]) when a build of the same source, options, device and NVRTC
+/// version is there, else compiled and written there (best effort).
+fn cached_cubin(info: &DeviceInfo, arch: &str, family: &KernelFamily) -> Result<Vec<u8>> {
+    let source = format!("{COMMON_SOURCE}\n{}", family.source);
+    let options = vec![
+        arch.to_string(),
+        "--std=c++17".to_string(),
+        "--use_fast_math".to_string(),
+        "-lineinfo".to_string(),
+    ];
+    let nvrtc_version = nvrtc_version()?;
+    let mut key = Fnv64::new();
+    key.write(source.as_bytes());
+    for o in &options {
+        key.write(o.as_bytes());
+    }
+    key.write(info.name.as_bytes());
+    key.write(&info.compute_capability.0.to_le_bytes());
+    key.write(&info.compute_capability.1.to_le_bytes());
+    key.write(&nvrtc_version.0.to_le_bytes());
+    key.write(&nvrtc_version.1.to_le_bytes());
+    let file = format!("{}-{:016x}.cubin", family.name, key.finish());
+    let dir = cache_dir();
+    if let Some(dir) = &dir {
+        if let Ok(bytes) = std::fs::read(dir.join(&file)) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+    }
+    let cubin = compile_cubin(family.name, &source, &options)?;
+    if let Some(dir) = &dir {
+        // Best effort: write to a temporary name and rename, so that a concurrent reader
+        // never sees half a file.
+        let _ = std::fs::create_dir_all(dir);
+        let tmp = dir.join(format!("{file}.{}.tmp", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, dir.join(&file));
+        }
+    }
+    Ok(cubin)
 }
 
 /// Compiles `family` for `arch` (e.g. `sm_90a`) without a GPU and returns the CUBIN size and
@@ -530,6 +627,74 @@ mod tests {
                 }
                 Err(e) => panic!("{e}"),
             }
+        }
+    }
+
+    /// The parallel compile keeps the families' order, runs every one once whatever the thread
+    /// count, and returns an error of any of them.
+    #[test]
+    fn compile_parallel_keeps_order_and_errors() {
+        let fams = families();
+        let refs: Vec<&KernelFamily> = fams.iter().collect();
+        for threads in [0, 1, 3, 64] {
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let got: Vec<Vec<u8>> = compile_parallel(&refs, threads, |f| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(f.name.as_bytes().to_vec())
+            })
+            .into_iter()
+            .collect::<Result<_>>()
+            .unwrap();
+            assert_eq!(calls.into_inner(), fams.len(), "threads {threads}");
+            let names: Vec<&[u8]> = got.iter().map(|v| v.as_slice()).collect();
+            let want: Vec<&[u8]> = fams.iter().map(|f| f.name.as_bytes()).collect();
+            assert_eq!(names, want, "threads {threads}");
+        }
+        // One family's error stays that family's; the others compile.
+        let results = compile_parallel(&refs, 4, |f| {
+            if f.name == crate::rope::FAMILY.name {
+                Err(CudaError::Option("rope failed".into()))
+            } else {
+                Ok(vec![1])
+            }
+        });
+        for (f, r) in fams.iter().zip(&results) {
+            match r {
+                Err(CudaError::Option(m)) => {
+                    assert_eq!(f.name, crate::rope::FAMILY.name);
+                    assert_eq!(m, "rope failed");
+                }
+                Ok(v) => assert_eq!(v, &vec![1u8], "{}", f.name),
+                Err(e) => panic!("{}: {e}", f.name),
+            }
+        }
+        assert_eq!(results.iter().filter(|r| r.is_err()).count(), 1);
+        assert!(compile_parallel(&[], 4, |_| Ok(vec![])).is_empty());
+    }
+
+    /// With libnvrtc present: two families compiled on two threads at once give the same CUBINs
+    /// as one after the other (NVRTC programs compile independently).
+    #[test]
+    fn nvrtc_compiles_families_concurrently() {
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("nvrtc_compiles_families_concurrently: skipped, no libnvrtc");
+            return;
+        }
+        let fams = [crate::rope::FAMILY, crate::sampling::FAMILY];
+        let refs: Vec<&KernelFamily> = fams.iter().collect();
+        let options = vec![
+            "--gpu-architecture=sm_90a".to_string(),
+            "--std=c++17".to_string(),
+        ];
+        let build = |f: &KernelFamily| {
+            compile_cubin(f.name, &format!("{COMMON_SOURCE}\n{}", f.source), &options)
+        };
+        let parallel: Vec<Vec<u8>> = compile_parallel(&refs, 2, build)
+            .into_iter()
+            .collect::<Result<_>>()
+            .unwrap();
+        for (f, p) in fams.iter().zip(&parallel) {
+            assert_eq!(&build(f).unwrap(), p, "{}", f.name);
         }
     }
 

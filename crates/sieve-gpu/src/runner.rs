@@ -537,6 +537,7 @@ impl GpuModel {
                 final_norm.len()
             )));
         }
+        precompile_kernels(&gpu)?;
         let attention = AttentionShape::new(&gpu, nh, nkv, hd, capacity)?;
         let cache_rows = c
             .num_layers
@@ -2457,6 +2458,26 @@ fn check_layer(c: &ModelConfig, l: usize, hl: &HostLayer) -> Result<()> {
             "layer {l}: projection shapes do not match the model configuration"
         )));
     }
+    Ok(())
+}
+
+/// On a machine of 8 or more CPU threads, every kernel family is compiled (or read from the
+/// disk cache) at once on all of them before the upload, instead of one after another at each
+/// family's first launch: a fresh machine's first run then waits about as long as the slowest
+/// family takes NVRTC, not the sum. With fewer threads compiling families a model may never
+/// launch costs more than it saves, and they stay compiled on first use. A family that fails to
+/// compile here (built for an architecture this GPU lacks) is not an error yet: only a launch of
+/// one of its kernels is, with the compiler's message.
+fn precompile_kernels(gpu: &Gpu) -> Result<()> {
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    if threads < 8 {
+        return Ok(());
+    }
+    let families: Vec<sieve_cuda::gpu::KernelFamily> = sieve_cuda::gpu::families()
+        .into_iter()
+        .chain([sieve_cuda::persistent::FAMILY, sieve_cuda::w4a8::FAMILY])
+        .collect();
+    let _not_compiled = gpu.precompile(&families, threads)?;
     Ok(())
 }
 
