@@ -460,6 +460,15 @@ pub fn families() -> [KernelFamily; 16] {
     ]
 }
 
+/// Every kernel family of the crate: [`families`] and the two compiled apart from them (the
+/// persistent step and W4A8), for whoever compiles them all ahead of use.
+pub fn all_families() -> Vec<KernelFamily> {
+    families()
+        .into_iter()
+        .chain([crate::persistent::FAMILY, crate::w4a8::FAMILY])
+        .collect()
+}
+
 /// A launch of `grid` blocks (x, y; each at least 1) of `block` threads with `shared` bytes of
 /// dynamic shared memory (the model kernels' launches).
 pub(crate) fn grid_cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
@@ -616,10 +625,7 @@ mod tests {
         }
         // Every family of the crate: a kernel file left out here would be compiled first on
         // a GPU machine (the column-major 4-bit one was, until 2026-12-06).
-        for fam in families()
-            .into_iter()
-            .chain([crate::persistent::FAMILY, crate::w4a8::FAMILY])
-        {
+        for fam in all_families() {
             match compile_check(&fam, "sm_90a") {
                 Ok((size, log)) => {
                     assert!(size > 0);

@@ -2473,11 +2473,7 @@ fn precompile_kernels(gpu: &Gpu) -> Result<()> {
     if threads < 8 {
         return Ok(());
     }
-    let families: Vec<sieve_cuda::gpu::KernelFamily> = sieve_cuda::gpu::families()
-        .into_iter()
-        .chain([sieve_cuda::persistent::FAMILY, sieve_cuda::w4a8::FAMILY])
-        .collect();
-    let _not_compiled = gpu.precompile(&families, threads)?;
+    let _not_compiled = gpu.precompile(&sieve_cuda::gpu::all_families(), threads)?;
     Ok(())
 }
 
