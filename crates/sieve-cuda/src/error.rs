@@ -26,6 +26,18 @@ pub enum CudaError {
         options: Vec<String>,
         log: String,
     },
+    #[error(
+        "cuSPARSELt could not be loaded (tried: {0}); set SIEVE_CUSPARSELT to libcusparseLt.so.0"
+    )]
+    NoCusparseLt(String),
+    #[error("cuSPARSELt call {call} failed: {text} (status {status})")]
+    CusparseLt {
+        call: &'static str,
+        status: i32,
+        text: String,
+    },
+    #[error("cuBLASLt: {0}")]
+    CublasLt(String),
     #[error("cuBLAS call failed: {0}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),
     #[error("format error: {0}")]

@@ -122,6 +122,13 @@ impl Gpu {
         self.stream.clone_htod(host).during("copying to the device")
     }
 
+    /// A zeroed device buffer of `len` bytes (at least one).
+    pub fn alloc_bytes(&self, len: usize) -> Result<CudaSlice<u8>> {
+        self.stream
+            .alloc_zeros::<u8>(len.max(1))
+            .during("allocating a buffer")
+    }
+
     pub fn download<T: DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
         self.stream.clone_dtoh(dev).during("copying to the host")
     }
@@ -465,7 +472,11 @@ pub fn families() -> [KernelFamily; 16] {
 pub fn all_families() -> Vec<KernelFamily> {
     families()
         .into_iter()
-        .chain([crate::persistent::FAMILY, crate::w4a8::FAMILY])
+        .chain([
+            crate::persistent::FAMILY,
+            crate::w4a8::FAMILY,
+            crate::slide_lt::FAMILY,
+        ])
         .collect()
 }
 

@@ -1,0 +1,327 @@
+//! SlideSparse through cuSPARSELt against the CPU: f16 against the f64 product of W with the
+//! masked activations rounded to f16 (plus the f16 output's rounding), INT8 and FP8 (e4m3)
+//! against `eight_bit_reference` (the same per-row and per-token quantization in f64), for
+//! 2:4, 6:8 and 14:16, odd shapes, 1..130 tokens, TEAL thresholds, written and accumulated
+//! outputs, NaN-poisoned outputs and strided rows; and the dense 8-bit baseline (cuBLASLt) on
+//! the expanded matrix against the same reference. Without a GPU each test prints a skip reason
+//! and passes, unless `SIEVE_REQUIRE_GPU=1`, which also makes a missing cuSPARSELt a failure.
+
+use sieve_cuda::cusparselt::{CusparseLt, LtPrecision, LtProduct};
+use sieve_cuda::dense8::DenseLt8;
+use sieve_cuda::slide::{eight_bit_reference, f32_sum_error_bound, reference, Eight};
+use sieve_cuda::slide_lt::{quantize_rows, scale_outputs, LtScratch, SlideLt};
+use sieve_cuda::{dev_ptr, gpu_or_skip, Gpu};
+use sieve_formats::random::{activations, sparse_matrix, threshold_for_sparsity, Pattern};
+use sieve_formats::slide::{Slide, SlideOptions};
+use sieve_formats::{Threshold, WeightFormat};
+use std::sync::Arc;
+
+fn library(gpu: &Gpu, test: &str) -> Option<Arc<CusparseLt>> {
+    match CusparseLt::load(gpu) {
+        Ok(lt) => {
+            eprintln!(
+                "{test}: cuSPARSELt {} from {}",
+                lt.version,
+                lt.path.display()
+            );
+            Some(lt)
+        }
+        Err(e) => {
+            if std::env::var("SIEVE_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: SIEVE_REQUIRE_GPU=1 but cuSPARSELt did not load: {e}");
+            }
+            eprintln!("{test}: skipped, no cuSPARSELt: {e}");
+            None
+        }
+    }
+}
+
+fn slide_matrix(m: usize, k: usize, n: usize, seed: u64) -> Slide {
+    let p = Pattern::NM {
+        n: 2 * n - 2,
+        m: 2 * n,
+    };
+    Slide::encode(
+        &sparse_matrix(m, k, 0.0, p, seed).unwrap(),
+        &SlideOptions { n },
+    )
+    .unwrap()
+}
+
+/// What a product must equal per output `[token][row]`, and how far it may be from it.
+struct Want {
+    y: Vec<f64>,
+    bound: Vec<f64>,
+}
+
+fn want(s: &Slide, x: &[f32], ldx: usize, n: usize, t: Threshold, p: LtPrecision) -> Want {
+    match p {
+        LtPrecision::F16 => {
+            let (y, abs) = reference(s, x, ldx, n, t);
+            let terms = s.expanded_cols() + 2;
+            // f32 sums, then the library's f16 output: half an f16 ulp of the result.
+            let bound = y
+                .iter()
+                .zip(&abs)
+                .map(|(v, a)| f32_sum_error_bound(terms, *a) + v.abs() * f64::powi(2.0, -11) + 1e-7)
+                .collect();
+            Want { y, bound }
+        }
+        LtPrecision::Int8 | LtPrecision::E4m3 => {
+            let eight = if p == LtPrecision::Int8 {
+                Eight::Int8
+            } else {
+                Eight::E4m3
+            };
+            let y = eight_bit_reference(s, x, ldx, n, t, eight);
+            // INT8 sums are exact in i32; the FP8 tensor cores accumulate with fewer than f32's
+            // bits (Hopper keeps ~14 of the mantissa): 2^-10 of the largest output of the token.
+            let rel = if p == LtPrecision::Int8 { 1e-6 } else { 1e-3 };
+            let m = s.rows();
+            let bound = (0..n * m)
+                .map(|i| {
+                    let tok = i / m;
+                    let top = y[tok * m..(tok + 1) * m]
+                        .iter()
+                        .fold(0f64, |a, v| a.max(v.abs()));
+                    rel * top + 1e-7
+                })
+                .collect();
+            Want { y, bound }
+        }
+    }
+}
+
+fn compare(
+    got: &[f32],
+    ldy: usize,
+    base: &[f32],
+    accumulate: bool,
+    w: &Want,
+    m: usize,
+    n: usize,
+    what: &str,
+) {
+    let mut worst = 0f64;
+    for tok in 0..n {
+        for r in 0..m {
+            let g = got[tok * ldy + r] as f64;
+            let b = if accumulate {
+                base[tok * ldy + r] as f64
+            } else {
+                0.0
+            };
+            let e = w.y[tok * m + r] + b;
+            let err = (g - e).abs();
+            let bound = w.bound[tok * m + r] + b.abs() * 1e-7;
+            assert!(
+                err <= bound,
+                "{what}: y[{tok}][{r}] = {g}, expected {e}, error {err:e} > {bound:e}"
+            );
+            worst = worst.max(err / bound.max(1e-30));
+        }
+        // The row stride's gap is never written.
+        for r in m..ldy {
+            let g = got[tok * ldy + r];
+            assert!(
+                g.to_bits() == base[tok * ldy + r].to_bits(),
+                "{what}: wrote y[{tok}][{r}] past the {m} rows"
+            );
+        }
+    }
+    eprintln!("{what}: worst error {worst:.3} of the bound");
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(
+    gpu: &Gpu,
+    s: &Slide,
+    dev: &SlideLt,
+    p: &LtProduct,
+    sc: &LtScratch,
+    n: usize,
+    dp: f64,
+    accumulate: bool,
+    seed: u64,
+    what: &str,
+) {
+    let (m, k) = (s.rows(), s.cols());
+    let (ldx, ldy) = (k + 3, m + 5);
+    let x = activations(n * ldx, seed);
+    let t = threshold_for_sparsity(&x[..k], dp).unwrap();
+    let w = want(s, &x, ldx, n, t, dev.precision());
+    let base: Vec<f32> = (0..n * ldy)
+        .map(|i| {
+            if accumulate {
+                (i % 7) as f32 - 3.0
+            } else {
+                f32::NAN
+            }
+        })
+        .collect();
+    let xd = gpu.upload(&x).unwrap();
+    let yd = gpu.upload(&base).unwrap();
+    dev.launch_rows(
+        gpu,
+        p,
+        sc,
+        dev_ptr(gpu, &xd),
+        ldx,
+        n,
+        t,
+        dev_ptr(gpu, &yd),
+        ldy,
+        accumulate,
+    )
+    .unwrap();
+    gpu.synchronize().unwrap();
+    let got = gpu.download(&yd).unwrap();
+    let what = format!(
+        "{what}, {:?} out {:?}, n = {n}, dp {dp}, accumulate {accumulate}",
+        dev.precision(),
+        p.out
+    );
+    compare(&got, ldy, &base, accumulate, &w, m, n, &what);
+}
+
+#[test]
+fn gpu_slide_on_cusparselt_matches_the_references() {
+    let test = "gpu_slide_on_cusparselt_matches_the_references";
+    let Some(gpu) = gpu_or_skip(test) else { return };
+    let Some(lt) = library(&gpu, test) else {
+        return;
+    };
+    let mut seed = 0;
+    for precision in [LtPrecision::F16, LtPrecision::Int8, LtPrecision::E4m3] {
+        for n in [2, 4, 8] {
+            for (m, k) in [(200usize, 300usize), (37, 1000), (1024, 2048)] {
+                seed += 1;
+                let s = slide_matrix(m, k, n, seed);
+                let dev = SlideLt::upload(&gpu, &lt, &s, precision).unwrap();
+                let what = format!("{}:{} {m} x {k}", 2 * n - 2, 2 * n);
+                for tok in [1usize, 7, 33, 130] {
+                    // One plan per token count, the compressed weights shared.
+                    let (p, sc) = dev.plan(&gpu, tok).unwrap();
+                    for (dp, accumulate) in [(0.0, false), (0.5, true)] {
+                        check(
+                            &gpu,
+                            &s,
+                            &dev,
+                            &p,
+                            &sc,
+                            tok,
+                            dp,
+                            accumulate,
+                            seed ^ tok as u64,
+                            &what,
+                        );
+                    }
+                    // A plan serves fewer tokens than it was made for.
+                    if tok > 1 {
+                        check(&gpu, &s, &dev, &p, &sc, tok - 1, 0.3, false, seed, &what);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_dense_eight_bit_baseline_matches_the_reference() {
+    let test = "gpu_dense_eight_bit_baseline_matches_the_reference";
+    let Some(gpu) = gpu_or_skip(test) else { return };
+    // The lifting of the slide path and cuBLASLt on the expanded matrix W' (dense, 2:4 zeros
+    // stored): the same product as the sparse one, so the same reference.
+    let Some(lt) = library(&gpu, test) else {
+        return;
+    };
+    for precision in [LtPrecision::Int8, LtPrecision::E4m3] {
+        for (m, k, n, tok) in [(256usize, 512usize, 4usize, 16usize), (200, 300, 2, 40)] {
+            let s = slide_matrix(m, k, n, 7 + tok as u64);
+            let w = s.expanded();
+            let (mp, kp, np) = LtProduct::padded(m, w.cols(), tok, precision);
+            let (bytes, scales) = quantize_rows(w.data(), m, w.cols(), kp, mp, precision);
+            let wd = gpu.upload(&bytes).unwrap();
+            let wsd = gpu.upload(&scales).unwrap();
+            let dense = DenseLt8::new(&gpu, mp, kp, np, precision).unwrap();
+            // The slide path's lifter and scratch of the same shape.
+            let sparse = SlideLt::upload(&gpu, &lt, &s, precision).unwrap();
+            let (p, sc) = sparse.plan(&gpu, tok).unwrap();
+            assert_eq!((p.m, p.k, p.n), (mp, kp, np));
+            let ldx = k + 1;
+            let x = activations(tok * ldx, 3);
+            let t = threshold_for_sparsity(&x[..k], 0.4).unwrap();
+            let want = want(&s, &x, ldx, tok, t, precision);
+            let xd = gpu.upload(&x).unwrap();
+            let yd = gpu.upload(&vec![f32::NAN; tok * m]).unwrap();
+            sparse
+                .lift(&gpu, dev_ptr(&gpu, &xd), ldx, tok, t, &sc)
+                .unwrap();
+            dense
+                .run(
+                    &gpu,
+                    dev_ptr(&gpu, &wd),
+                    dev_ptr(&gpu, &sc.codes),
+                    dev_ptr(&gpu, &sc.acc),
+                )
+                .unwrap();
+            scale_outputs(
+                &gpu,
+                dense.out,
+                dense.alpha,
+                &sc,
+                mp,
+                m,
+                tok,
+                Some(&wsd),
+                dev_ptr(&gpu, &yd),
+                m,
+                false,
+            )
+            .unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&yd).unwrap();
+            let base = vec![f32::NAN; tok * m];
+            let what = format!(
+                "dense {precision:?} out {:?} {m} x {k}, n = {tok}",
+                dense.out
+            );
+            compare(&got, m, &base, false, &want, m, tok, &what);
+        }
+    }
+}
+
+#[test]
+fn gpu_slide_on_cusparselt_rejects_bad_launches() {
+    let test = "gpu_slide_on_cusparselt_rejects_bad_launches";
+    let Some(gpu) = gpu_or_skip(test) else { return };
+    let Some(lt) = library(&gpu, test) else {
+        return;
+    };
+    let s = slide_matrix(64, 128, 4, 1);
+    let dev = SlideLt::upload(&gpu, &lt, &s, LtPrecision::Int8).unwrap();
+    let (p, sc) = dev.plan(&gpu, 8).unwrap();
+    let x = gpu.upload(&vec![1f32; 64 * 128]).unwrap();
+    let y = gpu.upload(&vec![0f32; 64 * 64]).unwrap();
+    let (xp, yp) = (dev_ptr(&gpu, &x), dev_ptr(&gpu, &y));
+    // More tokens than the plan, a short row stride, a bad threshold, unpadded sizes.
+    assert!(dev
+        .launch_rows(&gpu, &p, &sc, xp, 128, 40, None, yp, 64, false)
+        .is_err());
+    assert!(dev
+        .launch_rows(&gpu, &p, &sc, xp, 100, 4, None, yp, 64, false)
+        .is_err());
+    assert!(dev
+        .launch_rows(&gpu, &p, &sc, xp, 128, 4, Some(f32::NAN), yp, 64, false)
+        .is_err());
+    assert!(dev
+        .launch_rows(&gpu, &p, &sc, xp, 128, 4, None, yp, 10, false)
+        .is_err());
+    assert!(LtProduct::new(&gpu, &lt, 100, 128, 32, LtPrecision::Int8).is_err());
+    // A plan of another matrix.
+    let other =
+        SlideLt::upload(&gpu, &lt, &slide_matrix(128, 128, 4, 2), LtPrecision::Int8).unwrap();
+    let (q, qs) = other.plan(&gpu, 8).unwrap();
+    assert!(dev.multiply(&gpu, &q, &qs).is_err());
+    gpu.synchronize().unwrap();
+}
