@@ -43,11 +43,30 @@ pub struct LtScratch {
 
 impl LtScratch {
     pub fn new(gpu: &Gpu, product: &LtProduct) -> Result<Self> {
+        Self::sized(
+            gpu,
+            product.n,
+            product.k,
+            product.m,
+            product.precision,
+            product.out,
+        )
+    }
+
+    /// For `np` tokens of `kp` (lifted) columns and `mp` output rows.
+    pub fn sized(
+        gpu: &Gpu,
+        np: usize,
+        kp: usize,
+        mp: usize,
+        precision: LtPrecision,
+        out: LtOut,
+    ) -> Result<Self> {
         Ok(Self {
-            codes: gpu.alloc_bytes(product.n * product.k * product.precision.input_bytes())?,
-            scales: gpu.upload(&vec![0f32; product.n])?,
-            acc: gpu.alloc_bytes(product.n * product.m * product.out.bytes())?,
-            np: product.n,
+            codes: gpu.alloc_bytes(np * kp * precision.input_bytes())?,
+            scales: gpu.upload(&vec![0f32; np])?,
+            acc: gpu.alloc_bytes(np * mp * out.bytes())?,
+            np,
         })
     }
 }

@@ -14,6 +14,7 @@ use super::shapes::{shapes_of, Shape};
 use super::svg;
 use crate::balanced_cbc::GpuBalancedCbc;
 use crate::balanced_lowbit::{snap_balanced, GpuBalancedLowBit, LowBitValues};
+use crate::cusparselt::LtPrecision;
 use crate::dense::{Cublas, GpuDense};
 use crate::error::{CudaError, Result};
 use crate::gpu::{DeviceInfo, Gpu};
@@ -108,10 +109,22 @@ pub enum Precision {
     W4A8,
     /// GGUF Q4_0's blocks (4-bit, f16 scale per 32) times 8-bit activations, as `w4a8`.
     Q4_0A8,
+    /// SlideSparse on cuSPARSELt (`--pattern`), f16 values: the lifting, the library's 2:4
+    /// product and the output conversion, all timed; the product alone on a line of its own.
+    SlideLtF16,
+    /// The same with INT8 values (per-row weight scales, per-token activation scales).
+    SlideLtInt8,
+    /// The same with FP8 e4m3 values.
+    SlideLtFp8,
+    /// Dense INT8 on cuBLASLt over the original M x K matrix (per-token quantization, the
+    /// product, the scaling; all timed): the same-precision baseline of `slide-lt-int8`.
+    CublasLtInt8,
+    /// Dense FP8 e4m3 on cuBLASLt, as `cublaslt-int8`.
+    CublasLtFp8,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 27] = [
+    pub const ALL: [Precision; 32] = [
         Precision::F16,
         Precision::W8A16,
         Precision::W4A16,
@@ -139,6 +152,11 @@ impl Precision {
         Precision::Q4KDecodeGemm,
         Precision::W4A8,
         Precision::Q4_0A8,
+        Precision::SlideLtF16,
+        Precision::SlideLtInt8,
+        Precision::SlideLtFp8,
+        Precision::CublasLtInt8,
+        Precision::CublasLtFp8,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -169,6 +187,11 @@ impl Precision {
             Precision::Q4KDecodeGemm => "q4_k-decode-gemm",
             Precision::W4A8 => "w4a8",
             Precision::Q4_0A8 => "q4_0-a8",
+            Precision::SlideLtF16 => "slide-lt-f16",
+            Precision::SlideLtInt8 => "slide-lt-int8",
+            Precision::SlideLtFp8 => "slide-lt-fp8",
+            Precision::CublasLtInt8 => "cublaslt-int8",
+            Precision::CublasLtFp8 => "cublaslt-fp8",
         }
     }
     /// The weight format a precision's rows multiply (`--formats` selects by it): dense
@@ -188,7 +211,9 @@ impl Precision {
             | Precision::W4A16DecodeGemm
             | Precision::Q4KDecodeGemm
             | Precision::W4A8
-            | Precision::Q4_0A8 => "dense",
+            | Precision::Q4_0A8
+            | Precision::CublasLtInt8
+            | Precision::CublasLtFp8 => "dense",
             Precision::BcbcInt8
             | Precision::BcbcInt4
             | Precision::BcbcF16
@@ -198,7 +223,11 @@ impl Precision {
             | Precision::TcbcDecodeGemm
             | Precision::TcbcSpmm
             | Precision::TcbcUnion => "tiled-cbc",
-            Precision::SlideF16 | Precision::SlideF16Copy => "slide",
+            Precision::SlideF16
+            | Precision::SlideF16Copy
+            | Precision::SlideLtF16
+            | Precision::SlideLtInt8
+            | Precision::SlideLtFp8 => "slide",
             Precision::W4A16Cols | Precision::Q4_0Cols => "lowbit-cols",
         }
     }
@@ -222,6 +251,16 @@ impl Precision {
             .into_iter()
             .filter(|p| formats.iter().any(|f| f == p.format()))
             .collect())
+    }
+
+    /// The cuSPARSELt / cuBLASLt rows and their value type.
+    fn library_precision(self) -> Option<LtPrecision> {
+        match self {
+            Precision::SlideLtF16 => Some(LtPrecision::F16),
+            Precision::SlideLtInt8 | Precision::CublasLtInt8 => Some(LtPrecision::Int8),
+            Precision::SlideLtFp8 | Precision::CublasLtFp8 => Some(LtPrecision::E4m3),
+            _ => None,
+        }
     }
 
     fn is_balanced(self) -> bool {
@@ -318,6 +357,11 @@ impl Precision {
             Precision::F16
                 | Precision::SlideF16
                 | Precision::SlideF16Copy
+                | Precision::SlideLtF16
+                | Precision::SlideLtInt8
+                | Precision::SlideLtFp8
+                | Precision::CublasLtInt8
+                | Precision::CublasLtFp8
                 | Precision::TcbcDecodeGemm
                 | Precision::W4A16DecodeGemm
                 | Precision::Q4KDecodeGemm
@@ -339,11 +383,14 @@ impl GemmBenchOptions {
                 return bad(format!("sparsity {v} outside [0, 1)"));
             }
         }
-        if self.precisions.contains(&Precision::SlideF16)
-            || self.precisions.contains(&Precision::SlideF16Copy)
+        if self.precisions.iter().any(|p| p.format() == "slide")
+            || self
+                .precisions
+                .iter()
+                .any(|p| p.library_precision().is_some())
         {
             if self.patterns.is_empty() {
-                return bad("slide-f16 and slide-f16-copy need at least one --pattern".into());
+                return bad("the slide and cuBLASLt rows need at least one --pattern".into());
             }
             for &p in &self.patterns {
                 SlideOptions::from_pattern(p)?;
@@ -799,6 +846,7 @@ fn bench_shape(ctx: &mut Ctx, shape: &Shape, seed: u64) -> Result<()> {
     bench_tiled_cbc(ctx, shape, seed, &x16, &bases)?;
     bench_unions(ctx, shape, seed, &bases)?;
     bench_slide(ctx, shape, seed, &x16, &bases)?;
+    bench_slide_lt(ctx, shape, seed, &x16, &bases)?;
 
     // Balanced-CBC rows: matrix-vector products with TEAL thresholds.
     let balanced: Vec<Precision> = opts
@@ -1424,6 +1472,214 @@ fn bench_slide(
                 bytes,
                 err,
             );
+        }
+    }
+    Ok(())
+}
+
+/// SlideSparse on cuSPARSELt (`slide-lt-*`) and the dense 8-bit baselines on cuBLASLt
+/// (`cublaslt-*`, the original M x K matrix) at every pattern and N (dp 0). Each row times the
+/// whole product as a layer runs it (the activations lifted or quantized, the library's
+/// product, the scaling into f32 outputs) and is checked first against the f64 product of the
+/// same quantization; the libraries' products alone, and their ratio at the same precision,
+/// go on lines of their own.
+fn bench_slide_lt(
+    ctx: &mut Ctx,
+    shape: &Shape,
+    seed: u64,
+    x16: &[f16],
+    bases: &[Timed],
+) -> Result<()> {
+    use crate::cusparselt::{CusparseLt, LtProduct};
+    use crate::dense8::DenseLt8;
+    use crate::product::dev_ptr;
+    use crate::slide::{eight_bit_reference, reference, Eight};
+    use crate::slide_lt::{quantize_rows, scale_outputs, Lifter, LtScratch, SlideLt};
+    let opts = ctx.opts;
+    let wanted: Vec<Precision> = opts
+        .precisions
+        .iter()
+        .copied()
+        .filter(|p| p.library_precision().is_some())
+        .collect();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let gpu = ctx.gpu;
+    let lt = CusparseLt::load(gpu)?;
+    (ctx.progress)(&format!(
+        "cuSPARSELt {} from {}",
+        lt.version,
+        lt.path.display()
+    ));
+    let (m, k) = (shape.m, shape.k);
+    let xf32: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+    let prefix = prefix_tokens(opts);
+    for (pi, &pattern) in opts.patterns.iter().enumerate() {
+        let slide_opts = SlideOptions::from_pattern(pattern)?;
+        let w = sparse_matrix(m, k, 0.0, pattern, seed ^ (0x80 + pi as u64))?;
+        let enc = Slide::encode(&w, &slide_opts)?;
+        let sp = 1.0 / slide_opts.n as f64;
+        for precision in [LtPrecision::F16, LtPrecision::Int8, LtPrecision::E4m3] {
+            let rows_of =
+                |p: Precision| wanted.contains(&p) && p.library_precision() == Some(precision);
+            let sparse_row = [
+                Precision::SlideLtF16,
+                Precision::SlideLtInt8,
+                Precision::SlideLtFp8,
+            ]
+            .into_iter()
+            .find(|&p| rows_of(p));
+            let dense_row = [Precision::CublasLtInt8, Precision::CublasLtFp8]
+                .into_iter()
+                .find(|&p| rows_of(p));
+            if sparse_row.is_none() && dense_row.is_none() {
+                continue;
+            }
+            // The reference of tokens 0..prefix, and of the checked tokens beyond.
+            let reference_of = |x: &[f32], n: usize| -> Vec<f64> {
+                match precision {
+                    LtPrecision::F16 => reference(&enc, x, k, n, None).0,
+                    LtPrecision::Int8 => eight_bit_reference(&enc, x, k, n, None, Eight::Int8),
+                    LtPrecision::E4m3 => eight_bit_reference(&enc, x, k, n, None, Eight::E4m3),
+                }
+            };
+            let want_prefix = reference_of(&xf32, prefix);
+            let want_for = |n: usize| -> Expected {
+                if n <= MAX_KERNEL_TOKENS {
+                    Expected::all(m, want_prefix[..n * m].to_vec())
+                } else {
+                    let tokens = checked_tokens(n);
+                    let xs = gather_rows(&xf32, k, &tokens);
+                    let y = reference_of(&xs, tokens.len());
+                    Expected { m, tokens, y }
+                }
+            };
+            // The sparse copies (one compressed W' each) and the dense ones (W, M x K).
+            let first = SlideLt::upload(gpu, &lt, &enc, precision)?;
+            let mut sparse = vec![first];
+            if sparse_row.is_some() {
+                while sparse.len() < ctx.copies(sparse[0].device_bytes()) {
+                    sparse.push(SlideLt::upload(gpu, &lt, &enc, precision)?);
+                }
+            }
+            let ns = sparse.len();
+            let (mp, kpd, _) = LtProduct::padded(m, k, 1, precision);
+            let dense_w = if dense_row.is_some() {
+                let (bytes, scales) = quantize_rows(w.data(), m, k, kpd, mp, precision);
+                let copies = ctx.copies(bytes.len());
+                let ws = (0..copies)
+                    .map(|_| gpu.upload(&bytes))
+                    .collect::<Result<Vec<_>>>()?;
+                Some((
+                    ws,
+                    gpu.upload(&scales)?,
+                    Lifter::identity(gpu, k, kpd, precision)?,
+                ))
+            } else {
+                None
+            };
+            for (ni, &n) in opts.n.iter().enumerate() {
+                let want = want_for(n);
+                let xd = gpu.upload(&xf32[..n * k])?;
+                let xp = dev_ptr(gpu, &xd);
+                let mut sparse_alone = None;
+                if let Some(row) = sparse_row {
+                    let (p, sc) = sparse[0].plan(gpu, n)?;
+                    let mut y = gpu.poisoned_f32(n * m)?;
+                    let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                        sparse[i % ns].launch_rows(
+                            gpu,
+                            &p,
+                            &sc,
+                            xp,
+                            k,
+                            n,
+                            None,
+                            dev_ptr(gpu, y),
+                            m,
+                            false,
+                        )
+                    };
+                    launch(0, &mut y)?;
+                    let err = want.error(&gpu.download(&y)?);
+                    let t = ctx.time(ns, &mut y, &want, launch)?;
+                    let lifted = p.n * p.k * precision.input_bytes();
+                    let bytes = sparse[0].device_bytes()
+                        + n * k * 4
+                        + 2 * lifted
+                        + 2 * p.n * p.m * p.out.bytes()
+                        + n * m * 4;
+                    ctx.record(row, shape, n, sp, 0.0, &t, &bases[ni], bytes, err);
+                    let alone = time_launches(gpu, 10, opts.reps, |i| {
+                        sparse[i % ns].multiply(gpu, &p, &sc)
+                    })?;
+                    let lift = time_launches(gpu, 10, opts.reps, |_| {
+                        sparse[0].lift(gpu, xp, k, n, None, &sc)
+                    })?;
+                    (ctx.progress)(&format!(
+                        "{:<13} {:>5}x{:<5} n={:<5} {}:{} the cuSPARSELt product alone {:.2} µs (out {:?}); the lifting alone {:.2} µs",
+                        row.name(), m, k, n, 2 * slide_opts.n - 2, 2 * slide_opts.n,
+                        alone.median_us, p.out, lift.median_us
+                    ));
+                    sparse_alone = Some(alone.median_us);
+                }
+                if let (Some(row), Some((ws, wscales, lifter))) = (dense_row, dense_w.as_ref()) {
+                    let (_, _, np) = LtProduct::padded(m, k, n, precision);
+                    let d = DenseLt8::new(gpu, mp, kpd, np, precision)?;
+                    let sc = LtScratch::sized(gpu, np, kpd, mp, precision, d.out)?;
+                    let nd = ws.len();
+                    let mut y = gpu.poisoned_f32(n * m)?;
+                    let launch = |i: usize, y: &mut CudaSlice<f32>| -> Result<()> {
+                        lifter.run(gpu, xp, k, n, None, &sc)?;
+                        d.run(
+                            gpu,
+                            dev_ptr(gpu, &ws[i % nd]),
+                            dev_ptr(gpu, &sc.codes),
+                            dev_ptr(gpu, &sc.acc),
+                        )?;
+                        scale_outputs(
+                            gpu,
+                            d.out,
+                            d.alpha,
+                            &sc,
+                            mp,
+                            m,
+                            n,
+                            Some(wscales),
+                            dev_ptr(gpu, y),
+                            m,
+                            false,
+                        )
+                    };
+                    launch(0, &mut y)?;
+                    let err = want.error(&gpu.download(&y)?);
+                    let t = ctx.time(nd, &mut y, &want, launch)?;
+                    let bytes = m * k
+                        + m * 4
+                        + n * k * 4
+                        + 2 * np * kpd
+                        + 2 * np * mp * d.out.bytes()
+                        + n * m * 4;
+                    ctx.record(row, shape, n, 0.0, 0.0, &t, &bases[ni], bytes, err);
+                    let alone = time_launches(gpu, 10, opts.reps, |i| {
+                        d.run(
+                            gpu,
+                            dev_ptr(gpu, &ws[i % nd]),
+                            dev_ptr(gpu, &sc.codes),
+                            dev_ptr(gpu, &sc.acc),
+                        )
+                    })?;
+                    (ctx.progress)(&format!(
+                        "{:<13} {:>5}x{:<5} n={:<5} the cuBLASLt product alone {:.2} µs (out {:?}){}",
+                        row.name(), m, k, n, alone.median_us, d.out,
+                        sparse_alone.map_or(String::new(), |s| format!(
+                            "; the {}:{} cuSPARSELt product is {:.2}x it",
+                            2 * slide_opts.n - 2, 2 * slide_opts.n, alone.median_us / s
+                        ))
+                    ));
+                }
+            }
         }
     }
     Ok(())
