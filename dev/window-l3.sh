@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Device window L3 (2026-12-06): window L2's W4A8 measurements (issue 26) and the first run of
+# SlideSparse on cuSPARSELt and the dense 8-bit cuBLASLt baseline (issue 29).
+#   PART=a  the w4a8 and slide_lt tests, bench gemm W4A8 at N <= 32, bench gemm of the
+#           slide-lt / cublaslt rows on the 7B's shapes at 2:4 and 6:8 up to 8192 tokens
+#   PART=b  the 7B step with int8 against f16 activations at batch 1, memcheck of the w4a8
+#           tests, the runner's W4A8 test
+# Carry .gpu from `KEEP="w4a8 lowbit runner slide_lt" bash scripts/gpu-runner-bundle.sh`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/window.log") 2>&1
+start=$(date +%s)
+at() { echo "--- $1 at $(( $(date +%s) - start )) s"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+S=.gpu/bin/sieve
+export SIEVE_CUSPARSELT=${SIEVE_CUSPARSELT:-$(find / -name 'libcusparseLt.so.0' -not -path '/proc/*' 2>/dev/null | head -1)}
+echo "cuSPARSELt: $SIEVE_CUSPARSELT"
+exe() { echo "$PWD/.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 "^$1-")"; }
+t() {  # t NAME SECONDS [filter] [crate dir]
+  local bin; bin=$(exe "$1")
+  (cd crates/${4:-sieve-cuda} && SIEVE_REQUIRE_GPU=1 timeout "$2" "$bin" ${3:-} --test-threads 1 > "$OUT/t-$1.log" 2>&1; echo "$1: exit $?")
+  grep -E "^test |test result|panicked|worst|cuSPARSELt [0-9]" "$OUT/t-$1.log" | cut -c1-300 | head -40
+}
+PART=${PART:-a}
+if [ "$PART" = a ]; then
+  at tests
+  t w4a8 45
+  t slide_lt 120
+  at gemm-w4a8
+  timeout 70 $S bench gemm --shapes llama2-7b --precision f16,w4a16,w4a8,gguf-q4_0,q4_0-a8 --n 1,4,16,32 \
+    --reps 50 --json "$OUT/gemm-w4a8.json" > "$OUT/gemm.log" 2>&1; echo "exit $?"
+  grep -E "^\||device|copy|alone" "$OUT/gemm.log" | grep -v "^| f16" | cut -c1-150
+  at gemm-lt
+  timeout 240 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8 \
+    --pattern 2:4,6:8 --n 32,512,4096,8192 --reps 20 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
+  grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
+  at end
+  exit 0
+fi
+at model
+for a in int8 f16; do
+  echo "== bench decode --values int4 --activations $a"
+  timeout 150 $S bench decode --synthetic llama2-7b --format dense --values int4 --sp 0 --dp 0 --activations $a \
+    --prompt 128 --tokens 64 > "$OUT/decode-$a.log" 2>&1; echo "exit $?"
+  grep -E "TPOT|rror" "$OUT/decode-$a.log" | cut -c1-420
+done
+at sanitize
+bin=$(exe w4a8)
+(cd crates/sieve-cuda && SIEVE_REQUIRE_GPU=1 SIEVE_SANITIZE_SMALL=1 timeout 80 compute-sanitizer --tool memcheck \
+  "$bin" --test-threads 1 > "$OUT/san-memcheck-w4a8.log" 2>&1; echo "memcheck w4a8: exit $?")
+grep -E "ERROR SUMMARY|test result" "$OUT/san-memcheck-w4a8.log" | head -3
+t runner 90 tiny_int4_models_with_int8_activations_run_w4a8 sieve-gpu
+grep -E "W4A8 against" "$OUT/t-runner.log"
+at end
