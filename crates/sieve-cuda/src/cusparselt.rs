@@ -51,6 +51,22 @@ const COMPUTE_32F: i32 = 2;
 const SPARSITY_50: i32 = 0;
 const ALG_DEFAULT: i32 = 0;
 
+/// cusparseLtMatmul and cusparseLtMatmulSearch (the plan is const in the first, written by the
+/// second; one type serves both).
+type MatmulFn = unsafe extern "C" fn(
+    O,
+    OM,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    *mut c_void,
+    *mut Stream,
+    i32,
+) -> Status;
+
 /// The entry points sieve calls, looked up once.
 struct Api {
     init: unsafe extern "C" fn(OM) -> Status,
@@ -68,34 +84,8 @@ struct Api {
     workspace: unsafe extern "C" fn(O, O, *mut usize) -> Status,
     compressed_size: unsafe extern "C" fn(O, O, *mut usize, *mut usize) -> Status,
     compress: unsafe extern "C" fn(O, O, *const c_void, *mut c_void, *mut c_void, Stream) -> Status,
-    #[allow(clippy::type_complexity)]
-    matmul: unsafe extern "C" fn(
-        O,
-        O,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *mut c_void,
-        *mut c_void,
-        *mut Stream,
-        i32,
-    ) -> Status,
-    #[allow(clippy::type_complexity)]
-    search: unsafe extern "C" fn(
-        O,
-        OM,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *mut c_void,
-        *mut c_void,
-        *mut Stream,
-        i32,
-    ) -> Status,
+    matmul: MatmulFn,
+    search: MatmulFn,
 }
 
 /// The loaded library and one handle.
@@ -547,56 +537,68 @@ impl LtProduct {
 
     /// Lets the library time its kernels on these operands and keep the fastest in the plan.
     pub fn search(&mut self, gpu: &Gpu, compressed: DevPtr, x: DevPtr, d: DevPtr) -> Result<()> {
-        let mut stream = gpu.stream().cu_stream();
-        let (alpha, beta) = (self.alpha, 0f32);
-        let w = crate::product::dev_ptr(gpu, &self.workspace);
-        // SAFETY: operands sized by the plan (the caller's contract).
-        unsafe {
-            self.lt.check(
-                "cusparseLtMatmulSearch",
-                (self.lt.api.search)(
-                    self.lt.h(),
-                    &mut *self.plan,
-                    &alpha as *const f32 as *const c_void,
-                    compressed as *const c_void,
-                    x as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    d as *const c_void,
-                    d as *mut c_void,
-                    w as *mut c_void,
-                    &mut stream,
-                    1,
-                ),
-            )?;
-        }
+        let plan: OM = &mut *self.plan;
+        self.call(
+            gpu,
+            "cusparseLtMatmulSearch",
+            self.lt.api.search,
+            plan,
+            compressed,
+            x,
+            d,
+        )?;
         gpu.synchronize()
     }
 
     /// `D = op(A) · B` on sieve's stream: `compressed` from [`Self::compress`], `x` N x K row-major
     /// of the input type, `d` N x M row-major of [`Self::out`].
     pub fn run(&self, gpu: &Gpu, compressed: DevPtr, x: DevPtr, d: DevPtr) -> Result<()> {
+        // cusparseLtMatmul reads the plan only (its parameter is const).
+        let plan = &*self.plan as *const Opaque as OM;
+        self.call(
+            gpu,
+            "cusparseLtMatmul",
+            self.lt.api.matmul,
+            plan,
+            compressed,
+            x,
+            d,
+        )
+    }
+
+    /// One call of cusparseLtMatmul or cusparseLtMatmulSearch (the same parameters).
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        gpu: &Gpu,
+        name: &'static str,
+        f: MatmulFn,
+        plan: OM,
+        compressed: DevPtr,
+        x: DevPtr,
+        d: DevPtr,
+    ) -> Result<()> {
         let mut stream = gpu.stream().cu_stream();
         let (alpha, beta) = (self.alpha, 0f32);
         let w = crate::product::dev_ptr(gpu, &self.workspace);
-        // SAFETY: as in `search`.
-        unsafe {
-            self.lt.check(
-                "cusparseLtMatmul",
-                (self.lt.api.matmul)(
-                    self.lt.h(),
-                    &*self.plan,
-                    &alpha as *const f32 as *const c_void,
-                    compressed as *const c_void,
-                    x as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    d as *const c_void,
-                    d as *mut c_void,
-                    w as *mut c_void,
-                    &mut stream,
-                    1,
-                ),
+        // SAFETY: operands sized by the plan (the callers' contract); alpha and beta are f32
+        // for every compute type.
+        let status = unsafe {
+            f(
+                self.lt.h(),
+                plan,
+                &alpha as *const f32 as *const c_void,
+                compressed as *const c_void,
+                x as *const c_void,
+                &beta as *const f32 as *const c_void,
+                d as *const c_void,
+                d as *mut c_void,
+                w as *mut c_void,
+                &mut stream,
+                1,
             )
-        }
+        };
+        self.lt.check(name, status)
     }
 }
 
