@@ -270,7 +270,7 @@ impl Drop for CusparseLt {
 /// The operand types of one product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LtPrecision {
-    /// f16 inputs, f16 output, f32 accumulation.
+    /// f16 inputs, f32 accumulation, f32 output (f16 where the library refuses it).
     F16,
     /// INT8 inputs, i32 accumulation.
     Int8,
@@ -299,11 +299,11 @@ impl LtPrecision {
             LtPrecision::F16 | LtPrecision::E4m3 => COMPUTE_32F,
         }
     }
-    /// Output types to try, best first: exact i32 sums for INT8, f32 for FP8, and f16 (scaled
-    /// by [`F16_OUT_ALPHA`] for the 8-bit types) where the library refuses those.
+    /// Output types to try, best first: exact i32 sums for INT8, f32 for f16 and FP8, and f16
+    /// (scaled by [`F16_OUT_ALPHA`] for the 8-bit types) where the library refuses those.
     fn outputs(self) -> &'static [LtOut] {
         match self {
-            LtPrecision::F16 => &[LtOut::F16],
+            LtPrecision::F16 => &[LtOut::F32, LtOut::F16],
             LtPrecision::Int8 => &[LtOut::I32, LtOut::F16],
             LtPrecision::E4m3 => &[LtOut::F32, LtOut::F16],
         }

@@ -135,19 +135,47 @@ impl Lifter {
         threshold: Threshold,
         s: &LtScratch,
     ) -> Result<()> {
-        check_threshold(threshold)?;
-        if n == 0 || n > s.np || ldx < self.k {
-            return Err(CudaError::Option(format!(
-                "lifting {n} tokens (row stride {ldx}, {} columns) into a plan of {}",
-                self.k, s.np
-            )));
-        }
-        if s.codes.len() < s.np * self.kp * self.precision.input_bytes() {
+        let need = s.np * self.kp * self.precision.input_bytes();
+        if s.codes.len() < need {
             return Err(CudaError::Shape {
                 what: "lifted activations (bytes)",
-                expected: s.np * self.kp * self.precision.input_bytes(),
+                expected: need,
                 actual: s.codes.len(),
             });
+        }
+        let codes = dev_ptr(gpu, &s.codes);
+        self.run_to(
+            gpu,
+            x,
+            ldx,
+            n,
+            s.np,
+            threshold,
+            codes,
+            dev_ptr(gpu, &s.scales),
+        )
+    }
+
+    /// [`Self::run`] into caller-owned buffers: `codes` holds `np` rows of the padded lifted
+    /// length in the input type, `scales` `np` f32 (unused for f16).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_to(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        np: usize,
+        threshold: Threshold,
+        codes: DevPtr,
+        scales: DevPtr,
+    ) -> Result<()> {
+        check_threshold(threshold)?;
+        if n == 0 || n > np || ldx < self.k {
+            return Err(CudaError::Option(format!(
+                "lifting {n} tokens (row stride {ldx}, {} columns) into a plan of {np}",
+                self.k
+            )));
         }
         let f = gpu.function(&FAMILY, Self::kernel(self.precision))?;
         let (ldx, k, kp, ni) = (
@@ -157,15 +185,15 @@ impl Lifter {
             i32_arg("tokens", n)?,
         );
         let t = threshold_arg(threshold);
-        let cfg = grid_cfg((s.np as u32, 1), 256, 0);
+        let cfg = grid_cfg((i32_arg("plan tokens", np)? as u32, 1), 256, 0);
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&x).arg(&ldx);
         if self.precision != LtPrecision::F16 {
             b.arg(&k);
         }
-        b.arg(&self.map).arg(&kp).arg(&ni).arg(&t).arg(&s.codes);
+        b.arg(&self.map).arg(&kp).arg(&ni).arg(&t).arg(&codes);
         if self.precision != LtPrecision::F16 {
-            b.arg(&s.scales);
+            b.arg(&scales);
         }
         unsafe { b.launch(cfg) }.during("launching the cuSPARSELt lifting")?;
         Ok(())
@@ -188,10 +216,36 @@ pub fn scale_outputs(
     ldy: usize,
     accumulate: bool,
 ) -> Result<()> {
-    if n == 0 || n > s.np || m > mp || ldy < m {
+    if n > s.np {
         return Err(CudaError::Option(format!(
-            "scaling {n} x {m} outputs (row stride {ldy}) from a {} x {mp} plan",
+            "scaling {n} tokens from a plan of {}",
             s.np
+        )));
+    }
+    let scales = ws.map(|w| (dev_ptr(gpu, w), dev_ptr(gpu, &s.scales)));
+    let acc = dev_ptr(gpu, &s.acc);
+    scale_outputs_from(gpu, out, alpha, acc, mp, m, n, scales, y, ldy, accumulate)
+}
+
+/// [`scale_outputs`] from caller-owned accumulators (`acc`, rows `mp` apart) and scales
+/// (`(row scales, token scales)`, `None` for f16).
+#[allow(clippy::too_many_arguments)]
+pub fn scale_outputs_from(
+    gpu: &Gpu,
+    out: LtOut,
+    alpha: f32,
+    acc: DevPtr,
+    mp: usize,
+    m: usize,
+    n: usize,
+    scales: Option<(DevPtr, DevPtr)>,
+    y: DevPtr,
+    ldy: usize,
+    accumulate: bool,
+) -> Result<()> {
+    if n == 0 || m > mp || ldy < m {
+        return Err(CudaError::Option(format!(
+            "scaling {n} x {m} outputs (row stride {ldy}) from accumulators {mp} apart"
         )));
     }
     let name = match out {
@@ -207,14 +261,10 @@ pub fn scale_outputs(
         i32_arg("y row stride", ldy)?,
     );
     let post = 1.0 / alpha;
-    let acc: i32 = accumulate.into();
-    let null: DevPtr = 0;
-    let (wsp, xsp) = match ws {
-        Some(w) => (dev_ptr(gpu, w), dev_ptr(gpu, &s.scales)),
-        None => (null, null),
-    };
+    let add: i32 = accumulate.into();
+    let (wsp, xsp) = scales.unwrap_or((0, 0));
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&s.acc)
+    b.arg(&acc)
         .arg(&mpi)
         .arg(&mi)
         .arg(&ni)
@@ -223,7 +273,7 @@ pub fn scale_outputs(
         .arg(&xsp)
         .arg(&y)
         .arg(&ldyi)
-        .arg(&acc);
+        .arg(&add);
     unsafe { b.launch(grid_cfg(grid_stride(n * m), 256, 0)) }
         .during("launching the cuSPARSELt output scaling")?;
     Ok(())
@@ -369,6 +419,51 @@ impl SlideLt {
         Ok((p, s))
     }
 
+    /// (Rows, padded lifted columns) of the library's product: an [`LtProduct`] of this
+    /// matrix has `m, k` equal to these.
+    pub fn plan_shape(&self) -> (usize, usize) {
+        (self.mp, self.kp)
+    }
+
+    /// A plan for `np` tokens (already padded), searched on these weights with the caller's
+    /// buffers (`codes`: `np` lifted rows of the input type, `acc`: `np` x M of any output
+    /// type the plan may pick, so 4 bytes each).
+    pub fn plan_with(&self, gpu: &Gpu, np: usize, codes: DevPtr, acc: DevPtr) -> Result<LtProduct> {
+        let mut p = LtProduct::new(gpu, &self.lt, self.mp, self.kp, np, self.precision)?;
+        p.search(gpu, dev_ptr(gpu, &self.weights), codes, acc)?;
+        Ok(p)
+    }
+
+    /// The three steps into caller-owned buffers (see [`Self::plan_with`]); `scales` holds
+    /// `p.n` f32 (8-bit only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_rows_to(
+        &self,
+        gpu: &Gpu,
+        p: &LtProduct,
+        codes: DevPtr,
+        acc: DevPtr,
+        scales: DevPtr,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        threshold: Threshold,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        if p.m != self.mp || p.k != self.kp || p.precision != self.precision {
+            return Err(self.plan_mismatch(p));
+        }
+        self.lifter
+            .run_to(gpu, x, ldx, n, p.n, threshold, codes, scales)?;
+        p.run(gpu, dev_ptr(gpu, &self.weights), codes, acc)?;
+        let both = self.w_scales.as_ref().map(|w| (dev_ptr(gpu, w), scales));
+        scale_outputs_from(
+            gpu, p.out, p.alpha, acc, self.mp, self.rows, n, both, y, ldy, accumulate,
+        )
+    }
+
     /// Step 1 of a product: the lifted activations of `n` tokens into `s`.
     pub fn lift(
         &self,
@@ -442,12 +537,16 @@ impl SlideLt {
 
     fn check_plan(&self, p: &LtProduct, s: &LtScratch) -> Result<()> {
         if p.m != self.mp || p.k != self.kp || p.precision != self.precision || s.np != p.n {
-            return Err(CudaError::Option(format!(
-                "a cuSPARSELt plan of {} x {} x {} ({:?}) for a {} x {} {:?} matrix",
-                p.m, p.k, p.n, p.precision, self.mp, self.kp, self.precision
-            )));
+            return Err(self.plan_mismatch(p));
         }
         Ok(())
+    }
+
+    fn plan_mismatch(&self, p: &LtProduct) -> CudaError {
+        CudaError::Option(format!(
+            "a cuSPARSELt plan of {} x {} x {} ({:?}) for a {} x {} {:?} matrix",
+            p.m, p.k, p.n, p.precision, self.mp, self.kp, self.precision
+        ))
     }
 }
 
