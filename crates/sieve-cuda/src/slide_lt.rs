@@ -31,6 +31,14 @@ pub const FAMILY: KernelFamily = KernelFamily {
     source: include_str!("../kernels/slide_lt.cu"),
 };
 
+/// False when `SIEVE_CUSPARSELT_SEARCH=off` (read once): plans keep the library's default
+/// algorithm instead of timing its candidates (`cusparseLtMatmulSearch`). A switch for telling
+/// a failing search from a failing product, not a setting.
+fn search_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SIEVE_CUSPARSELT_SEARCH").as_deref() != Ok("off"))
+}
+
 /// The device buffers of one token count: the lifted (or quantized) activations, their
 /// per-token scales and the library's accumulators.
 pub struct LtScratch {
@@ -410,12 +418,14 @@ impl SlideLt {
         let (_, _, np) = LtProduct::padded(self.mp, self.kp, n, self.precision);
         let mut p = LtProduct::new(gpu, &self.lt, self.mp, self.kp, np, self.precision)?;
         let s = LtScratch::new(gpu, &p)?;
-        p.search(
-            gpu,
-            dev_ptr(gpu, &self.weights),
-            dev_ptr(gpu, &s.codes),
-            dev_ptr(gpu, &s.acc),
-        )?;
+        if search_enabled() {
+            p.search(
+                gpu,
+                dev_ptr(gpu, &self.weights),
+                dev_ptr(gpu, &s.codes),
+                dev_ptr(gpu, &s.acc),
+            )?;
+        }
         Ok((p, s))
     }
 
@@ -430,7 +440,9 @@ impl SlideLt {
     /// type the plan may pick, so 4 bytes each).
     pub fn plan_with(&self, gpu: &Gpu, np: usize, codes: DevPtr, acc: DevPtr) -> Result<LtProduct> {
         let mut p = LtProduct::new(gpu, &self.lt, self.mp, self.kp, np, self.precision)?;
-        p.search(gpu, dev_ptr(gpu, &self.weights), codes, acc)?;
+        if search_enabled() {
+            p.search(gpu, dev_ptr(gpu, &self.weights), codes, acc)?;
+        }
         Ok(p)
     }
 

@@ -536,6 +536,7 @@ pub fn run_synthetic_with(
                 layouts: crate::matrix::Layouts {
                     batch: opts.batches.iter().any(|&b| b > 1),
                     int8_activations: opts.int8_activations,
+                    ..Default::default()
                 },
             };
             let t = Instant::now();

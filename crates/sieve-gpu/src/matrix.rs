@@ -24,12 +24,14 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::balanced_cbc::GpuBalancedCbc;
 use sieve_cuda::balanced_lowbit::{BalancedLowBit, GpuBalancedLowBit};
+use sieve_cuda::cusparselt::{CusparseLt, LtPrecision, LtProduct};
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
 use sieve_cuda::ie_bme::{GpuIeBme, IeBmeDevice};
 use sieve_cuda::lowbit::{GpuLowBit, LowBitMatrix};
 use sieve_cuda::lowbit_cols::GpuLowBitCols;
 use sieve_cuda::rlc_csc::GpuRlcCsc;
 use sieve_cuda::slide::GpuSlide;
+use sieve_cuda::slide_lt::SlideLt;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::w4a8::{Int8Activations, W4A8};
 use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
@@ -39,6 +41,7 @@ use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
 use sieve_formats::slide::Slide;
 use sieve_formats::tiled_cbc::TiledCbc;
 use sieve_formats::{DenseMatrix, FormatKind, Threshold, WeightFormat};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A weight matrix as the host hands it to the runner.
 pub enum HostMatrix {
@@ -153,22 +156,71 @@ pub struct SlideProduct {
     n: usize,
     /// [`GpuSlide::lifted_len`]`(1)` f16: the lifted, masked input of one token.
     lifted: CudaSlice<f16>,
+    /// With [`Layouts::slide_library`]: the same matrix compressed by cuSPARSELt (f16 values),
+    /// for prompt passes of [`crate::prefill::SLIDE_LIBRARY_MIN_TOKENS`] or more, and its plans
+    /// by padded token count (made and searched at a pass's first use of that count).
+    pub library: Option<SlideLt>,
+    plans: Mutex<Vec<Arc<LtProduct>>>,
+}
+
+/// cuSPARSELt, loaded once per process for the slide matrices that ask for it.
+fn slide_library(gpu: &Gpu) -> Result<Arc<CusparseLt>> {
+    static LIBRARY: OnceLock<Arc<CusparseLt>> = OnceLock::new();
+    if let Some(lt) = LIBRARY.get() {
+        return Ok(lt.clone());
+    }
+    let lt = CusparseLt::load(gpu)?;
+    Ok(LIBRARY.get_or_init(|| lt).clone())
 }
 
 impl SlideProduct {
-    /// Uploads `s` with its one-token scratch (every kernel looked up now, not in a capture).
-    pub fn upload(gpu: &Gpu, s: &Slide) -> Result<Self> {
+    /// Uploads `s` with its one-token scratch (every kernel looked up now, not in a capture),
+    /// and its cuSPARSELt copy when `library`.
+    pub fn upload(gpu: &Gpu, s: &Slide, library: bool) -> Result<Self> {
         let matrix = GpuSlide::upload(gpu, s)?;
         let lifted = gpu.upload(&vec![f16::ZERO; matrix.lifted_len(1)])?;
+        let library = if library {
+            Some(SlideLt::upload(
+                gpu,
+                &slide_library(gpu)?,
+                s,
+                LtPrecision::F16,
+            )?)
+        } else {
+            None
+        };
         Ok(Self {
             matrix,
             n: s.n(),
             lifted,
+            library,
+            plans: Mutex::new(Vec::new()),
         })
     }
     /// N of (2N-2):2N.
     pub fn n(&self) -> usize {
         self.n
+    }
+
+    /// The cuSPARSELt plan for `np` tokens (padded), made on first use with the pass's
+    /// scratch (`codes`, `acc`: see [`SlideLt::plan_with`]).
+    pub fn library_plan(
+        &self,
+        gpu: &Gpu,
+        np: usize,
+        codes: DevPtr,
+        acc: DevPtr,
+    ) -> Result<Option<Arc<LtProduct>>> {
+        let Some(lib) = &self.library else {
+            return Ok(None);
+        };
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = plans.iter().find(|p| p.n == np) {
+            return Ok(Some(p.clone()));
+        }
+        let p = Arc::new(lib.plan_with(gpu, np, codes, acc)?);
+        plans.push(p.clone());
+        Ok(Some(p))
     }
 }
 
@@ -183,8 +235,9 @@ impl GpuAccumulate for SlideProduct {
     }
 }
 
-/// What an upload keeps beside each matrix's decode-step layout.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What an upload keeps beside each matrix's decode-step layout. The default keeps nothing
+/// more, except `slide_library` where `SIEVE_SLIDE_PROMPT=cusparselt` asks for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layouts {
     /// Also keep every column-major 4-bit matrix (a threshold on its input) in the
     /// tensor-core layout, for products of many sequences at once: the union of a batch's
@@ -196,6 +249,20 @@ pub struct Layouts {
     /// Multiply the 4-bit matrices that have W4A8 kernels (W4A16 g128, GGUF Q4_0) with their
     /// inputs quantized to INT8 per token (`sieve_cuda::w4a8`): `--activations int8`.
     pub int8_activations: bool,
+    /// Also keep every SlideSparse matrix compressed by cuSPARSELt (its f16 values again) and
+    /// multiply prompt passes of [`crate::prefill::SLIDE_LIBRARY_MIN_TOKENS`] or more with the
+    /// library instead of an f16 copy and cuBLAS (`SIEVE_SLIDE_PROMPT=cusparselt`).
+    pub slide_library: bool,
+}
+
+impl Default for Layouts {
+    fn default() -> Self {
+        Self {
+            batch: false,
+            int8_activations: false,
+            slide_library: crate::prefill::slide_library_requested(),
+        }
+    }
 }
 
 /// One matrix in device memory with the kernel that multiplies it.
@@ -352,9 +419,9 @@ impl DeviceMatrix {
 
     /// Uploads an encoded SlideSparse matrix with its one-token scratch. The bytes are the
     /// device layout's (values and metadata, rows padded to 32 and K' to 128).
-    pub fn upload_slide(gpu: &Gpu, s: &Slide) -> Result<(Self, usize)> {
-        let p = SlideProduct::upload(gpu, s)?;
-        let bytes = p.matrix.device_bytes();
+    pub fn upload_slide(gpu: &Gpu, s: &Slide, layouts: Layouts) -> Result<(Self, usize)> {
+        let p = SlideProduct::upload(gpu, s, layouts.slide_library)?;
+        let bytes = p.matrix.device_bytes() + p.library.as_ref().map_or(0, |l| l.device_bytes());
         Ok((DeviceMatrix::Slide(p), bytes))
     }
 
@@ -370,7 +437,7 @@ impl DeviceMatrix {
             HostMatrix::Values(v) => Self::upload(gpu, kind, v, threshold, layouts),
             HostMatrix::LowBit(q) => Self::upload_low_bit(gpu, q, threshold, layouts),
             HostMatrix::IeBme(e) => Self::upload_ie_bme(gpu, e),
-            HostMatrix::Slide(s) => Self::upload_slide(gpu, s),
+            HostMatrix::Slide(s) => Self::upload_slide(gpu, s, layouts),
         }
     }
 
@@ -564,7 +631,7 @@ impl DeviceLinear {
                             _ => None,
                         })
                         .collect();
-                    DeviceMatrix::upload_slide(gpu, &Slide::concat_rows(&slides)?)?
+                    DeviceMatrix::upload_slide(gpu, &Slide::concat_rows(&slides)?, layouts)?
                 }
                 HostMatrix::IeBme(_) => {
                     return Err(GpuError::InvalidArgument(

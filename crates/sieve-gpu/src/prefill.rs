@@ -34,6 +34,7 @@ use crate::error::{GpuError, Result};
 use crate::matrix::{DeviceLinear, DeviceMatrix};
 use cudarc::driver::CudaSlice;
 use half::f16;
+use sieve_cuda::slide_lt::SlideLt;
 use sieve_cuda::{dev_ptr, DevPtr, DriverContext, Gpu};
 use sieve_formats::Threshold;
 
@@ -106,6 +107,31 @@ pub const IE_BME_DECODE_MIN_TOKENS: usize = 33;
 fn lowbit_copy_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("SIEVE_LOWBIT_PREFILL").as_deref() != Ok("kernel"))
+}
+
+/// True when `SIEVE_SLIDE_PROMPT=cusparselt` (read once): SlideSparse matrices are also
+/// uploaded to cuSPARSELt, and prompt passes of [`SLIDE_LIBRARY_MIN_TOKENS`] or more multiply
+/// them there ([`crate::matrix::Layouts::slide_library`]). Off by default until measured in
+/// the model against the f16 copy and cuBLAS.
+pub fn slide_library_requested() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SIEVE_SLIDE_PROMPT").as_deref() == Ok("cusparselt"))
+}
+
+/// Fewest tokens of a prompt pass that multiplies a SlideSparse matrix on cuSPARSELt (when it
+/// was uploaded there): where the f16 copy takes over from `mma.sp` today.
+pub const SLIDE_LIBRARY_MIN_TOKENS: usize = sieve_cuda::slide::DECODE_MIN_TOKENS;
+
+/// A pass's token count is rounded up to a multiple of this for its cuSPARSELt plan, so that
+/// a matrix keeps a few plans (passes are mostly whole chunks).
+pub const SLIDE_LIBRARY_TOKEN_STEP: usize = 256;
+
+/// f16 elements of the scratch a cuSPARSELt slide product of `n` tokens takes from the pass's
+/// f16 scratch: the lifted f16 rows, then the f32 accumulators (two f16 elements each).
+fn slide_library_scratch(s: &SlideLt, n: usize) -> (usize, usize) {
+    let np = n.next_multiple_of(SLIDE_LIBRARY_TOKEN_STEP);
+    let (mp, kp) = s.plan_shape();
+    (np, np * kp + 2 * np * mp)
 }
 
 /// False when `SIEVE_BATCH_UNION=off` (read once): a switch for measuring the union products
@@ -318,7 +344,13 @@ pub fn lifted_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
         .iter()
         .flat_map(|l| l.parts.iter())
         .filter_map(|p| match &p.matrix {
-            DeviceMatrix::Slide(s) => Some(s.matrix.lifted_len(chunk)),
+            DeviceMatrix::Slide(s) => Some(match &s.library {
+                Some(lib) if chunk >= SLIDE_LIBRARY_MIN_TOKENS => s
+                    .matrix
+                    .lifted_len(chunk)
+                    .max(slide_library_scratch(lib, chunk).1),
+                _ => s.matrix.lifted_len(chunk),
+            }),
             _ => None,
         })
         .max()
@@ -414,6 +446,39 @@ pub fn linear_rows(
                 )?;
             }
             continue;
+        }
+        if let DeviceMatrix::Slide(s) = &p.matrix {
+            if let (Some(lib), true) = (&s.library, n >= SLIDE_LIBRARY_MIN_TOKENS) {
+                // cuSPARSELt: the lifted f16 rows, then the f32 accumulators, in w16.
+                let (np, need) = slide_library_scratch(lib, n);
+                if need > w16_len {
+                    return Err(GpuError::InvalidArgument(format!(
+                        "{n} tokens in one cuSPARSELt slide pass: its scratch holds {w16_len} \
+                         f16 values, {need} needed"
+                    )));
+                }
+                let codes = w16;
+                let acc = w16 + (np * lib.plan_shape().1 * 2) as u64;
+                let plan = s
+                    .library_plan(gpu, np, codes, acc)?
+                    .ok_or_else(|| GpuError::InvalidArgument("no cuSPARSELt copy".into()))?;
+                let yp = y + (p.row_offset * 4) as u64;
+                lib.launch_rows_to(
+                    gpu,
+                    &plan,
+                    codes,
+                    acc,
+                    0,
+                    x,
+                    ldx,
+                    n,
+                    p.threshold,
+                    yp,
+                    ldy,
+                    beta != 0.0,
+                )?;
+                continue;
+            }
         }
         let slide_by_kernel = match &p.matrix {
             DeviceMatrix::Slide(s) => {

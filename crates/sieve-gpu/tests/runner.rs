@@ -2533,3 +2533,74 @@ fn persistent_step_matches_the_graph_step() {
         .to_string();
     assert!(err.contains("head dim 16"), "{err}");
 }
+
+/// `Layouts::slide_library` (`SIEVE_SLIDE_PROMPT=cusparselt`): a slide 6:8 model's prompt
+/// passes of 512 tokens or more multiply on cuSPARSELt (its plans made at the first pass of
+/// each padded size) and give the CPU's greedy tokens, as the f16 copy does.
+#[test]
+fn slide_prompts_on_cusparselt_match_cpu() {
+    let _serial = serial_gpu();
+    let name = "slide_prompts_on_cusparselt_match_cpu";
+    let Some(gpu) = gpu_or_skip(name) else {
+        return;
+    };
+    if let Err(e) = sieve_cuda::cusparselt::CusparseLt::load(&gpu) {
+        if std::env::var("SIEVE_REQUIRE_GPU").as_deref() == Ok("1") {
+            panic!("{name}: SIEVE_REQUIRE_GPU=1 but cuSPARSELt did not load: {e}");
+        }
+        eprintln!("{name}: skipped, no cuSPARSELt: {e}");
+        return;
+    }
+    drop(gpu);
+    use sieve_formats::slide::{prune_to_pattern, Slide, SlideOptions};
+    let mut cfg = config(301, 96, 224, 2, 6, 2, 16);
+    cfg.max_position_embeddings = 1024;
+    let seed = 71;
+    let mut model = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+    for (_, lin) in model.linears_mut() {
+        let pruned = prune_to_pattern(&lin.format().decode(), 4).unwrap();
+        let s = Slide::encode(&pruned, &SlideOptions { n: 4 }).unwrap();
+        lin.replace_format(sieve_cpu::format_from_blob(&s.to_bytes()).unwrap())
+            .unwrap();
+    }
+    let mut reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
+    for ((_, slide), (_, dense)) in model.linears_mut().into_iter().zip(reference.linears_mut()) {
+        let values = slide.format().decode();
+        dense
+            .replace_format(Box::new(sieve_cpu::dense::FastDense::new(values)))
+            .unwrap();
+    }
+    let layouts = sieve_gpu::matrix::Layouts {
+        slide_library: true,
+        ..Default::default()
+    };
+    let v = model.config().vocab_size;
+    let steps = 6;
+    let mut compared_total = 0;
+    for (p, len) in [(0usize, 520usize), (1, 700)] {
+        let prompt: Vec<u32> = (0..len)
+            .map(|i| ((i * (31 + 2 * p) + 7 + p) % v) as u32)
+            .collect();
+        let (cpu, compared, _) = cpu_greedy(&mut reference, &prompt, steps, 0.1);
+        let mut g = GpuModel::from_model_with_layouts(
+            Gpu::new(0).unwrap(),
+            &model,
+            len + steps + 1,
+            KvPrecision::F16,
+            layouts,
+        )
+        .unwrap();
+        assert!(g.prefill_is_batched(), "{name}");
+        let gpu = gpu_tokens_after(&mut g, &prompt, steps);
+        assert_eq!(
+            gpu[..compared],
+            cpu[..compared],
+            "{name}: tokens after a {len}-token prompt"
+        );
+        compared_total += compared;
+    }
+    assert!(
+        compared_total > 0,
+        "{name}: every first step was a near tie"
+    );
+}

@@ -268,6 +268,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             let layouts = sieve_gpu::matrix::Layouts {
                 batch: opts.batches.iter().any(|&b| b > 1),
                 int8_activations: opts.int8_activations,
+                ..Default::default()
             };
             let mut m = super::device::upload_with(gpu, &model, capacity, layouts)?;
             drop(model);
