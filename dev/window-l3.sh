@@ -3,6 +3,11 @@
 # SlideSparse on cuSPARSELt and the dense 8-bit cuBLASLt baseline (issue 29).
 #   PART=a  the w4a8 and slide_lt tests, bench gemm W4A8 at N <= 32, bench gemm of the
 #           slide-lt / cublaslt rows on the 7B's shapes at 2:4 and 6:8 up to 8192 tokens
+#   PART=c  after window L3a (cuSPARSELt 0.8's search faulted on the first f16 plan): the
+#           slide_lt tests per precision in separate processes, f16 with and without the
+#           search; bench gemm of the library rows (8-bit first); the runner's slide test on
+#           cuSPARSELt
+#   PART=d  TTFT of a 6:8 7B at 2,048 tokens: the f16 copy against cuSPARSELt
 #   PART=b  the 7B step with int8 against f16 activations at batch 1, memcheck of the w4a8
 #           tests, the runner's W4A8 test
 # Carry .gpu from `KEEP="w4a8 lowbit runner slide_lt" bash scripts/gpu-runner-bundle.sh`.
@@ -24,6 +29,33 @@ t() {  # t NAME SECONDS [filter] [crate dir]
   grep -E "^test |test result|panicked|worst|cuSPARSELt [0-9]" "$OUT/t-$1.log" | cut -c1-300 | head -40
 }
 PART=${PART:-a}
+if [ "$PART" = c ]; then
+  at tests
+  SIEVE_LT_PRECISIONS=int8,fp8 t slide_lt 90
+  SIEVE_LT_PRECISIONS=f16 SIEVE_CUSPARSELT_SEARCH=off t slide_lt 60 gpu_slide_on_cusparselt_matches
+  cp "$OUT/t-slide_lt.log" "$OUT/t-slide_lt-f16-nosearch.log"
+  SIEVE_LT_PRECISIONS=f16 t slide_lt 60 gpu_slide_on_cusparselt_matches
+  if grep -q "test result: ok" "$OUT/t-slide_lt.log"; then search=on; else search=off; fi
+  echo "search for the rest: $search"
+  export SIEVE_CUSPARSELT_SEARCH=$search
+  at gemm-lt
+  timeout 220 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
+    --pattern 2:4,6:8 --n 32,512,4096,8192 --reps 20 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
+  grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
+  at runner
+  t runner 90 slide_prompts_on_cusparselt_match_cpu sieve-gpu
+  at end
+  exit 0
+fi
+if [ "$PART" = d ]; then
+  for mode in copy cusparselt; do
+    echo "== SIEVE_SLIDE_PROMPT=$mode"
+    SIEVE_SLIDE_PROMPT=$mode timeout 200 $S bench decode --synthetic llama2-7b --format slide --pattern 6:8 --sp 0.25 --dp 0 \
+      --prompt 2048 --tokens 16 > "$OUT/ttft-$mode.log" 2>&1; echo "exit $?"
+    grep -E "TTFT|TPOT|rror" "$OUT/ttft-$mode.log" | cut -c1-300
+  done
+  exit 0
+fi
 if [ "$PART" = a ]; then
   at tests
   t w4a8 45
