@@ -39,11 +39,11 @@ if [ "$PART" = c ]; then
   echo "search for the rest: $search"
   export SIEVE_CUSPARSELT_SEARCH=$search
   at gemm-lt
-  timeout 220 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
+  timeout 180 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
     --pattern 2:4,6:8 --n 32,512,4096,8192 --reps 20 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
   grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
   at runner
-  t runner 90 slide_prompts_on_cusparselt_match_cpu sieve-gpu
+  t runner 70 slide_prompts_on_cusparselt_match_cpu sieve-gpu
   at end
   exit 0
 fi
