@@ -31,19 +31,19 @@ t() {  # t NAME SECONDS [filter] [crate dir]
 PART=${PART:-a}
 if [ "$PART" = c ]; then
   at tests
-  SIEVE_LT_PRECISIONS=int8,fp8 t slide_lt 90
-  SIEVE_LT_PRECISIONS=f16 SIEVE_CUSPARSELT_SEARCH=off t slide_lt 60 gpu_slide_on_cusparselt_matches
+  SIEVE_LT_PRECISIONS=int8,fp8 t slide_lt 70
+  SIEVE_LT_PRECISIONS=f16 SIEVE_CUSPARSELT_SEARCH=off t slide_lt 45 gpu_slide_on_cusparselt_matches
   cp "$OUT/t-slide_lt.log" "$OUT/t-slide_lt-f16-nosearch.log"
-  SIEVE_LT_PRECISIONS=f16 t slide_lt 60 gpu_slide_on_cusparselt_matches
+  SIEVE_LT_PRECISIONS=f16 t slide_lt 45 gpu_slide_on_cusparselt_matches
   if grep -q "test result: ok" "$OUT/t-slide_lt.log"; then search=on; else search=off; fi
   echo "search for the rest: $search"
   export SIEVE_CUSPARSELT_SEARCH=$search
   at gemm-lt
-  timeout 180 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
+  timeout 160 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
     --pattern 2:4,6:8 --n 32,512,4096,8192 --reps 20 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
   grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
   at runner
-  t runner 70 slide_prompts_on_cusparselt_match_cpu sieve-gpu
+  t runner 60 slide_prompts_on_cusparselt_match_cpu sieve-gpu
   at end
   exit 0
 fi
