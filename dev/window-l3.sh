@@ -40,7 +40,7 @@ if [ "$PART" = c ]; then
   export SIEVE_CUSPARSELT_SEARCH=$search
   at gemm-lt
   timeout 160 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
-    --pattern 2:4,6:8 --n 32,512,4096,8192 --reps 20 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
+    --pattern 2:4,6:8 --n 512,4096,8192 --reps 10 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
   grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
   at runner
   t runner 60 slide_prompts_on_cusparselt_match_cpu sieve-gpu
@@ -66,7 +66,7 @@ if [ "$PART" = a ]; then
   grep -E "^\||device|copy|alone" "$OUT/gemm.log" | grep -v "^| f16" | cut -c1-150
   at gemm-lt
   timeout 240 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8 \
-    --pattern 2:4,6:8 --n 32,512,4096,8192 --reps 20 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
+    --pattern 2:4,6:8 --n 512,4096,8192 --reps 10 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
   grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
   at end
   exit 0
