@@ -47,6 +47,24 @@ if [ "$PART" = c ]; then
   at end
   exit 0
 fi
+if [ "$PART" = e ]; then
+  # Part c within ~280 s: no search-off run unless the searched f16 test fails, 6:8 only.
+  at tests
+  SIEVE_LT_PRECISIONS=int8,fp8 t slide_lt 60
+  SIEVE_LT_PRECISIONS=f16 t slide_lt 40 gpu_slide_on_cusparselt_matches
+  if grep -q "test result: ok" "$OUT/t-slide_lt.log"; then search=on; else search=off
+    SIEVE_LT_PRECISIONS=f16 SIEVE_CUSPARSELT_SEARCH=off t slide_lt 40 gpu_slide_on_cusparselt_matches
+  fi
+  export SIEVE_CUSPARSELT_SEARCH=$search
+  at gemm-lt
+  timeout 110 $S bench gemm --shapes llama2-7b --precision f16,slide-lt-int8,slide-lt-fp8,cublaslt-int8,cublaslt-fp8,slide-lt-f16,slide-f16-copy \
+    --pattern 6:8 --n 4096,8192 --reps 10 --json "$OUT/gemm-lt.json" > "$OUT/gemm-lt.log" 2>&1; echo "exit $?"
+  grep -E "^\||cuSPARSELt|alone|rror" "$OUT/gemm-lt.log" | cut -c1-170
+  at runner
+  t runner 50 slide_prompts_on_cusparselt_match_cpu sieve-gpu
+  at end
+  exit 0
+fi
 if [ "$PART" = d ]; then
   for mode in copy cusparselt; do
     echo "== SIEVE_SLIDE_PROMPT=$mode"
