@@ -340,14 +340,20 @@ mod tests {
         assert_eq!(default.len(), 5);
         assert_eq!(default[0], Precision::F16);
         // --formats alone: only its precisions (the f16 baseline is timed in any case).
-        assert_eq!(
-            precisions(&["--formats", "slide"]).unwrap(),
-            vec![Precision::SlideF16, Precision::SlideF16Copy]
-        );
+        let slide = [
+            Precision::SlideF16,
+            Precision::SlideF16Copy,
+            Precision::SlideLtF16,
+            Precision::SlideLtInt8,
+            Precision::SlideLtFp8,
+        ];
+        assert_eq!(precisions(&["--formats", "slide"]).unwrap(), slide.to_vec());
         // Beside --precision, without repeating one named there.
+        let mut named = vec![Precision::F16];
+        named.extend(slide);
         assert_eq!(
             precisions(&["--precision", "f16,slide-f16", "--formats", "slide"]).unwrap(),
-            vec![Precision::F16, Precision::SlideF16, Precision::SlideF16Copy]
+            named
         );
         let e = precisions(&["--formats", "csr"]).unwrap_err().to_string();
         assert!(e.contains("unknown format 'csr'"), "{e}");
