@@ -5,14 +5,21 @@
 //! `[N][K]` (K x N, op N), D row-major `[N][M]` (M x N column-major), the "TN" layout both
 //! libraries require for 8-bit inputs. The accumulators (i32 for INT8, f32 or f16 for FP8) are
 //! scaled to f32 outputs by `slide_lt.cu`'s `lt_scale_*`, as the sparse products' are.
+//!
+//! [`Dense8`] is the same product for a model's prompt passes (`--prompt-precision int8|fp8`,
+//! W8A8): the weights quantized once per row on upload, each pass's activations masked and
+//! quantized per token by the identity [`Lifter`], the sums scaled into the f32 rows.
 
-use crate::cusparselt::{LtOut, LtPrecision, F16_OUT_ALPHA};
+use crate::cusparselt::{LtOut, LtPrecision, LtProduct, F16_OUT_ALPHA};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::product::DevPtr;
+use crate::product::{dev_ptr, DevPtr};
+use crate::slide_lt::{quantize_rows, scale_outputs_from, Lifter, FAMILY};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::CudaSlice;
+use half::f16;
+use sieve_formats::Threshold;
 use std::ffi::c_void;
 
 /// Workspace the heuristic may use (cuBLASLt's own recommendation for Hopper is 32 MiB).
@@ -35,6 +42,13 @@ pub struct DenseLt8 {
     /// The alpha of every call: 1, or [`F16_OUT_ALPHA`] when FP8 sums are written as f16.
     pub alpha: f32,
 }
+
+// SAFETY: the handle and descriptors are created in `plan` and only read after (cuBLASLt
+// documents its handle as usable from several host threads); `run` takes `&self`. Two runs of
+// one plan at once on different streams would share its workspace: callers that share plans
+// key them by stream (sieve-gpu's `Prompt8::plan`).
+unsafe impl Send for DenseLt8 {}
+unsafe impl Sync for DenseLt8 {}
 
 fn blas(what: &'static str) -> impl Fn(lt::CublasError) -> CudaError {
     move |e| CudaError::CublasLt(format!("{what}: {e:?}"))
@@ -230,5 +244,114 @@ impl Drop for DenseLt8 {
             let _ = lt::destroy_matmul_desc(self.desc);
             let _ = lt::destroy_handle(self.handle);
         }
+    }
+}
+
+/// A dense matrix kept as 8-bit codes for W8A8 products of many tokens: rows quantized with one
+/// scale each (INT8 `max / 127`, e4m3 `max / 448`, as [`quantize_rows`] does), padded to the
+/// library shapes (rows and K to multiples of 64, the padding zero), and the identity lifter
+/// that quantizes each token's masked input with one scale per token. The product equals
+/// [`crate::slide::eight_bit_reference`] of the same values.
+pub struct Dense8 {
+    rows: usize,
+    mp: usize,
+    kp: usize,
+    precision: LtPrecision,
+    lifter: Lifter,
+    weights: CudaSlice<u8>,
+    w_scales: CudaSlice<f32>,
+}
+
+impl Dense8 {
+    /// Quantizes `values` (`rows` x `cols`, row-major f16) for `precision` (INT8 or e4m3) and
+    /// uploads it.
+    pub fn upload(
+        gpu: &Gpu,
+        values: &[f16],
+        rows: usize,
+        cols: usize,
+        precision: LtPrecision,
+    ) -> Result<Self> {
+        if precision == LtPrecision::F16 {
+            return Err(CudaError::Option(
+                "an 8-bit dense copy needs INT8 or e4m3, not f16".into(),
+            ));
+        }
+        if rows == 0 || cols == 0 || values.len() != rows * cols {
+            return Err(CudaError::Shape {
+                what: "8-bit dense matrix values",
+                expected: rows * cols,
+                actual: values.len(),
+            });
+        }
+        let (mp, kp, _) = LtProduct::padded(rows, cols, 1, precision);
+        let lifter = Lifter::identity(gpu, cols, kp, precision)?;
+        let (bytes, scales) = quantize_rows(values, rows, cols, kp, mp, precision);
+        for name in ["lt_scale_i32", "lt_scale_f32", "lt_scale_f16"] {
+            gpu.function(&FAMILY, name)?;
+        }
+        Ok(Self {
+            rows,
+            mp,
+            kp,
+            precision,
+            lifter,
+            weights: gpu.upload(&bytes)?,
+            w_scales: gpu.upload(&scales)?,
+        })
+    }
+
+    pub fn precision(&self) -> LtPrecision {
+        self.precision
+    }
+    /// (Rows, K) of the library's product, both padded: a plan of this matrix is
+    /// `DenseLt8::new(gpu, mp, kp, np, precision)`.
+    pub fn plan_shape(&self) -> (usize, usize) {
+        (self.mp, self.kp)
+    }
+    /// Bytes of the codes and the row scales.
+    pub fn device_bytes(&self) -> usize {
+        self.weights.len() + self.w_scales.len() * 4
+    }
+
+    /// A plan for `np` tokens (a multiple of the precision's token step, see
+    /// [`LtProduct::padded`]).
+    pub fn plan(&self, gpu: &Gpu, np: usize) -> Result<DenseLt8> {
+        DenseLt8::new(gpu, self.mp, self.kp, np, self.precision)
+    }
+
+    /// `Y[t] (+)= W · q(mask_t(X[t]))` for `n` tokens (f32 rows `ldx` and `ldy` apart) through
+    /// caller-owned scratch: `codes` holds `p.n` rows of `kp` codes, `acc` `p.n` x `mp`
+    /// accumulators of 4 bytes, `scales` `p.n` f32. Three launches: the quantization, the
+    /// cuBLASLt product, the scaling.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_rows_to(
+        &self,
+        gpu: &Gpu,
+        p: &DenseLt8,
+        codes: DevPtr,
+        acc: DevPtr,
+        scales: DevPtr,
+        x: DevPtr,
+        ldx: usize,
+        n: usize,
+        threshold: Threshold,
+        y: DevPtr,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        if p.m != self.mp || p.k != self.kp || p.precision != self.precision {
+            return Err(CudaError::Option(format!(
+                "a cuBLASLt plan of {} x {} x {} ({:?}) for a {} x {} {:?} matrix",
+                p.m, p.k, p.n, p.precision, self.mp, self.kp, self.precision
+            )));
+        }
+        self.lifter
+            .run_to(gpu, x, ldx, n, p.n, threshold, codes, scales)?;
+        p.run(gpu, dev_ptr(gpu, &self.weights), codes, acc)?;
+        let both = Some((dev_ptr(gpu, &self.w_scales), scales));
+        scale_outputs_from(
+            gpu, p.out, p.alpha, acc, self.mp, self.rows, n, both, y, ldy, accumulate,
+        )
     }
 }

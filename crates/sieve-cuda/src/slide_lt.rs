@@ -309,20 +309,27 @@ pub fn quantize_rows(
     pad_rows: usize,
     precision: LtPrecision,
 ) -> (Vec<u8>, Vec<f32>) {
+    use rayon::prelude::*;
     let eb = precision.input_bytes();
     let mut bytes = vec![0u8; pad_rows * ld * eb];
-    let mut scales = Vec::new();
-    if precision != LtPrecision::F16 {
-        scales = vec![0f32; pad_rows];
-    }
-    for r in 0..rows {
+    let mut scales = vec![
+        0f32;
+        if precision == LtPrecision::F16 {
+            0
+        } else {
+            pad_rows
+        }
+    ];
+    // One row per task, in parallel: a 7B's layers are 6.5 G weights.
+    let quantize_row = |r: usize, dst: &mut [u8]| -> f32 {
         let row = &vals[r * cols..(r + 1) * cols];
-        let dst = &mut bytes[r * ld * eb..(r * ld + cols) * eb];
+        let dst = &mut dst[..cols * eb];
         match precision {
             LtPrecision::F16 => {
                 for (d, v) in dst.chunks_exact_mut(2).zip(row) {
                     d.copy_from_slice(&v.to_bits().to_le_bytes());
                 }
+                0.0
             }
             LtPrecision::Int8 => {
                 let f: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
@@ -330,15 +337,28 @@ pub fn quantize_rows(
                 for (d, c) in dst.iter_mut().zip(&q.codes) {
                     *d = *c as u8;
                 }
-                scales[r] = q.scale;
+                q.scale
             }
             LtPrecision::E4m3 => {
                 let f: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
                 let q = e4m3_row(&f);
                 dst.copy_from_slice(&q.codes);
-                scales[r] = q.scale;
+                q.scale
             }
         }
+    };
+    let dst_rows = bytes
+        .par_chunks_mut((ld * eb).max(1))
+        .take(rows)
+        .enumerate();
+    if scales.is_empty() {
+        dst_rows.for_each(|(r, dst)| {
+            quantize_row(r, dst);
+        });
+    } else {
+        dst_rows
+            .zip(scales.par_iter_mut())
+            .for_each(|((r, dst), s)| *s = quantize_row(r, dst));
     }
     (bytes, scales)
 }

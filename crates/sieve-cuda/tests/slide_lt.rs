@@ -7,7 +7,7 @@
 //! and passes, unless `SIEVE_REQUIRE_GPU=1`, which also makes a missing cuSPARSELt a failure.
 
 use sieve_cuda::cusparselt::{CusparseLt, LtPrecision, LtProduct};
-use sieve_cuda::dense8::DenseLt8;
+use sieve_cuda::dense8::{Dense8, DenseLt8};
 use sieve_cuda::slide::{eight_bit_reference, f32_sum_error_bound, reference, Eight};
 use sieve_cuda::slide_lt::{quantize_rows, scale_outputs, LtScratch, SlideLt};
 use sieve_cuda::{dev_ptr, gpu_or_skip, Gpu};
@@ -310,6 +310,88 @@ fn gpu_dense_eight_bit_baseline_matches_the_reference() {
             compare(&got, m, &base, false, &want, m, tok, &what);
         }
     }
+}
+
+/// The model's W8A8 prompt products (`Dense8`: codes made on upload, the lifter, cuBLASLt, the
+/// scaling, into caller-owned scratch): the slide matrix's decoded values (zeros stored) give
+/// the same per-row maxima, so `eight_bit_reference` of the slide is their product too. Odd
+/// shapes, strided rows, a threshold, written and accumulated outputs, fewer tokens than the
+/// plan; cuBLASLt only (no cuSPARSELt needed).
+#[test]
+fn gpu_dense8_prompt_products_match_the_reference() {
+    let test = "gpu_dense8_prompt_products_match_the_reference";
+    let Some(gpu) = gpu_or_skip(test) else { return };
+    for precision in [LtPrecision::Int8, LtPrecision::E4m3] {
+        for (m, k, tok, accumulate) in [(200usize, 300usize, 37usize, false), (64, 512, 64, true)] {
+            let s = slide_matrix(m, k, 4, 11 + tok as u64);
+            let values = s.decode();
+            let dense = Dense8::upload(&gpu, values.data(), m, k, precision).unwrap();
+            let (mp, kp) = dense.plan_shape();
+            let np = tok.next_multiple_of(32);
+            let plan = dense.plan(&gpu, np).unwrap();
+            let codes = gpu.alloc_bytes(np * kp).unwrap();
+            let acc = gpu.alloc_bytes(np * mp * 4).unwrap();
+            let scales = gpu.upload(&vec![0f32; np]).unwrap();
+            let (ldx, ldy) = (k + 3, m + 5);
+            let x = activations(tok * ldx, 5);
+            let t = threshold_for_sparsity(&x[..k], 0.3).unwrap();
+            let want = want(&s, &x, ldx, tok, t, precision);
+            let base: Vec<f32> = (0..tok * ldy).map(|i| (i % 7) as f32 - 3.0).collect();
+            let xd = gpu.upload(&x).unwrap();
+            let yd = gpu.upload(&base).unwrap();
+            dense
+                .launch_rows_to(
+                    &gpu,
+                    &plan,
+                    dev_ptr(&gpu, &codes),
+                    dev_ptr(&gpu, &acc),
+                    dev_ptr(&gpu, &scales),
+                    dev_ptr(&gpu, &xd),
+                    ldx,
+                    tok,
+                    t,
+                    dev_ptr(&gpu, &yd),
+                    ldy,
+                    accumulate,
+                )
+                .unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&yd).unwrap();
+            let what =
+                format!("Dense8 {precision:?} {m} x {k}, n = {tok}, accumulate {accumulate}");
+            compare(&got, ldy, &base, accumulate, &want, m, tok, &what);
+            // A plan of another matrix's shape is refused.
+            let other = Dense8::upload(
+                &gpu,
+                &vec![half::f16::ONE; 64 * (kp + 64)],
+                64,
+                kp + 64,
+                precision,
+            )
+            .unwrap();
+            let p2 = other.plan(&gpu, np).unwrap();
+            let e = dense
+                .launch_rows_to(
+                    &gpu,
+                    &p2,
+                    0,
+                    0,
+                    0,
+                    dev_ptr(&gpu, &xd),
+                    ldx,
+                    tok,
+                    t,
+                    dev_ptr(&gpu, &yd),
+                    ldy,
+                    false,
+                )
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("plan"), "{what}: {e}");
+        }
+    }
+    assert!(Dense8::upload(&gpu, &[half::f16::ONE; 4], 2, 2, LtPrecision::F16).is_err());
+    assert!(Dense8::upload(&gpu, &[half::f16::ONE; 3], 2, 2, LtPrecision::Int8).is_err());
 }
 
 #[test]

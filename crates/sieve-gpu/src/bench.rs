@@ -42,6 +42,9 @@ pub struct DecodeBenchOptions {
     pub steps: Vec<StepMode>,
     /// 4-bit matrices multiply INT8 activations (W4A8) where they have the kernels.
     pub int8_activations: bool,
+    /// Prompt passes of 512 tokens or more multiply 8-bit copies (W8A8,
+    /// [`crate::matrix::Layouts::prompt8`]).
+    pub prompt8: Option<sieve_cuda::cusparselt::LtPrecision>,
 }
 
 impl DecodeBenchOptions {
@@ -536,6 +539,7 @@ pub fn run_synthetic_with(
                 layouts: crate::matrix::Layouts {
                     batch: opts.batches.iter().any(|&b| b > 1),
                     int8_activations: opts.int8_activations,
+                    prompt8: opts.prompt8,
                     ..Default::default()
                 },
             };
@@ -645,6 +649,7 @@ mod tests {
             batches: vec![],
             steps: vec![],
             int8_activations: false,
+            prompt8: None,
         }
     }
 

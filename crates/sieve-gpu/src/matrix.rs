@@ -26,6 +26,7 @@ use sieve_cuda::balanced_cbc::GpuBalancedCbc;
 use sieve_cuda::balanced_lowbit::{BalancedLowBit, GpuBalancedLowBit};
 use sieve_cuda::cusparselt::{CusparseLt, LtPrecision, LtProduct};
 use sieve_cuda::dense::{GpuDense, GpuDenseColMajor};
+use sieve_cuda::dense8::{Dense8, DenseLt8};
 use sieve_cuda::ie_bme::{GpuIeBme, IeBmeDevice};
 use sieve_cuda::lowbit::{GpuLowBit, LowBitMatrix};
 use sieve_cuda::lowbit_cols::GpuLowBitCols;
@@ -156,8 +157,8 @@ pub struct SlideProduct {
     n: usize,
     /// [`GpuSlide::lifted_len`]`(1)` f16: the lifted, masked input of one token.
     lifted: CudaSlice<f16>,
-    /// With [`Layouts::slide_library`]: the same matrix compressed by cuSPARSELt (f16 values),
-    /// for prompt passes of [`crate::prefill::SLIDE_LIBRARY_MIN_TOKENS`] or more, and its plans
+    /// With [`Layouts::slide_library`] or [`Layouts::prompt8`]: the same matrix compressed by
+    /// cuSPARSELt (f16 values, or 8-bit codes with per-row scales), for prompt passes of [`crate::prefill::SLIDE_LIBRARY_MIN_TOKENS`] or more, and its plans
     /// by padded token count (made and searched at a pass's first use of that count).
     pub library: Option<SlideLt>,
     plans: Mutex<Vec<Arc<LtProduct>>>,
@@ -175,19 +176,13 @@ fn slide_library(gpu: &Gpu) -> Result<Arc<CusparseLt>> {
 
 impl SlideProduct {
     /// Uploads `s` with its one-token scratch (every kernel looked up now, not in a capture),
-    /// and its cuSPARSELt copy when `library`.
-    pub fn upload(gpu: &Gpu, s: &Slide, library: bool) -> Result<Self> {
+    /// and its cuSPARSELt copy in `library`'s precision when asked.
+    pub fn upload(gpu: &Gpu, s: &Slide, library: Option<LtPrecision>) -> Result<Self> {
         let matrix = GpuSlide::upload(gpu, s)?;
         let lifted = gpu.upload(&vec![f16::ZERO; matrix.lifted_len(1)])?;
-        let library = if library {
-            Some(SlideLt::upload(
-                gpu,
-                &slide_library(gpu)?,
-                s,
-                LtPrecision::F16,
-            )?)
-        } else {
-            None
+        let library = match library {
+            Some(precision) => Some(SlideLt::upload(gpu, &slide_library(gpu)?, s, precision)?),
+            None => None,
         };
         Ok(Self {
             matrix,
@@ -253,6 +248,21 @@ pub struct Layouts {
     /// multiply prompt passes of [`crate::prefill::SLIDE_LIBRARY_MIN_TOKENS`] or more with the
     /// library instead of an f16 copy and cuBLAS (`SIEVE_SLIDE_PROMPT=cusparselt`).
     pub slide_library: bool,
+    /// W8A8 prompts (`--prompt-precision int8|fp8`): every dense f16 matrix of the layers also
+    /// kept as 8-bit codes with one scale per row ([`Dense8`], cuBLASLt), every SlideSparse
+    /// matrix compressed by cuSPARSELt in 8 bits, and prompt passes of
+    /// [`crate::prefill::PROMPT8_MIN_TOKENS`] or more multiply those with each token's input
+    /// quantized (one scale per token). Costs the 8-bit bytes again; the decode step keeps
+    /// its f16 weights. Other formats keep their prompt path.
+    pub prompt8: Option<LtPrecision>,
+}
+
+impl Layouts {
+    /// The precision a SlideSparse matrix's cuSPARSELt copy is kept in, if one is kept.
+    pub fn slide_library_precision(&self) -> Option<LtPrecision> {
+        self.prompt8
+            .or(self.slide_library.then_some(LtPrecision::F16))
+    }
 }
 
 impl Default for Layouts {
@@ -261,7 +271,50 @@ impl Default for Layouts {
             batch: false,
             int8_activations: false,
             slide_library: crate::prefill::slide_library_requested(),
+            prompt8: None,
         }
+    }
+}
+
+/// The 8-bit copy of a dense matrix for W8A8 prompt passes ([`Layouts::prompt8`]); its
+/// cuBLASLt plans are made at a pass's first use of a padded token count.
+pub struct Prompt8 {
+    pub matrix: Dense8,
+}
+
+impl Prompt8 {
+    pub fn upload(gpu: &Gpu, m: &DenseMatrix, precision: LtPrecision) -> Result<Self> {
+        Ok(Self {
+            matrix: Dense8::upload(gpu, m.data(), m.rows(), m.cols(), precision)?,
+        })
+    }
+
+    /// The plan for `np` tokens (padded). Plans are shared by every matrix of the same shape
+    /// and precision on the same stream (a 7B has four shapes), because each holds cuBLASLt's
+    /// 32 MiB workspace: one per matrix would cost gigabytes. The stream keys them so that no
+    /// two runs of one plan (one workspace) overlap.
+    pub fn plan(&self, gpu: &Gpu, np: usize) -> Result<Arc<DenseLt8>> {
+        type Key = (usize, usize, usize, usize, LtPrecision);
+        type Plans = Mutex<Vec<(Key, Arc<DenseLt8>)>>;
+        static PLANS: OnceLock<Plans> = OnceLock::new();
+        let (mp, kp) = self.matrix.plan_shape();
+        let key = (
+            gpu.stream().cu_stream() as usize,
+            mp,
+            kp,
+            np,
+            self.matrix.precision(),
+        );
+        let mut plans = PLANS
+            .get_or_init(|| Mutex::new(Vec::new()))
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((_, p)) = plans.iter().find(|(k, _)| *k == key) {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(self.matrix.plan(gpu, np)?);
+        plans.push((key, p.clone()));
+        Ok(p)
     }
 }
 
@@ -420,7 +473,7 @@ impl DeviceMatrix {
     /// Uploads an encoded SlideSparse matrix with its one-token scratch. The bytes are the
     /// device layout's (values and metadata, rows padded to 32 and K' to 128).
     pub fn upload_slide(gpu: &Gpu, s: &Slide, layouts: Layouts) -> Result<(Self, usize)> {
-        let p = SlideProduct::upload(gpu, s, layouts.slide_library)?;
+        let p = SlideProduct::upload(gpu, s, layouts.slide_library_precision())?;
         let bytes = p.matrix.device_bytes() + p.library.as_ref().map_or(0, |l| l.device_bytes());
         Ok((DeviceMatrix::Slide(p), bytes))
     }
@@ -559,6 +612,26 @@ pub struct Part {
     pub rows: usize,
     pub threshold: Threshold,
     pub stored_bytes: usize,
+    /// The 8-bit copy of a dense f16 matrix with [`Layouts::prompt8`].
+    pub prompt8: Option<Prompt8>,
+}
+
+/// The 8-bit copy [`Layouts::prompt8`] asks for beside a dense f16 `matrix` of `values`, and
+/// its bytes (none for other formats).
+fn prompt8_copy(
+    gpu: &Gpu,
+    matrix: &DeviceMatrix,
+    values: &DenseMatrix,
+    layouts: Layouts,
+) -> Result<(Option<Prompt8>, usize)> {
+    match (layouts.prompt8, matrix) {
+        (Some(p), DeviceMatrix::DenseRows(_) | DeviceMatrix::DenseCols(_)) => {
+            let copy = Prompt8::upload(gpu, values, p)?;
+            let bytes = copy.matrix.device_bytes();
+            Ok((Some(copy), bytes))
+        }
+        _ => Ok((None, 0)),
+    }
 }
 
 /// The product `y += W · mask(x)` of one or more host matrices that read the same input,
@@ -597,6 +670,7 @@ impl DeviceLinear {
             .all(|(m, t)| *t == mats[0].1 && m.joins_with(first));
         let mut parts = Vec::new();
         if joinable && mats.len() > 1 {
+            let mut prompt8 = None;
             let (matrix, stored_bytes) = match first {
                 HostMatrix::Values(_) => {
                     let mut data = Vec::with_capacity(rows * cols);
@@ -606,7 +680,11 @@ impl DeviceLinear {
                         }
                     }
                     let joined = DenseMatrix::new(rows, cols, data)?;
-                    DeviceMatrix::upload(gpu, kind, &joined, mats[0].1, layouts)?
+                    let (matrix, bytes) =
+                        DeviceMatrix::upload(gpu, kind, &joined, mats[0].1, layouts)?;
+                    let (copy, copy_bytes) = prompt8_copy(gpu, &matrix, &joined, layouts)?;
+                    prompt8 = copy;
+                    (matrix, bytes + copy_bytes)
                 }
                 HostMatrix::LowBit(_) => {
                     let low: Vec<&LowBitMatrix> = mats
@@ -645,17 +723,28 @@ impl DeviceLinear {
                 rows,
                 threshold: mats[0].1,
                 stored_bytes,
+                prompt8,
             });
         } else {
             let mut offset = 0;
             for (m, t) in mats {
-                let (matrix, stored_bytes) = DeviceMatrix::upload_host(gpu, kind, m, *t, layouts)?;
+                let (matrix, mut stored_bytes) =
+                    DeviceMatrix::upload_host(gpu, kind, m, *t, layouts)?;
+                let prompt8 = match m {
+                    HostMatrix::Values(v) => {
+                        let (copy, bytes) = prompt8_copy(gpu, &matrix, v, layouts)?;
+                        stored_bytes += bytes;
+                        copy
+                    }
+                    _ => None,
+                };
                 parts.push(Part {
                     matrix,
                     row_offset: offset,
                     rows: m.rows(),
                     threshold: *t,
                     stored_bytes,
+                    prompt8,
                 });
                 offset += m.rows();
             }

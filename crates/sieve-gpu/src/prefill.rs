@@ -34,6 +34,7 @@ use crate::error::{GpuError, Result};
 use crate::matrix::{DeviceLinear, DeviceMatrix};
 use cudarc::driver::CudaSlice;
 use half::f16;
+use sieve_cuda::cusparselt::LtPrecision;
 use sieve_cuda::slide_lt::SlideLt;
 use sieve_cuda::{dev_ptr, DevPtr, DriverContext, Gpu};
 use sieve_formats::Threshold;
@@ -126,12 +127,46 @@ pub const SLIDE_LIBRARY_MIN_TOKENS: usize = sieve_cuda::slide::DECODE_MIN_TOKENS
 /// a matrix keeps a few plans (passes are mostly whole chunks).
 pub const SLIDE_LIBRARY_TOKEN_STEP: usize = 256;
 
-/// f16 elements of the scratch a cuSPARSELt slide product of `n` tokens takes from the pass's
-/// f16 scratch: the lifted f16 rows, then the f32 accumulators (two f16 elements each).
-fn slide_library_scratch(s: &SlideLt, n: usize) -> (usize, usize) {
+/// Fewest tokens of a prompt pass that multiplies the 8-bit copies of [`Layouts::prompt8`]
+/// (W8A8): where cuSPARSELt takes over for slide matrices.
+///
+/// [`Layouts::prompt8`]: crate::matrix::Layouts::prompt8
+pub const PROMPT8_MIN_TOKENS: usize = SLIDE_LIBRARY_MIN_TOKENS;
+
+/// Where a library product of `n` tokens keeps its buffers in the pass's f16 scratch, in
+/// bytes from its start: the lifted (or quantized) rows, then the accumulators (4 bytes each,
+/// whatever type the plan picked), then the per-token scales. Every offset stays a multiple of
+/// 256 bytes (`np` is a multiple of 256, K and M of 64).
+struct LtScratchLayout {
+    /// Tokens of the plan (n padded to [`SLIDE_LIBRARY_TOKEN_STEP`]).
+    np: usize,
+    acc: usize,
+    scales: usize,
+    /// f16 elements the whole takes.
+    len16: usize,
+}
+
+fn lt_scratch_layout(
+    n: usize,
+    (mp, kp): (usize, usize),
+    precision: LtPrecision,
+) -> LtScratchLayout {
     let np = n.next_multiple_of(SLIDE_LIBRARY_TOKEN_STEP);
-    let (mp, kp) = s.plan_shape();
-    (np, np * kp + 2 * np * mp)
+    let acc = np * kp * precision.input_bytes();
+    let scales = acc + np * mp * 4;
+    LtScratchLayout {
+        np,
+        acc,
+        scales,
+        len16: (scales + np * 4).div_ceil(2),
+    }
+}
+
+/// f16 elements of the scratch a cuSPARSELt slide product of `n` tokens takes from the pass's
+/// f16 scratch ([`lt_scratch_layout`]), and its padded token count.
+fn slide_library_scratch(s: &SlideLt, n: usize) -> (usize, usize) {
+    let l = lt_scratch_layout(n, s.plan_shape(), s.precision());
+    (l.np, l.len16)
 }
 
 /// False when `SIEVE_BATCH_UNION=off` (read once): a switch for measuring the union products
@@ -338,8 +373,16 @@ pub fn long_batch_copy_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
 }
 
 /// f16 elements of the lifted activations of `chunk` tokens for the widest SlideSparse
-/// matrix among `linears` (0 without one).
+/// matrix among `linears`, or of the W8A8 scratch of the widest 8-bit copy (0 without one).
 pub fn lifted_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
+    let prompt8 = linears
+        .iter()
+        .flat_map(|l| l.parts.iter())
+        .filter_map(|p| p.prompt8.as_ref())
+        .filter(|_| chunk >= PROMPT8_MIN_TOKENS)
+        .map(|c| lt_scratch_layout(chunk, c.matrix.plan_shape(), c.matrix.precision()).len16)
+        .max()
+        .unwrap_or(0);
     linears
         .iter()
         .flat_map(|l| l.parts.iter())
@@ -355,6 +398,7 @@ pub fn lifted_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
         })
         .max()
         .unwrap_or(0)
+        .max(prompt8)
 }
 
 /// Elements of the pass's f16 scratch ([`PrefillBuffers::w16`]): the larger of
@@ -447,20 +491,51 @@ pub fn linear_rows(
             }
             continue;
         }
+        if let (Some(c), true) = (&p.prompt8, n >= PROMPT8_MIN_TOKENS) {
+            // W8A8 on cuBLASLt: each token's masked row quantized into w16, the product, the
+            // scaled sums into y.
+            let l = lt_scratch_layout(n, c.matrix.plan_shape(), c.matrix.precision());
+            if l.len16 > w16_len {
+                return Err(GpuError::InvalidArgument(format!(
+                    "{n} tokens in one 8-bit prompt pass: its scratch holds {w16_len} f16 \
+                     values, {} needed",
+                    l.len16
+                )));
+            }
+            let plan = c.plan(gpu, l.np)?;
+            let yp = y + (p.row_offset * 4) as u64;
+            c.matrix.launch_rows_to(
+                gpu,
+                &plan,
+                w16,
+                w16 + l.acc as u64,
+                w16 + l.scales as u64,
+                x,
+                ldx,
+                n,
+                p.threshold,
+                yp,
+                ldy,
+                beta != 0.0,
+            )?;
+            continue;
+        }
         if let DeviceMatrix::Slide(s) = &p.matrix {
             if let (Some(lib), true) = (&s.library, n >= SLIDE_LIBRARY_MIN_TOKENS) {
-                // cuSPARSELt: the lifted f16 rows, then the f32 accumulators, in w16.
-                let (np, need) = slide_library_scratch(lib, n);
-                if need > w16_len {
+                // cuSPARSELt: the lifted rows (f16 or 8-bit codes), the accumulators and the
+                // per-token scales, in w16.
+                let l = lt_scratch_layout(n, lib.plan_shape(), lib.precision());
+                if l.len16 > w16_len {
                     return Err(GpuError::InvalidArgument(format!(
                         "{n} tokens in one cuSPARSELt slide pass: its scratch holds {w16_len} \
-                         f16 values, {need} needed"
+                         f16 values, {} needed",
+                        l.len16
                     )));
                 }
                 let codes = w16;
-                let acc = w16 + (np * lib.plan_shape().1 * 2) as u64;
+                let acc = w16 + l.acc as u64;
                 let plan = s
-                    .library_plan(gpu, np, codes, acc)?
+                    .library_plan(gpu, l.np, codes, acc)?
                     .ok_or_else(|| GpuError::InvalidArgument("no cuSPARSELt copy".into()))?;
                 let yp = y + (p.row_offset * 4) as u64;
                 lib.launch_rows_to(
@@ -468,7 +543,7 @@ pub fn linear_rows(
                     &plan,
                     codes,
                     acc,
-                    0,
+                    w16 + l.scales as u64,
                     x,
                     ldx,
                     n,
@@ -576,6 +651,24 @@ pub fn linear_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn library_scratch_is_laid_out_apart_and_aligned() {
+        for (n, mp, kp, p) in [
+            (512usize, 4096usize, 4096usize, LtPrecision::Int8),
+            (700, 11008, 6144, LtPrecision::E4m3),
+            (1024, 64, 64, LtPrecision::F16),
+        ] {
+            let l = lt_scratch_layout(n, (mp, kp), p);
+            assert!(l.np >= n && l.np.is_multiple_of(SLIDE_LIBRARY_TOKEN_STEP));
+            assert!(l.np.is_multiple_of(p.n_multiple()));
+            // codes, then 4-byte accumulators, then one f32 scale per token.
+            assert_eq!(l.acc, l.np * kp * p.input_bytes());
+            assert_eq!(l.scales, l.acc + l.np * mp * 4);
+            assert!(2 * l.len16 >= l.scales + l.np * 4);
+            assert!(l.acc.is_multiple_of(256) && l.scales.is_multiple_of(256));
+        }
+    }
 
     #[test]
     fn the_chunk_setting_is_checked() {

@@ -632,8 +632,14 @@ impl GpuModel {
                 head.cols()
             )));
         }
-        // The head's format as packed (sieve pack leaves it dense f16).
-        let lm_head = DeviceLinear::upload_group(&gpu, head_kind, &[(&head, head_t)], layouts)?;
+        // The head's format as packed (sieve pack leaves it dense f16). A prompt pass takes
+        // the head's product for its last row only: no 8-bit copy.
+        let head_layouts = Layouts {
+            prompt8: None,
+            ..layouts
+        };
+        let lm_head =
+            DeviceLinear::upload_group(&gpu, head_kind, &[(&head, head_t)], head_layouts)?;
         report.kernels.push(format!("lm_head: {}", lm_head.label()));
         report.weight_bytes += lm_head.stored_bytes() + vocab * d * 2;
         let embed_dev = gpu.upload(&embed)?;

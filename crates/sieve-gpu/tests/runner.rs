@@ -2604,3 +2604,121 @@ fn slide_prompts_on_cusparselt_match_cpu() {
         "{name}: every first step was a near tie"
     );
 }
+
+/// `Layouts::prompt8` (`--prompt-precision int8|fp8`): a dense model's and a slide 6:8 model's
+/// prompt passes of 512 tokens or more multiply 8-bit copies (cuBLASLt for dense, cuSPARSELt
+/// for slide) with each token's input quantized. Their logits after the prompt must differ from
+/// the f16 pass's (the 8-bit path ran) and stay within a stated relative RMS error of the
+/// CPU's f32 logits (what 8-bit weights and inputs cost on a random model: INT8 `max / 127`
+/// per row and token, e4m3 three mantissa bits).
+#[test]
+fn eight_bit_prompts_stay_near_the_cpu() {
+    let _serial = serial_gpu();
+    let name = "eight_bit_prompts_stay_near_the_cpu";
+    let Some(gpu) = gpu_or_skip(name) else {
+        return;
+    };
+    let library = sieve_cuda::cusparselt::CusparseLt::load(&gpu).is_ok();
+    if !library && std::env::var("SIEVE_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("{name}: SIEVE_REQUIRE_GPU=1 but cuSPARSELt did not load");
+    }
+    drop(gpu);
+    use sieve_cuda::cusparselt::LtPrecision;
+    use sieve_formats::slide::{prune_to_pattern, Slide, SlideOptions};
+    let mut cfg = config(301, 96, 224, 2, 6, 2, 16);
+    cfg.max_position_embeddings = 1024;
+    let seed = 83;
+    let dense = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+    let mut slide = tiny_model_of(cfg.clone(), FormatKind::Dense, 0.0, 0.0, seed);
+    for (_, lin) in slide.linears_mut() {
+        let pruned = prune_to_pattern(&lin.format().decode(), 4).unwrap();
+        let s = Slide::encode(&pruned, &SlideOptions { n: 4 }).unwrap();
+        lin.replace_format(sieve_cpu::format_from_blob(&s.to_bytes()).unwrap())
+            .unwrap();
+    }
+    // The slide model's CPU reference: its decoded values, dense.
+    let mut slide_reference = tiny_model_of(cfg, FormatKind::Dense, 0.0, 0.0, seed);
+    for ((_, s), (_, d)) in slide
+        .linears_mut()
+        .into_iter()
+        .zip(slide_reference.linears_mut())
+    {
+        let values = s.format().decode();
+        d.replace_format(Box::new(sieve_cpu::dense::FastDense::new(values)))
+            .unwrap();
+    }
+    let mut dense_reference =
+        tiny_model_of(dense.config().clone(), FormatKind::Dense, 0.0, 0.0, seed);
+    let v = dense.config().vocab_size;
+    let prompt: Vec<u32> = (0..600).map(|i| ((i * 37 + 11) % v) as u32).collect();
+    let rel_rms = |got: &[f32], want: &[f32]| -> f64 {
+        let (mut num, mut den) = (0f64, 0f64);
+        for (g, w) in got.iter().zip(want) {
+            num += f64::from(g - w).powi(2);
+            den += f64::from(*w).powi(2);
+        }
+        (num / den.max(1e-30)).sqrt()
+    };
+    let cases: [(&str, &Model, &mut Model); 2] = [
+        ("dense", &dense, &mut dense_reference),
+        ("slide 6:8", &slide, &mut slide_reference),
+    ];
+    for (what, model, reference) in cases {
+        if what.starts_with("slide") && !library {
+            eprintln!("{name}: {what} skipped, no cuSPARSELt");
+            continue;
+        }
+        let mut cache = reference.new_cache(prompt.len() + 1);
+        let cpu = reference
+            .forward(&prompt, &mut cache, Logits::Last)
+            .unwrap();
+        let upload = |prompt8: Option<LtPrecision>| {
+            let layouts = sieve_gpu::matrix::Layouts {
+                prompt8,
+                ..Default::default()
+            };
+            GpuModel::from_model_with_layouts(
+                Gpu::new(0).unwrap(),
+                model,
+                prompt.len() + 1,
+                KvPrecision::F16,
+                layouts,
+            )
+            .unwrap()
+        };
+        let f16_logits = upload(None).prefill_slot(0, &prompt).unwrap();
+        let f16_err = rel_rms(&f16_logits, &cpu);
+        for (precision, bound) in [(LtPrecision::Int8, 0.05), (LtPrecision::E4m3, 0.15)] {
+            let mut g = upload(Some(precision));
+            assert!(g.report().weight_bytes > 0, "{name}");
+            let got = g.prefill_slot(0, &prompt).unwrap();
+            let err = rel_rms(&got, &cpu);
+            let moved = rel_rms(&got, &f16_logits);
+            eprintln!(
+                "{name}: {what} {precision:?}: relative RMS error {err:.4} against the CPU \
+                 (f16 pass {f16_err:.2e}), {moved:.4} from the f16 pass"
+            );
+            assert!(
+                got.iter().all(|x| x.is_finite()),
+                "{name}: {what} {precision:?}"
+            );
+            assert!(
+                moved > 2.0 * f16_err.max(1e-6),
+                "{name}: {what} {precision:?}: logits {moved:e} from the f16 pass's: the 8-bit \
+                 path did not run"
+            );
+            assert!(
+                err <= bound,
+                "{name}: {what} {precision:?}: relative RMS error {err} > {bound}"
+            );
+            // A short prompt (under 512 tokens) keeps the f16 path: the f16 pass's logits.
+            let short = &prompt[..100];
+            let a = g.prefill_slot(0, short).unwrap();
+            let b = upload(None).prefill_slot(0, short).unwrap();
+            assert!(
+                rel_rms(&a, &b) < 1e-5,
+                "{name}: {what} {precision:?}: a 100-token prompt left the f16 path"
+            );
+        }
+    }
+}

@@ -72,6 +72,10 @@ pub struct DecodeArgs {
     /// with one scale per 128 columns, on the integer tensor cores: W4A8).
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
+    /// What prompt passes of 512 tokens or more multiply in (the TTFT): f16, or W8A8 (int8 or
+    /// fp8: dense and SlideSparse matrices also kept in 8 bits, each token's input quantized).
+    #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
+    prompt_precision: super::device::PromptPrecision,
     /// How the decode step runs: graph (a CUDA graph of the plan's kernels), persistent (one
     /// kernel for the whole step: dense f16 models with the f16 cache), or persistent,graph
     /// (both measured on the same model).
@@ -238,6 +242,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             .collect::<Result<_>>()?,
         batches: a.batch.clone(),
         int8_activations: a.activations.int8(),
+        prompt8: a.prompt_precision.eight_bit(),
         steps: a
             .step
             .iter()
@@ -268,6 +273,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             let layouts = sieve_gpu::matrix::Layouts {
                 batch: opts.batches.iter().any(|&b| b > 1),
                 int8_activations: opts.int8_activations,
+                prompt8: opts.prompt8,
                 ..Default::default()
             };
             let mut m = super::device::upload_with(gpu, &model, capacity, layouts)?;

@@ -49,6 +49,31 @@ impl Activations {
     }
 }
 
+/// `--prompt-precision f16|int8|fp8`: what a GPU prompt pass of 512 tokens or more multiplies
+/// its dense and SlideSparse matrices in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum PromptPrecision {
+    /// f16 weights and inputs (cuBLAS, or each format's own path).
+    #[default]
+    F16,
+    /// W8A8: dense matrices also kept as INT8 codes (one scale per row, cuBLASLt), SlideSparse
+    /// ones compressed by cuSPARSELt in INT8; each token's input quantized with one scale.
+    Int8,
+    /// The same in FP8 (e4m3).
+    Fp8,
+}
+
+impl PromptPrecision {
+    pub fn eight_bit(self) -> Option<sieve_cuda::cusparselt::LtPrecision> {
+        use sieve_cuda::cusparselt::LtPrecision;
+        match self {
+            PromptPrecision::F16 => None,
+            PromptPrecision::Int8 => Some(LtPrecision::Int8),
+            PromptPrecision::Fp8 => Some(LtPrecision::E4m3),
+        }
+    }
+}
+
 /// `--step auto|graph|persistent`: how a GPU decode step runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Step {
@@ -84,9 +109,11 @@ pub fn upload(
     model: &Model,
     capacity: usize,
     activations: Activations,
+    prompt: PromptPrecision,
 ) -> Result<sieve_gpu::GpuModel> {
     let layouts = sieve_gpu::matrix::Layouts {
         int8_activations: activations.int8(),
+        prompt8: prompt.eight_bit(),
         ..Default::default()
     };
     upload_with(gpu, model, capacity, layouts)

@@ -117,7 +117,14 @@ pub fn run(command: EvalCommand) -> Result<()> {
             };
             let result = match super::device::open(device)? {
                 Some(gpu) => {
-                    let mut gpu_model = super::device::upload(gpu, &model, ctx, activations)?;
+                    let mut gpu_model = super::device::upload(
+                        gpu,
+                        &model,
+                        ctx,
+                        activations,
+                        // The GPU scores a window a decode step per position: no prompt pass.
+                        super::device::PromptPrecision::F16,
+                    )?;
                     drop(model);
                     super::device::apply_step(&mut gpu_model, step)?;
                     super::device::print_report(&gpu_model);

@@ -49,6 +49,10 @@ pub struct GenerateArgs {
     /// one scale per 128 columns: W4A8 on the GPU; on the CPU every layer's inputs are rounded the same way).
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
+    /// What GPU prompt passes of 512 tokens or more multiply in: f16, or W8A8 (int8 or fp8:
+    /// dense and SlideSparse matrices also kept in 8 bits, each token's input quantized).
+    #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
+    prompt_precision: super::device::PromptPrecision,
     /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
     /// cache), a CUDA graph of kernels, or auto (the faster: graph, as measured so far).
     #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
@@ -114,7 +118,13 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
     let mut stdout = std::io::stdout();
     if let Some(gpu) = super::device::open(args.device)? {
         let capacity = prompt.len().saturating_add(args.max_tokens);
-        let mut gpu_model = super::device::upload(gpu, &model, capacity, args.activations)?;
+        let mut gpu_model = super::device::upload(
+            gpu,
+            &model,
+            capacity,
+            args.activations,
+            args.prompt_precision,
+        )?;
         drop(model);
         super::device::apply_step(&mut gpu_model, args.step)?;
         super::device::print_report(&gpu_model);
