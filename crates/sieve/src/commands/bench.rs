@@ -50,9 +50,13 @@ pub struct GemmArgs {
     /// N one-token products, or decoded to f16 then one cuBLAS GEMM, the batched serving
     /// step's way), slide-f16 (SlideSparse: a --pattern matrix lifted to 2:4 on the sparse
     /// tensor cores, the activation lifting timed with it), slide-f16-copy (the same matrix
-    /// written as f16 rows, then cuBLAS: the prompt path from 256 tokens), w4a16-cols and
-    /// q4_0-cols (4-bit column-major under a TEAL threshold, N = 1 at every --sp and --dp:
-    /// inactive columns never read).
+    /// written as f16 rows, then cuBLAS: the prompt path from 512 tokens), slide-lt-f16,
+    /// slide-lt-int8, slide-lt-fp8 (the lifted matrix on cuSPARSELt) beside cublaslt-int8 and
+    /// cublaslt-fp8 (the dense 8-bit baselines), tcbc-spmm and tcbc-union (Tiled-CBC on the
+    /// tensor cores; the union of a few tokens' active columns), w4a16-decode-gemm and
+    /// q4_k-decode-gemm (decoded to f16, then cuBLAS), w4a8 and q4_0-a8 (4-bit weights times
+    /// INT8 inputs), w4a16-cols and q4_0-cols (4-bit column-major under a TEAL threshold, N =
+    /// 1 at every --sp and --dp: inactive columns never read). docs/USAGE.md lists them all.
     /// (default: f16,w8a16,w4a16,gguf-q4_0,gguf-q8_0 unless --formats is given)
     #[arg(long, value_delimiter = ',')]
     precision: Vec<sieve_cuda::bench::gemm::Precision>,
