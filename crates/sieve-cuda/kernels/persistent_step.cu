@@ -39,7 +39,9 @@
 // with ld.global.cg: the L1 is not coherent across SMs. Weights go through the read-only path.
 //
 // Trace (optional): trace[(stage * gridDim.x + block) * 2 + {0, 1}] = %globaltimer at the
-// stage's start (after the barrier) and end (before the next barrier).
+// stage's start (after the barrier) and end (before the next barrier); the word after the last
+// stamp holds the positions attention reads (p + 1), so that the host counts the KV bytes of
+// the step it timed rather than of the position it believes the step ran at.
 
 #define PS_THREADS 512
 #define PS_WARPS 16
@@ -464,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
     u64* trace = reinterpret_cast<u64*>(a.trace);
     const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5);
     float* x = reinterpret_cast<float*>(a.x);
+    if (trace && blockIdx.x == 0 && threadIdx.x == 0) trace[(size_t)a.n_stages * gridDim.x * 2] = (u64)(p + 1);
     for (int si = 0; si < a.n_stages; ++si) {
         const int2 st = stages[si];
         const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;

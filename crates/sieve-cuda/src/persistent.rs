@@ -192,6 +192,7 @@ pub fn unsupported_shape(s: &PersistentShape) -> Option<String> {
 
 /// A model's persistent step: the stage list, the layer table, and the kernel's scratch.
 pub struct PersistentStep {
+    shape: PersistentShape,
     stages: Vec<Stage>,
     _stages_dev: CudaSlice<i32>,
     _layers_dev: CudaSlice<PersistentLayer>,
@@ -281,6 +282,7 @@ impl PersistentStep {
             xs_floats: i32_arg("stage input", xs_floats)?,
         };
         Ok(Self {
+            shape,
             stages: stages.to_vec(),
             _stages_dev: stages_dev,
             _layers_dev: layers_dev,
@@ -304,7 +306,8 @@ impl PersistentStep {
     /// Stamps every stage's start and end per block from now on (or stops: `false`).
     pub fn set_trace(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if on {
-            let n = self.stages.len() * self.blocks as usize * 2;
+            // The stamps, then the word the kernel writes its attended positions to.
+            let n = self.stages.len() * self.blocks as usize * 2 + 1;
             let t = gpu.upload(&vec![0u64; n])?;
             self.args.trace = crate::product::dev_ptr(gpu, &t);
             self.trace = Some(t);
@@ -360,11 +363,16 @@ impl PersistentStep {
         let Some(t) = &self.trace else {
             return Ok(None);
         };
-        let raw = gpu.download(t)?;
+        let mut stamps = gpu.download(t)?;
+        let stamped = self.stages.len() * self.blocks as usize * 2;
+        let positions = stamps.get(stamped).copied().unwrap_or(0) as usize;
+        stamps.truncate(stamped);
         Ok(Some(Trace {
             stages: self.stages.clone(),
             blocks: self.blocks as usize,
-            stamps: raw,
+            stamps,
+            shape: self.shape,
+            positions,
         }))
     }
 }
@@ -376,6 +384,110 @@ pub struct Trace {
     pub blocks: usize,
     /// `[(stage * blocks + block) * 2 + {0: start, 1: end}]`, ns.
     pub stamps: Vec<u64>,
+    /// The model's sizes, for the bytes each stage reads.
+    pub shape: PersistentShape,
+    /// Positions the step's attention read (its position + 1), as the kernel wrote them.
+    pub positions: usize,
+}
+
+/// Bytes one stage reads per step: its f16 weights (rows x columns x 2; the first stage also
+/// the embedding row of the token), and for attention the K and V rows of the `positions` it
+/// attends in every KV head. Norm weights, biases, activations and the KV row written are left
+/// out: kilobytes against the megabytes of a product.
+pub fn stage_read_bytes(shape: &PersistentShape, kind: StageKind, positions: usize) -> u64 {
+    const F16: u64 = 2;
+    let q_width = shape.heads * shape.head_dim;
+    let kv_width = shape.kv_heads * shape.head_dim;
+    let qkv = (q_width + 2 * kv_width) * shape.hidden;
+    let elements = match kind {
+        StageKind::Qkv => qkv,
+        StageKind::QkvFromEmbedding => qkv + shape.hidden,
+        StageKind::Attention => 2 * kv_width * positions,
+        StageKind::O => shape.hidden * q_width,
+        StageKind::GateUp => 2 * shape.intermediate * shape.hidden,
+        StageKind::Down => shape.hidden * shape.intermediate,
+        StageKind::Head => shape.vocab * shape.hidden,
+    };
+    elements as u64 * F16
+}
+
+/// How idle time spreads over the blocks of a step (the grid is one block per SM), µs.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct IdleSpread {
+    pub min_us: f64,
+    pub median_us: f64,
+    pub max_us: f64,
+    /// The block idle longest (the first of equals).
+    pub worst_block: usize,
+}
+
+impl IdleSpread {
+    /// The spread of per-block idle times (`idle_us[block]`); all zero for no blocks.
+    pub fn of(idle_us: &[f64]) -> Self {
+        let mut sorted = idle_us.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let (Some(&min_us), Some(&max_us)) = (sorted.first(), sorted.last()) else {
+            return Self::default();
+        };
+        let mid = sorted.len() / 2;
+        let median_us = if sorted.len() % 2 == 1 {
+            sorted[mid]
+        } else {
+            (sorted[mid - 1] + sorted[mid]) / 2.0
+        };
+        let worst_block = idle_us.iter().position(|&us| us == max_us).unwrap_or(0);
+        Self {
+            min_us,
+            median_us,
+            max_us,
+            worst_block,
+        }
+    }
+}
+
+/// One stage class's bytes per step against the copy bandwidth.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClassBandwidth {
+    pub class: &'static str,
+    /// The class's time, µs.
+    pub us: f64,
+    pub bytes: u64,
+    /// Bytes over time, GB/s.
+    pub gbs: f64,
+    /// `gbs` over the copy bandwidth.
+    pub of_copy: f64,
+}
+
+impl ClassBandwidth {
+    fn new(class: &'static str, us: f64, bytes: u64, copy_gbs: f64) -> Self {
+        // Bytes per ns are GB/s.
+        let gbs = if us > 0.0 {
+            bytes as f64 / (us * 1e3)
+        } else {
+            0.0
+        };
+        Self {
+            class,
+            us,
+            bytes,
+            gbs,
+            of_copy: gbs / copy_gbs,
+        }
+    }
+}
+
+/// A traced step against the copy bandwidth ([`TraceSummary::against_copy`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CopyComparison {
+    /// Per stage class, over its work time (the slowest block's, summed over its stages).
+    pub classes: Vec<ClassBandwidth>,
+    /// Every byte of the step over the step time, barriers and idle blocks included.
+    pub step: ClassBandwidth,
+    /// Every byte of the step at the copy bandwidth, µs: the floor a step could reach.
+    pub byte_floor_us: f64,
+    /// The step minus its byte floor, µs: what barriers, norms, idle SMs and reads below the
+    /// copy bandwidth cost (the "fixed cost").
+    pub fixed_cost_us: f64,
 }
 
 /// Where the step's time goes, from a [`Trace`].
@@ -391,6 +503,43 @@ pub struct TraceSummary {
     pub barrier_us: f64,
     /// Mean fraction of the step a block spends waiting (at barriers, or without a task).
     pub idle_fraction: f64,
+    /// Each block's waiting over the step (one block per SM): the least, median and most.
+    pub idle_per_block: IdleSpread,
+    /// Positions the step's attention read.
+    pub positions: usize,
+    /// (stage class, bytes): what the class's stages read per step ([`stage_read_bytes`]), in
+    /// the order of `work_us`.
+    pub read_bytes: Vec<(&'static str, u64)>,
+}
+
+impl TraceSummary {
+    /// Each class's bytes over its time, and the step's, against `copy_gbs` (the GPU's measured
+    /// device-to-device copy bandwidth); None when that is not a positive number.
+    pub fn against_copy(&self, copy_gbs: f64) -> Option<CopyComparison> {
+        if !(copy_gbs.is_finite() && copy_gbs > 0.0) {
+            return None;
+        }
+        let bytes_of = |class: &str| {
+            self.read_bytes
+                .iter()
+                .find(|(k, _)| *k == class)
+                .map_or(0, |&(_, b)| b)
+        };
+        let classes = self
+            .work_us
+            .iter()
+            .map(|&(class, us)| ClassBandwidth::new(class, us, bytes_of(class), copy_gbs))
+            .collect();
+        let total: u64 = self.read_bytes.iter().map(|&(_, b)| b).sum();
+        // Bytes over GB/s are ns.
+        let byte_floor_us = total as f64 / copy_gbs / 1e3;
+        Some(CopyComparison {
+            classes,
+            step: ClassBandwidth::new("step", self.step_us, total, copy_gbs),
+            byte_floor_us,
+            fixed_cost_us: self.step_us - byte_floor_us,
+        })
+    }
 }
 
 impl Trace {
@@ -399,9 +548,40 @@ impl Trace {
         (self.stamps[i], self.stamps[i + 1])
     }
 
+    /// Every stage of every block has its two stamps.
+    fn complete(&self) -> bool {
+        let n = self.stages.len();
+        n > 0 && self.blocks > 0 && self.stamps.len() >= n * self.blocks * 2
+    }
+
+    /// Per block, the step (first start to last end over all blocks) minus the block's own
+    /// stage work: its waits at barriers, before its first stage and after its last, µs.
+    pub fn idle_us_per_block(&self) -> Vec<f64> {
+        if !self.complete() {
+            return Vec::new();
+        }
+        let n = self.stages.len();
+        let t0 = (0..self.blocks).map(|b| self.at(0, b).0).min().unwrap_or(0);
+        let t1 = (0..self.blocks)
+            .map(|b| self.at(n - 1, b).1)
+            .max()
+            .unwrap_or(t0);
+        (0..self.blocks)
+            .map(|b| {
+                let busy: u64 = (0..n)
+                    .map(|s| {
+                        let (a, e) = self.at(s, b);
+                        e.saturating_sub(a)
+                    })
+                    .sum();
+                t1.saturating_sub(t0).saturating_sub(busy) as f64 / 1e3
+            })
+            .collect()
+    }
+
     pub fn summary(&self) -> TraceSummary {
         let n = self.stages.len();
-        if n == 0 || self.blocks == 0 || self.stamps.len() < n * self.blocks * 2 {
+        if !self.complete() {
             return TraceSummary::default();
         }
         let t0 = (0..self.blocks).map(|b| self.at(0, b).0).min().unwrap_or(0);
@@ -410,6 +590,7 @@ impl Trace {
             .max()
             .unwrap_or(t0);
         let mut work: Vec<(&'static str, f64)> = Vec::new();
+        let mut read_bytes: Vec<(&'static str, u64)> = Vec::new();
         let mut barrier = 0.0;
         let mut busy = 0.0;
         for s in 0..n {
@@ -420,6 +601,11 @@ impl Trace {
             match work.iter_mut().find(|(k, _)| *k == name) {
                 Some(w) => w.1 += us,
                 None => work.push((name, us)),
+            }
+            let bytes = stage_read_bytes(&self.shape, self.stages[s].kind, self.positions);
+            match read_bytes.iter_mut().find(|(k, _)| *k == name) {
+                Some(r) => r.1 += bytes,
+                None => read_bytes.push((name, bytes)),
             }
             busy += (0..self.blocks)
                 .map(|b| {
@@ -445,6 +631,9 @@ impl Trace {
             } else {
                 0.0
             },
+            idle_per_block: IdleSpread::of(&self.idle_us_per_block()),
+            positions: self.positions,
+            read_bytes,
         }
     }
 
@@ -545,6 +734,8 @@ mod tests {
             ],
             blocks: 2,
             stamps: vec![0, 10_000, 0, 6_000, 14_000, 20_000, 15_000, 20_000],
+            shape: shape(64),
+            positions: 1,
         };
         let s = t.summary();
         assert!((s.step_us - 20.0).abs() < 1e-9);
@@ -553,5 +744,137 @@ mod tests {
         // busy = 10 + 6 + 6 + 5 = 27 of 2 x 20.
         assert!((s.idle_fraction - (1.0 - 27.0 / 40.0)).abs() < 1e-9);
         assert!(t.svg().contains("<rect"));
+    }
+
+    #[test]
+    fn idle_per_block_is_the_step_less_its_own_work() {
+        // The two blocks above: block 0 works 10 + 6 of the 20 ns step, block 1 6 + 5.
+        let t = Trace {
+            stages: vec![
+                Stage {
+                    kind: StageKind::Qkv,
+                    layer: 0,
+                },
+                Stage {
+                    kind: StageKind::Head,
+                    layer: 0,
+                },
+            ],
+            blocks: 2,
+            stamps: vec![0, 10_000, 0, 6_000, 14_000, 20_000, 15_000, 20_000],
+            shape: shape(64),
+            positions: 1,
+        };
+        assert_eq!(t.idle_us_per_block(), vec![4.0, 9.0]);
+        let s = t.summary();
+        assert_eq!(
+            s.idle_per_block,
+            IdleSpread {
+                min_us: 4.0,
+                median_us: 6.5,
+                max_us: 9.0,
+                worst_block: 1
+            }
+        );
+        // The mean of the blocks' idle times is the summary's idle fraction of the step.
+        assert!((s.idle_fraction - (4.0 + 9.0) / 2.0 / 20.0).abs() < 1e-9);
+        // A trace missing stamps has no blocks to spread.
+        let short = Trace {
+            stamps: vec![0, 1],
+            ..t
+        };
+        assert!(short.idle_us_per_block().is_empty());
+        assert_eq!(short.summary().idle_per_block, IdleSpread::default());
+    }
+
+    #[test]
+    fn idle_spread_takes_the_middle_and_the_first_worst_block() {
+        let s = IdleSpread::of(&[3.0, 7.0, 1.0, 7.0, 2.0]);
+        assert_eq!(
+            s,
+            IdleSpread {
+                min_us: 1.0,
+                median_us: 3.0,
+                max_us: 7.0,
+                worst_block: 1
+            }
+        );
+        assert_eq!(IdleSpread::of(&[]), IdleSpread::default());
+    }
+
+    #[test]
+    fn stages_read_their_f16_weights_and_the_attended_cache() {
+        // hidden 576, 9 heads, 3 KV heads of 64, intermediate 1536, vocabulary 100.
+        let s = shape(64);
+        let bytes = |kind| stage_read_bytes(&s, kind, 10);
+        assert_eq!(bytes(StageKind::Qkv), (576 + 2 * 192) * 576 * 2);
+        assert_eq!(
+            bytes(StageKind::QkvFromEmbedding),
+            bytes(StageKind::Qkv) + 576 * 2
+        );
+        // K and V, 3 KV heads x 64, 10 positions, f16.
+        assert_eq!(bytes(StageKind::Attention), 2 * 192 * 10 * 2);
+        assert_eq!(bytes(StageKind::O), 576 * 576 * 2);
+        assert_eq!(bytes(StageKind::GateUp), 2 * 1536 * 576 * 2);
+        assert_eq!(bytes(StageKind::Down), 576 * 1536 * 2);
+        assert_eq!(bytes(StageKind::Head), 100 * 576 * 2);
+        assert_eq!(stage_read_bytes(&s, StageKind::Attention, 0), 0);
+    }
+
+    #[test]
+    fn classes_are_measured_against_the_copy_bandwidth() {
+        // One block: q|k|v 0..2 us, attention 2.5..2.6 us, head 3..6 us.
+        let s = PersistentShape {
+            hidden: 1000,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 500,
+            intermediate: 2000,
+            vocab: 3000,
+            capacity: 128,
+            eps: 1e-5,
+        };
+        let stage = |kind| Stage { kind, layer: 0 };
+        let t = Trace {
+            stages: vec![
+                stage(StageKind::Qkv),
+                stage(StageKind::Attention),
+                stage(StageKind::Head),
+            ],
+            blocks: 1,
+            stamps: vec![0, 2_000, 2_500, 2_600, 3_000, 6_000],
+            shape: s,
+            positions: 100,
+        };
+        let summary = t.summary();
+        // q|k|v (1000 + 2 x 500) x 1000, K and V 500 x 100 each, head 3000 x 1000; f16.
+        assert_eq!(
+            summary.read_bytes,
+            vec![
+                ("norm+qkv+rope", 4_000_000),
+                ("attention", 200_000),
+                ("norm+head", 6_000_000)
+            ]
+        );
+        let c = summary.against_copy(4000.0).unwrap();
+        let gbs: Vec<(&str, f64, f64)> = c
+            .classes
+            .iter()
+            .map(|k| (k.class, k.gbs, k.of_copy))
+            .collect();
+        // 4 MB in 2 us, 0.2 MB in 0.1 us, 6 MB in 3 us: 2000 GB/s each, half of 4000.
+        for (class, g, of) in gbs {
+            assert!((g - 2000.0).abs() < 1e-6, "{class}: {g}");
+            assert!((of - 0.5).abs() < 1e-9, "{class}: {of}");
+        }
+        // 10.2 MB over the 6 us step; at 4000 GB/s they take 2.55 us, so 3.45 us is fixed.
+        assert_eq!(c.step.bytes, 10_200_000);
+        assert!((c.step.gbs - 1700.0).abs() < 1e-6);
+        assert!((c.step.of_copy - 0.425).abs() < 1e-9);
+        assert!((c.byte_floor_us - 2.55).abs() < 1e-9);
+        assert!((c.fixed_cost_us - 3.45).abs() < 1e-9);
+        // No copy bandwidth measured: nothing to compare with.
+        assert!(summary.against_copy(0.0).is_none());
+        assert!(summary.against_copy(f64::NAN).is_none());
     }
 }

@@ -245,6 +245,54 @@ mod tests {
     }
 
     #[test]
+    fn a_planned_step_reads_each_weight_once_and_the_cache_of_every_layer() {
+        use sieve_cuda::persistent::Trace;
+        let ops: Vec<StepOp> = sieve_model::plan::step_ops(2)
+            .into_iter()
+            .filter(|op| *op != StepOp::Next)
+            .collect();
+        let stages = stages_of(&ops).unwrap();
+        let (d, heads, kv_heads, hd, inter, vocab, positions) = (64, 4, 2, 16, 128, 50, 7);
+        let shape = PersistentShape {
+            hidden: d,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            intermediate: inter,
+            vocab,
+            capacity: 16,
+            eps: 1e-5,
+        };
+        // The stamps do not enter the bytes: one block, every stage 0..1 us.
+        let trace = Trace {
+            stamps: stages.iter().flat_map(|_| [0, 1_000]).collect(),
+            stages,
+            blocks: 1,
+            shape,
+            positions,
+        };
+        let bytes = trace.summary().read_bytes;
+        let layer_weights = ((heads + 2 * kv_heads) * hd * d // q|k|v
+            + d * heads * hd // o
+            + 2 * inter * d // gate|up
+            + d * inter) as u64; // down
+        let want = [
+            ("norm+qkv+rope", 2 * (heads + 2 * kv_heads) * hd * d + d),
+            ("attention", 2 * 2 * kv_heads * hd * positions),
+            ("o", 2 * d * heads * hd),
+            ("norm+gate|up+swiglu", 2 * 2 * inter * d),
+            ("down", 2 * d * inter),
+            ("norm+head", vocab * d),
+        ]
+        .map(|(class, elements)| (class, 2 * elements as u64));
+        assert_eq!(bytes, want);
+        let total: u64 = bytes.iter().map(|&(_, b)| b).sum();
+        // 2 layers of weights, the head, one embedding row, and K and V of every layer: f16.
+        let kv = 2 * 2 * kv_heads * hd * positions;
+        assert_eq!(total, 2 * (2 * layer_weights + (vocab * d + d + kv) as u64));
+    }
+
+    #[test]
     fn an_op_order_it_does_not_know_is_refused_by_name() {
         let ops = [StepOp::Embed, StepOp::Layer(0, LayerOp::Attention)];
         let err = stages_of(&ops).unwrap_err();

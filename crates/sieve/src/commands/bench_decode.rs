@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use sieve_cuda::persistent::{ClassBandwidth, TraceSummary};
 use sieve_cuda::tiled_cbc::TcbcKernel;
 use sieve_formats::random::Pattern;
 use sieve_formats::FormatKind;
@@ -129,19 +130,9 @@ fn print_row(r: &DecodeResult) {
         println!("{:<11}   {note}", r.model);
     }
     if let Some(t) = &r.persistent_trace {
-        let work: Vec<String> = t
-            .work_us
-            .iter()
-            .map(|(kind, us)| format!("{kind} {us:.0}"))
-            .collect();
-        println!(
-            "{:<11}   persistent step traced: {:.0} us; stage work (slowest block, summed) {}; barriers {:.0} us; blocks idle {:.0}% of the step",
-            r.model,
-            t.step_us,
-            work.join(", "),
-            t.barrier_us,
-            100.0 * t.idle_fraction
-        );
+        for line in trace_table(t, r.copy_bandwidth_gbs) {
+            println!("{:<11}   {line}", r.model);
+        }
     }
     if let Some(p) = &r.prefill_profile {
         let parts: Vec<String> = p
@@ -170,6 +161,70 @@ fn print_row(r: &DecodeResult) {
             b.tokens_per_s
         );
     }
+}
+
+/// The traced persistent step as one table: per stage class its work (the slowest block's,
+/// summed over the class's stages), the bytes it reads and their rate against the copy
+/// bandwidth; then what the step costs beyond its bytes, and how idle the SMs' blocks are.
+fn trace_table(t: &TraceSummary, copy_gbs: f64) -> Vec<String> {
+    let idle = &t.idle_per_block;
+    let idle_line = format!(
+        "idle per block (one per SM): min {:.1} us, median {:.1}, max {:.1} (block {}); mean {:.0}% of the step",
+        idle.min_us,
+        idle.median_us,
+        idle.max_us,
+        idle.worst_block,
+        100.0 * t.idle_fraction
+    );
+    let Some(c) = t.against_copy(copy_gbs) else {
+        let work: Vec<String> = t
+            .work_us
+            .iter()
+            .map(|(kind, us)| format!("{kind} {us:.0}"))
+            .collect();
+        return vec![
+            format!(
+                "persistent step traced: {:.0} us; stage work (slowest block, summed) {}; barriers {:.0} us; no copy bandwidth to set the bytes against",
+                t.step_us,
+                work.join(", "),
+                t.barrier_us
+            ),
+            idle_line,
+        ];
+    };
+    let row = |class: &str, k: &ClassBandwidth| {
+        format!(
+            "  {class:<22} {:>9.1} {:>10.3} {:>8.0} {:>7.1}%",
+            k.us,
+            k.bytes as f64 / 1e6,
+            k.gbs,
+            100.0 * k.of_copy
+        )
+    };
+    let mut lines = vec![
+        format!(
+            "persistent step traced at {} positions, copy bandwidth {:.0} GB/s:",
+            t.positions, copy_gbs
+        ),
+        format!(
+            "  {:<22} {:>9} {:>10} {:>8} {:>8}",
+            "class", "work us", "MB read", "GB/s", "of copy"
+        ),
+    ];
+    lines.extend(c.classes.iter().map(|k| row(k.class, k)));
+    lines.push(row(
+        &format!("step (barriers {:.0} us)", t.barrier_us),
+        &c.step,
+    ));
+    lines.push(format!(
+        "fixed cost {:.1} us: the step's {:.1} us minus its {:.3} MB at copy bandwidth ({:.1} us)",
+        c.fixed_cost_us,
+        t.step_us,
+        c.step.bytes as f64 / 1e6,
+        c.byte_floor_us
+    ));
+    lines.push(idle_line);
+    lines
 }
 
 pub fn run(a: DecodeArgs) -> Result<()> {
@@ -319,4 +374,59 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     files.write_json(|| Ok(serde_json::to_string_pretty(&results)?))?;
     files.write_plot(|| Ok(bench::plot_svg(&results)))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sieve_cuda::persistent::IdleSpread;
+
+    fn traced() -> TraceSummary {
+        TraceSummary {
+            step_us: 6.0,
+            work_us: vec![("norm+qkv+rope", 2.0), ("norm+head", 3.0)],
+            barrier_us: 1.0,
+            idle_fraction: 0.25,
+            idle_per_block: IdleSpread {
+                min_us: 1.0,
+                median_us: 1.5,
+                max_us: 2.0,
+                worst_block: 3,
+            },
+            positions: 129,
+            read_bytes: vec![("norm+qkv+rope", 4_000_000), ("norm+head", 6_000_000)],
+        }
+    }
+
+    #[test]
+    fn the_trace_table_sets_each_class_against_the_copy_bandwidth() {
+        let lines = trace_table(&traced(), 4000.0);
+        let text = lines.join("\n");
+        assert_eq!(lines.len(), 7, "{text}");
+        assert!(
+            lines[0].contains("129 positions, copy bandwidth 4000 GB/s"),
+            "{text}"
+        );
+        // 4 MB in 2 us: 2000 GB/s, half the copy bandwidth.
+        assert!(lines[2].starts_with("  norm+qkv+rope"), "{text}");
+        assert!(
+            lines[2].ends_with("2.0      4.000     2000    50.0%"),
+            "{text}"
+        );
+        // 10 MB over the 6 us step, of which 2.5 us at 4000 GB/s.
+        assert!(lines[4].contains("step (barriers 1 us)"), "{text}");
+        assert!(
+            lines[4].ends_with("6.0     10.000     1667    41.7%"),
+            "{text}"
+        );
+        assert!(lines[5].starts_with("fixed cost 3.5 us:"), "{text}");
+        assert!(lines[6].contains("max 2.0 (block 3); mean 25%"), "{text}");
+    }
+
+    #[test]
+    fn without_a_copy_bandwidth_the_trace_is_work_and_idle_only() {
+        let lines = trace_table(&traced(), 0.0);
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].contains("no copy bandwidth"), "{}", lines[0]);
+    }
 }
