@@ -7,6 +7,9 @@
 #                  persistent kernels
 #   PART=ttft      TTFT of 2,048 tokens on the 7B shape: dense f16 / int8 / fp8 prompts, and a
 #                  6:8 slide model (sp 0.25) with the f16 copy / cuSPARSELt int8 / fp8
+#   PART=core      what must run if only one call gets a machine: the Dense8 and FP8 slide_lt
+#                  tests, the runner's 8-bit prompt and persistent tests, TTFT of 2,048 tokens
+#                  dense f16 / int8 and slide 6:8 int8 / f16 copy
 #   PART=more      the column-format SpMM at N >= 512; the persistent step at 8,192 positions;
 #                  the 4-bit step with int8 against f16 activations; racecheck and synccheck
 # Carry .gpu from `KEEP="slide_lt runner w4a8 kernels slide" bash scripts/gpu-runner-bundle.sh`.
@@ -38,6 +41,31 @@ ttft() {  # ttft LABEL ARGS...
   timeout 170 env "$@" > "$OUT/ttft-$label.log" 2>&1; echo "$label: exit $?"
   grep -E "TTFT|TPOT|weights|rror" "$OUT/ttft-$label.log" | cut -c1-300 | head -6
 }
+if [ "$PART" = core ]; then
+  at tests
+  t slide_lt 60 gpu_dense8 sieve-cuda
+  SIEVE_LT_PRECISIONS=fp8 t slide_lt 60 gpu_slide_on_cusparselt_matches sieve-cuda
+  t runner 120 eight_bit_prompts_stay_near_the_cpu sieve-gpu
+  t runner 60 persistent_step_matches_the_graph_step sieve-gpu
+  common="--synthetic llama2-7b --prompt 2048 --tokens 8"
+  at ttft
+  for p in f16 int8; do ttft "dense-$p" $S bench decode $common --sp 0 --dp 0 --prompt-precision $p; done
+  ttft slide-int8 $S bench decode $common --format slide --pattern 6:8 --sp 0.25 --dp 0 --prompt-precision int8
+  ttft slide-copy $S bench decode $common --format slide --pattern 6:8 --sp 0.25 --dp 0
+  at end
+fi
+if [ "$PART" = fp8 ]; then
+  # After PART=core: the FP8 rows, and one-chunk prompts (1,024 tokens) whose TTFT line splits
+  # the pass by kind of work, f16 against int8.
+  common="--synthetic llama2-7b --prompt 2048 --tokens 8"
+  ttft dense-fp8 $S bench decode $common --sp 0 --dp 0 --prompt-precision fp8
+  ttft slide-fp8 $S bench decode $common --format slide --pattern 6:8 --sp 0.25 --dp 0 --prompt-precision fp8
+  for p in f16 int8; do
+    ttft "dense-1024-$p" $S bench decode --synthetic llama2-7b --prompt 1024 --tokens 8 --sp 0 --dp 0 --prompt-precision $p
+    grep -iE "prefill|linear|attention" "$OUT/ttft-dense-1024-$p.log" | cut -c1-400 | head -4
+  done
+  at end
+fi
 if [ "$PART" = tests ]; then
   at tests
   SIEVE_LT_PRECISIONS=int8,fp8 t slide_lt 120 "" sieve-cuda
