@@ -2492,7 +2492,11 @@ fn persistent_step_matches_the_graph_step() {
         assert_eq!(trace.stages.len(), 5 * c.num_layers + 1);
         assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
         // The step after the prompt's first token attends over the prompt and that token.
-        assert_eq!(trace.positions, prompt.len() + 1, "{name}: positions the step read");
+        assert_eq!(
+            trace.positions,
+            prompt.len() + 1,
+            "{name}: positions the step read"
+        );
         let summary = trace.summary();
         assert!(summary.step_us > 0.0, "{summary:?}");
         assert_eq!(summary.work_us.len(), 6, "{summary:?}");
