@@ -76,6 +76,29 @@ __device__ __forceinline__ void pdl_wait_then_release() {
     pdl_release();
 }
 
+// L2 prefetch of static data a later kernel reads (the decode step's next weight product, see
+// L2Span in src/product.rs): the span is cut into 32 KB pieces spread over every thread of the
+// launch, one bulk prefetch (cp.async.bulk.prefetch, sm_90) per piece. Nothing waits for it and
+// nothing reads it here, so the kernels that carry it issue it before pdl_wait(): the bytes
+// stream from DRAM while this small kernel and its predecessor's tail run, time in which the
+// step reads no weights. `p` is 16-byte aligned (a device allocation); a piece's length is
+// rounded down to a multiple of 16 as the instruction requires.
+__device__ __forceinline__ void prefetch_span_l2(const char* p, unsigned long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (p == nullptr || bytes < 16) return;
+    const unsigned long long piece = 32768;
+    const unsigned long long per_block = (unsigned long long)blockDim.x * blockDim.y * blockDim.z;
+    const unsigned long long threads = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * per_block;
+    const unsigned long long block = ((unsigned long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const unsigned long long tid = block * per_block + (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    for (unsigned long long off = tid * piece; off < bytes; off += threads * piece) {
+        const unsigned long long left = bytes - off;
+        const u32 n = (u32)((left < piece ? left : piece) & ~15ull);
+        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
+#endif
+}
+
 // TEAL activation mask: an input is active when |x| > t. t < 0 makes every input active.
 __device__ __forceinline__ bool active(float x, float t) { return fabsf(x) > t; }
 

@@ -193,7 +193,8 @@ __device__ __forceinline__ void rope_head_i8(float* __restrict__ qkv, const floa
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
         const float* __restrict__ rope_sin, const int* __restrict__ state, f16_bits* __restrict__ k_cache,
-        f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+        f16_bits* __restrict__ v_cache, int H, int Hkv, int hd, const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);  // the o product's weights (step.cu)
     pdl_wait_then_release();
     rope_head(qkv, bias, rope_cos, rope_sin, state[0], blockIdx.x, k_cache, v_cache, H, Hkv, hd);
 }
@@ -261,7 +262,8 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_kv_i8(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
            const float* __restrict__ rope_sin, const int* __restrict__ state, signed char* __restrict__ k_cache,
            signed char* __restrict__ v_cache, float* __restrict__ k_scales, float* __restrict__ v_scales, int H,
-           int Hkv, int hd) {
+           int Hkv, int hd, const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
     rope_head_i8(qkv, bias, rope_cos, rope_sin, state[0], blockIdx.x, k_cache, v_cache, k_scales, v_scales, H,
                  Hkv, hd);

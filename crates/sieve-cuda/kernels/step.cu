@@ -16,6 +16,10 @@
 // cheaper than a second launch or a grid-wide barrier), writes its own d/NB slice of xn, and
 // zeroes its slice of `zero`, the buffer the next product accumulates into (the products add
 // into their output, see GpuAccumulate in src/product.rs), so zeroing costs no launch of its own.
+//
+// rmsnorm_zero and silu_mul (and rope_kv, rope.cu) take the span of the next product's weights
+// (pf, pf_bytes; null for none) and ask L2 for it before they wait for their predecessor: the
+// step's DRAM is idle while these small kernels run (prefetch_span_l2 in common.cuh).
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_token(const f16_bits* __restrict__ emb, const int* __restrict__ state, float* __restrict__ x,
@@ -30,7 +34,8 @@ embed_token(const f16_bits* __restrict__ emb, const int* __restrict__ state, flo
 
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_zero(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int d,
-             float eps, float* __restrict__ zero, int zero_len) {
+             float eps, float* __restrict__ zero, int zero_len, const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
     __shared__ float red[8];
     float ss = 0.f;
@@ -57,7 +62,8 @@ rmsnorm_zero(const float* __restrict__ x, const float* __restrict__ w, float* __
 
 // h = silu(gate) * up, gate and up the two halves of gu.
 extern "C" __global__ void __launch_bounds__(256)
-silu_mul(const float* __restrict__ gu, float* __restrict__ h, int I) {
+silu_mul(const float* __restrict__ gu, float* __restrict__ h, int I, const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < I) {

@@ -73,6 +73,12 @@ pub struct GpuBalancedCbc {
 }
 
 impl GpuBalancedCbc {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.blocks)
+    }
+
     /// Uploads `w` for the faster kernel of its slot count ([`BcbcKernel::for_slots`]).
     pub fn upload(gpu: &Gpu, w: &BalancedCbc) -> Result<Self> {
         Self::upload_for(gpu, w, BcbcKernel::for_slots(w.slots()))

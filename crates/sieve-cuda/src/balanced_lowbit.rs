@@ -358,6 +358,12 @@ pub struct GpuBalancedLowBit {
 }
 
 impl GpuBalancedLowBit {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.blocks)
+    }
+
     pub fn values(&self) -> LowBitValues {
         self.values
     }

@@ -21,6 +21,12 @@ pub struct GpuDense {
 }
 
 impl GpuDense {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.w)
+    }
+
     pub fn upload(gpu: &Gpu, m: &DenseMatrix) -> Result<Self> {
         check_dims(m.rows(), m.cols())?;
         Ok(Self {
@@ -155,6 +161,12 @@ pub struct GpuDenseColMajor {
 }
 
 impl GpuDenseColMajor {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.w)
+    }
+
     pub fn upload(gpu: &Gpu, m: &DenseMatrix) -> Result<Self> {
         check_dims(m.rows(), m.cols())?;
         let (rows, cols) = (m.rows(), m.cols());

@@ -344,6 +344,12 @@ pub struct GpuIeBme {
 }
 
 impl GpuIeBme {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.values)
+    }
+
     pub fn upload(gpu: &Gpu, d: &IeBmeDevice) -> Result<Self> {
         let mut wave = [0usize; 4];
         for (w, tokens) in wave.iter_mut().zip(["n1", "n8", "n16", "n32"]) {

@@ -71,4 +71,4 @@ pub mod w4a8;
 pub use error::{CudaError, DriverContext, Result};
 pub use gpu::{gpu_or_skip, DeviceInfo, Gpu};
 pub use kv_cache::{KvCache, KvPrecision};
-pub use product::{dev_ptr, matvec_host, DevPtr, GpuAccumulate, GpuMatVec};
+pub use product::{dev_ptr, matvec_host, DevPtr, GpuAccumulate, GpuMatVec, L2Span};

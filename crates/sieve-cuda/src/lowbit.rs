@@ -1318,6 +1318,12 @@ pub struct GpuLowBit {
 }
 
 impl GpuLowBit {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.weights)
+    }
+
     pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
         let mut resident = [0u32; 4];
         for (i, r) in resident.iter_mut().enumerate() {

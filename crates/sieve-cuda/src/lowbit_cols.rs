@@ -291,6 +291,12 @@ pub struct GpuLowBitCols {
 }
 
 impl GpuLowBitCols {
+    /// The array the decode step asks L2 for ahead of this product (its largest: the
+    /// weights), see [`crate::product::L2Span`].
+    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
+        crate::product::L2Span::of(gpu, &self.words)
+    }
+
     pub fn upload(gpu: &Gpu, m: &LowBitMatrix) -> Result<Self> {
         let l = ColumnLayout::new(m)?;
         Self::upload_layout(gpu, &l)

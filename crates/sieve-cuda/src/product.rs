@@ -40,6 +40,48 @@ pub fn dev_ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> DevPtr {
     p
 }
 
+/// A span of device memory that a small kernel of the decode step asks L2 to fetch for a later
+/// kernel (`prefetch_span_l2` in `kernels/common.cuh`): the next product's weights, streamed
+/// while RMSNorm, RoPE or SwiGLU run and the step would otherwise read nothing from DRAM.
+/// `bytes == 0` asks for nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct L2Span {
+    pub ptr: DevPtr,
+    pub bytes: usize,
+}
+
+impl L2Span {
+    pub const NONE: L2Span = L2Span { ptr: 0, bytes: 0 };
+
+    /// All of `s`.
+    pub fn of<T>(gpu: &Gpu, s: &CudaSlice<T>) -> Self {
+        Self {
+            ptr: dev_ptr(gpu, s),
+            bytes: s.len() * std::mem::size_of::<T>(),
+        }
+    }
+
+    /// The first `cap` bytes at most (a product reads its weights from the start first).
+    pub fn capped(self, cap: usize) -> Self {
+        if cap == 0 || self.ptr == 0 {
+            return Self::NONE;
+        }
+        Self {
+            ptr: self.ptr,
+            bytes: self.bytes.min(cap),
+        }
+    }
+
+    /// The kernel arguments: the address (0 for none) and the length as u64.
+    pub fn args(self) -> (DevPtr, u64) {
+        if self.bytes == 0 {
+            (0, 0)
+        } else {
+            (self.ptr, self.bytes as u64)
+        }
+    }
+}
+
 /// The decode runner's form of a product: `y += W · mask_t(x)` with no zeroing of `y` and no
 /// host-side state that changes between launches, so that a launch can be captured once in a
 /// CUDA graph and replayed for every token. `x` holds K f32, `y` M f32; the caller owns both

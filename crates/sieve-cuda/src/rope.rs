@@ -7,7 +7,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{grid_cfg, Gpu, KernelFamily};
 use crate::kv_cache::KvCache;
 use crate::prefill::Rows;
-use crate::product::DevPtr;
+use crate::product::{DevPtr, L2Span};
 use cudarc::driver::{LaunchArgs, PushKernelArg};
 
 pub const FAMILY: KernelFamily = KernelFamily {
@@ -55,7 +55,8 @@ fn push_cache<'a>(b: &mut LaunchArgs<'a>, cache: &'a KvCache) {
 }
 
 /// RoPE over the q and k heads of `qkv` at position `state[0]` (biases added first when
-/// `bias` is non-zero), rotated k and v written to the layer's caches.
+/// `bias` is non-zero), rotated k and v written to the layer's caches; L2 is asked for
+/// `prefetch` first (the o product's weights in the decode step, or [`L2Span::NONE`]).
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kv(
     gpu: &Gpu,
@@ -68,13 +69,15 @@ pub fn rope_kv(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    prefetch: L2Span,
 ) -> Result<()> {
     let f = gpu.function(&FAMILY, &kernel_name("rope_kv", &cache, head_dim)?)?;
     let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
+    let (pf, pf_bytes) = prefetch.args();
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&qkv).arg(&bias).arg(&cos).arg(&sin).arg(&state);
     push_cache(&mut b, &cache);
-    b.arg(&h).arg(&hkv).arg(&hd);
+    b.arg(&h).arg(&hkv).arg(&hd).arg(&pf).arg(&pf_bytes);
     unsafe {
         b.launch(grid_cfg(
             ((heads + kv_heads) as u32, 1),

@@ -9,7 +9,7 @@
 
 use crate::error::{DriverContext, Result};
 use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
-use crate::product::DevPtr;
+use crate::product::{DevPtr, L2Span};
 use cudarc::driver::PushKernelArg;
 
 pub const FAMILY: KernelFamily = KernelFamily {
@@ -41,7 +41,9 @@ fn norm_blocks(d: usize, zero_len: usize) -> u32 {
     (d.max(zero_len).div_ceil(2048) as u32).clamp(1, 64)
 }
 
-/// `out = x / rms(x) * w` and `zero[..zero_len] = 0` in one launch (`zero` may be 0).
+/// `out = x / rms(x) * w` and `zero[..zero_len] = 0` in one launch (`zero` may be 0); L2 is
+/// asked for `prefetch` first (the next product's weights, or [`L2Span::NONE`]).
+#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_zero(
     gpu: &Gpu,
     x: DevPtr,
@@ -51,6 +53,7 @@ pub fn rmsnorm_zero(
     eps: f32,
     zero: DevPtr,
     zero_len: usize,
+    prefetch: L2Span,
 ) -> Result<()> {
     let f = gpu.function(&FAMILY, "rmsnorm_zero")?;
     let blocks = norm_blocks(d, zero_len);
@@ -58,6 +61,7 @@ pub fn rmsnorm_zero(
         i32_arg("hidden size", d)?,
         i32_arg("zeroed length", zero_len)?,
     );
+    let (pf, pf_bytes) = prefetch.args();
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&x)
         .arg(&w)
@@ -65,17 +69,20 @@ pub fn rmsnorm_zero(
         .arg(&di)
         .arg(&eps)
         .arg(&zero)
-        .arg(&zl);
+        .arg(&zl)
+        .arg(&pf)
+        .arg(&pf_bytes);
     unsafe { b.launch(grid_cfg((blocks, 1), 256, 0)) }.during("launching rmsnorm_zero")?;
     Ok(())
 }
 
-/// `h = silu(gu[..I]) * gu[I..]`.
-pub fn silu_mul(gpu: &Gpu, gu: DevPtr, h: DevPtr, inter: usize) -> Result<()> {
+/// `h = silu(gu[..I]) * gu[I..]`, L2 asked for `prefetch` first.
+pub fn silu_mul(gpu: &Gpu, gu: DevPtr, h: DevPtr, inter: usize, prefetch: L2Span) -> Result<()> {
     let f = gpu.function(&FAMILY, "silu_mul")?;
     let i = i32_arg("intermediate size", inter)?;
+    let (pf, pf_bytes) = prefetch.args();
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&gu).arg(&h).arg(&i);
+    b.arg(&gu).arg(&h).arg(&i).arg(&pf).arg(&pf_bytes);
     unsafe { b.launch(grid_cfg(((inter as u32).div_ceil(256), 1), 256, 0)) }
         .during("launching silu_mul")?;
     Ok(())

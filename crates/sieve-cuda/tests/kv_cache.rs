@@ -9,7 +9,7 @@
 use cudarc::driver::CudaSlice;
 use sieve_cuda::attention::{self, reference, AttentionShape};
 use sieve_cuda::prefill::Rows;
-use sieve_cuda::{dev_ptr, gpu_or_skip, rope, Gpu, KvCache};
+use sieve_cuda::{dev_ptr, gpu_or_skip, rope, Gpu, KvCache, L2Span};
 use sieve_formats::kv_cache::quantize_row;
 
 use sieve_formats::random::Lcg as Rng;
@@ -220,6 +220,7 @@ fn int8_cache_write_follows_the_cpu_rule() {
             heads,
             kv_heads,
             hd,
+            L2Span::NONE,
         )
         .unwrap();
         let got = cache.download(&gpu);

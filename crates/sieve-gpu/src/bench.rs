@@ -34,6 +34,10 @@ pub struct DecodeBenchOptions {
     pub tcbc_kernels: Vec<TcbcKernel>,
     /// Programmatic dependent launch settings to measure (each a result on the same model).
     pub pdl: Vec<bool>,
+    /// L2 prefetch settings of the graph step to measure, each a result on the same model
+    /// (bytes of each product's weights asked for ahead of it, `GpuModel::set_l2_prefetch`;
+    /// `None` is half the GPU's L2); empty: the runner's default.
+    pub prefetch: Vec<Option<usize>>,
     /// Sequences decoded together, one measurement each (the serving path's greedy batched
     /// step, [`GpuModel::step_slots_argmax`]); empty: none.
     pub batches: Vec<usize>,
@@ -99,6 +103,8 @@ pub struct DecodeResult {
     pub launches_per_step: usize,
     /// Programmatic dependent launch between the step's kernels.
     pub pdl: bool,
+    /// Bytes of each product's weights asked of L2 ahead of it (0: none).
+    pub l2_prefetch_bytes: usize,
     /// How the step ran (graph, persistent), and why not persistent when that was asked for
     /// and the model cannot.
     pub step: StepMode,
@@ -210,14 +216,25 @@ pub fn measure_steps(
         } else {
             &[true]
         };
+        let default_prefetch = [Some(model.l2_prefetch())];
+        let prefetches: &[Option<usize>] = if mode == StepMode::Graph && !opts.prefetch.is_empty() {
+            &opts.prefetch
+        } else {
+            &default_prefetch
+        };
+        let initial_prefetch = model.l2_prefetch();
         for &pdl in pdls {
             model.set_pdl(pdl);
-            let mut r = measure(model, label, sp, dp, setup_s, opts, copy_gbs)?;
-            if modes.contains(&StepMode::Persistent) {
-                r.step_note = why_not.as_ref().map(|w| format!("not persistent: {w}"));
+            for &prefetch in prefetches {
+                model.set_l2_prefetch(prefetch.unwrap_or_else(|| model.default_l2_prefetch()));
+                let mut r = measure(model, label, sp, dp, setup_s, opts, copy_gbs)?;
+                if modes.contains(&StepMode::Persistent) {
+                    r.step_note = why_not.as_ref().map(|w| format!("not persistent: {w}"));
+                }
+                on_result(r);
             }
-            on_result(r);
         }
+        model.set_l2_prefetch(initial_prefetch);
     }
     model.set_step_mode(StepMode::Graph)
 }
@@ -368,6 +385,11 @@ pub fn measure(
         pct_of_copy: 100.0 * bw / copy_gbs,
         launches_per_step: model.report().launches_per_step,
         pdl: model.pdl(),
+        l2_prefetch_bytes: if model.step_mode() == StepMode::Graph {
+            model.l2_prefetch()
+        } else {
+            0
+        },
         step: model.step_mode(),
         step_note: None,
         persistent_trace,
@@ -646,6 +668,7 @@ mod tests {
             seed: 0,
             tcbc_kernels: vec![TcbcKernel::Lane8],
             pdl: vec![true],
+            prefetch: vec![],
             batches: vec![],
             steps: vec![],
             int8_activations: false,

@@ -35,7 +35,7 @@ use sieve_cuda::slide::GpuSlide;
 use sieve_cuda::slide_lt::SlideLt;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::w4a8::{Int8Activations, W4A8};
-use sieve_cuda::{DevPtr, Gpu, GpuAccumulate};
+use sieve_cuda::{DevPtr, Gpu, GpuAccumulate, L2Span};
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::ie_bme::IeBme;
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
@@ -574,6 +574,22 @@ impl DeviceMatrix {
         Ok(())
     }
 
+    /// The weights the decode step asks L2 for ahead of this product (see [`L2Span`]); none
+    /// for RLC-CSC and SlideSparse, whose steps have not been measured with it.
+    pub fn weight_span(&self, gpu: &Gpu) -> L2Span {
+        match self {
+            DeviceMatrix::DenseRows(m) => m.weight_span(gpu),
+            DeviceMatrix::DenseCols(m) => m.weight_span(gpu),
+            DeviceMatrix::TiledCbc(m) => m.weight_span(gpu),
+            DeviceMatrix::BalancedCbc(m) => m.weight_span(gpu),
+            DeviceMatrix::BalancedLowBit(m) => m.weight_span(gpu),
+            DeviceMatrix::IeBme(m) => m.weight_span(gpu),
+            DeviceMatrix::LowBitCols(m, _) => m.weight_span(gpu),
+            DeviceMatrix::LowBit(p) => p.matrix.weight_span(gpu),
+            DeviceMatrix::RlcCsc(_) | DeviceMatrix::Slide(_) => L2Span::NONE,
+        }
+    }
+
     /// Device bytes the product reads when the inputs marked in `active` are the active ones.
     fn bytes_for(&self, active: &[bool]) -> usize {
         use sieve_cuda::GpuMatVec;
@@ -763,6 +779,13 @@ impl DeviceLinear {
 
     pub fn launches(&self) -> usize {
         self.parts.iter().map(|p| p.matrix.launches()).sum()
+    }
+    /// The weights of the first part, at most `cap` bytes: what the kernel before this product
+    /// asks L2 for in the decode step (`cap` 0: nothing).
+    pub fn weight_span(&self, gpu: &Gpu, cap: usize) -> L2Span {
+        self.parts
+            .first()
+            .map_or(L2Span::NONE, |p| p.matrix.weight_span(gpu).capped(cap))
     }
     /// Runs the Tiled-CBC parts with `kernel` (lane8 or rr: same device arrays, same launch).
     pub fn set_tcbc_kernel(&mut self, kernel: TcbcKernel) -> Result<()> {

@@ -236,6 +236,9 @@ pub struct GpuModel {
     use_graphs: bool,
     /// Capture the step with programmatic edges between its kernels (sieve_cuda::graph).
     pdl: bool,
+    /// Bytes of the next product's weights that RMSNorm, RoPE and SwiGLU ask L2 for (0: none;
+    /// see [`Self::set_l2_prefetch`]).
+    l2_prefetch: usize,
     report: UploadReport,
     /// Tokens in the cache (positions processed).
     len: usize,
@@ -661,6 +664,7 @@ impl GpuModel {
             graphs: [None, None],
             use_graphs: true,
             pdl: true,
+            l2_prefetch: 0,
             report,
             len: 0,
             prefill_bufs: None,
@@ -740,6 +744,25 @@ impl GpuModel {
         self.pdl
     }
 
+    /// How many bytes of each product's weights the small kernel before it (RMSNorm before
+    /// q|k|v, gate|up and the LM head, RoPE before o, SwiGLU before down) asks L2 for, so that
+    /// they stream from DRAM while those kernels run instead of after (0: none; the graphs are
+    /// captured again at the next step). [`Self::default_l2_prefetch`] is half the L2.
+    pub fn set_l2_prefetch(&mut self, bytes: usize) {
+        if bytes != self.l2_prefetch {
+            self.l2_prefetch = bytes;
+            self.drop_graphs();
+        }
+    }
+    pub fn l2_prefetch(&self) -> usize {
+        self.l2_prefetch
+    }
+    /// Half this GPU's L2: room for one product's first weights beside what the step reuses
+    /// (activations, the KV rows of attention).
+    pub fn default_l2_prefetch(&self) -> usize {
+        self.gpu.info().l2_bytes / 2
+    }
+
     pub fn set_use_graphs(&mut self, on: bool) {
         self.use_graphs = on;
     }
@@ -804,6 +827,7 @@ impl GpuModel {
         let p = |s: &CudaSlice<f32>| dev_ptr(g, s);
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let state = dev_ptr(g, &b.state);
+        let ahead = |next: &DeviceLinear| next.weight_span(g, self.l2_prefetch);
         match op {
             Op::Plan(StepOp::Embed) => {
                 step::embed_token(g, dev_ptr(g, &self.embed), state, p(&b.x), d, c.vocab_size)?
@@ -817,6 +841,7 @@ impl GpuModel {
                 eps,
                 p(&b.qkv),
                 b.qkv.len(),
+                ahead(&self.layers[l].qkv),
             )?,
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Qkv))) => {
                 self.layers[l].qkv.launch_add(g, p(&b.xn), p(&b.qkv))?
@@ -832,6 +857,7 @@ impl GpuModel {
                 c.num_heads,
                 c.num_kv_heads,
                 c.head_dim,
+                ahead(&self.layers[l].o),
             )?,
             Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => attention::attention(
                 g,
@@ -854,13 +880,18 @@ impl GpuModel {
                 eps,
                 p(&b.gu),
                 b.gu.len(),
+                ahead(&self.layers[l].gate_up),
             )?,
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::GateUp))) => {
                 self.layers[l].gate_up.launch_add(g, p(&b.xn), p(&b.gu))?
             }
-            Op::Plan(StepOp::Layer(_, LayerOp::SwiGlu)) => {
-                step::silu_mul(g, p(&b.gu), p(&b.h), c.intermediate_size)?
-            }
+            Op::Plan(StepOp::Layer(l, LayerOp::SwiGlu)) => step::silu_mul(
+                g,
+                p(&b.gu),
+                p(&b.h),
+                c.intermediate_size,
+                ahead(&self.layers[l].down),
+            )?,
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Down))) => {
                 self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))?
             }
@@ -873,6 +904,7 @@ impl GpuModel {
                 eps,
                 p(&b.logits),
                 b.logits.len(),
+                ahead(&self.lm_head),
             )?,
             Op::Plan(StepOp::LmHead) => self.lm_head.launch_add(g, p(&b.xn), p(&b.logits))?,
             Op::Plan(StepOp::Next) | Op::Next(true) => sampling::sample_token(

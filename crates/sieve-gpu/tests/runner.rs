@@ -7,7 +7,7 @@
 use half::f16;
 use sieve_cuda::attention::{self, AttentionShape};
 use sieve_cuda::sampling::{self, SampleArgs};
-use sieve_cuda::{dev_ptr, gpu_or_skip, rope, step, Gpu, KvCache};
+use sieve_cuda::{dev_ptr, gpu_or_skip, rope, step, Gpu, KvCache, L2Span};
 use sieve_formats::balanced_cbc::{slots_for_sparsity, BalancedCbc};
 use sieve_formats::random::{balanced_matrix, sparse_matrix, Pattern};
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
@@ -61,6 +61,8 @@ fn rmsnorm_and_silu_match_reference() {
             1e-5,
             dev_ptr(&gpu, &zero),
             d * 3 + 5,
+            // The prefetch is a hint: asking L2 for an input must change nothing.
+            L2Span::of(&gpu, &wd),
         )
         .unwrap();
         let got = gpu.download(&out).unwrap();
@@ -74,7 +76,14 @@ fn rmsnorm_and_silu_match_reference() {
         let gu = rng.vec(2 * d, 4.0);
         let gud = gpu.upload(&gu).unwrap();
         let h = gpu.poisoned_f32(d).unwrap();
-        step::silu_mul(&gpu, dev_ptr(&gpu, &gud), dev_ptr(&gpu, &h), d).unwrap();
+        step::silu_mul(
+            &gpu,
+            dev_ptr(&gpu, &gud),
+            dev_ptr(&gpu, &h),
+            d,
+            L2Span::of(&gpu, &gud).capped(40),
+        )
+        .unwrap();
         let err = max_abs_diff(&gpu.download(&h).unwrap(), &step::reference::silu_mul(&gu));
         assert!(err < 1e-4, "silu d={d}: {err}");
     }
@@ -146,6 +155,7 @@ fn rope_and_attention_match_reference() {
                 heads,
                 kv_heads,
                 hd,
+                L2Span::of(&gpu, &cd),
             )
             .unwrap();
             attention::attention(
@@ -2726,5 +2736,61 @@ fn eight_bit_prompts_stay_near_the_cpu() {
                 "{name}: {what} {precision:?}: a 100-token prompt left the f16 path"
             );
         }
+    }
+}
+
+/// Asking L2 for the next product's weights (`set_l2_prefetch`) is a hint: with the whole
+/// weights, with an odd cap (a piece shorter than the instruction's 16-byte unit is dropped)
+/// and without, a dense, a Tiled-CBC TEAL, a 4-bit and a 4-bit TEAL model give the same
+/// greedy tokens and the same logits up to the products' own run-to-run rounding (atomics).
+#[test]
+fn l2_prefetch_changes_no_result() {
+    let _serial = serial_gpu();
+    use sieve_cuda::balanced_lowbit::LowBitValues;
+    let name = "l2_prefetch_changes_no_result";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    for (label, kind, sp, dp, int4, seed) in [
+        ("dense", FormatKind::Dense, 0.0, 0.0, false, 61),
+        ("tiled-cbc", FormatKind::TiledCbc, 0.5, 0.5, false, 62),
+        ("int4", FormatKind::Dense, 0.0, 0.0, true, 63),
+        ("int4 teal", FormatKind::Dense, 0.5, 0.5, true, 64),
+    ] {
+        let mut model = tiny_model(kind, sp, dp, seed);
+        if int4 {
+            snap_to_int4(&mut model, LowBitValues::Int4 { group: 128 });
+        }
+        let prompt: Vec<u32> = vec![3, 17, 42, 99, 250];
+        let steps = 24;
+        let mut g =
+            GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
+        assert_eq!(g.l2_prefetch(), 0, "{name}: off by default");
+        let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
+        let mut seq = prompt.clone();
+        seq.extend(&want_tokens);
+        let logits = |g: &mut GpuModel| {
+            let mut all = Vec::new();
+            g.logits_all(&seq, |_, l| {
+                all.extend_from_slice(l);
+                Ok(())
+            })
+            .unwrap();
+            all
+        };
+        let want = logits(&mut g);
+        let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for cap in [usize::MAX, 100, g.default_l2_prefetch()] {
+            g.set_l2_prefetch(cap);
+            let tokens = gpu_tokens_after(&mut g, &prompt, steps);
+            assert_eq!(tokens, want_tokens, "{name} {label} cap {cap}: tokens");
+            let got = logits(&mut g);
+            let worst = max_abs_diff(&got, &want);
+            assert!(
+                worst <= 1e-4 * spread.max(1.0),
+                "{name} {label} cap {cap}: logits differ by {worst}"
+            );
+        }
+        eprintln!("{name} {label}: same tokens and logits with and without the prefetch");
     }
 }

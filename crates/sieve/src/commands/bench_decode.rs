@@ -62,6 +62,12 @@ pub struct DecodeArgs {
     /// measured on the same model).
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pdl: Vec<String>,
+    /// How much of each product's weights the small kernel before it asks L2 for in the graph
+    /// step (RMSNorm, RoPE, SwiGLU run while DRAM would idle): off, on (half the GPU's L2), or
+    /// a size in MB; several (e.g. off,on,16) are each measured on the same model. Default: the
+    /// runner's setting.
+    #[arg(long, value_delimiter = ',')]
+    prefetch: Vec<String>,
     /// Also time the serving path's decode step of this many sequences at once, one
     /// measurement per value (e.g. 1,8,32,64): aggregate tokens per second.
     #[arg(long, value_delimiter = ',')]
@@ -92,6 +98,20 @@ pub struct DecodeArgs {
     plot: Option<PathBuf>,
 }
 
+/// `--prefetch` values: off (0 bytes), on (half the L2: `None`), or megabytes.
+fn parse_prefetch(s: &str) -> Result<Option<usize>> {
+    match s {
+        "off" => Ok(Some(0)),
+        "on" => Ok(None),
+        mb => match mb.parse::<f64>() {
+            Ok(v) if v.is_finite() && (0.0..=65536.0).contains(&v) => {
+                Ok(Some((v * 1e6).round() as usize))
+            }
+            _ => bail!("--prefetch {mb}: expected off, on or a size in MB (0 to 65536)"),
+        },
+    }
+}
+
 fn print_row(r: &DecodeResult) {
     let ctx = if r.context > 0 {
         format!(" | @{}: {:.3} ms", r.context, r.tpot_ms_at_context)
@@ -99,7 +119,7 @@ fn print_row(r: &DecodeResult) {
         String::new()
     };
     println!(
-        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} kv {:<4} {:<10} PDL {:<3} TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
+        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} kv {:<4} {:<10} PDL {:<3} L2 ahead {:>4.0} MB TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | {:>6.2} GB/token {:>7.0} GB/s ({:>4.1}% of copy) | graph step {:.0} us: products alone {:.0}, all but products {:.0}, all but attention {:.0} | eager split linear {:>4.1}% attention {:>4.1}% other {:>4.1}% | {} launches | setup {:.0} s{ctx}",
         r.model,
         r.sp,
         r.dp,
@@ -108,6 +128,7 @@ fn print_row(r: &DecodeResult) {
         r.kv_cache,
         r.step.name(),
         if r.pdl { "on" } else { "off" },
+        r.l2_prefetch_bytes as f64 / 1e6,
         r.tpot_ms_median,
         r.tpot_ms_p10,
         r.tpot_ms_p90,
@@ -294,6 +315,11 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 "off" => Ok(false),
                 other => bail!("--pdl {other}: expected on or off"),
             })
+            .collect::<Result<_>>()?,
+        prefetch: a
+            .prefetch
+            .iter()
+            .map(|p| parse_prefetch(p))
             .collect::<Result<_>>()?,
         batches: a.batch.clone(),
         int8_activations: a.activations.int8(),
