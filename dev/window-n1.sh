@@ -5,10 +5,10 @@
 #               prefetch; a whole step with and without it), then the 7B shape's TPOT with
 #               --prefetch off,on,16 for dense f16, dense int4 g128, int4 + 50% + TEAL 50% and
 #               Tiled-CBC 0.5 / 0.5, each pair measured on one model in one process
-#   PART=more   GGUF Q4_0 blocks and the 0.7 / 0.7 Tiled-CBC point with and without it, and
-#               the 4-bit step at 32 sequences (the serving path has no prefetch: unchanged)
+#   PART=more   GGUF Q4_0 blocks and the 0.7 / 0.7 Tiled-CBC point with and without it, other
+#               sizes, and the 4-bit TEAL step at 32 sequences (the serving path's batched pass)
 # After it, dev/window-m1.sh's PART=tests / fp8 / more run from the same bundle.
-# Carry .gpu from `KEEP="runner kv_cache slide_lt w4a8 kernels slide" bash scripts/gpu-runner-bundle.sh`.
+# Carry .gpu from `KEEP="runner kv_cache prefill_rows slide_lt w4a8 kernels slide" bash scripts/gpu-runner-bundle.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
@@ -36,6 +36,7 @@ if [ "$PART" = core ]; then
   t runner 90 l2_prefetch_changes_no_result sieve-gpu
   t runner 30 rmsnorm_and_silu_match_reference sieve-gpu
   t runner 30 rope_and_attention_match_reference sieve-gpu
+  t prefill_rows 60 "" sieve-cuda
   t kv_cache 60 "" sieve-cuda
   at decode
   dec dense-f16 --format dense --sp 0 --dp 0 --prefetch off,on,16
@@ -47,5 +48,6 @@ if [ "$PART" = more ]; then
   dec q4_0 --format dense --values q4_0 --sp 0 --dp 0 --prefetch off,on
   dec tcbc-07 --sp 0.7 --dp 0.7 --prefetch off,on
   dec int4-8 --format dense --values int4 --sp 0 --dp 0 --prefetch off,on,8,32
+  dec batch32 --format dense --values int4 --sp 0.5 --dp 0.5 --prefetch off,on --batch 32
   at end
 fi

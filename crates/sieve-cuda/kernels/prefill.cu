@@ -32,7 +32,9 @@ __device__ __forceinline__ bool aligned_to(const void* p, size_t bytes) {
 __device__ __forceinline__ int row_col0() { return (int)(blockIdx.x * blockDim.x + threadIdx.x) * 4; }
 
 extern "C" __global__ void __launch_bounds__(256)
-rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int d, float eps) {
+rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int d, float eps,
+             const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);  // the next product's weights (null: none), as step.cu's rmsnorm_zero
     pdl_wait_then_release();
     __shared__ float red[8];
     const float* row = x + (size_t)blockIdx.x * d;
@@ -89,7 +91,8 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.f 
 
 // gate <- silu(gate) * up, in place in the gate half of each row of gu.
 extern "C" __global__ void __launch_bounds__(256)
-silu_rows(float* __restrict__ gu, int n, int I) {
+silu_rows(float* __restrict__ gu, int n, int I, const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
     const int c = row_col0();
     if (c >= I) return;

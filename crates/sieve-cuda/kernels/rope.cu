@@ -225,7 +225,9 @@ __device__ __forceinline__ bool rope_row_target(int p0, const int* __restrict__ 
 extern "C" __global__ void __launch_bounds__(ROPE_ROW_THREADS)
 rope_rows(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
           const float* __restrict__ rope_sin, int p0, const int* __restrict__ seqs, long long slot_stride,
-          f16_bits* __restrict__ k_cache, f16_bits* __restrict__ v_cache, int H, int Hkv, int hd) {
+          f16_bits* __restrict__ k_cache, f16_bits* __restrict__ v_cache, int H, int Hkv, int hd,
+          const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
     const int half = hd / 2;
     const int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
@@ -273,7 +275,8 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS)
 rope_rows_i8(float* __restrict__ qkv, const float* __restrict__ bias, const float* __restrict__ rope_cos,
              const float* __restrict__ rope_sin, int p0, const int* __restrict__ seqs, long long slot_stride,
              signed char* __restrict__ k_cache, signed char* __restrict__ v_cache, float* __restrict__ k_scales,
-             float* __restrict__ v_scales, int H, int Hkv, int hd) {
+             float* __restrict__ v_scales, int H, int Hkv, int hd, const char* __restrict__ pf, u64 pf_bytes) {
+    prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
     const size_t qkv_row = (size_t)(H + 2 * Hkv) * hd;
     const int y = blockIdx.y;

@@ -5,7 +5,7 @@
 use crate::error::CudaError;
 use crate::error::{DriverContext, Result};
 use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
-use crate::product::{threshold_arg, DevPtr};
+use crate::product::{threshold_arg, DevPtr, L2Span};
 use cudarc::driver::PushKernelArg;
 
 pub const FAMILY: KernelFamily = KernelFamily {
@@ -75,7 +75,8 @@ pub fn embed_rows(
     Ok(())
 }
 
-/// Row-wise RMSNorm of `n` rows of `d` (f32 out).
+/// Row-wise RMSNorm of `n` rows of `d` (f32 out), L2 asked for `prefetch` first (the next
+/// product's weights in a batched decode pass, see [`L2Span`]).
 pub fn rmsnorm_rows(
     gpu: &Gpu,
     x: DevPtr,
@@ -84,18 +85,26 @@ pub fn rmsnorm_rows(
     n: usize,
     d: usize,
     eps: f32,
+    prefetch: L2Span,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
     let f = gpu.function(&FAMILY, "rmsnorm_rows")?;
+    let (pf, pf_bytes) = prefetch.args();
     let di = i32_arg("hidden size", d)?;
     let rows = u32::try_from(n)
         .ok()
         .filter(|&r| r <= i32::MAX as u32)
         .ok_or_else(|| CudaError::Unsupported(format!("{n} rows in one launch")))?;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&x).arg(&w).arg(&out).arg(&di).arg(&eps);
+    b.arg(&x)
+        .arg(&w)
+        .arg(&out)
+        .arg(&di)
+        .arg(&eps)
+        .arg(&pf)
+        .arg(&pf_bytes);
     unsafe { b.launch(grid_cfg((rows, 1), 256, 0)) }.during("launching rmsnorm_rows")?;
     Ok(())
 }
@@ -128,15 +137,16 @@ pub fn rows_to_f16(
 }
 
 /// `gate = silu(gate) * up` in place for `n` rows of `gu = [gate | up]`.
-pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize) -> Result<()> {
+pub fn silu_rows(gpu: &Gpu, gu: DevPtr, n: usize, inter: usize, prefetch: L2Span) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
     let f = gpu.function(&FAMILY, "silu_rows")?;
     let (ni, ii) = (i32_arg("tokens", n)?, i32_arg("intermediate size", inter)?);
     let grid = row_grid(n, inter)?;
+    let (pf, pf_bytes) = prefetch.args();
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&gu).arg(&ni).arg(&ii);
+    b.arg(&gu).arg(&ni).arg(&ii).arg(&pf).arg(&pf_bytes);
     unsafe { b.launch(grid_cfg(grid, 256, 0)) }.during("launching silu_rows")?;
     Ok(())
 }

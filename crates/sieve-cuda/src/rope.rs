@@ -104,11 +104,13 @@ pub fn rope_rows(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    prefetch: L2Span,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
     let f = gpu.function(&FAMILY, &kernel_name("rope_rows", &cache, head_dim)?)?;
+    let (pf, pf_bytes) = prefetch.args();
     let (p0, seqs, slot_stride) = rows.kernel_args()?;
     let (h, hkv, hd) = (heads as i32, kv_heads as i32, head_dim as i32);
     let mut b = gpu.stream().launch_builder(&f);
@@ -120,7 +122,7 @@ pub fn rope_rows(
         .arg(&seqs)
         .arg(&slot_stride);
     push_cache(&mut b, &cache);
-    b.arg(&h).arg(&hkv).arg(&hd);
+    b.arg(&h).arg(&hkv).arg(&hd).arg(&pf).arg(&pf_bytes);
     // The f16 kernel: one rotate-half pair per thread across heads; the 8-bit one: a block per
     // head (its row's largest |x| is a block reduction).
     let (grid_x, threads) = match cache {

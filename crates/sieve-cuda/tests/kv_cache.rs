@@ -274,6 +274,7 @@ fn int8_cache_write_follows_the_cpu_rule() {
             heads,
             kv_heads,
             hd,
+            L2Span::NONE,
         )
         .unwrap();
         let got = cache.download(&gpu);
@@ -308,6 +309,7 @@ fn int8_cache_write_follows_the_cpu_rule() {
             heads,
             kv_heads,
             hd,
+            L2Span::NONE,
         )
         .unwrap();
         let got = cache.download(&gpu);

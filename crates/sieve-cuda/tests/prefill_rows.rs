@@ -6,7 +6,7 @@
 
 use half::f16;
 use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, rows_to_f16, silu_rows, zero_rows};
-use sieve_cuda::{dev_ptr, gpu_or_skip};
+use sieve_cuda::{dev_ptr, gpu_or_skip, L2Span};
 use sieve_formats::random::Lcg as Rng;
 
 /// (rows, width, row stride, offset of the first row in floats): aligned and vectorizable, odd
@@ -65,7 +65,18 @@ fn row_kernels_match_the_cpu() {
         let wd = gpu.upload(&w).unwrap();
         let out = gpu.poisoned_f32(off + n * k + 4).unwrap();
         let o0 = dev_ptr(&gpu, &out) + (off * 4) as u64;
-        rmsnorm_rows(&gpu, x0, dev_ptr(&gpu, &wd), o0, n, k, 1e-5).unwrap();
+        // A span to prefetch (the norm's own weights) is a hint: the result is the same.
+        rmsnorm_rows(
+            &gpu,
+            x0,
+            dev_ptr(&gpu, &wd),
+            o0,
+            n,
+            k,
+            1e-5,
+            L2Span::of(&gpu, &wd),
+        )
+        .unwrap();
         let got = gpu.download(&out).unwrap();
         for r in 0..n {
             let row = &x[off + r * k..off + (r + 1) * k];
@@ -92,7 +103,14 @@ fn row_kernels_match_the_cpu() {
         // SwiGLU over rows [gate | up] of 2k.
         let gu = rng.vec(off + n * 2 * k + 4, 4.0);
         let gud = gpu.upload(&gu).unwrap();
-        silu_rows(&gpu, dev_ptr(&gpu, &gud) + (off * 4) as u64, n, k).unwrap();
+        silu_rows(
+            &gpu,
+            dev_ptr(&gpu, &gud) + (off * 4) as u64,
+            n,
+            k,
+            L2Span::of(&gpu, &gud).capped(1000),
+        )
+        .unwrap();
         let got = gpu.download(&gud).unwrap();
         for r in 0..n {
             let base = off + r * 2 * k;
@@ -168,7 +186,7 @@ fn row_kernels_take_more_rows_than_a_grid() {
     }
     let gu: Vec<f32> = (0..n * 2 * m).map(|i| (i % 7) as f32 - 3.0).collect();
     let gud = gpu.upload(&gu).unwrap();
-    silu_rows(&gpu, dev_ptr(&gpu, &gud), n, m).unwrap();
+    silu_rows(&gpu, dev_ptr(&gpu, &gud), n, m, L2Span::NONE).unwrap();
     let got = gpu.download(&gud).unwrap();
     for r in [0, 65_534, 65_535, n - 1] {
         for c in 0..m {
@@ -192,8 +210,8 @@ fn zero_rows_launch_nothing() {
     let xd = gpu.upload(&x).unwrap();
     let p = dev_ptr(&gpu, &xd);
     zero_rows(&gpu, p, 16, 0, 16).unwrap();
-    silu_rows(&gpu, p, 0, 16).unwrap();
-    rmsnorm_rows(&gpu, p, p, p, 0, 16, 1e-5).unwrap();
+    silu_rows(&gpu, p, 0, 16, L2Span::NONE).unwrap();
+    rmsnorm_rows(&gpu, p, p, p, 0, 16, 1e-5, L2Span::NONE).unwrap();
     rows_to_f16(&gpu, p, 16, p, 0, 16, None).unwrap();
     embed_rows(&gpu, p, p, p, 0, 16).unwrap();
     assert_eq!(gpu.download(&xd).unwrap(), x, "a launch over 0 rows wrote");
@@ -268,6 +286,7 @@ fn f16_rope_rows_match_the_cpu() {
                 heads,
                 kv_heads,
                 hd,
+                L2Span::of(&gpu, &cd),
             )
             .unwrap();
             let got_rows = gpu.download(&qkvd).unwrap();

@@ -746,8 +746,9 @@ impl GpuModel {
 
     /// How many bytes of each product's weights the small kernel before it (RMSNorm before
     /// q|k|v, gate|up and the LM head, RoPE before o, SwiGLU before down) asks L2 for, so that
-    /// they stream from DRAM while those kernels run instead of after (0: none; the graphs are
-    /// captured again at the next step). [`Self::default_l2_prefetch`] is half the L2.
+    /// they stream from DRAM while those kernels run instead of after: in the one-token step
+    /// and in the batched passes (steps of many sequences, prompts). 0: none; the graphs are
+    /// captured again at the next step. [`Self::default_l2_prefetch`] is half the L2.
     pub fn set_l2_prefetch(&mut self, bytes: usize) {
         if bytes != self.l2_prefetch {
             self.l2_prefetch = bytes;
@@ -1168,6 +1169,7 @@ impl GpuModel {
         // (the tensor-core prompt attention from 16 rows); a decode step's rows address slot
         // 0's cache and the kernels add each row's slot.
         let (q_row, att_row) = (qkv_w * 4, nh * hd * 4);
+        let ahead = |next: &DeviceLinear| next.weight_span(g, self.l2_prefetch);
         let rope_and_attention =
             |l: usize, bias: DevPtr, cos: DevPtr, sin: DevPtr, attend: bool| {
                 let runs: Vec<(usize, usize, Rows, usize)> = match rows {
@@ -1195,7 +1197,8 @@ impl GpuModel {
                             len,
                         )?;
                     } else {
-                        rope::rope_rows(g, q, bias, cos, sin, &kind, len, cache, nh, nkv, hd)?;
+                        let o = ahead(&self.layers[l].o);
+                        rope::rope_rows(g, q, bias, cos, sin, &kind, len, cache, nh, nkv, hd, o)?;
                     }
                 }
                 Ok::<(), GpuError>(())
@@ -1206,9 +1209,16 @@ impl GpuModel {
             let (cos, sin) = (p(&self.bufs.rope_cos), p(&self.bufs.rope_sin));
             for op in plan::LAYER {
                 match op {
-                    LayerOp::Norm(Norm::Attention) => {
-                        rmsnorm_rows(g, x, p(&layer.input_norm), xn, n, d, c.rms_norm_eps)?
-                    }
+                    LayerOp::Norm(Norm::Attention) => rmsnorm_rows(
+                        g,
+                        x,
+                        p(&layer.input_norm),
+                        xn,
+                        n,
+                        d,
+                        c.rms_norm_eps,
+                        ahead(&layer.qkv),
+                    )?,
                     LayerOp::Product(Group::Qkv) => {
                         linear_rows(g, &layer.qkv, xn, d, a16, n, y, qkv_w, 0.0, w16, w16_len)?
                     }
@@ -1217,9 +1227,16 @@ impl GpuModel {
                     LayerOp::Product(Group::O) => {
                         linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16, w16_len)?
                     }
-                    LayerOp::Norm(Norm::Mlp) => {
-                        rmsnorm_rows(g, x, p(&layer.post_norm), xn, n, d, c.rms_norm_eps)?
-                    }
+                    LayerOp::Norm(Norm::Mlp) => rmsnorm_rows(
+                        g,
+                        x,
+                        p(&layer.post_norm),
+                        xn,
+                        n,
+                        d,
+                        c.rms_norm_eps,
+                        ahead(&layer.gate_up),
+                    )?,
                     LayerOp::Product(Group::GateUp) => linear_rows(
                         g,
                         &layer.gate_up,
@@ -1233,7 +1250,7 @@ impl GpuModel {
                         w16,
                         w16_len,
                     )?,
-                    LayerOp::SwiGlu => silu_rows(g, y, n, inter)?,
+                    LayerOp::SwiGlu => silu_rows(g, y, n, inter, ahead(&layer.down))?,
                     LayerOp::Product(Group::Down) => linear_rows(
                         g,
                         &layer.down,
@@ -2342,7 +2359,16 @@ impl GpuModel {
             .as_ref()
             .ok_or_else(|| GpuError::InvalidArgument("prefill scratch missing".into()))?;
         let (x, xn) = (dev_ptr(g, &pb.x), dev_ptr(g, &pb.xn));
-        rmsnorm_rows(g, x, dev_ptr(g, &self.final_norm), xn, n, d, c.rms_norm_eps)?;
+        rmsnorm_rows(
+            g,
+            x,
+            dev_ptr(g, &self.final_norm),
+            xn,
+            n,
+            d,
+            c.rms_norm_eps,
+            self.lm_head.weight_span(g, self.l2_prefetch),
+        )?;
         crate::prefill::linear_rows(
             g,
             &self.lm_head,

@@ -450,6 +450,18 @@ mod tests {
     }
 
     #[test]
+    fn prefetch_settings_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_prefetch("off").unwrap(), Some(0));
+        assert_eq!(parse_prefetch("on").unwrap(), None);
+        assert_eq!(parse_prefetch("16").unwrap(), Some(16_000_000));
+        assert_eq!(parse_prefetch("0.5").unwrap(), Some(500_000));
+        for bad in ["-1", "NaN", "inf", "lots", "", "70000"] {
+            let e = parse_prefetch(bad).unwrap_err().to_string();
+            assert!(e.contains("--prefetch"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn without_a_copy_bandwidth_the_trace_is_work_and_idle_only() {
         let lines = trace_table(&traced(), 0.0);
         assert_eq!(lines.len(), 2);
