@@ -162,6 +162,25 @@ fn lt_scratch_layout(
     }
 }
 
+/// [`lt_scratch_layout`] of one library product of `n` tokens, or an error naming `what` when
+/// the pass's f16 scratch (`w16_len` elements) is too short for it.
+fn lt_scratch_within(
+    what: &str,
+    n: usize,
+    shape: (usize, usize),
+    precision: LtPrecision,
+    w16_len: usize,
+) -> Result<LtScratchLayout> {
+    let l = lt_scratch_layout(n, shape, precision);
+    if l.len16 > w16_len {
+        return Err(GpuError::InvalidArgument(format!(
+            "{n} tokens in one {what} pass: its scratch holds {w16_len} f16 values, {} needed",
+            l.len16
+        )));
+    }
+    Ok(l)
+}
+
 /// f16 elements of the scratch a cuSPARSELt slide product of `n` tokens takes from the pass's
 /// f16 scratch ([`lt_scratch_layout`]), and its padded token count.
 fn slide_library_scratch(s: &SlideLt, n: usize) -> (usize, usize) {
@@ -494,14 +513,13 @@ pub fn linear_rows(
         if let (Some(c), true) = (&p.prompt8, n >= PROMPT8_MIN_TOKENS) {
             // W8A8 on cuBLASLt: each token's masked row quantized into w16, the product, the
             // scaled sums into y.
-            let l = lt_scratch_layout(n, c.matrix.plan_shape(), c.matrix.precision());
-            if l.len16 > w16_len {
-                return Err(GpuError::InvalidArgument(format!(
-                    "{n} tokens in one 8-bit prompt pass: its scratch holds {w16_len} f16 \
-                     values, {} needed",
-                    l.len16
-                )));
-            }
+            let l = lt_scratch_within(
+                "8-bit prompt",
+                n,
+                c.matrix.plan_shape(),
+                c.matrix.precision(),
+                w16_len,
+            )?;
             let plan = c.plan(gpu, l.np)?;
             let yp = y + (p.row_offset * 4) as u64;
             c.matrix.launch_rows_to(
@@ -524,14 +542,13 @@ pub fn linear_rows(
             if let (Some(lib), true) = (&s.library, n >= SLIDE_LIBRARY_MIN_TOKENS) {
                 // cuSPARSELt: the lifted rows (f16 or 8-bit codes), the accumulators and the
                 // per-token scales, in w16.
-                let l = lt_scratch_layout(n, lib.plan_shape(), lib.precision());
-                if l.len16 > w16_len {
-                    return Err(GpuError::InvalidArgument(format!(
-                        "{n} tokens in one cuSPARSELt slide pass: its scratch holds {w16_len} \
-                         f16 values, {} needed",
-                        l.len16
-                    )));
-                }
+                let l = lt_scratch_within(
+                    "cuSPARSELt slide",
+                    n,
+                    lib.plan_shape(),
+                    lib.precision(),
+                    w16_len,
+                )?;
                 let codes = w16;
                 let acc = w16 + l.acc as u64;
                 let plan = s
@@ -667,6 +684,13 @@ mod tests {
             assert_eq!(l.scales, l.acc + l.np * mp * 4);
             assert!(2 * l.len16 >= l.scales + l.np * 4);
             assert!(l.acc.is_multiple_of(256) && l.scales.is_multiple_of(256));
+            // The checked form takes exactly the layout's length and names the pass beyond it.
+            assert!(lt_scratch_within("test", n, (mp, kp), p, l.len16).is_ok());
+            let e = lt_scratch_within("test", n, (mp, kp), p, l.len16 - 1)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("one test pass") && e.contains("needed"), "{e}");
         }
     }
 
