@@ -4,7 +4,8 @@
 #   PART=core   the tests that launch the changed kernels (RMSNorm, SwiGLU, RoPE with a span to
 #               prefetch; a whole step with and without it), then the 7B shape's TPOT with
 #               --prefetch off,on,16 for dense f16, dense int4 g128, int4 + 50% + TEAL 50% and
-#               Tiled-CBC 0.5 / 0.5, each pair measured on one model in one process
+#               Tiled-CBC 0.5 / 0.5, each pair measured on one model in one process; and the
+#               dense int4 step with the prefetch but none from attention (SIEVE_PREFETCH_ATTENTION=off)
 #   PART=more   GGUF Q4_0 blocks and the 0.7 / 0.7 Tiled-CBC point with and without it, other
 #               sizes, and the 4-bit TEAL step at 32 sequences (the serving path's batched pass)
 # After it, dev/window-m1.sh's PART=tests / fp8 / more run from the same bundle.
@@ -42,6 +43,7 @@ if [ "$PART" = core ]; then
   dec dense-f16 --format dense --sp 0 --dp 0 --prefetch off,on,16
   dec int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5 --prefetch off,on,16
   dec tcbc --sp 0.5 --dp 0.5 --prefetch off,on
+  SIEVE_PREFETCH_ATTENTION=off dec int4-no-attention-prefetch --format dense --values int4 --sp 0 --dp 0 --prefetch on
   at end
 fi
 if [ "$PART" = more ]; then

@@ -283,15 +283,21 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
     qkv, k_cache, v_cache, state, part, H, Hkv, hd, scale, len0, q_stride, seqs, slot_stride
 
 // attention_split_g<G> over the f16 cache, attention_split_i8_g<G> over the 8-bit one (its
-// two scale buffers follow the f16 kernel's arguments).
+// two scale buffers follow the f16 kernel's arguments). The last two arguments are a span of
+// static data for L2 (pf, pf_bytes; null for none: prefetch_span_l2 in common.cuh), asked for
+// before the wait: in the decode step, the start of the gate|up weights, since attention
+// reads little from DRAM at short contexts.
 #define ATTENTION_SPLIT_KERNELS(G)                                                                  \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g##G(ATTENTION_ARGS(f16_bits)) { \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_g##G(ATTENTION_ARGS(f16_bits), \
+        const char* __restrict__ pf, u64 pf_bytes) {                                                \
+        prefetch_span_l2(pf, pf_bytes);                                                             \
         pdl_wait_then_release();                                                                    \
         attention_split_body<G, CacheF16>(ATTENTION_PASS, nullptr, nullptr);                        \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_split_i8_g##G(                \
         ATTENTION_ARGS(signed char), const float* __restrict__ k_scales,                            \
-        const float* __restrict__ v_scales) {                                                       \
+        const float* __restrict__ v_scales, const char* __restrict__ pf, u64 pf_bytes) {            \
+        prefetch_span_l2(pf, pf_bytes);                                                             \
         pdl_wait_then_release();                                                                    \
         attention_split_body<G, CacheI8>(ATTENTION_PASS, k_scales, v_scales);                       \
     }

@@ -9,7 +9,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::gpu::{grid_cfg, i32_arg, Gpu, KernelFamily};
 use crate::kv_cache::KvCache;
 use crate::prefill::Rows;
-use crate::product::DevPtr;
+use crate::product::{DevPtr, L2Span};
 use crate::prompt_attention;
 use cudarc::driver::PushKernelArg;
 
@@ -111,7 +111,9 @@ pub fn rows_partials_len(gpu: &Gpu, shape: &AttentionShape, max_rows: usize) -> 
 }
 
 /// Attention of the token at `state[0]` over cache positions `0..=state[0]`: q from `qkv`,
-/// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`].
+/// output `att` (`[H][hd]` f32), `part` scratch of [`AttentionShape::partials_len`]; L2 is
+/// asked for `prefetch` first (in the decode step, the start of the gate|up weights).
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     shape: &AttentionShape,
@@ -120,6 +122,7 @@ pub fn attention(
     state: DevPtr,
     part: DevPtr,
     att: DevPtr,
+    prefetch: L2Span,
 ) -> Result<()> {
     let queries = Queries {
         count: 1,
@@ -127,6 +130,7 @@ pub fn attention(
         seqs: 0,
         slot_stride: 0,
         splits: shape.splits,
+        prefetch,
     };
     launch(gpu, shape, qkv, cache, state, part, att, queries)
 }
@@ -224,6 +228,7 @@ pub fn attention_rows_split(
         seqs,
         slot_stride,
         splits,
+        prefetch: L2Span::NONE,
     };
     launch(gpu, shape, qkv, cache, 0, part, att, queries)
 }
@@ -238,6 +243,8 @@ struct Queries {
     slot_stride: i64,
     /// Splits along the sequence (the grid's y; at most the shape's, for which `part` is sized).
     splits: usize,
+    /// Static data the split kernel asks L2 for before it waits ([`L2Span`]).
+    prefetch: L2Span,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -289,6 +296,8 @@ fn launch(
     if let Some((k_scales, v_scales)) = &scales {
         b.arg(k_scales).arg(v_scales);
     }
+    let (pf, pf_bytes) = queries.prefetch.args();
+    b.arg(&pf).arg(&pf_bytes);
     let mut c = grid_cfg(
         (shape.kv_heads as u32, queries.splits as u32),
         ATT_THREADS as u32,

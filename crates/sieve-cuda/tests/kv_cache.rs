@@ -410,6 +410,8 @@ fn int8_attention_matches_reference() {
                     dev_ptr(&gpu, &state),
                     pp(&part),
                     pp(&att),
+                    // The 8-bit cache's kernels take the span after their scale buffers.
+                    L2Span::of(&gpu, &qkvd),
                 )
                 .unwrap();
                 let want =

@@ -24,7 +24,7 @@ use sieve_cuda::lowbit::LowBitMatrix;
 use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows, Rows};
 use sieve_cuda::sampling::{self, SampleArgs};
 use sieve_cuda::timing::EventPair;
-use sieve_cuda::{dev_ptr, rope, step, DevPtr, DriverContext, Gpu, KvCache, KvPrecision};
+use sieve_cuda::{dev_ptr, rope, step, DevPtr, DriverContext, Gpu, KvCache, KvPrecision, L2Span};
 use sieve_formats::{FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
@@ -860,15 +860,29 @@ impl GpuModel {
                 c.head_dim,
                 ahead(&self.layers[l].o),
             )?,
-            Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => attention::attention(
-                g,
-                &self.attention,
-                p(&b.qkv),
-                self.cache_view(l)?,
-                state,
-                p(&b.part),
-                p(&b.att),
-            )?,
+            Op::Plan(StepOp::Layer(l, LayerOp::Attention)) => {
+                // RoPE asked for the o weights; what the cap leaves goes to the start of
+                // gate|up, the largest product, read after o and one RMSNorm.
+                let layer = &self.layers[l];
+                let o = ahead(&layer.o).bytes;
+                let gate_up = if attention_prefetch_enabled() {
+                    layer
+                        .gate_up
+                        .weight_span(g, self.l2_prefetch.saturating_sub(o))
+                } else {
+                    L2Span::NONE
+                };
+                attention::attention(
+                    g,
+                    &self.attention,
+                    p(&b.qkv),
+                    self.cache_view(l)?,
+                    state,
+                    p(&b.part),
+                    p(&b.att),
+                    gate_up,
+                )?
+            }
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::O))) => {
                 self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))?
             }
@@ -2539,6 +2553,14 @@ fn precompile_kernels(gpu: &Gpu) -> Result<()> {
     }
     let _not_compiled = gpu.precompile(&sieve_cuda::gpu::all_families(), threads)?;
     Ok(())
+}
+
+/// `SIEVE_PREFETCH_ATTENTION=off` (read once) keeps the decode step's attention from asking L2
+/// for the start of gate|up: a switch for measuring that part of the prefetch alone, not a
+/// setting.
+fn attention_prefetch_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SIEVE_PREFETCH_ATTENTION").as_deref() != Ok("off"))
 }
 
 #[cfg(test)]

@@ -169,6 +169,7 @@ fn rope_and_attention_match_reference() {
                 dev_ptr(&gpu, &state),
                 pp(&part),
                 pp(&att),
+                L2Span::of(&gpu, &sd),
             )
             .unwrap();
             // Reference: bias, rotation, cache write at p, attention over 0..len.
