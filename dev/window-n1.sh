@@ -6,6 +6,7 @@
 #               --prefetch off,on,16 for dense f16, dense int4 g128, int4 + 50% + TEAL 50% and
 #               Tiled-CBC 0.5 / 0.5, each pair measured on one model in one process; and the
 #               dense int4 step with the prefetch but none from attention (SIEVE_PREFETCH_ATTENTION=off)
+#   PART=min    the tests, then --prefetch off,on for dense int4, int4 + TEAL and dense f16
 #   PART=more   GGUF Q4_0 blocks and the 0.7 / 0.7 Tiled-CBC point with and without it, other
 #               sizes, and the 4-bit TEAL step at 32 sequences (the serving path's batched pass)
 # After it, dev/window-m1.sh's PART=tests / fp8 / more run from the same bundle.
@@ -44,6 +45,16 @@ if [ "$PART" = core ]; then
   dec int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5 --prefetch off,on,16
   dec tcbc --sp 0.5 --dp 0.5 --prefetch off,on
   SIEVE_PREFETCH_ATTENTION=off dec int4-no-attention-prefetch --format dense --values int4 --sp 0 --dp 0 --prefetch on
+  at end
+fi
+if [ "$PART" = min ]; then  # what a short window must show: correctness, then the 4-bit and f16 pairs
+  at tests
+  t runner 90 l2_prefetch_changes_no_result sieve-gpu
+  t kv_cache 60 "" sieve-cuda
+  t prefill_rows 60 "" sieve-cuda
+  at decode
+  dec int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5 --prefetch off,on
+  dec dense-f16 --format dense --sp 0 --dp 0 --prefetch off,on
   at end
 fi
 if [ "$PART" = more ]; then
