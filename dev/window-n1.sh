@@ -50,8 +50,6 @@ fi
 if [ "$PART" = min ]; then  # what a short window must show: correctness, then the 4-bit and f16 pairs
   at tests
   t runner 90 l2_prefetch_changes_no_result sieve-gpu
-  t kv_cache 60 "" sieve-cuda
-  t prefill_rows 60 "" sieve-cuda
   at decode
   dec int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5 --prefetch off,on
   dec dense-f16 --format dense --sp 0 --dp 0 --prefetch off,on
