@@ -77,8 +77,11 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 }
 
 // L2 prefetch of static data a later kernel reads (the decode step's next weight product, see
-// L2Span in src/product.rs): the span is cut into 32 KB pieces spread over every thread of the
-// launch, one bulk prefetch (cp.async.bulk.prefetch, sm_90) per piece. Nothing waits for it and
+// L2Span in src/product.rs): the span is cut into 32 KB pieces dealt to the blocks in turn
+// (piece i to block i % blocks), one bulk prefetch (cp.async.bulk.prefetch, sm_90) per piece.
+// Dealt by block, not by thread: an SM issues its bulk prefetches one after another, so 26 MB
+// from the first 4 blocks of a launch took ~24 us (H100, 2026-12-07: docs/BENCHMARKS.md), and
+// the launchers give a kernel that carries a span at least one block per SM. Nothing waits for it and
 // nothing reads it here, so the kernels that carry it issue it before pdl_wait(): the bytes
 // stream from DRAM while this small kernel and its predecessor's tail run, time in which the
 // step reads no weights. `p` is 16-byte aligned (a device allocation); a piece's length is
@@ -90,7 +93,8 @@ __device__ __forceinline__ void prefetch_span_l2(const char* p, unsigned long lo
     const unsigned long long per_block = (unsigned long long)blockDim.x * blockDim.y * blockDim.z;
     const unsigned long long threads = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * per_block;
     const unsigned long long block = ((unsigned long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const unsigned long long tid = block * per_block + (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    const unsigned long long blocks = threads / per_block;
+    const unsigned long long tid = ((threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x) * blocks + block;
     for (unsigned long long off = tid * piece; off < bytes; off += threads * piece) {
         const unsigned long long left = bytes - off;
         const u32 n = (u32)((left < piece ? left : piece) & ~15ull);

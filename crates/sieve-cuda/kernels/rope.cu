@@ -196,6 +196,7 @@ rope_kv(float* __restrict__ qkv, const float* __restrict__ bias, const float* __
         f16_bits* __restrict__ v_cache, int H, int Hkv, int hd, const char* __restrict__ pf, u64 pf_bytes) {
     prefetch_span_l2(pf, pf_bytes);  // the o product's weights (step.cu)
     pdl_wait_then_release();
+    if ((int)blockIdx.x >= H + Hkv) return;  // blocks added to spread the prefetch
     rope_head(qkv, bias, rope_cos, rope_sin, state[0], blockIdx.x, k_cache, v_cache, H, Hkv, hd);
 }
 
@@ -267,6 +268,7 @@ rope_kv_i8(float* __restrict__ qkv, const float* __restrict__ bias, const float*
            int Hkv, int hd, const char* __restrict__ pf, u64 pf_bytes) {
     prefetch_span_l2(pf, pf_bytes);
     pdl_wait_then_release();
+    if ((int)blockIdx.x >= H + Hkv) return;  // blocks added to spread the prefetch
     rope_head_i8(qkv, bias, rope_cos, rope_sin, state[0], blockIdx.x, k_cache, v_cache, k_scales, v_scales, H,
                  Hkv, hd);
 }

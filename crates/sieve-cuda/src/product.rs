@@ -72,6 +72,16 @@ impl L2Span {
         }
     }
 
+    /// Blocks a launch that carries this span needs at least: one per SM (each SM issues its
+    /// bulk prefetches one after another), or none asked when there is no span.
+    pub fn min_blocks(self, gpu: &Gpu) -> u32 {
+        if self.bytes == 0 {
+            1
+        } else {
+            gpu.info().multiprocessors.max(1)
+        }
+    }
+
     /// The kernel arguments: the address (0 for none) and the length as u64.
     pub fn args(self) -> (DevPtr, u64) {
         if self.bytes == 0 {

@@ -78,14 +78,10 @@ pub fn rope_kv(
     b.arg(&qkv).arg(&bias).arg(&cos).arg(&sin).arg(&state);
     push_cache(&mut b, &cache);
     b.arg(&h).arg(&hkv).arg(&hd).arg(&pf).arg(&pf_bytes);
-    unsafe {
-        b.launch(grid_cfg(
-            ((heads + kv_heads) as u32, 1),
-            ROPE_THREADS as u32,
-            0,
-        ))
-    }
-    .during("launching rope_kv")?;
+    // Blocks past H + Hkv only prefetch.
+    let blocks = ((heads + kv_heads) as u32).max(prefetch.min_blocks(gpu));
+    unsafe { b.launch(grid_cfg((blocks, 1), ROPE_THREADS as u32, 0)) }
+        .during("launching rope_kv")?;
     Ok(())
 }
 

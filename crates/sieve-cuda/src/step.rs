@@ -56,7 +56,8 @@ pub fn rmsnorm_zero(
     prefetch: L2Span,
 ) -> Result<()> {
     let f = gpu.function(&FAMILY, "rmsnorm_zero")?;
-    let blocks = norm_blocks(d, zero_len);
+    // More blocks only repeat the sum of squares (each writes a shorter slice).
+    let blocks = norm_blocks(d, zero_len).max(prefetch.min_blocks(gpu));
     let (di, zl) = (
         i32_arg("hidden size", d)?,
         i32_arg("zeroed length", zero_len)?,
@@ -83,8 +84,8 @@ pub fn silu_mul(gpu: &Gpu, gu: DevPtr, h: DevPtr, inter: usize, prefetch: L2Span
     let (pf, pf_bytes) = prefetch.args();
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&gu).arg(&h).arg(&i).arg(&pf).arg(&pf_bytes);
-    unsafe { b.launch(grid_cfg(((inter as u32).div_ceil(256), 1), 256, 0)) }
-        .during("launching silu_mul")?;
+    let blocks = (inter as u32).div_ceil(256).max(prefetch.min_blocks(gpu));
+    unsafe { b.launch(grid_cfg((blocks, 1), 256, 0)) }.during("launching silu_mul")?;
     Ok(())
 }
 
