@@ -54,6 +54,11 @@
 // of that slot has written: its output is valid and unused.
 //
 // attention_combine: grid H, 128 threads: out[h][d] = sum_s e^(m_s - M) acc_s[d] / sum_s e^(m_s - M) l_s.
+// (Measured and removed, 2026-12-07, H100, docs/BENCHMARKS.md "Window N2": the combine done by
+// the last split block of each KV head, counted in with an atomic, no combine launch: the 7B
+// step took the same time or up to 1.2% longer. Under PDL the combine's launch is hidden, and
+// the last block's serial combine sits on the same critical path. Run 6 found the same for the
+// combine and RoPE fused together.)
 //
 // Limits (checked by AttentionShape::new in src/attention.rs): hd <= 256 and a multiple of 8,
 // g <= 8. Dynamic shared memory: max(G * TILE, RB * G * hd) floats (<= 32 KB; the launcher
@@ -149,11 +154,13 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
             acc[j][e] = 0.f;
         }
     }
+    // No barrier here: thread tid < G is the only one to touch s_m[tid] and s_l[tid] before
+    // the barrier that ends step 2, so the tile's K and V loads below are issued while the q
+    // loads are in flight instead of one L2 latency after them.
     if (tid < G) {
         s_m[tid] = ATT_NEG_INF;
         s_l[tid] = 0.f;
     }
-    __syncthreads();
 
     const size_t row = (size_t)Hkv * hd;
     const typename Cache::elem* kbase = k_cache + (size_t)kvh * hd + c * 8;

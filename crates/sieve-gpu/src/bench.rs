@@ -36,7 +36,7 @@ pub struct DecodeBenchOptions {
     pub pdl: Vec<bool>,
     /// L2 prefetch settings of the graph step to measure, each a result on the same model
     /// (bytes of each product's weights asked for ahead of it, `GpuModel::set_l2_prefetch`;
-    /// `None` is half the GPU's L2); empty: the runner's default.
+    /// `None` is `GpuModel::default_l2_prefetch`); empty: the runner's default.
     pub prefetch: Vec<Option<usize>>,
     /// Sequences decoded together, one measurement each (the serving path's greedy batched
     /// step, [`GpuModel::step_slots_argmax`]); empty: none.

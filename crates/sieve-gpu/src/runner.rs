@@ -682,6 +682,7 @@ impl GpuModel {
             persistent: None,
             persistent_trace: false,
         };
+        model.l2_prefetch = model.default_l2_prefetch();
         model.report.launches_per_step = model.launches_per_step();
         Ok(model)
     }
@@ -748,7 +749,7 @@ impl GpuModel {
     /// q|k|v, gate|up and the LM head, RoPE before o, SwiGLU before down) asks L2 for, so that
     /// they stream from DRAM while those kernels run instead of after: in the one-token step
     /// and in the batched passes (steps of many sequences, prompts). 0: none; the graphs are
-    /// captured again at the next step. [`Self::default_l2_prefetch`] is half the L2.
+    /// captured again at the next step. The default is [`Self::default_l2_prefetch`].
     pub fn set_l2_prefetch(&mut self, bytes: usize) {
         if bytes != self.l2_prefetch {
             self.l2_prefetch = bytes;
@@ -758,10 +759,12 @@ impl GpuModel {
     pub fn l2_prefetch(&self) -> usize {
         self.l2_prefetch
     }
-    /// Half this GPU's L2: room for one product's first weights beside what the step reuses
-    /// (activations, the KV rows of attention).
+    /// 2 MB, at most a quarter of this GPU's L2: the best of 0, 2, 4, 8 and 26 MB on a 7B
+    /// step (H100, 2026-12-07, docs/BENCHMARKS.md "Window N2"): 2 MB took 3% off the 4-bit
+    /// steps; larger spans slow the small kernels that issue them (DRAM queues fill while
+    /// they wait on their own loads) by more than the products gain.
     pub fn default_l2_prefetch(&self) -> usize {
-        self.gpu.info().l2_bytes / 2
+        default_l2_prefetch_for(self.gpu.info().l2_bytes)
     }
 
     pub fn set_use_graphs(&mut self, on: bool) {
@@ -2561,6 +2564,11 @@ fn precompile_kernels(gpu: &Gpu) -> Result<()> {
 fn attention_prefetch_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SIEVE_PREFETCH_ATTENTION").as_deref() != Ok("off"))
+}
+
+/// [`GpuModel::default_l2_prefetch`] for an L2 of `l2_bytes`.
+fn default_l2_prefetch_for(l2_bytes: usize) -> usize {
+    (2 << 20).min(l2_bytes / 4)
 }
 
 #[cfg(test)]

@@ -2766,7 +2766,12 @@ fn l2_prefetch_changes_no_result() {
         let steps = 24;
         let mut g =
             GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
-        assert_eq!(g.l2_prefetch(), 0, "{name}: off by default");
+        assert_eq!(
+            g.l2_prefetch(),
+            g.default_l2_prefetch(),
+            "{name}: on by default"
+        );
+        g.set_l2_prefetch(0);
         let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
         let mut seq = prompt.clone();
         seq.extend(&want_tokens);

@@ -63,7 +63,7 @@ pub struct DecodeArgs {
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pdl: Vec<String>,
     /// How much of each product's weights the small kernel before it asks L2 for in the graph
-    /// step (RMSNorm, RoPE, SwiGLU run while DRAM would idle): off, on (half the GPU's L2), or
+    /// step (RMSNorm, RoPE, SwiGLU run while DRAM would idle): off, on (the default: 2 MB), or
     /// a size in MB; several (e.g. off,on,16) are each measured on the same model. Default: the
     /// runner's setting.
     #[arg(long, value_delimiter = ',')]
@@ -98,7 +98,7 @@ pub struct DecodeArgs {
     plot: Option<PathBuf>,
 }
 
-/// `--prefetch` values: off (0 bytes), on (half the L2: `None`), or megabytes.
+/// `--prefetch` values: off (0 bytes), on (the runner's default: `None`), or megabytes.
 fn parse_prefetch(s: &str) -> Result<Option<usize>> {
     match s {
         "off" => Ok(Some(0)),
