@@ -63,3 +63,25 @@ if [ "$PART" = combine ]; then
   done
   [ -n "${FULL:-}" ] && t runner 240 "" sieve-gpu
 fi
+sanitize() {  # sanitize TOOL NAME SECONDS FILTER CRATE-DIR
+  local bin; bin="$PWD/.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 "^$2-")"
+  (cd "crates/$5" && SIEVE_REQUIRE_GPU=1 SIEVE_SANITIZE_SMALL=1 timeout "$3" compute-sanitizer --tool "$1" \
+    "$bin" $4 --test-threads 1 > "$OUT/san-$1-$2.log" 2>&1; echo "$1 $2 $4: exit $?")
+  grep -E "ERROR SUMMARY|test result|RACECHECK SUMMARY|Error|panicked" "$OUT/san-$1-$2.log" | head -5
+}
+if [ "$PART" = final ]; then
+  # The tree as committed after the combine experiment: the split kernel with one barrier
+  # fewer and its former arguments; racecheck on it; the prefetch default on Tiled-CBC; the
+  # persistent step's trace on the 7B shape and the step at 8,192 positions (issue 27).
+  t runner 60 rope_and_attention_match_reference sieve-gpu
+  t kv_cache 90 int8_attention_matches_reference sieve-cuda
+  t runner 90 l2_prefetch_changes_no_result sieve-gpu
+  sanitize racecheck kv_cache 120 int8_attention_matches_reference sieve-cuda
+  dec tcbc --sp 0.5 --dp 0.5 --prefetch off,on
+  timeout 120 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --tokens 64 \
+    --step persistent,graph --trace "$OUT/persistent-7b.svg" > "$OUT/persistent-7b.log" 2>&1; echo "persistent 7b: exit $?"
+  grep -vE "^\s*$" "$OUT/persistent-7b.log" | cut -c1-300 | tail -30
+  timeout 150 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 8128 --tokens 48 --context 8192 \
+    --step persistent,graph > "$OUT/persistent-8192.log" 2>&1; echo "persistent 8192: exit $?"
+  grep -E "TPOT|rror" "$OUT/persistent-8192.log" | cut -c1-300
+fi
