@@ -575,12 +575,15 @@ impl DeviceMatrix {
     }
 
     /// The weights the decode step asks L2 for ahead of this product (see [`L2Span`]); none
-    /// for RLC-CSC and SlideSparse, whose steps have not been measured with it.
+    /// for RLC-CSC and SlideSparse, whose steps have not been measured with it, and none for
+    /// Tiled-CBC, whose step it made 0.3-0.7% slower (7B, sp/dp 0.5 and 0.7, H100, 2026-12-07,
+    /// docs/BENCHMARKS.md "Window N2": a tile's columns are read only where the input is
+    /// active, and the span's first bytes hold inactive ones too).
     pub fn weight_span(&self, gpu: &Gpu) -> L2Span {
         match self {
             DeviceMatrix::DenseRows(m) => m.weight_span(gpu),
             DeviceMatrix::DenseCols(m) => m.weight_span(gpu),
-            DeviceMatrix::TiledCbc(m) => m.weight_span(gpu),
+            DeviceMatrix::TiledCbc(_) => L2Span::NONE,
             DeviceMatrix::BalancedCbc(m) => m.weight_span(gpu),
             DeviceMatrix::BalancedLowBit(m) => m.weight_span(gpu),
             DeviceMatrix::IeBme(m) => m.weight_span(gpu),

@@ -2754,7 +2754,7 @@ fn l2_prefetch_changes_no_result() {
     }
     for (label, kind, sp, dp, int4, seed) in [
         ("dense", FormatKind::Dense, 0.0, 0.0, false, 61),
-        ("tiled-cbc", FormatKind::TiledCbc, 0.5, 0.5, false, 62),
+        ("balanced-cbc", FormatKind::BalancedCbc, 0.5, 0.5, false, 62),
         ("int4", FormatKind::Dense, 0.0, 0.0, true, 63),
         ("int4 teal", FormatKind::Dense, 0.5, 0.5, true, 64),
     ] {
