@@ -155,8 +155,9 @@ __device__ __forceinline__ void attention_split_body(const float* __restrict__ q
         }
     }
     // No barrier here: thread tid < G is the only one to touch s_m[tid] and s_l[tid] before
-    // the barrier that ends step 2, so the tile's K and V loads below are issued while the q
-    // loads are in flight instead of one L2 latency after them.
+    // the barrier that ends step 2 (or, with no tile, before its own writes of out[0], out[1]),
+    // so the tile's K and V loads below are issued while the q loads are in flight instead of
+    // one L2 latency after them.
     if (tid < G) {
         s_m[tid] = ATT_NEG_INF;
         s_l[tid] = 0.f;

@@ -134,12 +134,6 @@ pub struct GpuTiledCbc {
 }
 
 impl GpuTiledCbc {
-    /// The array the decode step asks L2 for ahead of this product (its largest: the
-    /// weights), see [`crate::product::L2Span`].
-    pub fn weight_span(&self, gpu: &Gpu) -> crate::product::L2Span {
-        crate::product::L2Span::of(gpu, &self.values)
-    }
-
     pub fn upload(gpu: &Gpu, f: &TiledCbc) -> Result<Self> {
         let (rows, cols) = (f.rows(), f.cols());
         if rows > i32::MAX as usize || cols > i32::MAX as usize {

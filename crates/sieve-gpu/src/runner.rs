@@ -759,7 +759,7 @@ impl GpuModel {
     pub fn l2_prefetch(&self) -> usize {
         self.l2_prefetch
     }
-    /// 2 MB, at most a quarter of this GPU's L2: the best of 0, 2, 4, 8 and 26 MB on a 7B
+    /// 2 MB (10^6 bytes, as `--prefetch 2`), at most a quarter of this GPU's L2: the best of 0, 2, 4, 8 and 26 MB on a 7B
     /// step (H100, 2026-12-07, docs/BENCHMARKS.md "Window N2"): 2 MB took 3% off the 4-bit
     /// steps; larger spans slow the small kernels that issue them (DRAM queues fill while
     /// they wait on their own loads) by more than the products gain.
@@ -2568,7 +2568,7 @@ fn attention_prefetch_enabled() -> bool {
 
 /// [`GpuModel::default_l2_prefetch`] for an L2 of `l2_bytes`.
 fn default_l2_prefetch_for(l2_bytes: usize) -> usize {
-    (2 << 20).min(l2_bytes / 4)
+    2_000_000usize.min(l2_bytes / 4)
 }
 
 #[cfg(test)]

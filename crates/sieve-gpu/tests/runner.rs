@@ -2742,8 +2742,9 @@ fn eight_bit_prompts_stay_near_the_cpu() {
 
 /// Asking L2 for the next product's weights (`set_l2_prefetch`) is a hint: with the whole
 /// weights, with an odd cap (a piece shorter than the instruction's 16-byte unit is dropped)
-/// and without, a dense, a Tiled-CBC TEAL, a 4-bit and a 4-bit TEAL model give the same
-/// greedy tokens and the same logits up to the products' own run-to-run rounding (atomics).
+/// and the default, against none, a dense, a Balanced-CBC TEAL, a 4-bit and a 4-bit TEAL model
+/// give the same greedy tokens and the same logits up to the products' own run-to-run rounding
+/// (atomics).
 #[test]
 fn l2_prefetch_changes_no_result() {
     let _serial = serial_gpu();
