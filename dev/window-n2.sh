@@ -16,7 +16,7 @@ export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
 mkdir -p "$OUT"
 PART=${PART:-trace}
 exec > >(tee "$OUT/window-n2-$PART.log") 2>&1
-S=.gpu/bin/sieve
+. dev/window-lib.sh
 NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/*/bin/nsys /usr/local/cuda*/nsight-systems*/bin/nsys 2>/dev/null | head -1)
 echo "nsys: ${NSYS:-none}"
 trace() {  # trace LABEL ARGS...
@@ -33,22 +33,11 @@ if [ "$PART" = trace ] && [ -n "$NSYS" ]; then
   trace int4 --format dense --values int4 --sp 0 --dp 0 --prefetch ${PF:-2}
   trace int4-teal --format dense --values int4 --sp 0.5 --dp 0.5 --prefetch ${PF:-2}
 fi
-dec() {  # dec LABEL ARGS...
-  local label=$1; shift
-  timeout 240 $S bench decode --synthetic llama2-7b --prompt 128 --tokens 128 "$@" > "$OUT/dec-$label.log" 2>&1
-  echo "$label: exit $?"
-  grep -E "TPOT|rror" "$OUT/dec-$label.log" | sed -E 's/\| TTFT.*graph step/| step/; s/\| eager split.*//' | cut -c1-260
-}
 if [ "$PART" = sizes ]; then
   dec f16 --format dense --sp 0 --dp 0 --prefetch off,1,2,4
   dec tcbc --sp 0.5 --dp 0.5 --prefetch off,1,2,4
   dec int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5 --prefetch off,1,2
 fi
-t() {  # t NAME SECONDS FILTER CRATE-DIR
-  local bin; bin="$PWD/.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 "^$1-")"
-  (cd "crates/$4" && SIEVE_REQUIRE_GPU=1 timeout "$2" "$bin" $3 --test-threads 1 --nocapture > "$OUT/t-$1-${3:-all}.log" 2>&1; echo "$1 ${3:-all}: exit $?")
-  grep -E "^test |test result|panicked|same tokens|differ" "$OUT/t-$1-${3:-all}.log" | cut -c1-260 | head -20
-}
 if [ "$PART" = combine ]; then
   t runner 60 rope_and_attention_match_reference sieve-gpu
   t kv_cache 90 int8_attention_matches_reference sieve-cuda
@@ -63,12 +52,6 @@ if [ "$PART" = combine ]; then
   done
   [ -n "${FULL:-}" ] && t runner 240 "" sieve-gpu
 fi
-sanitize() {  # sanitize TOOL NAME SECONDS FILTER CRATE-DIR
-  local bin; bin="$PWD/.gpu/tests/$(cut -f1 .gpu/tests.tsv | grep -m1 "^$2-")"
-  (cd "crates/$5" && SIEVE_REQUIRE_GPU=1 SIEVE_SANITIZE_SMALL=1 timeout "$3" compute-sanitizer --tool "$1" \
-    "$bin" $4 --test-threads 1 > "$OUT/san-$1-$2.log" 2>&1; echo "$1 $2 $4: exit $?")
-  grep -E "ERROR SUMMARY|test result|RACECHECK SUMMARY|Error|panicked" "$OUT/san-$1-$2.log" | head -5
-}
 if [ "$PART" = final ]; then
   # The tree as committed after the combine experiment: the split kernel with one barrier
   # fewer and its former arguments; racecheck on it; the prefetch default on Tiled-CBC; the

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device window O1 (written 2026-12-07 for the next session): what earlier windows left unmeasured,
+# every item runnable from one bundle, most important first, so a short window still closes some.
+#   PART=owed   issue 29's correctness items: the slide-on-cuSPARSELt runner test, the FP8 cases
+#               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
+#               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
+#               slide at 2,048 tokens) and the column-format SpMM at N >= 512
+# Carry .gpu from `KEEP="runner slide_lt w4a8 slide" bash scripts/gpu-runner-bundle.sh`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
+mkdir -p "$OUT"
+PART=${PART:-owed}
+exec > >(tee "$OUT/window-o1-$PART.log") 2>&1
+. dev/window-lib.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+ttft() {  # ttft LABEL ARGS...: a 2,048-token prompt's TTFT
+  local label=$1; shift
+  timeout 170 $S bench decode --synthetic llama2-7b --prompt 2048 --tokens 8 "$@" > "$OUT/ttft-$label.log" 2>&1
+  echo "$label: exit $?"
+  grep -E "TTFT|weights|rror" "$OUT/ttft-$label.log" | cut -c1-300 | head -4
+}
+if [ "$PART" = owed ]; then
+  at tests
+  t runner 150 slide_prompts_on_cusparselt_match_cpu sieve-gpu
+  SIEVE_LT_PRECISIONS=fp8 t slide_lt 90 gpu_slide_on_cusparselt_matches sieve-cuda
+  at sanitizers
+  sanitize racecheck w4a8 120 "" sieve-cuda
+  sanitize memcheck slide 120 "" sieve-cuda
+  SIEVE_LT_PRECISIONS=int8 sanitize memcheck slide_lt 120 "" sieve-cuda
+  at ttft
+  ttft dense-fp8 --sp 0 --dp 0 --prompt-precision fp8
+  ttft dense-int8 --sp 0 --dp 0 --prompt-precision int8
+  ttft slide-fp8 --format slide --pattern 6:8 --sp 0.25 --dp 0 --prompt-precision fp8
+  at gemm
+  timeout 120 $S bench gemm --shapes llama2-7b --precision f16,tcbc-spmm,tcbc-decode-gemm --sp 0.5 \
+    --n 512,2048,8192 --reps 10 > "$OUT/gemm-tcbc.log" 2>&1; echo "gemm: exit $?"
+  grep -E "^\||rror" "$OUT/gemm-tcbc.log" | cut -c1-150
+  at end
+fi
