@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Device window O1 (written 2026-12-07 for the next session): what earlier windows left unmeasured,
 # every item runnable from one bundle, most important first, so a short window still closes some.
+#   PART=leave  issue 27: `bench decode --leave-out` on the 7B shape (dense f16, dense int4,
+#               int4 + 50% + TEAL 50%): the graph step without each op of every layer in turn,
+#               so the ~450 us outside the products is split by op inside the real graph
 #   PART=owed   issue 29's correctness items: the slide-on-cuSPARSELt runner test, the FP8 cases
 #               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
@@ -20,6 +23,15 @@ ttft() {  # ttft LABEL ARGS...: a 2,048-token prompt's TTFT
   echo "$label: exit $?"
   grep -E "TTFT|weights|rror" "$OUT/ttft-$label.log" | cut -c1-300 | head -4
 }
+if [ "$PART" = leave ]; then
+  for m in "f16 --format dense --sp 0 --dp 0" "int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5"; do
+    set -- $m; label=$1; shift
+    timeout 240 $S bench decode --synthetic llama2-7b --prompt 128 --tokens 128 "$@" --leave-out > "$OUT/leave-$label.log" 2>&1
+    echo "$label: exit $?"
+    grep -vE "^\s*$|^(loaded|upload)" "$OUT/leave-$label.log" | sed -E 's/\| eager split.*//' | cut -c1-260 | tail -40
+  done
+  at end
+fi
 if [ "$PART" = owed ]; then
   at tests
   t runner 150 slide_prompts_on_cusparselt_match_cpu sieve-gpu

@@ -49,6 +49,9 @@ pub struct DecodeBenchOptions {
     /// Prompt passes of 512 tokens or more multiply 8-bit copies (W8A8,
     /// [`crate::matrix::Layouts::prompt8`]).
     pub prompt8: Option<sieve_cuda::cusparselt::LtPrecision>,
+    /// Also time the graph step leaving out each op of every layer in turn, and the head
+    /// ([`DecodeResult::left_out`]).
+    pub leave_out: bool,
 }
 
 impl DecodeBenchOptions {
@@ -121,12 +124,26 @@ pub struct DecodeResult {
     pub graph_linear_only_us: f64,
     pub graph_no_linear_us: f64,
     pub graph_no_attention_us: f64,
+    /// With `leave_out`: the graph step without each op of every layer in turn (in the
+    /// plan's order), then without the final norm and the LM head; empty otherwise.
+    pub left_out: Vec<LeftOut>,
     /// Share of the eager step: linear, attention, other.
     pub share_linear: f64,
     pub share_attention: f64,
     pub share_other: f64,
     /// The batched decode step at each size of `--batch`.
     pub batched: Vec<BatchPoint>,
+}
+
+/// One row of the leave-one-out breakdown: the graph step's time (µs, replays of the same
+/// graph as [`DecodeResult::graph_step_us`] less `op`'s launches), and in how many places of
+/// the step `op` ran (the layers, or 1 for the head). The data the kept kernels read stays what
+/// the last whole step left, so a TEAL product still sees a realistic input.
+#[derive(Clone, Debug, Serialize)]
+pub struct LeftOut {
+    pub op: String,
+    pub step_us: f64,
+    pub count: usize,
 }
 
 /// One batch size of the serving path's decode step: `batch` sequences, each at its own
@@ -327,6 +344,22 @@ pub fn measure(
         model.prefill(&prompt)?;
         part_us[i] = model.time_step_part(part, reps)?;
     }
+    let mut left_out = Vec::new();
+    if opts.leave_out {
+        let layers = model.config().num_layers;
+        let parts = sieve_model::plan::LAYER
+            .into_iter()
+            .map(|op| (StepPart::Without(op), op.name(), layers))
+            .chain([(StepPart::WithoutHead, "final norm + head", 1)]);
+        for (part, op, count) in parts {
+            model.prefill(&prompt)?;
+            left_out.push(LeftOut {
+                op: op.to_string(),
+                step_us: model.time_step_part(part, reps)?,
+                count,
+            });
+        }
+    }
 
     let mut tpot_ctx = 0.0;
     if opts.context > 0 {
@@ -398,6 +431,7 @@ pub fn measure(
         graph_linear_only_us: part_us[1],
         graph_no_linear_us: part_us[2],
         graph_no_attention_us: part_us[3],
+        left_out,
         share_linear: breakdown.linear_us / t,
         share_attention: breakdown.attention_us / t,
         share_other: breakdown.other_us / t,
@@ -673,6 +707,7 @@ mod tests {
             steps: vec![],
             int8_activations: false,
             prompt8: None,
+            leave_out: false,
         }
     }
 

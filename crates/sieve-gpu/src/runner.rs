@@ -76,6 +76,28 @@ pub enum StepPart {
     LinearOnly,
     NoLinear,
     NoAttention,
+    /// Everything but one op of every layer: the step's time without it, so that the
+    /// difference is what that op costs inside the graph, overlap with its neighbours
+    /// included (a per-kernel time under a profiler is not: launches there are serialized).
+    Without(LayerOp),
+    /// Everything but the final RMSNorm and the LM head.
+    WithoutHead,
+}
+
+impl StepPart {
+    /// Whether `op` is part of this subset (the next-token op always is).
+    fn keeps(self, op: Op) -> bool {
+        match (self, op) {
+            (_, Op::Next(_)) | (StepPart::All, _) => true,
+            (StepPart::LinearOnly, op) => op.category() == Category::Linear,
+            (StepPart::NoLinear, op) => op.category() != Category::Linear,
+            (StepPart::NoAttention, op) => op.category() != Category::Attention,
+            (StepPart::Without(left_out), Op::Plan(StepOp::Layer(_, k))) => k != left_out,
+            (StepPart::Without(_), _) => true,
+            (StepPart::WithoutHead, Op::Plan(StepOp::FinalNorm | StepOp::LmHead)) => false,
+            (StepPart::WithoutHead, _) => true,
+        }
+    }
 }
 
 /// One group of launches of a decode step: an op of the model's plan
@@ -1038,12 +1060,7 @@ impl GpuModel {
         let mut ops: Vec<Op> = self
             .ops()
             .into_iter()
-            .filter(|op| match part {
-                StepPart::All => true,
-                StepPart::LinearOnly => op.category() == Category::Linear,
-                StepPart::NoLinear => op.category() != Category::Linear,
-                StepPart::NoAttention => op.category() != Category::Attention,
-            })
+            .filter(|&op| part.keeps(op))
             .collect();
         ops.push(Op::Next(false));
         let graph = self.capture_ops(&ops)?;
@@ -2574,6 +2591,56 @@ fn default_l2_prefetch_for(l2_bytes: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_left_out_op_is_left_out_of_every_layer_and_nothing_else() {
+        let layers = 3;
+        let ops: Vec<Op> = plan::step_ops(layers)
+            .into_iter()
+            .filter(|op| *op != StepOp::Next)
+            .map(Op::Plan)
+            .chain([Op::Next(false)])
+            .collect();
+        for kind in plan::LAYER {
+            let kept: Vec<Op> = ops
+                .iter()
+                .copied()
+                .filter(|&op| StepPart::Without(kind).keeps(op))
+                .collect();
+            assert_eq!(kept.len(), ops.len() - layers, "{}", kind.name());
+            assert!(
+                !kept
+                    .iter()
+                    .any(|op| matches!(op, Op::Plan(StepOp::Layer(_, k)) if *k == kind)),
+                "{}",
+                kind.name()
+            );
+            assert_eq!(kept.last(), Some(&Op::Next(false)));
+        }
+        let without_head: Vec<Op> = ops
+            .iter()
+            .copied()
+            .filter(|&op| StepPart::WithoutHead.keeps(op))
+            .collect();
+        assert_eq!(without_head.len(), ops.len() - 2);
+        assert!(without_head
+            .iter()
+            .all(|op| !matches!(op, Op::Plan(StepOp::FinalNorm | StepOp::LmHead))));
+        // The older subsets still split the step as before.
+        let all = ops.iter().filter(|&&op| StepPart::All.keeps(op)).count();
+        let linear = ops
+            .iter()
+            .filter(|&&op| StepPart::LinearOnly.keeps(op))
+            .count();
+        let rest = ops
+            .iter()
+            .filter(|&&op| StepPart::NoLinear.keeps(op))
+            .count();
+        assert_eq!(all, ops.len());
+        // Four products a layer and the head are linear; the next-token op is in both.
+        assert_eq!(linear, 4 * layers + 1 + 1);
+        assert_eq!(linear + rest, all + 1);
+    }
 
     fn chunks_of(lens: &[usize], tokens: &[u32]) -> Vec<SlotChunk<'static>> {
         let tokens: &'static [u32] = Box::leak(tokens.to_vec().into_boxed_slice());

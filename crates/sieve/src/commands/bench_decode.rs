@@ -6,7 +6,7 @@ use sieve_cuda::persistent::{ClassBandwidth, TraceSummary};
 use sieve_cuda::tiled_cbc::TcbcKernel;
 use sieve_formats::random::Pattern;
 use sieve_formats::FormatKind;
-use sieve_gpu::bench::{self, DecodeBenchOptions, DecodeResult};
+use sieve_gpu::bench::{self, DecodeBenchOptions, DecodeResult, LeftOut};
 use sieve_gpu::runner::StepMode;
 use std::path::PathBuf;
 
@@ -88,6 +88,10 @@ pub struct DecodeArgs {
     /// (both measured on the same model).
     #[arg(long, value_delimiter = ',', default_value = "graph")]
     step: Vec<String>,
+    /// Also time the graph step leaving out each op of every layer in turn (and the head):
+    /// what each costs inside the step, overlap with its neighbours included.
+    #[arg(long)]
+    leave_out: bool,
     /// Write each persistent result's traced step as an SVG timeline (a row per SM) here;
     /// with several persistent results, the second goes to NAME-2.svg and so on.
     #[arg(long)]
@@ -150,6 +154,9 @@ fn print_row(r: &DecodeResult) {
     if let Some(note) = &r.step_note {
         println!("{:<11}   {note}", r.model);
     }
+    for line in left_out_table(r.graph_step_us, &r.left_out) {
+        println!("{:<11}   {line}", r.model);
+    }
     if let Some(t) = &r.persistent_trace {
         for line in trace_table(t, r.copy_bandwidth_gbs) {
             println!("{:<11}   {line}", r.model);
@@ -182,6 +189,37 @@ fn print_row(r: &DecodeResult) {
             b.tokens_per_s
         );
     }
+}
+
+/// The leave-one-out breakdown (`--leave-out`) as a table: per op, the graph step without it,
+/// what leaving it out saved, and that per place it runs (per layer).
+fn left_out_table(step_us: f64, left_out: &[LeftOut]) -> Vec<String> {
+    if left_out.is_empty() {
+        return vec![];
+    }
+    let mut lines = vec![
+        format!("graph step {step_us:.1} us, each op left out of it in turn:"),
+        format!(
+            "  {:<20} {:>10} {:>10} {:>10}",
+            "op left out", "step us", "saved us", "each us"
+        ),
+    ];
+    let mut saved_total = 0.0;
+    for l in left_out {
+        let saved = step_us - l.step_us;
+        saved_total += saved;
+        lines.push(format!(
+            "  {:<20} {:>10.1} {:>10.1} {:>10.2}",
+            l.op,
+            l.step_us,
+            saved,
+            saved / l.count.max(1) as f64
+        ));
+    }
+    lines.push(format!(
+        "  the savings add up to {saved_total:.1} us of the step's {step_us:.1}"
+    ));
+    lines
 }
 
 /// The traced persistent step as one table: per stage class its work (the slowest block's,
@@ -324,6 +362,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         batches: a.batch.clone(),
         int8_activations: a.activations.int8(),
         prompt8: a.prompt_precision.eight_bit(),
+        leave_out: a.leave_out,
         steps: a
             .step
             .iter()
@@ -459,6 +498,35 @@ mod tests {
             let e = parse_prefetch(bad).unwrap_err().to_string();
             assert!(e.contains("--prefetch"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn the_leave_out_table_shows_each_ops_saving_per_place() {
+        assert!(left_out_table(100.0, &[]).is_empty());
+        let rows = [
+            LeftOut {
+                op: "attention".into(),
+                step_us: 80.0,
+                count: 32,
+            },
+            LeftOut {
+                op: "final norm + head".into(),
+                step_us: 96.0,
+                count: 1,
+            },
+        ];
+        let lines = left_out_table(100.0, &rows);
+        let text = lines.join("\n");
+        assert_eq!(lines.len(), 5, "{text}");
+        assert!(lines[0].starts_with("graph step 100.0 us"), "{text}");
+        // 20 us saved over 32 layers: 0.625 us each.
+        assert!(lines[2].starts_with("  attention"), "{text}");
+        assert!(lines[2].ends_with("80.0       20.0       0.62"), "{text}");
+        assert!(lines[3].ends_with("96.0        4.0       4.00"), "{text}");
+        assert!(
+            lines[4].contains("add up to 24.0 us of the step's 100.0"),
+            "{text}"
+        );
     }
 
     #[test]
