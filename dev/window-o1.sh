@@ -4,6 +4,10 @@
 #   PART=leave  issue 27: `bench decode --leave-out` on the 7B shape (dense f16, dense int4,
 #               int4 + 50% + TEAL 50%): the graph step without each op of every layer in turn,
 #               so the ~450 us outside the products is split by op inside the real graph
+#   PART=barrier issue 27: the persistent step's flag barrier (SIEVE_PERSISTENT_BARRIER=flags,
+#               built 2026-12-07 without a device): the persistent test with it, then the
+#               persistent step against the graph step on the SmolLM2 and 7B shapes, both
+#               barriers (each in its own process: the switch is read once)
 #   PART=owed   issue 29's correctness items: the slide-on-cuSPARSELt runner test, the FP8 cases
 #               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
@@ -23,6 +27,20 @@ ttft() {  # ttft LABEL ARGS...: a 2,048-token prompt's TTFT
   echo "$label: exit $?"
   grep -E "TTFT|weights|rror" "$OUT/ttft-$label.log" | cut -c1-300 | head -4
 }
+if [ "$PART" = barrier ]; then
+  at tests
+  SIEVE_PERSISTENT_BARRIER=flags t runner 90 persistent_step_matches_the_graph_step sieve-gpu
+  at decode
+  for b in flags count; do
+    for shape in smollm2-135m llama2-7b; do
+      SIEVE_PERSISTENT_BARRIER=$b timeout 200 $S bench decode --synthetic $shape --sp 0 --dp 0 --prompt 128 \
+        --tokens 128 --step persistent,graph --trace "$OUT/persistent-$shape-$b.svg" > "$OUT/barrier-$shape-$b.log" 2>&1
+      echo "$shape $b: exit $?"
+      grep -E "TPOT|barriers|fixed cost|idle|rror" "$OUT/barrier-$shape-$b.log" | sed -E 's/\| eager split.*//' | cut -c1-230
+    done
+  done
+  at end
+fi
 if [ "$PART" = leave ]; then
   for m in "f16 --format dense --sp 0 --dp 0" "int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5"; do
     set -- $m; label=$1; shift

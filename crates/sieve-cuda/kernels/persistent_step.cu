@@ -32,7 +32,15 @@
 // watchdog_ns writes the stage (1-based) to *error, raises sync[32] (abort), and every block
 // leaves: a dependency bug gives an error on the host instead of a hung GPU. The host re-zeroes
 // `sync` after an abort. sync[64 + h] counts the splits of head h that are done (reset by its
-// combiner). Before the barrier that precedes attention, each block asks L2 for the K and V
+// combiner).
+//   flags_at > 0 (SIEVE_PERSISTENT_BARRIER=flags, src/persistent.rs) takes flag_barrier instead:
+// sync[flags_at + b] = how many barriers block b has passed, over every launch. A block raises
+// its own flag (a release store) and threads 0 .. gridDim.x - 1 each wait for one block's flag
+// (acquire loads), so the grid's arrivals are gridDim.x stores to different words, where the
+// count barrier's are gridDim.x atomics on one word that the L2 serializes (~2 us a barrier,
+// 364 us of a 7B step: docs/BENCHMARKS.md "Window N2"). Every block passes the same barriers
+// in every launch, so the flags agree at a launch's start and a block reads its base from its own
+// flag; an abort leaves them apart, and the host zeroes all of `sync` then. Before the barrier that precedes attention, each block asks L2 for the K and V
 // rows of its first attention task.
 //
 // Intermediate buffers written in this launch (x, qkv, att, h, part, the new cache row) are read
@@ -62,7 +70,7 @@ struct PArgs {
     u64 sync, error, trace, watchdog_ns;
     int n_stages, d, H, Hkv, hd, I, vocab, splits;
     float eps, t_head, att_scale;
-    int xs_floats;
+    int xs_floats, flags_at;
 };
 
 __device__ __forceinline__ u64 global_timer() {
@@ -151,6 +159,40 @@ __device__ bool grid_barrier(u32* sync, u32* error, u64 watchdog_ns, int stage) 
     }
     __syncthreads();
     return s_ok != 0;
+}
+
+// The flag barrier (header): `target` is the block's base flag plus the barriers passed in this
+// launch; gridDim.x <= blockDim.x (the launcher checks).
+__device__ bool flag_barrier(u32* sync, u32* error, u64 watchdog_ns, int stage, int flags_at, u32 target) {
+    u32* flags = sync + flags_at;
+    __syncthreads();  // the block's writes of this stage are done
+    if (threadIdx.x == 0) {
+        __threadfence();
+        store_release(flags + blockIdx.x, target);
+    }
+    int ok = 1;
+    if (threadIdx.x < gridDim.x) {
+        const u64 start = global_timer();
+        int spins = 0;
+        // Signed difference: the flags wrap after 2^32 barriers.
+        while ((int)(load_acquire(flags + threadIdx.x) - target) < 0) {
+            if (++spins == 256) {
+                spins = 0;
+                if (load_acquire(sync + 32)) {
+                    ok = 0;
+                    break;
+                }
+                if (global_timer() - start > watchdog_ns) {
+                    atomicCAS(error, 0u, (u32)(stage + 1));
+                    atomicExch(sync + 32, 1u);
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        __threadfence();
+    }
+    return __syncthreads_and(ok) != 0;
 }
 
 // xs[i] = mask_t(src[i] * scale * w[i]) with scale = 1 / rms(src) (w null: no norm, scale 1).
@@ -467,6 +509,8 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
     const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5);
     float* x = reinterpret_cast<float*>(a.x);
     if (trace && blockIdx.x == 0 && threadIdx.x == 0) trace[(size_t)a.n_stages * gridDim.x * 2] = (u64)(p + 1);
+    // The flag barrier's base: this block's own flag, which only it writes (header).
+    u32 passed = a.flags_at > 0 ? ldcg_u32(sync + a.flags_at + blockIdx.x) : 0u;
     for (int si = 0; si < a.n_stages; ++si) {
         const int2 st = stages[si];
         const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
@@ -520,7 +564,9 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
             } else if (first_rows(a, next, gw, ra, rb, K)) {
                 prefetch_rows(ra, rb, K, lane);
             }
-            if (!grid_barrier(sync, error, a.watchdog_ns, si)) return;
+            const bool ok = a.flags_at > 0 ? flag_barrier(sync, error, a.watchdog_ns, si, a.flags_at, ++passed)
+                                           : grid_barrier(sync, error, a.watchdog_ns, si);
+            if (!ok) return;
         }
     }
 }

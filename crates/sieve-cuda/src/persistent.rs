@@ -162,8 +162,42 @@ struct PersistentArgs {
     t_head: f32,
     att_scale: f32,
     xs_floats: i32,
+    /// Word of `sync` where the flag barrier's per-block flags start; 0: the count barrier.
+    flags_at: i32,
 }
 unsafe impl cudarc::driver::DeviceRepr for PersistentArgs {}
+
+/// Which grid barrier the persistent step takes between stages (`kernels/persistent_step.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Barrier {
+    /// One 64-bit arrival count that every block adds to (an atomic per block on one word).
+    Count,
+    /// A flag per block that it raises; each block waits for all of them.
+    Flags,
+}
+
+impl Barrier {
+    /// `SIEVE_PERSISTENT_BARRIER=flags|count` (read once; a switch for measuring the two, not a
+    /// setting), else [`Barrier::Count`]: the flag barrier has not yet run on a GPU.
+    pub fn from_env() -> Result<Self> {
+        static SETTING: std::sync::OnceLock<std::result::Result<Barrier, String>> =
+            std::sync::OnceLock::new();
+        SETTING
+            .get_or_init(|| Self::parse(std::env::var("SIEVE_PERSISTENT_BARRIER").ok().as_deref()))
+            .clone()
+            .map_err(CudaError::Option)
+    }
+
+    fn parse(v: Option<&str>) -> std::result::Result<Self, String> {
+        match v {
+            None | Some("count") => Ok(Barrier::Count),
+            Some("flags") => Ok(Barrier::Flags),
+            Some(other) => Err(format!(
+                "SIEVE_PERSISTENT_BARRIER={other}: expected count or flags"
+            )),
+        }
+    }
+}
 
 /// Why a model's step cannot run persistent (None: it can), from its sizes alone.
 pub fn unsupported_shape(s: &PersistentShape) -> Option<String> {
@@ -246,7 +280,26 @@ impl PersistentStep {
         let stages_dev = gpu.upload(&flat)?;
         let layers_dev = gpu.upload(layers)?;
         let part = gpu.upload(&vec![0f32; shape.heads * splits * (shape.head_dim + 2)])?;
-        let sync = gpu.upload(&vec![0u32; SYNC_HEADER + shape.heads])?;
+        // The flag barrier's words follow the per-head counters, from a 128-byte line of
+        // their own; each of the first `blocks` threads of a block waits on one of them.
+        let barrier = Barrier::from_env()?;
+        let flags_at = match barrier {
+            Barrier::Count => 0,
+            Barrier::Flags => {
+                if blocks > THREADS {
+                    return Err(CudaError::Unsupported(format!(
+                        "persistent step: the flag barrier waits with one thread per block, {blocks} blocks of {THREADS} threads"
+                    )));
+                }
+                (SYNC_HEADER + shape.heads).next_multiple_of(32)
+            }
+        };
+        let sync_words = if flags_at > 0 {
+            flags_at + blocks as usize
+        } else {
+            SYNC_HEADER + shape.heads
+        };
+        let sync = gpu.upload(&vec![0u32; sync_words])?;
         let error = gpu.upload(&[0u32])?;
         let p = |s: &CudaSlice<f32>| crate::product::dev_ptr(gpu, s);
         let args = PersistentArgs {
@@ -280,6 +333,7 @@ impl PersistentStep {
             t_head: io.t_head,
             att_scale: 1.0 / (shape.head_dim as f32).sqrt(),
             xs_floats: i32_arg("stage input", xs_floats)?,
+            flags_at: i32_arg("flag words", flags_at)?,
         };
         Ok(Self {
             shape,
@@ -688,6 +742,18 @@ impl Trace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_barrier_setting_parses_and_names_a_bad_value() {
+        assert_eq!(Barrier::parse(None), Ok(Barrier::Count));
+        assert_eq!(Barrier::parse(Some("count")), Ok(Barrier::Count));
+        assert_eq!(Barrier::parse(Some("flags")), Ok(Barrier::Flags));
+        let e = Barrier::parse(Some("flag")).unwrap_err();
+        assert!(
+            e.contains("SIEVE_PERSISTENT_BARRIER=flag") && e.contains("flags"),
+            "{e}"
+        );
+    }
 
     fn shape(hd: usize) -> PersistentShape {
         PersistentShape {

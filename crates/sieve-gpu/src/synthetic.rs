@@ -23,8 +23,15 @@ use sieve_formats::slide::{Slide, SlideOptions};
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
 
-/// The shapes `--synthetic` knows.
-pub const NAMES: [&str; 4] = ["llama2-7b", "llama2-13b", "llama3-8b", "llama2-70b"];
+/// The shapes `--synthetic` knows. smollm2-135m is the default model's shape (random weights of
+/// it decode as fast as the real ones and need no 100 MB file on the GPU machine).
+pub const NAMES: [&str; 5] = [
+    "llama2-7b",
+    "llama2-13b",
+    "llama3-8b",
+    "llama2-70b",
+    "smollm2-135m",
+];
 
 /// The configuration of a named shape (context 32768 so that long-context runs fit).
 pub fn config(name: &str) -> Result<ModelConfig> {
@@ -33,6 +40,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         "llama2-13b" => (5120, 13824, 40, 40, 40, 32000, 10000.0),
         "llama3-8b" => (4096, 14336, 32, 32, 8, 128256, 500000.0),
         "llama2-70b" => (8192, 28672, 80, 64, 8, 32000, 10000.0),
+        "smollm2-135m" => (576, 1536, 30, 9, 3, 49152, 100000.0),
         other => {
             return Err(GpuError::InvalidArgument(format!(
                 "unknown synthetic model '{other}' (known: {})",
@@ -538,6 +546,25 @@ mod tests {
         // Slide holds f16 values only.
         assert!(SyntheticValues::F16.check(FormatKind::Slide).is_ok());
         assert!(SyntheticValues::Int8.check(FormatKind::Slide).is_err());
+    }
+
+    #[test]
+    fn every_named_shape_has_a_config_and_smollm2_is_the_default_models() {
+        for name in NAMES {
+            let c = config(name).unwrap();
+            assert_eq!(c.hidden_size, c.num_heads * c.head_dim, "{name}");
+            assert!(c.num_heads.is_multiple_of(c.num_kv_heads), "{name}");
+        }
+        // SmolLM2-135M's config.json: 576 hidden, 1536 intermediate, 30 layers, 9 heads of 64,
+        // 3 KV heads, 49152 tokens.
+        let s = config("smollm2-135m").unwrap();
+        assert_eq!(
+            (s.hidden_size, s.intermediate_size, s.num_layers, s.head_dim),
+            (576, 1536, 30, 64)
+        );
+        assert_eq!((s.num_kv_heads, s.vocab_size), (3, 49152));
+        let e = config("smollm2").unwrap_err().to_string();
+        assert!(e.contains("smollm2-135m"), "{e}");
     }
 
     #[test]

@@ -14,7 +14,8 @@ use super::report_files::ReportFiles;
 
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
-    /// A synthetic model of a real shape: llama2-7b, llama2-13b, llama3-8b, llama2-70b.
+    /// A synthetic model of a real shape: llama2-7b, llama2-13b, llama3-8b, llama2-70b,
+    /// smollm2-135m.
     #[arg(long, conflicts_with = "model")]
     synthetic: Option<String>,
     /// A real model (GGUF, safetensors directory or .sieve pack), measured as it is packed.
