@@ -8,6 +8,10 @@
 #               built 2026-12-07 without a device): the persistent test with it, then the
 #               persistent step against the graph step on the SmolLM2 and 7B shapes, both
 #               barriers (each in its own process: the switch is read once)
+#   PART=ncu    issue 27: why attention takes ~8 us a layer at 129 positions (2.1 MB of cache):
+#               ncu's speed-of-light, warp-state and occupancy sections for the split and
+#               combine kernels and the small kernels of the 4-bit TEAL 7B step, in the graph
+#               (node mode), one launch each after the prompt
 #   PART=owed   issue 29's correctness items: the slide-on-cuSPARSELt runner test, the FP8 cases
 #               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
@@ -38,6 +42,17 @@ if [ "$PART" = barrier ]; then
       echo "$shape $b: exit $?"
       grep -E "TPOT|barriers|fixed cost|idle|rror" "$OUT/barrier-$shape-$b.log" | sed -E 's/\| eager split.*//' | cut -c1-230
     done
+  done
+  at end
+fi
+if [ "$PART" = ncu ]; then
+  for k in attention_split_g1 attention_combine rmsnorm_zero silu_mul rope_kv lbc_w4; do
+    (cd /tmp && timeout 150 ncu --graph-profiling node --section SpeedOfLight --section WarpStateStats \
+      --section Occupancy --section LaunchStats -k "regex:^$k" --launch-skip 300 --launch-count 1 \
+      "$OLDPWD/$S" bench decode --synthetic llama2-7b --prompt 128 --tokens 4 --format dense --values int4 \
+      --sp 0.5 --dp 0.5 > "$OUT/ncu-$k.txt" 2>&1)
+    echo "$k: exit $?"
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Block Limit|Registers Per|Grid Size|Stall|One or More" "$OUT/ncu-$k.txt" | cut -c1-160 | head -24
   done
   at end
 fi
