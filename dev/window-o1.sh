@@ -12,6 +12,10 @@
 #               ncu's speed-of-light, warp-state and occupancy sections for the split and
 #               combine kernels and the small kernels of the 4-bit TEAL 7B step, in the graph
 #               (node mode), one launch each after the prompt
+#   PART=resident issue 29: `--prompt-precision f16-resident` (built 2026-12-07 without a
+#               device): its runner test, then TTFT at 128 and 2,048 tokens of the 7B shape,
+#               per-pass copies against resident ones, for Balanced-CBC and Tiled-CBC 0.5 / 0.5
+#               and int4 + TEAL, dense f16 beside them (the target: sparse TTFT <= 1.05x dense)
 #   PART=owed   issue 29's correctness items: the slide-on-cuSPARSELt runner test, the FP8 cases
 #               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
@@ -53,6 +57,26 @@ if [ "$PART" = ncu ]; then
       --sp 0.5 --dp 0.5 > "$OUT/ncu-$k.txt" 2>&1)
     echo "$k: exit $?"
     grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Block Limit|Registers Per|Grid Size|Stall|One or More" "$OUT/ncu-$k.txt" | cut -c1-160 | head -24
+  done
+  at end
+fi
+if [ "$PART" = resident ]; then
+  at tests
+  t runner 120 resident_f16_prompt_copies_give_the_per_pass_logits sieve-gpu
+  at ttft
+  for prompt in 128 2048; do
+    timeout 120 $S bench decode --synthetic llama2-7b --prompt $prompt --tokens 8 --sp 0 --dp 0 \
+      > "$OUT/resident-dense-$prompt.log" 2>&1; echo "dense $prompt: exit $?"
+    grep -E "TTFT" "$OUT/resident-dense-$prompt.log" | sed -E 's/ \| [0-9.]+ GB\/token.*//' | cut -c1-200
+    for m in "balanced --format balanced-cbc --sp 0.5 --dp 0.5" "tcbc --sp 0.5 --dp 0.5" \
+             "int4-teal --format dense --values int4 --sp 0.5 --dp 0.5"; do
+      set -- $m; label=$1; shift
+      for p in f16 f16-resident; do
+        timeout 150 $S bench decode --synthetic llama2-7b --prompt $prompt --tokens 8 "$@" --prompt-precision $p \
+          > "$OUT/resident-$label-$p-$prompt.log" 2>&1; echo "$label $p $prompt: exit $?"
+        grep -E "TTFT|rror" "$OUT/resident-$label-$p-$prompt.log" | sed -E 's/ \| [0-9.]+ GB\/token.*//' | cut -c1-200
+      done
+    done
   done
   at end
 fi

@@ -49,6 +49,8 @@ pub struct DecodeBenchOptions {
     /// Prompt passes of 512 tokens or more multiply 8-bit copies (W8A8,
     /// [`crate::matrix::Layouts::prompt8`]).
     pub prompt8: Option<sieve_cuda::cusparselt::LtPrecision>,
+    /// Keep the prompt passes' f16 copies resident ([`crate::matrix::Layouts::prompt16`]).
+    pub prompt16: bool,
     /// Also time the graph step leaving out each op of every layer in turn, and the head
     /// ([`DecodeResult::left_out`]).
     pub leave_out: bool,
@@ -596,6 +598,7 @@ pub fn run_synthetic_with(
                     batch: opts.batches.iter().any(|&b| b > 1),
                     int8_activations: opts.int8_activations,
                     prompt8: opts.prompt8,
+                    prompt16: opts.prompt16,
                     ..Default::default()
                 },
             };
@@ -707,6 +710,7 @@ mod tests {
             steps: vec![],
             int8_activations: false,
             prompt8: None,
+            prompt16: false,
             leave_out: false,
         }
     }

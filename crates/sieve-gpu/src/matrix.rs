@@ -35,7 +35,7 @@ use sieve_cuda::slide::GpuSlide;
 use sieve_cuda::slide_lt::SlideLt;
 use sieve_cuda::tiled_cbc::{GpuTiledCbc, TcbcKernel};
 use sieve_cuda::w4a8::{Int8Activations, W4A8};
-use sieve_cuda::{DevPtr, Gpu, GpuAccumulate, L2Span};
+use sieve_cuda::{DevPtr, DriverContext, Gpu, GpuAccumulate, L2Span};
 use sieve_formats::balanced_cbc::BalancedCbc;
 use sieve_formats::ie_bme::IeBme;
 use sieve_formats::rlc_csc::{RlcCsc, RlcCscOptions};
@@ -255,6 +255,12 @@ pub struct Layouts {
     /// quantized (one scale per token). Costs the 8-bit bytes again; the decode step keeps
     /// its f16 weights. Other formats keep their prompt path.
     pub prompt8: Option<LtPrecision>,
+    /// Keep the f16 copy a prompt pass multiplies with cuBLAS (`--prompt-precision
+    /// f16-resident`) for every layer matrix whose passes would otherwise decode one (Tiled-CBC,
+    /// column-major 4-bit, Balanced-CBC, RLC-CSC, IE-BME, tensor-core low-bit, SlideSparse):
+    /// decoded once at upload ([`Resident16`]) instead of once per pass. Costs 2 bytes a weight
+    /// again; the decode step keeps its own format. Dense f16 matrices need none.
+    pub prompt16: bool,
 }
 
 impl Layouts {
@@ -272,7 +278,52 @@ impl Default for Layouts {
             int8_activations: false,
             slide_library: crate::prefill::slide_library_requested(),
             prompt8: None,
+            prompt16: false,
         }
+    }
+}
+
+/// A layer matrix decoded to f16 once, kept for prompt passes ([`Layouts::prompt16`]): the
+/// operand cuBLAS multiplies, `transposed` and with leading dimension `ld` as
+/// [`crate::prefill::decode_f16`] lays it out.
+pub struct Resident16 {
+    pub values: CudaSlice<f16>,
+    pub transposed: bool,
+    pub ld: usize,
+}
+
+impl Resident16 {
+    /// The copy of `matrix` (`rows x cols`), or `None` for a format multiplied as it is
+    /// (dense f16).
+    fn decode(gpu: &Gpu, matrix: &DeviceMatrix, rows: usize, cols: usize) -> Result<Option<Self>> {
+        let Some(shape) = crate::prefill::f16_copy_shape(matrix, rows, cols) else {
+            return Ok(None);
+        };
+        // Checked first: a model asked to keep copies it has no room for gets the memory error
+        // (how much, how much is free), not a failed allocation.
+        let needed = shape.len * 2;
+        let (free, total) =
+            cudarc::driver::result::mem_get_info().during("reading the free GPU memory")?;
+        if needed > free {
+            return Err(GpuError::OutOfMemory {
+                needed,
+                free,
+                total,
+            });
+        }
+        let values = gpu
+            .stream()
+            .alloc_zeros::<f16>(shape.len.max(1))
+            .during("allocating a resident f16 prompt copy")?;
+        crate::prefill::decode_f16(gpu, matrix, sieve_cuda::dev_ptr(gpu, &values))?;
+        Ok(Some(Self {
+            values,
+            transposed: shape.transposed,
+            ld: shape.ld,
+        }))
+    }
+    pub fn bytes(&self) -> usize {
+        self.values.len() * 2
     }
 }
 
@@ -633,6 +684,8 @@ pub struct Part {
     pub stored_bytes: usize,
     /// The 8-bit copy of a dense f16 matrix with [`Layouts::prompt8`].
     pub prompt8: Option<Prompt8>,
+    /// The f16 copy of a matrix of another format with [`Layouts::prompt16`].
+    pub resident16: Option<Resident16>,
 }
 
 /// The 8-bit copy [`Layouts::prompt8`] asks for beside a dense f16 `matrix` of `values`, and
@@ -743,6 +796,7 @@ impl DeviceLinear {
                 threshold: mats[0].1,
                 stored_bytes,
                 prompt8,
+                resident16: None,
             });
         } else {
             let mut offset = 0;
@@ -764,8 +818,15 @@ impl DeviceLinear {
                     threshold: *t,
                     stored_bytes,
                     prompt8,
+                    resident16: None,
                 });
                 offset += m.rows();
+            }
+        }
+        if layouts.prompt16 {
+            for p in &mut parts {
+                p.resident16 = Resident16::decode(gpu, &p.matrix, p.rows, cols)?;
+                p.stored_bytes += p.resident16.as_ref().map_or(0, Resident16::bytes);
             }
         }
         Ok(Self { parts, rows, cols })

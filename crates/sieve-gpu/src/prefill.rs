@@ -355,6 +355,7 @@ fn decoded_len_where(linears: &[&DeviceLinear], chunk: usize, with_batch_layout:
     linears
         .iter()
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
+        .filter(|(p, _)| p.resident16.is_none())
         .filter_map(|(p, k)| match &p.matrix {
             DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k, chunk) => Some(p.rows * k),
             DeviceMatrix::LowBitCols(_, Some(_)) if !with_batch_layout => None,
@@ -381,6 +382,7 @@ pub fn long_batch_copy_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter())
+        .filter(|p| p.resident16.is_none())
         .filter_map(|p| match &p.matrix {
             DeviceMatrix::LowBit(q) => Some(q.matrix.padded_rows() * q.matrix.padded_cols()),
             DeviceMatrix::IeBme(e) => Some(e.padded_rows() * e.padded_cols()),
@@ -418,6 +420,66 @@ pub fn lifted_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
         .max()
         .unwrap_or(0)
         .max(prompt8)
+}
+
+/// How [`decode_f16`] lays out the f16 copy of a matrix: `len` elements, the GEMM operand
+/// `transposed` (K x M, column k's rows contiguous) or not (M x K), leading dimension `ld`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyShape {
+    pub len: usize,
+    pub transposed: bool,
+    pub ld: usize,
+}
+
+/// The f16 copy's shape of a `rows x cols` matrix in `matrix`'s format, `None` for the dense
+/// formats (cuBLAS reads their own weights).
+pub fn f16_copy_shape(matrix: &DeviceMatrix, rows: usize, cols: usize) -> Option<CopyShape> {
+    let (len, transposed, ld) = match matrix {
+        DeviceMatrix::DenseRows(_) | DeviceMatrix::DenseCols(_) => return None,
+        DeviceMatrix::TiledCbc(_) | DeviceMatrix::RlcCsc(_) => (rows * cols, true, rows),
+        DeviceMatrix::LowBitCols(c, _) => {
+            (c.padded_rows() * c.padded_cols(), true, c.padded_rows())
+        }
+        DeviceMatrix::BalancedCbc(b) => (b.padded_rows() * cols, true, b.padded_rows()),
+        DeviceMatrix::BalancedLowBit(b) => (b.padded_rows() * cols, true, b.padded_rows()),
+        DeviceMatrix::IeBme(e) => (e.padded_rows() * e.padded_cols(), false, e.padded_cols()),
+        DeviceMatrix::Slide(s) => (
+            s.matrix.rows() * s.matrix.decoded_ld(),
+            false,
+            s.matrix.decoded_ld(),
+        ),
+        DeviceMatrix::LowBit(q) => (
+            q.matrix.padded_rows() * q.matrix.padded_cols(),
+            false,
+            q.matrix.padded_cols(),
+        ),
+    };
+    Some(CopyShape {
+        len,
+        transposed,
+        ld,
+    })
+}
+
+/// Decodes `matrix` to f16 at `dst` as [`f16_copy_shape`] lays it out (`dst` holds its `len`
+/// elements); the dense formats have no copy and are refused.
+pub fn decode_f16(gpu: &Gpu, matrix: &DeviceMatrix, dst: DevPtr) -> Result<()> {
+    match matrix {
+        DeviceMatrix::DenseRows(_) | DeviceMatrix::DenseCols(_) => {
+            return Err(GpuError::InvalidArgument(
+                "a dense f16 matrix has no f16 copy to decode".into(),
+            ))
+        }
+        DeviceMatrix::TiledCbc(t) => t.decode_transposed(gpu, dst)?,
+        DeviceMatrix::LowBitCols(c, _) => c.decode_transposed(gpu, dst)?,
+        DeviceMatrix::RlcCsc(r) => r.decode_transposed(gpu, dst)?,
+        DeviceMatrix::BalancedCbc(b) => b.decode_transposed(gpu, dst)?,
+        DeviceMatrix::BalancedLowBit(b) => b.decode_transposed(gpu, dst)?,
+        DeviceMatrix::IeBme(e) => e.decode_rows_f16(gpu, dst)?,
+        DeviceMatrix::Slide(s) => s.matrix.decode_rows_f16(gpu, dst, s.matrix.decoded_ld())?,
+        DeviceMatrix::LowBit(q) => q.matrix.decode_rows_f16(gpu, dst)?,
+    }
+    Ok(())
 }
 
 /// Elements of the pass's f16 scratch ([`PrefillBuffers::w16`]): the larger of
@@ -478,7 +540,8 @@ pub fn linear_rows(
             }
             _ => (0, 0),
         };
-        let by_kernel = n < min_tokens || w16_len < copy_len || !lowbit_copy_allowed();
+        let by_kernel = n < min_tokens
+            || (p.resident16.is_none() && (w16_len < copy_len || !lowbit_copy_allowed()));
         if let (Some(q), true) = (rows_kernel, by_kernel) {
             // The low-bit kernel reads rows padded to 128 columns (f16 in `a16`, or INT8 in
             // the product's own buffer with W4A8), at most 32 tokens a launch.
@@ -575,8 +638,9 @@ pub fn linear_rows(
         let slide_by_kernel = match &p.matrix {
             DeviceMatrix::Slide(s) => {
                 n < sieve_cuda::slide::DECODE_MIN_TOKENS
-                    || w16_len < s.matrix.rows() * s.matrix.decoded_ld()
-                    || !lowbit_copy_allowed()
+                    || (p.resident16.is_none()
+                        && (w16_len < s.matrix.rows() * s.matrix.decoded_ld()
+                            || !lowbit_copy_allowed()))
             }
             _ => false,
         };
@@ -615,48 +679,31 @@ pub fn linear_rows(
             masked = Some(p.threshold);
         }
         let m = p.rows;
-        if let DeviceMatrix::TiledCbc(t) = &p.matrix {
+        if let (DeviceMatrix::TiledCbc(t), None) = (&p.matrix, &p.resident16) {
+            // (With a resident f16 copy, cuBLAS on it: the SpMM runs at 0.34-0.76x cuBLAS
+            // at 16-64 tokens, docs/BENCHMARKS.md "Window L1".)
             if n <= TCBC_SPMM_MAX_TOKENS && t.spmm_supports(k) && a16.is_multiple_of(16) {
                 let yp = y + (p.row_offset * 4) as u64;
                 t.spmm_rows(gpu, a16, k, n, yp, ldy, beta != 0.0)?;
                 continue;
             }
         }
-        let (w, transposed, lda) = match &p.matrix {
-            DeviceMatrix::DenseRows(d) => (dev_ptr(gpu, d.weights()), false, k),
-            DeviceMatrix::DenseCols(d) => (dev_ptr(gpu, d.weights()), true, d.ldm()),
-            DeviceMatrix::TiledCbc(t) => {
-                t.decode_transposed(gpu, w16)?;
-                (w16, true, m)
-            }
-            DeviceMatrix::LowBitCols(c, _) => {
-                c.decode_transposed(gpu, w16)?;
-                (w16, true, c.padded_rows())
-            }
-            DeviceMatrix::RlcCsc(r) => {
-                r.decode_transposed(gpu, w16)?;
-                (w16, true, m)
-            }
-            DeviceMatrix::BalancedCbc(b) => {
-                b.decode_transposed(gpu, w16)?;
-                (w16, true, b.padded_rows())
-            }
-            DeviceMatrix::BalancedLowBit(b) => {
-                b.decode_transposed(gpu, w16)?;
-                (w16, true, b.padded_rows())
-            }
-            DeviceMatrix::IeBme(e) => {
-                e.decode_rows_f16(gpu, w16)?;
-                (w16, false, e.padded_cols())
-            }
-            DeviceMatrix::Slide(s) => {
-                let ld = s.matrix.decoded_ld();
-                s.matrix.decode_rows_f16(gpu, w16, ld)?;
-                (w16, false, ld)
-            }
-            DeviceMatrix::LowBit(q) => {
-                q.matrix.decode_rows_f16(gpu, w16)?;
-                (w16, false, q.matrix.padded_cols())
+        let (w, transposed, lda) = match (&p.matrix, &p.resident16) {
+            (DeviceMatrix::DenseRows(d), _) => (dev_ptr(gpu, d.weights()), false, k),
+            (DeviceMatrix::DenseCols(d), _) => (dev_ptr(gpu, d.weights()), true, d.ldm()),
+            (_, Some(r)) => (dev_ptr(gpu, &r.values), r.transposed, r.ld),
+            (matrix, None) => {
+                let shape = f16_copy_shape(matrix, m, k).ok_or_else(|| {
+                    GpuError::InvalidArgument("a matrix with no f16 copy reached the GEMM".into())
+                })?;
+                if shape.len > w16_len {
+                    return Err(GpuError::InvalidArgument(format!(
+                        "the f16 copy of a {m} x {k} matrix needs {} elements, the pass's scratch holds {w16_len}",
+                        shape.len
+                    )));
+                }
+                decode_f16(gpu, matrix, w16)?;
+                (w16, shape.transposed, shape.ld)
             }
         };
         let yp = y + (p.row_offset * 4) as u64;

@@ -658,9 +658,10 @@ impl GpuModel {
             )));
         }
         // The head's format as packed (sieve pack leaves it dense f16). A prompt pass takes
-        // the head's product for its last row only: no 8-bit copy.
+        // the head's product for its last row only: no 8-bit copy, no resident f16 copy.
         let head_layouts = Layouts {
             prompt8: None,
+            prompt16: false,
             ..layouts
         };
         let lm_head =

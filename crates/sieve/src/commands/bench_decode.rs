@@ -81,7 +81,9 @@ pub struct DecodeArgs {
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
     /// What prompt passes of 512 tokens or more multiply in (the TTFT): f16, or W8A8 (int8 or
-    /// fp8: dense and SlideSparse matrices also kept in 8 bits, each token's input quantized).
+    /// fp8: dense and SlideSparse matrices also kept in 8 bits, each token's input quantized);
+    /// f16-resident keeps the f16 copy every prompt pass of a sparse or low-bit matrix
+    /// multiplies, decoded once at upload instead of once per pass (2 more bytes a weight).
     #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
     prompt_precision: super::device::PromptPrecision,
     /// How the decode step runs: graph (a CUDA graph of the plan's kernels), persistent (one
@@ -363,6 +365,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         batches: a.batch.clone(),
         int8_activations: a.activations.int8(),
         prompt8: a.prompt_precision.eight_bit(),
+        prompt16: a.prompt_precision.resident_f16(),
         leave_out: a.leave_out,
         steps: a
             .step
@@ -395,6 +398,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 batch: opts.batches.iter().any(|&b| b > 1),
                 int8_activations: opts.int8_activations,
                 prompt8: opts.prompt8,
+                prompt16: opts.prompt16,
                 ..Default::default()
             };
             let mut m = super::device::upload_with(gpu, &model, capacity, layouts)?;

@@ -50,7 +50,9 @@ pub struct GenerateArgs {
     #[arg(long, value_enum, default_value_t = super::device::Activations::F16)]
     activations: super::device::Activations,
     /// What GPU prompt passes of 512 tokens or more multiply in: f16, or W8A8 (int8 or fp8:
-    /// dense and SlideSparse matrices also kept in 8 bits, each token's input quantized).
+    /// dense and SlideSparse matrices also kept in 8 bits, each token's input quantized);
+    /// f16-resident keeps the f16 copy every prompt pass of a sparse or low-bit matrix
+    /// multiplies, decoded once at upload instead of once per pass (2 more bytes a weight).
     #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
     prompt_precision: super::device::PromptPrecision,
     /// How a GPU decode step runs: one persistent kernel (dense f16 models with the f16
