@@ -259,7 +259,9 @@ pub struct Layouts {
     /// f16-resident`) for every layer matrix whose passes would otherwise decode one (Tiled-CBC,
     /// column-major 4-bit, Balanced-CBC, RLC-CSC, IE-BME, tensor-core low-bit, SlideSparse):
     /// decoded once at upload ([`Resident16`]) instead of once per pass. Costs 2 bytes a weight
-    /// again; the decode step keeps its own format. Dense f16 matrices need none.
+    /// again; the one-sequence decode step keeps its own format, a many-sequence step of 16
+    /// or more takes the copy where it would have taken Tiled-CBC's SpMM or decoded one.
+    /// Dense f16 matrices need none.
     pub prompt16: bool,
 }
 

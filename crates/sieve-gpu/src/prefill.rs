@@ -85,6 +85,11 @@ fn parse_chunk(value: Option<&str>) -> std::result::Result<usize, String> {
 /// prompt's q|k|v took 7.0 ms over 32 layers (two token tiles) against 1.5 ms dense.
 pub const TCBC_SPMM_MAX_TOKENS: usize = 64;
 
+/// Fewest tokens for which a Tiled-CBC matrix with a resident f16 copy
+/// ([`crate::matrix::Layouts::prompt16`]) is multiplied by cuBLAS on the copy instead of the
+/// SpMM: where the SpMM was measured slower than cuBLAS.
+pub const RESIDENT_OVER_SPMM_TOKENS: usize = 16;
+
 /// Fewest tokens for which a batched pass multiplies a low-bit matrix in the tensor-core layout
 /// (`DeviceMatrix::LowBit`) by cuBLAS on an f16 copy ([`GpuLowBit::decode_rows_f16`]) instead
 /// of its own kernel, which takes at most 32 tokens a launch and so reads every weight again
@@ -338,24 +343,35 @@ fn decoded_in_pass(t: &sieve_cuda::tiled_cbc::GpuTiledCbc, cols: usize, chunk: u
 /// past the SpMM, a column-major 4-bit one, a Balanced-CBC or an RLC-CSC one (padded). 0 when
 /// none is decoded.
 pub fn decoded_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
-    decoded_len_where(linears, chunk, true)
+    decoded_len_where(linears, chunk, true, false)
 }
 
 /// [`decoded_len`] for a many-sequence step (at most [`crate::runner::MAX_SEQUENCES`] rows,
 /// below [`LOWBIT_DECODE_MIN_TOKENS`]): a column-major 4-bit matrix with its batch layout
 /// (`Layouts::batch`) goes through the low-bit kernel there, not an f16 copy.
 pub fn step_decoded_len(linears: &[&DeviceLinear], chunk: usize) -> usize {
-    decoded_len_where(linears, chunk, false)
+    decoded_len_where(linears, chunk, false, true)
 }
 
 // A many-sequence step never reaches the f16 copy of a low-bit matrix.
 const _: () = assert!(crate::runner::MAX_SEQUENCES < LOWBIT_DECODE_MIN_TOKENS);
 
-fn decoded_len_where(linears: &[&DeviceLinear], chunk: usize, with_batch_layout: bool) -> usize {
+/// `with_resident`: count the matrices that keep a resident f16 copy ([`Layouts::prompt16`])
+/// too. Scratch sizes leave them out (a pass multiplies their copy where it lies); the
+/// many-sequence step's policy keeps them (a batched pass still reads 2 bytes a weight where
+/// each sequence's own step reads the format).
+///
+/// [`Layouts::prompt16`]: crate::matrix::Layouts::prompt16
+fn decoded_len_where(
+    linears: &[&DeviceLinear],
+    chunk: usize,
+    with_batch_layout: bool,
+    with_resident: bool,
+) -> usize {
     linears
         .iter()
         .flat_map(|l| l.parts.iter().map(move |p| (p, l.cols)))
-        .filter(|(p, _)| p.resident16.is_none())
+        .filter(|(p, _)| with_resident || p.resident16.is_none())
         .filter_map(|(p, k)| match &p.matrix {
             DeviceMatrix::TiledCbc(t) if decoded_in_pass(t, k, chunk) => Some(p.rows * k),
             DeviceMatrix::LowBitCols(_, Some(_)) if !with_batch_layout => None,
@@ -541,7 +557,8 @@ pub fn linear_rows(
             _ => (0, 0),
         };
         let by_kernel = n < min_tokens
-            || (p.resident16.is_none() && (w16_len < copy_len || !lowbit_copy_allowed()));
+            || !lowbit_copy_allowed()
+            || (p.resident16.is_none() && w16_len < copy_len);
         if let (Some(q), true) = (rows_kernel, by_kernel) {
             // The low-bit kernel reads rows padded to 128 columns (f16 in `a16`, or INT8 in
             // the product's own buffer with W4A8), at most 32 tokens a launch.
@@ -638,9 +655,8 @@ pub fn linear_rows(
         let slide_by_kernel = match &p.matrix {
             DeviceMatrix::Slide(s) => {
                 n < sieve_cuda::slide::DECODE_MIN_TOKENS
-                    || (p.resident16.is_none()
-                        && (w16_len < s.matrix.rows() * s.matrix.decoded_ld()
-                            || !lowbit_copy_allowed()))
+                    || !lowbit_copy_allowed()
+                    || (p.resident16.is_none() && w16_len < s.matrix.rows() * s.matrix.decoded_ld())
             }
             _ => false,
         };
@@ -679,10 +695,13 @@ pub fn linear_rows(
             masked = Some(p.threshold);
         }
         let m = p.rows;
-        if let (DeviceMatrix::TiledCbc(t), None) = (&p.matrix, &p.resident16) {
-            // (With a resident f16 copy, cuBLAS on it: the SpMM runs at 0.34-0.76x cuBLAS
-            // at 16-64 tokens, docs/BENCHMARKS.md "Window L1".)
-            if n <= TCBC_SPMM_MAX_TOKENS && t.spmm_supports(k) && a16.is_multiple_of(16) {
+        if let DeviceMatrix::TiledCbc(t) = &p.matrix {
+            // With a resident f16 copy, cuBLAS on it from 16 tokens: the SpMM runs at
+            // 0.34-0.76x cuBLAS at 16-64 tokens (docs/BENCHMARKS.md "Window L1"); fewer
+            // (a few sequences' decode step) keep the SpMM, which reads the format.
+            let by_copy = p.resident16.is_some() && n >= RESIDENT_OVER_SPMM_TOKENS;
+            if !by_copy && n <= TCBC_SPMM_MAX_TOKENS && t.spmm_supports(k) && a16.is_multiple_of(16)
+            {
                 let yp = y + (p.row_offset * 4) as u64;
                 t.spmm_rows(gpu, a16, k, n, yp, ldy, beta != 0.0)?;
                 continue;
