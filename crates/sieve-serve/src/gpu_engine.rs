@@ -47,7 +47,14 @@ impl GpuEngine {
     /// Uploads `model` to `gpu` with `slots` KV caches of `context` positions (capped at the
     /// model's context), storing what the model is set to ([`Model::set_kv_precision`]).
     /// Fails with the bytes needed when model and pool do not fit.
-    pub fn new(model: &Model, gpu: sieve_cuda::Gpu, slots: usize, context: usize) -> Result<Self> {
+    /// `prompt16`: keep the prompt passes' f16 copies resident ([`sieve_gpu::matrix::Layouts::prompt16`]).
+    pub fn new(
+        model: &Model,
+        gpu: sieve_cuda::Gpu,
+        slots: usize,
+        context: usize,
+        prompt16: bool,
+    ) -> Result<Self> {
         if slots == 0 {
             return Err(ModelError::InvalidArgument(
                 "the KV cache pool needs at least one slot".into(),
@@ -62,6 +69,7 @@ impl GpuEngine {
         // for the batch's products (`Layouts::batch`).
         let layouts = sieve_gpu::matrix::Layouts {
             batch: slots > 1,
+            prompt16,
             ..Default::default()
         };
         let mut model =

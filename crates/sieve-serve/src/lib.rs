@@ -98,6 +98,9 @@ pub struct ServeConfig {
     pub prefill_chunk: usize,
     /// What the KV cache slots store (`--kv-cache`).
     pub kv_cache: sieve_model::llama::KvPrecision,
+    /// GPU engine: keep the prompt passes' f16 copies of sparse and low-bit matrices resident
+    /// (`--prompt-precision f16-resident`, [`sieve_gpu::matrix::Layouts::prompt16`]).
+    pub prompt16: bool,
 }
 
 impl Default for ServeConfig {
@@ -120,6 +123,7 @@ impl Default for ServeConfig {
             write_timeout: Duration::from_secs(60),
             prefill_chunk: scheduler::PREFILL_CHUNK,
             kv_cache: sieve_model::llama::KvPrecision::F16,
+            prompt16: false,
         }
     }
 }
@@ -202,7 +206,13 @@ pub fn load_gpu_engine(
     config.validate()?;
     let (mut model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
     model.set_kv_precision(config.kv_cache);
-    let engine = gpu_engine::GpuEngine::new(&model, gpu, config.max_batch, config.context)?;
+    let engine = gpu_engine::GpuEngine::new(
+        &model,
+        gpu,
+        config.max_batch,
+        config.context,
+        config.prompt16,
+    )?;
     Ok((engine, tokenizer))
 }
 

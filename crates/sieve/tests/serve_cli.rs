@@ -301,6 +301,14 @@ fn serve_refuses_bad_settings_before_loading() {
             "unknown synthetic model 'llama9-1b'",
         ),
         (
+            &["--prompt-precision", "int8"][..],
+            "takes f16 or f16-resident",
+        ),
+        (
+            &["--prompt-precision", "f16-resident", "--device", "cpu"][..],
+            "needs --device cuda",
+        ),
+        (
             &["--synthetic", "llama2-7b", "--sp", "1"][..],
             "--sp 1 is outside [0, 1)",
         ),

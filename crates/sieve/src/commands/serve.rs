@@ -70,6 +70,11 @@ pub struct ServeArgs {
     /// about half the memory per slot).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// GPU only: f16, or f16-resident (the f16 copy a prompt pass of a sparse or low-bit matrix
+    /// multiplies, decoded once at start instead of once per pass: a dense model's time to
+    /// first token, 2 more bytes per weight of GPU memory).
+    #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
+    prompt_precision: super::device::PromptPrecision,
     /// Seconds in-flight requests may take to finish after SIGTERM.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
@@ -107,8 +112,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         write_timeout: Duration::from_secs(args.write_timeout),
         prefill_chunk: args.prefill_chunk,
         kv_cache: args.kv_cache.precision(),
+        prompt16: args.prompt_precision.resident_f16(),
     };
     config.validate()?;
+    if args.prompt_precision.eight_bit().is_some() {
+        bail!(
+            "sieve serve --prompt-precision takes f16 or f16-resident (8-bit prompt passes are for generate and bench decode)"
+        );
+    }
+    if config.prompt16 && args.device == Device::Cpu {
+        bail!("--prompt-precision f16-resident keeps copies in GPU memory: it needs --device cuda or auto with a GPU");
+    }
     if let Some(name) = &args.synthetic {
         return serve_synthetic(name, &args, config);
     }
@@ -127,6 +141,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             (Box::new(engine), tokenizer)
         }
         None => {
+            if config.prompt16 {
+                bail!("--prompt-precision f16-resident keeps copies in GPU memory: it needs --device cuda or auto with a GPU (this run found none)");
+            }
             let (engine, tokenizer) = load_cpu_engine(&path, &config)
                 .with_context(|| format!("opening {}", path.display()))?;
             (Box::new(engine), tokenizer)
@@ -168,6 +185,7 @@ fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Res
         // More than one slot: keep the batch layout of column-major 4-bit matrices.
         layouts: sieve_gpu::matrix::Layouts {
             batch: config.max_batch > 1,
+            prompt16: config.prompt16,
             ..Default::default()
         },
     };
