@@ -32,7 +32,8 @@
 // watchdog_ns writes the stage (1-based) to *error, raises sync[32] (abort), and every block
 // leaves: a dependency bug gives an error on the host instead of a hung GPU. The host re-zeroes
 // `sync` after an abort. sync[64 + h] counts the splits of head h that are done (reset by its
-// combiner).
+// combiner). Before the barrier that precedes attention, each block asks L2 for the K and V
+// rows of its first attention task.
 //   flags_at > 0 (SIEVE_PERSISTENT_BARRIER=flags, src/persistent.rs) takes flag_barrier instead:
 // sync[flags_at + b] = how many barriers block b has passed, over every launch. A block raises
 // its own flag (a release store) and threads 0 .. gridDim.x - 1 each wait for one block's flag
@@ -40,8 +41,7 @@
 // count barrier's are gridDim.x atomics on one word that the L2 serializes (~2 us a barrier,
 // 364 us of a 7B step: docs/BENCHMARKS.md "Window N2"). Every block passes the same barriers
 // in every launch, so the flags agree at a launch's start and a block reads its base from its own
-// flag; an abort leaves them apart, and the host zeroes all of `sync` then. Before the barrier that precedes attention, each block asks L2 for the K and V
-// rows of its first attention task.
+// flag; an abort leaves them apart, and the host zeroes all of `sync` then.
 //
 // Intermediate buffers written in this launch (x, qkv, att, h, part, the new cache row) are read
 // with ld.global.cg: the L1 is not coherent across SMs. Weights go through the read-only path.
