@@ -591,3 +591,16 @@ fn generate_split_over_three_ranks_writes_the_same_text() {
     let err = fails(&["generate", "--tensor-parallel", "3", "hi"]);
     assert!(err.contains("--device cpu"), "{err}");
 }
+
+/// A GPU-only prompt setting with `--device cpu` is refused by name before anything loads,
+/// not ignored.
+#[test]
+fn gpu_prompt_settings_on_the_cpu_are_refused() {
+    for p in ["f16-resident", "int8", "fp8"] {
+        let err = fails(&["generate", "--device", "cpu", "--prompt-precision", p, "hi"]);
+        assert!(
+            err.contains(&format!("--prompt-precision {p}")) && err.contains("--device cpu"),
+            "{err}"
+        );
+    }
+}

@@ -78,6 +78,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             args.tensor_parallel
         );
     }
+    if args.device == super::device::Device::Cpu
+        && args.prompt_precision != super::device::PromptPrecision::F16
+    {
+        anyhow::bail!(
+            "--prompt-precision {}: the GPU's prompt passes take it, --device cpu runs the CPU's",
+            clap::ValueEnum::to_possible_value(&args.prompt_precision)
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_default()
+        );
+    }
     // Everything runs on a pool worker (see `run_in_pool`).
     run_in_pool(args.threads, move || run_on_pool(args))?
 }
