@@ -20,14 +20,17 @@
 #               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
 #               slide at 2,048 tokens) and the column-format SpMM at N >= 512
-# Carry .gpu from `KEEP="runner slide_lt w4a8 slide" bash scripts/gpu-runner-bundle.sh`.
+# Carry .gpu from `KEEP="runner slide_lt w4a8 slide" bash scripts/gpu-runner-bundle.sh` (~25 MB).
+# Rough lengths: leave 3 min, barrier 4, resident 7, ncu 6, owed 6: a 30-minute budget takes
+# leave, barrier and resident in one call (PART="leave barrier resident"), the rest in a second.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
 mkdir -p "$OUT"
 PART=${PART:-owed}
-exec > >(tee "$OUT/window-o1-$PART.log") 2>&1
+exec > >(tee "$OUT/window-o1-${PART// /-}.log") 2>&1
 . dev/window-lib.sh
+has() { case " $PART " in *" $1 "*) return 0 ;; esac; return 1; }  # PART may list several
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 ttft() {  # ttft LABEL ARGS...: a 2,048-token prompt's TTFT
   local label=$1; shift
@@ -35,7 +38,7 @@ ttft() {  # ttft LABEL ARGS...: a 2,048-token prompt's TTFT
   echo "$label: exit $?"
   grep -E "TTFT|weights|rror" "$OUT/ttft-$label.log" | cut -c1-300 | head -4
 }
-if [ "$PART" = barrier ]; then
+if has barrier; then
   at tests
   SIEVE_PERSISTENT_BARRIER=flags t runner 90 persistent_step_matches_the_graph_step sieve-gpu
   at decode
@@ -49,7 +52,7 @@ if [ "$PART" = barrier ]; then
   done
   at end
 fi
-if [ "$PART" = ncu ]; then
+if has ncu; then
   for k in attention_split_g1 attention_combine rmsnorm_zero silu_mul rope_kv lbc_w4; do
     (cd /tmp && timeout 150 ncu --graph-profiling node --section SpeedOfLight --section WarpStateStats \
       --section Occupancy --section LaunchStats -k "regex:^$k" --launch-skip 300 --launch-count 1 \
@@ -60,27 +63,29 @@ if [ "$PART" = ncu ]; then
   done
   at end
 fi
-if [ "$PART" = resident ]; then
+if has resident; then
   at tests
   t runner 120 resident_f16_prompt_copies_give_the_per_pass_logits sieve-gpu
   at ttft
-  for prompt in 128 2048; do
-    timeout 120 $S bench decode --synthetic llama2-7b --prompt $prompt --tokens 8 --sp 0 --dp 0 \
-      > "$OUT/resident-dense-$prompt.log" 2>&1; echo "dense $prompt: exit $?"
-    grep -E "TTFT" "$OUT/resident-dense-$prompt.log" | sed -E 's/ \| [0-9.]+ GB\/token.*//' | cut -c1-200
-    for m in "balanced --format balanced-cbc --sp 0.5 --dp 0.5" "tcbc --sp 0.5 --dp 0.5" \
-             "int4-teal --format dense --values int4 --sp 0.5 --dp 0.5"; do
-      set -- $m; label=$1; shift
-      for p in f16 f16-resident; do
-        timeout 150 $S bench decode --synthetic llama2-7b --prompt $prompt --tokens 8 "$@" --prompt-precision $p \
-          > "$OUT/resident-$label-$p-$prompt.log" 2>&1; echo "$label $p $prompt: exit $?"
-        grep -E "TTFT|rror" "$OUT/resident-$label-$p-$prompt.log" | sed -E 's/ \| [0-9.]+ GB\/token.*//' | cut -c1-200
-      done
-    done
+  ttft_of() {  # ttft_of LABEL PROMPT ARGS...
+    local label=$1 prompt=$2; shift 2
+    timeout 150 $S bench decode --synthetic llama2-7b --prompt $prompt --tokens 8 "$@" > "$OUT/resident-$label-$prompt.log" 2>&1
+    echo "$label $prompt: exit $?"
+    grep -E "TTFT|rror" "$OUT/resident-$label-$prompt.log" | sed -E 's/ \| [0-9.]+ GB\/token.*//' | cut -c1-200
+  }
+  ttft_of dense 128 --sp 0 --dp 0
+  for p in f16 f16-resident; do
+    ttft_of "balanced-$p" 128 --format balanced-cbc --sp 0.5 --dp 0.5 --prompt-precision $p
+    ttft_of "tcbc-$p" 128 --sp 0.5 --dp 0.5 --prompt-precision $p
+    ttft_of "int4-teal-$p" 128 --format dense --values int4 --sp 0.5 --dp 0.5 --prompt-precision $p
+  done
+  ttft_of dense 2048 --sp 0 --dp 0
+  for p in f16 f16-resident; do
+    ttft_of "balanced-$p" 2048 --format balanced-cbc --sp 0.5 --dp 0.5 --prompt-precision $p
   done
   at end
 fi
-if [ "$PART" = leave ]; then
+if has leave; then
   for m in "f16 --format dense --sp 0 --dp 0" "int4 --format dense --values int4 --sp 0,0.5 --dp 0,0.5"; do
     set -- $m; label=$1; shift
     timeout 240 $S bench decode --synthetic llama2-7b --prompt 128 --tokens 128 "$@" --leave-out > "$OUT/leave-$label.log" 2>&1
@@ -89,7 +94,7 @@ if [ "$PART" = leave ]; then
   done
   at end
 fi
-if [ "$PART" = owed ]; then
+if has owed; then
   at tests
   t runner 150 slide_prompts_on_cusparselt_match_cpu sieve-gpu
   SIEVE_LT_PRECISIONS=fp8 t slide_lt 90 gpu_slide_on_cusparselt_matches sieve-cuda
