@@ -3,7 +3,9 @@
 # every item runnable from one bundle, most important first, so a short window still closes some.
 #   PART=leave  issue 27: `bench decode --leave-out` on the 7B shape (dense f16, dense int4,
 #               int4 + 50% + TEAL 50%): the graph step without each op of every layer in turn,
-#               so the ~450 us outside the products is split by op inside the real graph
+#               so the ~450 us outside the products is split by op inside the real graph; then
+#               the 2 MB prefetch default against none where it was never measured (TTFT at 128
+#               and 2,048 tokens, the 32-sequence batched step)
 #   PART=barrier issue 27: the persistent step's flag barrier (SIEVE_PERSISTENT_BARRIER=flags,
 #               built 2026-12-07 without a device): the persistent test with it, then the
 #               persistent step against the graph step on the SmolLM2 and 7B shapes, both
@@ -92,6 +94,16 @@ if has leave; then
     echo "$label: exit $?"
     grep -vE "^\s*$|^(loaded|upload)" "$OUT/leave-$label.log" | sed -E 's/\| eager split.*//' | cut -c1-260 | tail -40
   done
+  # The 2 MB prefetch default where it was never measured: prompts (TTFT, 128 and 2,048 tokens)
+  # and the serving path's batched step (32 sequences).
+  for prompt in 128 2048; do
+    timeout 200 $S bench decode --synthetic llama2-7b --prompt $prompt --tokens 8 --format dense --values int4 \
+      --sp 0.5 --dp 0.5 --prefetch off,on > "$OUT/prefetch-ttft-$prompt.log" 2>&1; echo "prefetch ttft $prompt: exit $?"
+    grep -E "TTFT" "$OUT/prefetch-ttft-$prompt.log" | sed -E 's/ \| [0-9.]+ GB\/token.*//' | cut -c1-220
+  done
+  timeout 240 $S bench decode --synthetic llama2-7b --prompt 128 --tokens 64 --format dense --values int4 \
+    --sp 0.5 --dp 0.5 --prefetch off,on --batch 32 > "$OUT/prefetch-batch.log" 2>&1; echo "prefetch batch: exit $?"
+  grep -E "TPOT|batch " "$OUT/prefetch-batch.log" | sed -E 's/\| TTFT.*//' | cut -c1-200
   at end
 fi
 if has owed; then
