@@ -18,6 +18,9 @@
 #               device): its runner test, then TTFT at 128 and 2,048 tokens of the 7B shape,
 #               per-pass copies against resident ones, for Balanced-CBC and Tiled-CBC 0.5 / 0.5
 #               and int4 + TEAL, dense f16 beside them (the target: sparse TTFT <= 1.05x dense)
+#   PART=warp   issue 27: the warp split kernel of attention (SIEVE_ATTENTION_KERNEL=warp, built
+#               2026-12-07 without a device): the attention tests (both kernels in one run),
+#               racecheck, then the 7B step with each kernel at 128 and 4,096 positions
 #   PART=owed   issue 29's correctness items: the slide-on-cuSPARSELt runner test, the FP8 cases
 #               of the library test against their 1e-2 bound, memcheck on slide and slide_lt;
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
@@ -84,6 +87,20 @@ if has resident; then
   ttft_of dense 2048 --sp 0 --dp 0
   for p in f16 f16-resident; do
     ttft_of "balanced-$p" 2048 --format balanced-cbc --sp 0.5 --dp 0.5 --prompt-precision $p
+  done
+  at end
+fi
+if has warp; then
+  at tests
+  t runner 60 rope_and_attention_match_reference sieve-gpu
+  t kv_cache 120 "" sieve-cuda
+  sanitize racecheck kv_cache 240 int8_attention_matches_reference sieve-cuda
+  at decode
+  for k in block warp; do
+    SIEVE_ATTENTION_KERNEL=$k dec "attn-$k" --format dense --values int4 --sp 0,0.5 --dp 0,0.5
+    SIEVE_ATTENTION_KERNEL=$k timeout 200 $S bench decode --synthetic llama2-7b --prompt 4032 --tokens 32 \
+      --context 4096 --sp 0 --dp 0 > "$OUT/attn-$k-4096.log" 2>&1; echo "attn $k 4096: exit $?"
+    grep -E "TPOT" "$OUT/attn-$k-4096.log" | sed -E 's/\| TTFT.*graph step/| step/; s/\| eager split.*//' | cut -c1-230
   done
   at end
 fi

@@ -25,6 +25,41 @@ const ATT_THREADS: usize = 128;
 const ATT_WARPS: usize = 4;
 const ATT_LOADS: usize = 8;
 
+/// Which flash-decoding split kernel runs (`kernels/attention.cu`): both write the same
+/// partials for the same grid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitKernel {
+    /// `attention_split_g<G>`: the block's warps share each tile's scores and softmax in
+    /// shared memory (three barriers a tile).
+    Block,
+    /// `attention_split_warp_g<G>`: each warp keeps its own running softmax in registers,
+    /// one barrier to merge the four (built 2026-12-07, not yet measured on a GPU).
+    Warp,
+}
+
+impl SplitKernel {
+    /// `SIEVE_ATTENTION_KERNEL=warp|block` (read once; a switch for measuring the two), else
+    /// [`SplitKernel::Block`].
+    pub fn from_env() -> Result<Self> {
+        static SETTING: std::sync::OnceLock<std::result::Result<SplitKernel, String>> =
+            std::sync::OnceLock::new();
+        SETTING
+            .get_or_init(|| Self::parse(std::env::var("SIEVE_ATTENTION_KERNEL").ok().as_deref()))
+            .clone()
+            .map_err(CudaError::Option)
+    }
+
+    fn parse(v: Option<&str>) -> std::result::Result<Self, String> {
+        match v {
+            None | Some("block") => Ok(SplitKernel::Block),
+            Some("warp") => Ok(SplitKernel::Warp),
+            Some(other) => Err(format!(
+                "SIEVE_ATTENTION_KERNEL={other}: expected block or warp"
+            )),
+        }
+    }
+}
+
 /// The attention shape of a model, checked against the kernel's limits.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
@@ -33,6 +68,8 @@ pub struct AttentionShape {
     pub head_dim: usize,
     /// Sequence splits of the flash-decoding grid (fixed when a step is captured).
     pub splits: usize,
+    /// The split kernel ([`SplitKernel::from_env`] at construction; tests set it).
+    pub kernel: SplitKernel,
 }
 
 impl AttentionShape {
@@ -65,6 +102,7 @@ impl AttentionShape {
             kv_heads,
             head_dim,
             splits,
+            kernel: SplitKernel::from_env()?,
         })
     }
     /// f32 entries of the split partials buffer.
@@ -75,9 +113,14 @@ impl AttentionShape {
     fn kernel_group(&self) -> usize {
         (self.heads / self.kv_heads).next_power_of_two()
     }
-    /// Dynamic shared memory of `attention_split_g<G>` in bytes: the tile's scores
-    /// `[G][TILE]`, reused after the loop for the reduction `[RB][G][hd]` (see `attention.cu`).
+    /// Dynamic shared memory of the split kernel in bytes: for `attention_split_g<G>` the
+    /// tile's scores `[G][TILE]`, reused after the loop for the reduction `[RB][G][hd]`; for
+    /// the warp kernel the four warps' partials (see `attention.cu`).
     fn split_shared_bytes(&self) -> usize {
+        if self.kernel == SplitKernel::Warp {
+            // Each warp's m, l and acc per head: [ATT_WARPS][G][hd + 2].
+            return 4 * ATT_WARPS * self.kernel_group() * (self.head_dim + 2);
+        }
         let lanes_per_row = (self.head_dim / 8).next_power_of_two();
         let rows_per_step = ATT_WARPS * (32 / lanes_per_row);
         let tile = ATT_LOADS * rows_per_step;
@@ -269,7 +312,14 @@ fn launch(
         } => (k, v, Some((k_scales, v_scales))),
     };
     let cache_kind = if scales.is_some() { "_i8" } else { "" };
-    let name = format!("attention_split{cache_kind}_g{}", shape.kernel_group());
+    let variant = match shape.kernel {
+        SplitKernel::Block => "",
+        SplitKernel::Warp => "_warp",
+    };
+    let name = format!(
+        "attention_split{variant}{cache_kind}_g{}",
+        shape.kernel_group()
+    );
     let f = gpu.function(&FAMILY, &name)?;
     gpu.allow_dynamic_shared(&f, shared as usize)?;
     let (h, hkv, hd) = (
@@ -405,5 +455,19 @@ pub mod reference {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_split_kernel_setting_parses_and_names_a_bad_value() {
+        assert_eq!(SplitKernel::parse(None), Ok(SplitKernel::Block));
+        assert_eq!(SplitKernel::parse(Some("block")), Ok(SplitKernel::Block));
+        assert_eq!(SplitKernel::parse(Some("warp")), Ok(SplitKernel::Warp));
+        let e = SplitKernel::parse(Some("warps")).unwrap_err();
+        assert!(e.contains("SIEVE_ATTENTION_KERNEL=warps"), "{e}");
     }
 }

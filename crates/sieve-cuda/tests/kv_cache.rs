@@ -7,7 +7,7 @@
 //! a skip reason and passes, unless `SIEVE_REQUIRE_GPU=1`.
 
 use cudarc::driver::CudaSlice;
-use sieve_cuda::attention::{self, reference, AttentionShape};
+use sieve_cuda::attention::{self, reference, AttentionShape, SplitKernel};
 use sieve_cuda::prefill::Rows;
 use sieve_cuda::{dev_ptr, gpu_or_skip, rope, Gpu, KvCache, L2Span};
 use sieve_formats::kv_cache::quantize_row;
@@ -377,73 +377,83 @@ fn int8_attention_matches_reference() {
         return;
     };
     let mut rng = Rng(0xa77e);
-    for hd in [16usize, 64, 96, 128, 256] {
-        for (group, kv_heads) in [(1usize, 3usize), (3, 2), (8, 2)] {
-            let heads = group * kv_heads;
-            let w = (heads + 2 * kv_heads) * hd;
-            for len in [1usize, 7, 300, 2049] {
-                let capacity = len + 3;
-                let shape = AttentionShape::new(&gpu, heads, kv_heads, hd, capacity).unwrap();
-                let what = format!(
-                    "{heads}/{kv_heads}/{hd} len {len} (splits {})",
-                    shape.splits
-                );
-                let pp = |s: &CudaSlice<f32>| dev_ptr(&gpu, s);
-                let [k, v] = random_int8_cache(&mut rng, capacity * kv_heads, hd);
-                let (kf, vf) = (
-                    reference::dequantize_cache(&k.0, &k.1, hd),
-                    reference::dequantize_cache(&v.0, &v.1, hd),
-                );
-                let cache = DeviceCache::of(&gpu, &k, &v);
+    for kernel in [SplitKernel::Block, SplitKernel::Warp] {
+        for hd in [16usize, 64, 96, 128, 256] {
+            for (group, kv_heads) in [(1usize, 3usize), (3, 2), (8, 2)] {
+                let heads = group * kv_heads;
+                let w = (heads + 2 * kv_heads) * hd;
+                for len in [1usize, 7, 300, 2049] {
+                    let capacity = len + 3;
+                    let shape = AttentionShape::new(&gpu, heads, kv_heads, hd, capacity).unwrap();
+                    let shape = AttentionShape { kernel, ..shape };
+                    let what = format!(
+                        "{kernel:?}: {heads}/{kv_heads}/{hd} len {len} (splits {})",
+                        shape.splits
+                    );
+                    let pp = |s: &CudaSlice<f32>| dev_ptr(&gpu, s);
+                    let [k, v] = random_int8_cache(&mut rng, capacity * kv_heads, hd);
+                    let (kf, vf) = (
+                        reference::dequantize_cache(&k.0, &k.1, hd),
+                        reference::dequantize_cache(&v.0, &v.1, hd),
+                    );
+                    let cache = DeviceCache::of(&gpu, &k, &v);
 
-                // Decode: the token at len - 1.
-                let qkv = rng.vec(w, 2.0);
-                let qkvd = gpu.upload(&qkv).unwrap();
-                let state = gpu.upload(&[len as i32 - 1, 0]).unwrap();
-                let part = gpu.poisoned_f32(shape.partials_len()).unwrap();
-                let att = gpu.poisoned_f32(heads * hd).unwrap();
-                attention::attention(
-                    &gpu,
-                    &shape,
-                    pp(&qkvd),
-                    cache.view(&gpu),
-                    dev_ptr(&gpu, &state),
-                    pp(&part),
-                    pp(&att),
-                    // The 8-bit cache's kernels take the span after their scale buffers.
-                    L2Span::of(&gpu, &qkvd),
-                )
-                .unwrap();
-                let want =
-                    reference::attention(&qkv[..heads * hd], &kf, &vf, len, heads, kv_heads, hd);
-                let err = scaled_error(&gpu.download(&att).unwrap(), &want, hd);
-                assert!(err < TOL, "decode {what}: max error {err}");
+                    // Decode: the token at len - 1.
+                    let qkv = rng.vec(w, 2.0);
+                    let qkvd = gpu.upload(&qkv).unwrap();
+                    let state = gpu.upload(&[len as i32 - 1, 0]).unwrap();
+                    let part = gpu.poisoned_f32(shape.partials_len()).unwrap();
+                    let att = gpu.poisoned_f32(heads * hd).unwrap();
+                    attention::attention(
+                        &gpu,
+                        &shape,
+                        pp(&qkvd),
+                        cache.view(&gpu),
+                        dev_ptr(&gpu, &state),
+                        pp(&part),
+                        pp(&att),
+                        // The 8-bit cache's kernels take the span after their scale buffers.
+                        L2Span::of(&gpu, &qkvd),
+                    )
+                    .unwrap();
+                    let want = reference::attention(
+                        &qkv[..heads * hd],
+                        &kf,
+                        &vf,
+                        len,
+                        heads,
+                        kv_heads,
+                        hd,
+                    );
+                    let err = scaled_error(&gpu.download(&att).unwrap(), &want, hd);
+                    assert!(err < TOL, "decode {what}: max error {err}");
 
-                // A prompt chunk ending at len - 1: query z at position first + z (len0 > 0).
-                let n = len.min(5);
-                let first = len - n;
-                let qkv = rng.vec(n * w, 2.0);
-                let qkvd = gpu.upload(&qkv).unwrap();
-                let part = gpu.poisoned_f32(n * shape.partials_len()).unwrap();
-                let att = gpu.poisoned_f32(n * heads * hd).unwrap();
-                attention::attention_rows(
-                    &gpu,
-                    &shape,
-                    pp(&qkvd),
-                    cache.view(&gpu),
-                    pp(&part),
-                    pp(&att),
-                    &Rows::Consecutive { first },
-                    n,
-                )
-                .unwrap();
-                let got = gpu.download(&att).unwrap();
-                for z in 0..n {
-                    let q = &qkv[z * w..][..heads * hd];
-                    let want =
-                        reference::attention(q, &kf, &vf, first + z + 1, heads, kv_heads, hd);
-                    let err = scaled_error(&got[z * heads * hd..][..heads * hd], &want, hd);
-                    assert!(err < TOL, "prompt row {z} {what}: max error {err}");
+                    // A prompt chunk ending at len - 1: query z at position first + z (len0 > 0).
+                    let n = len.min(5);
+                    let first = len - n;
+                    let qkv = rng.vec(n * w, 2.0);
+                    let qkvd = gpu.upload(&qkv).unwrap();
+                    let part = gpu.poisoned_f32(n * shape.partials_len()).unwrap();
+                    let att = gpu.poisoned_f32(n * heads * hd).unwrap();
+                    attention::attention_rows(
+                        &gpu,
+                        &shape,
+                        pp(&qkvd),
+                        cache.view(&gpu),
+                        pp(&part),
+                        pp(&att),
+                        &Rows::Consecutive { first },
+                        n,
+                    )
+                    .unwrap();
+                    let got = gpu.download(&att).unwrap();
+                    for z in 0..n {
+                        let q = &qkv[z * w..][..heads * hd];
+                        let want =
+                            reference::attention(q, &kf, &vf, first + z + 1, heads, kv_heads, hd);
+                        let err = scaled_error(&got[z * heads * hd..][..heads * hd], &want, hd);
+                        assert!(err < TOL, "prompt row {z} {what}: max error {err}");
+                    }
                 }
             }
         }
@@ -456,59 +466,65 @@ fn int8_attention_of_many_sequences_matches_reference() {
         return;
     };
     let mut rng = Rng(0x5e95);
-    for hd in [16usize, 64, 96, 128, 256] {
-        for (group, kv_heads) in [(1usize, 3usize), (3, 2), (8, 2)] {
-            let heads = group * kv_heads;
-            let w = (heads + 2 * kv_heads) * hd;
-            let capacity = 2049 + 3;
-            let slots = 3;
-            let shape = AttentionShape::new(&gpu, heads, kv_heads, hd, capacity).unwrap();
-            let what = format!("{heads}/{kv_heads}/{hd} (splits {})", shape.splits);
-            let pp = |s: &CudaSlice<f32>| dev_ptr(&gpu, s);
-            let [k, v] = random_int8_cache(&mut rng, slots * capacity * kv_heads, hd);
-            let (kf, vf) = (
-                reference::dequantize_cache(&k.0, &k.1, hd),
-                reference::dequantize_cache(&v.0, &v.1, hd),
-            );
-            let cache = DeviceCache::of(&gpu, &k, &v);
-            // (position, slot): lengths 2049, 1, 300, 7, and a padding row over slot 0.
-            let rows = [(2048usize, 1i32), (0, 2), (299, 0), (6, 2), (40, -1)];
-            let seqs: Vec<i32> = rows.iter().flat_map(|&(p, s)| [p as i32, s]).collect();
-            let seqsd = gpu.upload(&seqs).unwrap();
-            let n = rows.len();
-            let qkv = rng.vec(n * w, 2.0);
-            let qkvd = gpu.upload(&qkv).unwrap();
-            let part = gpu.poisoned_f32(n * shape.partials_len()).unwrap();
-            let att = gpu.poisoned_f32(n * heads * hd).unwrap();
-            let slot_stride = capacity * kv_heads * hd;
-            attention::attention_rows(
-                &gpu,
-                &shape,
-                pp(&qkvd),
-                cache.view(&gpu),
-                pp(&part),
-                pp(&att),
-                &Rows::Sequences {
-                    seqs: dev_ptr(&gpu, &seqsd),
-                    slot_stride,
-                },
-                n,
-            )
-            .unwrap();
-            let got = gpu.download(&att).unwrap();
-            for (z, &(p, s)) in rows.iter().enumerate() {
-                let slot = if s < 0 { -(s + 1) } else { s } as usize;
-                let (ks, vs) = (
-                    &kf[slot * slot_stride..][..slot_stride],
-                    &vf[slot * slot_stride..][..slot_stride],
+    for kernel in [SplitKernel::Block, SplitKernel::Warp] {
+        for hd in [16usize, 64, 96, 128, 256] {
+            for (group, kv_heads) in [(1usize, 3usize), (3, 2), (8, 2)] {
+                let heads = group * kv_heads;
+                let w = (heads + 2 * kv_heads) * hd;
+                let capacity = 2049 + 3;
+                let slots = 3;
+                let shape = AttentionShape::new(&gpu, heads, kv_heads, hd, capacity).unwrap();
+                let shape = AttentionShape { kernel, ..shape };
+                let what = format!(
+                    "{kernel:?}: {heads}/{kv_heads}/{hd} (splits {})",
+                    shape.splits
                 );
-                let q = &qkv[z * w..][..heads * hd];
-                let want = reference::attention(q, ks, vs, p + 1, heads, kv_heads, hd);
-                let err = scaled_error(&got[z * heads * hd..][..heads * hd], &want, hd);
-                assert!(
-                    err < TOL,
-                    "sequence row {z} (slot {s}, position {p}) {what}: max error {err}"
+                let pp = |s: &CudaSlice<f32>| dev_ptr(&gpu, s);
+                let [k, v] = random_int8_cache(&mut rng, slots * capacity * kv_heads, hd);
+                let (kf, vf) = (
+                    reference::dequantize_cache(&k.0, &k.1, hd),
+                    reference::dequantize_cache(&v.0, &v.1, hd),
                 );
+                let cache = DeviceCache::of(&gpu, &k, &v);
+                // (position, slot): lengths 2049, 1, 300, 7, and a padding row over slot 0.
+                let rows = [(2048usize, 1i32), (0, 2), (299, 0), (6, 2), (40, -1)];
+                let seqs: Vec<i32> = rows.iter().flat_map(|&(p, s)| [p as i32, s]).collect();
+                let seqsd = gpu.upload(&seqs).unwrap();
+                let n = rows.len();
+                let qkv = rng.vec(n * w, 2.0);
+                let qkvd = gpu.upload(&qkv).unwrap();
+                let part = gpu.poisoned_f32(n * shape.partials_len()).unwrap();
+                let att = gpu.poisoned_f32(n * heads * hd).unwrap();
+                let slot_stride = capacity * kv_heads * hd;
+                attention::attention_rows(
+                    &gpu,
+                    &shape,
+                    pp(&qkvd),
+                    cache.view(&gpu),
+                    pp(&part),
+                    pp(&att),
+                    &Rows::Sequences {
+                        seqs: dev_ptr(&gpu, &seqsd),
+                        slot_stride,
+                    },
+                    n,
+                )
+                .unwrap();
+                let got = gpu.download(&att).unwrap();
+                for (z, &(p, s)) in rows.iter().enumerate() {
+                    let slot = if s < 0 { -(s + 1) } else { s } as usize;
+                    let (ks, vs) = (
+                        &kf[slot * slot_stride..][..slot_stride],
+                        &vf[slot * slot_stride..][..slot_stride],
+                    );
+                    let q = &qkv[z * w..][..heads * hd];
+                    let want = reference::attention(q, ks, vs, p + 1, heads, kv_heads, hd);
+                    let err = scaled_error(&got[z * heads * hd..][..heads * hd], &want, hd);
+                    assert!(
+                        err < TOL,
+                        "sequence row {z} (slot {s}, position {p}) {what}: max error {err}"
+                    );
+                }
             }
         }
     }

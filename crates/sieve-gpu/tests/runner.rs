@@ -216,6 +216,32 @@ fn rope_and_attention_match_reference() {
                 "attention {heads}/{kv_heads}/{hd} len {len} (splits {}): max error {err}",
                 shape.splits
             );
+            // The warp split kernel over the same cache and q (attention writes neither).
+            let warp = AttentionShape {
+                kernel: attention::SplitKernel::Warp,
+                ..shape
+            };
+            let att_w = gpu.poisoned_f32(heads * hd).unwrap();
+            attention::attention(
+                &gpu,
+                &warp,
+                pp(&qkvd),
+                KvCache::F16 {
+                    k: dev_ptr(&gpu, &kd),
+                    v: dev_ptr(&gpu, &vd),
+                },
+                dev_ptr(&gpu, &state),
+                pp(&part),
+                pp(&att_w),
+                L2Span::NONE,
+            )
+            .unwrap();
+            let err = max_abs_diff(&gpu.download(&att_w).unwrap(), &want);
+            assert!(
+                err < 2e-4,
+                "warp attention {heads}/{kv_heads}/{hd} len {len} (splits {}): max error {err}",
+                shape.splits
+            );
         }
     }
 }
