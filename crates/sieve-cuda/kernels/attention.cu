@@ -62,7 +62,7 @@
 //
 // Limits (checked by AttentionShape::new in src/attention.rs): hd <= 256 and a multiple of 8,
 // g <= 8. Dynamic shared memory: max(G * TILE, RB * G * hd) floats (<= 32 KB; the launcher
-// computes the same).
+// computes the same); the warp kernel below, [ATT_WARPS][G][hd + 2] floats.
 
 #define ATT_THREADS 128
 #define ATT_WARPS 4
@@ -343,7 +343,9 @@ ATTENTION_SPLIT_KERNELS(8)
 //     sum of p * v over the lane's own rows;
 //   - after its tiles a warp adds its R row groups' acc by shuffles; the four warps' (m, l, acc)
 //     meet in shared memory ([ATT_WARPS][G][hd + 2] floats) for one merge after one barrier.
-// Arithmetic: the same exp and sums in another order (f32).
+// Arithmetic: the same exp and sums in another order (f32). Dynamic shared memory: the merge's
+// [ATT_WARPS][G][hd + 2] floats. No G = 8: q, acc and the tile's unpacked keys would need
+// ~265 registers (the launcher takes the block kernel there).
 template <int G, typename Cache>
 __device__ __forceinline__ void attention_split_warp_body(const float* __restrict__ qkv,
                                                           const typename Cache::elem* __restrict__ k_cache,
@@ -448,10 +450,12 @@ __device__ __forceinline__ void attention_split_warp_body(const float* __restric
     }
     // The warp's R row groups hold partial acc of the same dimensions: add them.
 #pragma unroll
-    for (int j = 0; j < G; ++j)
+    for (int j = 0; j < G; ++j) {
+        if (j >= g) continue;  // uniform: g is the block's
 #pragma unroll
         for (int e = 0; e < 8; ++e)
             for (int off = L; off < 32; off <<= 1) acc[j][e] += __shfl_xor_sync(FULL_MASK, acc[j][e], off);
+    }
     float* mine = smem + (size_t)warp * G * (hd + 2);
 #pragma unroll
     for (int j = 0; j < G; ++j) {
@@ -505,7 +509,6 @@ __device__ __forceinline__ void attention_split_warp_body(const float* __restric
 ATTENTION_SPLIT_WARP_KERNELS(1)
 ATTENTION_SPLIT_WARP_KERNELS(2)
 ATTENTION_SPLIT_WARP_KERNELS(4)
-ATTENTION_SPLIT_WARP_KERNELS(8)
 
 extern "C" __global__ void __launch_bounds__(128)
 attention_combine(const float* __restrict__ part, float* __restrict__ att, int S, int hd) {

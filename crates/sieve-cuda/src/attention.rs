@@ -109,6 +109,15 @@ impl AttentionShape {
     pub fn partials_len(&self) -> usize {
         self.heads * self.splits * (self.head_dim + 2)
     }
+    /// The split kernel that runs: [`Self::kernel`], but the block kernel for groups of 8 (the
+    /// warp kernel would need ~265 registers there: `attention.cu`).
+    pub fn effective_kernel(&self) -> SplitKernel {
+        if self.kernel_group() > 4 {
+            SplitKernel::Block
+        } else {
+            self.kernel
+        }
+    }
     /// The compiled group size (1, 2, 4 or 8) that covers this shape's group.
     fn kernel_group(&self) -> usize {
         (self.heads / self.kv_heads).next_power_of_two()
@@ -117,7 +126,7 @@ impl AttentionShape {
     /// tile's scores `[G][TILE]`, reused after the loop for the reduction `[RB][G][hd]`; for
     /// the warp kernel the four warps' partials (see `attention.cu`).
     fn split_shared_bytes(&self) -> usize {
-        if self.kernel == SplitKernel::Warp {
+        if self.effective_kernel() == SplitKernel::Warp {
             // Each warp's m, l and acc per head: [ATT_WARPS][G][hd + 2].
             return 4 * ATT_WARPS * self.kernel_group() * (self.head_dim + 2);
         }
@@ -312,7 +321,7 @@ fn launch(
         } => (k, v, Some((k_scales, v_scales))),
     };
     let cache_kind = if scales.is_some() { "_i8" } else { "" };
-    let variant = match shape.kernel {
+    let variant = match shape.effective_kernel() {
         SplitKernel::Block => "",
         SplitKernel::Warp => "_warp",
     };
