@@ -26,8 +26,9 @@
 #               issue 26's: racecheck on w4a8; then issue 29's FP8 TTFT rows (dense and 6:8
 #               slide at 2,048 tokens) and the column-format SpMM at N >= 512
 # Carry .gpu from `KEEP="runner slide_lt w4a8 slide" bash scripts/gpu-runner-bundle.sh` (~25 MB).
-# Rough lengths: leave 3 min, barrier 4, resident 7, ncu 6, owed 6: a 30-minute budget takes
-# leave, barrier and resident in one call (PART="leave barrier resident"), the rest in a second.
+# Rough lengths: leave 4 min, barrier 4, warp 5, resident 7, ncu 6, owed 6. Parts run in the
+# order of this file whatever PART lists; with a 30-minute budget: first PART="warp leave" (one
+# bundle, one call, ~9 min), then PART="barrier resident" (~11 min), then what is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/out} SIEVE_HOME=/tmp/sieve-home
