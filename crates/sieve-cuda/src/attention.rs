@@ -18,6 +18,17 @@ pub const FAMILY: KernelFamily = KernelFamily {
     source: include_str!("../kernels/attention.cu"),
 };
 
+/// The warp split kernel ([`SplitKernel::Warp`]): `attention_warp.cu` after `attention.cu`,
+/// compiled on first use only, apart from the kernels every model runs (not in
+/// [`crate::gpu::families`]).
+pub const WARP_FAMILY: KernelFamily = KernelFamily {
+    name: "attention_warp",
+    source: concat!(
+        include_str!("../kernels/attention.cu"),
+        include_str!("../kernels/attention_warp.cu")
+    ),
+};
+
 /// Attention kernel limits (see `attention.cu`).
 pub const MAX_HEAD_DIM: usize = 256;
 pub const MAX_GROUP: usize = 8;
@@ -321,15 +332,15 @@ fn launch(
         } => (k, v, Some((k_scales, v_scales))),
     };
     let cache_kind = if scales.is_some() { "_i8" } else { "" };
-    let variant = match shape.effective_kernel() {
-        SplitKernel::Block => "",
-        SplitKernel::Warp => "_warp",
+    let (family, variant) = match shape.effective_kernel() {
+        SplitKernel::Block => (&FAMILY, ""),
+        SplitKernel::Warp => (&WARP_FAMILY, "_warp"),
     };
     let name = format!(
         "attention_split{variant}{cache_kind}_g{}",
         shape.kernel_group()
     );
-    let f = gpu.function(&FAMILY, &name)?;
+    let f = gpu.function(family, &name)?;
     gpu.allow_dynamic_shared(&f, shared as usize)?;
     let (h, hkv, hd) = (
         shape.heads as i32,
