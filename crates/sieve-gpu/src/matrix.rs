@@ -303,16 +303,7 @@ impl Resident16 {
         };
         // Checked first: a model asked to keep copies it has no room for gets the memory error
         // (how much, how much is free), not a failed allocation.
-        let needed = shape.len * 2;
-        let (free, total) =
-            cudarc::driver::result::mem_get_info().during("reading the free GPU memory")?;
-        if needed > free {
-            return Err(GpuError::OutOfMemory {
-                needed,
-                free,
-                total,
-            });
-        }
+        crate::runner::check_memory(gpu, shape.len * 2)?;
         let values = gpu
             .stream()
             .alloc_zeros::<f16>(shape.len.max(1))

@@ -2517,7 +2517,9 @@ fn pack_passes(
     passes
 }
 
-fn check_memory(_gpu: &Gpu, needed: usize) -> Result<()> {
+/// An error naming the bytes needed and free when `needed` bytes do not fit the GPU's free
+/// memory now (checked before an allocation, so that a model too large says so).
+pub(crate) fn check_memory(_gpu: &Gpu, needed: usize) -> Result<()> {
     let (free, total) =
         cudarc::driver::result::mem_get_info().during("reading the free GPU memory")?;
     if needed > free {
