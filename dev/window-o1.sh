@@ -47,11 +47,12 @@ ttft() {  # ttft LABEL ARGS...: a 2,048-token prompt's TTFT
 if has barrier; then
   at tests
   SIEVE_PERSISTENT_BARRIER=flags t runner 90 persistent_step_matches_the_graph_step sieve-gpu
+  SIEVE_ATTENTION_KERNEL=warp t runner 60 rope_and_attention_match_reference sieve-gpu
   at decode
   for b in flags count; do
     for shape in smollm2-135m llama2-7b; do
       SIEVE_PERSISTENT_BARRIER=$b timeout 200 $S bench decode --synthetic $shape --sp 0 --dp 0 --prompt 128 \
-        --tokens 128 --step persistent,graph --trace "$OUT/persistent-$shape-$b.svg" > "$OUT/barrier-$shape-$b.log" 2>&1
+        --tokens 64 --step persistent,graph --trace "$OUT/persistent-$shape-$b.svg" > "$OUT/barrier-$shape-$b.log" 2>&1
       echo "$shape $b: exit $?"
       grep -E "TPOT|barriers|fixed cost|idle|rror" "$OUT/barrier-$shape-$b.log" | sed -E 's/\| eager split.*//' | cut -c1-230
     done
@@ -83,7 +84,6 @@ if has resident; then
   for p in f16 f16-resident; do
     ttft_of "balanced-$p" 128 --format balanced-cbc --sp 0.5 --dp 0.5 --prompt-precision $p
     ttft_of "tcbc-$p" 128 --sp 0.5 --dp 0.5 --prompt-precision $p
-    ttft_of "int4-teal-$p" 128 --format dense --values int4 --sp 0.5 --dp 0.5 --prompt-precision $p
   done
   ttft_of dense 2048 --sp 0 --dp 0
   for p in f16 f16-resident; do

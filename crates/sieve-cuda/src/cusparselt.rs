@@ -373,6 +373,14 @@ pub struct LtProduct {
 unsafe impl Send for LtProduct {}
 unsafe impl Sync for LtProduct {}
 
+/// Zeroed bytes past the compressed size the library reports. Under compute-sanitizer's
+/// memcheck on an H100 (window O1, cuSPARSELt 0.8), a kernel that `cusparseLtMatmulSearch`
+/// tried on a 256 x 320 INT8 product (`sm90_xmma_sparse_gemm_i8i32_..._tilesize128x192x128`)
+/// read 1,024 bytes from 512 bytes before the end of the 51,200 it asked for: its results were
+/// right (the tail of the tile is discarded), but the read left the allocation. The slack keeps
+/// such reads inside sieve's buffer, for the cost of a page per weight matrix.
+pub const COMPRESSED_SLACK: usize = 64 * 1024;
+
 impl LtProduct {
     /// (M, K, N) rounded up to what the library takes: M and K to 64 (2:4 groups, 8-bit
     /// alignment), N to [`LtPrecision::n_multiple`].
@@ -509,7 +517,7 @@ impl LtProduct {
     /// Compresses `dense` (M x K row-major, elements of the input type, 2:4 along K: at most
     /// two nonzeros in every aligned four) into a new device buffer.
     pub fn compress(&self, gpu: &Gpu, dense: DevPtr) -> Result<CudaSlice<u8>> {
-        let out = gpu.alloc_bytes(self.compressed_bytes.max(256))?;
+        let out = gpu.alloc_bytes(self.compressed_bytes + COMPRESSED_SLACK)?;
         let buffer = gpu.alloc_bytes(self.buffer_bytes.max(256))?;
         let (o, bf) = (
             crate::product::dev_ptr(gpu, &out),
