@@ -36,6 +36,12 @@ pub enum CudaError {
         status: i32,
         text: String,
     },
+    #[error(
+        "NCCL could not be loaded (cudarc looks for libnccl.so by its unversioned names): {0}"
+    )]
+    NoNccl(String),
+    #[error("NCCL call {call} failed: {status}")]
+    Nccl { call: &'static str, status: String },
     #[error("cuBLASLt: {0}")]
     CublasLt(String),
     #[error("cuBLAS call failed: {0}")]

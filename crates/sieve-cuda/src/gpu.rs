@@ -588,6 +588,15 @@ impl Fnv64 {
 
 /// For tests: the GPU, or `None` with the skip reason printed. With `SIEVE_REQUIRE_GPU=1` a
 /// missing GPU is a failure instead (the GPU machine runs the tests that way).
+/// GPUs the driver sees ([`CudaError::NoDriver`] without a driver).
+pub fn device_count() -> Result<usize> {
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    let count = CudaContext::device_count().map_err(|e| CudaError::NoDevice(e.to_string()))?;
+    Ok(count.max(0) as usize)
+}
+
 pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(g) => Some(g),

@@ -44,6 +44,7 @@ pub mod balanced_cbc;
 pub mod balanced_lowbit;
 pub mod bench;
 pub mod choice;
+pub mod collective;
 pub mod cusparselt;
 pub mod dense;
 pub mod dense8;
