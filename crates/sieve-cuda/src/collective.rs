@@ -61,17 +61,24 @@ fn failed(call: &'static str, e: nccl::NcclError) -> CudaError {
     }
 }
 
-/// One rank: its GPU and its communicator (destroyed on drop).
-pub struct Rank {
-    pub gpu: Gpu,
+/// One rank's communicator (aborted on drop: a rank that failed mid-step leaves its peers
+/// waiting inside a collective, and only an abort frees them; callers synchronize first on the
+/// normal path, so nothing is in flight then).
+pub struct Communicator {
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
 }
 
 // SAFETY: a communicator may be used from any thread as long as one thread at a time calls it
-// (NCCL's rule); `Rank`'s methods take `&self` but each rank is driven by one thread.
-unsafe impl Send for Rank {}
+// (NCCL's rule); each rank is driven by one thread.
+unsafe impl Send for Communicator {}
+
+/// One rank: its GPU and its communicator.
+pub struct Rank {
+    pub gpu: Gpu,
+    pub comm: Communicator,
+}
 
 /// Opens GPUs `0..world` and one communicator for each ([module notes](self)).
 pub fn open_ranks(world: usize) -> Result<Vec<Rank>> {
@@ -86,11 +93,35 @@ pub fn open_ranks(world: usize) -> Result<Vec<Rank>> {
             "tensor parallelism over {world} GPUs, but this machine has {count}"
         )));
     }
+    if world == 1 {
+        // Nothing to communicate: no library needed, and every collective is a copy.
+        let comm = Communicator {
+            comm: std::ptr::null_mut(),
+            rank: 0,
+            world: 1,
+        };
+        return Ok(vec![Rank {
+            gpu: Gpu::new(0)?,
+            comm,
+        }]);
+    }
+    open_nccl_ranks(world)
+}
+
+/// [`open_ranks`] with NCCL communicators at every world size, 1 included (the tests check
+/// the library on a machine of one GPU this way).
+pub fn open_nccl_ranks(world: usize) -> Result<Vec<Rank>> {
+    let count = crate::gpu::device_count()?;
+    if world == 0 || world > count {
+        return Err(CudaError::Option(format!(
+            "NCCL communicators for {world} GPUs on a machine of {count}"
+        )));
+    }
     require_nccl()?;
+    let gpus = (0..world).map(Gpu::new).collect::<Result<Vec<Gpu>>>()?;
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
-    let gpus = (0..world).map(Gpu::new).collect::<Result<Vec<Gpu>>>()?;
     let ordinals: Vec<i32> = (0..world as i32).collect();
     let mut comms = vec![std::ptr::null_mut(); world];
     // SAFETY: `comms` holds `world` handles to fill, `ordinals` `world` device numbers.
@@ -102,9 +133,7 @@ pub fn open_ranks(world: usize) -> Result<Vec<Rank>> {
         .enumerate()
         .map(|(rank, (gpu, comm))| Rank {
             gpu,
-            comm,
-            rank,
-            world,
+            comm: Communicator { comm, rank, world },
         })
         .collect())
 }
@@ -123,7 +152,7 @@ pub fn group_end() -> Result<()> {
         .map_err(|e| failed("ncclGroupEnd", e))
 }
 
-impl Rank {
+impl Communicator {
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -131,13 +160,22 @@ impl Rank {
         self.world
     }
 
-    /// `recv[..len] = Σ over ranks of send[..len]` (f32; `recv == send` sums in place) on this
-    /// rank's stream.
+    /// `recv[..len] = Σ over ranks of send[..len]` (f32; `recv == send` sums in place) on
+    /// `gpu`'s stream, `gpu` being this rank's.
     ///
     /// # Safety
     /// `send` and `recv` hold `len` f32 on this rank's GPU, and every rank makes the same call
     /// (same `len`) in the same order.
-    pub unsafe fn all_reduce_sum_f32(&self, send: DevPtr, recv: DevPtr, len: usize) -> Result<()> {
+    pub unsafe fn all_reduce_sum_f32(
+        &self,
+        gpu: &Gpu,
+        send: DevPtr,
+        recv: DevPtr,
+        len: usize,
+    ) -> Result<()> {
+        if self.comm.is_null() {
+            return copy_f32(gpu, send, recv, len);
+        }
         nccl::all_reduce(
             send as *const _,
             recv as *mut _,
@@ -145,7 +183,7 @@ impl Rank {
             sys::ncclDataType_t::ncclFloat32,
             sys::ncclRedOp_t::ncclSum,
             self.comm,
-            self.gpu.stream().cu_stream() as _,
+            gpu.stream().cu_stream() as _,
         )
         .map(|_| ())
         .map_err(|e| failed("ncclAllReduce", e))
@@ -156,25 +194,47 @@ impl Rank {
     /// # Safety
     /// `send` holds `len` f32 and `recv` `world * len` on this rank's GPU, and every rank makes
     /// the same call in the same order.
-    pub unsafe fn all_gather_f32(&self, send: DevPtr, recv: DevPtr, len: usize) -> Result<()> {
+    pub unsafe fn all_gather_f32(
+        &self,
+        gpu: &Gpu,
+        send: DevPtr,
+        recv: DevPtr,
+        len: usize,
+    ) -> Result<()> {
+        if self.comm.is_null() {
+            return copy_f32(gpu, send, recv, len);
+        }
         nccl::all_gather(
             send as *const _,
             recv as *mut _,
             len,
             sys::ncclDataType_t::ncclFloat32,
             self.comm,
-            self.gpu.stream().cu_stream() as _,
+            gpu.stream().cu_stream() as _,
         )
         .map(|_| ())
         .map_err(|e| failed("ncclAllGather", e))
     }
 }
 
-impl Drop for Rank {
+/// A collective of one rank without a communicator: `recv = send`.
+///
+/// # Safety
+/// As the collectives': both hold `len` f32 on `gpu`.
+unsafe fn copy_f32(gpu: &Gpu, send: DevPtr, recv: DevPtr, len: usize) -> Result<()> {
+    use crate::error::DriverContext;
+    if send == recv || len == 0 {
+        return Ok(());
+    }
+    cudarc::driver::result::memcpy_dtod_async(recv, send, len * 4, gpu.stream().cu_stream())
+        .during("copying a one-rank collective")
+}
+
+impl Drop for Communicator {
     fn drop(&mut self) {
-        // Nothing may be in flight on the communicator: wait for the rank's stream first.
-        let _ = self.gpu.synchronize();
-        // SAFETY: the communicator was made by `open_ranks` and is destroyed once.
-        let _ = unsafe { nccl::comm_destroy(self.comm) };
+        if !self.comm.is_null() {
+            // SAFETY: the communicator was made by `open_ranks` and is ended once.
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+        }
     }
 }

@@ -1,11 +1,11 @@
 //! NCCL collectives ([`sieve_cuda::collective`]) on every GPU of the machine (at most
 //! `SIEVE_TP_WORLD`, default all): out-of-place all-reduce and all-gather give the sums and the
 //! concatenation exactly (small integers in f32), eagerly and as CUDA graph replays after the
-//! inputs changed. At world size 1 each is a copy into a NaN-poisoned output, so a call that did
-//! nothing still fails. Without a GPU or NCCL the test prints why and passes, unless
+//! inputs changed. At world size 1 (NCCL communicators all the same) each is a copy into a
+//! NaN-poisoned output, so a call that did nothing still fails. Without a GPU or NCCL the test prints why and passes, unless
 //! `SIEVE_REQUIRE_GPU=1`.
 
-use sieve_cuda::collective::{self, group_end, group_start, nccl_available, open_ranks, Rank};
+use sieve_cuda::collective::{self, group_end, group_start, nccl_available, open_nccl_ranks, Rank};
 use sieve_cuda::graph::StepGraph;
 use sieve_cuda::{dev_ptr, gpu_or_skip};
 
@@ -45,7 +45,7 @@ fn ranks_or_skip(test: &str) -> Option<Vec<Rank>> {
         "{test}: NCCL {} over {world} of {count} GPU(s)",
         collective::nccl_version().unwrap()
     );
-    Some(open_ranks(world).unwrap())
+    Some(open_nccl_ranks(world).unwrap())
 }
 
 #[test]
@@ -57,7 +57,7 @@ fn all_reduce_and_all_gather_match_the_host_eagerly_and_in_graphs() {
     let world = ranks.len();
     let mut sends: Vec<_> = ranks
         .iter()
-        .map(|k| k.gpu.upload(&input(k.rank(), 0)).unwrap())
+        .map(|k| k.gpu.upload(&input(k.comm.rank(), 0)).unwrap())
         .collect();
     let mut sums: Vec<_> = ranks
         .iter()
@@ -79,13 +79,17 @@ fn all_reduce_and_all_gather_match_the_host_eagerly_and_in_graphs() {
         group_start().unwrap();
         for (r, k) in ranks.iter().enumerate() {
             // SAFETY: every buffer lives on rank r's GPU with the lengths given.
-            unsafe { k.all_reduce_sum_f32(send_at[r], sum_at[r], LEN) }.unwrap();
+            unsafe {
+                k.comm
+                    .all_reduce_sum_f32(&k.gpu, send_at[r], sum_at[r], LEN)
+            }
+            .unwrap();
         }
         group_end().unwrap();
         group_start().unwrap();
         for (r, k) in ranks.iter().enumerate() {
             // SAFETY: as above; `gathered` holds world * LEN.
-            unsafe { k.all_gather_f32(send_at[r], gather_at[r], LEN) }.unwrap();
+            unsafe { k.comm.all_gather_f32(&k.gpu, send_at[r], gather_at[r], LEN) }.unwrap();
         }
         group_end().unwrap();
     };

@@ -24,6 +24,7 @@ pub mod matrix;
 pub mod prefill;
 pub mod runner;
 pub mod synthetic;
+pub mod tensor_parallel;
 
 pub use error::{GpuError, Result};
 pub use runner::GpuModel;

@@ -19,6 +19,7 @@ use crate::matrix::{DeviceLinear, HostMatrix, Layouts};
 use cudarc::driver::CudaSlice;
 use half::f16;
 use sieve_cuda::attention::{self, AttentionShape};
+use sieve_cuda::collective::Communicator;
 use sieve_cuda::graph::StepGraph;
 use sieve_cuda::lowbit::LowBitMatrix;
 use sieve_cuda::prefill::{embed_rows, rmsnorm_rows, silu_rows, Rows};
@@ -288,6 +289,9 @@ pub struct GpuModel {
     persistent: Option<(sieve_cuda::persistent::PersistentStep, usize)>,
     /// Stamp the persistent step's stages ([`Self::persistent_trace`]).
     persistent_trace: bool,
+    /// This model's rank when it is one shard of a tensor-parallel model
+    /// ([`Self::set_tensor_parallel`]).
+    tp: Option<Communicator>,
 }
 
 /// Scratch of a decode step over several sequences: their `[position, slot]` pairs and their
@@ -430,6 +434,69 @@ impl GpuModel {
             }
         }
         ie_bme_check("lm_head".into(), model.lm_head())?;
+        Self::from_layers(
+            gpu,
+            c,
+            model.layers(),
+            model.lm_head(),
+            model,
+            notes,
+            capacity,
+            kv,
+            layouts,
+        )
+    }
+
+    /// Uploads rank `rank` of `shards` (its layers, the whole model's embeddings, norms and LM
+    /// head, replicated) for [`Self::set_tensor_parallel`]; what the runner cannot execute is
+    /// refused as for the whole model.
+    pub fn from_shard(
+        gpu: Gpu,
+        shards: &sieve_model::llama::tensor_parallel::TensorParallelModel<'_>,
+        rank: usize,
+        capacity: usize,
+        kv: KvPrecision,
+        layouts: Layouts,
+    ) -> Result<Self> {
+        let model = shards.model();
+        let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
+        let layers = shards.rank_layers(rank)?;
+        for (l, layer) in layers.iter().enumerate() {
+            for (name, lin) in layer.linears() {
+                if let Some(e) = sieve_cpu::ie_bme::ie_bme_source(lin.format()) {
+                    sieve_cuda::ie_bme::check_supported(e).map_err(|err| {
+                        GpuError::Unsupported(format!("rank {rank} layer {l} {name}: {err}"))
+                    })?;
+                }
+            }
+        }
+        Self::from_layers(
+            gpu,
+            shards.rank_config(rank)?,
+            layers,
+            model.lm_head(),
+            model,
+            notes,
+            capacity,
+            kv,
+            layouts,
+        )
+    }
+
+    /// [`Self::build`] from the CPU model's layers (`config` says their shape), LM head, and
+    /// `whole`'s embeddings and final norm.
+    #[allow(clippy::too_many_arguments)]
+    fn from_layers(
+        gpu: Gpu,
+        c: ModelConfig,
+        layers: &[sieve_model::llama::Layer],
+        lm_head: &sieve_model::linear::Linear,
+        whole: &Model,
+        notes: Vec<String>,
+        capacity: usize,
+        kv: KvPrecision,
+        layouts: Layouts,
+    ) -> Result<Self> {
         // GGUF blocks go to the device as their integers, scales and mins, IE-BME matrices with
         // integer values and SlideSparse matrices as they are encoded; every other matrix as
         // its values, encoded there in its format.
@@ -451,15 +518,14 @@ impl GpuModel {
                 };
                 Ok((weights, lin.threshold(), lin.format().kind()))
             };
-        let head = decode(model.lm_head())?;
-        let layers = model.layers();
+        let head = decode(lm_head)?;
         Self::build(
             gpu,
             c,
             capacity,
             kv,
-            model.embed_tokens().to_vec(),
-            model.final_norm().to_vec(),
+            whole.embed_tokens().to_vec(),
+            whole.final_norm().to_vec(),
             (head.0, head.1, head.2),
             notes,
             layouts,
@@ -704,6 +770,7 @@ impl GpuModel {
             step_mode: StepMode::Graph,
             persistent: None,
             persistent_trace: false,
+            tp: None,
         };
         model.l2_prefetch = model.default_l2_prefetch();
         model.report.launches_per_step = model.launches_per_step();
@@ -758,7 +825,9 @@ impl GpuModel {
 
     /// Programmatic dependent launch between the step's kernels (on by default; the graphs
     /// are captured again at the next step).
+    /// (A rank of a tensor-parallel model keeps it off: [`Self::set_tensor_parallel`].)
     pub fn set_pdl(&mut self, on: bool) {
+        let on = on && self.tp.is_none();
         if on != self.pdl {
             self.pdl = on;
             self.drop_graphs();
@@ -910,7 +979,9 @@ impl GpuModel {
                 )?
             }
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::O))) => {
-                self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))?
+                self.residual_product(p(&b.x), d, || {
+                    self.layers[l].o.launch_add(g, p(&b.att), p(&b.x))
+                })?
             }
             Op::Plan(StepOp::Layer(l, LayerOp::Norm(Norm::Mlp))) => step::rmsnorm_zero(
                 g,
@@ -934,7 +1005,9 @@ impl GpuModel {
                 ahead(&self.layers[l].down),
             )?,
             Op::Plan(StepOp::Layer(l, LayerOp::Product(Group::Down))) => {
-                self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))?
+                self.residual_product(p(&b.x), d, || {
+                    self.layers[l].down.launch_add(g, p(&b.h), p(&b.x))
+                })?
             }
             Op::Plan(StepOp::FinalNorm) => step::rmsnorm_zero(
                 g,
@@ -961,6 +1034,91 @@ impl GpuModel {
                 step::advance_forced(g, state, dev_ptr(g, &b.history), self.capacity)?
             }
         }
+        Ok(())
+    }
+
+    /// A product added to the residual `x` (`len` values: o and down). With tensor parallelism
+    /// each rank adds its partial sums (the columns of its heads, of its intermediate slice):
+    /// rank 0 onto the residual, the others onto zeros, then the all-reduce leaves the whole
+    /// sum in `x` on every rank (`sieve_model::llama::tensor_parallel` is the reference).
+    fn residual_product(
+        &self,
+        x: DevPtr,
+        len: usize,
+        product: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if self.tp.as_ref().is_some_and(|tp| tp.rank() != 0) {
+            // SAFETY: x holds `len` f32 on this GPU (the caller's buffer).
+            unsafe { self.gpu.zero_bytes(x, len * 4) }?;
+        }
+        product()?;
+        self.all_reduce_residual(x, len)
+    }
+
+    /// What a prompt pass's o and down products scale the residual by before adding: 1, or 0
+    /// on the ranks other than 0 ([`Self::residual_product`]).
+    fn residual_beta(&self) -> f32 {
+        match &self.tp {
+            Some(tp) if tp.rank() != 0 => 0.0,
+            _ => 1.0,
+        }
+    }
+
+    /// Sums `x[..len]` over the ranks in place (nothing without tensor parallelism).
+    fn all_reduce_residual(&self, x: DevPtr, len: usize) -> Result<()> {
+        if let Some(tp) = &self.tp {
+            // SAFETY: x holds `len` f32 on this rank's GPU, and every rank runs the same ops
+            // in the same order (the driver gives them the same commands).
+            unsafe { tp.all_reduce_sum_f32(&self.gpu, x, x, len) }?;
+        }
+        Ok(())
+    }
+
+    /// Microseconds the all-reduces of one decode step take on this rank (two of the hidden
+    /// size per layer, eager, back to back: the mean over `reps` steps after one
+    /// warm-up step), or None without tensor parallelism. Every rank must call it together.
+    pub fn time_all_reduces(&self, reps: usize) -> Result<Option<f64>> {
+        let Some(tp) = &self.tp else {
+            return Ok(None);
+        };
+        let (d, n) = (self.config.hidden_size, 2 * self.layers.len());
+        let scratch = self.gpu.upload(&vec![0f32; d])?;
+        let x = dev_ptr(&self.gpu, &scratch);
+        let step = || -> Result<()> {
+            for _ in 0..n {
+                // SAFETY: `scratch` holds d f32 on this rank's GPU; every rank makes the same
+                // calls (the caller's contract).
+                unsafe { tp.all_reduce_sum_f32(&self.gpu, x, x, d) }?;
+            }
+            Ok(())
+        };
+        step()?;
+        let events = EventPair::new(&self.gpu)?;
+        events.start(&self.gpu)?;
+        for _ in 0..reps.max(1) {
+            step()?;
+        }
+        events.end(&self.gpu)?;
+        self.gpu.synchronize()?;
+        Ok(Some(events.elapsed_us()? / reps.max(1) as f64))
+    }
+
+    /// Makes this model rank `comm.rank()` of a tensor-parallel model: its layers must be that
+    /// rank's shard (`sieve_model::llama::tensor_parallel`), and every rank must then be given
+    /// the same calls in the same order (`crate::tensor_parallel` does). The step keeps one CUDA
+    /// graph per rank, the all-reduces captured in it; programmatic dependent launch is turned
+    /// off (NCCL's kernels do not wait on it: `sieve_cuda::collective`), and the persistent
+    /// step is refused (it has no all-reduce).
+    pub fn set_tensor_parallel(&mut self, comm: Communicator) -> Result<()> {
+        if self.step_mode == StepMode::Persistent {
+            return Err(GpuError::Unsupported(
+                "tensor parallelism runs the graph step; the persistent step has no all-reduce"
+                    .into(),
+            ));
+        }
+        self.drop_graphs();
+        self.pdl = false;
+        self.tp = (comm.world() > 1).then_some(comm);
         Ok(())
     }
 
@@ -1260,7 +1418,9 @@ impl GpuModel {
                     LayerOp::RopeKv => rope_and_attention(l, bias, cos, sin, false)?,
                     LayerOp::Attention => rope_and_attention(l, bias, cos, sin, true)?,
                     LayerOp::Product(Group::O) => {
-                        linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, 1.0, w16, w16_len)?
+                        let beta = self.residual_beta();
+                        linear_rows(g, &layer.o, att, nh * hd, a16, n, x, d, beta, w16, w16_len)?;
+                        self.all_reduce_residual(x, n * d)?
                     }
                     LayerOp::Norm(Norm::Mlp) => rmsnorm_rows(
                         g,
@@ -1286,19 +1446,22 @@ impl GpuModel {
                         w16_len,
                     )?,
                     LayerOp::SwiGlu => silu_rows(g, y, n, inter, ahead(&layer.down))?,
-                    LayerOp::Product(Group::Down) => linear_rows(
-                        g,
-                        &layer.down,
-                        y,
-                        2 * inter,
-                        a16,
-                        n,
-                        x,
-                        d,
-                        1.0,
-                        w16,
-                        w16_len,
-                    )?,
+                    LayerOp::Product(Group::Down) => {
+                        linear_rows(
+                            g,
+                            &layer.down,
+                            y,
+                            2 * inter,
+                            a16,
+                            n,
+                            x,
+                            d,
+                            self.residual_beta(),
+                            w16,
+                            w16_len,
+                        )?;
+                        self.all_reduce_residual(x, n * d)?
+                    }
                 }
                 mark(op.name())?;
             }
@@ -1732,6 +1895,12 @@ impl GpuModel {
     /// Persistent needs a dense f16 model with the f16 cache: otherwise an error says why and
     /// the mode stays as it was.
     pub fn set_step_mode(&mut self, mode: StepMode) -> Result<()> {
+        if mode == StepMode::Persistent && self.tp.is_some() {
+            return Err(GpuError::Unsupported(
+                "the persistent step has no all-reduce: tensor parallelism runs the graph step"
+                    .into(),
+            ));
+        }
         if mode == StepMode::Persistent {
             let step = self.build_persistent()?;
             self.drop_graphs();

@@ -2914,3 +2914,95 @@ fn rel_rms(got: &[f32], want: &[f32]) -> f64 {
     }
     (num / den.max(1e-30)).sqrt()
 }
+
+/// Issue 31: a model split over `SIEVE_TP_WORLD` GPUs (default: every GPU, at most 2)
+/// (`sieve_gpu::tensor_parallel`) gives the one-GPU model's greedy tokens, dense and with
+/// Tiled-CBC + TEAL shards, with GQA groups kept whole on each rank and an MLP width that splits
+/// unevenly over 2. At world size 1 (a machine of one GPU) the single rank has no communicator
+/// and must give exactly the one-GPU tokens; the all-reduce time is then None.
+#[test]
+fn tensor_parallel_decode_matches_one_gpu() {
+    let _serial = serial_gpu();
+    let name = "tensor_parallel_decode_matches_one_gpu";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    let count = sieve_cuda::gpu::device_count().unwrap();
+    let world = std::env::var("SIEVE_TP_WORLD")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(2)
+        .clamp(1, count);
+    eprintln!("{name}: world {world} of {count} GPU(s)");
+    for (c, kind, sp, dp, seed) in [
+        (
+            config(301, 256, 512, 2, 4, 2, 64),
+            FormatKind::Dense,
+            0.0,
+            0.0,
+            21,
+        ),
+        (
+            config(257, 192, 390, 2, 4, 2, 48),
+            FormatKind::TiledCbc,
+            0.5,
+            0.4,
+            22,
+        ),
+    ] {
+        let model = tiny_model_of(c.clone(), kind, sp, dp, seed);
+        let prompt: Vec<u32> = vec![1, 17, 42, 99, 250, 3, 8];
+        let steps = 24;
+        let capacity = prompt.len() + steps + 1;
+        let mut one = GpuModel::from_model(Gpu::new(0).unwrap(), &model, capacity).unwrap();
+        let want = gpu_tokens_after(&mut one, &prompt, steps);
+        drop(one);
+        let mut tp = sieve_gpu::tensor_parallel::TensorParallelGpu::new(
+            &model,
+            world,
+            capacity,
+            KvPrecision::F16,
+            Default::default(),
+        )
+        .unwrap();
+        assert_eq!(tp.report().world, world);
+        assert_eq!(tp.report().rank_weight_bytes.len(), world);
+        let mut got = vec![tp.prefill(&prompt).unwrap()];
+        while got.len() < steps {
+            got.push(tp.next_token().unwrap());
+        }
+        assert_eq!(got, want, "{name}: {kind:?} over {world} rank(s)");
+        let all_reduce = tp.all_reduce_us_per_step(5).unwrap();
+        assert_eq!(all_reduce.is_some(), world > 1, "{name}: {all_reduce:?}");
+        eprintln!("{name}: {kind:?} tokens equal over {world} rank(s); all-reduces {all_reduce:?} us a step");
+    }
+}
+
+/// A split the heads do not allow is refused by name before any GPU is touched (so this runs
+/// on machines without one too).
+#[test]
+fn tensor_parallel_refuses_a_split_of_heads_before_the_gpu() {
+    let model = tiny_model_of(
+        config(301, 256, 512, 2, 4, 2, 64),
+        FormatKind::Dense,
+        0.0,
+        0.0,
+        23,
+    );
+    for world in [0, 3] {
+        let e = sieve_gpu::tensor_parallel::TensorParallelGpu::new(
+            &model,
+            world,
+            16,
+            KvPrecision::F16,
+            Default::default(),
+        )
+        .err()
+        .expect("the split must be refused");
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!("--tensor-parallel {world}")),
+            "{text}"
+        );
+    }
+}

@@ -487,6 +487,41 @@ impl Executor for RankExecutor<'_, '_> {
 }
 
 impl TensorParallelModel<'_> {
+    /// The whole model the ranks split.
+    pub fn model(&self) -> &Model {
+        self.model
+    }
+
+    /// Rank `r`'s configuration as one model of its own: its query and KV heads and its MLP
+    /// slice (hidden size, vocabulary and everything else as the whole model's), which is what
+    /// a GPU rank is built from beside [`Self::rank_layers`].
+    pub fn rank_config(&self, r: usize) -> Result<ModelConfig> {
+        let l = &self.layout;
+        let inter = l.intermediate.get(r).ok_or_else(|| {
+            ModelError::InvalidArgument(format!("rank {r} of a {}-rank split", l.world))
+        })?;
+        Ok(ModelConfig {
+            num_heads: l.heads,
+            num_kv_heads: l.kv_heads,
+            intermediate_size: inter.len(),
+            ..self.model.config().clone()
+        })
+    }
+
+    /// Rank `r`'s layers (module notes: its rows of q|k|v and gate|up, its columns of o and
+    /// down, o's and down's biases on rank 0 only).
+    pub fn rank_layers(&self, r: usize) -> Result<&[Layer]> {
+        self.ranks
+            .get(r)
+            .map(|rank| rank.layers.as_slice())
+            .ok_or_else(|| {
+                ModelError::InvalidArgument(format!(
+                    "rank {r} of a {}-rank split",
+                    self.layout.world
+                ))
+            })
+    }
+
     /// Bytes each rank holds: its slices of the layers and of the LM head as the CPU holds them
     /// (`cpu_bytes`), the replicated embeddings and norms.
     pub fn rank_weight_bytes(&self) -> Vec<usize> {

@@ -1,0 +1,243 @@
+//! Tensor-parallel decode on the GPUs of one machine (issue 31): the model split as
+//! `sieve_model::llama::tensor_parallel` describes (and runs on the CPU as the reference), one
+//! [`GpuModel`] per rank, each driven by a thread of its own.
+//!
+//! ```text
+//!   caller ── command ──▶ thread 0: GpuModel of shard 0 (GPU 0) ──┐ the all-reduces after o
+//!          ── command ──▶ thread 1: GpuModel of shard 1 (GPU 1) ──┤ and down, inside each
+//!          ◀── replies ── (each rank's token, checked to agree)   ┘ rank's graph (NCCL)
+//! ```
+//!
+//! Every rank gets every command, in the same order, so their collectives pair up. Each rank
+//! computes the whole LM head (it is replicated, not split: 2% of a 7B step's bytes per rank,
+//! and no all-gather of logits) and samples from logits that are the same on every rank
+//! (the all-reduce leaves the same sums everywhere), so the ranks choose the same token; the
+//! driver checks that they did and fails the step if not.
+//!
+//! Why threads, not processes: one process holds the host model once and splits it once; a
+//! thread per rank lets each enqueue its prompt pass and its graph replays at the same time,
+//! which NCCL needs (a rank's all-reduce waits for its peers' inside the GPU), and leaves
+//! `GpuModel` unchanged but for its two all-reduces.
+//!
+//! At world size 1 the single rank has no communicator at all: the step is the one-GPU step.
+
+use crate::error::{GpuError, Result};
+use crate::matrix::Layouts;
+use crate::runner::GpuModel;
+use sieve_cuda::collective;
+use sieve_cuda::sampling::SampleArgs;
+use sieve_cuda::KvPrecision;
+use sieve_model::config::ModelConfig;
+use sieve_model::llama::tensor_parallel::{CommVolume, TensorParallelModel};
+use sieve_model::llama::Model;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::thread::JoinHandle;
+
+enum Command {
+    Prefill(Vec<u32>),
+    Next,
+    Sampling(SampleArgs),
+    TimeAllReduces(usize),
+}
+
+enum Answer {
+    Token(u32),
+    Micros(Option<f64>),
+    Done,
+}
+
+struct Worker {
+    commands: Sender<Command>,
+    answers: Receiver<Result<Answer>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What a tensor-parallel model holds and moves, for the report.
+#[derive(Clone, Debug)]
+pub struct TensorParallelReport {
+    pub world: usize,
+    /// Weight bytes on each rank's GPU (its shard, the replicated embeddings and LM head).
+    pub rank_weight_bytes: Vec<usize>,
+    /// KV cache bytes on each rank (its KV heads).
+    pub rank_kv_bytes: Vec<usize>,
+    /// What each rank sends per decode step (f32 partial sums, ring all-reduce).
+    pub volume: CommVolume,
+}
+
+/// A model split over `world` GPUs ([module notes](self)).
+pub struct TensorParallelGpu {
+    workers: Vec<Worker>,
+    config: ModelConfig,
+    capacity: usize,
+    report: TensorParallelReport,
+}
+
+impl TensorParallelGpu {
+    /// Splits `model` over GPUs `0..world` (heads and KV heads must divide by `world`: the
+    /// error names what does not) and uploads each rank's shard with a KV cache of `capacity`
+    /// positions stored as `kv` says.
+    pub fn new(
+        model: &Model,
+        world: usize,
+        capacity: usize,
+        kv: KvPrecision,
+        layouts: Layouts,
+    ) -> Result<Self> {
+        let shards = TensorParallelModel::shard(model, world)?;
+        let ranks = collective::open_ranks(world)?;
+        let mut workers = Vec::with_capacity(world);
+        let (mut weights, mut caches) = (Vec::new(), Vec::new());
+        let mut capacity_of_ranks = capacity;
+        for (r, rank) in ranks.into_iter().enumerate() {
+            let mut g = GpuModel::from_shard(rank.gpu, &shards, r, capacity, kv, layouts)?;
+            g.set_tensor_parallel(rank.comm)?;
+            weights.push(g.report().weight_bytes);
+            caches.push(g.report().kv_cache_bytes);
+            capacity_of_ranks = g.capacity();
+            workers.push(Worker::spawn(r, g)?);
+        }
+        let config = model.config().clone();
+        let volume = CommVolume::per_token(&config, world, 4);
+        Ok(Self {
+            workers,
+            capacity: capacity_of_ranks,
+            report: TensorParallelReport {
+                world,
+                rank_weight_bytes: weights,
+                rank_kv_bytes: caches,
+                volume,
+            },
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    pub fn report(&self) -> &TensorParallelReport {
+        &self.report
+    }
+
+    /// Gives every rank `command()` and collects their answers in rank order; the first
+    /// rank's error if any failed.
+    fn every_rank(&self, command: impl Fn() -> Command) -> Result<Vec<Answer>> {
+        for w in &self.workers {
+            w.commands.send(command()).map_err(|_| stopped())?;
+        }
+        let mut answers = Vec::with_capacity(self.workers.len());
+        let mut first_error = None;
+        for w in &self.workers {
+            match w.answers.recv().map_err(|_| stopped())? {
+                Ok(a) => answers.push(a),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(answers),
+        }
+    }
+
+    /// The ranks' tokens, which must agree.
+    fn agreed_token(answers: Vec<Answer>) -> Result<u32> {
+        let tokens: Vec<u32> = answers
+            .into_iter()
+            .map(|a| match a {
+                Answer::Token(t) => Ok(t),
+                _ => Err(GpuError::InvalidArgument(
+                    "a rank answered out of turn".into(),
+                )),
+            })
+            .collect::<Result<_>>()?;
+        match tokens.first() {
+            Some(&t) if tokens.iter().all(|&u| u == t) => Ok(t),
+            _ => Err(GpuError::InvalidArgument(format!(
+                "the ranks chose different tokens ({tokens:?}): their logits differ"
+            ))),
+        }
+    }
+
+    /// Runs `prompt` from position 0 on every rank and returns the first token sampled.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
+        Self::agreed_token(self.every_rank(|| Command::Prefill(prompt.to_vec()))?)
+    }
+
+    /// One decode step on every rank: the next token.
+    pub fn next_token(&mut self) -> Result<u32> {
+        Self::agreed_token(self.every_rank(|| Command::Next)?)
+    }
+
+    /// The sampling rule of every rank (the same seed on each, so they draw the same token).
+    pub fn set_sampling(&mut self, args: SampleArgs) -> Result<()> {
+        self.every_rank(|| Command::Sampling(args))
+            .map(|_| ())
+    }
+
+    /// Microseconds of one decode step's all-reduces, the slowest rank's (None at world 1).
+    pub fn all_reduce_us_per_step(&mut self, reps: usize) -> Result<Option<f64>> {
+        let answers = self.every_rank(|| Command::TimeAllReduces(reps))?;
+        Ok(answers
+            .into_iter()
+            .filter_map(|a| match a {
+                Answer::Micros(us) => us,
+                _ => None,
+            })
+            .reduce(f64::max))
+    }
+}
+
+fn stopped() -> GpuError {
+    GpuError::InvalidArgument("a tensor-parallel rank's thread stopped".into())
+}
+
+impl Worker {
+    fn spawn(rank: usize, mut model: GpuModel) -> Result<Self> {
+        let (commands, inbox) = channel::<Command>();
+        let (outbox, answers) = channel::<Result<Answer>>();
+        let thread = std::thread::Builder::new()
+            .name(format!("sieve-rank-{rank}"))
+            .spawn(move || {
+                for command in inbox {
+                    let answer = match command {
+                        Command::Prefill(prompt) => model.prefill(&prompt).map(Answer::Token),
+                        Command::Next => model.next_token().map(Answer::Token),
+                        Command::Sampling(args) => {
+                            model.set_sampling(args);
+                            Ok(Answer::Done)
+                        }
+                        Command::TimeAllReduces(reps) => {
+                            model.time_all_reduces(reps).map(Answer::Micros)
+                        }
+                    };
+                    if outbox.send(answer).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| {
+                GpuError::InvalidArgument(format!("starting rank {rank}'s thread: {e}"))
+            })?;
+        Ok(Self {
+            commands,
+            answers,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Closing the command channel ends the thread's loop; its model (and communicator)
+        // is dropped there.
+        let (dead, _) = channel();
+        drop(std::mem::replace(&mut self.commands, dead));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
