@@ -737,3 +737,160 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("context of 32768"));
     }
 }
+
+/// One model measured split over GPUs (`sieve bench decode --tensor-parallel N`, issue 31).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TensorParallelResult {
+    pub model: String,
+    pub sp: f64,
+    pub dp: f64,
+    pub format: String,
+    pub values: String,
+    pub world: usize,
+    /// Wall time of the whole split step as the caller sees it (every rank's step, the
+    /// all-reduces inside them, and the ranks' threads handing back their tokens).
+    pub tpot_ms_median: f64,
+    pub tpot_ms_p10: f64,
+    pub tpot_ms_p90: f64,
+    /// Median of three prompt passes.
+    pub ttft_ms: f64,
+    /// One step's 2L all-reduces of the hidden size, timed alone on each rank (slowest rank);
+    /// None at world size 1.
+    pub all_reduce_us_per_step: Option<f64>,
+    pub rank_weight_bytes: Vec<usize>,
+    pub rank_kv_bytes: Vec<usize>,
+    /// What each rank sends per token (ring all-reduce of f32 partial sums).
+    pub bytes_sent_per_rank: usize,
+    pub setup_s: f64,
+}
+
+/// Measures a split model as [`measure`] does a whole one: the same prompt, three prompt
+/// passes for TTFT, then `opts.tokens` steps each timed by wall clock with its token read back.
+pub fn measure_tensor_parallel(
+    tp: &mut crate::tensor_parallel::TensorParallelGpu,
+    label: &str,
+    sp: f64,
+    dp: f64,
+    values: &str,
+    setup_s: f64,
+    opts: &DecodeBenchOptions,
+) -> Result<TensorParallelResult> {
+    let vocab = tp.config().vocab_size as u64;
+    let prompt: Vec<u32> = (0..opts.prompt.max(1) as u64)
+        .map(|i| ((i * 7919 + opts.seed * 104_729 + 13) % vocab) as u32)
+        .collect();
+    if prompt.len() + opts.tokens + 2 > tp.capacity() {
+        return Err(GpuError::InvalidArgument(format!(
+            "prompt {} + tokens {} exceed the KV cache of {}",
+            prompt.len(),
+            opts.tokens,
+            tp.capacity()
+        )));
+    }
+    // Warm-up: kernels, cuBLAS's GEMMs of this prompt length, both graphs of every rank.
+    tp.prefill(&prompt)?;
+    for _ in 0..2 {
+        tp.next_token()?;
+    }
+    let mut ttfts = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let t = Instant::now();
+        tp.prefill(&prompt)?;
+        ttfts.push(t.elapsed().as_secs_f64());
+    }
+    let mut steps = Vec::with_capacity(opts.tokens);
+    for _ in 0..opts.tokens {
+        let t = Instant::now();
+        tp.next_token()?;
+        steps.push(t.elapsed().as_secs_f64());
+    }
+    let all_reduce = tp.all_reduce_us_per_step(20)?;
+    let report = tp.report();
+    Ok(TensorParallelResult {
+        model: label.to_string(),
+        sp,
+        dp,
+        format: opts.format.name().to_string(),
+        values: values.to_string(),
+        world: report.world,
+        tpot_ms_median: percentile(&steps, 0.5) * 1e3,
+        tpot_ms_p10: percentile(&steps, 0.1) * 1e3,
+        tpot_ms_p90: percentile(&steps, 0.9) * 1e3,
+        ttft_ms: percentile(&ttfts, 0.5) * 1e3,
+        all_reduce_us_per_step: all_reduce,
+        rank_weight_bytes: report.rank_weight_bytes.clone(),
+        rank_kv_bytes: report.rank_kv_bytes.clone(),
+        bytes_sent_per_rank: report.volume.bytes_sent_per_rank,
+        setup_s,
+    })
+}
+
+/// [`run_synthetic_with`] split over `world` GPUs: each (sp, dp) configuration and value kind
+/// built rank by rank (`TensorParallelGpu::synthetic`) and measured.
+pub fn run_synthetic_tensor_parallel(
+    name: &str,
+    configs: &[(f64, f64)],
+    opts: &DecodeBenchOptions,
+    kv: KvPrecision,
+    world: usize,
+    mut on_result: impl FnMut(&TensorParallelResult),
+) -> Result<Vec<TensorParallelResult>> {
+    let config = synthetic::config(name)?;
+    opts.check_context(
+        config.max_position_embeddings,
+        &format!("the synthetic {name}"),
+    )?;
+    // Refused before anything is built: a split the heads do not allow, TEAL thresholds.
+    sieve_model::llama::tensor_parallel::ShardLayout::new(&config, world)?;
+    if let Some(&(_, dp)) = configs.iter().find(|&&(_, dp)| dp != 0.0) {
+        return Err(GpuError::Unsupported(format!(
+            "--tensor-parallel {world} --dp {dp}: synthetic models split with --dp 0 only (TEAL \
+             thresholds are calibrated on one GPU's whole model)"
+        )));
+    }
+    let values = if opts.values.is_empty() {
+        vec![SyntheticValues::F16]
+    } else {
+        opts.values.clone()
+    };
+    let capacity = opts.positions_needed();
+    let mut out = Vec::new();
+    for &(sp, dp) in configs {
+        let format = if sp == 0.0 {
+            FormatKind::Dense
+        } else {
+            opts.format
+        };
+        for &v in &values {
+            v.check(format)?;
+            synthetic::check_pattern(format, opts.pattern)?;
+            let synth = SyntheticOptions {
+                sp,
+                pattern: opts.pattern,
+                dp,
+                format,
+                values: v,
+                seed: opts.seed,
+                calib_tokens: 16,
+                layouts: crate::matrix::Layouts {
+                    prompt8: opts.prompt8,
+                    prompt16: opts.prompt16,
+                    ..Default::default()
+                },
+            };
+            let t = Instant::now();
+            let mut tp = crate::tensor_parallel::TensorParallelGpu::synthetic(
+                name, &synth, world, capacity, kv,
+            )?;
+            let setup_s = t.elapsed().as_secs_f64();
+            let o = DecodeBenchOptions {
+                format,
+                ..opts.clone()
+            };
+            let r = measure_tensor_parallel(&mut tp, name, sp, dp, &v.name(), setup_s, &o)?;
+            on_result(&r);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}

@@ -75,14 +75,59 @@ pub fn generate(
     model.set_sampling(sample_args(&options.sampling));
     let sequence = Sequence::new(tokenizer, prompt, options)?;
     let out = generate_with(&mut GpuExecutor(model), sequence, prompt, on_text)?;
-    Ok(GpuGeneration {
-        text: out.text,
-        tokens: out.tokens,
-        prompt_tokens: out.stats.prompt_tokens,
-        ttft_s: out.stats.prefill_seconds,
-        step_s: out.stats.step_seconds,
-        stop_reason: out.stats.stop_reason,
-    })
+    Ok(GpuGeneration::from(out))
+}
+
+/// [`generate`] on a model split over GPUs (`crate::tensor_parallel`): the same loop, each
+/// step run by every rank.
+pub fn generate_split(
+    model: &mut crate::tensor_parallel::TensorParallelGpu,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_text: impl FnMut(&str) -> Result<()>,
+) -> Result<GpuGeneration> {
+    options.sampling.validate()?;
+    if prompt.len() >= model.capacity() {
+        return Err(sieve_model::ModelError::ContextOverflow {
+            tokens: prompt.len(),
+            context: model.capacity(),
+        }
+        .into());
+    }
+    model.set_sampling(sample_args(&options.sampling))?;
+    let sequence = Sequence::new(tokenizer, prompt, options)?;
+    let out = generate_with(&mut SplitExecutor(model), sequence, prompt, on_text)?;
+    Ok(GpuGeneration::from(out))
+}
+
+impl From<sieve_model::generate::Generation> for GpuGeneration {
+    fn from(out: sieve_model::generate::Generation) -> Self {
+        GpuGeneration {
+            text: out.text,
+            tokens: out.tokens,
+            prompt_tokens: out.stats.prompt_tokens,
+            ttft_s: out.stats.prefill_seconds,
+            step_s: out.stats.step_seconds,
+            stop_reason: out.stats.stop_reason,
+        }
+    }
+}
+
+/// [`GpuExecutor`] of a split model.
+struct SplitExecutor<'m>(&'m mut crate::tensor_parallel::TensorParallelGpu);
+
+impl Executor for SplitExecutor<'_> {
+    type Error = GpuError;
+    fn prefill(&mut self, prompt: &[u32]) -> Result<Next> {
+        Ok(Next::Token(self.0.prefill(prompt)?))
+    }
+    fn step(&mut self, _token: u32) -> Result<Next> {
+        Ok(Next::Token(self.0.next_token()?))
+    }
+    fn has_room(&self) -> bool {
+        self.0.len() < self.0.capacity()
+    }
 }
 
 /// The GPU's side of `generate_with`: the prompt and each step on the device, which samples

@@ -22,6 +22,7 @@ use sieve_formats::random::Pattern;
 use sieve_formats::slide::{Slide, SlideOptions};
 use sieve_formats::{DenseMatrix, FormatKind, Threshold};
 use sieve_model::config::ModelConfig;
+use sieve_model::llama::tensor_parallel::ShardLayout;
 
 /// The shapes `--synthetic` knows. smollm2-135m is the default model's shape (random weights of
 /// it decode as fast as the real ones and need no 100 MB file on the GPU machine).
@@ -355,13 +356,64 @@ pub fn build_with(
     capacity: usize,
     kv: KvPrecision,
 ) -> Result<GpuModel> {
-    let c = config(name)?;
+    build_rank(gpu, name, opts, capacity, kv, None)
+}
+
+/// Rank `rank` of the synthetic model `name` split over `layout.world` ranks
+/// (`sieve_model::llama::tensor_parallel`), for [`crate::tensor_parallel`]: its slices are
+/// generated directly (random weights of the slice's shape, seeded by rank), never the whole
+/// matrices, so a model larger than host memory splits too. The thresholds stay off (`dp`
+/// must be 0: calibrating a rank alone would see partial sums).
+pub fn build_shard(
+    gpu: Gpu,
+    name: &str,
+    opts: &SyntheticOptions,
+    capacity: usize,
+    kv: KvPrecision,
+    layout: &ShardLayout,
+    rank: usize,
+) -> Result<GpuModel> {
+    if opts.dp != 0.0 {
+        return Err(GpuError::Unsupported(format!(
+            "--tensor-parallel {}: synthetic models split with --dp 0 only (TEAL thresholds \
+             are calibrated on one GPU's whole model)",
+            layout.world
+        )));
+    }
+    build_rank(gpu, name, opts, capacity, kv, Some((layout, rank)))
+}
+
+fn build_rank(
+    gpu: Gpu,
+    name: &str,
+    opts: &SyntheticOptions,
+    capacity: usize,
+    kv: KvPrecision,
+    shard: Option<(&ShardLayout, usize)>,
+) -> Result<GpuModel> {
+    let whole = config(name)?;
     if !(0.0..1.0).contains(&opts.dp) {
         return Err(GpuError::InvalidArgument(format!(
             "activation sparsity {} is outside [0, 1)",
             opts.dp
         )));
     }
+    // A rank's model: its heads and MLP slice; its weights drawn with seeds of its own.
+    let (c, rank_salt) = match shard {
+        Some((layout, r)) if layout.world > 1 => {
+            let inter = layout.intermediate.get(r).ok_or_else(|| {
+                GpuError::InvalidArgument(format!("rank {r} of {} ranks", layout.world))
+            })?;
+            let c = ModelConfig {
+                num_heads: layout.heads,
+                num_kv_heads: layout.kv_heads,
+                intermediate_size: inter.len(),
+                ..whole.clone()
+            };
+            (c, mix(0x7a11 + r as u64))
+        }
+        _ => (whole.clone(), 0),
+    };
     let (d, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (q_rows, kv_rows) = (c.num_heads * hd, c.num_kv_heads * hd);
     // Dense weights under a threshold go column-major; Some(0) keeps every nonzero input
@@ -415,6 +467,7 @@ pub fn build_with(
     // unstructured weights at sp 0.5 fill 14-16 slots and measure a denser matrix.
     let balanced = opts.format == FormatKind::BalancedCbc && opts.pattern == Pattern::Unstructured;
     let m = |id: u64, rows: usize, cols: usize| {
+        let seed = seed ^ rank_salt;
         let w = if balanced {
             balanced_matrix(rows, cols, opts.sp, mix(seed ^ mix(id)))?
         } else {

@@ -28,7 +28,7 @@ use sieve_cuda::collective;
 use sieve_cuda::sampling::SampleArgs;
 use sieve_cuda::KvPrecision;
 use sieve_model::config::ModelConfig;
-use sieve_model::llama::tensor_parallel::{CommVolume, TensorParallelModel};
+use sieve_model::llama::tensor_parallel::{CommVolume, ShardLayout, TensorParallelModel};
 use sieve_model::llama::Model;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
@@ -69,6 +69,8 @@ pub struct TensorParallelGpu {
     workers: Vec<Worker>,
     config: ModelConfig,
     capacity: usize,
+    /// Positions in the ranks' caches (as [`GpuModel::len`]).
+    len: usize,
     report: TensorParallelReport,
 }
 
@@ -85,22 +87,55 @@ impl TensorParallelGpu {
     ) -> Result<Self> {
         let shards = TensorParallelModel::shard(model, world)?;
         let ranks = collective::open_ranks(world)?;
-        let mut workers = Vec::with_capacity(world);
-        let (mut weights, mut caches) = (Vec::new(), Vec::new());
-        let mut capacity_of_ranks = capacity;
+        let mut models = Vec::with_capacity(world);
         for (r, rank) in ranks.into_iter().enumerate() {
-            let mut g = GpuModel::from_shard(rank.gpu, &shards, r, capacity, kv, layouts)?;
-            g.set_tensor_parallel(rank.comm)?;
+            let g = GpuModel::from_shard(rank.gpu, &shards, r, capacity, kv, layouts)?;
+            models.push((g, rank.comm));
+        }
+        Self::from_ranks(model.config().clone(), models)
+    }
+
+    /// The synthetic model `name` (`crate::synthetic`) split over GPUs `0..world`, each rank's
+    /// slices generated on its own (`synthetic::build_shard`: `opts.dp` must be 0).
+    pub fn synthetic(
+        name: &str,
+        opts: &crate::synthetic::SyntheticOptions,
+        world: usize,
+        capacity: usize,
+        kv: KvPrecision,
+    ) -> Result<Self> {
+        let config = crate::synthetic::config(name)?;
+        let layout = ShardLayout::new(&config, world)?;
+        let ranks = collective::open_ranks(world)?;
+        let mut models = Vec::with_capacity(world);
+        for (r, rank) in ranks.into_iter().enumerate() {
+            let g = crate::synthetic::build_shard(rank.gpu, name, opts, capacity, kv, &layout, r)?;
+            models.push((g, rank.comm));
+        }
+        Self::from_ranks(config, models)
+    }
+
+    /// Starts a thread per rank model (`config` is the whole model's).
+    fn from_ranks(
+        config: ModelConfig,
+        models: Vec<(GpuModel, collective::Communicator)>,
+    ) -> Result<Self> {
+        let world = models.len();
+        let (mut weights, mut caches) = (Vec::new(), Vec::new());
+        let mut capacity = usize::MAX;
+        let mut workers = Vec::with_capacity(world);
+        for (r, (mut g, comm)) in models.into_iter().enumerate() {
+            g.set_tensor_parallel(comm)?;
             weights.push(g.report().weight_bytes);
             caches.push(g.report().kv_cache_bytes);
-            capacity_of_ranks = g.capacity();
+            capacity = capacity.min(g.capacity());
             workers.push(Worker::spawn(r, g)?);
         }
-        let config = model.config().clone();
         let volume = CommVolume::per_token(&config, world, 4);
         Ok(Self {
             workers,
-            capacity: capacity_of_ranks,
+            capacity,
+            len: 0,
             report: TensorParallelReport {
                 world,
                 rank_weight_bytes: weights,
@@ -116,6 +151,12 @@ impl TensorParallelGpu {
     }
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
     pub fn report(&self) -> &TensorParallelReport {
         &self.report
@@ -164,18 +205,22 @@ impl TensorParallelGpu {
 
     /// Runs `prompt` from position 0 on every rank and returns the first token sampled.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
-        Self::agreed_token(self.every_rank(|| Command::Prefill(prompt.to_vec()))?)
+        self.len = 0;
+        let token = Self::agreed_token(self.every_rank(|| Command::Prefill(prompt.to_vec()))?)?;
+        self.len = prompt.len();
+        Ok(token)
     }
 
     /// One decode step on every rank: the next token.
     pub fn next_token(&mut self) -> Result<u32> {
-        Self::agreed_token(self.every_rank(|| Command::Next)?)
+        let token = Self::agreed_token(self.every_rank(|| Command::Next)?)?;
+        self.len += 1;
+        Ok(token)
     }
 
     /// The sampling rule of every rank (the same seed on each, so they draw the same token).
     pub fn set_sampling(&mut self, args: SampleArgs) -> Result<()> {
-        self.every_rank(|| Command::Sampling(args))
-            .map(|_| ())
+        self.every_rank(|| Command::Sampling(args)).map(|_| ())
     }
 
     /// Microseconds of one decode step's all-reduces, the slowest rank's (None at world 1).

@@ -371,6 +371,30 @@ fn bench_and_sim_outputs_and_options_are_checked_before_any_work() {
     assert!(e.contains("both name"), "{e}");
     let e = fails(&["bench", "decode", "--synthetic", "llama-9000"]);
     assert!(e.contains("unknown synthetic model 'llama-9000'"), "{e}");
+    // Tensor-parallel splits the model cannot take are refused before any GPU is looked for.
+    let tp = |world: &str, dp: &str| {
+        fails(&[
+            "bench",
+            "decode",
+            "--synthetic",
+            "llama2-7b",
+            "--tensor-parallel",
+            world,
+            "--sp",
+            "0",
+            "--dp",
+            dp,
+        ])
+    };
+    let e = tp("3", "0");
+    assert!(
+        e.contains("--tensor-parallel 3") && e.contains("multiples"),
+        "{e}"
+    );
+    let e = tp("0", "0");
+    assert!(e.contains("at least one rank"), "{e}");
+    let e = tp("2", "0.5");
+    assert!(e.contains("--dp 0 only"), "{e}");
     let e = fails(&[
         "bench",
         "decode",
@@ -543,7 +567,7 @@ fn eval_runs_the_int8_kv_cache_close_to_the_f16_one() {
 
 /// `--tensor-parallel 3` on the CPU (SmolLM2: 9 query heads, 3 KV heads, one KV head per rank)
 /// writes the greedy text of the unsplit model, and says how it split; a split that would cut a
-/// head group, or one asked of the GPU, is refused before the model loads.
+/// head group, or the persistent step with a split, is refused before the model loads.
 #[test]
 fn generate_split_over_three_ranks_writes_the_same_text() {
     let Some(model) = default_model() else { return };
@@ -588,8 +612,16 @@ fn generate_split_over_three_ranks_writes_the_same_text() {
         err.contains("--tensor-parallel 2") && err.contains("multiples"),
         "{err}"
     );
-    let err = fails(&["generate", "--tensor-parallel", "3", "hi"]);
-    assert!(err.contains("--device cpu"), "{err}");
+    // The split runs the graph step on GPUs; asking for the persistent one is refused first.
+    let err = fails(&[
+        "generate",
+        "--tensor-parallel",
+        "3",
+        "--step",
+        "persistent",
+        "hi",
+    ]);
+    assert!(err.contains("no all-reduce"), "{err}");
 }
 
 /// A GPU-only prompt setting with `--device cpu` is refused by name before anything loads,

@@ -99,10 +99,129 @@ pub struct DecodeArgs {
     /// with several persistent results, the second goes to NAME-2.svg and so on.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Split the model over this many GPUs of the machine (tensor parallelism over NCCL: q|k|v
+    /// and gate|up by rows, o and down by columns, an all-reduce after each); prints the ranks'
+    /// memory and the all-reduce time per step. Synthetic models take --dp 0 only.
+    #[arg(long)]
+    tensor_parallel: Option<usize>,
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
     plot: Option<PathBuf>,
+}
+
+fn print_tensor_parallel_row(r: &bench::TensorParallelResult) {
+    let gb = |v: &[usize]| {
+        v.iter()
+            .map(|b| format!("{:.2}", *b as f64 / 1e9))
+            .collect::<Vec<_>>()
+            .join("/")
+    };
+    let all_reduce = match r.all_reduce_us_per_step {
+        Some(us) => format!(
+            "{us:.0} us a step ({:.1}% of TPOT)",
+            us / 10.0 / r.tpot_ms_median
+        ),
+        None => "none (one rank)".into(),
+    };
+    println!(
+        "{:<11} sp {:<4} dp {:<4} {:<15} {:<8} TP {} ranks TPOT {:>7.3} ms (p10 {:.3}, p90 {:.3}) {:>7.1} tok/s | TTFT {:>8.2} ms | all-reduces {all_reduce} | per rank: weights {} GB, KV cache {} GB, sends {:.1} KB/token | setup {:.0} s",
+        r.model,
+        r.sp,
+        r.dp,
+        r.format,
+        r.values,
+        r.world,
+        r.tpot_ms_median,
+        r.tpot_ms_p10,
+        r.tpot_ms_p90,
+        1e3 / r.tpot_ms_median,
+        r.ttft_ms,
+        gb(&r.rank_weight_bytes),
+        gb(&r.rank_kv_bytes),
+        r.bytes_sent_per_rank as f64 / 1e3,
+        r.setup_s,
+    );
+}
+
+/// `--tensor-parallel N`: the model split over N GPUs, measured by [`bench::measure_tensor_parallel`].
+fn run_tensor_parallel(
+    a: &DecodeArgs,
+    world: usize,
+    opts: &DecodeBenchOptions,
+    files: &mut ReportFiles,
+) -> Result<()> {
+    if !a.batch.is_empty()
+        || a.leave_out
+        || a.trace.is_some()
+        || a.step.iter().any(|s| s != "graph")
+    {
+        bail!("--tensor-parallel measures the graph step alone: no --batch, --leave-out, --trace or --step persistent");
+    }
+    if a.plot.is_some() {
+        bail!("--tensor-parallel writes --json only (no --plot)");
+    }
+    let kv = a.kv_cache.precision();
+    let results = match (&a.synthetic, &a.model) {
+        (Some(name), _) => {
+            let configs: Vec<(f64, f64)> = a.sp.iter().copied().zip(a.dp.iter().copied()).collect();
+            bench::run_synthetic_tensor_parallel(
+                name,
+                &configs,
+                opts,
+                kv,
+                world,
+                print_tensor_parallel_row,
+            )?
+        }
+        (None, Some(path)) => {
+            let (mut model, _tok) =
+                sieve_model::packed::load_model_and_tokenizer_with(path, a.f16_weights)
+                    .with_context(|| format!("opening {}", path.display()))?;
+            model.set_kv_precision(kv);
+            opts.check_context(
+                model.config().max_position_embeddings,
+                &path.display().to_string(),
+            )?;
+            let t = std::time::Instant::now();
+            let layouts = sieve_gpu::matrix::Layouts {
+                prompt8: opts.prompt8,
+                prompt16: opts.prompt16,
+                ..Default::default()
+            };
+            let mut tp = sieve_gpu::tensor_parallel::TensorParallelGpu::new(
+                &model,
+                world,
+                opts.positions_needed(),
+                kv,
+                layouts,
+            )?;
+            drop(model);
+            let label = path
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let o = DecodeBenchOptions {
+                format: FormatKind::Dense,
+                ..opts.clone()
+            };
+            let setup_s = t.elapsed().as_secs_f64();
+            let r = bench::measure_tensor_parallel(
+                &mut tp,
+                &label,
+                0.0,
+                0.0,
+                "as packed",
+                setup_s,
+                &o,
+            )?;
+            print_tensor_parallel_row(&r);
+            vec![r]
+        }
+        (None, None) => bail!("give --synthetic NAME or --model PATH"),
+    };
+    files.write_json(|| Ok(serde_json::to_string_pretty(&results)?))?;
+    Ok(())
 }
 
 /// `--prefetch` values: off (0 bytes), on (the runner's default: `None`), or megabytes.
@@ -377,6 +496,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?,
     };
+    if let Some(world) = a.tensor_parallel {
+        return run_tensor_parallel(&a, world, &opts, &mut files);
+    }
     let results = match (&a.synthetic, &a.model) {
         (Some(name), _) => {
             let configs: Vec<(f64, f64)> = a.sp.iter().copied().zip(a.dp.iter().copied()).collect();

@@ -59,9 +59,10 @@ pub struct GenerateArgs {
     /// cache), a CUDA graph of kernels, or auto (the faster: graph, as measured so far).
     #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
     step: super::device::Step,
-    /// Split the model over N ranks (tensor parallelism: heads, MLP columns and vocabulary
-    /// rows per rank, two all-reduces per layer). Runs the CPU reference of the split (the
-    /// ranks one after another, for checking, not for speed); needs --device cpu.
+    /// Split the model over N ranks (tensor parallelism: heads and MLP columns per rank, two
+    /// all-reduces per layer): over N GPUs of this machine through NCCL (the LM head on every
+    /// GPU), or with --device cpu the CPU reference of the split (the ranks one after another,
+    /// vocabulary rows split too; for checking, not for speed).
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
     /// CPU: print where a decode step's time goes (wall time per phase of the forward pass).
@@ -71,10 +72,9 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    if args.tensor_parallel != 1 && args.device != super::device::Device::Cpu {
+    if args.tensor_parallel != 1 && args.step == super::device::Step::Persistent {
         anyhow::bail!(
-            "--tensor-parallel {}: only the CPU reference of the split exists in this build (GPU \
-             ranks over NCCL are not built yet); add --device cpu",
+            "--tensor-parallel {} runs the graph step: the persistent step has no all-reduce",
             args.tensor_parallel
         );
     }
@@ -128,6 +128,73 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         extra_eos_ids: Vec::new(),
     };
     let mut stdout = std::io::stdout();
+    let split_on_gpus = args.tensor_parallel != 1
+        && match args.device {
+            super::device::Device::Cpu => false,
+            super::device::Device::Cuda => true,
+            super::device::Device::Auto => match sieve_cuda::gpu::device_count() {
+                Ok(n) if n > 0 => true,
+                other => {
+                    eprintln!("device: cpu (no GPU: {other:?})");
+                    false
+                }
+            },
+        };
+    if split_on_gpus {
+        let capacity = prompt.len().saturating_add(args.max_tokens);
+        let layouts = sieve_gpu::matrix::Layouts {
+            int8_activations: args.activations.int8(),
+            prompt8: args.prompt_precision.eight_bit(),
+            prompt16: args.prompt_precision.resident_f16(),
+            ..Default::default()
+        };
+        let mut split = sieve_gpu::tensor_parallel::TensorParallelGpu::new(
+            &model,
+            args.tensor_parallel,
+            capacity,
+            model.kv_precision(),
+            layouts,
+        )?;
+        drop(model);
+        let r = split.report();
+        let gb: Vec<String> = (0..r.world)
+            .map(|i| {
+                format!(
+                    "{:.2} + {:.2}",
+                    r.rank_weight_bytes[i] as f64 / 1e9,
+                    r.rank_kv_bytes[i] as f64 / 1e9
+                )
+            })
+            .collect();
+        eprintln!(
+            "tensor parallel: {} GPUs, GB of weights + KV cache per rank {}; {} all-reduces a \
+             token, {} bytes sent per rank",
+            r.world,
+            gb.join(", "),
+            r.volume.all_reduces,
+            r.volume.bytes_sent_per_rank
+        );
+        let result = sieve_gpu::generate::generate_split(
+            &mut split,
+            &tokenizer,
+            &prompt,
+            &options,
+            |piece| {
+                stdout
+                    .write_all(piece.as_bytes())
+                    .and_then(|_| stdout.flush())
+                    .map_err(|e| {
+                        sieve_gpu::GpuError::from(sieve_model::ModelError::Io {
+                            path: "stdout".into(),
+                            source: e,
+                        })
+                    })
+            },
+        )?;
+        println!();
+        eprintln!("{}", result.summary());
+        return Ok(());
+    }
     if let Some(gpu) = super::device::open(args.device)? {
         let capacity = prompt.len().saturating_add(args.max_tokens);
         let mut gpu_model = super::device::upload(
