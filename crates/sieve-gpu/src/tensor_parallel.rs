@@ -50,7 +50,12 @@ struct Worker {
     commands: Sender<Command>,
     answers: Receiver<Result<Answer>>,
     thread: Option<JoinHandle<()>>,
+    /// Left behind on drop (not joined): its rank is stuck in a collective.
+    abandon: bool,
 }
+
+/// How long the other ranks get to answer once one rank has failed.
+const STUCK_AFTER_A_FAILURE: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// What a tensor-parallel model holds and moves, for the report.
 #[derive(Clone, Debug)]
@@ -71,6 +76,8 @@ pub struct TensorParallelGpu {
     capacity: usize,
     /// Positions in the ranks' caches (as [`GpuModel::len`]).
     len: usize,
+    /// Why the ranks can no longer be used together (a rank failed, another never answered).
+    stuck: Option<String>,
     report: TensorParallelReport,
 }
 
@@ -136,6 +143,7 @@ impl TensorParallelGpu {
             workers,
             capacity,
             len: 0,
+            stuck: None,
             report: TensorParallelReport {
                 world,
                 rank_weight_bytes: weights,
@@ -164,22 +172,52 @@ impl TensorParallelGpu {
 
     /// Gives every rank `command()` and collects their answers in rank order; the first
     /// rank's error if any failed.
-    fn every_rank(&self, command: impl Fn() -> Command) -> Result<Vec<Answer>> {
+    ///
+    /// A rank that fails before its collective leaves the others waiting inside it on their
+    /// GPUs: once one rank has failed, the others get [`STUCK_AFTER_A_FAILURE`] to answer, and
+    /// if they do not, the split is marked stuck (its threads are left behind, not joined, on
+    /// drop) and the error says so instead of hanging the caller.
+    fn every_rank(&mut self, command: impl Fn() -> Command) -> Result<Vec<Answer>> {
+        if let Some(why) = &self.stuck {
+            return Err(GpuError::InvalidArgument(format!(
+                "the split model is unusable: {why}"
+            )));
+        }
         for w in &self.workers {
             w.commands.send(command()).map_err(|_| stopped())?;
         }
         let mut answers = Vec::with_capacity(self.workers.len());
-        let mut first_error = None;
-        for w in &self.workers {
-            match w.answers.recv().map_err(|_| stopped())? {
+        let mut first_error: Option<(usize, GpuError)> = None;
+        for (r, w) in self.workers.iter().enumerate() {
+            let answer = if first_error.is_some() {
+                match w.answers.recv_timeout(STUCK_AFTER_A_FAILURE) {
+                    Ok(a) => a,
+                    Err(_) => {
+                        let (failed, e) = first_error.take().unwrap_or((r, stopped()));
+                        let why = format!(
+                            "rank {failed} failed ({e}) and rank {r} did not answer within {} s \
+                             (it waits in a collective for the failed rank)",
+                            STUCK_AFTER_A_FAILURE.as_secs()
+                        );
+                        self.stuck = Some(why.clone());
+                        for w in &mut self.workers {
+                            w.abandon = true;
+                        }
+                        return Err(GpuError::InvalidArgument(why));
+                    }
+                }
+            } else {
+                w.answers.recv().map_err(|_| stopped())?
+            };
+            match answer {
                 Ok(a) => answers.push(a),
                 Err(e) => {
-                    first_error.get_or_insert(e);
+                    first_error.get_or_insert((r, e));
                 }
             }
         }
         match first_error {
-            Some(e) => Err(e),
+            Some((_, e)) => Err(e),
             None => Ok(answers),
         }
     }
@@ -271,6 +309,7 @@ impl Worker {
             commands,
             answers,
             thread: Some(thread),
+            abandon: false,
         })
     }
 }
@@ -282,7 +321,9 @@ impl Drop for Worker {
         let (dead, _) = channel();
         drop(std::mem::replace(&mut self.commands, dead));
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            if !self.abandon {
+                let _ = t.join();
+            }
         }
     }
 }
