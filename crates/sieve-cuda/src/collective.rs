@@ -19,7 +19,8 @@
 //! collective must stay a full edge: NCCL's kernels do not wait on `griddepcontrol`, so a
 //! programmatic edge would let them read the partial sums before the product has written them.
 //!
-//! NVLink multicast (NVLS) stays off: [`open_ranks`] sets `NCCL_NVLS_ENABLE=0` unless the
+//! NVLink multicast (NVLS) stays off: [`open_ranks`] sets `NCCL_NVLS_ENABLE=0` (and
+//! `NCCL_RUNTIME_CONNECT=0`: connections made at init, not inside a graph capture) unless the
 //! environment already chose (the device machines' KINDS.md asks for it; the decode step's
 //! all-reduces are a few KB, where multicast gains nothing).
 //!
@@ -31,6 +32,8 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::product::DevPtr;
 use cudarc::nccl::{result as nccl, sys};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Whether NCCL can be loaded on this machine (without the panic cudarc's loader gives).
 pub fn nccl_available() -> bool {
@@ -68,6 +71,32 @@ pub struct Communicator {
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
+    /// Set once the communicator is aborted (here on drop, or through an [`AbortHandle`]):
+    /// after that no call may reach NCCL with it.
+    aborted: Arc<AtomicBool>,
+}
+
+/// Aborts a rank's communicator from another thread ([`Communicator::abort_handle`]): the way
+/// to free ranks that wait inside a collective for a peer that failed (NCCL allows the abort
+/// while the collective hangs). The communicator is then unusable; its collectives fail.
+#[derive(Clone)]
+pub struct AbortHandle {
+    comm: sys::ncclComm_t,
+    aborted: Arc<AtomicBool>,
+}
+
+// SAFETY: the handle only calls ncclCommAbort, once (the flag), which NCCL allows from any
+// thread.
+unsafe impl Send for AbortHandle {}
+unsafe impl Sync for AbortHandle {}
+
+impl AbortHandle {
+    pub fn abort(&self) {
+        if !self.comm.is_null() && !self.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: the communicator is alive until aborted, and is aborted once (the flag).
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+        }
+    }
 }
 
 // SAFETY: a communicator may be used from any thread as long as one thread at a time calls it
@@ -99,6 +128,7 @@ pub fn open_ranks(world: usize) -> Result<Vec<Rank>> {
             comm: std::ptr::null_mut(),
             rank: 0,
             world: 1,
+            aborted: Arc::new(AtomicBool::new(false)),
         };
         return Ok(vec![Rank {
             gpu: Gpu::new(0)?,
@@ -119,8 +149,13 @@ pub fn open_nccl_ranks(world: usize) -> Result<Vec<Rank>> {
     }
     require_nccl()?;
     let gpus = (0..world).map(Gpu::new).collect::<Result<Vec<Gpu>>>()?;
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    // Set before the first communicator (NCCL reads them then). NCCL_RUNTIME_CONNECT=0 makes
+    // the connections at init instead of at the first collective, which may be inside a CUDA
+    // graph capture (the first step a rank captures).
+    for (name, value) in [("NCCL_NVLS_ENABLE", "0"), ("NCCL_RUNTIME_CONNECT", "0")] {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
+        }
     }
     let ordinals: Vec<i32> = (0..world as i32).collect();
     let mut comms = vec![std::ptr::null_mut(); world];
@@ -133,7 +168,12 @@ pub fn open_nccl_ranks(world: usize) -> Result<Vec<Rank>> {
         .enumerate()
         .map(|(rank, (gpu, comm))| Rank {
             gpu,
-            comm: Communicator { comm, rank, world },
+            comm: Communicator {
+                comm,
+                rank,
+                world,
+                aborted: Arc::new(AtomicBool::new(false)),
+            },
         })
         .collect())
 }
@@ -153,6 +193,24 @@ pub fn group_end() -> Result<()> {
 }
 
 impl Communicator {
+    /// A handle that aborts this communicator from another thread.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            comm: self.comm,
+            aborted: self.aborted.clone(),
+        }
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(CudaError::Nccl {
+                call: "a collective",
+                status: "the communicator was aborted (a rank failed)".into(),
+            });
+        }
+        Ok(())
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -176,6 +234,7 @@ impl Communicator {
         if self.comm.is_null() {
             return copy_f32(gpu, send, recv, len);
         }
+        self.check_alive()?;
         nccl::all_reduce(
             send as *const _,
             recv as *mut _,
@@ -204,6 +263,7 @@ impl Communicator {
         if self.comm.is_null() {
             return copy_f32(gpu, send, recv, len);
         }
+        self.check_alive()?;
         nccl::all_gather(
             send as *const _,
             recv as *mut _,
@@ -226,15 +286,15 @@ unsafe fn copy_f32(gpu: &Gpu, send: DevPtr, recv: DevPtr, len: usize) -> Result<
     if send == recv || len == 0 {
         return Ok(());
     }
+    gpu.context()
+        .bind_to_thread()
+        .during("binding the context")?;
     cudarc::driver::result::memcpy_dtod_async(recv, send, len * 4, gpu.stream().cu_stream())
         .during("copying a one-rank collective")
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        if !self.comm.is_null() {
-            // SAFETY: the communicator was made by `open_ranks` and is ended once.
-            let _ = unsafe { nccl::comm_abort(self.comm) };
-        }
+        self.abort_handle().abort();
     }
 }

@@ -160,6 +160,9 @@ impl Gpu {
     /// # Safety
     /// `ptr .. ptr + bytes` must lie inside one live allocation of this context.
     pub unsafe fn zero_bytes(&self, ptr: crate::product::DevPtr, bytes: usize) -> Result<()> {
+        // A raw driver call: the context must be this thread's (a model may have been moved
+        // to another thread since its last cudarc call).
+        self.ctx.bind_to_thread().during("binding the context")?;
         unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
             .during("zeroing device memory")
     }
@@ -586,8 +589,6 @@ impl Fnv64 {
     }
 }
 
-/// For tests: the GPU, or `None` with the skip reason printed. With `SIEVE_REQUIRE_GPU=1` a
-/// missing GPU is a failure instead (the GPU machine runs the tests that way).
 /// GPUs the driver sees ([`CudaError::NoDriver`] without a driver).
 pub fn device_count() -> Result<usize> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -597,6 +598,8 @@ pub fn device_count() -> Result<usize> {
     Ok(count.max(0) as usize)
 }
 
+/// For tests: the GPU, or `None` with the skip reason printed. With `SIEVE_REQUIRE_GPU=1` a
+/// missing GPU is a failure instead (the GPU machine runs the tests that way).
 pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(g) => Some(g),

@@ -461,6 +461,10 @@ impl GpuModel {
         let model = shards.model();
         let notes = Plan::of(model).check(&GPU_CAPABILITIES)?;
         let layers = shards.rank_layers(rank)?;
+        if let Some(e) = sieve_cpu::ie_bme::ie_bme_source(model.lm_head().format()) {
+            sieve_cuda::ie_bme::check_supported(e)
+                .map_err(|err| GpuError::Unsupported(format!("lm_head: {err}")))?;
+        }
         for (l, layer) in layers.iter().enumerate() {
             for (name, lin) in layer.linears() {
                 if let Some(e) = sieve_cpu::ie_bme::ie_bme_source(lin.format()) {
@@ -1103,6 +1107,22 @@ impl GpuModel {
         Ok(Some(events.elapsed_us()? / reps.max(1) as f64))
     }
 
+    /// After a capture the driver refused: steps go on as eager launches, except on a rank of
+    /// a tensor-parallel model, where the failure is returned. A rank that fell back alone
+    /// would pad its sequence passes differently from its peers (their all-reduces would no
+    /// longer pair up), and a failed capture with a collective in it can leave the
+    /// communicator unusable.
+    fn graph_capture_failed(&mut self) -> Result<()> {
+        self.gpu.synchronize().ok();
+        if self.tp.is_some() {
+            return Err(GpuError::Unsupported(
+                "a CUDA graph capture failed on a tensor-parallel rank (see the notes)".into(),
+            ));
+        }
+        self.use_graphs = false;
+        Ok(())
+    }
+
     /// Makes this model rank `comm.rank()` of a tensor-parallel model: its layers must be that
     /// rank's shard (`sieve_model::llama::tensor_parallel`), and every rank must then be given
     /// the same calls in the same order (`crate::tensor_parallel` does). The step keeps one CUDA
@@ -1117,8 +1137,10 @@ impl GpuModel {
             ));
         }
         self.drop_graphs();
-        self.pdl = false;
         self.tp = (comm.world() > 1).then_some(comm);
+        if self.tp.is_some() {
+            self.pdl = false;
+        }
         Ok(())
     }
 
@@ -1164,8 +1186,7 @@ impl GpuModel {
                     self.report.notes.push(format!(
                         "CUDA graph capture failed ({e}); steps run as eager launches"
                     ));
-                    self.use_graphs = false;
-                    self.gpu.synchronize().ok();
+                    self.graph_capture_failed()?;
                     return self.enqueue_step(sample);
                 }
             }
@@ -2491,8 +2512,7 @@ impl GpuModel {
                     self.report.notes.push(format!(
                         "CUDA graph capture of a {rows}-sequence step failed ({e}); steps run as eager launches"
                     ));
-                    self.use_graphs = false;
-                    self.gpu.synchronize().ok();
+                    self.graph_capture_failed()?;
                     return self.enqueue_sequences_pass(rows);
                 }
             }
@@ -2610,8 +2630,7 @@ impl GpuModel {
                     self.report.notes.push(format!(
                         "CUDA graph capture failed ({e}); steps run as eager launches"
                     ));
-                    self.use_graphs = false;
-                    self.gpu.synchronize().ok();
+                    self.graph_capture_failed()?;
                 }
             }
         }
@@ -2632,8 +2651,7 @@ impl GpuModel {
                     self.report.notes.push(format!(
                         "CUDA graph capture failed ({e}); steps run as eager launches"
                     ));
-                    self.use_graphs = false;
-                    self.gpu.synchronize().ok();
+                    self.graph_capture_failed()?;
                     return self.ops().into_iter().try_for_each(|op| self.launch(op));
                 }
             }

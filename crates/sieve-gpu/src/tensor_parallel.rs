@@ -19,7 +19,8 @@
 //! which NCCL needs (a rank's all-reduce waits for its peers' inside the GPU), and leaves
 //! `GpuModel` unchanged but for its two all-reduces.
 //!
-//! At world size 1 the single rank has no communicator at all: the step is the one-GPU step.
+//! At world size 1 the single rank is the one-GPU model as packed, with no communicator: the
+//! step is the one-GPU step. Above 1 the heads and the MLP width must split evenly.
 
 use crate::error::{GpuError, Result};
 use crate::matrix::Layouts;
@@ -30,32 +31,41 @@ use sieve_cuda::KvPrecision;
 use sieve_model::config::ModelConfig;
 use sieve_model::llama::tensor_parallel::{CommVolume, ShardLayout, TensorParallelModel};
 use sieve_model::llama::Model;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::any::Any;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
+
+/// A call of every rank's model ([`TensorParallelGpu::on_every_rank`]).
+type RankCall = Arc<dyn Fn(&mut GpuModel) -> Result<Box<dyn Any + Send>> + Send + Sync>;
 
 enum Command {
     Prefill(Vec<u32>),
     Next,
     Sampling(SampleArgs),
     TimeAllReduces(usize),
+    Call(RankCall),
 }
 
 enum Answer {
     Token(u32),
     Micros(Option<f64>),
     Done,
+    Value(Box<dyn Any + Send>),
 }
 
 struct Worker {
     commands: Sender<Command>,
-    answers: Receiver<Result<Answer>>,
     thread: Option<JoinHandle<()>>,
-    /// Left behind on drop (not joined): its rank is stuck in a collective.
+    /// Left behind on drop (not joined): its rank never answered, stuck in a collective.
     abandon: bool,
 }
 
-/// How long the other ranks get to answer once one rank has failed.
-const STUCK_AFTER_A_FAILURE: std::time::Duration = std::time::Duration::from_secs(20);
+/// How long the other ranks get to answer once one rank has failed, before the communicators
+/// are aborted to free them.
+const GRACE_AFTER_A_FAILURE: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long ranks get to answer after the abort.
+const STUCK_AFTER_AN_ABORT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// What a tensor-parallel model holds and moves, for the report.
 #[derive(Clone, Debug)]
@@ -72,12 +82,19 @@ pub struct TensorParallelReport {
 /// A model split over `world` GPUs ([module notes](self)).
 pub struct TensorParallelGpu {
     workers: Vec<Worker>,
+    /// Every rank's answers, tagged with its rank.
+    answers: Receiver<(usize, Result<Answer>)>,
+    /// Aborts each rank's communicator (to free ranks stuck in a collective).
+    aborts: Vec<collective::AbortHandle>,
     config: ModelConfig,
     capacity: usize,
     /// Positions in the ranks' caches (as [`GpuModel::len`]).
     len: usize,
     /// Why the ranks can no longer be used together (a rank failed, another never answered).
     stuck: Option<String>,
+    /// KV cache slots of every rank ([`GpuModel::set_slots`], set through
+    /// [`Self::on_every_rank`] and recorded with [`Self::set_slot_count`]).
+    slots: usize,
     report: TensorParallelReport,
 }
 
@@ -92,12 +109,25 @@ impl TensorParallelGpu {
         kv: KvPrecision,
         layouts: Layouts,
     ) -> Result<Self> {
-        let shards = TensorParallelModel::shard(model, world)?;
+        // What the split needs of the model, and the GPUs, before the slow work of cutting.
+        ShardLayout::new(model.config(), world)?;
+        if !model.config().intermediate_size.is_multiple_of(world) {
+            return Err(uneven_mlp(model.config(), world));
+        }
         let ranks = collective::open_ranks(world)?;
         let mut models = Vec::with_capacity(world);
-        for (r, rank) in ranks.into_iter().enumerate() {
-            let g = GpuModel::from_shard(rank.gpu, &shards, r, capacity, kv, layouts)?;
-            models.push((g, rank.comm));
+        if world == 1 {
+            // One rank is the one-GPU model, as packed (no cut and re-encoding).
+            for rank in ranks {
+                let g = GpuModel::from_model_with_layouts(rank.gpu, model, capacity, kv, layouts)?;
+                models.push((g, rank.comm));
+            }
+        } else {
+            let shards = TensorParallelModel::shard(model, world)?;
+            for (r, rank) in ranks.into_iter().enumerate() {
+                let g = GpuModel::from_shard(rank.gpu, &shards, r, capacity, kv, layouts)?;
+                models.push((g, rank.comm));
+            }
         }
         Self::from_ranks(model.config().clone(), models)
     }
@@ -113,6 +143,9 @@ impl TensorParallelGpu {
     ) -> Result<Self> {
         let config = crate::synthetic::config(name)?;
         let layout = ShardLayout::new(&config, world)?;
+        if !config.intermediate_size.is_multiple_of(world) {
+            return Err(uneven_mlp(&config, world));
+        }
         let ranks = collective::open_ranks(world)?;
         let mut models = Vec::with_capacity(world);
         for (r, rank) in ranks.into_iter().enumerate() {
@@ -131,19 +164,35 @@ impl TensorParallelGpu {
         let (mut weights, mut caches) = (Vec::new(), Vec::new());
         let mut capacity = usize::MAX;
         let mut workers = Vec::with_capacity(world);
+        let mut aborts = Vec::with_capacity(world);
+        let (outbox, answers) = channel();
         for (r, (mut g, comm)) in models.into_iter().enumerate() {
+            aborts.push(comm.abort_handle());
             g.set_tensor_parallel(comm)?;
             weights.push(g.report().weight_bytes);
             caches.push(g.report().kv_cache_bytes);
             capacity = capacity.min(g.capacity());
-            workers.push(Worker::spawn(r, g)?);
+            workers.push(Worker::spawn(r, g, outbox.clone())?);
         }
-        let volume = CommVolume::per_token(&config, world, 4);
-        Ok(Self {
+        // Only the workers hold senders: if every thread is gone, receiving says so.
+        drop(outbox);
+        // The LM head is whole on every rank: no logits cross GPUs, only the all-reduces.
+        let volume = CommVolume::per_token(
+            &ModelConfig {
+                vocab_size: 0,
+                ..config.clone()
+            },
+            world,
+            4,
+        );
+        let mut split = Self {
             workers,
+            answers,
+            aborts,
             capacity,
             len: 0,
             stuck: None,
+            slots: 1,
             report: TensorParallelReport {
                 world,
                 rank_weight_bytes: weights,
@@ -151,7 +200,11 @@ impl TensorParallelGpu {
                 volume,
             },
             config,
-        })
+        };
+        // The first collectives eagerly on every rank, before any rank captures a graph with
+        // them in it.
+        split.all_reduce_us_per_step(1)?;
+        Ok(split)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -166,64 +219,118 @@ impl TensorParallelGpu {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    pub fn slot_count(&self) -> usize {
+        self.slots
+    }
+    /// Records the slots every rank now has (after their `set_slots` through
+    /// [`Self::on_every_rank`]).
+    pub fn set_slot_count(&mut self, slots: usize) {
+        self.slots = slots;
+    }
     pub fn report(&self) -> &TensorParallelReport {
         &self.report
     }
 
-    /// Gives every rank `command()` and collects their answers in rank order; the first
-    /// rank's error if any failed.
+    /// Gives every rank `command()` and collects their answers in rank order.
     ///
     /// A rank that fails before its collective leaves the others waiting inside it on their
-    /// GPUs: once one rank has failed, the others get [`STUCK_AFTER_A_FAILURE`] to answer, and
-    /// if they do not, the split is marked stuck (its threads are left behind, not joined, on
-    /// drop) and the error says so instead of hanging the caller.
+    /// GPUs. So once one rank has failed, the others get [`GRACE_AFTER_A_FAILURE`] to answer;
+    /// those that do not are freed by aborting every communicator, and get
+    /// [`STUCK_AFTER_AN_ABORT`] more (a thread that still does not answer is left behind, not
+    /// joined). The split stays usable only when every rank succeeded, or every rank failed
+    /// alike without an abort (a request refused on each before any collective); otherwise it
+    /// is marked unusable and says why.
     fn every_rank(&mut self, command: impl Fn() -> Command) -> Result<Vec<Answer>> {
         if let Some(why) = &self.stuck {
             return Err(GpuError::InvalidArgument(format!(
                 "the split model is unusable: {why}"
             )));
         }
-        for w in &self.workers {
-            w.commands.send(command()).map_err(|_| stopped())?;
-        }
-        let mut answers = Vec::with_capacity(self.workers.len());
-        let mut first_error: Option<(usize, GpuError)> = None;
+        let world = self.workers.len();
         for (r, w) in self.workers.iter().enumerate() {
-            let answer = if first_error.is_some() {
-                match w.answers.recv_timeout(STUCK_AFTER_A_FAILURE) {
-                    Ok(a) => a,
-                    Err(_) => {
-                        let (failed, e) = first_error.take().unwrap_or((r, stopped()));
-                        let why = format!(
-                            "rank {failed} failed ({e}) and rank {r} did not answer within {} s \
-                             (it waits in a collective for the failed rank)",
-                            STUCK_AFTER_A_FAILURE.as_secs()
-                        );
-                        self.stuck = Some(why.clone());
-                        for w in &mut self.workers {
-                            w.abandon = true;
-                        }
-                        return Err(GpuError::InvalidArgument(why));
-                    }
-                }
-            } else {
-                w.answers.recv().map_err(|_| stopped())?
-            };
-            match answer {
-                Ok(a) => answers.push(a),
-                Err(e) => {
-                    first_error.get_or_insert((r, e));
-                }
+            if w.commands.send(command()).is_err() {
+                return Err(self.give_up(format!("rank {r}'s thread has stopped")));
             }
         }
-        match first_error {
-            Some((_, e)) => Err(e),
-            None => Ok(answers),
+        let mut got: Vec<Option<Result<Answer>>> = (0..world).map(|_| None).collect();
+        let (mut received, mut aborted) = (0, false);
+        let mut deadline: Option<std::time::Instant> = None;
+        while received < world {
+            let next = match deadline {
+                None => self
+                    .answers
+                    .recv()
+                    .map_err(|_| RecvTimeoutError::Disconnected),
+                Some(d) => self
+                    .answers
+                    .recv_timeout(d.saturating_duration_since(std::time::Instant::now())),
+            };
+            match next {
+                Ok((r, answer)) => {
+                    if answer.is_err() && deadline.is_none() {
+                        deadline = Some(std::time::Instant::now() + GRACE_AFTER_A_FAILURE);
+                    }
+                    if got[r].replace(answer).is_none() {
+                        received += 1;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) if !aborted => {
+                    for h in &self.aborts {
+                        h.abort();
+                    }
+                    aborted = true;
+                    deadline = Some(std::time::Instant::now() + STUCK_AFTER_AN_ABORT);
+                }
+                Err(_) => break,
+            }
         }
+        let failed = got.iter().filter(|a| matches!(a, Some(Err(_)))).count();
+        if failed == 0 && received == world {
+            return Ok(got.into_iter().flatten().flatten().collect());
+        }
+        let missing: Vec<usize> = (0..world).filter(|&r| got[r].is_none()).collect();
+        for &r in &missing {
+            self.workers[r].abandon = true;
+        }
+        let (rank, first) = got
+            .into_iter()
+            .enumerate()
+            .find_map(|(r, a)| match a {
+                Some(Err(e)) => Some((r, e)),
+                _ => None,
+            })
+            .unwrap_or((0, stopped()));
+        if failed == world && !aborted {
+            return Err(first);
+        }
+        Err(self.give_up(format!(
+            "rank {rank} failed ({first}); {} of {world} ranks failed{}{}",
+            failed,
+            if aborted {
+                ", the others were freed from their collectives by aborting the communicators"
+            } else {
+                ""
+            },
+            if missing.is_empty() {
+                String::new()
+            } else {
+                format!(", ranks {missing:?} never answered")
+            }
+        )))
     }
 
-    /// The ranks' tokens, which must agree.
-    fn agreed_token(answers: Vec<Answer>) -> Result<u32> {
+    /// Marks the split unusable (its communicators aborted) and returns the error saying why.
+    fn give_up(&mut self, why: String) -> GpuError {
+        for h in &self.aborts {
+            h.abort();
+        }
+        self.stuck = Some(why.clone());
+        GpuError::InvalidArgument(format!("tensor parallelism: {why}"))
+    }
+
+    /// The ranks' tokens, which must agree (if not, their histories differ from here on and
+    /// the split is given up).
+    fn agreed_token(&mut self, answers: Vec<Answer>) -> Result<u32> {
         let tokens: Vec<u32> = answers
             .into_iter()
             .map(|a| match a {
@@ -235,7 +342,7 @@ impl TensorParallelGpu {
             .collect::<Result<_>>()?;
         match tokens.first() {
             Some(&t) if tokens.iter().all(|&u| u == t) => Ok(t),
-            _ => Err(GpuError::InvalidArgument(format!(
+            _ => Err(self.give_up(format!(
                 "the ranks chose different tokens ({tokens:?}): their logits differ"
             ))),
         }
@@ -244,14 +351,16 @@ impl TensorParallelGpu {
     /// Runs `prompt` from position 0 on every rank and returns the first token sampled.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32> {
         self.len = 0;
-        let token = Self::agreed_token(self.every_rank(|| Command::Prefill(prompt.to_vec()))?)?;
+        let answers = self.every_rank(|| Command::Prefill(prompt.to_vec()))?;
+        let token = self.agreed_token(answers)?;
         self.len = prompt.len();
         Ok(token)
     }
 
     /// One decode step on every rank: the next token.
     pub fn next_token(&mut self) -> Result<u32> {
-        let token = Self::agreed_token(self.every_rank(|| Command::Next)?)?;
+        let answers = self.every_rank(|| Command::Next)?;
+        let token = self.agreed_token(answers)?;
         self.len += 1;
         Ok(token)
     }
@@ -259,6 +368,28 @@ impl TensorParallelGpu {
     /// The sampling rule of every rank (the same seed on each, so they draw the same token).
     pub fn set_sampling(&mut self, args: SampleArgs) -> Result<()> {
         self.every_rank(|| Command::Sampling(args)).map(|_| ())
+    }
+
+    /// `call` on every rank's model at once (each in its thread), the answers in rank order:
+    /// how a caller runs any [`GpuModel`] method over the split (the serving engine's slot
+    /// calls). Every rank must make the same collectives: `call` must do the same on each.
+    pub fn on_every_rank<T: Send + 'static>(
+        &mut self,
+        call: impl Fn(&mut GpuModel) -> Result<T> + Send + Sync + 'static,
+    ) -> Result<Vec<T>> {
+        let call: RankCall =
+            Arc::new(move |m: &mut GpuModel| call(m).map(|v| Box::new(v) as Box<dyn Any + Send>));
+        self.every_rank(|| Command::Call(call.clone()))?
+            .into_iter()
+            .map(|a| match a {
+                Answer::Value(v) => v.downcast::<T>().map(|b| *b).map_err(|_| {
+                    GpuError::InvalidArgument("a rank answered with another type".into())
+                }),
+                _ => Err(GpuError::InvalidArgument(
+                    "a rank answered out of turn".into(),
+                )),
+            })
+            .collect()
     }
 
     /// Microseconds of one decode step's all-reduces, the slowest rank's (None at world 1).
@@ -274,19 +405,34 @@ impl TensorParallelGpu {
     }
 }
 
+/// The GPU split takes equal MLP slices: every rank's matrices then have the same shapes, so
+/// the shape-dependent choices of the runner (batched passes, kernel paths) are the same on
+/// every rank and their collectives pair up.
+fn uneven_mlp(config: &ModelConfig, world: usize) -> GpuError {
+    GpuError::Unsupported(format!(
+        "--tensor-parallel {world}: the MLP width {} must split evenly over the GPUs (equal \
+         slices keep every rank's kernel choices, and so its all-reduces, the same)",
+        config.intermediate_size
+    ))
+}
+
 fn stopped() -> GpuError {
     GpuError::InvalidArgument("a tensor-parallel rank's thread stopped".into())
 }
 
 impl Worker {
-    fn spawn(rank: usize, mut model: GpuModel) -> Result<Self> {
+    fn spawn(
+        rank: usize,
+        mut model: GpuModel,
+        outbox: Sender<(usize, Result<Answer>)>,
+    ) -> Result<Self> {
         let (commands, inbox) = channel::<Command>();
-        let (outbox, answers) = channel::<Result<Answer>>();
         let thread = std::thread::Builder::new()
             .name(format!("sieve-rank-{rank}"))
             .spawn(move || {
                 for command in inbox {
-                    let answer = match command {
+                    // A panic answers as an error (the driver must hear from every rank).
+                    let run = std::panic::AssertUnwindSafe(|| match command {
                         Command::Prefill(prompt) => model.prefill(&prompt).map(Answer::Token),
                         Command::Next => model.next_token().map(Answer::Token),
                         Command::Sampling(args) => {
@@ -296,8 +442,19 @@ impl Worker {
                         Command::TimeAllReduces(reps) => {
                             model.time_all_reduces(reps).map(Answer::Micros)
                         }
-                    };
-                    if outbox.send(answer).is_err() {
+                        Command::Call(call) => call(&mut model).map(Answer::Value),
+                    });
+                    let answer = std::panic::catch_unwind(run).unwrap_or_else(|panic| {
+                        let what = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_default();
+                        Err(GpuError::InvalidArgument(format!(
+                            "rank {rank} panicked: {what}"
+                        )))
+                    });
+                    if outbox.send((rank, answer)).is_err() {
                         break;
                     }
                 }
@@ -307,7 +464,6 @@ impl Worker {
             })?;
         Ok(Self {
             commands,
-            answers,
             thread: Some(thread),
             abandon: false,
         })

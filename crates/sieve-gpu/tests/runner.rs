@@ -2917,9 +2917,9 @@ fn rel_rms(got: &[f32], want: &[f32]) -> f64 {
 
 /// Issue 31: a model split over `SIEVE_TP_WORLD` GPUs (default: every GPU, at most 2)
 /// (`sieve_gpu::tensor_parallel`) gives the one-GPU model's greedy tokens, dense and with
-/// Tiled-CBC + TEAL shards, with GQA groups kept whole on each rank and an MLP width that splits
-/// unevenly over 2. At world size 1 (a machine of one GPU) the single rank has no communicator
-/// and must give exactly the one-GPU tokens; the all-reduce time is then None.
+/// Tiled-CBC + TEAL shards, with GQA groups kept whole on each rank and MLP halves of odd width
+/// (195). At world size 1 (a machine of one GPU) the single rank is the one-GPU model with no
+/// communicator and must give exactly its tokens; the all-reduce time is then None.
 #[test]
 fn tensor_parallel_decode_matches_one_gpu() {
     let _serial = serial_gpu();
@@ -3005,4 +3005,22 @@ fn tensor_parallel_refuses_a_split_of_heads_before_the_gpu() {
             "{text}"
         );
     }
+    // Unequal MLP slices would give the ranks different kernel choices: refused too.
+    let odd = tiny_model_of(
+        config(301, 256, 513, 2, 4, 2, 64),
+        FormatKind::Dense,
+        0.0,
+        0.0,
+        24,
+    );
+    let e = sieve_gpu::tensor_parallel::TensorParallelGpu::new(
+        &odd,
+        2,
+        16,
+        KvPrecision::F16,
+        Default::default(),
+    )
+    .err()
+    .expect("513 columns over 2 ranks must be refused");
+    assert!(e.to_string().contains("split evenly"), "{e}");
 }

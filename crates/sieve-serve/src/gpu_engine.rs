@@ -15,13 +15,258 @@
 //! slot's, the products read the weights once for all of them.
 
 use crate::engine::{DecodeEngine, PromptChunk, RowSampling};
+use sieve_cuda::sampling::SampleArgs;
 use sieve_gpu::runner::SlotChunk;
+use sieve_gpu::tensor_parallel::TensorParallelGpu;
 use sieve_gpu::{GpuError, GpuModel};
+use sieve_model::config::ModelConfig;
 use sieve_model::llama::Model;
 use sieve_model::{ModelError, Result};
 
-pub struct GpuEngine {
-    model: GpuModel,
+/// What the engine asks of the device: one GPU's [`GpuModel`], or a model split over several
+/// ([`TensorParallelGpu`], each call then made by every rank and rank 0's answer kept; the
+/// tokens every rank chose checked to agree).
+pub trait SlotModel: Send {
+    fn config(&self) -> &ModelConfig;
+    fn capacity(&self) -> usize;
+    fn slots(&self) -> usize;
+    /// Bytes of the KV cache pool (every rank's together).
+    fn kv_cache_bytes(&self) -> usize;
+    fn set_slots(&mut self, slots: usize) -> sieve_gpu::Result<()>;
+    fn capture_slots(&mut self) -> sieve_gpu::Result<()>;
+    fn reserve_scratch(&mut self) -> sieve_gpu::Result<()>;
+    fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()>;
+    fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> sieve_gpu::Result<Vec<f32>>;
+    fn fill_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()>;
+    fn extend_slot(
+        &mut self,
+        slot: usize,
+        start: usize,
+        tokens: &[u32],
+    ) -> sieve_gpu::Result<Vec<f32>>;
+    fn extend_slots(
+        &mut self,
+        chunks: &[SlotChunk<'_>],
+    ) -> sieve_gpu::Result<Vec<Option<Vec<f32>>>>;
+    fn step_slots(&mut self, batch: &[(usize, usize, u32)]) -> sieve_gpu::Result<Vec<f32>>;
+    fn step_slots_argmax(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+    ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>>;
+    fn step_slots_sampled(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+        sampling: &[(SampleArgs, &[u32])],
+    ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>>;
+}
+
+impl SlotModel for GpuModel {
+    fn config(&self) -> &ModelConfig {
+        GpuModel::config(self)
+    }
+    fn capacity(&self) -> usize {
+        GpuModel::capacity(self)
+    }
+    fn slots(&self) -> usize {
+        GpuModel::slots(self)
+    }
+    fn kv_cache_bytes(&self) -> usize {
+        self.report().kv_cache_bytes
+    }
+    fn set_slots(&mut self, slots: usize) -> sieve_gpu::Result<()> {
+        GpuModel::set_slots(self, slots)
+    }
+    fn capture_slots(&mut self) -> sieve_gpu::Result<()> {
+        GpuModel::capture_slots(self).map(|_| ())
+    }
+    fn reserve_scratch(&mut self) -> sieve_gpu::Result<()> {
+        GpuModel::reserve_scratch(self)
+    }
+    fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()> {
+        GpuModel::check_span(self, slot, start, tokens)
+    }
+    fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> sieve_gpu::Result<Vec<f32>> {
+        GpuModel::prefill_slot(self, slot, prompt)
+    }
+    fn fill_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()> {
+        GpuModel::fill_slot(self, slot, start, tokens)
+    }
+    fn extend_slot(
+        &mut self,
+        slot: usize,
+        start: usize,
+        tokens: &[u32],
+    ) -> sieve_gpu::Result<Vec<f32>> {
+        GpuModel::extend_slot(self, slot, start, tokens)
+    }
+    fn extend_slots(
+        &mut self,
+        chunks: &[SlotChunk<'_>],
+    ) -> sieve_gpu::Result<Vec<Option<Vec<f32>>>> {
+        GpuModel::extend_slots(self, chunks)
+    }
+    fn step_slots(&mut self, batch: &[(usize, usize, u32)]) -> sieve_gpu::Result<Vec<f32>> {
+        GpuModel::step_slots(self, batch)
+    }
+    fn step_slots_argmax(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+    ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
+        GpuModel::step_slots_argmax(self, batch)
+    }
+    fn step_slots_sampled(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+        sampling: &[(SampleArgs, &[u32])],
+    ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
+        GpuModel::step_slots_sampled(self, batch, sampling)
+    }
+}
+
+/// Rank 0's answer of a call every rank made.
+fn first<T>(answers: Vec<T>) -> sieve_gpu::Result<T> {
+    answers
+        .into_iter()
+        .next()
+        .ok_or_else(|| GpuError::InvalidArgument("a split model without ranks".into()))
+}
+
+/// Each sequence's token, which every rank must have chosen alike (rank 0's error for a row
+/// it refused).
+fn agreed_tokens(
+    answers: Vec<Vec<sieve_gpu::Result<u32>>>,
+) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
+    let mut ranks = answers.into_iter();
+    let rank0 = ranks
+        .next()
+        .ok_or_else(|| GpuError::InvalidArgument("a split model without ranks".into()))?;
+    for (r, other) in ranks.enumerate() {
+        for (i, (a, b)) in rank0.iter().zip(&other).enumerate() {
+            if let (Ok(a), Ok(b)) = (a, b) {
+                if a != b {
+                    return Err(GpuError::InvalidArgument(format!(
+                        "sequence {i}: rank 0 chose token {a}, rank {} token {b}",
+                        r + 1
+                    )));
+                }
+            }
+        }
+    }
+    Ok(rank0)
+}
+
+/// The split model's ranks each run the call; the slices a call borrows are copied once into
+/// it (every rank's thread reads them).
+impl SlotModel for TensorParallelGpu {
+    fn config(&self) -> &ModelConfig {
+        TensorParallelGpu::config(self)
+    }
+    fn capacity(&self) -> usize {
+        TensorParallelGpu::capacity(self)
+    }
+    fn slots(&self) -> usize {
+        self.slot_count()
+    }
+    fn kv_cache_bytes(&self) -> usize {
+        self.report().rank_kv_bytes.iter().sum()
+    }
+    fn set_slots(&mut self, slots: usize) -> sieve_gpu::Result<()> {
+        self.on_every_rank(move |m| m.set_slots(slots))?;
+        self.set_slot_count(slots);
+        Ok(())
+    }
+    fn capture_slots(&mut self) -> sieve_gpu::Result<()> {
+        self.on_every_rank(|m| m.capture_slots().map(|_| ()))
+            .map(|_| ())
+    }
+    fn reserve_scratch(&mut self) -> sieve_gpu::Result<()> {
+        self.on_every_rank(|m| m.reserve_scratch()).map(|_| ())
+    }
+    fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()> {
+        // The ranks' caches are alike in positions: the bound is the whole model's.
+        if start + tokens.len() > self.capacity() {
+            return Err(sieve_model::ModelError::ContextOverflow {
+                tokens: start + tokens.len(),
+                context: self.capacity(),
+            }
+            .into());
+        }
+        if slot >= self.slot_count() {
+            return Err(GpuError::InvalidArgument(format!(
+                "slot {slot} does not exist (the pool has {})",
+                self.slot_count()
+            )));
+        }
+        Ok(())
+    }
+    fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> sieve_gpu::Result<Vec<f32>> {
+        let prompt = prompt.to_vec();
+        first(self.on_every_rank(move |m| m.prefill_slot(slot, &prompt))?)
+    }
+    fn fill_slot(&mut self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()> {
+        let tokens = tokens.to_vec();
+        self.on_every_rank(move |m| m.fill_slot(slot, start, &tokens))
+            .map(|_| ())
+    }
+    fn extend_slot(
+        &mut self,
+        slot: usize,
+        start: usize,
+        tokens: &[u32],
+    ) -> sieve_gpu::Result<Vec<f32>> {
+        let tokens = tokens.to_vec();
+        first(self.on_every_rank(move |m| m.extend_slot(slot, start, &tokens))?)
+    }
+    fn extend_slots(
+        &mut self,
+        chunks: &[SlotChunk<'_>],
+    ) -> sieve_gpu::Result<Vec<Option<Vec<f32>>>> {
+        let owned: Vec<(usize, usize, Vec<u32>, bool)> = chunks
+            .iter()
+            .map(|c| (c.slot, c.start, c.tokens.to_vec(), c.logits))
+            .collect();
+        first(self.on_every_rank(move |m| {
+            let spans: Vec<SlotChunk<'_>> = owned
+                .iter()
+                .map(|(slot, start, tokens, logits)| SlotChunk {
+                    slot: *slot,
+                    start: *start,
+                    tokens,
+                    logits: *logits,
+                })
+                .collect();
+            m.extend_slots(&spans)
+        })?)
+    }
+    fn step_slots(&mut self, batch: &[(usize, usize, u32)]) -> sieve_gpu::Result<Vec<f32>> {
+        let batch = batch.to_vec();
+        first(self.on_every_rank(move |m| m.step_slots(&batch))?)
+    }
+    fn step_slots_argmax(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+    ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
+        let batch = batch.to_vec();
+        agreed_tokens(self.on_every_rank(move |m| m.step_slots_argmax(&batch))?)
+    }
+    fn step_slots_sampled(
+        &mut self,
+        batch: &[(usize, usize, u32)],
+        sampling: &[(SampleArgs, &[u32])],
+    ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
+        let batch = batch.to_vec();
+        let sampling: Vec<(SampleArgs, Vec<u32>)> =
+            sampling.iter().map(|(a, r)| (*a, r.to_vec())).collect();
+        agreed_tokens(self.on_every_rank(move |m| {
+            let rows: Vec<(SampleArgs, &[u32])> =
+                sampling.iter().map(|(a, r)| (*a, r.as_slice())).collect();
+            m.step_slots_sampled(&batch, &rows)
+        })?)
+    }
+}
+
+pub struct GpuEngine<M: SlotModel = GpuModel> {
+    model: M,
     /// Positions each slot holds.
     lens: Vec<usize>,
 }
@@ -43,7 +288,7 @@ fn model_error(e: GpuError) -> ModelError {
     }
 }
 
-impl GpuEngine {
+impl GpuEngine<GpuModel> {
     /// Uploads `model` to `gpu` with `slots` KV caches of `context` positions (capped at the
     /// model's context), storing what the model is set to ([`Model::set_kv_precision`]).
     /// Fails with the bytes needed when model and pool do not fit.
@@ -112,6 +357,81 @@ impl GpuEngine {
     }
 }
 
+impl GpuEngine<TensorParallelGpu> {
+    /// `model` split over GPUs `0..world` (`sieve_gpu::tensor_parallel`), each rank with
+    /// `slots` KV cache slots of `context` positions for its KV heads; every slot's step
+    /// captured on every rank now.
+    pub fn split(
+        model: &Model,
+        world: usize,
+        slots: usize,
+        context: usize,
+        prompt16: bool,
+    ) -> Result<Self> {
+        check_pool(slots, context)?;
+        let layouts = sieve_gpu::matrix::Layouts {
+            batch: slots > 1,
+            prompt16,
+            ..Default::default()
+        };
+        let split = TensorParallelGpu::new(model, world, context, model.kv_precision(), layouts)
+            .map_err(model_error)?;
+        Self::start(split, slots)
+    }
+
+    /// A synthetic model of a real shape split over GPUs `0..world`
+    /// (`TensorParallelGpu::synthetic`).
+    pub fn split_synthetic(
+        name: &str,
+        options: &sieve_gpu::synthetic::SyntheticOptions,
+        world: usize,
+        slots: usize,
+        context: usize,
+        kv: sieve_model::llama::KvPrecision,
+    ) -> Result<Self> {
+        check_pool(slots, context)?;
+        let split =
+            TensorParallelGpu::synthetic(name, options, world, context, kv).map_err(model_error)?;
+        Self::start(split, slots)
+    }
+
+    /// The split model (its report: ranks, memory, bytes sent).
+    pub fn model(&self) -> &TensorParallelGpu {
+        &self.model
+    }
+}
+
+/// A pool the engine can hold: a slot or more, of 2 positions or more.
+fn check_pool(slots: usize, context: usize) -> Result<()> {
+    if slots == 0 {
+        return Err(ModelError::InvalidArgument(
+            "the KV cache pool needs at least one slot".into(),
+        ));
+    }
+    if context < 2 {
+        return Err(ModelError::InvalidArgument(format!(
+            "the context must hold at least 2 positions, got {context}"
+        )));
+    }
+    Ok(())
+}
+
+impl<M: SlotModel> GpuEngine<M> {
+    /// The pool of `slots` slots on `model`, every slot's step captured now (about a tenth of
+    /// a second each, not in a request's TTFT), the batch scratch reserved (so that what does
+    /// not fit fails here), and the kernels warmed up.
+    fn start(mut model: M, slots: usize) -> Result<Self> {
+        model.set_slots(slots).map_err(model_error)?;
+        model.capture_slots().map_err(model_error)?;
+        model.reserve_scratch().map_err(model_error)?;
+        warm_up(&mut model).map_err(model_error)?;
+        Ok(Self {
+            lens: vec![0; slots],
+            model,
+        })
+    }
+}
+
 /// Prompt lengths the start-up warm-up prefills: one per kind of batched pass (a few rows,
 /// the prompt-attention kernel's 16+, the Tiled-CBC SpMM's last single tile, decode + GEMM past
 /// it), so that the kernels and cuBLAS's lazily loaded GEMMs of a first request are loaded
@@ -121,7 +441,7 @@ const WARM_UP_PROMPTS: [usize; 4] = [2, 17, 64, 128];
 /// Runs the warm-up prompts through slot 0 and one decode step of every slot (each slot
 /// prefilled with two tokens first). What the slots hold afterwards is overwritten by the
 /// requests, which start at position 0.
-fn warm_up(model: &mut GpuModel) -> sieve_gpu::Result<()> {
+fn warm_up<M: SlotModel>(model: &mut M) -> sieve_gpu::Result<()> {
     let capacity = model.capacity();
     let vocab = model.config().vocab_size as u32;
     let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i + 1) % vocab).collect() };
@@ -143,7 +463,7 @@ fn warm_up(model: &mut GpuModel) -> sieve_gpu::Result<()> {
     Ok(())
 }
 
-impl DecodeEngine for GpuEngine {
+impl<M: SlotModel> DecodeEngine for GpuEngine<M> {
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
     }
@@ -260,7 +580,7 @@ impl DecodeEngine for GpuEngine {
     }
 
     fn kv_cache_bytes(&self) -> usize {
-        self.model.report().kv_cache_bytes
+        self.model.kv_cache_bytes()
     }
 
     fn decode_argmax(&mut self, batch: &[(usize, u32)]) -> Option<Result<Vec<Result<u32>>>> {
@@ -303,7 +623,7 @@ fn shared_prompt_passes() -> bool {
     *ON.get_or_init(|| std::env::var("SIEVE_SHARED_PROMPT_PASSES").as_deref() != Ok("off"))
 }
 
-impl GpuEngine {
+impl<M: SlotModel> GpuEngine<M> {
     /// `(slot, position, token)` of each sequence of a decode step; slots checked.
     fn rows(&self, batch: &[(usize, u32)]) -> Result<Vec<(usize, usize, u32)>> {
         for (i, &(slot, _)) in batch.iter().enumerate() {

@@ -32,6 +32,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sieve_gpu::tensor_parallel::TensorParallelGpu;
 use sieve_model::tokenizer::Tokenizer;
 use thiserror::Error;
 
@@ -231,6 +232,49 @@ pub fn load_synthetic_gpu_engine(
     let context = config.context.min(shape.max_position_embeddings);
     let model = sieve_gpu::synthetic::build_with(gpu, name, options, context, config.kv_cache)?;
     let engine = gpu_engine::GpuEngine::from_gpu_model(model, config.max_batch)?;
+    Ok((engine, tokenizer))
+}
+
+/// [`load_gpu_engine`] with the model split over GPUs `0..world` (tensor parallelism:
+/// `sieve_gpu::tensor_parallel`), each with `config.max_batch` slots for its KV heads.
+pub fn load_split_gpu_engine(
+    path: &Path,
+    config: &ServeConfig,
+    world: usize,
+) -> Result<(gpu_engine::GpuEngine<TensorParallelGpu>, Tokenizer)> {
+    config.validate()?;
+    let (mut model, tokenizer) = sieve_model::packed::load_model_and_tokenizer(path)?;
+    model.set_kv_precision(config.kv_cache);
+    let engine = gpu_engine::GpuEngine::split(
+        &model,
+        world,
+        config.max_batch,
+        config.context,
+        config.prompt16,
+    )?;
+    Ok((engine, tokenizer))
+}
+
+/// [`load_synthetic_gpu_engine`] split over GPUs `0..world` (each rank's slices generated on
+/// its GPU; `options.dp` must be 0).
+pub fn load_synthetic_split_gpu_engine(
+    name: &str,
+    options: &sieve_gpu::synthetic::SyntheticOptions,
+    config: &ServeConfig,
+    world: usize,
+) -> Result<(gpu_engine::GpuEngine<TensorParallelGpu>, Tokenizer)> {
+    config.validate()?;
+    let shape = sieve_gpu::synthetic::config(name)?;
+    let tokenizer = Tokenizer::bytes(shape.vocab_size)?;
+    let context = config.context.min(shape.max_position_embeddings);
+    let engine = gpu_engine::GpuEngine::split_synthetic(
+        name,
+        options,
+        world,
+        config.max_batch,
+        context,
+        config.kv_cache,
+    )?;
     Ok((engine, tokenizer))
 }
 

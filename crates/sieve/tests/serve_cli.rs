@@ -309,6 +309,10 @@ fn serve_refuses_bad_settings_before_loading() {
             "needs --device cuda",
         ),
         (
+            &["--tensor-parallel", "2", "--device", "cpu"][..],
+            "splits the model over GPUs",
+        ),
+        (
             &["--synthetic", "llama2-7b", "--sp", "1"][..],
             "--sp 1 is outside [0, 1)",
         ),

@@ -179,3 +179,25 @@ pub fn print_report(model: &sieve_gpu::GpuModel) {
         eprintln!("note: {note}");
     }
 }
+
+/// What a split model holds on each GPU and sends per token, on stderr.
+pub fn print_split_report(split: &sieve_gpu::tensor_parallel::TensorParallelGpu) {
+    let r = split.report();
+    let per_rank: Vec<String> = (0..r.world)
+        .map(|i| {
+            format!(
+                "{:.2} + {:.2}",
+                r.rank_weight_bytes[i] as f64 / 1e9,
+                r.rank_kv_bytes[i] as f64 / 1e9
+            )
+        })
+        .collect();
+    eprintln!(
+        "tensor parallel: {} GPUs, GB of weights + KV cache per rank {}; {} all-reduces a token, \
+         {} bytes sent per rank",
+        r.world,
+        per_rank.join(", "),
+        r.volume.all_reduces,
+        r.volume.bytes_sent_per_rank
+    );
+}

@@ -156,24 +156,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
             layouts,
         )?;
         drop(model);
-        let r = split.report();
-        let gb: Vec<String> = (0..r.world)
-            .map(|i| {
-                format!(
-                    "{:.2} + {:.2}",
-                    r.rank_weight_bytes[i] as f64 / 1e9,
-                    r.rank_kv_bytes[i] as f64 / 1e9
-                )
-            })
-            .collect();
-        eprintln!(
-            "tensor parallel: {} GPUs, GB of weights + KV cache per rank {}; {} all-reduces a \
-             token, {} bytes sent per rank",
-            r.world,
-            gb.join(", "),
-            r.volume.all_reduces,
-            r.volume.bytes_sent_per_rank
-        );
+        super::device::print_split_report(&split);
         let result = sieve_gpu::generate::generate_split(
             &mut split,
             &tokenizer,

@@ -70,6 +70,10 @@ pub struct ServeArgs {
     /// about half the memory per slot).
     #[arg(long, value_enum, default_value_t = super::device::KvCache::F16)]
     kv_cache: super::device::KvCache,
+    /// Split the model over this many GPUs of the machine (tensor parallelism over NCCL, each
+    /// GPU holding its heads' KV cache slots); GPU only. Synthetic models take --dp 0 only.
+    #[arg(long)]
+    tensor_parallel: Option<usize>,
     /// GPU only: f16, or f16-resident (the f16 copy a prompt pass of a sparse or low-bit matrix
     /// multiplies, decoded once at start instead of once per pass: a dense model's time to
     /// first token, 2 more bytes per weight of GPU memory).
@@ -123,11 +127,21 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if config.prompt16 && args.device == Device::Cpu {
         bail!("--prompt-precision f16-resident keeps copies in GPU memory: it needs --device cuda or auto with a GPU");
     }
+    if args.tensor_parallel.is_some() && args.device == Device::Cpu {
+        bail!("--tensor-parallel splits the model over GPUs: it needs --device cuda or auto with GPUs");
+    }
     if let Some(name) = &args.synthetic {
         return serve_synthetic(name, &args, config);
     }
     let path = super::model_path::resolve_model(args.model.as_deref())?;
     config.model_name = model_name_for(&path);
+    if let Some(world) = args.tensor_parallel {
+        let (engine, tokenizer) = sieve_serve::load_split_gpu_engine(&path, &config, world)
+            .with_context(|| format!("opening {} over {world} GPU(s)", path.display()))?;
+        device::print_split_report(engine.model());
+        let on = format!("{world} GPU(s), tensor parallel");
+        return listen(Box::new(engine), tokenizer, config, &on);
+    }
     let gpu = device::open(args.device)?;
     let on = match &gpu {
         Some(g) => g.info().name.clone(),
@@ -170,6 +184,39 @@ fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Res
     sieve_gpu::synthetic::config(name)?;
     let values: SyntheticValues = args.values.parse()?;
     values.check(format)?;
+    if let Some(world) = args.tensor_parallel {
+        let options = SyntheticOptions {
+            sp: args.sp,
+            pattern: sieve_formats::random::Pattern::Unstructured,
+            dp: args.dp,
+            format,
+            values,
+            seed: 0,
+            calib_tokens: 16,
+            layouts: sieve_gpu::matrix::Layouts {
+                batch: config.max_batch > 1,
+                prompt16: config.prompt16,
+                ..Default::default()
+            },
+        };
+        config.model_name = format!(
+            "synthetic-{name}-sp{}-dp{}-{}-{}-tp{world}",
+            args.sp,
+            args.dp,
+            format.name(),
+            values.name()
+        );
+        eprintln!(
+            "sieve serve: building {} over {world} GPU(s)",
+            config.model_name
+        );
+        let (engine, tokenizer) =
+            sieve_serve::load_synthetic_split_gpu_engine(name, &options, &config, world)
+                .with_context(|| format!("building the synthetic {name} over {world} GPU(s)"))?;
+        device::print_split_report(engine.model());
+        let on = format!("{world} GPU(s), tensor parallel");
+        return listen(Box::new(engine), tokenizer, config, &on);
+    }
     let Some(gpu) = device::open(args.device)? else {
         bail!("--synthetic models are built on the GPU; this run has none (--device cuda on a machine with one)");
     };
