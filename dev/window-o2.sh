@@ -6,8 +6,8 @@
 #                test at world size 1 (NCCL communicators, eager and in graph replays), the
 #                runner's tensor-parallel test (world 1: the one-GPU tokens exactly), `bench
 #                decode --tensor-parallel 1` against the plain step on the SmolLM2 shape, and
-#                memcheck of the dense 8-bit baseline on cuSPARSELt with the compressed-buffer
-#                slack (the over-read of window O1)
+#                a split SmolLM2 served (one completion), memcheck of the dense 8-bit baseline
+#                on cuSPARSELt with the compressed-buffer slack (the over-read of window O1)
 #   PART=tp      a multi-GPU kind: the same tests at world size 2 (SIEVE_TP_WORLD=2), then
 #                issue 31's table: 7B dense f16 on 1 and 2 GPUs, 70B dense f16 on 2 and 4
 #   PART=gqa     the warp split kernel against the block one on grouped-query shapes (smollm2,
@@ -40,6 +40,17 @@ tp_bench() {  # tp_bench LABEL WORLD ARGS...: one bench decode --tensor-parallel
   echo "$label: exit $?"
   grep -E "TPOT|rror" "$OUT/tp-$label.log" | cut -c1-330
 }
+serve_smoke() {  # serve_smoke WORLD: a split synthetic SmolLM2 served, one completion asked
+  local world=$1 port=$((18000 + $1))
+  $S serve --synthetic smollm2-135m --sp 0 --dp 0 --tensor-parallel "$world" --port $port \
+    --max-batch 4 --ctx 512 > "$OUT/serve-tp$world.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 120); do grep -q listening "$OUT/serve-tp$world.log" && break; sleep 1; done
+  curl -s -m 60 http://127.0.0.1:$port/v1/completions -H 'content-type: application/json' \
+    -d '{"prompt":"hello","max_tokens":16,"temperature":0}' | cut -c1-300; echo
+  kill $pid; wait $pid 2>/dev/null
+  grep -E "tensor parallel|listening|rror" "$OUT/serve-tp$world.log" | cut -c1-250
+}
 if has tp1; then
   nccl_setup
   at tests
@@ -50,6 +61,7 @@ if has tp1; then
   timeout 120 $S bench decode --synthetic smollm2-135m --sp 0 --dp 0 --prompt 128 --tokens 128 \
     > "$OUT/plain-smollm2.log" 2>&1; echo "plain smollm2: exit $?"
   grep -E "TPOT|rror" "$OUT/plain-smollm2.log" | sed -E 's/\| eager split.*//' | cut -c1-250
+  serve_smoke 1
   at sanitizers
   SIEVE_LT_PRECISIONS=int8 sanitize memcheck slide_lt 150 gpu_dense_eight_bit_baseline sieve-cuda
   at end
@@ -63,6 +75,7 @@ if has tp; then
   timeout 200 $S bench decode --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --tokens 256 \
     > "$OUT/plain-7b.log" 2>&1; echo "plain 7b: exit $?"
   grep -E "TPOT|rror" "$OUT/plain-7b.log" | sed -E 's/\| eager split.*//' | cut -c1-250
+  serve_smoke 2
   tp_bench 7b-tp2 2 --synthetic llama2-7b --sp 0 --dp 0 --prompt 128 --tokens 256
   tp_bench 70b-tp2 2 --synthetic llama2-70b --sp 0 --dp 0 --prompt 128 --tokens 256
   tp_bench 70b-tp4 4 --synthetic llama2-70b --sp 0 --dp 0 --prompt 128 --tokens 256
@@ -100,4 +113,4 @@ if has ncu; then
   PART=ncu bash dev/window-o1.sh
 fi
 # Logs travel as one archive (a run returns at most 8 files).
-(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz *.log 2>/dev/null; rm -f t-*.log san-*.log tp-*.log plain-*.log gqa-*.log prefetch-*.log leave-*.log)
+(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz *.log 2>/dev/null; rm -f t-*.log san-*.log tp-*.log serve-*.log plain-*.log gqa-*.log prefetch-*.log leave-*.log)
