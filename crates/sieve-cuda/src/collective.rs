@@ -32,8 +32,6 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::product::DevPtr;
 use cudarc::nccl::{result as nccl, sys};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 /// Whether NCCL can be loaded on this machine (without the panic cudarc's loader gives).
 pub fn nccl_available() -> bool {
@@ -64,39 +62,13 @@ fn failed(call: &'static str, e: nccl::NcclError) -> CudaError {
     }
 }
 
-/// One rank's communicator (aborted on drop: a rank that failed mid-step leaves its peers
-/// waiting inside a collective, and only an abort frees them; callers synchronize first on the
-/// normal path, so nothing is in flight then).
+/// One rank's communicator, aborted on drop by the thread that owns it (a destroy would wait
+/// for peers that may be gone; on the normal path the rank has synchronized, so nothing is in
+/// flight then).
 pub struct Communicator {
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
-    /// Set once the communicator is aborted (here on drop, or through an [`AbortHandle`]):
-    /// after that no call may reach NCCL with it.
-    aborted: Arc<AtomicBool>,
-}
-
-/// Aborts a rank's communicator from another thread ([`Communicator::abort_handle`]): the way
-/// to free ranks that wait inside a collective for a peer that failed (NCCL allows the abort
-/// while the collective hangs). The communicator is then unusable; its collectives fail.
-#[derive(Clone)]
-pub struct AbortHandle {
-    comm: sys::ncclComm_t,
-    aborted: Arc<AtomicBool>,
-}
-
-// SAFETY: the handle only calls ncclCommAbort, once (the flag), which NCCL allows from any
-// thread.
-unsafe impl Send for AbortHandle {}
-unsafe impl Sync for AbortHandle {}
-
-impl AbortHandle {
-    pub fn abort(&self) {
-        if !self.comm.is_null() && !self.aborted.swap(true, Ordering::SeqCst) {
-            // SAFETY: the communicator is alive until aborted, and is aborted once (the flag).
-            let _ = unsafe { nccl::comm_abort(self.comm) };
-        }
-    }
 }
 
 // SAFETY: a communicator may be used from any thread as long as one thread at a time calls it
@@ -128,7 +100,6 @@ pub fn open_ranks(world: usize) -> Result<Vec<Rank>> {
             comm: std::ptr::null_mut(),
             rank: 0,
             world: 1,
-            aborted: Arc::new(AtomicBool::new(false)),
         };
         return Ok(vec![Rank {
             gpu: Gpu::new(0)?,
@@ -168,12 +139,7 @@ pub fn open_nccl_ranks(world: usize) -> Result<Vec<Rank>> {
         .enumerate()
         .map(|(rank, (gpu, comm))| Rank {
             gpu,
-            comm: Communicator {
-                comm,
-                rank,
-                world,
-                aborted: Arc::new(AtomicBool::new(false)),
-            },
+            comm: Communicator { comm, rank, world },
         })
         .collect())
 }
@@ -193,24 +159,6 @@ pub fn group_end() -> Result<()> {
 }
 
 impl Communicator {
-    /// A handle that aborts this communicator from another thread.
-    pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle {
-            comm: self.comm,
-            aborted: self.aborted.clone(),
-        }
-    }
-
-    fn check_alive(&self) -> Result<()> {
-        if self.aborted.load(Ordering::SeqCst) {
-            return Err(CudaError::Nccl {
-                call: "a collective",
-                status: "the communicator was aborted (a rank failed)".into(),
-            });
-        }
-        Ok(())
-    }
-
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -234,7 +182,6 @@ impl Communicator {
         if self.comm.is_null() {
             return copy_f32(gpu, send, recv, len);
         }
-        self.check_alive()?;
         nccl::all_reduce(
             send as *const _,
             recv as *mut _,
@@ -263,7 +210,6 @@ impl Communicator {
         if self.comm.is_null() {
             return copy_f32(gpu, send, recv, len);
         }
-        self.check_alive()?;
         nccl::all_gather(
             send as *const _,
             recv as *mut _,
@@ -295,6 +241,10 @@ unsafe fn copy_f32(gpu: &Gpu, send: DevPtr, recv: DevPtr, len: usize) -> Result<
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        self.abort_handle().abort();
+        if !self.comm.is_null() {
+            // SAFETY: made by `open_nccl_ranks`, ended once, on the thread that used it (NCCL
+            // forbids ending a communicator another thread may be calling).
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+        }
     }
 }

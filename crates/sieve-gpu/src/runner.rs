@@ -121,6 +121,45 @@ impl Op {
     }
 }
 
+/// What [`GpuModel::check_span`] checks, from the pool's shape alone (so a split model's
+/// driver checks a span as each rank would): the slot, the positions, the token ids.
+pub fn check_span_of(
+    slots: usize,
+    capacity: usize,
+    vocab: usize,
+    slot: usize,
+    start: usize,
+    tokens: &[u32],
+) -> Result<()> {
+    check_slot_of(slots, slot)?;
+    if start + tokens.len() > capacity {
+        return Err(sieve_model::ModelError::ContextOverflow {
+            tokens: start + tokens.len(),
+            context: capacity,
+        }
+        .into());
+    }
+    check_vocabulary(vocab, tokens)
+}
+
+fn check_slot_of(slots: usize, slot: usize) -> Result<()> {
+    if slot >= slots {
+        return Err(GpuError::InvalidArgument(format!(
+            "slot {slot} does not exist (the pool has {slots})"
+        )));
+    }
+    Ok(())
+}
+
+fn check_vocabulary(vocab: usize, tokens: &[u32]) -> Result<()> {
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(GpuError::InvalidArgument(format!(
+            "token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(())
+}
+
 /// A GGUF matrix's blocks as the low-bit kernels' integers and scales (repacked, never
 /// dequantized): every block type the CPU loads has a kernel kind.
 pub fn low_bit_of_blocks(q: &sieve_cpu::gguf_blocks::QuantMatrix) -> Result<LowBitMatrix> {
@@ -1603,16 +1642,7 @@ impl GpuModel {
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        if let Some(&bad) = tokens
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return Err(GpuError::InvalidArgument(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.config.vocab_size
-            )));
-        }
-        Ok(())
+        check_vocabulary(self.config.vocab_size, tokens)
     }
 
     /// Starts a sequence: the prompt goes into the device history, position 0.
@@ -1998,16 +2028,6 @@ impl GpuModel {
         self.bufs.kv.view_at(&self.gpu, values, c.head_dim)
     }
 
-    fn check_slot(&self, slot: usize) -> Result<()> {
-        if slot >= self.slots {
-            return Err(GpuError::InvalidArgument(format!(
-                "slot {slot} does not exist (the pool has {})",
-                self.slots
-            )));
-        }
-        Ok(())
-    }
-
     /// Runs `prompt` into slot `slot` from position 0 (what the slot held is overwritten) and
     /// returns the logits after its last token, `[vocab]`.
     pub fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> Result<Vec<f32>> {
@@ -2171,15 +2191,14 @@ impl GpuModel {
     /// Refuses a slot outside the pool, positions past the context and tokens outside the
     /// vocabulary, before anything runs.
     pub fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
-        self.check_slot(slot)?;
-        if start + tokens.len() > self.capacity {
-            return Err(sieve_model::ModelError::ContextOverflow {
-                tokens: start + tokens.len(),
-                context: self.capacity,
-            }
-            .into());
-        }
-        self.check_tokens(tokens)
+        check_span_of(
+            self.slots,
+            self.capacity,
+            self.config.vocab_size,
+            slot,
+            start,
+            tokens,
+        )
     }
 
     /// `tokens` into the current slot's cache at positions `start ..`: through the batched

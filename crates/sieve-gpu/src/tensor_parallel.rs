@@ -61,11 +61,16 @@ struct Worker {
     abandon: bool,
 }
 
-/// How long the other ranks get to answer once one rank has failed, before the communicators
-/// are aborted to free them.
-const GRACE_AFTER_A_FAILURE: std::time::Duration = std::time::Duration::from_secs(5);
-/// How long ranks get to answer after the abort.
-const STUCK_AFTER_AN_ABORT: std::time::Duration = std::time::Duration::from_secs(20);
+/// The least time the other ranks get to answer once one has ([`TensorParallelGpu::every_rank`]).
+const STRAGGLERS_AT_LEAST: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A rank's answer to a command.
+struct Reply {
+    rank: usize,
+    answer: Result<Answer>,
+    /// The command panicked (the answer is the panic's message): the rank's state is unknown.
+    panicked: bool,
+}
 
 /// What a tensor-parallel model holds and moves, for the report.
 #[derive(Clone, Debug)]
@@ -82,10 +87,8 @@ pub struct TensorParallelReport {
 /// A model split over `world` GPUs ([module notes](self)).
 pub struct TensorParallelGpu {
     workers: Vec<Worker>,
-    /// Every rank's answers, tagged with its rank.
-    answers: Receiver<(usize, Result<Answer>)>,
-    /// Aborts each rank's communicator (to free ranks stuck in a collective).
-    aborts: Vec<collective::AbortHandle>,
+    /// Every rank's answers.
+    answers: Receiver<Reply>,
     config: ModelConfig,
     capacity: usize,
     /// Positions in the ranks' caches (as [`GpuModel::len`]).
@@ -164,10 +167,8 @@ impl TensorParallelGpu {
         let (mut weights, mut caches) = (Vec::new(), Vec::new());
         let mut capacity = usize::MAX;
         let mut workers = Vec::with_capacity(world);
-        let mut aborts = Vec::with_capacity(world);
         let (outbox, answers) = channel();
         for (r, (mut g, comm)) in models.into_iter().enumerate() {
-            aborts.push(comm.abort_handle());
             g.set_tensor_parallel(comm)?;
             weights.push(g.report().weight_bytes);
             caches.push(g.report().kv_cache_bytes);
@@ -188,7 +189,6 @@ impl TensorParallelGpu {
         let mut split = Self {
             workers,
             answers,
-            aborts,
             capacity,
             len: 0,
             stuck: None,
@@ -233,13 +233,15 @@ impl TensorParallelGpu {
 
     /// Gives every rank `command()` and collects their answers in rank order.
     ///
-    /// A rank that fails before its collective leaves the others waiting inside it on their
-    /// GPUs. So once one rank has failed, the others get [`GRACE_AFTER_A_FAILURE`] to answer;
-    /// those that do not are freed by aborting every communicator, and get
-    /// [`STUCK_AFTER_AN_ABORT`] more (a thread that still does not answer is left behind, not
-    /// joined). The split stays usable only when every rank succeeded, or every rank failed
-    /// alike without an abort (a request refused on each before any collective); otherwise it
-    /// is marked unusable and says why.
+    /// The ranks do the same work and meet in its collectives, so once one has answered the
+    /// others follow closely. A rank that failed before a collective leaves its peers waiting
+    /// in it on their GPUs, where only their own threads may end their communicators (NCCL
+    /// forbids ending one another thread is calling). So after the first answer the others
+    /// get twice the time it took, at least [`STRAGGLERS_AT_LEAST`]; a rank that still has not
+    /// answered is left behind (its thread not joined on drop) and the split is given up with
+    /// the reason. It is also given up when the ranks ended differently (some failed, or one
+    /// panicked): only a request every rank refused alike (the same error on each) leaves it
+    /// usable.
     fn every_rank(&mut self, command: impl Fn() -> Command) -> Result<Vec<Answer>> {
         if let Some(why) = &self.stuck {
             return Err(GpuError::InvalidArgument(format!(
@@ -247,13 +249,14 @@ impl TensorParallelGpu {
             )));
         }
         let world = self.workers.len();
-        for (r, w) in self.workers.iter().enumerate() {
-            if w.commands.send(command()).is_err() {
+        for r in 0..world {
+            if self.workers[r].commands.send(command()).is_err() {
                 return Err(self.give_up(format!("rank {r}'s thread has stopped")));
             }
         }
-        let mut got: Vec<Option<Result<Answer>>> = (0..world).map(|_| None).collect();
-        let (mut received, mut aborted) = (0, false);
+        let start = std::time::Instant::now();
+        let mut got: Vec<Option<Reply>> = (0..world).map(|_| None).collect();
+        let mut received = 0;
         let mut deadline: Option<std::time::Instant> = None;
         while received < world {
             let next = match deadline {
@@ -265,66 +268,66 @@ impl TensorParallelGpu {
                     .answers
                     .recv_timeout(d.saturating_duration_since(std::time::Instant::now())),
             };
-            match next {
-                Ok((r, answer)) => {
-                    if answer.is_err() && deadline.is_none() {
-                        deadline = Some(std::time::Instant::now() + GRACE_AFTER_A_FAILURE);
-                    }
-                    if got[r].replace(answer).is_none() {
-                        received += 1;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) if !aborted => {
-                    for h in &self.aborts {
-                        h.abort();
-                    }
-                    aborted = true;
-                    deadline = Some(std::time::Instant::now() + STUCK_AFTER_AN_ABORT);
-                }
-                Err(_) => break,
+            let Ok(reply) = next else { break };
+            if deadline.is_none() {
+                let wait = (start.elapsed() * 2).max(STRAGGLERS_AT_LEAST);
+                deadline = Some(std::time::Instant::now() + wait);
+            }
+            let r = reply.rank;
+            if got[r].replace(reply).is_none() {
+                received += 1;
             }
         }
-        let failed = got.iter().filter(|a| matches!(a, Some(Err(_)))).count();
-        if failed == 0 && received == world {
-            return Ok(got.into_iter().flatten().flatten().collect());
+        if received == world && got.iter().flatten().all(|reply| reply.answer.is_ok()) {
+            return Ok(got
+                .into_iter()
+                .flatten()
+                .filter_map(|reply| reply.answer.ok())
+                .collect());
         }
         let missing: Vec<usize> = (0..world).filter(|&r| got[r].is_none()).collect();
+        let replies: Vec<Reply> = got.into_iter().flatten().collect();
+        let panicked = replies.iter().any(|reply| reply.panicked);
+        let errors: Vec<(usize, GpuError)> = replies
+            .into_iter()
+            .filter_map(|reply| reply.answer.err().map(|e| (reply.rank, e)))
+            .collect();
+        let alike = errors.len() == world
+            && !panicked
+            && errors
+                .iter()
+                .all(|(_, e)| e.to_string() == errors[0].1.to_string());
+        let mut errors = errors.into_iter();
+        let (rank, first) = errors.next().unwrap_or((0, stopped()));
+        if alike {
+            return Err(first);
+        }
         for &r in &missing {
             self.workers[r].abandon = true;
         }
-        let (rank, first) = got
-            .into_iter()
-            .enumerate()
-            .find_map(|(r, a)| match a {
-                Some(Err(e)) => Some((r, e)),
-                _ => None,
-            })
-            .unwrap_or((0, stopped()));
-        if failed == world && !aborted {
-            return Err(first);
-        }
+        let others = errors.len();
         Err(self.give_up(format!(
-            "rank {rank} failed ({first}); {} of {world} ranks failed{}{}",
-            failed,
-            if aborted {
-                ", the others were freed from their collectives by aborting the communicators"
+            "rank {rank} failed ({first}){}{}",
+            if others > 0 {
+                format!(", and {others} other rank(s)")
             } else {
-                ""
+                String::new()
             },
             if missing.is_empty() {
                 String::new()
             } else {
-                format!(", ranks {missing:?} never answered")
+                format!("; ranks {missing:?} never answered (waiting in a collective)")
             }
         )))
     }
 
-    /// Marks the split unusable (its communicators aborted) and returns the error saying why.
-    fn give_up(&mut self, why: String) -> GpuError {
-        for h in &self.aborts {
-            h.abort();
-        }
+    /// Marks the split unusable and returns the error saying why; no rank's thread is joined
+    /// on drop from here on (one may wait in a collective forever).
+    pub fn give_up(&mut self, why: String) -> GpuError {
         self.stuck = Some(why.clone());
+        for w in &mut self.workers {
+            w.abandon = true;
+        }
         GpuError::InvalidArgument(format!("tensor parallelism: {why}"))
     }
 
@@ -421,11 +424,7 @@ fn stopped() -> GpuError {
 }
 
 impl Worker {
-    fn spawn(
-        rank: usize,
-        mut model: GpuModel,
-        outbox: Sender<(usize, Result<Answer>)>,
-    ) -> Result<Self> {
+    fn spawn(rank: usize, mut model: GpuModel, outbox: Sender<Reply>) -> Result<Self> {
         let (commands, inbox) = channel::<Command>();
         let thread = std::thread::Builder::new()
             .name(format!("sieve-rank-{rank}"))
@@ -444,17 +443,28 @@ impl Worker {
                         }
                         Command::Call(call) => call(&mut model).map(Answer::Value),
                     });
-                    let answer = std::panic::catch_unwind(run).unwrap_or_else(|panic| {
-                        let what = panic
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| panic.downcast_ref::<String>().cloned())
-                            .unwrap_or_default();
-                        Err(GpuError::InvalidArgument(format!(
-                            "rank {rank} panicked: {what}"
-                        )))
-                    });
-                    if outbox.send((rank, answer)).is_err() {
+                    let reply = match std::panic::catch_unwind(run) {
+                        Ok(answer) => Reply {
+                            rank,
+                            answer,
+                            panicked: false,
+                        },
+                        Err(panic) => {
+                            let what = panic
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| panic.downcast_ref::<String>().cloned())
+                                .unwrap_or_default();
+                            Reply {
+                                rank,
+                                answer: Err(GpuError::InvalidArgument(format!(
+                                    "rank {rank} panicked: {what}"
+                                ))),
+                                panicked: true,
+                            }
+                        }
+                    };
+                    if outbox.send(reply).is_err() {
                         break;
                     }
                 }

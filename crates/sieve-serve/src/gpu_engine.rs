@@ -131,9 +131,10 @@ fn first<T>(answers: Vec<T>) -> sieve_gpu::Result<T> {
         .ok_or_else(|| GpuError::InvalidArgument("a split model without ranks".into()))
 }
 
-/// Each sequence's token, which every rank must have chosen alike (rank 0's error for a row
-/// it refused).
+/// Each sequence's token, which every rank must have chosen alike (the same tokens, the same
+/// rows refused); if not, the ranks' histories now differ and the split is given up.
 fn agreed_tokens(
+    split: &mut TensorParallelGpu,
     answers: Vec<Vec<sieve_gpu::Result<u32>>>,
 ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
     let mut ranks = answers.into_iter();
@@ -141,15 +142,22 @@ fn agreed_tokens(
         .next()
         .ok_or_else(|| GpuError::InvalidArgument("a split model without ranks".into()))?;
     for (r, other) in ranks.enumerate() {
-        for (i, (a, b)) in rank0.iter().zip(&other).enumerate() {
-            if let (Ok(a), Ok(b)) = (a, b) {
-                if a != b {
-                    return Err(GpuError::InvalidArgument(format!(
-                        "sequence {i}: rank 0 chose token {a}, rank {} token {b}",
-                        r + 1
-                    )));
-                }
-            }
+        let same = other.len() == rank0.len()
+            && rank0.iter().zip(&other).all(|(a, b)| match (a, b) {
+                (Ok(a), Ok(b)) => a == b,
+                (Err(_), Err(_)) => true,
+                _ => false,
+            });
+        if !same {
+            let show = |v: &[sieve_gpu::Result<u32>]| -> Vec<Option<u32>> {
+                v.iter().map(|t| t.as_ref().ok().copied()).collect()
+            };
+            return Err(split.give_up(format!(
+                "rank 0 chose {:?}, rank {} {:?}",
+                show(&rank0),
+                r + 1,
+                show(&other)
+            )));
         }
     }
     Ok(rank0)
@@ -183,21 +191,15 @@ impl SlotModel for TensorParallelGpu {
         self.on_every_rank(|m| m.reserve_scratch()).map(|_| ())
     }
     fn check_span(&self, slot: usize, start: usize, tokens: &[u32]) -> sieve_gpu::Result<()> {
-        // The ranks' caches are alike in positions: the bound is the whole model's.
-        if start + tokens.len() > self.capacity() {
-            return Err(sieve_model::ModelError::ContextOverflow {
-                tokens: start + tokens.len(),
-                context: self.capacity(),
-            }
-            .into());
-        }
-        if slot >= self.slot_count() {
-            return Err(GpuError::InvalidArgument(format!(
-                "slot {slot} does not exist (the pool has {})",
-                self.slot_count()
-            )));
-        }
-        Ok(())
+        // What each rank would check, from the pool's shape (the same on every rank).
+        sieve_gpu::runner::check_span_of(
+            self.slot_count(),
+            self.capacity(),
+            self.config().vocab_size,
+            slot,
+            start,
+            tokens,
+        )
     }
     fn prefill_slot(&mut self, slot: usize, prompt: &[u32]) -> sieve_gpu::Result<Vec<f32>> {
         let prompt = prompt.to_vec();
@@ -247,7 +249,8 @@ impl SlotModel for TensorParallelGpu {
         batch: &[(usize, usize, u32)],
     ) -> sieve_gpu::Result<Vec<sieve_gpu::Result<u32>>> {
         let batch = batch.to_vec();
-        agreed_tokens(self.on_every_rank(move |m| m.step_slots_argmax(&batch))?)
+        let answers = self.on_every_rank(move |m| m.step_slots_argmax(&batch))?;
+        agreed_tokens(self, answers)
     }
     fn step_slots_sampled(
         &mut self,
@@ -257,11 +260,12 @@ impl SlotModel for TensorParallelGpu {
         let batch = batch.to_vec();
         let sampling: Vec<(SampleArgs, Vec<u32>)> =
             sampling.iter().map(|(a, r)| (*a, r.to_vec())).collect();
-        agreed_tokens(self.on_every_rank(move |m| {
+        let answers = self.on_every_rank(move |m| {
             let rows: Vec<(SampleArgs, &[u32])> =
                 sampling.iter().map(|(a, r)| (*a, r.as_slice())).collect();
             m.step_slots_sampled(&batch, &rows)
-        })?)
+        })?;
+        agreed_tokens(self, answers)
     }
 }
 
