@@ -671,8 +671,14 @@ impl<M: SlotModel> GpuEngine<M> {
             .map_err(model_error)
     }
 
-    /// A chunk may start at most where the slot's sequence ends.
+    /// A chunk goes to a slot of the pool and starts at most where the slot's sequence ends.
     fn check_start(&self, slot: usize, start: usize) -> Result<()> {
+        if slot >= self.lens.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "slot {slot} does not exist (the pool has {})",
+                self.lens.len()
+            )));
+        }
         let held = self.slot_len(slot);
         if start > held {
             return Err(ModelError::InvalidArgument(format!(
