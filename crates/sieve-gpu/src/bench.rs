@@ -541,6 +541,35 @@ pub fn run_synthetic(
     run_synthetic_with(name, configs, opts, KvPrecision::F16, on_result)
 }
 
+/// One (sp, dp) configuration of a synthetic run: its sparsities, the format it is stored
+/// in, and the value kinds each measured.
+type SyntheticRun = (f64, f64, FormatKind, Vec<SyntheticValues>);
+
+/// The synthetic models `configs` and `opts` ask for, every one checked before any is built;
+/// a dense configuration is stored dense whatever `--format` says.
+fn synthetic_runs(configs: &[(f64, f64)], opts: &DecodeBenchOptions) -> Result<Vec<SyntheticRun>> {
+    let values = if opts.values.is_empty() {
+        vec![SyntheticValues::F16]
+    } else {
+        opts.values.clone()
+    };
+    configs
+        .iter()
+        .map(|&(sp, dp)| {
+            let format = if sp == 0.0 {
+                FormatKind::Dense
+            } else {
+                opts.format
+            };
+            for &v in &values {
+                v.check(format)?;
+            }
+            synthetic::check_pattern(format, opts.pattern)?;
+            Ok((sp, dp, format, values.clone()))
+        })
+        .collect()
+}
+
 /// [`run_synthetic`] with the KV cache stored as `kv` says.
 pub fn run_synthetic_with(
     name: &str,
@@ -557,30 +586,8 @@ pub fn run_synthetic_with(
     let capacity = opts.positions_needed();
     let mut out = Vec::new();
     let mut copy_gbs = 0.0;
-    let values = if opts.values.is_empty() {
-        vec![SyntheticValues::F16]
-    } else {
-        opts.values.clone()
-    };
-    for &(sp, _) in configs {
-        // A dense configuration is stored dense whatever --format says.
-        let format = if sp == 0.0 {
-            FormatKind::Dense
-        } else {
-            opts.format
-        };
-        for &v in &values {
-            v.check(format)?;
-        }
-        synthetic::check_pattern(format, opts.pattern)?;
-    }
-    for &(sp, dp) in configs {
-        let format = if sp == 0.0 {
-            FormatKind::Dense
-        } else {
-            opts.format
-        };
-        for &v in &values {
+    for (sp, dp, format, values) in synthetic_runs(configs, opts)? {
+        for v in values {
             let gpu = Gpu::new(0)?;
             if copy_gbs == 0.0 {
                 copy_gbs = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
@@ -848,22 +855,10 @@ pub fn run_synthetic_tensor_parallel(
              thresholds are calibrated on one GPU's whole model)"
         )));
     }
-    let values = if opts.values.is_empty() {
-        vec![SyntheticValues::F16]
-    } else {
-        opts.values.clone()
-    };
     let capacity = opts.positions_needed();
     let mut out = Vec::new();
-    for &(sp, dp) in configs {
-        let format = if sp == 0.0 {
-            FormatKind::Dense
-        } else {
-            opts.format
-        };
-        for &v in &values {
-            v.check(format)?;
-            synthetic::check_pattern(format, opts.pattern)?;
+    for (sp, dp, format, values) in synthetic_runs(configs, opts)? {
+        for v in values {
             let synth = SyntheticOptions {
                 sp,
                 pattern: opts.pattern,

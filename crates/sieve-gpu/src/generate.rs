@@ -64,18 +64,9 @@ pub fn generate(
     options: &GenerateOptions,
     on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<GpuGeneration> {
-    options.sampling.validate()?;
-    if prompt.len() >= model.capacity() {
-        return Err(sieve_model::ModelError::ContextOverflow {
-            tokens: prompt.len(),
-            context: model.capacity(),
-        }
-        .into());
-    }
+    check_request(prompt, model.capacity(), options)?;
     model.set_sampling(sample_args(&options.sampling));
-    let sequence = Sequence::new(tokenizer, prompt, options)?;
-    let out = generate_with(&mut GpuExecutor(model), sequence, prompt, on_text)?;
-    Ok(GpuGeneration::from(out))
+    run(&mut GpuExecutor(model), tokenizer, prompt, options, on_text)
 }
 
 /// [`generate`] on a model split over GPUs (`crate::tensor_parallel`): the same loop, each
@@ -87,18 +78,42 @@ pub fn generate_split(
     options: &GenerateOptions,
     on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<GpuGeneration> {
+    check_request(prompt, model.capacity(), options)?;
+    model.set_sampling(sample_args(&options.sampling))?;
+    run(
+        &mut SplitExecutor(model),
+        tokenizer,
+        prompt,
+        options,
+        on_text,
+    )
+}
+
+/// The sampling settings, and a prompt that leaves room for a token.
+fn check_request(prompt: &[u32], capacity: usize, options: &GenerateOptions) -> Result<()> {
     options.sampling.validate()?;
-    if prompt.len() >= model.capacity() {
+    if prompt.len() >= capacity {
         return Err(sieve_model::ModelError::ContextOverflow {
             tokens: prompt.len(),
-            context: model.capacity(),
+            context: capacity,
         }
         .into());
     }
-    model.set_sampling(sample_args(&options.sampling))?;
+    Ok(())
+}
+
+/// The loop of every backend over `executor`.
+fn run(
+    executor: &mut impl Executor<Error = GpuError>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_text: impl FnMut(&str) -> Result<()>,
+) -> Result<GpuGeneration> {
     let sequence = Sequence::new(tokenizer, prompt, options)?;
-    let out = generate_with(&mut SplitExecutor(model), sequence, prompt, on_text)?;
-    Ok(GpuGeneration::from(out))
+    Ok(GpuGeneration::from(generate_with(
+        executor, sequence, prompt, on_text,
+    )?))
 }
 
 impl From<sieve_model::generate::Generation> for GpuGeneration {

@@ -162,17 +162,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
             &tokenizer,
             &prompt,
             &options,
-            |piece| {
-                stdout
-                    .write_all(piece.as_bytes())
-                    .and_then(|_| stdout.flush())
-                    .map_err(|e| {
-                        sieve_gpu::GpuError::from(sieve_model::ModelError::Io {
-                            path: "stdout".into(),
-                            source: e,
-                        })
-                    })
-            },
+            |piece| gpu_print(&mut stdout, piece),
         )?;
         println!();
         eprintln!("{}", result.summary());
@@ -195,17 +185,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
             &tokenizer,
             &prompt,
             &options,
-            |piece| {
-                stdout
-                    .write_all(piece.as_bytes())
-                    .and_then(|_| stdout.flush())
-                    .map_err(|e| {
-                        sieve_gpu::GpuError::from(sieve_model::ModelError::Io {
-                            path: "stdout".into(),
-                            source: e,
-                        })
-                    })
-            },
+            |piece| gpu_print(&mut stdout, piece),
         )?;
         println!();
         eprintln!("{}", result.summary());
@@ -255,6 +235,19 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         print_profile(result.stats.decode_steps, result.stats.decode_seconds);
     }
     Ok(())
+}
+
+/// Writes a piece of generated text as it comes (the GPU loops' `on_text`).
+fn gpu_print(stdout: &mut std::io::Stdout, piece: &str) -> sieve_gpu::Result<()> {
+    stdout
+        .write_all(piece.as_bytes())
+        .and_then(|_| stdout.flush())
+        .map_err(|e| {
+            sieve_gpu::GpuError::from(sieve_model::ModelError::Io {
+                path: "stdout".into(),
+                source: e,
+            })
+        })
 }
 
 /// The decode steps' time per phase (`--profile`), per token and as shares of the step.

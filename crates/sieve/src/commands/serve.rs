@@ -184,43 +184,6 @@ fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Res
     sieve_gpu::synthetic::config(name)?;
     let values: SyntheticValues = args.values.parse()?;
     values.check(format)?;
-    if let Some(world) = args.tensor_parallel {
-        let options = SyntheticOptions {
-            sp: args.sp,
-            pattern: sieve_formats::random::Pattern::Unstructured,
-            dp: args.dp,
-            format,
-            values,
-            seed: 0,
-            calib_tokens: 16,
-            layouts: sieve_gpu::matrix::Layouts {
-                batch: config.max_batch > 1,
-                prompt16: config.prompt16,
-                ..Default::default()
-            },
-        };
-        config.model_name = format!(
-            "synthetic-{name}-sp{}-dp{}-{}-{}-tp{world}",
-            args.sp,
-            args.dp,
-            format.name(),
-            values.name()
-        );
-        eprintln!(
-            "sieve serve: building {} over {world} GPU(s)",
-            config.model_name
-        );
-        let (engine, tokenizer) =
-            sieve_serve::load_synthetic_split_gpu_engine(name, &options, &config, world)
-                .with_context(|| format!("building the synthetic {name} over {world} GPU(s)"))?;
-        device::print_split_report(engine.model());
-        let on = format!("{world} GPU(s), tensor parallel");
-        return listen(Box::new(engine), tokenizer, config, &on);
-    }
-    let Some(gpu) = device::open(args.device)? else {
-        bail!("--synthetic models are built on the GPU; this run has none (--device cuda on a machine with one)");
-    };
-    let on = gpu.info().name.clone();
     let options = SyntheticOptions {
         sp: args.sp,
         pattern: sieve_formats::random::Pattern::Unstructured,
@@ -243,6 +206,23 @@ fn serve_synthetic(name: &str, args: &ServeArgs, mut config: ServeConfig) -> Res
         format.name(),
         values.name()
     );
+    if let Some(world) = args.tensor_parallel {
+        config.model_name.push_str(&format!("-tp{world}"));
+        eprintln!(
+            "sieve serve: building {} over {world} GPU(s)",
+            config.model_name
+        );
+        let (engine, tokenizer) =
+            sieve_serve::load_synthetic_split_gpu_engine(name, &options, &config, world)
+                .with_context(|| format!("building the synthetic {name} over {world} GPU(s)"))?;
+        device::print_split_report(engine.model());
+        let on = format!("{world} GPU(s), tensor parallel");
+        return listen(Box::new(engine), tokenizer, config, &on);
+    }
+    let Some(gpu) = device::open(args.device)? else {
+        bail!("--synthetic models are built on the GPU; this run has none (--device cuda on a machine with one)");
+    };
+    let on = gpu.info().name.clone();
     eprintln!("sieve serve: building {} on {on}", config.model_name);
     let (engine, tokenizer) = load_synthetic_gpu_engine(name, &options, &config, gpu)
         .with_context(|| format!("building the synthetic {name} on the GPU"))?;
