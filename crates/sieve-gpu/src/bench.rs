@@ -570,6 +570,27 @@ fn synthetic_runs(configs: &[(f64, f64)], opts: &DecodeBenchOptions) -> Result<V
         .collect()
 }
 
+/// The synthetic model of one run of `opts` (seeded by `opts.seed`, 16 calibration tokens).
+fn synthetic_options(
+    opts: &DecodeBenchOptions,
+    sp: f64,
+    dp: f64,
+    format: FormatKind,
+    values: SyntheticValues,
+    layouts: crate::matrix::Layouts,
+) -> SyntheticOptions {
+    SyntheticOptions {
+        sp,
+        pattern: opts.pattern,
+        dp,
+        format,
+        values,
+        seed: opts.seed,
+        calib_tokens: 16,
+        layouts,
+    }
+}
+
 /// [`run_synthetic`] with the KV cache stored as `kv` says.
 pub fn run_synthetic_with(
     name: &str,
@@ -592,23 +613,15 @@ pub fn run_synthetic_with(
             if copy_gbs == 0.0 {
                 copy_gbs = sieve_cuda::timing::copy_bandwidth_gbs(&gpu, 1 << 30, 20)?;
             }
-            let synth = SyntheticOptions {
-                sp,
-                pattern: opts.pattern,
-                dp,
-                format,
-                values: v,
-                seed: opts.seed,
-                calib_tokens: 16,
-                // Batched steps measured: the layouts a server keeps.
-                layouts: crate::matrix::Layouts {
-                    batch: opts.batches.iter().any(|&b| b > 1),
-                    int8_activations: opts.int8_activations,
-                    prompt8: opts.prompt8,
-                    prompt16: opts.prompt16,
-                    ..Default::default()
-                },
+            // Batched steps measured: the layouts a server keeps.
+            let layouts = crate::matrix::Layouts {
+                batch: opts.batches.iter().any(|&b| b > 1),
+                int8_activations: opts.int8_activations,
+                prompt8: opts.prompt8,
+                prompt16: opts.prompt16,
+                ..Default::default()
             };
+            let synth = synthetic_options(opts, sp, dp, format, v, layouts);
             let t = Instant::now();
             let mut model = synthetic::build_with(gpu, name, &synth, capacity, kv)?;
             let setup_s = t.elapsed().as_secs_f64();
@@ -859,20 +872,12 @@ pub fn run_synthetic_tensor_parallel(
     let mut out = Vec::new();
     for (sp, dp, format, values) in synthetic_runs(configs, opts)? {
         for v in values {
-            let synth = SyntheticOptions {
-                sp,
-                pattern: opts.pattern,
-                dp,
-                format,
-                values: v,
-                seed: opts.seed,
-                calib_tokens: 16,
-                layouts: crate::matrix::Layouts {
-                    prompt8: opts.prompt8,
-                    prompt16: opts.prompt16,
-                    ..Default::default()
-                },
+            let layouts = crate::matrix::Layouts {
+                prompt8: opts.prompt8,
+                prompt16: opts.prompt16,
+                ..Default::default()
             };
+            let synth = synthetic_options(opts, sp, dp, format, v, layouts);
             let t = Instant::now();
             let mut tp = crate::tensor_parallel::TensorParallelGpu::synthetic(
                 name, &synth, world, capacity, kv,

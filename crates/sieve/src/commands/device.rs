@@ -120,13 +120,17 @@ pub fn upload(
     activations: Activations,
     prompt: PromptPrecision,
 ) -> Result<sieve_gpu::GpuModel> {
-    let layouts = sieve_gpu::matrix::Layouts {
+    upload_with(gpu, model, capacity, layouts(activations, prompt))
+}
+
+/// What the upload keeps beside each matrix for `--activations` and `--prompt-precision`.
+pub fn layouts(activations: Activations, prompt: PromptPrecision) -> sieve_gpu::matrix::Layouts {
+    sieve_gpu::matrix::Layouts {
         int8_activations: activations.int8(),
         prompt8: prompt.eight_bit(),
         prompt16: prompt.resident_f16(),
         ..Default::default()
-    };
-    upload_with(gpu, model, capacity, layouts)
+    }
 }
 
 /// [`upload`] keeping what `layouts` asks for beside each matrix (batched steps: the

@@ -142,12 +142,7 @@ fn run_on_pool(args: GenerateArgs) -> Result<()> {
         };
     if split_on_gpus {
         let capacity = prompt.len().saturating_add(args.max_tokens);
-        let layouts = sieve_gpu::matrix::Layouts {
-            int8_activations: args.activations.int8(),
-            prompt8: args.prompt_precision.eight_bit(),
-            prompt16: args.prompt_precision.resident_f16(),
-            ..Default::default()
-        };
+        let layouts = super::device::layouts(args.activations, args.prompt_precision);
         let mut split = sieve_gpu::tensor_parallel::TensorParallelGpu::new(
             &model,
             args.tensor_parallel,
