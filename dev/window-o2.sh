@@ -111,6 +111,15 @@ if has leave; then
 fi
 if has ncu; then
   PART=ncu bash dev/window-o1.sh
+  # Issue 26's question for a 4-bit Tiled-CBC: is the f16 Tiled-CBC TEAL product bound by its
+  # bytes or by its instructions (issue slots, the warp states)?
+  (cd /tmp && timeout 150 ncu --graph-profiling node --section SpeedOfLight --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy -k "regex:^tcbc" \
+    --launch-skip 300 --launch-count 2 "$OLDPWD/$S" bench decode --synthetic llama2-7b --prompt 128 \
+    --tokens 4 --format tiled-cbc --sp 0.5 --dp 0.5 > "$OUT/ncu-tcbc.txt" 2>&1)
+  echo "tcbc: exit $?"
+  grep -E "tcbc|Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Issued Ipc|Executed Ipc|SM Busy|Achieved Occupancy|Warp Cycles Per Issued|Stall|Executed Instructions  " \
+    "$OUT/ncu-tcbc.txt" | cut -c1-160 | head -40
 fi
 # Logs travel as one archive (a run returns at most 8 files).
 (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz *.log 2>/dev/null; rm -f t-*.log san-*.log tp-*.log serve-*.log plain-*.log gqa-*.log prefetch-*.log leave-*.log)
