@@ -120,6 +120,15 @@ if has ncu; then
   echo "tcbc: exit $?"
   grep -E "tcbc|Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Issued Ipc|Executed Ipc|SM Busy|Achieved Occupancy|Warp Cycles Per Issued|Stall|Executed Instructions  " \
     "$OUT/ncu-tcbc.txt" | cut -c1-160 | head -40
+  # Issue 26's dense W4A16 products at half the copy bandwidth on an H200: each of q|k|v, o,
+  # gate|up, down of one layer, its DRAM throughput and what its warps wait on.
+  (cd /tmp && timeout 150 ncu --graph-profiling node --section SpeedOfLight --section WarpStateStats \
+    --section Occupancy --section LaunchStats -k "regex:^lowbit_w4g128" --launch-skip 400 --launch-count 4 \
+    "$OLDPWD/$S" bench decode --synthetic llama2-7b --prompt 128 --tokens 4 --format dense --values int4 \
+    --sp 0 --dp 0 > "$OUT/ncu-w4a16.txt" 2>&1)
+  echo "w4a16: exit $?"
+  grep -E "lowbit_w4g128|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Stall" \
+    "$OUT/ncu-w4a16.txt" | cut -c1-160 | head -48
 fi
 # Logs travel as one archive (a run returns at most 8 files).
 (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz *.log 2>/dev/null; rm -f t-*.log san-*.log tp-*.log serve-*.log plain-*.log gqa-*.log prefetch-*.log leave-*.log)
