@@ -14,7 +14,10 @@
 #                G = 3 -> 4; llama3-8b, G = 4) at 128 and 4,096 positions
 #   PART=leave   `--leave-out` of the int4 0.5 / 0.5 7B step; the 2 MB prefetch on TTFT (128 and
 #                2,048 tokens) and on the 32-sequence batched step
-#   PART=ncu     window O1's PART=ncu (`PART=ncu bash dev/window-o1.sh`)
+#   PART=ncu     window O1's PART=ncu (`PART=ncu bash dev/window-o1.sh`), then ncu26
+#   PART=ncu26   issue 26's two ncu questions: is the f16 Tiled-CBC TEAL product bound by bytes
+#                or by instructions (what a 4-bit Tiled-CBC would gain), and what the dense W4A16
+#                products of one layer wait on
 # Carry .gpu from `KEEP="runner slide_lt collective kv_cache" bash scripts/gpu-runner-bundle.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +114,8 @@ if has leave; then
 fi
 if has ncu; then
   PART=ncu bash dev/window-o1.sh
+fi
+if has ncu || has ncu26; then
   # Issue 26's question for a 4-bit Tiled-CBC: is the f16 Tiled-CBC TEAL product bound by its
   # bytes or by its instructions (issue slots, the warp states)?
   (cd /tmp && timeout 150 ncu --graph-profiling node --section SpeedOfLight --section WarpStateStats \
