@@ -824,6 +824,9 @@ pub fn measure_tensor_parallel(
         tp.next_token()?;
         steps.push(t.elapsed().as_secs_f64());
     }
+    // percentile() reads sorted samples.
+    steps.sort_by(f64::total_cmp);
+    ttfts.sort_by(f64::total_cmp);
     let all_reduce = tp.all_reduce_us_per_step(20)?;
     let report = tp.report();
     Ok(TensorParallelResult {

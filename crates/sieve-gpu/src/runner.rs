@@ -2725,7 +2725,12 @@ fn pack_passes(
 
 /// An error naming the bytes needed and free when `needed` bytes do not fit the GPU's free
 /// memory now (checked before an allocation, so that a model too large says so).
-pub(crate) fn check_memory(_gpu: &Gpu, needed: usize) -> Result<()> {
+pub(crate) fn check_memory(gpu: &Gpu, needed: usize) -> Result<()> {
+    // The query reads the calling thread's current context: bind this GPU's first, since the
+    // caller may be any thread (a tensor-parallel rank's, or the server's).
+    gpu.context()
+        .bind_to_thread()
+        .during("binding the context to read its free memory")?;
     let (free, total) =
         cudarc::driver::result::mem_get_info().during("reading the free GPU memory")?;
     if needed > free {

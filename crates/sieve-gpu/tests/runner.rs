@@ -474,7 +474,8 @@ fn tiny_model_of(c: ModelConfig, kind: FormatKind, sp: f64, dp: f64, seed: u64) 
     let mut model = Model::from_parts(c, embed, layers, vec![1.0; d], head).unwrap();
     if dp > 0.0 {
         // Thresholds at the dp quantile of each site's inputs over 8 tokens (CPU observer).
-        let tokens: Vec<u32> = (0..8).map(|i| (i * 37 + 5) % 301).collect();
+        let vocab = model.config().vocab_size as u32;
+        let tokens: Vec<u32> = (0..8).map(|i| (i * 37 + 5) % vocab).collect();
         let mut x = model.embed(&tokens).unwrap();
         let mut sites: Vec<[Vec<f32>; 4]> = (0..model.layers().len())
             .map(|_| Default::default())
