@@ -138,6 +138,15 @@ if has ncu || has ncu26 || has w4a16; then
   echo "w4a16: exit $?"
   grep -E "lowbit_w4g128_nt|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Warp Cycles Per Issued|Grid Size|Stall" \
     "$OUT/ncu-w4a16.txt" | cut -c1-160 | head -48
+  # Beside the Tiled-CBC rows above: the column-major 4-bit TEAL product's instructions for
+  # the same 0.5 / 0.5 step (what a 4-bit Tiled-CBC would compete with).
+  (cd /tmp && timeout 150 ncu --graph-profiling node --section SpeedOfLight --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy -k "regex:^lbc_w4" \
+    --launch-skip 300 --launch-count 2 "$OLDPWD/$S" bench decode --synthetic llama2-7b --prompt 128 \
+    --tokens 4 --format dense --values int4 --sp 0.5 --dp 0.5 > "$OUT/ncu-lbc.txt" 2>&1)
+  echo "lbc: exit $?"
+  grep -E "lbc_w4|Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Issued Ipc|Achieved Occupancy|Warp Cycles Per Issued|Executed Instructions  " \
+    "$OUT/ncu-lbc.txt" | cut -c1-160 | head -30
 fi
 # Logs travel as one archive (a run returns at most 8 files).
 (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz *.log 2>/dev/null; rm -f t-*.log san-*.log tp-*.log serve-*.log plain-*.log gqa-*.log prefetch-*.log leave-*.log)
