@@ -3000,8 +3000,8 @@ fn tensor_parallel_world(name: &str) -> usize {
 /// Above it the o and down products are sums of per-rank partial sums (f32, in another
 /// order), which moves a logit by a few f32 roundings of the residual, far below 1e-3 of the
 /// logits' spread for dense inputs; with TEAL thresholds an input at a threshold's edge may
-/// flip, so the bound is the CPU's own sensitivity there ([`THRESHOLD_NUDGE`] moves, as the
-/// CPU tests measure it): relative RMS 1e-3 for models without thresholds, 5e-2 with them.
+/// flip and move the logits by far more, so models with thresholds get a stated allowance of
+/// relative RMS 5e-2 (not yet measured at world size 2), those without 1e-3.
 fn split_logit_tolerance(world: usize, teal: bool) -> f64 {
     match (world, teal) {
         (1, _) => 0.0,
