@@ -16,7 +16,31 @@
 //                      (norm + gate|up product + SwiGLU: one stage)
 //     DOWN             x[r] += W_down[r] . mask(h)
 //     HEAD             logits[r] = W_lm[r] . mask(rmsnorm(x) * w_final)
+//     ROPE             (after a Tiled-CBC q|k|v only) bias, RoPE and the KV write of the raw
+//                      sums in acc_qkv, as QKV does for its rows
 //   The sampler (or the teacher-forced advance) stays a kernel of its own after this one.
+//
+// Tiled-CBC products (any of q|k|v, o, gate|up, down, head; PTcbc.values != 0, the arrays of
+// sieve-formats/src/tiled_cbc.rs plus the rank table of src/tiled_cbc.rs): a task is one
+// 256-row tile and a range of at most 512 columns, tasks dealt round robin to the blocks; the
+// block adds its 256 partial sums to y with atomics (split-K), so a product's rows are only
+// whole after the next barrier:
+//   q|k|v  -> raw sums in acc_qkv, then the ROPE stage (one more barrier per layer)
+//   gate|up-> raw sums in acc_gu; the DOWN stage's input is silu(gate) * up of them
+//   o, down-> added straight into x (the residual);  head -> logits, zeroed by the last DOWN
+// acc_qkv is zeroed by every DOWN stage and acc_gu by every ATTENTION stage (each is read two
+// or more barriers before and written after), so both are zero whenever a step starts.
+//
+//   task (rt, k0..k1), 512 threads:
+//     1. thread i takes column k0 + i: active if xs[k] != 0 (xs is masked) and nnz > 0; the
+//        active columns go to list[] in shared memory (ballot + warp counts), in order
+//     2. batches of 32 listed columns through 4 cp.async stage buffers:
+//          stage = vals[32][256] f16 | bits[32][8] u32 | rank[32][8] u8    (17,664 bytes)
+//        16 threads per column slot, 16-byte chunks part and part + 16
+//     3. round-robin decode (tiled_cbc_spmspv.cu, rr): warp w takes slots w and w + 16; lane j
+//        owns rows 32 q + j (q = 0..7): value index rank[q] + popc(bits_q below lane j), one
+//        conflict-free shared load per word
+//     4. the 16 warps' 8 sums per lane reduced in shared memory, one atomicAdd per row
 //
 // Products (row-major f16 weights, K a multiple of 8): warp w of block b is global warp
 // gw = b * 16 + w; it takes row pairs t = gw, gw + GW, ... (GW = 16 * gridDim.x) of the stage:
@@ -49,7 +73,8 @@
 // Trace (optional): trace[(stage * gridDim.x + block) * 2 + {0, 1}] = %globaltimer at the
 // stage's start (after the barrier) and end (before the next barrier); the word after the last
 // stamp holds the positions attention reads (p + 1), so that the host counts the KV bytes of
-// the step it timed rather than of the position it believes the step ran at.
+// the step it timed rather than of the position it believes the step ran at; then one word per
+// (stage, block): the bytes its Tiled-CBC tasks asked for (0 for the other stages).
 
 #define PS_THREADS 512
 #define PS_WARPS 16
@@ -57,11 +82,25 @@
 #define PS_PREFETCH_BYTES 4096
 #define PS_NEG_INF __int_as_float(0xff800000)
 
-enum { ST_QKV = 0, ST_QKV_EMBED = 1, ST_ATTENTION = 2, ST_O = 3, ST_GATE_UP = 4, ST_DOWN = 5, ST_HEAD = 6 };
+enum { ST_QKV = 0, ST_QKV_EMBED = 1, ST_ATTENTION = 2, ST_O = 3, ST_GATE_UP = 4, ST_DOWN = 5, ST_HEAD = 6, ST_ROPE = 7 };
+
+#define PT_BATCH 32
+#define PT_STAGES 4
+#define PT_MAX_COLS 512
+#define PT_BITS_OFF 16384u
+#define PT_RANK_OFF 17408u
+#define PT_STAGE_BYTES 17664u
+
+// One Tiled-CBC matrix (values == 0: the product is dense rows instead).
+struct PTcbc {
+    u64 tile_offset, col_info, bitmaps, rank, values;
+    int M, K, KT, cols_per_task;
+};
 
 struct PLayer {
     u64 attn_norm, qkv, qkv_bias, k_cache, v_cache, o, mlp_norm, gate_up, down;
     float t_qkv, t_o, t_gate_up, t_down;
+    PTcbc s_qkv, s_o, s_gate_up, s_down;
 };
 
 struct PArgs {
@@ -71,6 +110,9 @@ struct PArgs {
     int n_stages, d, H, Hkv, hd, I, vocab, splits;
     float eps, t_head, att_scale;
     int xs_floats, flags_at;
+    int tcbc_at;  // byte offset of the Tiled-CBC area in dynamic shared memory
+    u64 acc_qkv, acc_gu;
+    PTcbc s_head;
 };
 
 __device__ __forceinline__ u64 global_timer() {
@@ -198,12 +240,20 @@ __device__ bool flag_barrier(u32* sync, u32* error, u64 watchdog_ns, int stage, 
 // xs[i] = mask_t(src[i] * scale * w[i]) with scale = 1 / rms(src) (w null: no norm, scale 1).
 // Layer 0's first stage takes src from the embedding row instead and writes this block's slice
 // of x from it.
+// With `gu` (a Tiled-CBC gate|up's raw sums, gate rows then up rows) src is ignored and the
+// input is SwiGLU of them: silu(gate[i]) * up[i], as gate_up_stage computes h.
 __device__ void stage_input(float* xs, const float* src, const f16_bits* emb_row, float* x_out, const float* w,
-                            int n, float eps, float t, float* red) {
+                            int n, float eps, float t, float* red, const float* gu = nullptr) {
     float ss = 0.f;
     const int per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = lo + per;
     for (int i = threadIdx.x; i < n; i += PS_THREADS) {
-        float v = emb_row ? h2f(emb_row[i]) : ldcg_f32(src + i);
+        float v;
+        if (gu) {
+            const float g = ldcg_f32(gu + i);
+            v = g / (1.f + __expf(-g)) * ldcg_f32(gu + n + i);
+        } else {
+            v = emb_row ? h2f(emb_row[i]) : ldcg_f32(src + i);
+        }
         if (emb_row && i >= lo && i < hi) stcg_f32(x_out + i, v);
         xs[i] = v;
         ss += v * v;
@@ -266,6 +316,14 @@ __device__ __forceinline__ void prefetch_rows(const f16_bits* a, const f16_bits*
 __device__ bool first_rows(const PArgs& a, int2 st, int gw, const f16_bits*& ra, const f16_bits*& rb, int& K) {
     const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
     const int half = a.hd / 2;
+    // Tiled-CBC stages read only their active columns, known after the barrier.
+    const PTcbc* sparse = st.x == ST_QKV || st.x == ST_QKV_EMBED ? &L->s_qkv
+                          : st.x == ST_O                         ? &L->s_o
+                          : st.x == ST_GATE_UP                   ? &L->s_gate_up
+                          : st.x == ST_DOWN                      ? &L->s_down
+                          : st.x == ST_HEAD                      ? &a.s_head
+                                                                 : nullptr;
+    if (sparse && sparse->values) return false;
     switch (st.x) {
     case ST_QKV:
     case ST_QKV_EMBED: {
@@ -298,42 +356,225 @@ __device__ bool first_rows(const PArgs& a, int2 st, int gw, const f16_bits*& ra,
     }
 }
 
+// Rows r0 = head * hd + i and r1 = r0 + hd / 2 of q|k|v (sums u, v): bias, RoPE of q and k,
+// q to the qkv buffer, k and v (f16) to the cache row of position p.
+__device__ __forceinline__ void qkv_pair(const PArgs& a, const PLayer* L, int p, int head, int i, float u,
+                                         float v) {
+    const int half = a.hd / 2, r0 = head * a.hd + i, r1 = r0 + half;
+    const float* bias = reinterpret_cast<const float*>(L->qkv_bias);
+    if (bias) {
+        u += bias[r0];
+        v += bias[r1];
+    }
+    if (head < a.H + a.Hkv) {
+        const float c = reinterpret_cast<const float*>(a.rope_cos)[(size_t)p * half + i];
+        const float s = reinterpret_cast<const float*>(a.rope_sin)[(size_t)p * half + i];
+        const float ru = u * c - v * s, rv = v * c + u * s;
+        u = ru;
+        v = rv;
+    }
+    if (head < a.H) {
+        stcg_f32(reinterpret_cast<float*>(a.qkv) + r0, u);
+        stcg_f32(reinterpret_cast<float*>(a.qkv) + r1, v);
+    } else {
+        const bool is_k = head < a.H + a.Hkv;
+        const int kvh = is_k ? head - a.H : head - a.H - a.Hkv;
+        f16_bits* dst = reinterpret_cast<f16_bits*>(is_k ? L->k_cache : L->v_cache) + (size_t)p * a.Hkv * a.hd +
+                        (size_t)kvh * a.hd;
+        dst[i] = f2h(u);
+        dst[i + half] = f2h(v);
+    }
+}
+
 __device__ void qkv_stage(const PArgs& a, const PLayer* L, const float* xs, int p) {
     const int lane = threadIdx.x & 31, gw = blockIdx.x * PS_WARPS + (threadIdx.x >> 5), GW = gridDim.x * PS_WARPS;
     const int half = a.hd / 2, K = a.d;
     const int T = (a.H + 2 * a.Hkv) * half;
     const f16_bits* W = reinterpret_cast<const f16_bits*>(L->qkv);
-    const float* bias = reinterpret_cast<const float*>(L->qkv_bias);
-    const float* cs = reinterpret_cast<const float*>(a.rope_cos) + (size_t)p * half;
-    const float* sn = reinterpret_cast<const float*>(a.rope_sin) + (size_t)p * half;
-    const size_t kv_row = (size_t)p * a.Hkv * a.hd;
     for (int t = gw; t < T; t += GW) {
         const int head = t / half, i = t % half;
         const int r0 = head * a.hd + i, r1 = r0 + half;
         float2 y = dot2(W + (size_t)r0 * K, W + (size_t)r1 * K, xs, K, lane);
-        if (lane != 0) continue;
-        float u = y.x, v = y.y;
-        if (bias) {
-            u += bias[r0];
-            v += bias[r1];
-        }
-        if (head < a.H + a.Hkv) {
-            const float c = cs[i], s = sn[i];
-            const float ru = u * c - v * s, rv = v * c + u * s;
-            u = ru;
-            v = rv;
-        }
-        if (head < a.H) {
-            stcg_f32(reinterpret_cast<float*>(a.qkv) + r0, u);
-            stcg_f32(reinterpret_cast<float*>(a.qkv) + r1, v);
-        } else {
-            const bool is_k = head < a.H + a.Hkv;
-            const int kvh = is_k ? head - a.H : head - a.H - a.Hkv;
-            f16_bits* dst = reinterpret_cast<f16_bits*>(is_k ? L->k_cache : L->v_cache) + kv_row + (size_t)kvh * a.hd;
-            dst[i] = f2h(u);
-            dst[i + half] = f2h(v);
+        if (lane == 0) qkv_pair(a, L, p, head, i, y.x, y.y);
+    }
+}
+
+// A Tiled-CBC q|k|v's epilogue: the raw sums of acc_qkv through qkv_pair, a thread per pair.
+__device__ void rope_stage(const PArgs& a, const PLayer* L, int p) {
+    const int half = a.hd / 2, T = (a.H + 2 * a.Hkv) * half;
+    const float* raw = reinterpret_cast<const float*>(a.acc_qkv);
+    for (int t = blockIdx.x * PS_THREADS + threadIdx.x; t < T; t += gridDim.x * PS_THREADS) {
+        const int head = t / half, i = t % half, r0 = head * a.hd + i;
+        qkv_pair(a, L, p, head, i, ldcg_f32(raw + r0), ldcg_f32(raw + r0 + half));
+    }
+}
+
+__device__ __forceinline__ u32 pt_lds_u16(u32 addr) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint4 pt_lds_u32x4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint2 pt_lds_u32x2(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void pt_cp16(u32 saddr, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem));
+}
+__device__ __forceinline__ void pt_cp8(u32 saddr, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem));
+}
+
+// Listed column e = (value offset, column tile 16 g + c, 16-byte chunks, x bits) into slot
+// `slot` of the stage buffer at `stage` (header, step 2); every thread commits a group.
+__device__ __forceinline__ void pt_stage_column(bool have, uint4 e, const PTcbc& m, u32 stage, int slot,
+                                                int part) {
+    if (have) {
+        const f16_bits* src = reinterpret_cast<const f16_bits*>(m.values) + e.x;
+        const u32 dst = stage + (u32)slot * 512u + (u32)part * 16u;
+        if ((u32)part < e.z) pt_cp16(dst, src + part * 8);
+        if ((u32)part + 16u < e.z) pt_cp16(dst + 256u, src + (part + 16) * 8);
+        if (part < 2)
+            pt_cp16(stage + PT_BITS_OFF + (u32)slot * 32u + (u32)part * 16u,
+                    reinterpret_cast<const u64*>(m.bitmaps) + (size_t)e.y * 4 + part * 2);
+        else if (part == 2)
+            pt_cp8(stage + PT_RANK_OFF + (u32)slot * 8u, reinterpret_cast<const unsigned char*>(m.rank) + (size_t)e.y * 8);
+    }
+    cp_async_commit();
+}
+
+// y[256 rt + r] += sum over the active columns k in [k0, k1) of W[256 rt + r][k] * xs[k]
+// (header, steps 1-4). `area`: list[512] uint4, then PT_STAGES stage buffers. Returns the
+// bytes this thread asked of memory (when `count`), for the trace.
+__device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int k0, int k1, unsigned char* area,
+                         int* wc, bool count) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint4* list = reinterpret_cast<uint4*>(area);
+    const u32 sbase = smem_addr(area + PT_MAX_COLS * 16);
+    // 1. Compaction: the column's metadata is read only when its input is active.
+    const int k = k0 + tid;
+    bool on = false;
+    uint4 e = make_uint4(0u, 0u, 0u, 0u);
+    u32 bytes = 0;
+    if (k < k1) {
+        const float xv = xs[k];
+        if (xv != 0.f) {
+            const u32 g = (u32)rt * (u32)m.KT + (u32)(k >> 4);
+            const u32 gc = g * 16u + (u32)(k & 15);
+            const u32 info = __ldg(reinterpret_cast<const u32*>(m.col_info) + gc);
+            const u32 off = __ldg(reinterpret_cast<const u32*>(m.tile_offset) + g);
+            on = (info & 0xffffu) != 0;
+            e = make_uint4(off + (info >> 16), gc, ((info & 0xffffu) + 7u) >> 3, __float_as_uint(xv));
+            bytes = 8u + (on ? e.z * 16u + 40u : 0u);
         }
     }
+    const u32 ballot = __ballot_sync(FULL_MASK, on);
+    if (lane == 0) wc[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, n = 0;
+#pragma unroll
+    for (int w = 0; w < PS_WARPS; ++w) {
+        before += w < warp ? wc[w] : 0;
+        n += wc[w];
+    }
+    if (on) list[before + __popc(ballot & ((1u << lane) - 1u))] = e;
+    __syncthreads();
+
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+    if (n > 0) {
+        // 2. The pipeline: batch b in stage buffer b % PT_STAGES, PT_STAGES - 1 in flight.
+        const int nb = (n + PT_BATCH - 1) / PT_BATCH;
+        const int slot = tid >> 4, part = tid & 15;
+        auto load = [&](int b) {
+            const int i = b * PT_BATCH + slot;
+            const bool have = b < nb && i < n;
+            pt_stage_column(have, have ? list[i] : make_uint4(0u, 0u, 0u, 0u), m,
+                            sbase + (u32)(b % PT_STAGES) * PT_STAGE_BYTES, slot, part);
+        };
+#pragma unroll
+        for (int b = 0; b < PT_STAGES - 1; ++b) load(b);
+        const u32 lane_below = (1u << lane) - 1u;
+        for (int b = 0; b < nb; ++b) {
+            cp_async_wait<PT_STAGES - 2>();  // batch b has landed (this thread's copies)
+            __syncthreads();                  // ... everyone's; batch b - 1 is consumed
+            load(b + PT_STAGES - 1);
+            const u32 cur = sbase + (u32)(b % PT_STAGES) * PT_STAGE_BYTES;
+            const int cnt = min(PT_BATCH, n - b * PT_BATCH);
+            // 3. Round-robin decode of slots warp and warp + 16.
+#pragma unroll
+            for (int u = 0; u < PT_BATCH / PS_WARPS; ++u) {
+                const int sl = warp + u * PS_WARPS;
+                if (sl < cnt) {
+                    const float xk = __uint_as_float(list[b * PT_BATCH + sl].w);
+                    const uint4 wa = pt_lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u);
+                    const uint4 wb = pt_lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u + 16u);
+                    const uint2 rk = pt_lds_u32x2(cur + PT_RANK_OFF + (u32)sl * 8u);
+                    const u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+                    const u32 vbase = cur + (u32)sl * 512u;
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        if ((words[q] >> lane) & 1u) {
+                            const u32 r = ((q < 4 ? rk.x : rk.y) >> (8 * (q & 3))) & 0xffu;
+                            const u32 bits = pt_lds_u16(vbase + 2u * (r + __popc(words[q] & lane_below)));
+                            acc[q] = fmaf(h2f((unsigned short)bits), xk, acc[q]);
+                        }
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // the stage buffers are free: the warps' sums go there
+    // 4. Reduction over the 16 warps, one atomic per row.
+    float* red = reinterpret_cast<float*>(area + PT_MAX_COLS * 16);
+    if (n > 0) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) red[warp * 256 + 32 * q + lane] = acc[q];
+    }
+    __syncthreads();
+    if (n > 0 && tid < 256) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < PS_WARPS; ++w) sum += red[w * 256 + tid];
+        const int row = rt * 256 + tid;
+        if (row < m.M && sum != 0.f) atomicAdd(y + row, sum);
+    }
+    __syncthreads();  // list, counts and sums are rewritten by the next task
+    return count ? bytes : 0u;
+}
+
+// y += W . xs over all tasks of the product, dealt round robin; the block's bytes (thread 0's
+// return value, when `count`).
+// `m` by value: its fields stay in registers across the tasks' atomics.
+__device__ u64 tcbc_stage(const PTcbc m, const float* xs, float* y, unsigned char* area, int* wc, bool count) {
+    const int row_tiles = (m.M + 255) / 256, chunks = (m.K + m.cols_per_task - 1) / m.cols_per_task;
+    u32 mine = 0;
+    for (int task = blockIdx.x; task < row_tiles * chunks; task += gridDim.x) {
+        const int rt = task % row_tiles, k0 = (task / row_tiles) * m.cols_per_task;
+        mine += tcbc_task(m, xs, y, rt, k0, min(k0 + m.cols_per_task, m.K), area, wc, count);
+    }
+    if (!count) return 0;
+    __shared__ unsigned long long s_bytes;
+    if (threadIdx.x == 0) s_bytes = 0;
+    __syncthreads();
+    const u32 w = __reduce_add_sync(FULL_MASK, mine);
+    if ((threadIdx.x & 31) == 0) atomicAdd(&s_bytes, (unsigned long long)w);
+    __syncthreads();
+    return s_bytes;
+}
+
+// Zeroes this block's share of buf[0 .. n).
+__device__ __forceinline__ void zero_share(u64 buf, int n) {
+    float* f = reinterpret_cast<float*>(buf);
+    for (int i = blockIdx.x * PS_THREADS + threadIdx.x; i < n; i += gridDim.x * PS_THREADS) stcg_f32(f + i, 0.f);
 }
 
 // Rows of W (M x K) against xs, two per warp: y[r] = dot (HEAD), or y[r] += dot (O, DOWN).
@@ -497,7 +738,9 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
     float* sc = xs + a.xs_floats;              // [PS_SCORE_CAP]
     float* accs = sc + PS_SCORE_CAP;           // [PS_THREADS * 2]
     float* qs = accs + 2 * PS_THREADS;         // [256]
+    unsigned char* area = reinterpret_cast<unsigned char*>(smem) + a.tcbc_at;  // Tiled-CBC tasks
     __shared__ float red[PS_WARPS];
+    __shared__ int wc[PS_WARPS];
     const int* state = reinterpret_cast<const int*>(a.state);
     const int p = (int)ldcg_u32(state);
     int tok = (int)ldcg_u32(state + 1);
@@ -515,16 +758,24 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
         const int2 st = stages[si];
         const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
         if (trace && threadIdx.x == 0) trace[((size_t)si * gridDim.x + blockIdx.x) * 2] = global_timer();
+        u64 counted = 0;  // bytes the block's Tiled-CBC tasks asked for (traced steps)
         switch (st.x) {
         case ST_QKV:
         case ST_QKV_EMBED: {
             const f16_bits* emb =
                 st.x == ST_QKV_EMBED ? reinterpret_cast<const f16_bits*>(a.embed) + (size_t)tok * a.d : nullptr;
             stage_input(xs, x, emb, x, reinterpret_cast<const float*>(L->attn_norm), a.d, a.eps, L->t_qkv, red);
-            qkv_stage(a, L, xs, p);
+            if (L->s_qkv.values)
+                counted = tcbc_stage(L->s_qkv, xs, reinterpret_cast<float*>(a.acc_qkv), area, wc, trace != nullptr);
+            else
+                qkv_stage(a, L, xs, p);
             break;
         }
+        case ST_ROPE:
+            rope_stage(a, L, p);
+            break;
         case ST_ATTENTION:
+            if (a.acc_gu) zero_share(a.acc_gu, 2 * a.I);
             for (int task = blockIdx.x; task < a.H * a.splits; task += gridDim.x) {
                 attention_task(a, L, task / a.splits, task % a.splits, p + 1, sc, red, qs, accs);
                 __syncthreads();
@@ -533,28 +784,48 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
         case ST_O:
             stage_input(xs, reinterpret_cast<const float*>(a.att), nullptr, nullptr, nullptr, a.H * a.hd, a.eps,
                         L->t_o, red);
-            rows_stage(reinterpret_cast<const f16_bits*>(L->o), xs, x, a.d, a.H * a.hd, true);
+            if (L->s_o.values)
+                counted = tcbc_stage(L->s_o, xs, x, area, wc, trace != nullptr);
+            else
+                rows_stage(reinterpret_cast<const f16_bits*>(L->o), xs, x, a.d, a.H * a.hd, true);
             break;
         case ST_GATE_UP:
             stage_input(xs, x, nullptr, nullptr, reinterpret_cast<const float*>(L->mlp_norm), a.d, a.eps,
                         L->t_gate_up, red);
-            gate_up_stage(a, L, xs);
+            if (L->s_gate_up.values)
+                counted = tcbc_stage(L->s_gate_up, xs, reinterpret_cast<float*>(a.acc_gu), area, wc, trace != nullptr);
+            else
+                gate_up_stage(a, L, xs);
             break;
         case ST_DOWN:
             stage_input(xs, reinterpret_cast<const float*>(a.h), nullptr, nullptr, nullptr, a.I, a.eps, L->t_down,
-                        red);
-            rows_stage(reinterpret_cast<const f16_bits*>(L->down), xs, x, a.d, a.I, true);
+                        red, L->s_gate_up.values ? reinterpret_cast<const float*>(a.acc_gu) : nullptr);
+            if (a.acc_qkv) zero_share(a.acc_qkv, (a.H + 2 * a.Hkv) * a.hd);
+            // The head's atomics need zeroed logits; nothing reads them during the step.
+            if (a.s_head.values && si + 1 < a.n_stages && stages[si + 1].x == ST_HEAD)
+                zero_share(a.logits, a.vocab);
+            if (L->s_down.values)
+                counted = tcbc_stage(L->s_down, xs, x, area, wc, trace != nullptr);
+            else
+                rows_stage(reinterpret_cast<const f16_bits*>(L->down), xs, x, a.d, a.I, true);
             break;
         case ST_HEAD:
             stage_input(xs, x, nullptr, nullptr, reinterpret_cast<const float*>(a.final_norm), a.d, a.eps, a.t_head,
                         red);
-            rows_stage(reinterpret_cast<const f16_bits*>(a.lm_head), xs, reinterpret_cast<float*>(a.logits),
-                       a.vocab, a.d, false);
+            if (a.s_head.values)
+                counted = tcbc_stage(a.s_head, xs, reinterpret_cast<float*>(a.logits), area, wc, trace != nullptr);
+            else
+                rows_stage(reinterpret_cast<const f16_bits*>(a.lm_head), xs, reinterpret_cast<float*>(a.logits),
+                           a.vocab, a.d, false);
             break;
         default:
             break;
         }
-        if (trace && threadIdx.x == 0) trace[((size_t)si * gridDim.x + blockIdx.x) * 2 + 1] = global_timer();
+        if (trace && threadIdx.x == 0) {
+            trace[((size_t)si * gridDim.x + blockIdx.x) * 2 + 1] = global_timer();
+            // After the stamps and the positions word: bytes per (stage, block).
+            trace[(size_t)a.n_stages * gridDim.x * 2 + 1 + (size_t)si * gridDim.x + blockIdx.x] = counted;
+        }
         if (si + 1 < a.n_stages) {
             const f16_bits *ra, *rb;
             int K;

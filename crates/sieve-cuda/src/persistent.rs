@@ -47,10 +47,13 @@ pub enum StageKind {
     Down = 5,
     /// Final norm and the LM head into the logits.
     Head = 6,
+    /// After a Tiled-CBC q|k|v (whose rows are whole only after a barrier): bias, RoPE and
+    /// the KV-cache write.
+    Rope = 7,
 }
 
 impl StageKind {
-    pub const ALL: [StageKind; 7] = [
+    pub const ALL: [StageKind; 8] = [
         StageKind::Qkv,
         StageKind::QkvFromEmbedding,
         StageKind::Attention,
@@ -58,6 +61,7 @@ impl StageKind {
         StageKind::GateUp,
         StageKind::Down,
         StageKind::Head,
+        StageKind::Rope,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -67,6 +71,7 @@ impl StageKind {
             StageKind::GateUp => "norm+gate|up+swiglu",
             StageKind::Down => "down",
             StageKind::Head => "norm+head",
+            StageKind::Rope => "rope+kv",
         }
     }
 }
@@ -77,8 +82,58 @@ pub struct Stage {
     pub layer: usize,
 }
 
+/// A Tiled-CBC matrix's device arrays (`PTcbc`): the format's arrays and the rank table of
+/// [`crate::tiled_cbc`]. All zero (the default): the product is dense f16 rows instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PersistentTcbc {
+    pub tile_offset: DevPtr,
+    pub col_info: DevPtr,
+    pub bitmaps: DevPtr,
+    pub rank: DevPtr,
+    pub values: DevPtr,
+    pub rows: i32,
+    pub cols: i32,
+    pub col_tiles: i32,
+    /// Columns of one task (a multiple of 16, at most 512); [`PersistentStep::new`] sets it.
+    pub cols_per_task: i32,
+}
+unsafe impl cudarc::driver::DeviceRepr for PersistentTcbc {}
+unsafe impl cudarc::driver::ValidAsZeroBits for PersistentTcbc {}
+
+impl PersistentTcbc {
+    pub fn is_sparse(&self) -> bool {
+        self.values != 0
+    }
+}
+
+/// Columns per Tiled-CBC task: the split of `cols` (a multiple of 16 up to 512) whose tasks,
+/// dealt round robin to `blocks` blocks, finish first, a task costing its columns plus a fixed
+/// 128 (the compaction's and the pipeline's first latencies, in columns' worth).
+pub fn tcbc_cols_per_task(rows: usize, cols: usize, blocks: usize) -> usize {
+    let row_tiles = rows.div_ceil(256).max(1);
+    let blocks = blocks.max(1);
+    let widest = cols.next_multiple_of(16).clamp(16, MAX_TASK_COLS);
+    let mut best = (usize::MAX, widest);
+    for c in (1..=widest / 16).rev().map(|t| t * 16) {
+        let waves = (row_tiles * cols.div_ceil(c)).div_ceil(blocks);
+        let cost = waves * (c + 128);
+        if cost < best.0 {
+            best = (cost, c);
+        }
+    }
+    best.1
+}
+
+/// Columns one Tiled-CBC task takes at most (`PT_MAX_COLS`: a thread per column).
+const MAX_TASK_COLS: usize = 512;
+/// Bytes of the Tiled-CBC area of shared memory: the column list (16 bytes a column) and four
+/// stage buffers of 32 columns (`PT_STAGES` x `PT_STAGE_BYTES`).
+const TCBC_AREA_BYTES: usize = MAX_TASK_COLS * 16 + 4 * 17_664;
+
 /// One layer's device addresses and thresholds (`PLayer`; 0 for an absent bias). Weights are
-/// row-major f16: q|k|v joined (H + 2 Hkv) hd x d, o d x H hd, gate|up joined 2I x d, down d x I.
+/// row-major f16: q|k|v joined (H + 2 Hkv) hd x d, o d x H hd, gate|up joined 2I x d, down d x I;
+/// a group whose `s_*` is sparse is that Tiled-CBC matrix instead (its dense address unused).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PersistentLayer {
@@ -95,6 +150,10 @@ pub struct PersistentLayer {
     pub t_o: f32,
     pub t_gate_up: f32,
     pub t_down: f32,
+    pub s_qkv: PersistentTcbc,
+    pub s_o: PersistentTcbc,
+    pub s_gate_up: PersistentTcbc,
+    pub s_down: PersistentTcbc,
 }
 unsafe impl cudarc::driver::DeviceRepr for PersistentLayer {}
 unsafe impl cudarc::driver::ValidAsZeroBits for PersistentLayer {}
@@ -118,6 +177,8 @@ pub struct PersistentIo {
     pub embed: DevPtr,
     pub final_norm: DevPtr,
     pub lm_head: DevPtr,
+    /// The head as Tiled-CBC (sparse) instead of `lm_head`'s dense rows.
+    pub s_head: PersistentTcbc,
     pub t_head: f32,
     pub x: DevPtr,
     pub qkv: DevPtr,
@@ -164,6 +225,12 @@ struct PersistentArgs {
     xs_floats: i32,
     /// Word of `sync` where the flag barrier's per-block flags start; 0: the count barrier.
     flags_at: i32,
+    /// Byte offset of the Tiled-CBC area in the dynamic shared memory.
+    tcbc_at: i32,
+    /// Raw sums of a Tiled-CBC q|k|v and gate|up (0: no such product).
+    acc_qkv: DevPtr,
+    acc_gu: DevPtr,
+    s_head: PersistentTcbc,
 }
 unsafe impl cudarc::driver::DeviceRepr for PersistentArgs {}
 
@@ -224,10 +291,42 @@ pub fn unsupported_shape(s: &PersistentShape) -> Option<String> {
     None
 }
 
+/// Checks a Tiled-CBC matrix (if it is one) against the `rows` x `cols` its place needs and
+/// sets its task width.
+fn prepare_sparse(
+    m: &mut PersistentTcbc,
+    what: &str,
+    rows: usize,
+    cols: usize,
+    blocks: u32,
+) -> Result<()> {
+    if !m.is_sparse() {
+        return Ok(());
+    }
+    if m.rows as usize != rows
+        || m.cols as usize != cols
+        || m.col_tiles as usize != cols.div_ceil(16)
+    {
+        return Err(CudaError::Option(format!(
+            "persistent step: {what} is a {}x{} Tiled-CBC matrix ({} column tiles), expected {rows}x{cols}",
+            m.rows, m.cols, m.col_tiles
+        )));
+    }
+    m.cols_per_task = i32_arg(
+        "task columns",
+        tcbc_cols_per_task(rows, cols, blocks as usize),
+    )?;
+    Ok(())
+}
+
 /// A model's persistent step: the stage list, the layer table, and the kernel's scratch.
 pub struct PersistentStep {
     shape: PersistentShape,
     stages: Vec<Stage>,
+    /// Per stage: its product is Tiled-CBC (the kernel counts the bytes it reads).
+    sparse: Vec<bool>,
+    /// acc_qkv and acc_gu (header of the kernel), when some layer needs them.
+    _accumulators: [Option<CudaSlice<f32>>; 2],
     _stages_dev: CudaSlice<i32>,
     _layers_dev: CudaSlice<PersistentLayer>,
     _part: CudaSlice<f32>,
@@ -259,12 +358,37 @@ impl PersistentStep {
             )));
         }
         let blocks = gpu.info().multiprocessors.max(1);
+        // Each Tiled-CBC matrix checked against its place in the model, its task width set.
+        let (d, q_width) = (shape.hidden, shape.heads * shape.head_dim);
+        let qkv_rows = q_width + 2 * shape.kv_heads * shape.head_dim;
+        let mut layers = layers.to_vec();
+        let mut io = io;
+        for (l, layer) in layers.iter_mut().enumerate() {
+            for (what, m, rows, cols) in [
+                ("q|k|v", &mut layer.s_qkv, qkv_rows, d),
+                ("o", &mut layer.s_o, d, q_width),
+                ("gate|up", &mut layer.s_gate_up, 2 * shape.intermediate, d),
+                ("down", &mut layer.s_down, d, shape.intermediate),
+            ] {
+                prepare_sparse(m, &format!("layer {l}'s {what}"), rows, cols, blocks)?;
+            }
+        }
+        prepare_sparse(&mut io.s_head, "the LM head", shape.vocab, d, blocks)?;
+        let sparse_qkv = layers.iter().any(|l| l.s_qkv.is_sparse());
+        let sparse_gu = layers.iter().any(|l| l.s_gate_up.is_sparse());
+        let any_sparse = io.s_head.is_sparse()
+            || layers.iter().any(|l| {
+                [l.s_qkv, l.s_o, l.s_gate_up, l.s_down]
+                    .iter()
+                    .any(|m| m.is_sparse())
+            });
         let xs_floats = shape
             .hidden
             .max(shape.intermediate)
             .max(shape.heads * shape.head_dim)
             .next_multiple_of(4);
-        let shared_bytes = (xs_floats + SCRATCH_FLOATS) * 4;
+        let tcbc_at = (xs_floats + SCRATCH_FLOATS) * 4;
+        let shared_bytes = tcbc_at + if any_sparse { TCBC_AREA_BYTES } else { 0 };
         let f = gpu.function(&FAMILY, "persistent_step")?;
         gpu.allow_dynamic_shared(&f, shared_bytes)?;
         // As many splits per head as keep every task on a block of its own (one block with two
@@ -278,7 +402,44 @@ impl PersistentStep {
             .flat_map(|s| [s.kind as i32, s.layer as i32])
             .collect();
         let stages_dev = gpu.upload(&flat)?;
-        let layers_dev = gpu.upload(layers)?;
+        let layers_dev = gpu.upload(&layers)?;
+        let sparse: Vec<bool> = stages
+            .iter()
+            .map(|s| {
+                let l = &layers[s.layer];
+                match s.kind {
+                    StageKind::Qkv | StageKind::QkvFromEmbedding => l.s_qkv.is_sparse(),
+                    StageKind::O => l.s_o.is_sparse(),
+                    StageKind::GateUp => l.s_gate_up.is_sparse(),
+                    StageKind::Down => l.s_down.is_sparse(),
+                    StageKind::Head => io.s_head.is_sparse(),
+                    StageKind::Attention | StageKind::Rope => false,
+                }
+            })
+            .collect();
+        // A Tiled-CBC q|k|v leaves raw sums that only the Rope stage after it turns into q, k
+        // and v; a dense one does that itself.
+        for (i, s) in stages.iter().enumerate() {
+            let qkv = matches!(s.kind, StageKind::Qkv | StageKind::QkvFromEmbedding);
+            let next_is_rope = stages.get(i + 1).map(|n| n.kind) == Some(StageKind::Rope);
+            if (qkv && sparse[i]) != next_is_rope || (s.kind == StageKind::Rope && i == 0) {
+                return Err(CudaError::Option(format!(
+                    "persistent step: stage {i} ({} of layer {}) {} a rope+kv stage after it",
+                    s.kind.name(),
+                    s.layer,
+                    if next_is_rope { "has" } else { "needs" }
+                )));
+            }
+        }
+        let accumulator = |on: bool, n: usize| -> Result<Option<CudaSlice<f32>>> {
+            Ok(if on {
+                Some(gpu.upload(&vec![0f32; n])?)
+            } else {
+                None
+            })
+        };
+        let acc_qkv = accumulator(sparse_qkv, qkv_rows)?;
+        let acc_gu = accumulator(sparse_gu, 2 * shape.intermediate)?;
         let part = gpu.upload(&vec![0f32; shape.heads * splits * (shape.head_dim + 2)])?;
         // The flag barrier's words follow the per-head counters, from a 128-byte line of
         // their own; each of the first `blocks` threads of a block waits on one of them.
@@ -334,10 +495,16 @@ impl PersistentStep {
             att_scale: 1.0 / (shape.head_dim as f32).sqrt(),
             xs_floats: i32_arg("stage input", xs_floats)?,
             flags_at: i32_arg("flag words", flags_at)?,
+            tcbc_at: i32_arg("shared memory", tcbc_at)?,
+            acc_qkv: acc_qkv.as_ref().map(p).unwrap_or(0),
+            acc_gu: acc_gu.as_ref().map(p).unwrap_or(0),
+            s_head: io.s_head,
         };
         Ok(Self {
             shape,
             stages: stages.to_vec(),
+            sparse,
+            _accumulators: [acc_qkv, acc_gu],
             _stages_dev: stages_dev,
             _layers_dev: layers_dev,
             _part: part,
@@ -361,7 +528,8 @@ impl PersistentStep {
     pub fn set_trace(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if on {
             // The stamps, then the word the kernel writes its attended positions to.
-            let n = self.stages.len() * self.blocks as usize * 2 + 1;
+            // ... and the bytes per (stage, block).
+            let n = self.stages.len() * self.blocks as usize * 3 + 1;
             let t = gpu.upload(&vec![0u64; n])?;
             self.args.trace = crate::product::dev_ptr(gpu, &t);
             self.trace = Some(t);
@@ -402,6 +570,15 @@ impl PersistentStep {
             unsafe {
                 gpu.zero_bytes(self.args.sync, self.sync.len() * 4)?;
                 gpu.zero_bytes(self.args.error, 4)?;
+                // An aborted step leaves partial sums; the kernel expects zeros at a start.
+                for (ptr, acc) in [self.args.acc_qkv, self.args.acc_gu]
+                    .into_iter()
+                    .zip(&self._accumulators)
+                {
+                    if let Some(acc) = acc {
+                        gpu.zero_bytes(ptr, acc.len() * 4)?;
+                    }
+                }
             }
             gpu.synchronize()?;
             return Err(CudaError::Option(format!(
@@ -418,15 +595,24 @@ impl PersistentStep {
             return Ok(None);
         };
         let mut stamps = gpu.download(t)?;
-        let stamped = self.stages.len() * self.blocks as usize * 2;
+        let blocks = self.blocks as usize;
+        let stamped = self.stages.len() * blocks * 2;
         let positions = stamps.get(stamped).copied().unwrap_or(0) as usize;
+        let counted = stamps
+            .get(stamped + 1..)
+            .unwrap_or(&[])
+            .chunks(blocks)
+            .zip(&self.sparse)
+            .map(|(per_block, &sparse)| sparse.then(|| per_block.iter().sum()))
+            .collect();
         stamps.truncate(stamped);
         Ok(Some(Trace {
             stages: self.stages.clone(),
-            blocks: self.blocks as usize,
+            blocks,
             stamps,
             shape: self.shape,
             positions,
+            counted,
         }))
     }
 }
@@ -442,6 +628,9 @@ pub struct Trace {
     pub shape: PersistentShape,
     /// Positions the step's attention read (its position + 1), as the kernel wrote them.
     pub positions: usize,
+    /// Per stage: the bytes its Tiled-CBC tasks asked for, summed over the blocks (None for a
+    /// dense stage, whose bytes are [`stage_read_bytes`]; empty: none counted).
+    pub counted: Vec<Option<u64>>,
 }
 
 /// Bytes one stage reads per step: its f16 weights (rows x columns x 2; the first stage also
@@ -461,6 +650,8 @@ pub fn stage_read_bytes(shape: &PersistentShape, kind: StageKind, positions: usi
         StageKind::GateUp => 2 * shape.intermediate * shape.hidden,
         StageKind::Down => shape.hidden * shape.intermediate,
         StageKind::Head => shape.vocab * shape.hidden,
+        // Reads the raw sums and writes the cache row: kilobytes.
+        StageKind::Rope => 0,
     };
     elements as u64 * F16
 }
@@ -656,7 +847,16 @@ impl Trace {
                 Some(w) => w.1 += us,
                 None => work.push((name, us)),
             }
-            let bytes = stage_read_bytes(&self.shape, self.stages[s].kind, self.positions);
+            let kind = self.stages[s].kind;
+            let bytes = match self.counted.get(s).copied().flatten() {
+                // A Tiled-CBC stage reads what its active columns hold (and the first stage
+                // the token's embedding row).
+                Some(counted) if kind == StageKind::QkvFromEmbedding => {
+                    counted + 2 * self.shape.hidden as u64
+                }
+                Some(counted) => counted,
+                None => stage_read_bytes(&self.shape, kind, self.positions),
+            };
             match read_bytes.iter_mut().find(|(k, _)| *k == name) {
                 Some(r) => r.1 += bytes,
                 None => read_bytes.push((name, bytes)),
@@ -709,13 +909,14 @@ impl Trace {
             StageKind::GateUp => "#76b7b2",
             StageKind::Down => "#59a14f",
             StageKind::Head => "#b07aa1",
+            StageKind::Rope => "#edc948",
         };
         let height = row * self.blocks as f64 + 40.0;
         let mut s = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\">\n\
              <text x=\"4\" y=\"{}\" font-size=\"12\" font-family=\"sans-serif\">persistent step, \
              {:.1} us, {} blocks (rows), {} stages; blue qkv, orange attention, red o, teal gate|up, \
-             green down, purple head; white = waiting</text>\n",
+             green down, purple head, yellow rope+kv; white = waiting</text>\n",
             height - 8.0,
             (t1 - t0) as f64 / 1e3,
             self.blocks,
@@ -802,6 +1003,7 @@ mod tests {
             stamps: vec![0, 10_000, 0, 6_000, 14_000, 20_000, 15_000, 20_000],
             shape: shape(64),
             positions: 1,
+            counted: Vec::new(),
         };
         let s = t.summary();
         assert!((s.step_us - 20.0).abs() < 1e-9);
@@ -830,6 +1032,7 @@ mod tests {
             stamps: vec![0, 10_000, 0, 6_000, 14_000, 20_000, 15_000, 20_000],
             shape: shape(64),
             positions: 1,
+            counted: Vec::new(),
         };
         assert_eq!(t.idle_us_per_block(), vec![4.0, 9.0]);
         let s = t.summary();
@@ -888,6 +1091,48 @@ mod tests {
     }
 
     #[test]
+    fn tiled_cbc_tasks_fill_whole_waves() {
+        for (rows, cols) in [(12288, 4096), (22016, 4096), (4096, 11008), (960, 576), (50, 40)] {
+            let c = tcbc_cols_per_task(rows, cols, 132);
+            assert!(c % 16 == 0 && (16..=512).contains(&c), "{rows}x{cols}: {c}");
+        }
+        // Llama-2-7B q|k|v: 48 row tiles x 8 chunks of 512 = 384 tasks, three waves of 132.
+        assert_eq!(tcbc_cols_per_task(12288, 4096, 132), 512);
+        // down: 16 row tiles; 24 chunks of 464 make 384 tasks (three waves), 512 would too
+        // but with longer tasks.
+        assert_eq!(tcbc_cols_per_task(4096, 11008, 132), 464);
+        // A small matrix spreads over the blocks: 4 row tiles x 18 chunks of 32 = 72 tasks.
+        assert_eq!(tcbc_cols_per_task(960, 576, 132), 32);
+    }
+
+    #[test]
+    fn a_counted_stage_reads_what_the_kernel_counted() {
+        let stage = |kind| Stage { kind, layer: 0 };
+        let t = Trace {
+            stages: vec![
+                stage(StageKind::QkvFromEmbedding),
+                stage(StageKind::Rope),
+                stage(StageKind::Head),
+            ],
+            blocks: 1,
+            stamps: vec![0, 1_000, 1_000, 2_000, 2_000, 3_000],
+            shape: shape(64),
+            positions: 1,
+            counted: vec![Some(5_000), None, None],
+        };
+        let s = t.summary();
+        // The counted q|k|v and the embedding row (576 f16); rope+kv reads no weights.
+        assert_eq!(
+            s.read_bytes,
+            vec![
+                ("norm+qkv+rope", 5_000 + 2 * 576),
+                ("rope+kv", 0),
+                ("norm+head", 100 * 576 * 2)
+            ]
+        );
+    }
+
+    #[test]
     fn classes_are_measured_against_the_copy_bandwidth() {
         // One block: q|k|v 0..2 us, attention 2.5..2.6 us, head 3..6 us.
         let s = PersistentShape {
@@ -911,6 +1156,7 @@ mod tests {
             stamps: vec![0, 2_000, 2_500, 2_600, 3_000, 6_000],
             shape: s,
             positions: 100,
+            counted: Vec::new(),
         };
         let summary = t.summary();
         // q|k|v (1000 + 2 x 500) x 1000, K and V 500 x 100 each, head 3000 x 1000; f16.

@@ -361,6 +361,24 @@ impl GpuMatVec for GpuTiledCbc {
 }
 
 impl GpuTiledCbc {
+    /// The device arrays as the persistent step reads them (its task width left to it).
+    pub fn persistent_arrays(&self, gpu: &Gpu) -> Result<crate::persistent::PersistentTcbc> {
+        let p = |s: &CudaSlice<u32>| crate::product::dev_ptr(gpu, s);
+        Ok(crate::persistent::PersistentTcbc {
+            tile_offset: p(&self.tile_offset),
+            col_info: p(&self.col_info),
+            bitmaps: crate::product::dev_ptr(gpu, &self.bitmaps),
+            rank: crate::product::dev_ptr(gpu, &self.rank),
+            values: crate::product::dev_ptr(gpu, &self.values),
+            rows: i32_arg("rows", self.rows)?,
+            cols: i32_arg("columns", self.cols)?,
+            col_tiles: i32_arg("column tiles", self.col_tiles)?,
+            cols_per_task: 0,
+        })
+    }
+}
+
+impl GpuTiledCbc {
     /// Writes the whole matrix, transposed (K x M row-major f16), to `out` (K * M entries):
     /// the operand of a GEMM when several tokens share the weights (prefill).
     pub fn decode_transposed(&self, gpu: &Gpu, out: DevPtr) -> Result<()> {

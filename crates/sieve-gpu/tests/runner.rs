@@ -2554,7 +2554,7 @@ fn persistent_step_matches_the_graph_step() {
     // A format the persistent kernel does not run, and a head dim it does not take.
     let sparse = tiny_model_of(
         config(301, 256, 512, 2, 4, 2, 64),
-        FormatKind::TiledCbc,
+        FormatKind::RlcCsc,
         0.5,
         0.5,
         3,
@@ -2565,7 +2565,7 @@ fn persistent_step_matches_the_graph_step() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("tiled-cbc") && err.contains("takes dense f16 rows"),
+        err.contains("rlc-csc") && err.contains("takes dense f16 rows and Tiled-CBC"),
         "{err}"
     );
     assert_eq!(g.step_mode(), sieve_gpu::runner::StepMode::Graph);
@@ -2576,6 +2576,108 @@ fn persistent_step_matches_the_graph_step() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("head dim 16"), "{err}");
+}
+
+/// The persistent step of Tiled-CBC models with TEAL thresholds (every product, the head
+/// included, split-K with atomics; a rope+kv stage after each q|k|v) against the graph step
+/// of the same upload: greedy tokens equal, teacher-forced logits within the dense test's
+/// tolerance (both sum in orders the atomics choose); the trace counts the bytes the sparse
+/// stages read, fewer than their dense f16 weights.
+#[test]
+fn persistent_tiled_cbc_step_matches_the_graph_step() {
+    let _serial = serial_gpu();
+    let name = "persistent_tiled_cbc_step_matches_the_graph_step";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    // Under compute-sanitizer (SIEVE_SANITIZE_SMALL=1): the first model, 6 steps.
+    let small = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
+    let models = [
+        (config(301, 256, 512, 2, 4, 2, 64), 0.5, 0.5, 21),
+        (config(257, 320, 704, 3, 4, 1, 128), 0.7, 0.7, 22),
+        (config(300, 192, 1104, 2, 3, 3, 64), 0.5, 0.0, 23),
+    ];
+    for (c, sp, dp, seed) in models.into_iter().take(if small { 1 } else { 3 }) {
+        let model = tiny_model_of(c.clone(), FormatKind::TiledCbc, sp, dp, seed);
+        let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
+        let steps = if small { 6 } else { 32 };
+        let mut g =
+            GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
+        let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
+        let mut seq = prompt.clone();
+        seq.extend(&want_tokens);
+        let v = c.vocab_size;
+        let mut want = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            want.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(g.persistent_unsupported(), None, "{name}");
+        g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
+            .unwrap();
+        let tokens = gpu_tokens_after(&mut g, &prompt, steps);
+        assert_eq!(
+            tokens, want_tokens,
+            "{name}: greedy tokens, sp {sp} dp {dp}"
+        );
+        let mut got = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            got.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+        let errors = position_errors(&got, &want, v);
+        let worst = errors[errors.len() - 1];
+        let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        eprintln!(
+            "{name}: sp {sp} dp {dp} hd {}: max logit difference {worst} over {} positions (logits up to {spread})",
+            c.head_dim,
+            seq.len()
+        );
+        assert!(worst < 2e-3 * spread.max(1.0), "{name}: {worst}");
+
+        g.set_persistent_trace(true);
+        g.prefill(&prompt).unwrap();
+        g.next_token().unwrap();
+        let trace = g.last_trace().unwrap().expect("a traced step");
+        // Five stages a layer, a rope+kv stage after each q|k|v, and the head.
+        assert_eq!(trace.stages.len(), 6 * c.num_layers + 1);
+        assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
+        let summary = trace.summary();
+        eprintln!("{name}: {summary:?}");
+        let bytes = |class: &str| {
+            summary
+                .read_bytes
+                .iter()
+                .find(|(k, _)| *k == class)
+                .map(|&(_, b)| b)
+                .unwrap()
+        };
+        // Every sparse product read something, and less than its dense f16 weights (at sp
+        // 0.5 the values alone are half; the bitmaps add 1/16 of the dense bytes).
+        let (d, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+        for (class, dense) in [
+            ("o", 2 * d * d),
+            ("down", 2 * d * i),
+            ("norm+gate|up+swiglu", 4 * d * i),
+        ] {
+            let b = bytes(class);
+            assert!(
+                b > 0 && b < dense * 7 / 10,
+                "{name}: {class} read {b} of {dense} dense bytes"
+            );
+        }
+        assert_eq!(bytes("rope+kv"), 0);
+        g.set_persistent_trace(false);
+        g.set_step_mode(sieve_gpu::runner::StepMode::Graph).unwrap();
+        let again = gpu_tokens_after(&mut g, &prompt, 8);
+        assert_eq!(
+            again[..],
+            want_tokens[..8],
+            "{name}: graph after persistent"
+        );
+    }
 }
 
 /// `Layouts::slide_library` (`SIEVE_SLIDE_PROMPT=cusparselt`): a slide 6:8 model's prompt

@@ -6,7 +6,8 @@ use crate::error::{GpuError, Result};
 use crate::matrix::{DeviceLinear, DeviceMatrix};
 use sieve_cuda::kv_cache::KvCache;
 use sieve_cuda::persistent::{
-    PersistentIo, PersistentLayer, PersistentShape, PersistentStep, Stage, StageKind,
+    PersistentIo, PersistentLayer, PersistentShape, PersistentStep, PersistentTcbc, Stage,
+    StageKind,
 };
 use sieve_cuda::product::{dev_ptr, threshold_arg, DevPtr};
 use sieve_model::plan::{Group, LayerOp, Norm, StepOp};
@@ -17,7 +18,8 @@ use sieve_model::plan::{Group, LayerOp, Norm, StepOp};
 pub enum StepMode {
     /// A CUDA graph of the plan's kernels (every format; the reference).
     Graph,
-    /// One persistent kernel for the whole step, then the sampler (dense f16 models).
+    /// One persistent kernel for the whole step, then the sampler (dense f16 and Tiled-CBC
+    /// models).
     Persistent,
 }
 
@@ -81,19 +83,28 @@ pub fn stages_of(ops: &[StepOp]) -> std::result::Result<Vec<Stage>, String> {
     Ok(stages)
 }
 
-/// The row-major f16 weights and threshold of a group that is one dense part, or why not.
-fn dense_rows(
+/// A group's weights as the persistent step reads them: dense f16 rows (the address) or
+/// Tiled-CBC (the arrays), and its threshold; or why the group cannot run persistent.
+fn group_weights(
     gpu: &sieve_cuda::gpu::Gpu,
     what: &str,
     lin: &DeviceLinear,
-) -> std::result::Result<(DevPtr, f32), String> {
+) -> std::result::Result<(DevPtr, PersistentTcbc, f32), String> {
     match lin.parts.as_slice() {
         [p] => match &p.matrix {
-            DeviceMatrix::DenseRows(m) => {
-                Ok((dev_ptr(gpu, m.weights()), threshold_arg(p.threshold)))
-            }
+            DeviceMatrix::DenseRows(m) => Ok((
+                dev_ptr(gpu, m.weights()),
+                PersistentTcbc::default(),
+                threshold_arg(p.threshold),
+            )),
+            DeviceMatrix::TiledCbc(m) => Ok((
+                0,
+                m.persistent_arrays(gpu)
+                    .map_err(|e| format!("{what}: {e}"))?,
+                threshold_arg(p.threshold),
+            )),
             other => Err(format!(
-                "{what} is {} (the persistent step takes dense f16 rows)",
+                "{what} is {} (the persistent step takes dense f16 rows and Tiled-CBC)",
                 other.label()
             )),
         },
@@ -102,6 +113,22 @@ fn dense_rows(
             parts.len()
         )),
     }
+}
+
+/// `stages` with a [`StageKind::Rope`] after the q|k|v stage of every layer for which
+/// `sparse_qkv` says its q|k|v is Tiled-CBC (its rows are whole only after a barrier).
+pub fn with_rope_stages(stages: Vec<Stage>, sparse_qkv: impl Fn(usize) -> bool) -> Vec<Stage> {
+    let mut out = Vec::with_capacity(stages.len());
+    for s in stages {
+        out.push(s);
+        if matches!(s.kind, StageKind::Qkv | StageKind::QkvFromEmbedding) && sparse_qkv(s.layer) {
+            out.push(Stage {
+                kind: StageKind::Rope,
+                layer: s.layer,
+            });
+        }
+    }
+    out
 }
 
 impl GpuModel {
@@ -128,7 +155,7 @@ impl GpuModel {
         if let Some(why) = sieve_cuda::persistent::unsupported_shape(&self.persistent_shape()) {
             return Err(why);
         }
-        dense_rows(&self.gpu, "the LM head", &self.lm_head)?;
+        group_weights(&self.gpu, "the LM head", &self.lm_head)?;
         let g = &self.gpu;
         let p = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(g, s);
         let mut out = Vec::with_capacity(self.layers.len());
@@ -143,10 +170,10 @@ impl GpuModel {
                 down,
             } = dl;
             let named = |g: &str| format!("layer {l}'s {g}");
-            let (wqkv, t_qkv) = dense_rows(g, &named("q|k|v"), qkv)?;
-            let (wo, t_o) = dense_rows(g, &named("o"), o)?;
-            let (wgu, t_gate_up) = dense_rows(g, &named("gate|up"), gate_up)?;
-            let (wd, t_down) = dense_rows(g, &named("down"), down)?;
+            let (wqkv, s_qkv, t_qkv) = group_weights(g, &named("q|k|v"), qkv)?;
+            let (wo, s_o, t_o) = group_weights(g, &named("o"), o)?;
+            let (wgu, s_gate_up, t_gate_up) = group_weights(g, &named("gate|up"), gate_up)?;
+            let (wd, s_down, t_down) = group_weights(g, &named("down"), down)?;
             let (k_cache, v_cache) = match self.cache_view(l).map_err(|e| e.to_string())? {
                 KvCache::F16 { k, v } => (k, v),
                 KvCache::Int8 { .. } => {
@@ -167,6 +194,10 @@ impl GpuModel {
                 t_o,
                 t_gate_up,
                 t_down,
+                s_qkv,
+                s_o,
+                s_gate_up,
+                s_down,
             });
         }
         Ok(out)
@@ -185,16 +216,19 @@ impl GpuModel {
                 Op::Next(_) => None,
             })
             .collect();
-        let stages = stages_of(&ops).map_err(GpuError::Unsupported)?;
+        let stages = with_rope_stages(stages_of(&ops).map_err(GpuError::Unsupported)?, |l| {
+            layers[l].s_qkv.is_sparse()
+        });
         let g = &self.gpu;
         let b = &self.bufs;
         let p = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(g, s);
-        let (lm_head, t_head) =
-            dense_rows(g, "the LM head", &self.lm_head).map_err(GpuError::Unsupported)?;
+        let (lm_head, s_head, t_head) =
+            group_weights(g, "the LM head", &self.lm_head).map_err(GpuError::Unsupported)?;
         let io = PersistentIo {
             embed: dev_ptr(g, &self.embed),
             final_norm: p(&self.final_norm),
             lm_head,
+            s_head,
             t_head,
             x: p(&b.x),
             qkv: p(&b.qkv),
@@ -270,6 +304,7 @@ mod tests {
             blocks: 1,
             shape,
             positions,
+            counted: Vec::new(),
         };
         let bytes = trace.summary().read_bytes;
         let layer_weights = ((heads + 2 * kv_heads) * hd * d // q|k|v
@@ -290,6 +325,33 @@ mod tests {
         // 2 layers of weights, the head, one embedding row, and K and V of every layer: f16.
         let kv = 2 * 2 * kv_heads * hd * positions;
         assert_eq!(total, 2 * (2 * layer_weights + (vocab * d + d + kv) as u64));
+    }
+
+    #[test]
+    fn a_sparse_q_k_v_is_followed_by_its_rope_stage() {
+        let ops: Vec<StepOp> = sieve_model::plan::step_ops(2)
+            .into_iter()
+            .filter(|op| *op != StepOp::Next)
+            .collect();
+        let stages = with_rope_stages(stages_of(&ops).unwrap(), |l| l == 1);
+        let kinds: Vec<(StageKind, usize)> = stages.iter().map(|s| (s.kind, s.layer)).collect();
+        use StageKind::*;
+        assert_eq!(
+            kinds[..8],
+            [
+                (QkvFromEmbedding, 0),
+                (Attention, 0),
+                (O, 0),
+                (GateUp, 0),
+                (Down, 0),
+                (Qkv, 1),
+                (Rope, 1),
+                (Attention, 1)
+            ]
+        );
+        assert_eq!(stages.len(), 12);
+        let all = with_rope_stages(stages_of(&ops).unwrap(), |_| true);
+        assert_eq!((all[1].kind, all[1].layer), (Rope, 0));
     }
 
     #[test]
