@@ -18,7 +18,10 @@ has() { case " $PART " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 pbench() {  # pbench LABEL SHAPE SP DP [ARGS...]: persistent and graph, one traced persistent step
   local label=$1 shape=$2 sp=$3 dp=$4; shift 4
-  timeout 280 $S bench decode --synthetic "$shape" --sp "$sp" --dp "$dp" --prompt 128 --tokens 256 \
+  # A run must come back within its limit: no new bench after BUDGET_S seconds.
+  if [ $(( $(date +%s) - start )) -gt "${BUDGET_S:-420}" ]; then echo "$label: skipped (time)"; return; fi
+  local left=$(( ${END_S:-560} - $(date +%s) + start )); [ $left -gt 280 ] && left=280
+  timeout $left $S bench decode --synthetic "$shape" --sp "$sp" --dp "$dp" --prompt 128 --tokens 256 \
     --step persistent,graph --trace "$OUT/trace-$label.svg" "$@" > "$OUT/pb-$label.log" 2>&1
   echo "$label: exit $?"
   grep -vE "^\s*$|^(loaded|upload)" "$OUT/pb-$label.log" | sed -E 's/\| eager split.*//' | cut -c1-300 | tail -22

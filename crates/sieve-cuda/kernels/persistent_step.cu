@@ -317,13 +317,15 @@ __device__ bool first_rows(const PArgs& a, int2 st, int gw, const f16_bits*& ra,
     const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
     const int half = a.hd / 2;
     // Tiled-CBC stages read only their active columns, known after the barrier.
-    const PTcbc* sparse = st.x == ST_QKV || st.x == ST_QKV_EMBED ? &L->s_qkv
-                          : st.x == ST_O                         ? &L->s_o
-                          : st.x == ST_GATE_UP                   ? &L->s_gate_up
-                          : st.x == ST_DOWN                      ? &L->s_down
-                          : st.x == ST_HEAD                      ? &a.s_head
-                                                                 : nullptr;
-    if (sparse && sparse->values) return false;
+    // (The head's is read by value: the address of a kernel parameter would move all of them
+    // to local memory.)
+    const u64 sparse = st.x == ST_QKV || st.x == ST_QKV_EMBED ? L->s_qkv.values
+                       : st.x == ST_O                         ? L->s_o.values
+                       : st.x == ST_GATE_UP                   ? L->s_gate_up.values
+                       : st.x == ST_DOWN                      ? L->s_down.values
+                       : st.x == ST_HEAD                      ? a.s_head.values
+                                                              : 0;
+    if (sparse) return false;
     switch (st.x) {
     case ST_QKV:
     case ST_QKV_EMBED: {

@@ -1092,7 +1092,13 @@ mod tests {
 
     #[test]
     fn tiled_cbc_tasks_fill_whole_waves() {
-        for (rows, cols) in [(12288, 4096), (22016, 4096), (4096, 11008), (960, 576), (50, 40)] {
+        for (rows, cols) in [
+            (12288, 4096),
+            (22016, 4096),
+            (4096, 11008),
+            (960, 576),
+            (50, 40),
+        ] {
             let c = tcbc_cols_per_task(rows, cols, 132);
             assert!(c % 16 == 0 && (16..=512).contains(&c), "{rows}x{cols}: {c}");
         }
