@@ -1100,7 +1100,10 @@ mod tests {
             (50, 40),
         ] {
             let c = tcbc_cols_per_task(rows, cols, 132);
-            assert!(c.is_multiple_of(16) && (16..=512).contains(&c), "{rows}x{cols}: {c}");
+            assert!(
+                c.is_multiple_of(16) && (16..=512).contains(&c),
+                "{rows}x{cols}: {c}"
+            );
         }
         // Llama-2-7B q|k|v: 48 row tiles x 8 chunks of 512 = 384 tasks, three waves of 132.
         assert_eq!(tcbc_cols_per_task(12288, 4096, 132), 512);
