@@ -411,28 +411,6 @@ __device__ void rope_stage(const PArgs& a, const PLayer* L, int p) {
     }
 }
 
-__device__ __forceinline__ u32 pt_lds_u16(u32 addr) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ uint4 pt_lds_u32x4(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ uint2 pt_lds_u32x2(u32 addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ void pt_cp16(u32 saddr, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem));
-}
-__device__ __forceinline__ void pt_cp8(u32 saddr, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem));
-}
-
 // Listed column e = (value offset, column tile 16 g + c, 16-byte chunks, x bits) into slot
 // `slot` of the stage buffer at `stage` (header, step 2); every thread commits a group.
 __device__ __forceinline__ void pt_stage_column(bool have, uint4 e, const PTcbc& m, u32 stage, int slot,
@@ -440,13 +418,13 @@ __device__ __forceinline__ void pt_stage_column(bool have, uint4 e, const PTcbc&
     if (have) {
         const f16_bits* src = reinterpret_cast<const f16_bits*>(m.values) + e.x;
         const u32 dst = stage + (u32)slot * 512u + (u32)part * 16u;
-        if ((u32)part < e.z) pt_cp16(dst, src + part * 8);
-        if ((u32)part + 16u < e.z) pt_cp16(dst + 256u, src + (part + 16) * 8);
+        if ((u32)part < e.z) cp_async16_s(dst, src + part * 8);
+        if ((u32)part + 16u < e.z) cp_async16_s(dst + 256u, src + (part + 16) * 8);
         if (part < 2)
-            pt_cp16(stage + PT_BITS_OFF + (u32)slot * 32u + (u32)part * 16u,
+            cp_async16_s(stage + PT_BITS_OFF + (u32)slot * 32u + (u32)part * 16u,
                     reinterpret_cast<const u64*>(m.bitmaps) + (size_t)e.y * 4 + part * 2);
         else if (part == 2)
-            pt_cp8(stage + PT_RANK_OFF + (u32)slot * 8u, reinterpret_cast<const unsigned char*>(m.rank) + (size_t)e.y * 8);
+            cp_async8_s(stage + PT_RANK_OFF + (u32)slot * 8u, reinterpret_cast<const unsigned char*>(m.rank) + (size_t)e.y * 8);
     }
     cp_async_commit();
 }
@@ -516,16 +494,16 @@ __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int 
                 const int sl = warp + u * PS_WARPS;
                 if (sl < cnt) {
                     const float xk = __uint_as_float(list[b * PT_BATCH + sl].w);
-                    const uint4 wa = pt_lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u);
-                    const uint4 wb = pt_lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u + 16u);
-                    const uint2 rk = pt_lds_u32x2(cur + PT_RANK_OFF + (u32)sl * 8u);
+                    const uint4 wa = lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u);
+                    const uint4 wb = lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u + 16u);
+                    const uint2 rk = lds_u32x2(cur + PT_RANK_OFF + (u32)sl * 8u);
                     const u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
                     const u32 vbase = cur + (u32)sl * 512u;
 #pragma unroll
                     for (int q = 0; q < 8; ++q) {
                         if ((words[q] >> lane) & 1u) {
                             const u32 r = ((q < 4 ? rk.x : rk.y) >> (8 * (q & 3))) & 0xffu;
-                            const u32 bits = pt_lds_u16(vbase + 2u * (r + __popc(words[q] & lane_below)));
+                            const u32 bits = lds_u16(vbase + 2u * (r + __popc(words[q] & lane_below)));
                             acc[q] = fmaf(h2f((unsigned short)bits), xk, acc[q]);
                         }
                     }

@@ -203,38 +203,6 @@ tcbc_spmspv(const u32* __restrict__ tile_offset, const u32* __restrict__ col_inf
 
 #define L8_WARPS 8
 
-__device__ __forceinline__ u32 lds_u16(u32 addr) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ u32 lds_u8(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ u32 lds_u32(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ uint4 lds_u32x4(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ uint2 lds_u32x2(u32 addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ void cp_async16_s(u32 saddr, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async8_s(u32 saddr, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(saddr), "l"(gmem));
-}
-
 // Stage layout of the lane8 / rr / union pipelines (byte offsets inside one stage buffer):
 // vals[BATCH][256] f16 | bits[BATCH][8] u32 | rank[BATCH][8] u8.
 template <int BATCH>
