@@ -29,7 +29,9 @@
 //   gate|up-> raw sums in acc_gu; the DOWN stage's input is silu(gate) * up of them
 //   o, down-> added straight into x (the residual);  head -> logits, zeroed by the last DOWN
 // acc_qkv is zeroed by every DOWN stage and acc_gu by every ATTENTION stage (each is read two
-// or more barriers before and written after), so both are zero whenever a step starts.
+// or more barriers before and written after). So acc_qkv is zero whenever a step starts, and
+// acc_gu is zero before every GATE_UP because an ATTENTION stage always precedes it (a step
+// ends with the last layer's gate|up sums still in acc_gu).
 //
 //   task (rt, k0..k1), 512 threads:
 //     1. thread i takes column k0 + i: active if xs[k] != 0 (xs is masked) and nnz > 0; the
@@ -713,7 +715,8 @@ __device__ void prefetch_attention(const PArgs& a, const PLayer* L, int len) {
 }
 
 extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(const PArgs a) {
-    extern __shared__ float smem[];
+    // 16-byte aligned: the Tiled-CBC stage buffers take 16-byte cp.async copies.
+    extern __shared__ __align__(16) float smem[];
     float* xs = smem;                          // [xs_floats]
     float* sc = xs + a.xs_floats;              // [PS_SCORE_CAP]
     float* accs = sc + PS_SCORE_CAP;           // [PS_THREADS * 2]

@@ -421,7 +421,9 @@ impl PersistentStep {
         // and v; a dense one does that itself.
         for (i, s) in stages.iter().enumerate() {
             let qkv = matches!(s.kind, StageKind::Qkv | StageKind::QkvFromEmbedding);
-            let next_is_rope = stages.get(i + 1).map(|n| n.kind) == Some(StageKind::Rope);
+            let next_is_rope = stages
+                .get(i + 1)
+                .is_some_and(|n| n.kind == StageKind::Rope && n.layer == s.layer);
             if (qkv && sparse[i]) != next_is_rope || (s.kind == StageKind::Rope && i == 0) {
                 return Err(CudaError::Option(format!(
                     "persistent step: stage {i} ({} of layer {}) {} a rope+kv stage after it",
