@@ -33,7 +33,7 @@ use sieve_model::plan::{self, BlockSupport, Capabilities, Group, LayerOp, Norm, 
 use sieve_model::sampling::SamplingParams;
 
 mod persistent;
-pub use persistent::{stages_of, StepMode};
+pub use persistent::{stages_of, StepChoice, StepMode};
 
 /// One decoder layer as the runner uploads it.
 pub struct HostLayer {

@@ -2578,6 +2578,59 @@ fn persistent_step_matches_the_graph_step() {
     assert!(err.contains("head dim 16"), "{err}");
 }
 
+/// `--step auto`: `choose_step` times both steps on a model the persistent one can run, keeps
+/// the faster, and leaves a clean sequence (the tokens after it equal the graph step's); on a
+/// model it cannot run (an 8-bit KV cache) it keeps the graph step and says why.
+#[test]
+fn persistent_or_graph_auto_times_both_and_keeps_the_faster() {
+    use sieve_gpu::runner::StepMode;
+    let _serial = serial_gpu();
+    let name = "persistent_or_graph_auto_times_both_and_keeps_the_faster";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    let c = config(301, 256, 512, 2, 4, 2, 64);
+    let model = tiny_model_of(c, FormatKind::Dense, 0.0, 0.0, 11);
+    let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
+    let steps = 24;
+    let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &model, 64).unwrap();
+    let want = gpu_tokens_after(&mut g, &prompt, steps);
+    let choice = g.choose_step(16).unwrap();
+    eprintln!("{name}: {}", choice.describe());
+    let (graph, persistent) = (choice.graph_us.unwrap(), choice.persistent_us.unwrap());
+    assert!(graph > 0.0 && persistent > 0.0, "{name}: {choice:?}");
+    let faster = if persistent < graph {
+        StepMode::Persistent
+    } else {
+        StepMode::Graph
+    };
+    assert_eq!((choice.mode, g.step_mode()), (faster, faster), "{name}");
+    assert_eq!(gpu_tokens_after(&mut g, &prompt, steps), want, "{name}");
+
+    let mut int8 = tiny_model_of(
+        config(301, 256, 512, 2, 4, 2, 64),
+        FormatKind::Dense,
+        0.0,
+        0.0,
+        11,
+    );
+    int8.set_kv_precision(sieve_model::llama::KvPrecision::Int8);
+    let mut g = GpuModel::from_model(Gpu::new(0).unwrap(), &int8, 64).unwrap();
+    let choice = g.choose_step(16).unwrap();
+    assert_eq!(
+        (choice.mode, choice.graph_us),
+        (StepMode::Graph, None),
+        "{name}"
+    );
+    assert!(
+        choice
+            .why_graph
+            .as_deref()
+            .is_some_and(|w| w.contains("8-bit")),
+        "{name}: {choice:?}"
+    );
+}
+
 /// The persistent step of Tiled-CBC models with TEAL thresholds (every product, the head
 /// included, split-K with atomics; a rope+kv stage after each q|k|v) against the graph step
 /// of the same upload: greedy tokens equal, teacher-forced logits within the dense test's

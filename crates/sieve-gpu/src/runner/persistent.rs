@@ -10,6 +10,7 @@ use sieve_cuda::persistent::{
     StageKind,
 };
 use sieve_cuda::product::{dev_ptr, threshold_arg, DevPtr};
+use sieve_cuda::timing::EventPair;
 use sieve_model::plan::{Group, LayerOp, Norm, StepOp};
 
 /// How a decode step runs.
@@ -21,6 +22,38 @@ pub enum StepMode {
     /// One persistent kernel for the whole step, then the sampler (dense f16 and Tiled-CBC
     /// models).
     Persistent,
+}
+
+/// What [`GpuModel::choose_step`] measured and kept.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepChoice {
+    pub mode: StepMode,
+    /// Microseconds per decode step of each mode (None: not timed).
+    pub graph_us: Option<f64>,
+    pub persistent_us: Option<f64>,
+    /// Why only the graph step was considered.
+    pub why_graph: Option<String>,
+}
+
+impl StepChoice {
+    /// One line for stderr: the mode kept and why.
+    pub fn describe(&self) -> String {
+        match (self.graph_us, self.persistent_us, &self.why_graph) {
+            (Some(g), Some(p), _) => format!(
+                "step: {} ({:.3} ms a step against {:.3} ms {})",
+                self.mode.name(),
+                if self.mode == StepMode::Graph { g } else { p } / 1000.0,
+                if self.mode == StepMode::Graph { p } else { g } / 1000.0,
+                if self.mode == StepMode::Graph {
+                    "persistent"
+                } else {
+                    "graph"
+                }
+            ),
+            (_, _, Some(why)) => format!("step: graph (persistent cannot run: {why})"),
+            _ => format!("step: {}", self.mode.name()),
+        }
+    }
 }
 
 impl StepMode {
@@ -201,6 +234,70 @@ impl GpuModel {
             });
         }
         Ok(out)
+    }
+
+    /// Times the graph and the persistent step on this model and keeps the faster one: the
+    /// `--step auto` choice, measured rather than guessed, because which wins depends on the
+    /// model's size, its formats and the GPU (docs/BENCHMARKS.md, issue 27). Each mode runs a
+    /// few warm-up steps (graph capture, kernel compile) and then `steps` decode steps between
+    /// two events, from position 0 of a one-token sequence; the sequence is reset afterwards,
+    /// so the next prefill starts clean. A model the persistent step cannot run keeps the
+    /// graph step without timing anything.
+    pub fn choose_step(&mut self, steps: usize) -> Result<StepChoice> {
+        const WARM_UP: usize = 3;
+        if let Some(why) = self.persistent_unsupported() {
+            self.set_step_mode(StepMode::Graph)?;
+            return Ok(StepChoice {
+                mode: StepMode::Graph,
+                graph_us: None,
+                persistent_us: None,
+                why_graph: Some(why),
+            });
+        }
+        let steps = steps.min(self.capacity.saturating_sub(WARM_UP + 1));
+        if steps == 0 || self.tp.is_some() {
+            self.set_step_mode(StepMode::Graph)?;
+            return Ok(StepChoice {
+                mode: StepMode::Graph,
+                graph_us: None,
+                persistent_us: None,
+                why_graph: Some(if steps == 0 {
+                    format!(
+                        "a context of {} positions is too short to time",
+                        self.capacity
+                    )
+                } else {
+                    "tensor parallelism (the persistent step has no all-reduce)".into()
+                }),
+            });
+        }
+        let time = |m: &mut Self, mode: StepMode| -> Result<f64> {
+            m.set_step_mode(mode)?;
+            m.reset(&[0])?;
+            m.enqueue_decode_steps(WARM_UP)?;
+            let events = EventPair::new(&m.gpu)?;
+            events.start(&m.gpu)?;
+            m.enqueue_decode_steps(steps)?;
+            events.end(&m.gpu)?;
+            m.gpu.synchronize()?;
+            m.check_step()?;
+            Ok(events.elapsed_us()? / steps as f64)
+        };
+        let graph_us = time(self, StepMode::Graph)?;
+        let persistent_us = time(self, StepMode::Persistent)?;
+        let mode = if persistent_us < graph_us {
+            StepMode::Persistent
+        } else {
+            StepMode::Graph
+        };
+        self.set_step_mode(mode)?;
+        self.reset(&[0])?;
+        Ok(StepChoice {
+            mode,
+            graph_us: Some(graph_us),
+            persistent_us: Some(persistent_us),
+            why_graph: None,
+        })
     }
 
     /// Builds the persistent step for the current slot (the caller drops the captured graphs).

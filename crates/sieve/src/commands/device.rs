@@ -86,9 +86,8 @@ impl PromptPrecision {
 /// `--step auto|graph|persistent`: how a GPU decode step runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Step {
-    /// The faster where the model allows both: graph, by measurement so far (the persistent
-    /// step measured slower on the 7B shape and on SmolLM2, H100 2026-12-05,
-    /// docs/BENCHMARKS.md).
+    /// The faster of the two, timed on the model at load (32 steps of each, a few ms to a
+    /// few hundred ms); graph where the persistent step cannot run the model.
     #[default]
     Auto,
     /// A CUDA graph of the plan's kernels (every format).
@@ -106,7 +105,12 @@ pub fn apply_step(m: &mut sieve_gpu::GpuModel, step: Step) -> Result<()> {
         Step::Persistent => m
             .set_step_mode(StepMode::Persistent)
             .context("--step persistent")?,
-        Step::Auto => m.set_step_mode(StepMode::Graph)?,
+        Step::Auto => {
+            let choice = m
+                .choose_step(32)
+                .context("--step auto: timing the two steps")?;
+            eprintln!("{}", choice.describe());
+        }
     }
     Ok(())
 }
