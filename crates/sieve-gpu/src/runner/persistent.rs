@@ -240,8 +240,8 @@ impl GpuModel {
     /// `--step auto` choice, measured rather than guessed, because which wins depends on the
     /// model's size, its formats and the GPU (docs/BENCHMARKS.md, issue 27). Each mode runs a
     /// few warm-up steps (graph capture, kernel compile) and then `steps` decode steps between
-    /// two events, from position 0 of a one-token sequence; the sequence is reset afterwards,
-    /// so the next prefill starts clean. A model the persistent step cannot run keeps the
+    /// two events, from the middle of the context ([`Self::seek`]: the cache there holds
+    /// whatever it held); the sequence is reset afterwards, so the next prefill starts clean. A model the persistent step cannot run keeps the
     /// graph step without timing anything.
     pub fn choose_step(&mut self, steps: usize) -> Result<StepChoice> {
         const WARM_UP: usize = 3;
@@ -271,9 +271,13 @@ impl GpuModel {
                 }),
             });
         }
+        // Midway through the context: attention's share of the step grows with the position,
+        // and the two steps' attention differ most there.
+        let at = (self.capacity - 1 - WARM_UP - steps) / 2;
         let time = |m: &mut Self, mode: StepMode| -> Result<f64> {
             m.set_step_mode(mode)?;
             m.reset(&[0])?;
+            m.seek(at, 0)?;
             m.enqueue_decode_steps(WARM_UP)?;
             let events = EventPair::new(&m.gpu)?;
             events.start(&m.gpu)?;

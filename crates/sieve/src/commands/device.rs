@@ -86,8 +86,8 @@ impl PromptPrecision {
 /// `--step auto|graph|persistent`: how a GPU decode step runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Step {
-    /// The faster of the two, timed on the model at load (32 steps of each, a few ms to a
-    /// few hundred ms); graph where the persistent step cannot run the model.
+    /// The faster of the two, timed on the model at load (32 steps of each midway through
+    /// the context: a few ms to a few hundred ms); graph where the persistent step cannot run the model.
     #[default]
     Auto,
     /// A CUDA graph of the plan's kernels (every format).
