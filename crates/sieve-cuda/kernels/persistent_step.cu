@@ -10,14 +10,16 @@
 //                      (norm + q|k|v product + RoPE + KV write: one stage)
 //     ATTENTION        task (q head h, split s) per block: scores of the split's positions,
 //                      softmax partials {m, l, acc[hd]} to `part`; the split that arrives last
-//                      at the head's counter combines the S partials into att[h] (no barrier)
+//                      at the head's counter combines the S partials into att[h] (no barrier).
+//                      After a Tiled-CBC q|k|v it first does that q|k|v's epilogue itself from
+//                      the raw sums: its q head's RoPE, and in the split holding position p
+//                      the new k and v rows (into shared memory; the first query head of each
+//                      KV head also writes them to the cache)
 //     O                x[r] += W_o[r] . mask(att)
 //     GATE_UP          xs = mask(rmsnorm(x) * w) ; h[r] = silu(gate[r] . xs) * (up[r] . xs)
 //                      (norm + gate|up product + SwiGLU: one stage)
 //     DOWN             x[r] += W_down[r] . mask(h)
 //     HEAD             logits[r] = W_lm[r] . mask(rmsnorm(x) * w_final)
-//     ROPE             (after a Tiled-CBC q|k|v only) bias, RoPE and the KV write of the raw
-//                      sums in acc_qkv, as QKV does for its rows
 //   The sampler (or the teacher-forced advance) stays a kernel of its own after this one.
 //
 // Tiled-CBC products (any of q|k|v, o, gate|up, down, head; PTcbc.values != 0, the arrays of
@@ -25,7 +27,7 @@
 // 256-row tile and a range of at most 512 columns, tasks dealt round robin to the blocks; the
 // block adds its 256 partial sums to y with atomics (split-K), so a product's rows are only
 // whole after the next barrier:
-//   q|k|v  -> raw sums in acc_qkv, then the ROPE stage (one more barrier per layer)
+//   q|k|v  -> raw sums in acc_qkv; the ATTENTION stage rotates and caches them (above)
 //   gate|up-> raw sums in acc_gu; the DOWN stage's input is silu(gate) * up of them
 //   o, down-> added straight into x (the residual);  head -> logits, zeroed by the last DOWN
 // acc_qkv is zeroed by every DOWN stage and acc_gu by every ATTENTION stage (each is read two
@@ -84,7 +86,7 @@
 #define PS_PREFETCH_BYTES 4096
 #define PS_NEG_INF __int_as_float(0xff800000)
 
-enum { ST_QKV = 0, ST_QKV_EMBED = 1, ST_ATTENTION = 2, ST_O = 3, ST_GATE_UP = 4, ST_DOWN = 5, ST_HEAD = 6, ST_ROPE = 7 };
+enum { ST_QKV = 0, ST_QKV_EMBED = 1, ST_ATTENTION = 2, ST_O = 3, ST_GATE_UP = 4, ST_DOWN = 5, ST_HEAD = 6 };
 
 #define PT_BATCH 32
 #define PT_STAGES 4
@@ -360,10 +362,10 @@ __device__ bool first_rows(const PArgs& a, int2 st, int gw, const f16_bits*& ra,
     }
 }
 
-// Rows r0 = head * hd + i and r1 = r0 + hd / 2 of q|k|v (sums u, v): bias, RoPE of q and k,
-// q to the qkv buffer, k and v (f16) to the cache row of position p.
-__device__ __forceinline__ void qkv_pair(const PArgs& a, const PLayer* L, int p, int head, int i, float u,
-                                         float v) {
+// Rows r0 = head * hd + i and r1 = r0 + hd / 2 of q|k|v (sums u, v) with the bias added and,
+// for q and k heads, rotated to position p.
+__device__ __forceinline__ float2 rope_pair(const PArgs& a, const PLayer* L, int p, int head, int i, float u,
+                                            float v) {
     const int half = a.hd / 2, r0 = head * a.hd + i, r1 = r0 + half;
     const float* bias = reinterpret_cast<const float*>(L->qkv_bias);
     if (bias) {
@@ -373,10 +375,25 @@ __device__ __forceinline__ void qkv_pair(const PArgs& a, const PLayer* L, int p,
     if (head < a.H + a.Hkv) {
         const float c = reinterpret_cast<const float*>(a.rope_cos)[(size_t)p * half + i];
         const float s = reinterpret_cast<const float*>(a.rope_sin)[(size_t)p * half + i];
-        const float ru = u * c - v * s, rv = v * c + u * s;
-        u = ru;
-        v = rv;
+        return make_float2(u * c - v * s, v * c + u * s);
     }
+    return make_float2(u, v);
+}
+
+// The same pair from a Tiled-CBC q|k|v's raw sums in acc_qkv.
+__device__ __forceinline__ float2 raw_pair(const PArgs& a, const PLayer* L, int p, int head, int i) {
+    const float* raw = reinterpret_cast<const float*>(a.acc_qkv) + (size_t)head * a.hd + i;
+    return rope_pair(a, L, p, head, i, ldcg_f32(raw), ldcg_f32(raw + a.hd / 2));
+}
+
+// The dense q|k|v's epilogue: the pair through rope_pair, q to the qkv buffer, k and v (f16)
+// to the cache row of position p.
+__device__ __forceinline__ void qkv_pair(const PArgs& a, const PLayer* L, int p, int head, int i, float u,
+                                         float v) {
+    const int half = a.hd / 2, r0 = head * a.hd + i, r1 = r0 + half;
+    const float2 r = rope_pair(a, L, p, head, i, u, v);
+    u = r.x;
+    v = r.y;
     if (head < a.H) {
         stcg_f32(reinterpret_cast<float*>(a.qkv) + r0, u);
         stcg_f32(reinterpret_cast<float*>(a.qkv) + r1, v);
@@ -400,16 +417,6 @@ __device__ void qkv_stage(const PArgs& a, const PLayer* L, const float* xs, int 
         const int r0 = head * a.hd + i, r1 = r0 + half;
         float2 y = dot2(W + (size_t)r0 * K, W + (size_t)r1 * K, xs, K, lane);
         if (lane == 0) qkv_pair(a, L, p, head, i, y.x, y.y);
-    }
-}
-
-// A Tiled-CBC q|k|v's epilogue: the raw sums of acc_qkv through qkv_pair, a thread per pair.
-__device__ void rope_stage(const PArgs& a, const PLayer* L, int p) {
-    const int half = a.hd / 2, T = (a.H + 2 * a.Hkv) * half;
-    const float* raw = reinterpret_cast<const float*>(a.acc_qkv);
-    for (int t = blockIdx.x * PS_THREADS + threadIdx.x; t < T; t += gridDim.x * PS_THREADS) {
-        const int head = t / half, i = t % half, r0 = head * a.hd + i;
-        qkv_pair(a, L, p, head, i, ldcg_f32(raw + r0), ldcg_f32(raw + r0 + half));
     }
 }
 
@@ -585,15 +592,48 @@ __device__ void gate_up_stage(const PArgs& a, const PLayer* L, const float* xs) 
 // Attention of query head h over positions [b, e) of the cache (f16 [C][Hkv][hd]): this
 // block's partial {m, l, acc[hd]}; the last split of the head to finish combines them.
 __device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, int len, float* sc, float* red,
-                               float* qs, float* accs) {
+                               float* qs, float* accs, f16_bits* newk, f16_bits* newv) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int hd = a.hd, S = a.splits, kh = h / (a.H / a.Hkv);
     const int per = (len + S - 1) / S, b = min(s * per, len), e = min(b + per, len), n = e - b;
     const size_t row = (size_t)a.Hkv * hd;
     const f16_bits* kc = reinterpret_cast<const f16_bits*>(L->k_cache) + (size_t)kh * hd;
     const f16_bits* vc = reinterpret_cast<const f16_bits*>(L->v_cache) + (size_t)kh * hd;
-    if (tid < hd) qs[tid] = ldcg_f32(reinterpret_cast<const float*>(a.qkv) + (size_t)h * hd + tid) * a.att_scale;
+    // A Tiled-CBC q|k|v left raw sums (acc_qkv): the task rotates its own q, and the split
+    // holding the new position p = len - 1 takes that position's k and v rows from acc_qkv too,
+    // rounded to f16 as the cache stores them, into shared memory (newk, newv); the first query
+    // head of each KV head writes them to the cache for the steps after this one. So no block
+    // reads cache row p in this stage, and no stage of its own is needed for RoPE.
+    const bool raw = L->s_qkv.values != 0;
+    const int p = len - 1, half = hd / 2;
+    const bool has_new = raw && b <= p && p < e;
+    // Threads [0, hd/2) rotate q pairs; the next whole warps, [k0, k0 + hd), take k pairs then
+    // v pairs (k0 + hd <= 384 for hd <= 256).
+    const int k0 = (half + 31) / 32 * 32;
+    if (raw) {
+        if (tid < half) {
+            const float2 r = raw_pair(a, L, p, h, tid);
+            qs[tid] = r.x * a.att_scale;
+            qs[tid + half] = r.y * a.att_scale;
+        }
+        if (has_new && tid >= k0 && tid < k0 + hd) {
+            const int j = tid - k0, is_v = j >= half, i = is_v ? j - half : j;
+            const float2 r = raw_pair(a, L, p, a.H + is_v * a.Hkv + kh, i);
+            f16_bits* dst = is_v ? newv : newk;
+            dst[i] = f2h(r.x);
+            dst[i + half] = f2h(r.y);
+            if (h % (a.H / a.Hkv) == 0) {
+                f16_bits* row_p = const_cast<f16_bits*>(is_v ? vc : kc) + (size_t)p * row;
+                row_p[i] = dst[i];
+                row_p[i + half] = dst[i + half];
+            }
+        }
+    } else if (tid < hd) {
+        qs[tid] = ldcg_f32(reinterpret_cast<const float*>(a.qkv) + (size_t)h * hd + tid) * a.att_scale;
+    }
     __syncthreads();
+    const u32* newk_w = reinterpret_cast<const u32*>(newk);
+    const u32* newv_w = reinterpret_cast<const u32*>(newv);
     // Scores: a warp per position, lane l holds dims [l*E, l*E + E) (E = hd / 32, even), four
     // positions' loads in flight at once.
     const int E2 = hd / 64;  // u32 words per lane
@@ -604,7 +644,9 @@ __device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, in
             const int t = t0 + j * PS_WARPS;
 #pragma unroll
             for (int wi = 0; wi < 4; ++wi)
-                kw[j][wi] = (t < e && wi < E2) ? ldcg_u32(kc + (size_t)t * row + lane * 2 * E2 + 2 * wi) : 0u;
+                kw[j][wi] = (t >= e || wi >= E2) ? 0u
+                            : (has_new && t == p) ? newk_w[lane * E2 + wi]
+                                                  : ldcg_u32(kc + (size_t)t * row + lane * 2 * E2 + 2 * wi);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -641,7 +683,7 @@ __device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, in
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int t = t0 + j * NG;
-            vw[j] = t < e ? ldcg_u32(vc + (size_t)t * row + 2 * c) : 0u;
+            vw[j] = t >= e ? 0u : (has_new && t == p) ? newv_w[c] : ldcg_u32(vc + (size_t)t * row + 2 * c);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -722,6 +764,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
     float* accs = sc + PS_SCORE_CAP;           // [PS_THREADS * 2]
     float* qs = accs + 2 * PS_THREADS;         // [256]
     unsigned char* area = reinterpret_cast<unsigned char*>(smem) + a.tcbc_at;  // Tiled-CBC tasks
+    // The new position's k and v rows of a Tiled-CBC q|k|v's attention (only such models have
+    // the area; no Tiled-CBC task runs in an attention stage).
+    f16_bits* newk = reinterpret_cast<f16_bits*>(area);
+    f16_bits* newv = newk + 256;
     __shared__ float red[PS_WARPS];
     __shared__ int wc[PS_WARPS];
     const int* state = reinterpret_cast<const int*>(a.state);
@@ -754,13 +800,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
                 qkv_stage(a, L, xs, p);
             break;
         }
-        case ST_ROPE:
-            rope_stage(a, L, p);
-            break;
         case ST_ATTENTION:
             if (a.acc_gu) zero_share(a.acc_gu, 2 * a.I);
             for (int task = blockIdx.x; task < a.H * a.splits; task += gridDim.x) {
-                attention_task(a, L, task / a.splits, task % a.splits, p + 1, sc, red, qs, accs);
+                attention_task(a, L, task / a.splits, task % a.splits, p + 1, sc, red, qs, accs, newk, newv);
                 __syncthreads();
             }
             break;

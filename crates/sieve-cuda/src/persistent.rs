@@ -47,13 +47,10 @@ pub enum StageKind {
     Down = 5,
     /// Final norm and the LM head into the logits.
     Head = 6,
-    /// After a Tiled-CBC q|k|v (whose rows are whole only after a barrier): bias, RoPE and
-    /// the KV-cache write.
-    Rope = 7,
 }
 
 impl StageKind {
-    pub const ALL: [StageKind; 8] = [
+    pub const ALL: [StageKind; 7] = [
         StageKind::Qkv,
         StageKind::QkvFromEmbedding,
         StageKind::Attention,
@@ -61,7 +58,6 @@ impl StageKind {
         StageKind::GateUp,
         StageKind::Down,
         StageKind::Head,
-        StageKind::Rope,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -71,7 +67,6 @@ impl StageKind {
             StageKind::GateUp => "norm+gate|up+swiglu",
             StageKind::Down => "down",
             StageKind::Head => "norm+head",
-            StageKind::Rope => "rope+kv",
         }
     }
 }
@@ -413,26 +408,10 @@ impl PersistentStep {
                     StageKind::GateUp => l.s_gate_up.is_sparse(),
                     StageKind::Down => l.s_down.is_sparse(),
                     StageKind::Head => io.s_head.is_sparse(),
-                    StageKind::Attention | StageKind::Rope => false,
+                    StageKind::Attention => false,
                 }
             })
             .collect();
-        // A Tiled-CBC q|k|v leaves raw sums that only the Rope stage after it turns into q, k
-        // and v; a dense one does that itself.
-        for (i, s) in stages.iter().enumerate() {
-            let qkv = matches!(s.kind, StageKind::Qkv | StageKind::QkvFromEmbedding);
-            let next_is_rope = stages
-                .get(i + 1)
-                .is_some_and(|n| n.kind == StageKind::Rope && n.layer == s.layer);
-            if (qkv && sparse[i]) != next_is_rope || (s.kind == StageKind::Rope && i == 0) {
-                return Err(CudaError::Option(format!(
-                    "persistent step: stage {i} ({} of layer {}) {} a rope+kv stage after it",
-                    s.kind.name(),
-                    s.layer,
-                    if next_is_rope { "has" } else { "needs" }
-                )));
-            }
-        }
         let accumulator = |on: bool, n: usize| -> Result<Option<CudaSlice<f32>>> {
             Ok(if on {
                 Some(gpu.upload(&vec![0f32; n])?)
@@ -652,8 +631,6 @@ pub fn stage_read_bytes(shape: &PersistentShape, kind: StageKind, positions: usi
         StageKind::GateUp => 2 * shape.intermediate * shape.hidden,
         StageKind::Down => shape.hidden * shape.intermediate,
         StageKind::Head => shape.vocab * shape.hidden,
-        // Reads the raw sums and writes the cache row: kilobytes.
-        StageKind::Rope => 0,
     };
     elements as u64 * F16
 }
@@ -911,14 +888,13 @@ impl Trace {
             StageKind::GateUp => "#76b7b2",
             StageKind::Down => "#59a14f",
             StageKind::Head => "#b07aa1",
-            StageKind::Rope => "#edc948",
         };
         let height = row * self.blocks as f64 + 40.0;
         let mut s = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\">\n\
              <text x=\"4\" y=\"{}\" font-size=\"12\" font-family=\"sans-serif\">persistent step, \
              {:.1} us, {} blocks (rows), {} stages; blue qkv, orange attention, red o, teal gate|up, \
-             green down, purple head, yellow rope+kv; white = waiting</text>\n",
+             green down, purple head; white = waiting</text>\n",
             height - 8.0,
             (t1 - t0) as f64 / 1e3,
             self.blocks,
@@ -1122,7 +1098,7 @@ mod tests {
         let t = Trace {
             stages: vec![
                 stage(StageKind::QkvFromEmbedding),
-                stage(StageKind::Rope),
+                stage(StageKind::Attention),
                 stage(StageKind::Head),
             ],
             blocks: 1,
@@ -1132,12 +1108,13 @@ mod tests {
             counted: vec![Some(5_000), None, None],
         };
         let s = t.summary();
-        // The counted q|k|v and the embedding row (576 f16); rope+kv reads no weights.
+        // The counted q|k|v and the embedding row (576 f16); attention its one cache row
+        // (2 x 192 f16) whatever q|k|v was; the dense head.
         assert_eq!(
             s.read_bytes,
             vec![
                 ("norm+qkv+rope", 5_000 + 2 * 576),
-                ("rope+kv", 0),
+                ("attention", 2 * 192 * 2),
                 ("norm+head", 100 * 576 * 2)
             ]
         );

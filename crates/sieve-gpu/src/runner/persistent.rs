@@ -148,22 +148,6 @@ fn group_weights(
     }
 }
 
-/// `stages` with a [`StageKind::Rope`] after the q|k|v stage of every layer for which
-/// `sparse_qkv` says its q|k|v is Tiled-CBC (its rows are whole only after a barrier).
-pub fn with_rope_stages(stages: Vec<Stage>, sparse_qkv: impl Fn(usize) -> bool) -> Vec<Stage> {
-    let mut out = Vec::with_capacity(stages.len());
-    for s in stages {
-        out.push(s);
-        if matches!(s.kind, StageKind::Qkv | StageKind::QkvFromEmbedding) && sparse_qkv(s.layer) {
-            out.push(Stage {
-                kind: StageKind::Rope,
-                layer: s.layer,
-            });
-        }
-    }
-    out
-}
-
 impl GpuModel {
     fn persistent_shape(&self) -> PersistentShape {
         let c = &self.config;
@@ -317,9 +301,7 @@ impl GpuModel {
                 Op::Next(_) => None,
             })
             .collect();
-        let stages = with_rope_stages(stages_of(&ops).map_err(GpuError::Unsupported)?, |l| {
-            layers[l].s_qkv.is_sparse()
-        });
+        let stages = stages_of(&ops).map_err(GpuError::Unsupported)?;
         let g = &self.gpu;
         let b = &self.bufs;
         let p = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(g, s);
@@ -426,33 +408,6 @@ mod tests {
         // 2 layers of weights, the head, one embedding row, and K and V of every layer: f16.
         let kv = 2 * 2 * kv_heads * hd * positions;
         assert_eq!(total, 2 * (2 * layer_weights + (vocab * d + d + kv) as u64));
-    }
-
-    #[test]
-    fn a_sparse_q_k_v_is_followed_by_its_rope_stage() {
-        let ops: Vec<StepOp> = sieve_model::plan::step_ops(2)
-            .into_iter()
-            .filter(|op| *op != StepOp::Next)
-            .collect();
-        let stages = with_rope_stages(stages_of(&ops).unwrap(), |l| l == 1);
-        let kinds: Vec<(StageKind, usize)> = stages.iter().map(|s| (s.kind, s.layer)).collect();
-        use StageKind::*;
-        assert_eq!(
-            kinds[..8],
-            [
-                (QkvFromEmbedding, 0),
-                (Attention, 0),
-                (O, 0),
-                (GateUp, 0),
-                (Down, 0),
-                (Qkv, 1),
-                (Rope, 1),
-                (Attention, 1)
-            ]
-        );
-        assert_eq!(stages.len(), 12);
-        let all = with_rope_stages(stages_of(&ops).unwrap(), |_| true);
-        assert_eq!((all[1].kind, all[1].layer), (Rope, 0));
     }
 
     #[test]
