@@ -38,7 +38,7 @@
 //   task (rt, k0..k1), 512 threads:
 //     1. thread i takes column k0 + i: active if xs[k] != 0 (xs is masked) and nnz > 0; the
 //        active columns go to list[] in shared memory (ballot + warp counts), in order
-//     2. batches of 32 listed columns through 4 cp.async stage buffers:
+//     2. batches of 32 listed columns through 2..8 cp.async stage buffers (4 by default):
 //          stage = vals[32][256] f16 | bits[32][8] u32 | rank[32][8] u8    (17,664 bytes)
 //        16 threads per column slot, 16-byte chunks part and part + 16
 //     3. round-robin decode (tiled_cbc_spmspv.cu, rr): warp w takes slots w and w + 16; lane j
@@ -89,7 +89,8 @@
 enum { ST_QKV = 0, ST_QKV_EMBED = 1, ST_ATTENTION = 2, ST_O = 3, ST_GATE_UP = 4, ST_DOWN = 5, ST_HEAD = 6 };
 
 #define PT_BATCH 32
-#define PT_STAGES 4
+// Stage buffers: a.tcbc_stages (2..8, chosen on the host), tcbc_stages - 1 batches in flight.
+#define PT_MAX_STAGES 8
 #define PT_MAX_COLS 512
 #define PT_BITS_OFF 16384u
 #define PT_RANK_OFF 17408u
@@ -114,7 +115,8 @@ struct PArgs {
     int n_stages, d, H, Hkv, hd, I, vocab, splits;
     float eps, t_head, att_scale;
     int xs_floats, flags_at;
-    int tcbc_at;  // byte offset of the Tiled-CBC area in dynamic shared memory
+    int tcbc_at;      // byte offset of the Tiled-CBC area in dynamic shared memory
+    int tcbc_stages;  // its stage buffers
     u64 acc_qkv, acc_gu;
     PTcbc s_head;
 };
@@ -438,11 +440,24 @@ __device__ __forceinline__ void pt_stage_column(bool have, uint4 e, const PTcbc&
     cp_async_commit();
 }
 
+// cp.async.wait_group takes an immediate: the host's stage count picks one.
+__device__ __forceinline__ void pt_wait_all_but(int n) {
+    switch (n) {
+    case 6: cp_async_wait<6>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 1: cp_async_wait<1>(); break;
+    default: cp_async_wait<0>(); break;
+    }
+}
+
 // y[256 rt + r] += sum over the active columns k in [k0, k1) of W[256 rt + r][k] * xs[k]
-// (header, steps 1-4). `area`: list[512] uint4, then PT_STAGES stage buffers. Returns the
+// (header, steps 1-4). `area`: list[512] uint4, then `stages` stage buffers. Returns the
 // bytes this thread asked of memory (when `count`), for the trace.
 __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int k0, int k1, unsigned char* area,
-                         int* wc, bool count) {
+                         int stages, int* wc, bool count) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     uint4* list = reinterpret_cast<uint4*>(area);
     const u32 sbase = smem_addr(area + PT_MAX_COLS * 16);
@@ -479,23 +494,22 @@ __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int 
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[q] = 0.f;
     if (n > 0) {
-        // 2. The pipeline: batch b in stage buffer b % PT_STAGES, PT_STAGES - 1 in flight.
+        // 2. The pipeline: batch b in stage buffer b % stages, stages - 1 in flight.
         const int nb = (n + PT_BATCH - 1) / PT_BATCH;
         const int slot = tid >> 4, part = tid & 15;
         auto load = [&](int b) {
             const int i = b * PT_BATCH + slot;
             const bool have = b < nb && i < n;
             pt_stage_column(have, have ? list[i] : make_uint4(0u, 0u, 0u, 0u), m,
-                            sbase + (u32)(b % PT_STAGES) * PT_STAGE_BYTES, slot, part);
+                            sbase + (u32)(b % stages) * PT_STAGE_BYTES, slot, part);
         };
-#pragma unroll
-        for (int b = 0; b < PT_STAGES - 1; ++b) load(b);
+        for (int b = 0; b < stages - 1; ++b) load(b);
         const u32 lane_below = (1u << lane) - 1u;
         for (int b = 0; b < nb; ++b) {
-            cp_async_wait<PT_STAGES - 2>();  // batch b has landed (this thread's copies)
-            __syncthreads();                  // ... everyone's; batch b - 1 is consumed
-            load(b + PT_STAGES - 1);
-            const u32 cur = sbase + (u32)(b % PT_STAGES) * PT_STAGE_BYTES;
+            pt_wait_all_but(stages - 2);  // batch b has landed (this thread's copies)
+            __syncthreads();              // ... everyone's; batch b - 1 is consumed
+            load(b + stages - 1);
+            const u32 cur = sbase + (u32)(b % stages) * PT_STAGE_BYTES;
             const int cnt = min(PT_BATCH, n - b * PT_BATCH);
             // 3. Round-robin decode of slots warp and warp + 16.
 #pragma unroll
@@ -543,12 +557,13 @@ __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int 
 // y += W . xs over all tasks of the product, dealt round robin; the block's bytes (thread 0's
 // return value, when `count`).
 // `m` by value: its fields stay in registers across the tasks' atomics.
-__device__ u64 tcbc_stage(const PTcbc m, const float* xs, float* y, unsigned char* area, int* wc, bool count) {
+__device__ u64 tcbc_stage(const PTcbc m, const float* xs, float* y, unsigned char* area, int stages, int* wc,
+                          bool count) {
     const int row_tiles = (m.M + 255) / 256, chunks = (m.K + m.cols_per_task - 1) / m.cols_per_task;
     u32 mine = 0;
     for (int task = blockIdx.x; task < row_tiles * chunks; task += gridDim.x) {
         const int rt = task % row_tiles, k0 = (task / row_tiles) * m.cols_per_task;
-        mine += tcbc_task(m, xs, y, rt, k0, min(k0 + m.cols_per_task, m.K), area, wc, count);
+        mine += tcbc_task(m, xs, y, rt, k0, min(k0 + m.cols_per_task, m.K), area, stages, wc, count);
     }
     if (!count) return 0;
     __shared__ unsigned long long s_bytes;
@@ -795,7 +810,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
                 st.x == ST_QKV_EMBED ? reinterpret_cast<const f16_bits*>(a.embed) + (size_t)tok * a.d : nullptr;
             stage_input(xs, x, emb, x, reinterpret_cast<const float*>(L->attn_norm), a.d, a.eps, L->t_qkv, red);
             if (L->s_qkv.values)
-                counted = tcbc_stage(L->s_qkv, xs, reinterpret_cast<float*>(a.acc_qkv), area, wc, trace != nullptr);
+                counted = tcbc_stage(L->s_qkv, xs, reinterpret_cast<float*>(a.acc_qkv), area, a.tcbc_stages, wc, trace != nullptr);
             else
                 qkv_stage(a, L, xs, p);
             break;
@@ -811,7 +826,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
             stage_input(xs, reinterpret_cast<const float*>(a.att), nullptr, nullptr, nullptr, a.H * a.hd, a.eps,
                         L->t_o, red);
             if (L->s_o.values)
-                counted = tcbc_stage(L->s_o, xs, x, area, wc, trace != nullptr);
+                counted = tcbc_stage(L->s_o, xs, x, area, a.tcbc_stages, wc, trace != nullptr);
             else
                 rows_stage(reinterpret_cast<const f16_bits*>(L->o), xs, x, a.d, a.H * a.hd, true);
             break;
@@ -819,7 +834,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
             stage_input(xs, x, nullptr, nullptr, reinterpret_cast<const float*>(L->mlp_norm), a.d, a.eps,
                         L->t_gate_up, red);
             if (L->s_gate_up.values)
-                counted = tcbc_stage(L->s_gate_up, xs, reinterpret_cast<float*>(a.acc_gu), area, wc, trace != nullptr);
+                counted = tcbc_stage(L->s_gate_up, xs, reinterpret_cast<float*>(a.acc_gu), area, a.tcbc_stages, wc, trace != nullptr);
             else
                 gate_up_stage(a, L, xs);
             break;
@@ -831,7 +846,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
             if (a.s_head.values && si + 1 < a.n_stages && stages[si + 1].x == ST_HEAD)
                 zero_share(a.logits, a.vocab);
             if (L->s_down.values)
-                counted = tcbc_stage(L->s_down, xs, x, area, wc, trace != nullptr);
+                counted = tcbc_stage(L->s_down, xs, x, area, a.tcbc_stages, wc, trace != nullptr);
             else
                 rows_stage(reinterpret_cast<const f16_bits*>(L->down), xs, x, a.d, a.I, true);
             break;
@@ -839,7 +854,7 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
             stage_input(xs, x, nullptr, nullptr, reinterpret_cast<const float*>(a.final_norm), a.d, a.eps, a.t_head,
                         red);
             if (a.s_head.values)
-                counted = tcbc_stage(a.s_head, xs, reinterpret_cast<float*>(a.logits), area, wc, trace != nullptr);
+                counted = tcbc_stage(a.s_head, xs, reinterpret_cast<float*>(a.logits), area, a.tcbc_stages, wc, trace != nullptr);
             else
                 rows_stage(reinterpret_cast<const f16_bits*>(a.lm_head), xs, reinterpret_cast<float*>(a.logits),
                            a.vocab, a.d, false);

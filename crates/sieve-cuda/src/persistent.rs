@@ -122,9 +122,39 @@ pub fn tcbc_cols_per_task(rows: usize, cols: usize, blocks: usize) -> usize {
 
 /// Columns one Tiled-CBC task takes at most (`PT_MAX_COLS`: a thread per column).
 const MAX_TASK_COLS: usize = 512;
-/// Bytes of the Tiled-CBC area of shared memory: the column list (16 bytes a column) and four
-/// stage buffers of 32 columns (`PT_STAGES` x `PT_STAGE_BYTES`).
-const TCBC_AREA_BYTES: usize = MAX_TASK_COLS * 16 + 4 * 17_664;
+/// Bytes of one Tiled-CBC stage buffer of 32 columns (`PT_STAGE_BYTES`).
+const TCBC_STAGE_BYTES: usize = 17_664;
+/// Stage buffers of a Tiled-CBC task by default (`stages - 1` batches of columns in flight).
+const TCBC_STAGES: usize = 4;
+
+/// Bytes of the Tiled-CBC area of shared memory: the column list (16 bytes a column) and
+/// `stages` stage buffers.
+fn tcbc_area_bytes(stages: usize) -> usize {
+    MAX_TASK_COLS * 16 + stages * TCBC_STAGE_BYTES
+}
+
+/// `SIEVE_PERSISTENT_TCBC_STAGES=2..8` (a switch for measuring the pipeline depth, not a
+/// setting), else [`TCBC_STAGES`].
+fn tcbc_stages_from_env() -> Result<usize> {
+    parse_tcbc_stages(
+        std::env::var("SIEVE_PERSISTENT_TCBC_STAGES")
+            .ok()
+            .as_deref(),
+    )
+    .map_err(CudaError::Option)
+}
+
+fn parse_tcbc_stages(v: Option<&str>) -> std::result::Result<usize, String> {
+    match v {
+        None => Ok(TCBC_STAGES),
+        Some(text) => match text.parse::<usize>() {
+            Ok(n) if (2..=8).contains(&n) => Ok(n),
+            _ => Err(format!(
+                "SIEVE_PERSISTENT_TCBC_STAGES={text}: expected a number of stage buffers from 2 to 8"
+            )),
+        },
+    }
+}
 
 /// One layer's device addresses and thresholds (`PLayer`; 0 for an absent bias). Weights are
 /// row-major f16: q|k|v joined (H + 2 Hkv) hd x d, o d x H hd, gate|up joined 2I x d, down d x I;
@@ -222,6 +252,8 @@ struct PersistentArgs {
     flags_at: i32,
     /// Byte offset of the Tiled-CBC area in the dynamic shared memory.
     tcbc_at: i32,
+    /// Its stage buffers.
+    tcbc_stages: i32,
     /// Raw sums of a Tiled-CBC q|k|v and gate|up (0: no such product).
     acc_qkv: DevPtr,
     acc_gu: DevPtr,
@@ -383,9 +415,20 @@ impl PersistentStep {
             .max(shape.heads * shape.head_dim)
             .next_multiple_of(4);
         let tcbc_at = (xs_floats + SCRATCH_FLOATS) * 4;
-        let shared_bytes = tcbc_at + if any_sparse { TCBC_AREA_BYTES } else { 0 };
+        let tcbc_stages = tcbc_stages_from_env()?;
+        let shared_bytes = tcbc_at
+            + if any_sparse {
+                tcbc_area_bytes(tcbc_stages)
+            } else {
+                0
+            };
         let f = gpu.function(&FAMILY, "persistent_step")?;
-        gpu.allow_dynamic_shared(&f, shared_bytes)?;
+        gpu.allow_dynamic_shared(&f, shared_bytes).map_err(|e| {
+            CudaError::Unsupported(format!(
+                "persistent step: {shared_bytes} bytes of shared memory a block \
+                 ({tcbc_stages} Tiled-CBC stage buffers): {e}"
+            ))
+        })?;
         // As many splits per head as keep every task on a block of its own (one block with two
         // tasks doubles the stage: measured, 135 tasks on 132 SMs), and few enough positions per
         // split for the score buffer.
@@ -477,6 +520,7 @@ impl PersistentStep {
             xs_floats: i32_arg("stage input", xs_floats)?,
             flags_at: i32_arg("flag words", flags_at)?,
             tcbc_at: i32_arg("shared memory", tcbc_at)?,
+            tcbc_stages: tcbc_stages as i32,
             acc_qkv: acc_qkv.as_ref().map(p).unwrap_or(0),
             acc_gu: acc_gu.as_ref().map(p).unwrap_or(0),
             s_head: io.s_head,
@@ -1066,6 +1110,18 @@ mod tests {
         assert_eq!(bytes(StageKind::Down), 576 * 1536 * 2);
         assert_eq!(bytes(StageKind::Head), 100 * 576 * 2);
         assert_eq!(stage_read_bytes(&s, StageKind::Attention, 0), 0);
+    }
+
+    #[test]
+    fn the_stage_buffer_count_is_checked() {
+        assert_eq!(parse_tcbc_stages(None), Ok(TCBC_STAGES));
+        assert_eq!(parse_tcbc_stages(Some("8")), Ok(8));
+        for bad in ["1", "9", "", "four", "-2"] {
+            let err = parse_tcbc_stages(Some(bad)).unwrap_err();
+            assert!(err.contains("from 2 to 8"), "{bad}: {err}");
+        }
+        // Four buffers: the 78,848 bytes the kernel was first built with.
+        assert_eq!(tcbc_area_bytes(4), 78_848);
     }
 
     #[test]
