@@ -50,7 +50,7 @@ impl StepChoice {
                     "graph"
                 }
             ),
-            (_, _, Some(why)) => format!("step: graph (persistent cannot run: {why})"),
+            (_, _, Some(why)) => format!("step: graph (persistent cannot run here: {why})"),
             _ => format!("step: {}", self.mode.name()),
         }
     }
@@ -272,7 +272,21 @@ impl GpuModel {
             Ok(events.elapsed_us()? / steps as f64)
         };
         let graph_us = time(self, StepMode::Graph)?;
-        let persistent_us = time(self, StepMode::Persistent)?;
+        // A persistent step that cannot be built here (its shared memory, GPU memory) or that
+        // fails its run leaves the graph step, which just ran, in charge: said, not fatal.
+        let persistent_us = match time(self, StepMode::Persistent) {
+            Ok(us) => us,
+            Err(e) => {
+                self.set_step_mode(StepMode::Graph)?;
+                self.reset(&[0])?;
+                return Ok(StepChoice {
+                    mode: StepMode::Graph,
+                    graph_us: Some(graph_us),
+                    persistent_us: None,
+                    why_graph: Some(format!("timing it failed: {e}")),
+                });
+            }
+        };
         let mode = if persistent_us < graph_us {
             StepMode::Persistent
         } else {
@@ -408,6 +422,34 @@ mod tests {
         // 2 layers of weights, the head, one embedding row, and K and V of every layer: f16.
         let kv = 2 * 2 * kv_heads * hd * positions;
         assert_eq!(total, 2 * (2 * layer_weights + (vocab * d + d + kv) as u64));
+    }
+
+    #[test]
+    fn a_step_choice_says_what_it_kept_and_why() {
+        let timed = |mode, g, p| StepChoice {
+            mode,
+            graph_us: Some(g),
+            persistent_us: Some(p),
+            why_graph: None,
+        };
+        assert_eq!(
+            timed(StepMode::Graph, 843.0, 902.0).describe(),
+            "step: graph (0.843 ms a step against 0.902 ms persistent)"
+        );
+        assert_eq!(
+            timed(StepMode::Persistent, 900.0, 800.0).describe(),
+            "step: persistent (0.800 ms a step against 0.900 ms graph)"
+        );
+        let refused = StepChoice {
+            mode: StepMode::Graph,
+            graph_us: Some(843.0),
+            persistent_us: None,
+            why_graph: Some("the 8-bit KV cache".into()),
+        };
+        assert_eq!(
+            refused.describe(),
+            "step: graph (persistent cannot run here: the 8-bit KV cache)"
+        );
     }
 
     #[test]
