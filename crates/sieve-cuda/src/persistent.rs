@@ -272,7 +272,8 @@ pub enum Barrier {
 
 impl Barrier {
     /// `SIEVE_PERSISTENT_BARRIER=flags|count` (read once; a switch for measuring the two, not a
-    /// setting), else [`Barrier::Count`]: the flag barrier has not yet run on a GPU.
+    /// setting), else [`Barrier::Count`]: the flag barrier measured slower
+    /// (docs/BENCHMARKS.md, "Window O1").
     pub fn from_env() -> Result<Self> {
         static SETTING: std::sync::OnceLock<std::result::Result<Barrier, String>> =
             std::sync::OnceLock::new();
