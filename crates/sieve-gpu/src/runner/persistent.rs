@@ -36,6 +36,16 @@ pub struct StepChoice {
 }
 
 impl StepChoice {
+    /// The graph step, kept because the persistent one cannot run (`why`).
+    fn graph_only(graph_us: Option<f64>, why: String) -> Self {
+        StepChoice {
+            mode: StepMode::Graph,
+            graph_us,
+            persistent_us: None,
+            why_graph: Some(why),
+        }
+    }
+
     /// One line for stderr: the mode kept and why.
     pub fn describe(&self) -> String {
         match (self.graph_us, self.persistent_us, &self.why_graph) {
@@ -229,31 +239,20 @@ impl GpuModel {
     /// graph step without timing anything.
     pub fn choose_step(&mut self, steps: usize) -> Result<StepChoice> {
         const WARM_UP: usize = 3;
-        if let Some(why) = self.persistent_unsupported() {
-            self.set_step_mode(StepMode::Graph)?;
-            return Ok(StepChoice {
-                mode: StepMode::Graph,
-                graph_us: None,
-                persistent_us: None,
-                why_graph: Some(why),
-            });
-        }
         let steps = steps.min(self.capacity.saturating_sub(WARM_UP + 1));
-        if steps == 0 || self.tp.is_some() {
+        let refused = if self.tp.is_some() {
+            Some("tensor parallelism (the persistent step has no all-reduce)".to_string())
+        } else if steps == 0 {
+            Some(format!(
+                "a context of {} positions is too short to time",
+                self.capacity
+            ))
+        } else {
+            self.persistent_unsupported()
+        };
+        if let Some(why) = refused {
             self.set_step_mode(StepMode::Graph)?;
-            return Ok(StepChoice {
-                mode: StepMode::Graph,
-                graph_us: None,
-                persistent_us: None,
-                why_graph: Some(if steps == 0 {
-                    format!(
-                        "a context of {} positions is too short to time",
-                        self.capacity
-                    )
-                } else {
-                    "tensor parallelism (the persistent step has no all-reduce)".into()
-                }),
-            });
+            return Ok(StepChoice::graph_only(None, why));
         }
         // Midway through the context: attention's share of the step grows with the position,
         // and the two steps' attention differ most there.
@@ -279,12 +278,8 @@ impl GpuModel {
             Err(e) => {
                 self.set_step_mode(StepMode::Graph)?;
                 self.reset(&[0])?;
-                return Ok(StepChoice {
-                    mode: StepMode::Graph,
-                    graph_us: Some(graph_us),
-                    persistent_us: None,
-                    why_graph: Some(format!("timing it failed: {e}")),
-                });
+                let why = format!("timing it failed: {e}");
+                return Ok(StepChoice::graph_only(Some(graph_us), why));
             }
         };
         let mode = if persistent_us < graph_us {
