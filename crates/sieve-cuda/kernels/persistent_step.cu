@@ -11,7 +11,7 @@
 //     ATTENTION        task (q head h, split s) per block: scores of the split's positions,
 //                      softmax partials {m, l, acc[hd]} to `part`; the split that arrives last
 //                      at the head's counter combines the S partials into att[h] (no barrier).
-//                      After a Tiled-CBC q|k|v it first does that q|k|v's epilogue itself from
+//                      After a sparse q|k|v (Tiled-CBC, Balanced-CBC) it first does its epilogue from
 //                      the raw sums: its q head's RoPE, and in the split holding position p
 //                      the new k and v rows (into shared memory; the first query head of each
 //                      KV head also writes them to the cache)
@@ -38,13 +38,48 @@
 //   task (rt, k0..k1), 512 threads:
 //     1. thread i takes column k0 + i: active if xs[k] != 0 (xs is masked) and nnz > 0; the
 //        active columns go to list[] in shared memory (ballot + warp counts), in order
-//     2. batches of 32 listed columns through 2..8 cp.async stage buffers (4 by default):
+//     2. batches of 32 listed columns through 2..8 cp.async stage buffers (4 by default),
+//        the block's tasks one stream of batches, so that one task's compaction, first
+//        copies and reduction overlap its neighbour's (tcbc_stage):
 //          stage = vals[32][256] f16 | bits[32][8] u32 | rank[32][8] u8    (17,664 bytes)
 //        16 threads per column slot, 16-byte chunks part and part + 16
 //     3. round-robin decode (tiled_cbc_spmspv.cu, rr): warp w takes slots w and w + 16; lane j
 //        owns rows 32 q + j (q = 0..7): value index rank[q] + popc(bits_q below lane j), one
 //        conflict-free shared load per word
-//     4. the 16 warps' 8 sums per lane reduced in shared memory, one atomicAdd per row
+//     4. the 16 warps' 8 sums per lane reduced in shared memory, one global atomicAdd per row
+//   area = list[2][512] uint4 (16 KB) | red[16][256] f32 (16 KB) | stage buffers
+//
+// Balanced-CBC products (any of the five; PBcbc.blocks != 0: the blocks of
+// sieve-formats/src/balanced_cbc.rs as src/balanced_cbc.rs uploads them, idx != 0 the "index"
+// layout whose lanes hold 4-bit row indices instead of the row mask, balanced_cbc_spmspv.cu):
+// a task is one 512-row tile rt and cols_per_task = 16 cpw columns (cpw <= 64), dealt round
+// robin like Tiled-CBC's and added to y with atomics the same way (split-K), so the epilogues
+// above hold for them unchanged: any sparse product leaves raw sums.
+//
+//   task (rt, k0 .. k0 + 16 cpw), 512 threads = 16 warps, a slice of cpw columns per warp:
+//
+//              warp 0              warp 1                  warp 15
+//            k0 .. k0+cpw-1     k0+cpw .. k0+2cpw-1   ...  k0+15cpw .. k0+16cpw-1
+//     lane 0   | block (rt, k), lane 0: N slots in rows 512 rt +   0 ..  15
+//     lane 1   |                lane 1:                512 rt +  16 ..  31
+//      ...     |                                        ...
+//     lane 31  |                lane 31:               512 rt + 496 .. 511
+//   (the last tile stores only its first last_lanes lanes; the others load and add nothing)
+//
+//     1. warp w reads xs of its columns (two per lane; xs is masked: 0 = inactive) and ballots
+//        a 64-bit mask of the active ones
+//     2. the active columns stream through a ring of U register slots (U = 8 for N <= 8, else
+//        4): slot u is processed and at once refilled with the next active column, so U
+//        columns' loads stay in flight; lane j loads its N / 2 value words (+ the odd N's
+//        tail) and its row mask (chain) or index words (index): coalesced 4- and 2-byte loads,
+//        the warp reads the whole block and nothing else
+//     3. slot i of lane j: acc[w][row_i][j] += value_i * xs[k], the rows from the mask (bfind
+//        of its lowest bits in turn) or the nibbles; shared memory, bank = lane
+//     4. barrier; thread (s, l) sums acc[0..15][s][l] into row 512 rt + 16 l + s, one global
+//        atomicAdd per row; barrier (each warp zeroes its acc at its next task)
+//   area = acc[16 warps][16 rows][32 lanes] f32 (32 KB). N is known only at run time: two
+//   register sizings (NMAX = 8 and 16, template instances with the index or the chain) take
+//   N <= NMAX, the slots past N predicated off.
 //
 // Products (row-major f16 weights, K a multiple of 8): warp w of block b is global warp
 // gw = b * 16 + w; it takes row pairs t = gw, gw + GW, ... (GW = 16 * gridDim.x) of the stage:
@@ -78,7 +113,8 @@
 // stage's start (after the barrier) and end (before the next barrier); the word after the last
 // stamp holds the positions attention reads (p + 1), so that the host counts the KV bytes of
 // the step it timed rather than of the position it believes the step ran at; then one word per
-// (stage, block): the bytes its Tiled-CBC tasks asked for (0 for the other stages).
+// (stage, block): the bytes its Tiled-CBC or Balanced-CBC tasks asked for (0 for the other
+// stages).
 
 #define PS_THREADS 512
 #define PS_WARPS 16
@@ -102,10 +138,18 @@ struct PTcbc {
     int M, K, KT, cols_per_task;
 };
 
+// One Balanced-CBC matrix (blocks == 0: not this format): N slots per 16-row group, idx != 0
+// the index layout, last_lanes the lanes stored in the last row tile.
+struct PBcbc {
+    u64 blocks;
+    int M, K, N, idx, last_lanes, cols_per_task;
+};
+
 struct PLayer {
     u64 attn_norm, qkv, qkv_bias, k_cache, v_cache, o, mlp_norm, gate_up, down;
     float t_qkv, t_o, t_gate_up, t_down;
     PTcbc s_qkv, s_o, s_gate_up, s_down;
+    PBcbc b_qkv, b_o, b_gate_up, b_down;
 };
 
 struct PArgs {
@@ -119,7 +163,18 @@ struct PArgs {
     int tcbc_stages;  // its stage buffers
     u64 acc_qkv, acc_gu;
     PTcbc s_head;
+    PBcbc b_head;
 };
+
+// The layouts src/persistent.rs mirrors (its test `kernel_structs_have_the_kernels_layout`).
+// (sizes only: NVRTC has no offsetof; the Rust test checks the offsets).
+static_assert(sizeof(PTcbc) == 56 && sizeof(PBcbc) == 32, "PTcbc / PBcbc layout");
+static_assert(sizeof(PLayer) == 440 && sizeof(PArgs) == 312, "PLayer / PArgs layout");
+
+// A product leaves raw sums (split-K atomics: Tiled-CBC or Balanced-CBC) rather than rows.
+__device__ __forceinline__ bool sparse_product(const PTcbc& s, const PBcbc& b) {
+    return s.values != 0 || b.blocks != 0;
+}
 
 __device__ __forceinline__ u64 global_timer() {
     u64 t;
@@ -246,7 +301,7 @@ __device__ bool flag_barrier(u32* sync, u32* error, u64 watchdog_ns, int stage, 
 // xs[i] = mask_t(src[i] * scale * w[i]) with scale = 1 / rms(src) (w null: no norm, scale 1).
 // Layer 0's first stage takes src from the embedding row instead and writes this block's slice
 // of x from it.
-// With `gu` (a Tiled-CBC gate|up's raw sums, gate rows then up rows) src is ignored and the
+// With `gu` (a sparse gate|up's raw sums, gate rows then up rows) src is ignored and the
 // input is SwiGLU of them: silu(gate[i]) * up[i], as gate_up_stage computes h.
 __device__ void stage_input(float* xs, const float* src, const f16_bits* emb_row, float* x_out, const float* w,
                             int n, float eps, float t, float* red, const float* gu = nullptr) {
@@ -325,11 +380,12 @@ __device__ bool first_rows(const PArgs& a, int2 st, int gw, const f16_bits*& ra,
     // Tiled-CBC stages read only their active columns, known after the barrier.
     // (The head's is read by value: the address of a kernel parameter would move all of them
     // to local memory.)
-    const u64 sparse = st.x == ST_QKV || st.x == ST_QKV_EMBED ? L->s_qkv.values
-                       : st.x == ST_O                         ? L->s_o.values
-                       : st.x == ST_GATE_UP                   ? L->s_gate_up.values
-                       : st.x == ST_DOWN                      ? L->s_down.values
-                       : st.x == ST_HEAD                      ? a.s_head.values
+    // Balanced-CBC stages too (their blocks' addresses depend on the active columns).
+    const u64 sparse = st.x == ST_QKV || st.x == ST_QKV_EMBED ? L->s_qkv.values | L->b_qkv.blocks
+                       : st.x == ST_O                         ? L->s_o.values | L->b_o.blocks
+                       : st.x == ST_GATE_UP                   ? L->s_gate_up.values | L->b_gate_up.blocks
+                       : st.x == ST_DOWN                      ? L->s_down.values | L->b_down.blocks
+                       : st.x == ST_HEAD                      ? a.s_head.values | a.b_head.blocks
                                                               : 0;
     if (sparse) return false;
     switch (st.x) {
@@ -382,7 +438,7 @@ __device__ __forceinline__ float2 rope_pair(const PArgs& a, const PLayer* L, int
     return make_float2(u, v);
 }
 
-// The same pair from a Tiled-CBC q|k|v's raw sums in acc_qkv.
+// The same pair from a sparse q|k|v's raw sums in acc_qkv.
 __device__ __forceinline__ float2 raw_pair(const PArgs& a, const PLayer* L, int p, int head, int i) {
     const float* raw = reinterpret_cast<const float*>(a.acc_qkv) + (size_t)head * a.hd + i;
     return rope_pair(a, L, p, head, i, ldcg_f32(raw), ldcg_f32(raw + a.hd / 2));
@@ -443,6 +499,7 @@ __device__ __forceinline__ void pt_stage_column(bool have, uint4 e, const PTcbc&
 // cp.async.wait_group takes an immediate: the host's stage count picks one.
 __device__ __forceinline__ void pt_wait_all_but(int n) {
     switch (n) {
+    case 7: cp_async_wait<7>(); break;
     case 6: cp_async_wait<6>(); break;
     case 5: cp_async_wait<5>(); break;
     case 4: cp_async_wait<4>(); break;
@@ -453,19 +510,15 @@ __device__ __forceinline__ void pt_wait_all_but(int n) {
     }
 }
 
-// y[256 rt + r] += sum over the active columns k in [k0, k1) of W[256 rt + r][k] * xs[k]
-// (header, steps 1-4). `area`: list[512] uint4, then `stages` stage buffers. Returns the
-// bytes this thread asked of memory (when `count`), for the trace.
-__device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int k0, int k1, unsigned char* area,
-                         int stages, int* wc, bool count) {
+// Step 1 for task (rt, k0..k1): the active columns into `list`, in order; returns their count
+// (the same in every thread) and adds this thread's metadata bytes to `bytes`.
+__device__ int tcbc_compact(const PTcbc& m, const float* xs, int rt, int k0, int k1, uint4* list, int* wc,
+                            u32& bytes) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    uint4* list = reinterpret_cast<uint4*>(area);
-    const u32 sbase = smem_addr(area + PT_MAX_COLS * 16);
-    // 1. Compaction: the column's metadata is read only when its input is active.
+    // The column's metadata is read only when its input is active.
     const int k = k0 + tid;
     bool on = false;
     uint4 e = make_uint4(0u, 0u, 0u, 0u);
-    u32 bytes = 0;
     if (k < k1) {
         const float xv = xs[k];
         if (xv != 0.f) {
@@ -475,7 +528,7 @@ __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int 
             const u32 off = __ldg(reinterpret_cast<const u32*>(m.tile_offset) + g);
             on = (info & 0xffffu) != 0;
             e = make_uint4(off + (info >> 16), gc, ((info & 0xffffu) + 7u) >> 3, __float_as_uint(xv));
-            bytes = 8u + (on ? e.z * 16u + 40u : 0u);
+            bytes += 8u + (on ? e.z * 16u + 40u : 0u);
         }
     }
     const u32 ballot = __ballot_sync(FULL_MASK, on);
@@ -488,35 +541,102 @@ __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int 
         n += wc[w];
     }
     if (on) list[before + __popc(ballot & ((1u << lane) - 1u))] = e;
-    __syncthreads();
+    __syncthreads();  // the list is whole; wc may be rewritten
+    return n;
+}
 
-    float acc[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) acc[q] = 0.f;
-    if (n > 0) {
-        // 2. The pipeline: batch b in stage buffer b % stages, stages - 1 in flight.
-        const int nb = (n + PT_BATCH - 1) / PT_BATCH;
-        const int slot = tid >> 4, part = tid & 15;
-        auto load = [&](int b) {
-            const int i = b * PT_BATCH + slot;
-            const bool have = b < nb && i < n;
-            pt_stage_column(have, have ? list[i] : make_uint4(0u, 0u, 0u, 0u), m,
-                            sbase + (u32)(b % stages) * PT_STAGE_BYTES, slot, part);
+// y += W . xs over all tasks of the product (header, steps 1-4); the block's bytes (thread
+// 0's return value, when `count`).
+//   The block's tasks j = 0, 1, ... (task blockIdx.x + j * gridDim.x, tile rt, columns k0..k1)
+// are one stream of batches through the stage buffers, so that a task's latency chain overlaps
+// its neighbours' copies instead of running alone:
+//   - task j + 1's compaction (list (j + 1) & 1) runs before task j is consumed, while task
+//     j's first batches are already in flight (they were issued during task j - 1);
+//   - the copies run up to `stages` - 1 batches ahead of the consumer, across task boundaries;
+//   - task j's reduction (through red, then one global atomic per row) runs while task j + 1's
+//     first batches land.
+// `area`: list[2][512] uint4 | red[16][256] f32 | `stages` stage buffers. Batch i of the
+// stream (issue order) sits in buffer i % stages.
+// `m` by value: its fields stay in registers across the tasks' atomics.
+__device__ u64 tcbc_stage(const PTcbc m, const float* xs, float* y, unsigned char* area, int stages, int* wc,
+                          bool count) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row_tiles = (m.M + 255) / 256, chunks = (m.K + m.cols_per_task - 1) / m.cols_per_task;
+    const int ntask = row_tiles * chunks;
+    const int T = (int)blockIdx.x < ntask ? (ntask - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    uint4* lists = reinterpret_cast<uint4*>(area);
+    float* red = reinterpret_cast<float*>(area + 2 * PT_MAX_COLS * 16);
+    const u32 sbase = smem_addr(area + 2 * PT_MAX_COLS * 16 + PS_WARPS * 256 * 4);
+    u32 bytes = 0;
+    if (T > 0) {
+        auto task_rt = [&](int j) { return (int)(blockIdx.x + j * gridDim.x) % row_tiles; };
+        auto task_k0 = [&](int j) { return (int)(blockIdx.x + j * gridDim.x) / row_tiles * m.cols_per_task; };
+        auto compact = [&](int j) {
+            const int k0 = task_k0(j);
+            return tcbc_compact(m, xs, task_rt(j), k0, min(k0 + m.cols_per_task, m.K), lists + (j & 1) * PT_MAX_COLS,
+                                wc, bytes);
         };
-        for (int b = 0; b < stages - 1; ++b) load(b);
+        // Active columns of tasks j and j + 1, by j & 1 (two scalars: an indexed pair would
+        // live in local memory).
+        int nact_even = compact(0), nact_odd = 0;
+        auto nact = [&](int j) { return (j & 1) ? nact_odd : nact_even; };
+        int known = 1;                  // tasks [0, known) are compacted
+        int ij = 0, ib = 0;             // the next batch to issue: task ij, batch ib
+        int issued = 0, consumed = 0;   // batches of the stream
+        const int slot = tid >> 4, part = tid & 15;
+        // Issues batches while a buffer is free and the next batch's task is compacted; every
+        // thread commits one group per batch (empty when it has no chunk of it).
+        auto issue = [&]() {
+            while (issued - consumed < stages) {
+                while (ij < known && ib * PT_BATCH >= nact(ij)) {
+                    ++ij;
+                    ib = 0;
+                }
+                if (ij >= known) return;
+                const int i = ib * PT_BATCH + slot;
+                const bool have = i < nact(ij);
+                pt_stage_column(have, have ? lists[(ij & 1) * PT_MAX_COLS + i] : make_uint4(0u, 0u, 0u, 0u), m,
+                                sbase + (u32)(issued % stages) * PT_STAGE_BYTES, slot, part);
+                ++issued;
+                ++ib;
+            }
+        };
+        issue();
         const u32 lane_below = (1u << lane) - 1u;
-        for (int b = 0; b < nb; ++b) {
-            pt_wait_all_but(stages - 2);  // batch b has landed (this thread's copies)
-            __syncthreads();              // ... everyone's; batch b - 1 is consumed
-            load(b + stages - 1);
-            const u32 cur = sbase + (u32)(b % stages) * PT_STAGE_BYTES;
-            const int cnt = min(PT_BATCH, n - b * PT_BATCH);
-            // 3. Round-robin decode of slots warp and warp + 16.
+        for (int j = 0; j < T; ++j) {
+            // List (j + 1) & 1 held task j - 1, whose batches are all consumed (the barrier
+            // after its reduction).
+            if (j + 1 < T) {
+                const int n_next = compact(j + 1);
+                if ((j + 1) & 1)
+                    nact_odd = n_next;
+                else
+                    nact_even = n_next;
+                known = j + 2;
+            }
+            issue();  // tops up; a task with no active columns leaves the stream empty here
+            const int n = nact(j), nb = (n + PT_BATCH - 1) / PT_BATCH;
+            const uint4* list = lists + (j & 1) * PT_MAX_COLS;
+            float acc[8];
 #pragma unroll
-            for (int u = 0; u < PT_BATCH / PS_WARPS; ++u) {
-                const int sl = warp + u * PS_WARPS;
-                if (sl < cnt) {
-                    const float xk = __uint_as_float(list[b * PT_BATCH + sl].w);
+            for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+            for (int b = 0; b < nb; ++b) {
+                pt_wait_all_but(issued - consumed - 1);  // this batch has landed (this thread's copies)
+                __syncthreads();                         // ... everyone's; the previous one is consumed
+                issue();
+                const u32 cur = sbase + (u32)(consumed % stages) * PT_STAGE_BYTES;
+                const int cnt = min(PT_BATCH, n - b * PT_BATCH);
+                // 3. Round-robin decode of slots warp and warp + 16: every shared load of both
+                //    slots issued before the first FMA (16 warps a block are too few to hide a
+                //    load-to-FMA chain per bit; the graph kernel has 40 a multiprocessor).
+                u32 val[PT_BATCH / PS_WARPS][8];
+                float xk[PT_BATCH / PS_WARPS];
+#pragma unroll
+                for (int u = 0; u < PT_BATCH / PS_WARPS; ++u) {
+                    const int sl0 = warp + u * PS_WARPS;
+                    const bool valid = sl0 < cnt;
+                    const int sl = valid ? sl0 : 0;
+                    xk[u] = __uint_as_float(list[b * PT_BATCH + sl].w);
                     const uint4 wa = lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u);
                     const uint4 wb = lds_u32x4(cur + PT_BITS_OFF + (u32)sl * 32u + 16u);
                     const uint2 rk = lds_u32x2(cur + PT_RANK_OFF + (u32)sl * 8u);
@@ -524,55 +644,231 @@ __device__ u32 tcbc_task(const PTcbc& m, const float* xs, float* y, int rt, int 
                     const u32 vbase = cur + (u32)sl * 512u;
 #pragma unroll
                     for (int q = 0; q < 8; ++q) {
-                        if ((words[q] >> lane) & 1u) {
-                            const u32 r = ((q < 4 ? rk.x : rk.y) >> (8 * (q & 3))) & 0xffu;
-                            const u32 bits = lds_u16(vbase + 2u * (r + __popc(words[q] & lane_below)));
-                            acc[q] = fmaf(h2f((unsigned short)bits), xk, acc[q]);
-                        }
+                        const u32 r = ((q < 4 ? rk.x : rk.y) >> (8 * (q & 3))) & 0xffu;
+                        const bool on = valid && ((words[q] >> lane) & 1u);
+                        val[u][q] = on ? lds_u16(vbase + 2u * (r + __popc(words[q] & lane_below))) : 0u;
                     }
                 }
+#pragma unroll
+                for (int u = 0; u < PT_BATCH / PS_WARPS; ++u) {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(h2f((unsigned short)val[u][q]), xk[u], acc[q]);
+                }
+                ++consumed;
+            }
+            // 4. The 16 warps' sums of the task's 256 rows through `red`, then one atomic per
+            //    row. (Shared-memory float atomics are a compare-and-swap loop: 16 warps
+            //    finishing together on the same 256 words made the whole stream 13% slower.)
+            //    red is written again only after a barrier of the next task with columns.
+            if (nb > 0) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) red[warp * 256 + 32 * q + lane] = acc[q];
+            }
+            __syncthreads();  // red is whole; every buffer of task j is consumed
+            if (nb > 0 && tid < 256) {
+                float sum = 0.f;
+#pragma unroll
+                for (int w = 0; w < PS_WARPS; ++w) sum += red[w * 256 + tid];
+                const int row = task_rt(j) * 256 + tid;
+                if (row < m.M && sum != 0.f) atomicAdd(y + row, sum);
             }
         }
-        cp_async_wait<0>();
+        cp_async_wait<0>();  // nothing is in flight (every issued batch was consumed)
     }
-    __syncthreads();  // the stage buffers are free: the warps' sums go there
-    // 4. Reduction over the 16 warps, one atomic per row.
-    float* red = reinterpret_cast<float*>(area + PT_MAX_COLS * 16);
-    if (n > 0) {
-#pragma unroll
-        for (int q = 0; q < 8; ++q) red[warp * 256 + 32 * q + lane] = acc[q];
-    }
-    __syncthreads();
-    if (n > 0 && tid < 256) {
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < PS_WARPS; ++w) sum += red[w * 256 + tid];
-        const int row = rt * 256 + tid;
-        if (row < m.M && sum != 0.f) atomicAdd(y + row, sum);
-    }
-    __syncthreads();  // list, counts and sums are rewritten by the next task
-    return count ? bytes : 0u;
-}
-
-// y += W . xs over all tasks of the product, dealt round robin; the block's bytes (thread 0's
-// return value, when `count`).
-// `m` by value: its fields stay in registers across the tasks' atomics.
-__device__ u64 tcbc_stage(const PTcbc m, const float* xs, float* y, unsigned char* area, int stages, int* wc,
-                          bool count) {
-    const int row_tiles = (m.M + 255) / 256, chunks = (m.K + m.cols_per_task - 1) / m.cols_per_task;
-    u32 mine = 0;
-    for (int task = blockIdx.x; task < row_tiles * chunks; task += gridDim.x) {
-        const int rt = task % row_tiles, k0 = (task / row_tiles) * m.cols_per_task;
-        mine += tcbc_task(m, xs, y, rt, k0, min(k0 + m.cols_per_task, m.K), area, stages, wc, count);
-    }
+    __syncthreads();  // the area is reused by the next stage
     if (!count) return 0;
     __shared__ unsigned long long s_bytes;
     if (threadIdx.x == 0) s_bytes = 0;
     __syncthreads();
-    const u32 w = __reduce_add_sync(FULL_MASK, mine);
+    const u32 w = __reduce_add_sync(FULL_MASK, bytes);
     if ((threadIdx.x & 31) == 0) atomicAdd(&s_bytes, (unsigned long long)w);
     __syncthreads();
     return s_bytes;
+}
+
+// ---- Balanced-CBC (header) ----
+
+#define PB_TILE 512
+#define PB_WARP_ACC 512  // floats of a warp's accumulators: [16 rows][32 lanes]
+
+__device__ __forceinline__ u32 pb_ld32(const unsigned char* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 pb_ld16(const unsigned char* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 pb_bit_index(u32 one_bit) {
+    u32 s;
+    asm("bfind.u32 %0, %1;" : "=r"(s) : "r"(one_bit));
+    return s;
+}
+
+// y += W . xs over the block's tasks of Balanced-CBC matrix m (header, steps 1-4), m.N <= NMAX
+// (the register arrays' size; slots past m.N are predicated off), IDX: the index layout.
+// `acc`: the area's 16 warps' accumulators. Returns the bytes this thread's warp asked for
+// (in lane 0).
+template <int NMAX, bool IDX>
+__device__ __forceinline__ u32 bcbc_tasks(const PBcbc& m, const float* xs, float* y, float* acc) {
+    constexpr int U = NMAX <= 8 ? 8 : 4;              // columns in flight per warp
+    constexpr int WORDS = NMAX / 2;                   // value words per lane (odd N: tail in word N / 2)
+    constexpr int META = IDX ? (NMAX + 7) / 8 : 1;    // index words, or the row mask
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int N = m.N, K = m.K, half_n = m.N / 2, iw = (m.N + 7) / 8;
+    const bool odd = (m.N & 1) != 0;
+    // A full tile's block (32 lanes), which also places the tiles: tile rt at rt K full.
+    const u32 full = IDX ? 64u * (u32)N + 128u * (u32)iw : 64u * (u32)N + 64u;
+    const int row_tiles = (m.M + PB_TILE - 1) / PB_TILE, cpt = m.cols_per_task, cpw = cpt / PS_WARPS;
+    const int ntask = row_tiles * ((K + cpt - 1) / cpt);
+    const unsigned char* blocks = reinterpret_cast<const unsigned char*>(m.blocks);
+    float* wacc = acc + warp * PB_WARP_ACC;
+    char* acc_bytes = reinterpret_cast<char*>(wacc);
+    const u32 lane_base = 4u * (u32)lane;  // byte offset of the lane's row 0 (row r at + 128 r)
+    u32 bytes = 0;
+    // The ring (header, step 2); `ring` bit u: slot u holds a column (warp-uniform).
+    u32 words[U][WORDS], meta[U][META];
+    float xk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        xk[u] = 0.f;
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) words[u][w] = 0u;
+#pragma unroll
+        for (int w = 0; w < META; ++w) meta[u][w] = 0u;
+    }
+    for (int task = blockIdx.x; task < ntask; task += gridDim.x) {
+        const int rt = task % row_tiles, k0 = task / row_tiles * cpt;
+        const int lanes = rt == row_tiles - 1 ? m.last_lanes : 32;
+        const u32 idx_at = ((u32)lanes * 2u * (u32)N + 3u) & ~3u;  // IDX: the index words' offset
+        const u32 block_bytes = lanes == 32 ? full
+                                : IDX      ? (idx_at + 4u * (u32)iw * (u32)lanes + 15u) & ~15u
+                                           : ((u32)lanes * (2u * (u32)N + 2u) + 15u) & ~15u;
+        const u32 stride = 4u * (u32)lanes;  // bytes from one lane-major word row to the next
+        const bool stored = lane < lanes;
+        const unsigned char* tile = blocks + (size_t)rt * (size_t)K * full;
+        // The lane's column of the warp's accumulators (only this lane touches it until the
+        // barrier before the reduction).
+#pragma unroll
+        for (int s = 0; s < 16; ++s) wacc[s * 32 + lane] = 0.f;
+        // 1. The slice's active columns, bit s = column begin + s.
+        const int begin = k0 + warp * cpw, end = min(begin + cpw, K);
+        const int ka = begin + lane, kb = begin + 32 + lane;
+        const u32 lo = __ballot_sync(FULL_MASK, ka < end && xs[ka] != 0.f);
+        const u32 hi = __ballot_sync(FULL_MASK, kb < end && xs[kb] != 0.f);
+        u64 pending = (u64)hi << 32 | lo;
+        if (lane == 0) bytes += (u32)__popcll(pending) * block_bytes;
+        u32 ring = 0;
+        // The next active column into slot u (u is a constant after unrolling).
+        auto fetch = [&](int u) {
+            if (pending == 0) {
+                ring &= ~(1u << u);
+                return;
+            }
+            ring |= 1u << u;
+            const int k = begin + __ffsll((long long)pending) - 1;
+            pending &= pending - 1;
+            xk[u] = xs[k];
+            if (stored) {
+                const unsigned char* blk = tile + (size_t)k * block_bytes;
+#pragma unroll
+                for (int w = 0; w < WORDS; ++w) {
+                    if (w < half_n)
+                        words[u][w] = pb_ld32(blk + 4 * lane + w * stride);
+                    else if (w == half_n && odd)
+                        words[u][w] = pb_ld16(blk + 2 * lane + w * stride);
+                }
+                if (IDX) {
+#pragma unroll
+                    for (int w = 0; w < META; ++w)
+                        if (w < iw) meta[u][w] = pb_ld32(blk + idx_at + w * stride + 4 * lane);
+                } else {
+                    meta[u][0] = pb_ld16(blk + 2u * (u32)lanes * (u32)N + 2 * lane);
+                }
+            }
+        };
+        // 3. Slot u's column into the lane's rows, eight slots at a time: the eight
+        // accumulators read before any is written (a lane's slots are distinct rows), so their
+        // read-modify-writes overlap.
+        auto process = [&](int u) {
+            if (!stored) return;
+            u32 b = meta[u][0];  // chain: the row mask's bits not yet taken
+#pragma unroll
+            for (int i0 = 0; i0 < NMAX; i0 += 8) {
+                u32 off[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (IDX) {
+                        // Nibble i % 8 of word i / 8 shifted to bits 7..10 (row * 128).
+                        const u32 w = meta[u][i0 / 8];
+                        const int sh = 4 * j - 7;
+                        off[j] = ((sh < 0 ? w << -sh : w >> sh) & 0x780u) | lane_base;
+                    } else {
+                        const u32 rest = b & (b - 1u);
+                        off[j] = pb_bit_index(b ^ rest) * 128u + lane_base;
+                        b = rest;
+                    }
+                }
+                float acc_v[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (i0 + j < N) acc_v[j] = *reinterpret_cast<const float*>(acc_bytes + off[j]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int i = i0 + j;
+                    if (i < N) {
+                        const u32 w = words[u][i / 2];
+                        const float v = h2f((unsigned short)((i & 1) ? (w >> 16) : (w & 0xffffu)));
+                        *reinterpret_cast<float*>(acc_bytes + off[j]) = fmaf(v, xk[u], acc_v[j]);
+                    }
+                }
+            }
+        };
+        // 2. The ring: slot u processed, then refilled. Columns enter in order, so an empty
+        // slot 0 at the top of a round means an empty ring.
+#pragma unroll
+        for (int u = 0; u < U; ++u) fetch(u);
+        while (ring & 1u) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if ((ring >> u) & 1u) process(u);
+                fetch(u);
+            }
+        }
+        // 4. Thread (s, l) = (warp, lane): row 512 rt + 16 l + s, conflict-free reads.
+        __syncthreads();
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < PS_WARPS; ++w) sum += acc[w * PB_WARP_ACC + warp * 32 + lane];
+        const int row = rt * PB_TILE + 16 * lane + warp;
+        if (row < m.M && sum != 0.f) atomicAdd(y + row, sum);
+        __syncthreads();  // read before the next task's zeroing
+    }
+    return bytes;
+}
+
+// y += W . xs for a Balanced-CBC matrix (header); the block's bytes (thread 0's return value,
+// when `count`). `area` holds the accumulators; it is free again on return. Inlined at one call
+// site (the main loop's, after its switch): a call would spill the kernel's live registers, and
+// five inlined copies of its four instances would bloat the kernel.
+__device__ __forceinline__ u64 bcbc_stage(const PBcbc m, const float* xs, float* y, unsigned char* area, bool count) {
+    float* acc = reinterpret_cast<float*>(area);
+    u32 bytes;
+    if (m.N <= 8)
+        bytes = m.idx ? bcbc_tasks<8, true>(m, xs, y, acc) : bcbc_tasks<8, false>(m, xs, y, acc);
+    else
+        bytes = m.idx ? bcbc_tasks<16, true>(m, xs, y, acc) : bcbc_tasks<16, false>(m, xs, y, acc);
+    __syncthreads();  // a block without tasks passed no barrier
+    if (!count) return 0;
+    __shared__ unsigned long long s_bcbc_bytes;
+    if (threadIdx.x == 0) s_bcbc_bytes = 0;
+    __syncthreads();
+    const u32 w = __reduce_add_sync(FULL_MASK, bytes);
+    if ((threadIdx.x & 31) == 0) atomicAdd(&s_bcbc_bytes, (unsigned long long)w);
+    __syncthreads();
+    return s_bcbc_bytes;
 }
 
 // Zeroes this block's share of buf[0 .. n).
@@ -614,12 +910,12 @@ __device__ void attention_task(const PArgs& a, const PLayer* L, int h, int s, in
     const size_t row = (size_t)a.Hkv * hd;
     const f16_bits* kc = reinterpret_cast<const f16_bits*>(L->k_cache) + (size_t)kh * hd;
     const f16_bits* vc = reinterpret_cast<const f16_bits*>(L->v_cache) + (size_t)kh * hd;
-    // A Tiled-CBC q|k|v left raw sums (acc_qkv): the task rotates its own q, and the split
+    // A sparse q|k|v left raw sums (acc_qkv): the task rotates its own q, and the split
     // holding the new position p = len - 1 takes that position's k and v rows from acc_qkv too,
     // rounded to f16 as the cache stores them, into shared memory (newk, newv); the first query
     // head of each KV head writes them to the cache for the steps after this one. So no block
     // reads cache row p in this stage, and no stage of its own is needed for RoPE.
-    const bool raw = L->s_qkv.values != 0;
+    const bool raw = sparse_product(L->s_qkv, L->b_qkv);  // Tiled-CBC or Balanced-CBC
     const int p = len - 1, half = hd / 2;
     const bool has_new = raw && b <= p && p < e;
     // Threads [0, hd/2) rotate q pairs; the next whole warps, [k0, k0 + hd), take k pairs then
@@ -778,9 +1074,9 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
     float* sc = xs + a.xs_floats;              // [PS_SCORE_CAP]
     float* accs = sc + PS_SCORE_CAP;           // [PS_THREADS * 2]
     float* qs = accs + 2 * PS_THREADS;         // [256]
-    unsigned char* area = reinterpret_cast<unsigned char*>(smem) + a.tcbc_at;  // Tiled-CBC tasks
-    // The new position's k and v rows of a Tiled-CBC q|k|v's attention (only such models have
-    // the area; no Tiled-CBC task runs in an attention stage).
+    unsigned char* area = reinterpret_cast<unsigned char*>(smem) + a.tcbc_at;  // sparse tasks
+    // The new position's k and v rows of a sparse q|k|v's attention (only such models have
+    // the area; no sparse task runs in an attention stage).
     f16_bits* newk = reinterpret_cast<f16_bits*>(area);
     f16_bits* newv = newk + 256;
     __shared__ float red[PS_WARPS];
@@ -802,7 +1098,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
         const int2 st = stages[si];
         const PLayer* L = reinterpret_cast<const PLayer*>(a.layers) + st.y;
         if (trace && threadIdx.x == 0) trace[((size_t)si * gridDim.x + blockIdx.x) * 2] = global_timer();
-        u64 counted = 0;  // bytes the block's Tiled-CBC tasks asked for (traced steps)
+        u64 counted = 0;  // bytes the block's sparse tasks asked for (traced steps)
+        // A Balanced-CBC product of this stage (blocks != 0) into bcbc_y, run after the switch.
+        PBcbc bcbc = {};
+        float* bcbc_y = nullptr;
         switch (st.x) {
         case ST_QKV:
         case ST_QKV_EMBED: {
@@ -811,7 +1110,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
             stage_input(xs, x, emb, x, reinterpret_cast<const float*>(L->attn_norm), a.d, a.eps, L->t_qkv, red);
             if (L->s_qkv.values)
                 counted = tcbc_stage(L->s_qkv, xs, reinterpret_cast<float*>(a.acc_qkv), area, a.tcbc_stages, wc, trace != nullptr);
-            else
+            else if (L->b_qkv.blocks) {
+                bcbc = L->b_qkv;  // run after the switch
+                bcbc_y = reinterpret_cast<float*>(a.acc_qkv);
+            } else
                 qkv_stage(a, L, xs, p);
             break;
         }
@@ -827,7 +1129,10 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
                         L->t_o, red);
             if (L->s_o.values)
                 counted = tcbc_stage(L->s_o, xs, x, area, a.tcbc_stages, wc, trace != nullptr);
-            else
+            else if (L->b_o.blocks) {
+                bcbc = L->b_o;  // run after the switch
+                bcbc_y = x;
+            } else
                 rows_stage(reinterpret_cast<const f16_bits*>(L->o), xs, x, a.d, a.H * a.hd, true);
             break;
         case ST_GATE_UP:
@@ -835,19 +1140,26 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
                         L->t_gate_up, red);
             if (L->s_gate_up.values)
                 counted = tcbc_stage(L->s_gate_up, xs, reinterpret_cast<float*>(a.acc_gu), area, a.tcbc_stages, wc, trace != nullptr);
-            else
+            else if (L->b_gate_up.blocks) {
+                bcbc = L->b_gate_up;  // run after the switch
+                bcbc_y = reinterpret_cast<float*>(a.acc_gu);
+            } else
                 gate_up_stage(a, L, xs);
             break;
         case ST_DOWN:
             stage_input(xs, reinterpret_cast<const float*>(a.h), nullptr, nullptr, nullptr, a.I, a.eps, L->t_down,
-                        red, L->s_gate_up.values ? reinterpret_cast<const float*>(a.acc_gu) : nullptr);
+                        red,
+                        sparse_product(L->s_gate_up, L->b_gate_up) ? reinterpret_cast<const float*>(a.acc_gu) : nullptr);
             if (a.acc_qkv) zero_share(a.acc_qkv, (a.H + 2 * a.Hkv) * a.hd);
             // The head's atomics need zeroed logits; nothing reads them during the step.
-            if (a.s_head.values && si + 1 < a.n_stages && stages[si + 1].x == ST_HEAD)
+            if ((a.s_head.values || a.b_head.blocks) && si + 1 < a.n_stages && stages[si + 1].x == ST_HEAD)
                 zero_share(a.logits, a.vocab);
             if (L->s_down.values)
                 counted = tcbc_stage(L->s_down, xs, x, area, a.tcbc_stages, wc, trace != nullptr);
-            else
+            else if (L->b_down.blocks) {
+                bcbc = L->b_down;  // run after the switch
+                bcbc_y = x;
+            } else
                 rows_stage(reinterpret_cast<const f16_bits*>(L->down), xs, x, a.d, a.I, true);
             break;
         case ST_HEAD:
@@ -855,13 +1167,17 @@ extern "C" __global__ void __launch_bounds__(PS_THREADS, 1) persistent_step(cons
                         red);
             if (a.s_head.values)
                 counted = tcbc_stage(a.s_head, xs, reinterpret_cast<float*>(a.logits), area, a.tcbc_stages, wc, trace != nullptr);
-            else
+            else if (a.b_head.blocks) {
+                bcbc = a.b_head;  // run after the switch
+                bcbc_y = reinterpret_cast<float*>(a.logits);
+            } else
                 rows_stage(reinterpret_cast<const f16_bits*>(a.lm_head), xs, reinterpret_cast<float*>(a.logits),
                            a.vocab, a.d, false);
             break;
         default:
             break;
         }
+        if (bcbc.blocks) counted = bcbc_stage(bcbc, xs, bcbc_y, area, trace != nullptr);
         if (trace && threadIdx.x == 0) {
             trace[((size_t)si * gridDim.x + blockIdx.x) * 2 + 1] = global_timer();
             // After the stamps and the positions word: bytes per (stage, block).

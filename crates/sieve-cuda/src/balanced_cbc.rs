@@ -135,6 +135,21 @@ impl GpuBalancedCbc {
         self.kernel
     }
 
+    /// The device blocks as the persistent step reads them (its task width left to it): either
+    /// layout, the index one flagged.
+    pub fn persistent_arrays(&self, gpu: &Gpu) -> Result<crate::persistent::PersistentBcbc> {
+        use crate::gpu::i32_arg;
+        Ok(crate::persistent::PersistentBcbc {
+            blocks: crate::product::dev_ptr(gpu, &self.blocks),
+            rows: i32_arg("rows", self.rows)?,
+            cols: i32_arg("columns", self.cols)?,
+            slots: i32_arg("slots", self.slots)?,
+            index: (self.kernel == BcbcKernel::Idx) as i32,
+            last_lanes: i32_arg("lanes of the last tile", self.last_lanes)?,
+            cols_per_task: 0,
+        })
+    }
+
     /// Rows of [`Self::decode_transposed`]'s columns: the stored lanes' rows, M rounded up to
     /// 16 (512 per full tile).
     pub fn padded_rows(&self) -> usize {

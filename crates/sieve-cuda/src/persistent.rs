@@ -1,8 +1,9 @@
 //! The decode step as one persistent kernel (`kernels/persistent_step.cu`): every SM runs a
 //! loop over an on-device list of stages derived from the model's plan, with grid-wide
 //! barriers instead of kernel boundaries and the next stage's weights asked of L2 before each
-//! barrier. Dense f16 weights (row-major) and the f16 KV cache; everything else keeps the
-//! graph step, which is also this step's reference (the runner's tests compare the two).
+//! barrier. Dense f16 weights (row-major), Tiled-CBC and Balanced-CBC products and the f16 KV
+//! cache; everything else keeps the graph step, which is also this step's reference (the
+//! runner's tests compare the two).
 //!
 //! The launcher takes raw device addresses ([`DevPtr`]) like the other model kernels, so the
 //! runner points it at its own buffers and captures the launch in a graph.
@@ -102,6 +103,72 @@ impl PersistentTcbc {
     }
 }
 
+/// A Balanced-CBC matrix's device blocks (`PBcbc`), as
+/// [`crate::balanced_cbc::GpuBalancedCbc`] uploaded them. All zero (the default): the product
+/// is not Balanced-CBC.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PersistentBcbc {
+    pub blocks: DevPtr,
+    pub rows: i32,
+    pub cols: i32,
+    /// N, the slots of every 16-row group (1..=16).
+    pub slots: i32,
+    /// 1: the index layout ([`crate::balanced_cbc::BcbcKernel::Idx`]); 0: the blob's blocks,
+    /// each lane's row mask ([`crate::balanced_cbc::BcbcKernel::Chain`]).
+    pub index: i32,
+    /// Lanes stored in the last 512-row tile (only those holding rows < `rows`).
+    pub last_lanes: i32,
+    /// Columns of one task, 16 warps' slices of at most 64; [`PersistentStep::new`] sets it.
+    pub cols_per_task: i32,
+}
+unsafe impl cudarc::driver::DeviceRepr for PersistentBcbc {}
+unsafe impl cudarc::driver::ValidAsZeroBits for PersistentBcbc {}
+
+impl PersistentBcbc {
+    pub fn is_sparse(&self) -> bool {
+        self.blocks != 0
+    }
+}
+
+/// Columns a warp takes of a Balanced-CBC task at most (two activations a lane).
+const MAX_BCBC_WARP_COLS: usize = 64;
+/// Warps of a block (`PS_WARPS`): a Balanced-CBC task has a column slice for each.
+const WARPS: usize = THREADS as usize / 32;
+/// A Balanced-CBC task's fixed cost in columns' worth of one warp's slice: zeroing, the ring's
+/// first loads, the reduction and its two barriers.
+const BCBC_TASK_COST: usize = 16;
+
+/// Columns per Balanced-CBC task (16 warps' slices of 1..=64 columns): the split whose tasks,
+/// dealt round robin to `blocks` blocks, finish first, a task costing its slice plus
+/// [`BCBC_TASK_COST`].
+pub fn bcbc_cols_per_task(rows: usize, cols: usize, blocks: usize) -> usize {
+    let row_tiles = rows.div_ceil(512).max(1);
+    let blocks = blocks.max(1);
+    let widest = cols.div_ceil(WARPS).clamp(1, MAX_BCBC_WARP_COLS);
+    let mut best = (usize::MAX, widest);
+    for per_warp in (1..=widest).rev() {
+        let waves = (row_tiles * cols.div_ceil(WARPS * per_warp)).div_ceil(blocks);
+        let cost = waves * (per_warp + BCBC_TASK_COST);
+        if cost < best.0 {
+            best = (cost, per_warp);
+        }
+    }
+    WARPS * best.1
+}
+
+/// Bytes of the Balanced-CBC area of shared memory: every warp's accumulators, 16 rows x 32
+/// lanes of f32.
+const BCBC_AREA_BYTES: usize = WARPS * 16 * 32 * 4;
+
+/// Bytes of the area the sparse tasks share (`tcbc_at` on): the larger need of the formats the
+/// model has (none: no area).
+fn sparse_area_bytes(tiled: bool, balanced: bool, stages: usize) -> usize {
+    let t = if tiled { tcbc_area_bytes(stages) } else { 0 };
+    let b = if balanced { BCBC_AREA_BYTES } else { 0 };
+    t.max(b)
+}
+
 /// Columns per Tiled-CBC task: the split of `cols` (a multiple of 16 up to 512) whose tasks,
 /// dealt round robin to `blocks` blocks, finish first, a task costing its columns plus a fixed
 /// 128 (the compaction's and the pipeline's first latencies, in columns' worth).
@@ -127,10 +194,11 @@ const TCBC_STAGE_BYTES: usize = 17_664;
 /// Stage buffers of a Tiled-CBC task by default (`stages - 1` batches of columns in flight).
 const TCBC_STAGES: usize = 4;
 
-/// Bytes of the Tiled-CBC area of shared memory: the column list (16 bytes a column) and
-/// `stages` stage buffers.
+/// Bytes of the Tiled-CBC area of shared memory: two column lists (16 bytes a column; a
+/// task's and the next one's), the 16 warps' sums of a task's 256 rows (f32) and `stages`
+/// stage buffers.
 fn tcbc_area_bytes(stages: usize) -> usize {
-    MAX_TASK_COLS * 16 + stages * TCBC_STAGE_BYTES
+    2 * MAX_TASK_COLS * 16 + 16 * 256 * 4 + stages * TCBC_STAGE_BYTES
 }
 
 /// `SIEVE_PERSISTENT_TCBC_STAGES=2..8` (a switch for measuring the pipeline depth, not a
@@ -158,7 +226,8 @@ fn parse_tcbc_stages(v: Option<&str>) -> std::result::Result<usize, String> {
 
 /// One layer's device addresses and thresholds (`PLayer`; 0 for an absent bias). Weights are
 /// row-major f16: q|k|v joined (H + 2 Hkv) hd x d, o d x H hd, gate|up joined 2I x d, down d x I;
-/// a group whose `s_*` is sparse is that Tiled-CBC matrix instead (its dense address unused).
+/// a group whose `s_*` is sparse is that Tiled-CBC matrix instead, one whose `b_*` is sparse that
+/// Balanced-CBC matrix (its dense address unused; at most one of the two).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PersistentLayer {
@@ -179,6 +248,10 @@ pub struct PersistentLayer {
     pub s_o: PersistentTcbc,
     pub s_gate_up: PersistentTcbc,
     pub s_down: PersistentTcbc,
+    pub b_qkv: PersistentBcbc,
+    pub b_o: PersistentBcbc,
+    pub b_gate_up: PersistentBcbc,
+    pub b_down: PersistentBcbc,
 }
 unsafe impl cudarc::driver::DeviceRepr for PersistentLayer {}
 unsafe impl cudarc::driver::ValidAsZeroBits for PersistentLayer {}
@@ -204,6 +277,8 @@ pub struct PersistentIo {
     pub lm_head: DevPtr,
     /// The head as Tiled-CBC (sparse) instead of `lm_head`'s dense rows.
     pub s_head: PersistentTcbc,
+    /// The head as Balanced-CBC (sparse) instead.
+    pub b_head: PersistentBcbc,
     pub t_head: f32,
     pub x: DevPtr,
     pub qkv: DevPtr,
@@ -250,14 +325,16 @@ struct PersistentArgs {
     xs_floats: i32,
     /// Word of `sync` where the flag barrier's per-block flags start; 0: the count barrier.
     flags_at: i32,
-    /// Byte offset of the Tiled-CBC area in the dynamic shared memory.
+    /// Byte offset of the sparse tasks' area (Tiled-CBC, Balanced-CBC) in the dynamic shared
+    /// memory.
     tcbc_at: i32,
     /// Its stage buffers.
     tcbc_stages: i32,
-    /// Raw sums of a Tiled-CBC q|k|v and gate|up (0: no such product).
+    /// Raw sums of a sparse (Tiled-CBC, Balanced-CBC) q|k|v and gate|up (0: no such product).
     acc_qkv: DevPtr,
     acc_gu: DevPtr,
     s_head: PersistentTcbc,
+    b_head: PersistentBcbc,
 }
 unsafe impl cudarc::driver::DeviceRepr for PersistentArgs {}
 
@@ -347,11 +424,50 @@ fn prepare_sparse(
     Ok(())
 }
 
+/// Checks a Balanced-CBC matrix (if it is one) against the `rows` x `cols` its place needs and
+/// sets its task width; `tiled` is the same group's Tiled-CBC descriptor (not both).
+fn prepare_balanced(
+    m: &mut PersistentBcbc,
+    tiled: &PersistentTcbc,
+    what: &str,
+    rows: usize,
+    cols: usize,
+    blocks: u32,
+) -> Result<()> {
+    if !m.is_sparse() {
+        return Ok(());
+    }
+    if tiled.is_sparse() {
+        return Err(CudaError::Option(format!(
+            "persistent step: {what} is given as both Tiled-CBC and Balanced-CBC"
+        )));
+    }
+    let last_lanes = (rows - 512 * rows.div_ceil(512).saturating_sub(1)).div_ceil(16);
+    if m.rows as usize != rows
+        || m.cols as usize != cols
+        || !(1..=16).contains(&m.slots)
+        || !(0..=1).contains(&m.index)
+        || m.last_lanes as usize != last_lanes
+    {
+        return Err(CudaError::Option(format!(
+            "persistent step: {what} is a {}x{} Balanced-CBC matrix ({} slots, layout {}, {} lanes \
+             in the last tile), expected {rows}x{cols} with 1..=16 slots and {last_lanes} lanes",
+            m.rows, m.cols, m.slots, m.index, m.last_lanes
+        )));
+    }
+    m.cols_per_task = i32_arg(
+        "task columns",
+        bcbc_cols_per_task(rows, cols, blocks as usize),
+    )?;
+    Ok(())
+}
+
 /// A model's persistent step: the stage list, the layer table, and the kernel's scratch.
 pub struct PersistentStep {
     shape: PersistentShape,
     stages: Vec<Stage>,
-    /// Per stage: its product is Tiled-CBC (the kernel counts the bytes it reads).
+    /// Per stage: its product is sparse, Tiled-CBC or Balanced-CBC (the kernel counts the bytes
+    /// it reads).
     sparse: Vec<bool>,
     /// acc_qkv and acc_gu (header of the kernel), when some layer needs them.
     _accumulators: [Option<CudaSlice<f32>>; 2],
@@ -386,27 +502,60 @@ impl PersistentStep {
             )));
         }
         let blocks = gpu.info().multiprocessors.max(1);
-        // Each Tiled-CBC matrix checked against its place in the model, its task width set.
+        // Each sparse matrix checked against its place in the model, its task width set.
         let (d, q_width) = (shape.hidden, shape.heads * shape.head_dim);
         let qkv_rows = q_width + 2 * shape.kv_heads * shape.head_dim;
         let mut layers = layers.to_vec();
         let mut io = io;
         for (l, layer) in layers.iter_mut().enumerate() {
-            for (what, m, rows, cols) in [
-                ("q|k|v", &mut layer.s_qkv, qkv_rows, d),
-                ("o", &mut layer.s_o, d, q_width),
-                ("gate|up", &mut layer.s_gate_up, 2 * shape.intermediate, d),
-                ("down", &mut layer.s_down, d, shape.intermediate),
+            for (what, m, b, rows, cols) in [
+                ("q|k|v", &mut layer.s_qkv, &mut layer.b_qkv, qkv_rows, d),
+                ("o", &mut layer.s_o, &mut layer.b_o, d, q_width),
+                (
+                    "gate|up",
+                    &mut layer.s_gate_up,
+                    &mut layer.b_gate_up,
+                    2 * shape.intermediate,
+                    d,
+                ),
+                (
+                    "down",
+                    &mut layer.s_down,
+                    &mut layer.b_down,
+                    d,
+                    shape.intermediate,
+                ),
             ] {
-                prepare_sparse(m, &format!("layer {l}'s {what}"), rows, cols, blocks)?;
+                let what = format!("layer {l}'s {what}");
+                prepare_sparse(m, &what, rows, cols, blocks)?;
+                prepare_balanced(b, m, &what, rows, cols, blocks)?;
             }
         }
         prepare_sparse(&mut io.s_head, "the LM head", shape.vocab, d, blocks)?;
-        let sparse_qkv = layers.iter().any(|l| l.s_qkv.is_sparse());
-        let sparse_gu = layers.iter().any(|l| l.s_gate_up.is_sparse());
-        let any_sparse = io.s_head.is_sparse()
+        prepare_balanced(
+            &mut io.b_head,
+            &io.s_head,
+            "the LM head",
+            shape.vocab,
+            d,
+            blocks,
+        )?;
+        // Any sparse q|k|v or gate|up leaves raw sums in an accumulator (the kernel's header).
+        let sparse_qkv = layers
+            .iter()
+            .any(|l| l.s_qkv.is_sparse() || l.b_qkv.is_sparse());
+        let sparse_gu = layers
+            .iter()
+            .any(|l| l.s_gate_up.is_sparse() || l.b_gate_up.is_sparse());
+        let any_tiled = io.s_head.is_sparse()
             || layers.iter().any(|l| {
                 [l.s_qkv, l.s_o, l.s_gate_up, l.s_down]
+                    .iter()
+                    .any(|m| m.is_sparse())
+            });
+        let any_balanced = io.b_head.is_sparse()
+            || layers.iter().any(|l| {
+                [l.b_qkv, l.b_o, l.b_gate_up, l.b_down]
                     .iter()
                     .any(|m| m.is_sparse())
             });
@@ -417,17 +566,16 @@ impl PersistentStep {
             .next_multiple_of(4);
         let tcbc_at = (xs_floats + SCRATCH_FLOATS) * 4;
         let tcbc_stages = tcbc_stages_from_env()?;
-        let shared_bytes = tcbc_at
-            + if any_sparse {
-                tcbc_area_bytes(tcbc_stages)
-            } else {
-                0
-            };
+        let shared_bytes = tcbc_at + sparse_area_bytes(any_tiled, any_balanced, tcbc_stages);
         let f = gpu.function(&FAMILY, "persistent_step")?;
         gpu.allow_dynamic_shared(&f, shared_bytes).map_err(|e| {
+            let buffers = if any_tiled {
+                format!(" ({tcbc_stages} Tiled-CBC stage buffers)")
+            } else {
+                String::new()
+            };
             CudaError::Unsupported(format!(
-                "persistent step: {shared_bytes} bytes of shared memory a block \
-                 ({tcbc_stages} Tiled-CBC stage buffers): {e}"
+                "persistent step: {shared_bytes} bytes of shared memory a block{buffers}: {e}"
             ))
         })?;
         // As many splits per head as keep every task on a block of its own (one block with two
@@ -447,11 +595,13 @@ impl PersistentStep {
             .map(|s| {
                 let l = &layers[s.layer];
                 match s.kind {
-                    StageKind::Qkv | StageKind::QkvFromEmbedding => l.s_qkv.is_sparse(),
-                    StageKind::O => l.s_o.is_sparse(),
-                    StageKind::GateUp => l.s_gate_up.is_sparse(),
-                    StageKind::Down => l.s_down.is_sparse(),
-                    StageKind::Head => io.s_head.is_sparse(),
+                    StageKind::Qkv | StageKind::QkvFromEmbedding => {
+                        l.s_qkv.is_sparse() || l.b_qkv.is_sparse()
+                    }
+                    StageKind::O => l.s_o.is_sparse() || l.b_o.is_sparse(),
+                    StageKind::GateUp => l.s_gate_up.is_sparse() || l.b_gate_up.is_sparse(),
+                    StageKind::Down => l.s_down.is_sparse() || l.b_down.is_sparse(),
+                    StageKind::Head => io.s_head.is_sparse() || io.b_head.is_sparse(),
                     StageKind::Attention => false,
                 }
             })
@@ -525,6 +675,7 @@ impl PersistentStep {
             acc_qkv: acc_qkv.as_ref().map(p).unwrap_or(0),
             acc_gu: acc_gu.as_ref().map(p).unwrap_or(0),
             s_head: io.s_head,
+            b_head: io.b_head,
         };
         Ok(Self {
             shape,
@@ -654,8 +805,9 @@ pub struct Trace {
     pub shape: PersistentShape,
     /// Positions the step's attention read (its position + 1), as the kernel wrote them.
     pub positions: usize,
-    /// Per stage: the bytes its Tiled-CBC tasks asked for, summed over the blocks (None for a
-    /// dense stage, whose bytes are [`stage_read_bytes`]; empty: none counted).
+    /// Per stage: the bytes its sparse (Tiled-CBC, Balanced-CBC) tasks asked for, summed over
+    /// the blocks (None for a dense stage, whose bytes are [`stage_read_bytes`]; empty: none
+    /// counted).
     pub counted: Vec<Option<u64>>,
 }
 
@@ -873,8 +1025,8 @@ impl Trace {
             }
             let kind = self.stages[s].kind;
             let bytes = match self.counted.get(s).copied().flatten() {
-                // A Tiled-CBC stage reads what its active columns hold (and the first stage
-                // the token's embedding row).
+                // A sparse stage reads what its active columns hold (and the first stage the
+                // token's embedding row).
                 Some(counted) if kind == StageKind::QkvFromEmbedding => {
                     counted + 2 * self.shape.hidden as u64
                 }
@@ -1121,8 +1273,81 @@ mod tests {
             let err = parse_tcbc_stages(Some(bad)).unwrap_err();
             assert!(err.contains("from 2 to 8"), "{bad}: {err}");
         }
-        // Four buffers: the 78,848 bytes the kernel was first built with.
-        assert_eq!(tcbc_area_bytes(4), 78_848);
+        // Four buffers: 16 KB of lists, 16 KB of sums, 4 x 17,664 bytes.
+        assert_eq!(tcbc_area_bytes(4), 103_424);
+    }
+
+    #[test]
+    fn kernel_structs_have_the_kernels_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        // The kernel's static_asserts check the same sizes (PTcbc, PBcbc, PLayer, PArgs).
+        assert_eq!(size_of::<PersistentTcbc>(), 56);
+        assert_eq!(size_of::<PersistentBcbc>(), 32);
+        assert_eq!(align_of::<PersistentBcbc>(), 8);
+        assert_eq!(offset_of!(PersistentBcbc, rows), 8);
+        assert_eq!(offset_of!(PersistentBcbc, cols_per_task), 28);
+        // PLayer: 9 addresses, 4 thresholds, 4 PTcbc, 4 PBcbc.
+        assert_eq!(offset_of!(PersistentLayer, t_qkv), 72);
+        assert_eq!(offset_of!(PersistentLayer, s_qkv), 88);
+        assert_eq!(offset_of!(PersistentLayer, s_down), 88 + 3 * 56);
+        assert_eq!(offset_of!(PersistentLayer, b_qkv), 312);
+        assert_eq!(offset_of!(PersistentLayer, b_down), 312 + 3 * 32);
+        assert_eq!(size_of::<PersistentLayer>(), 440);
+        // PArgs: 18 eight-byte words, 15 four-byte ones, the accumulators, s_head, b_head.
+        assert_eq!(offset_of!(PersistentArgs, n_stages), 144);
+        assert_eq!(offset_of!(PersistentArgs, tcbc_stages), 200);
+        assert_eq!(offset_of!(PersistentArgs, acc_qkv), 208);
+        assert_eq!(offset_of!(PersistentArgs, s_head), 224);
+        assert_eq!(offset_of!(PersistentArgs, b_head), 280);
+        assert_eq!(size_of::<PersistentArgs>(), 312);
+    }
+
+    #[test]
+    fn the_sparse_area_fits_either_format() {
+        // Balanced-CBC: 16 warps x 16 rows x 32 lanes of f32.
+        assert_eq!(BCBC_AREA_BYTES, 32_768);
+        assert_eq!(sparse_area_bytes(false, false, 4), 0);
+        assert_eq!(sparse_area_bytes(false, true, 4), 32_768);
+        assert_eq!(sparse_area_bytes(true, false, 4), tcbc_area_bytes(4));
+        for stages in 2..=8 {
+            let both = sparse_area_bytes(true, true, stages);
+            assert!(both >= tcbc_area_bytes(stages) && both >= BCBC_AREA_BYTES);
+        }
+        // The kernel keeps a sparse q|k|v's new k and v rows (2 x 256 f16) there too.
+        const { assert!(BCBC_AREA_BYTES >= 2 * 256 * 2) };
+    }
+
+    #[test]
+    fn balanced_cbc_tasks_fill_whole_waves() {
+        for (rows, cols) in [
+            (12288, 4096),
+            (22016, 4096),
+            (4096, 11008),
+            (4096, 4096),
+            (32000, 4096),
+            (301, 256),
+            (50, 40),
+            (7, 3),
+        ] {
+            let c = bcbc_cols_per_task(rows, cols, 132);
+            assert!(
+                c.is_multiple_of(16) && (16..=1024).contains(&c),
+                "{rows}x{cols}: {c}"
+            );
+        }
+        // Llama-2-7B on 132 SMs. q|k|v: 24 row tiles x 5 chunks of 832 = 120 tasks, one wave
+        // (4 chunks of 1024 would be one wave of longer tasks).
+        assert_eq!(bcbc_cols_per_task(12288, 4096, 132), 832);
+        // The head: 63 row tiles x 4 chunks of 1024 = 252 tasks, two waves.
+        assert_eq!(bcbc_cols_per_task(32000, 4096, 132), 1024);
+        // gate|up: 43 row tiles x 6 chunks of 688 = 258 tasks, two waves.
+        assert_eq!(bcbc_cols_per_task(22016, 4096, 132), 688);
+        // o: 8 row tiles x 16 chunks of 256 = 128 tasks, one wave of short ones.
+        assert_eq!(bcbc_cols_per_task(4096, 4096, 132), 256);
+        // down: 8 row tiles x 16 chunks of 688 = 128 tasks.
+        assert_eq!(bcbc_cols_per_task(4096, 11008, 132), 688);
+        // A narrow matrix: one column a warp.
+        assert_eq!(bcbc_cols_per_task(7, 3, 132), 16);
     }
 
     #[test]

@@ -2565,7 +2565,7 @@ fn persistent_step_matches_the_graph_step() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("rlc-csc") && err.contains("takes dense f16 rows and Tiled-CBC"),
+        err.contains("rlc-csc") && err.contains("takes dense f16 rows, Tiled-CBC and Balanced-CBC"),
         "{err}"
     );
     assert_eq!(g.step_mode(), sieve_gpu::runner::StepMode::Graph);
@@ -2724,6 +2724,148 @@ fn persistent_tiled_cbc_step_matches_the_graph_step() {
             assert!(
                 b > 0 && b < dense * 7 / 10,
                 "{name}: {class} read {b} of {dense} dense bytes"
+            );
+        }
+        g.set_persistent_trace(false);
+        g.set_step_mode(sieve_gpu::runner::StepMode::Graph).unwrap();
+        // Six tokens: the sanitizer's run makes only six.
+        let again = gpu_tokens_after(&mut g, &prompt, 6);
+        assert_eq!(
+            again[..],
+            want_tokens[..6],
+            "{name}: graph after persistent"
+        );
+    }
+}
+
+/// The persistent step of Balanced-CBC models (every product, the head included, split-K with
+/// atomics like Tiled-CBC's; attention rotating and caching the raw q|k|v sums) against the
+/// graph step of the same upload: greedy tokens equal, teacher-forced logits within the dense
+/// test's tolerance. The models cover both device layouts at odd and even N (8 and 5: the index
+/// layout; 11 and 16: the mask chain), partial last row tiles, TEAL thresholds and none; the
+/// trace counts the blocks of the active columns, at most every column's.
+#[test]
+fn persistent_balanced_cbc_step_matches_the_graph_step() {
+    let _serial = serial_gpu();
+    let name = "persistent_balanced_cbc_step_matches_the_graph_step";
+    if gpu_or_skip(name).is_none() {
+        return;
+    }
+    // Under compute-sanitizer (SIEVE_SANITIZE_SMALL=1): the first model, 6 steps.
+    let small = std::env::var("SIEVE_SANITIZE_SMALL").as_deref() == Ok("1");
+    let models = [
+        (config(301, 256, 512, 2, 4, 2, 64), 0.5, 0.5, 41),
+        (config(257, 320, 704, 3, 4, 1, 128), 0.3, 0.5, 42),
+        (config(300, 192, 1104, 2, 3, 3, 64), 0.7, 0.0, 43),
+        (config(301, 256, 512, 2, 4, 2, 64), 0.0, 0.5, 44),
+    ];
+    for (c, sp, dp, seed) in models.into_iter().take(if small { 1 } else { 4 }) {
+        let model = tiny_model_of(c.clone(), FormatKind::BalancedCbc, sp, dp, seed);
+        let n = slots_for_sparsity(sp).unwrap();
+        let layout = match sieve_cuda::balanced_cbc::BcbcKernel::for_slots(n) {
+            sieve_cuda::balanced_cbc::BcbcKernel::Idx => "idx",
+            sieve_cuda::balanced_cbc::BcbcKernel::Chain => "chain",
+        };
+        let prompt: Vec<u32> = vec![1, 17, 42, 99, 250];
+        let steps = if small { 6 } else { 32 };
+        let mut g =
+            GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
+        // Every group and the head are Balanced-CBC (f16 values, not the low-bit kind; the
+        // upload's layout for N is `layout`).
+        let kernels = g.report().kernels.join("; ");
+        assert!(
+            g.report()
+                .kernels
+                .iter()
+                .all(|k| k.ends_with(": balanced-cbc")),
+            "{name}: sp {sp}: {kernels}"
+        );
+        let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
+        let mut seq = prompt.clone();
+        seq.extend(&want_tokens);
+        let v = c.vocab_size;
+        let mut want = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            want.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(g.persistent_unsupported(), None, "{name}");
+        g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
+            .unwrap();
+        let tokens = gpu_tokens_after(&mut g, &prompt, steps);
+        assert_eq!(
+            tokens, want_tokens,
+            "{name}: greedy tokens, sp {sp} (N {n}, {layout}) dp {dp}"
+        );
+        let mut got = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            got.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+        let errors = position_errors(&got, &want, v);
+        let worst = errors[errors.len() - 1];
+        let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        eprintln!(
+            "{name}: sp {sp} (N {n}, {layout}) dp {dp} hd {}: max logit difference {worst} over {} positions (logits up to {spread})",
+            c.head_dim,
+            seq.len()
+        );
+        assert!(worst < 2e-3 * spread.max(1.0), "{name}: {worst}");
+
+        g.set_persistent_trace(true);
+        g.prefill(&prompt).unwrap();
+        g.next_token().unwrap();
+        let trace = g.last_trace().unwrap().expect("a traced step");
+        // Five stages a layer (attention rotates and caches the raw q|k|v sums) and the head.
+        assert_eq!(trace.stages.len(), 5 * c.num_layers + 1);
+        assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
+        let summary = trace.summary();
+        eprintln!("{name}: {summary:?}");
+        let bytes = |class: &str| {
+            summary
+                .read_bytes
+                .iter()
+                .find(|(k, _)| *k == class)
+                .map(|&(_, b)| b)
+                .unwrap()
+        };
+        // A column's blocks over every row tile (the layout of GpuBalancedCbc's upload): full
+        // tiles, then the last tile's stored lanes, rounded up to 16 bytes.
+        let column_bytes = |rows: usize| -> u64 {
+            let tiles = rows.div_ceil(512);
+            let last = (rows - 512 * (tiles - 1)).div_ceil(16);
+            let block = |lanes: usize| {
+                if layout == "idx" {
+                    let at = (2 * n * lanes).div_ceil(4) * 4;
+                    (at + 4 * n.div_ceil(8) * lanes).div_ceil(16) * 16
+                } else {
+                    (lanes * (2 * n + 2)).div_ceil(16) * 16
+                }
+            };
+            ((tiles - 1) * block(32) + block(last)) as u64
+        };
+        // Every sparse product read something, at most every column's blocks, and with a
+        // threshold fewer. A class sums its stages over the layers.
+        let (d, i, q, layers) = (
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads * c.head_dim,
+            c.num_layers as u64,
+        );
+        for (class, all) in [
+            ("o", q as u64 * column_bytes(d) * layers),
+            ("down", i as u64 * column_bytes(d) * layers),
+            (
+                "norm+gate|up+swiglu",
+                d as u64 * column_bytes(2 * i) * layers,
+            ),
+        ] {
+            let b = bytes(class);
+            assert!(
+                b > 0 && b <= all && (dp == 0.0 || b < all),
+                "{name}: {class} read {b} of {all} bytes (every column)"
             );
         }
         g.set_persistent_trace(false);

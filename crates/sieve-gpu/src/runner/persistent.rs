@@ -6,8 +6,8 @@ use crate::error::{GpuError, Result};
 use crate::matrix::{DeviceLinear, DeviceMatrix};
 use sieve_cuda::kv_cache::KvCache;
 use sieve_cuda::persistent::{
-    PersistentIo, PersistentLayer, PersistentShape, PersistentStep, PersistentTcbc, Stage,
-    StageKind,
+    PersistentBcbc, PersistentIo, PersistentLayer, PersistentShape, PersistentStep, PersistentTcbc,
+    Stage, StageKind,
 };
 use sieve_cuda::product::{dev_ptr, threshold_arg, DevPtr};
 use sieve_cuda::timing::EventPair;
@@ -19,8 +19,8 @@ use sieve_model::plan::{Group, LayerOp, Norm, StepOp};
 pub enum StepMode {
     /// A CUDA graph of the plan's kernels (every format; the reference).
     Graph,
-    /// One persistent kernel for the whole step, then the sampler (dense f16 and Tiled-CBC
-    /// models).
+    /// One persistent kernel for the whole step, then the sampler (dense f16, Tiled-CBC and
+    /// Balanced-CBC models).
     Persistent,
 }
 
@@ -49,7 +49,12 @@ impl StepChoice {
     /// One line for stderr: the mode kept and why.
     pub fn describe(&self) -> String {
         match (self.graph_us, self.persistent_us, &self.why_graph) {
-            (Some(g), Some(p), _) => format!(
+            (Some(g), Some(p), Some(why)) => format!(
+                "step: graph (persistent timed {:.3} ms a step against {:.3} ms graph, but {why})",
+                p / 1000.0,
+                g / 1000.0
+            ),
+            (Some(g), Some(p), None) => format!(
                 "step: {} ({:.3} ms a step against {:.3} ms {})",
                 self.mode.name(),
                 if self.mode == StepMode::Graph { g } else { p } / 1000.0,
@@ -126,36 +131,86 @@ pub fn stages_of(ops: &[StepOp]) -> std::result::Result<Vec<Stage>, String> {
     Ok(stages)
 }
 
-/// A group's weights as the persistent step reads them: dense f16 rows (the address) or
-/// Tiled-CBC (the arrays), and its threshold; or why the group cannot run persistent.
+/// A group's weights as the persistent step reads them: dense f16 rows (the address),
+/// Tiled-CBC or Balanced-CBC (the arrays; the others' fields zero), and its threshold.
+struct GroupWeights {
+    dense: DevPtr,
+    tiled: PersistentTcbc,
+    balanced: PersistentBcbc,
+    threshold: f32,
+}
+
+/// The formats the persistent step multiplies, for its refusals.
+const PERSISTENT_FORMATS: &str = "dense f16 rows, Tiled-CBC and Balanced-CBC";
+
+/// A group's [`GroupWeights`], or why the group cannot run persistent.
 fn group_weights(
     gpu: &sieve_cuda::gpu::Gpu,
     what: &str,
     lin: &DeviceLinear,
-) -> std::result::Result<(DevPtr, PersistentTcbc, f32), String> {
+) -> std::result::Result<GroupWeights, String> {
     match lin.parts.as_slice() {
-        [p] => match &p.matrix {
-            DeviceMatrix::DenseRows(m) => Ok((
-                dev_ptr(gpu, m.weights()),
-                PersistentTcbc::default(),
-                threshold_arg(p.threshold),
-            )),
-            DeviceMatrix::TiledCbc(m) => Ok((
-                0,
-                m.persistent_arrays(gpu)
-                    .map_err(|e| format!("{what}: {e}"))?,
-                threshold_arg(p.threshold),
-            )),
-            other => Err(format!(
-                "{what} is {} (the persistent step takes dense f16 rows and Tiled-CBC)",
-                other.label()
-            )),
-        },
+        [p] => {
+            let mut w = GroupWeights {
+                dense: 0,
+                tiled: PersistentTcbc::default(),
+                balanced: PersistentBcbc::default(),
+                threshold: threshold_arg(p.threshold),
+            };
+            match &p.matrix {
+                DeviceMatrix::DenseRows(m) => w.dense = dev_ptr(gpu, m.weights()),
+                DeviceMatrix::TiledCbc(m) => {
+                    w.tiled = m
+                        .persistent_arrays(gpu)
+                        .map_err(|e| format!("{what}: {e}"))?
+                }
+                DeviceMatrix::BalancedCbc(m) => {
+                    w.balanced = m
+                        .persistent_arrays(gpu)
+                        .map_err(|e| format!("{what}: {e}"))?
+                }
+                other => {
+                    return Err(format!(
+                        "{what} is {} (the persistent step takes {PERSISTENT_FORMATS})",
+                        other.label()
+                    ))
+                }
+            }
+            Ok(w)
+        }
         parts => Err(format!(
             "{what} has {} parts under different thresholds (the persistent step takes one)",
             parts.len()
         )),
     }
+}
+
+/// Where two runs' logits differ by more than `rel` of the reference row's spread (max - min,
+/// at least 1), as a sentence naming the position; None when every position agrees.
+fn logits_disagree(got: &[Vec<f32>], want: &[Vec<f32>], rel: f32) -> Option<String> {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (lo, hi) = w
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                (lo.min(v), hi.max(v))
+            });
+        let bound = rel * (hi - lo).max(1.0);
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(
+                0.0f32,
+                |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+            );
+        if g.len() != w.len() || worst > bound {
+            return Some(format!(
+                "its logits differ from the graph step's by {worst:.3e} at position {i} \
+                 (allowed {bound:.3e}): a fault in the persistent step, kept out"
+            ));
+        }
+    }
+    None
 }
 
 impl GpuModel {
@@ -197,10 +252,10 @@ impl GpuModel {
                 down,
             } = dl;
             let named = |g: &str| format!("layer {l}'s {g}");
-            let (wqkv, s_qkv, t_qkv) = group_weights(g, &named("q|k|v"), qkv)?;
-            let (wo, s_o, t_o) = group_weights(g, &named("o"), o)?;
-            let (wgu, s_gate_up, t_gate_up) = group_weights(g, &named("gate|up"), gate_up)?;
-            let (wd, s_down, t_down) = group_weights(g, &named("down"), down)?;
+            let wqkv = group_weights(g, &named("q|k|v"), qkv)?;
+            let wo = group_weights(g, &named("o"), o)?;
+            let wgu = group_weights(g, &named("gate|up"), gate_up)?;
+            let wd = group_weights(g, &named("down"), down)?;
             let (k_cache, v_cache) = match self.cache_view(l).map_err(|e| e.to_string())? {
                 KvCache::F16 { k, v } => (k, v),
                 KvCache::Int8 { .. } => {
@@ -209,22 +264,26 @@ impl GpuModel {
             };
             out.push(PersistentLayer {
                 attn_norm: p(input_norm),
-                qkv: wqkv,
+                qkv: wqkv.dense,
                 qkv_bias: qkv_bias.as_ref().map(p).unwrap_or(0),
                 k_cache,
                 v_cache,
-                o: wo,
+                o: wo.dense,
                 mlp_norm: p(post_norm),
-                gate_up: wgu,
-                down: wd,
-                t_qkv,
-                t_o,
-                t_gate_up,
-                t_down,
-                s_qkv,
-                s_o,
-                s_gate_up,
-                s_down,
+                gate_up: wgu.dense,
+                down: wd.dense,
+                t_qkv: wqkv.threshold,
+                t_o: wo.threshold,
+                t_gate_up: wgu.threshold,
+                t_down: wd.threshold,
+                s_qkv: wqkv.tiled,
+                s_o: wo.tiled,
+                s_gate_up: wgu.tiled,
+                s_down: wd.tiled,
+                b_qkv: wqkv.balanced,
+                b_o: wo.balanced,
+                b_gate_up: wgu.balanced,
+                b_down: wd.balanced,
             });
         }
         Ok(out)
@@ -237,6 +296,29 @@ impl GpuModel {
     /// two events, from the middle of the context ([`Self::seek`]: the cache there holds
     /// whatever it held); the sequence is reset afterwards, so the next prefill starts clean. A model the persistent step cannot run keeps the
     /// graph step without timing anything.
+    /// Why the persistent step's logits cannot be trusted on this model (None: they agree with
+    /// the graph step's). Both modes run the same few tokens teacher-forced from position 0;
+    /// the bound, 1% of the graph step's logit spread at each position, is five times the one
+    /// the GPU tests hold both steps to (rounding and a TEAL activation at its threshold
+    /// differ between them), while a wrong stage moves logits by the spread itself.
+    fn persistent_disagrees(&mut self) -> Result<Option<String>> {
+        let vocab = self.config.vocab_size.max(1);
+        let n = self.capacity.min(4);
+        let tokens: Vec<u32> = (1..=n as u32).map(|t| t % vocab as u32).collect();
+        let run = |m: &mut Self, mode: StepMode| -> Result<Vec<Vec<f32>>> {
+            m.set_step_mode(mode)?;
+            let mut rows = Vec::with_capacity(n);
+            m.logits_all(&tokens, |_, l| {
+                rows.push(l.to_vec());
+                Ok(())
+            })?;
+            Ok(rows)
+        };
+        let want = run(self, StepMode::Graph)?;
+        let got = run(self, StepMode::Persistent)?;
+        Ok(logits_disagree(&got, &want, 1e-2))
+    }
+
     pub fn choose_step(&mut self, steps: usize) -> Result<StepChoice> {
         const WARM_UP: usize = 3;
         let steps = steps.min(self.capacity.saturating_sub(WARM_UP + 1));
@@ -282,6 +364,17 @@ impl GpuModel {
                 return Ok(StepChoice::graph_only(Some(graph_us), why));
             }
         };
+        // Faster is not enough: before it takes over, the persistent step's teacher-forced
+        // logits of a few tokens must agree with the graph step's.
+        if persistent_us < graph_us {
+            if let Some(why) = self.persistent_disagrees()? {
+                self.set_step_mode(StepMode::Graph)?;
+                self.reset(&[0])?;
+                let mut choice = StepChoice::graph_only(Some(graph_us), why);
+                choice.persistent_us = Some(persistent_us);
+                return Ok(choice);
+            }
+        }
         let mode = if persistent_us < graph_us {
             StepMode::Persistent
         } else {
@@ -314,14 +407,14 @@ impl GpuModel {
         let g = &self.gpu;
         let b = &self.bufs;
         let p = |s: &cudarc::driver::CudaSlice<f32>| dev_ptr(g, s);
-        let (lm_head, s_head, t_head) =
-            group_weights(g, "the LM head", &self.lm_head).map_err(GpuError::Unsupported)?;
+        let head = group_weights(g, "the LM head", &self.lm_head).map_err(GpuError::Unsupported)?;
         let io = PersistentIo {
             embed: dev_ptr(g, &self.embed),
             final_norm: p(&self.final_norm),
-            lm_head,
-            s_head,
-            t_head,
+            lm_head: head.dense,
+            s_head: head.tiled,
+            b_head: head.balanced,
+            t_head: head.threshold,
             x: p(&b.x),
             qkv: p(&b.qkv),
             att: p(&b.att),
@@ -444,6 +537,36 @@ mod tests {
         assert_eq!(
             refused.describe(),
             "step: graph (persistent cannot run here: the 8-bit KV cache)"
+        );
+    }
+
+    #[test]
+    fn a_faster_persistent_step_is_kept_out_when_its_logits_disagree() {
+        let want = vec![vec![0.0, 4.0, -6.0], vec![1.0, 2.0, 3.0]];
+        // Spread 10 and 2 (at least 1): 1% is 0.1 and 0.02.
+        let close = vec![vec![0.05, 3.95, -6.0], vec![1.0, 2.01, 3.0]];
+        assert_eq!(logits_disagree(&close, &want, 1e-2), None);
+        let off = vec![vec![0.05, 3.95, -6.0], vec![1.0, 2.05, 3.0]];
+        let why = logits_disagree(&off, &want, 1e-2).unwrap();
+        assert!(why.contains("at position 1"), "{why}");
+        let nan = vec![vec![f32::NAN, 4.0, -6.0], want[1].clone()];
+        assert!(logits_disagree(&nan, &want, 1e-2)
+            .unwrap()
+            .contains("position 0"));
+        let short = vec![vec![0.0, 4.0], want[1].clone()];
+        assert!(logits_disagree(&short, &want, 1e-2).is_some());
+        let choice = StepChoice {
+            mode: StepMode::Graph,
+            graph_us: Some(900.0),
+            persistent_us: Some(800.0),
+            why_graph: Some(why),
+        };
+        assert!(
+            choice.describe().starts_with(
+                "step: graph (persistent timed 0.800 ms a step against 0.900 ms graph, but its logits differ"
+            ),
+            "{}",
+            choice.describe()
         );
     }
 
