@@ -51,7 +51,7 @@ if has mini; then
   at mini
   bin=$(runner_bin .gpu)
   for f in persistent_tiled_cbc persistent_balanced_cbc; do
-    (cd crates/sieve-gpu && SIEVE_REQUIRE_GPU=1 timeout 70 "$bin" $f --test-threads 1 --nocapture \
+    (cd crates/sieve-gpu && SIEVE_REQUIRE_GPU=1 timeout ${T_S:-70} "$bin" $f --test-threads 1 --nocapture \
       > "$OUT/t-$f.log" 2>&1; echo "$f: exit $?")
     grep -E "^test |test result|panicked|max logit" "$OUT/t-$f.log" | cut -c1-300 | head -8
   done
@@ -63,7 +63,7 @@ if has mini; then
     grep -E "TPOT|rror" "$OUT/pb-$label.log" | sed -E 's/\| TTFT.*graph step/| step/' | cut -c1-220
   }
   mb $S tcbc persistent,graph
-  mb .gpu-old/bin/sieve tcbc-old persistent
+  [ -x .gpu-old/bin/sieve ] && mb .gpu-old/bin/sieve tcbc-old persistent
   mb $S bcbc persistent,graph --format balanced-cbc
 fi
 if has san; then

@@ -164,6 +164,12 @@ fn group_weights(
                         .persistent_arrays(gpu)
                         .map_err(|e| format!("{what}: {e}"))?
                 }
+                DeviceMatrix::BalancedCbc(_) if !balanced_cbc_enabled() => {
+                    return Err(format!(
+                        "{what} is Balanced-CBC, whose persistent stage has not yet run on a \
+                         GPU ({BCBC_SWITCH}=1 enables it for testing)"
+                    ))
+                }
                 DeviceMatrix::BalancedCbc(m) => {
                     w.balanced = m
                         .persistent_arrays(gpu)
@@ -183,6 +189,16 @@ fn group_weights(
             parts.len()
         )),
     }
+}
+
+/// The switch that lets Balanced-CBC products into the persistent step. Its stage was written
+/// and checked against an emulation of its addressing (2026-12-07), but no device window was
+/// left to run it: until its GPU test has passed, a memory fault in it could poison the CUDA
+/// context of a user whose `--step auto` only meant to time it, so it stays off by default.
+const BCBC_SWITCH: &str = "SIEVE_PERSISTENT_BCBC";
+
+fn balanced_cbc_enabled() -> bool {
+    std::env::var(BCBC_SWITCH).as_deref() == Ok("1")
 }
 
 /// Where two runs' logits differ by more than `rel` of the reference row's spread (max - min,

@@ -87,8 +87,9 @@ pub struct DecodeArgs {
     #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
     prompt_precision: super::device::PromptPrecision,
     /// How the decode step runs: graph (a CUDA graph of the plan's kernels), persistent (one
-    /// kernel for the whole step: dense f16, Tiled-CBC and Balanced-CBC models with the f16
-    /// cache), or persistent,graph (both measured on the same model).
+    /// kernel for the whole step: dense f16 and Tiled-CBC models with the f16 cache;
+    /// Balanced-CBC with SIEVE_PERSISTENT_BCBC=1), or persistent,graph (both measured on the
+    /// same model).
     #[arg(long, value_delimiter = ',', default_value = "graph")]
     step: Vec<String>,
     /// Also time the graph step leaving out each op of every layer in turn (and the head):

@@ -55,9 +55,9 @@ pub struct GenerateArgs {
     /// multiplies, decoded once at upload instead of once per pass (2 more bytes a weight).
     #[arg(long, value_enum, default_value_t = super::device::PromptPrecision::F16)]
     prompt_precision: super::device::PromptPrecision,
-    /// How a GPU decode step runs: one persistent kernel (dense f16, Tiled-CBC and Balanced-CBC
-    /// models with the f16 cache), a CUDA graph of kernels, or auto (the faster: graph, as
-    /// measured so far).
+    /// How a GPU decode step runs: one persistent kernel (dense f16 and Tiled-CBC models with
+    /// the f16 cache; Balanced-CBC with SIEVE_PERSISTENT_BCBC=1), a CUDA graph of kernels, or
+    /// auto (the faster, if its logits agree: graph, as measured so far).
     #[arg(long, value_enum, default_value_t = super::device::Step::Auto)]
     step: super::device::Step,
     /// Split the model over N ranks (tensor parallelism: heads and MLP columns per rank, two
