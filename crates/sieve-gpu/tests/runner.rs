@@ -2636,6 +2636,46 @@ fn persistent_or_graph_auto_times_both_and_keeps_the_faster() {
 /// against the graph step of the same upload: greedy tokens equal, teacher-forced logits
 /// within the dense test's tolerance (both sum in orders the atomics choose); the trace
 /// counts the bytes the sparse stages read, fewer than their dense f16 weights.
+/// The persistent step of `g` against its graph step: the same greedy tokens for `steps`
+/// steps after `prompt`, and teacher-forced logits of that sequence within 2e-3 of the logit
+/// spread. Leaves `g` in persistent mode; returns the greedy tokens.
+fn persistent_step_agrees(
+    name: &str,
+    label: &str,
+    g: &mut GpuModel,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<u32> {
+    let want_tokens = gpu_tokens_after(g, prompt, steps);
+    let mut seq = prompt.to_vec();
+    seq.extend(&want_tokens);
+    let teacher_forced = |g: &mut GpuModel| {
+        let mut all = Vec::new();
+        g.logits_all(&seq, |_, l| {
+            all.extend_from_slice(l);
+            Ok(())
+        })
+        .unwrap();
+        all
+    };
+    let want = teacher_forced(g);
+    assert_eq!(g.persistent_unsupported(), None, "{name}");
+    g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
+        .unwrap();
+    let tokens = gpu_tokens_after(g, prompt, steps);
+    assert_eq!(tokens, want_tokens, "{name}: greedy tokens, {label}");
+    let got = teacher_forced(g);
+    let errors = position_errors(&got, &want, g.config().vocab_size);
+    let worst = errors[errors.len() - 1];
+    let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    eprintln!(
+        "{name}: {label}: max logit difference {worst} over {} positions (logits up to {spread})",
+        seq.len()
+    );
+    assert!(worst < 2e-3 * spread.max(1.0), "{name}: {label}: {worst}");
+    want_tokens
+}
+
 #[test]
 fn persistent_tiled_cbc_step_matches_the_graph_step() {
     let _serial = serial_gpu();
@@ -2656,39 +2696,8 @@ fn persistent_tiled_cbc_step_matches_the_graph_step() {
         let steps = if small { 6 } else { 32 };
         let mut g =
             GpuModel::from_model(Gpu::new(0).unwrap(), &model, prompt.len() + steps + 1).unwrap();
-        let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
-        let mut seq = prompt.clone();
-        seq.extend(&want_tokens);
-        let v = c.vocab_size;
-        let mut want = Vec::new();
-        g.logits_all(&seq, |_, l| {
-            want.extend_from_slice(l);
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(g.persistent_unsupported(), None, "{name}");
-        g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
-            .unwrap();
-        let tokens = gpu_tokens_after(&mut g, &prompt, steps);
-        assert_eq!(
-            tokens, want_tokens,
-            "{name}: greedy tokens, sp {sp} dp {dp}"
-        );
-        let mut got = Vec::new();
-        g.logits_all(&seq, |_, l| {
-            got.extend_from_slice(l);
-            Ok(())
-        })
-        .unwrap();
-        let errors = position_errors(&got, &want, v);
-        let worst = errors[errors.len() - 1];
-        let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-        eprintln!(
-            "{name}: sp {sp} dp {dp} hd {}: max logit difference {worst} over {} positions (logits up to {spread})",
-            c.head_dim,
-            seq.len()
-        );
-        assert!(worst < 2e-3 * spread.max(1.0), "{name}: {worst}");
+        let label = format!("sp {sp} dp {dp} hd {}", c.head_dim);
+        let want_tokens = persistent_step_agrees(name, &label, &mut g, &prompt, steps);
 
         g.set_persistent_trace(true);
         g.prefill(&prompt).unwrap();
@@ -2791,39 +2800,8 @@ fn persistent_balanced_cbc_step_matches_the_graph_step() {
                 .all(|k| k.ends_with(": balanced-cbc")),
             "{name}: sp {sp}: {kernels}"
         );
-        let want_tokens = gpu_tokens_after(&mut g, &prompt, steps);
-        let mut seq = prompt.clone();
-        seq.extend(&want_tokens);
-        let v = c.vocab_size;
-        let mut want = Vec::new();
-        g.logits_all(&seq, |_, l| {
-            want.extend_from_slice(l);
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(g.persistent_unsupported(), None, "{name}");
-        g.set_step_mode(sieve_gpu::runner::StepMode::Persistent)
-            .unwrap();
-        let tokens = gpu_tokens_after(&mut g, &prompt, steps);
-        assert_eq!(
-            tokens, want_tokens,
-            "{name}: greedy tokens, sp {sp} (N {n}, {layout}) dp {dp}"
-        );
-        let mut got = Vec::new();
-        g.logits_all(&seq, |_, l| {
-            got.extend_from_slice(l);
-            Ok(())
-        })
-        .unwrap();
-        let errors = position_errors(&got, &want, v);
-        let worst = errors[errors.len() - 1];
-        let spread = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-        eprintln!(
-            "{name}: sp {sp} (N {n}, {layout}) dp {dp} hd {}: max logit difference {worst} over {} positions (logits up to {spread})",
-            c.head_dim,
-            seq.len()
-        );
-        assert!(worst < 2e-3 * spread.max(1.0), "{name}: {worst}");
+        let label = format!("sp {sp} (N {n}, {layout}) dp {dp} hd {}", c.head_dim);
+        let want_tokens = persistent_step_agrees(name, &label, &mut g, &prompt, steps);
 
         g.set_persistent_trace(true);
         g.prefill(&prompt).unwrap();
