@@ -2676,6 +2676,33 @@ fn persistent_step_agrees(
     want_tokens
 }
 
+/// One traced persistent step of a sparse model after `prompt`: checks its stages (five a
+/// layer: attention rotates and caches the raw q|k|v sums; and the head) and stamps, and
+/// returns the bytes each task class read (by class name).
+fn traced_sparse_step_bytes(
+    name: &str,
+    g: &mut GpuModel,
+    prompt: &[u32],
+    layers: usize,
+) -> impl Fn(&str) -> u64 {
+    g.set_persistent_trace(true);
+    g.prefill(prompt).unwrap();
+    g.next_token().unwrap();
+    let trace = g.last_trace().unwrap().expect("a traced step");
+    assert_eq!(trace.stages.len(), 5 * layers + 1);
+    assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
+    let summary = trace.summary();
+    eprintln!("{name}: {summary:?}");
+    move |class: &str| {
+        summary
+            .read_bytes
+            .iter()
+            .find(|(k, _)| *k == class)
+            .map(|&(_, b)| b)
+            .unwrap()
+    }
+}
+
 #[test]
 fn persistent_tiled_cbc_step_matches_the_graph_step() {
     let _serial = serial_gpu();
@@ -2699,23 +2726,7 @@ fn persistent_tiled_cbc_step_matches_the_graph_step() {
         let label = format!("sp {sp} dp {dp} hd {}", c.head_dim);
         let want_tokens = persistent_step_agrees(name, &label, &mut g, &prompt, steps);
 
-        g.set_persistent_trace(true);
-        g.prefill(&prompt).unwrap();
-        g.next_token().unwrap();
-        let trace = g.last_trace().unwrap().expect("a traced step");
-        // Five stages a layer (attention rotates and caches the raw q|k|v sums) and the head.
-        assert_eq!(trace.stages.len(), 5 * c.num_layers + 1);
-        assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
-        let summary = trace.summary();
-        eprintln!("{name}: {summary:?}");
-        let bytes = |class: &str| {
-            summary
-                .read_bytes
-                .iter()
-                .find(|(k, _)| *k == class)
-                .map(|&(_, b)| b)
-                .unwrap()
-        };
+        let bytes = traced_sparse_step_bytes(name, &mut g, &prompt, c.num_layers);
         // Every sparse product read something, and less than its dense f16 weights (at sp
         // 0.5 the values alone are half; the bitmaps add 1/16 of the dense bytes). A class
         // sums its stages over the layers.
@@ -2803,23 +2814,7 @@ fn persistent_balanced_cbc_step_matches_the_graph_step() {
         let label = format!("sp {sp} (N {n}, {layout}) dp {dp} hd {}", c.head_dim);
         let want_tokens = persistent_step_agrees(name, &label, &mut g, &prompt, steps);
 
-        g.set_persistent_trace(true);
-        g.prefill(&prompt).unwrap();
-        g.next_token().unwrap();
-        let trace = g.last_trace().unwrap().expect("a traced step");
-        // Five stages a layer (attention rotates and caches the raw q|k|v sums) and the head.
-        assert_eq!(trace.stages.len(), 5 * c.num_layers + 1);
-        assert!(trace.stamps.chunks(2).all(|s| s[0] > 0 && s[1] >= s[0]));
-        let summary = trace.summary();
-        eprintln!("{name}: {summary:?}");
-        let bytes = |class: &str| {
-            summary
-                .read_bytes
-                .iter()
-                .find(|(k, _)| *k == class)
-                .map(|&(_, b)| b)
-                .unwrap()
-        };
+        let bytes = traced_sparse_step_bytes(name, &mut g, &prompt, c.num_layers);
         // A column's blocks over every row tile (the layout of GpuBalancedCbc's upload): full
         // tiles, then the last tile's stored lanes, rounded up to 16 bytes.
         let column_bytes = |rows: usize| -> u64 {
